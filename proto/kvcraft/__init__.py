@@ -1,0 +1,1 @@
+"""kvcraft wire contract: generated protobuf/gRPC stubs (see proto/kvcraft/v1/*.proto)."""
