@@ -1,0 +1,82 @@
+"""Identity of models, chunks and variants (design card, "Identity and layout").
+
+A chunk key is a content hash over the model fingerprint and the chunk's token ids,
+so the same text under another model (or another dtype, RoPE base, ...) never
+collides, and any node that sees the same tokens finds the same chunk.
+
+A variant is one stored KV of a chunk computed behind a particular prefix (an
+ordered list of chunk keys); its id hashes the chunk key and that prefix. The
+variant with an empty prefix is the chunk computed alone.
+
+This module is shared by the client, the service and the engine adapter; it
+imports neither torch nor grpc.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+import xxhash
+
+KEY_HEX_LEN = 32  # xxh3-128 as lowercase hex
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What makes two models' KV caches interchangeable.
+
+    Everything that changes the K/V numbers of a token sequence belongs here:
+    two specs with equal fingerprints must produce identical KV for identical tokens.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float16" | "bfloat16" | "float32"
+    rope_theta: float = 10000.0
+    # Llama-3 style RoPE scaling, as in HF config.json ("rope_scaling"); empty = none.
+    rope_scaling: tuple[tuple[str, object], ...] = field(default_factory=tuple)
+
+    def fingerprint(self) -> str:
+        """Stable hex digest of the spec; the service's "model id"."""
+        doc = asdict(self)
+        doc["rope_scaling"] = sorted((k, repr(v)) for k, v in self.rope_scaling)
+        blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        return xxhash.xxh3_128_hexdigest(blob)
+
+
+def chunk_key(model_id: str, token_ids: Sequence[int]) -> str:
+    """Content hash of (model fingerprint, token ids) as 32 lowercase hex chars."""
+    if not model_id:
+        raise ValueError("model_id is empty")
+    h = xxhash.xxh3_128()
+    h.update(model_id.encode())
+    h.update(b"\x00")
+    h.update(_token_bytes(token_ids))
+    return h.hexdigest()
+
+
+def variant_id(key: str, prefix_keys: Iterable[str]) -> str:
+    """Id of the variant of chunk `key` computed behind `prefix_keys` (in order)."""
+    h = xxhash.xxh3_128()
+    h.update(key.encode())
+    for p in prefix_keys:
+        h.update(b"/")
+        h.update(p.encode())
+    return h.hexdigest()
+
+
+def is_key(s: str) -> bool:
+    return len(s) == KEY_HEX_LEN and all(c in "0123456789abcdef" for c in s)
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    out = bytearray()
+    for t in token_ids:
+        if not 0 <= int(t) < 2**32:
+            raise ValueError(f"token id {t} is outside [0, 2^32)")
+        out += int(t).to_bytes(4, "little")
+    return bytes(out)
