@@ -1,0 +1,26 @@
+"""Plain records shared by the client, the service and the engine adapter (no torch, no grpc)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class VariantStats:
+    """Attention statistics of one variant, measured when its KV was computed.
+
+    Cache-Craft §3.1 (eq. 3-4, 9-10): for chunk C_i computed behind prefix chunks
+    C_1..C_{i-1}, with attention weights averaged over heads:
+      a                     = (1/L) sum_l sum_{j<i} inter_l(C_i, C_j) / |C_i|   (eq. 9-10)
+      b                     = (1/L) sum_l intra_l(C_i) / |C_i|                   (eq. 9-10)
+      prefix_attention[j]   = (1/L) sum_l inter_l(C_i, C_j) / |C_i|, one per prefix chunk,
+                              in prefix order (beta, eq. 6, needs inter per prefix chunk)
+      token_inter_attention = per token t of C_i: sum_l sum_{j<i} inter_l(t, C_j)
+                              (top-N token selection, eq. 14)
+    A chunk computed alone (empty prefix) has a = 0 and empty prefix_attention.
+    """
+
+    a: float = 0.0
+    b: float = 0.0
+    prefix_attention: tuple[float, ...] = field(default_factory=tuple)
+    token_inter_attention: tuple[float, ...] = field(default_factory=tuple)
