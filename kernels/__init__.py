@@ -1,0 +1,99 @@
+"""kvkernels: Triton kernels of blended prefill, each beside its plain-torch reference.
+
+The names without a suffix are dispatchers: the Triton kernel when the inputs are CUDA
+tensors, the torch reference otherwise (CPU, CI). ``*_triton`` and ``*_reference`` are
+the explicit variants; tests run the Triton ones on CPU tensors under
+``TRITON_INTERPRET=1``, which must be set before this package is first imported.
+
+Modules: ``rope`` (apply/remove RoPE at arbitrary positions), ``attention`` (selective
+attention with a position-causal mask and per-chunk attention mass), ``deviation``
+(CacheBlend KV deviation + HKVD top-k), ``rows`` (gather/scatter of token rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import selective_attention_reference, selective_attention_triton
+from .deviation import kv_deviation_topk_reference, kv_deviation_topk_triton
+from .rope import RopeConfig, apply_rope_reference, apply_rope_triton, inv_freq
+from .rows import gather_rows_reference, gather_rows_triton, scatter_rows_reference, scatter_rows_triton
+
+__all__ = [
+    "RopeConfig",
+    "inv_freq",
+    "apply_rope",
+    "apply_rope_triton",
+    "apply_rope_reference",
+    "selective_attention",
+    "selective_attention_triton",
+    "selective_attention_reference",
+    "kv_deviation_topk",
+    "kv_deviation_topk_triton",
+    "kv_deviation_topk_reference",
+    "gather_rows",
+    "gather_rows_triton",
+    "gather_rows_reference",
+    "scatter_rows",
+    "scatter_rows_triton",
+    "scatter_rows_reference",
+]
+
+
+def apply_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cfg: RopeConfig,
+    *,
+    inverse: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate x [H, T, D] to per-token ``positions`` [T] (contract: :func:`apply_rope_triton`)."""
+    if x.is_cuda:
+        return apply_rope_triton(x, positions, cfg, inverse=inverse, out=out)
+    return apply_rope_reference(x, positions, cfg, inverse=inverse, out=out)
+
+
+def selective_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    scale: float | None = None,
+    segments: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Selected query rows over the merged cache, and per-segment mass
+    (contract: :func:`selective_attention_triton`)."""
+    if q.is_cuda:
+        return selective_attention_triton(q, q_pos, k, v, k_pos, scale=scale, segments=segments)
+    return selective_attention_reference(q, q_pos, k, v, k_pos, scale=scale, segments=segments)
+
+
+def kv_deviation_topk(
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_old: torch.Tensor,
+    v_old: torch.Tensor,
+    ratio: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token KV deviation [T] and the HKVD token indices
+    (contract: :func:`kv_deviation_topk_triton`)."""
+    if k_new.is_cuda:
+        return kv_deviation_topk_triton(k_new, v_new, k_old, v_old, ratio)
+    return kv_deviation_topk_reference(k_new, v_new, k_old, v_old, ratio)
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """src [H, T, D], idx [R] -> [H, R, D] (contract: :func:`gather_rows_triton`)."""
+    if src.is_cuda:
+        return gather_rows_triton(src, idx)
+    return gather_rows_reference(src, idx)
+
+
+def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """dst[:, idx] = rows, in place; returns dst (contract: :func:`scatter_rows_triton`)."""
+    if dst.is_cuda:
+        return scatter_rows_triton(dst, idx, rows)
+    return scatter_rows_reference(dst, idx, rows)

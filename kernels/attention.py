@@ -1,0 +1,268 @@
+"""Selective attention: a subset of query rows over the merged KV cache, plus per-chunk mass.
+
+Cache-Craft §3.4.3: Q is computed only for new chunks, the question and the recompute
+tokens, so Q has fewer rows than the merged K/V and "a custom attention mask is
+required, replacing the standard triangular causal mask" (Fig. 4). Here the mask is
+position-causal: key j is visible to query row r iff ``k_pos[j] <= q_pos[r]``, which
+is the causal mask of a full prefill restricted to the computed rows, whatever order
+the rows and the cache are in.
+
+The same pass returns the attention mass each query row puts on each chunk
+(``segments``: chunk spans in key order), averaged over query heads. That single
+[R, S] output feeds Cache-Craft's inter/intra attention (eq. 3-4), per-token
+inter-attention (eq. 14) and question->chunk attention for focused-chunk selection
+(Alg. 1), with no second attention call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_util import check_launchable, dot_in_fp32, is_interpreted
+
+_LOG2E = 1.4426950408889634
+
+
+def _check(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pos: torch.Tensor,
+    segments: torch.Tensor | None,
+) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError("q must be [Hq, R, D], k and v [Hkv, T, D]")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
+    if k.shape[0] == 0 or q.shape[0] % k.shape[0]:
+        raise ValueError(f"query heads {q.shape[0]} must be a multiple of kv heads {k.shape[0]}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q_pos.shape != (q.shape[1],) or k_pos.shape != (k.shape[1],):
+        raise ValueError("q_pos must be [R] and k_pos [T]")
+    if q_pos.dtype not in (torch.int64, torch.int32) or k_pos.dtype not in (torch.int64, torch.int32):
+        raise ValueError("q_pos and k_pos must be integer tensors")
+    if segments is not None:
+        T = k.shape[1]
+        if segments.dim() != 1 or segments.shape[0] < 2 or segments.dtype not in (torch.int64, torch.int32):
+            raise ValueError("segments must be an integer tensor [S+1] with S >= 1")
+        ok = (segments[0] == 0) & (segments[-1] == T) & (segments.diff() >= 0).all()
+        if not bool(ok):
+            raise ValueError(f"segments must be nondecreasing from 0 to T={T}")
+
+
+def _segment_ids(segments: torch.Tensor, T: int) -> torch.Tensor:
+    """Segment index of every key [T]; output_size given so CUDA needs no host sync."""
+    S = segments.shape[0] - 1
+    ids = torch.arange(S, device=segments.device)
+    return torch.repeat_interleave(ids, segments.diff(), output_size=T)
+
+
+def selective_attention_reference(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    scale: float | None = None,
+    segments: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Plain-torch selective attention. Same contract as :func:`selective_attention_triton`."""
+    _check(q, q_pos, k, v, k_pos, segments)
+    Hq, R, D = q.shape
+    Hkv, T, _ = k.shape
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qf = q.float().view(Hkv, G, R, D)  # query head h = kv head h // G
+    scores = torch.einsum("hgrd,htd->hgrt", qf, k.float()) * scale  # [Hkv, G, R, T]
+    visible = k_pos[None, :] <= q_pos[:, None]  # [R, T]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees no key: all 0
+    out = torch.einsum("hgrt,htd->hgrd", probs, v.float()).reshape(Hq, R, D).to(q.dtype)
+    if segments is None:
+        return out, None
+    per_key = probs.reshape(Hq, R, T).mean(dim=0)  # [R, T], averaged over query heads
+    S = segments.shape[0] - 1
+    mass = torch.zeros(R, S, dtype=torch.float32, device=q.device)
+    mass.index_add_(1, _segment_ids(segments, T), per_key)  # [R, S]
+    return out, mass
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, out_ptr,
+    seg_ptr, mass_ptr,
+    R, T, D, GROUP, qk_scale, S,
+    stride_qh, stride_qr, stride_qd,
+    stride_kh, stride_kt, stride_kd,
+    stride_vh, stride_vt, stride_vd,
+    stride_oh, stride_or, stride_od,
+    HAS_SEGMENTS: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program: BLOCK_R query rows of one query head, over every key block.
+    h = tl.program_id(1)
+    kvh = h // GROUP  # GQA: query head h reads kv head h // (Hq // Hkv)
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    mask_r = offs_r < R
+    mask_d = offs_d < D
+
+    q = tl.load(
+        q_ptr + h * stride_qh + offs_r[:, None] * stride_qr + offs_d[None, :] * stride_qd,
+        mask=mask_r[:, None] & mask_d[None, :], other=0.0,
+    )  # [BLOCK_R, BLOCK_D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    # Rows past R get position -1 and so see no key.
+    qpos = tl.load(qpos_ptr + offs_r, mask=mask_r, other=-1)  # [BLOCK_R]
+    k_base = k_ptr + kvh * stride_kh + offs_d[:, None] * stride_kd  # K^T tile [BLOCK_D, BLOCK_N]
+    v_base = v_ptr + kvh * stride_vh + offs_d[None, :] * stride_vd  # V tile [BLOCK_N, BLOCK_D]
+
+    # Online softmax in base 2 (scores pre-multiplied by log2 e). A finite initial max
+    # keeps exp2(m_old - m_new) finite for rows that have seen no visible key yet.
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, T, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < T
+        kpos = tl.load(kpos_ptr + cols, mask=mask_n, other=0)
+        visible = (kpos[None, :] <= qpos[:, None]) & mask_n[None, :]  # [BLOCK_R, BLOCK_N]
+        kt = tl.load(k_base + cols[None, :] * stride_kt, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        vt = tl.load(v_base + cols[:, None] * stride_vt, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = tl.where(visible, s * qk_scale, float("-inf"))  # [BLOCK_R, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # a row that sees no key outputs 0
+    out = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + h * stride_oh + offs_r[:, None] * stride_or + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_r[:, None] & mask_d[None, :],
+    )
+
+    if HAS_SEGMENTS:
+        # Mass needs the final normaliser, which only exists after the last key block:
+        # a second pass recomputes each score block (no V) and turns it into exact
+        # probabilities p = exp2(s - m) / l. Within a key block the probabilities are
+        # summed per segment the block touches (usually one or two: chunks are long
+        # spans of keys). This program alone owns rows offs_r of head h in the
+        # per-head buffer [Hq, R, S], so plain load-add-store suffices, no atomics; the
+        # launcher averages over heads.
+        inv_l = tl.where(l_i > 0.0, 1.0 / l_safe, 0.0)
+        mass_base = mass_ptr + h * R * S + offs_r * S  # [BLOCK_R]
+        for start_n in range(0, T, BLOCK_N):
+            cols = start_n + offs_n
+            mask_n = cols < T
+            kpos = tl.load(kpos_ptr + cols, mask=mask_n, other=0)
+            visible = (kpos[None, :] <= qpos[:, None]) & mask_n[None, :]
+            kt = tl.load(k_base + cols[None, :] * stride_kt, mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, kt)
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]  # [BLOCK_R, BLOCK_N], final probabilities
+            seg = tl.load(seg_ptr + cols, mask=mask_n, other=-1)  # [BLOCK_N]
+            seg_lo = tl.load(seg_ptr + start_n)
+            seg_hi = tl.load(seg_ptr + tl.minimum(start_n + BLOCK_N, T) - 1)
+            for sid in range(seg_lo, seg_hi + 1):
+                part = tl.sum(tl.where(seg[None, :] == sid, p, 0.0), axis=1)  # [BLOCK_R]
+                prev = tl.load(mass_base + sid, mask=mask_r, other=0.0)
+                tl.store(mass_base + sid, prev + part, mask=mask_r)
+
+
+def selective_attention_triton(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    scale: float | None = None,
+    segments: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of selected query rows over a merged cache, with per-segment mass (Triton).
+
+    Args:
+        q: [Hq, R, D] query rows (any subset of the prompt, any order), RoPE applied.
+        q_pos: [R] integer absolute positions of those rows.
+        k, v: [Hkv, T, D] merged cache (RoPE applied to k); Hq % Hkv == 0, query head
+            h reads kv head h // (Hq // Hkv) (GQA).
+        k_pos: [T] integer absolute positions of the keys.
+        scale: score scale, default 1 / sqrt(D).
+        segments: optional [S+1] integer key-index boundaries of chunks in key order,
+            segments[0] == 0, segments[-1] == T, nondecreasing (empty spans allowed).
+
+    Key j is visible to row r iff ``k_pos[j] <= q_pos[r]``. fp16/bf16/fp32 inputs of one
+    dtype, fp32 accumulation.
+
+    Returns:
+        out: [Hq, R, D] in q.dtype; a row that sees no key is 0.
+        mass: fp32 [R, S] (None without segments): softmax probability summed over each
+            segment's keys, averaged over the Hq query heads. A row's mass sums to 1 over
+            segments that cover all its visible keys (0 for a row that sees no key).
+    """
+    _check(q, q_pos, k, v, k_pos, segments)
+    check_launchable(_attn_fwd_kernel, q, q_pos, k, v, k_pos)
+    Hq, R, D = q.shape
+    Hkv, T, _ = k.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = torch.empty_like(q)
+    if segments is not None:
+        S = segments.shape[0] - 1
+        seg_ids = _segment_ids(segments, T).to(torch.int32)
+        mass_heads = torch.zeros(Hq, R, S, dtype=torch.float32, device=q.device)  # [Hq, R, S]
+    else:
+        S = 0
+        seg_ids = torch.empty(0, dtype=torch.int32, device=q.device)
+        mass_heads = torch.empty(0, dtype=torch.float32, device=q.device)
+    if R == 0:
+        return out, (mass_heads.mean(dim=0) if segments is not None else None)
+    if T == 0:
+        out.zero_()
+        return out, (mass_heads.mean(dim=0) if segments is not None else None)
+
+    # Small tiles in the interpreter (it is slow, cost grows with tile volume);
+    # flash-attention-sized tiles on the GPU.
+    block_r, block_n = (16, 16) if is_interpreted(_attn_fwd_kernel) else (64, 64)
+    block_d = max(16, triton.next_power_of_2(D))
+    grid = (triton.cdiv(R, block_r), Hq)
+    _attn_fwd_kernel[grid](
+        q, k, v, q_pos, k_pos, out,
+        seg_ids, mass_heads,
+        R, T, D, Hq // Hkv, scale * _LOG2E, S,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        HAS_SEGMENTS=segments is not None,
+        DOT_FP32=dot_in_fp32(_attn_fwd_kernel, q.dtype),
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    if segments is None:
+        return out, None
+    return out, mass_heads.mean(dim=0)
