@@ -1,0 +1,175 @@
+"""Chunk-Prefix Tree (CRAFT §4.1 "Chunk-Prefix Tree", §4.2 lookup and table update).
+
+A radix tree over chunk keys: each node is one chunk, and the path from the root to
+a node is a chunk-prefix. A node records (chunk key, variant ref, tier, token span):
+the variant is the chunk's KV computed behind exactly the chunks on the path above
+it (`variant_id(chunk_key, path_keys)`), the tier says where that KV lives, and the
+token span is [start, end) of the chunk's tokens inside the prefix.
+
+Lookup walks from the root and returns the longest matching path whose KV is
+resident; any sub-prefix of a longer path is reusable ("prefix slicing").
+
+Update after each request (CRAFT §4.2 "Table Update and Maintenance"), with the
+CA-Table already counting the request:
+  * promotion: if no prefix was reused, the leading chunks of the request that all
+    reach the threshold (default 2, CRAFT §6.2.5) are inserted as a path;
+  * extension: if a prefix of length p was reused and the chunk after it reaches
+    the threshold, it is inserted as a child of the prefix's last node (one chunk
+    per request, as in the paper's Example).
+A node inserted this way may refer to a variant the engine has not stored yet (it
+stores new KV in the background after prefill). Such a node is *pending* (tier None)
+and lookups stop at it; `on_put` makes it live. `on_move` updates the tier;
+`on_evict` removes the node and its subtree (their prefixes can no longer be formed
+without it), so a lookup never returns a deleted variant. The variants below stay in
+the store for Cache-Craft reuse; re-promotion finds them again through the catalog.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from kvclient.keys import variant_id as _variant_id
+
+DEFAULT_PROMOTION_THRESHOLD = 2
+
+
+class CPNode:
+    """One chunk on a chunk-prefix path."""
+
+    __slots__ = ("chunk_key", "variant_id", "tier", "token_span", "children", "parent")
+
+    def __init__(self, chunk_key: str, variant_id: str, tier: str | None,
+                 token_span: tuple[int, int], parent: "CPNode | None") -> None:
+        self.chunk_key = chunk_key
+        self.variant_id = variant_id
+        self.tier = tier  # None: pending, the variant is not stored (yet)
+        self.token_span = token_span
+        self.children: dict[str, CPNode] = {}
+        self.parent = parent
+
+    @property
+    def live(self) -> bool:
+        return self.tier is not None
+
+    def __repr__(self) -> str:
+        return f"CPNode({self.chunk_key[:8]}, tier={self.tier}, span={self.token_span})"
+
+
+class CPTree:
+    """CRAFT CP-Tree (the global, CPU-side tree; per-GPU trees are out of scope).
+
+    tier_of(variant_id) -> tier or None tells, when a node is inserted, whether its
+    variant is already stored (e.g. a variant of an evicted-then-re-promoted path).
+    """
+
+    def __init__(self, tier_of: Callable[[str], str | None],
+                 threshold: int = DEFAULT_PROMOTION_THRESHOLD,
+                 variant_id_fn: Callable[[str, Sequence[str]], str] = _variant_id) -> None:
+        if threshold < 1:
+            raise ValueError(f"promotion threshold must be >= 1, got {threshold}")
+        self.threshold = threshold
+        self._tier_of = tier_of
+        self._vid = variant_id_fn
+        self._root = CPNode("", "", "root", (0, 0), None)
+        self._by_variant: dict[str, CPNode] = {}
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, keys: Sequence[str]) -> list[CPNode]:
+        """Longest live chunk-prefix of `keys` (CRAFT §4.2 "Chunk-Prefix Lookup")."""
+        out: list[CPNode] = []
+        node = self._root
+        for k in keys:
+            child = node.children.get(k)
+            if child is None or child.tier is None:
+                break
+            out.append(child)
+            node = child
+        return out
+
+    # ------------------------------------------------------------------ update
+    def update(self, keys: Sequence[str], token_counts: Sequence[int],
+               count: Callable[[str], int], reused: int) -> list[CPNode]:
+        """Promotion / extension after a request whose final chunk order is `keys`
+        and which reused its first `reused` chunks from this tree. Returns the nodes
+        inserted (pending or live)."""
+        th = self.threshold
+        if reused == 0:
+            # Promotion: the leading chunks that all reach the threshold.
+            n = 0
+            while n < len(keys) and count(keys[n]) >= th:
+                n += 1
+            return self._insert_path(keys[:n], token_counts)
+        if reused < len(keys) and count(keys[reused]) >= th:
+            # Extension: the one chunk after the reused prefix.
+            return self._insert_path(keys[: reused + 1], token_counts)
+        return []
+
+    def insert(self, keys: Sequence[str], token_counts: Sequence[int]) -> list[CPNode]:
+        """Insert a path unconditionally (recovery from stored metadata, tests)."""
+        return self._insert_path(keys, token_counts)
+
+    def _insert_path(self, keys: Sequence[str], token_counts: Sequence[int]) -> list[CPNode]:
+        inserted: list[CPNode] = []
+        node = self._root
+        start = 0
+        for i, k in enumerate(keys):
+            end = start + token_counts[i]
+            child = node.children.get(k)
+            if child is None:
+                vid = self._vid(k, keys[:i])
+                child = CPNode(k, vid, self._tier_of(vid), (start, end), node)
+                node.children[k] = child
+                self._by_variant[vid] = child
+                inserted.append(child)
+            node = child
+            start = end
+        return inserted
+
+    # ------------------------------------------------------------------ store hooks
+    def on_put(self, variant_id: str, tier: str) -> None:
+        """A variant was stored: a pending node referring to it becomes live."""
+        node = self._by_variant.get(variant_id)
+        if node is not None:
+            node.tier = tier
+
+    def on_move(self, variant_id: str, tier: str) -> None:
+        """A variant moved tier (CRAFT §4.2: "entries are updated to reflect the new
+        location")."""
+        node = self._by_variant.get(variant_id)
+        if node is not None:
+            node.tier = tier
+
+    def on_evict(self, variant_id: str) -> None:
+        """A variant was deleted: remove its node and the subtree below it."""
+        node = self._by_variant.get(variant_id)
+        if node is None:
+            return
+        del node.parent.children[node.chunk_key]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            self._by_variant.pop(n.variant_id, None)
+            stack.extend(n.children.values())
+            n.children = {}
+            n.parent = None
+
+    # ------------------------------------------------------------------ inspection
+    def node_of(self, variant_id: str) -> CPNode | None:
+        return self._by_variant.get(variant_id)
+
+    def paths(self, live_only: bool = True) -> list[tuple[str, ...]]:
+        """Every root-to-node path (live ones: all nodes on it live)."""
+        out: list[tuple[str, ...]] = []
+        stack: list[tuple[CPNode, tuple[str, ...]]] = [(self._root, ())]
+        while stack:
+            node, path = stack.pop()
+            for k, child in node.children.items():
+                if live_only and child.tier is None:
+                    continue
+                p = path + (k,)
+                out.append(p)
+                stack.append((child, p))
+        return out
+
+    def __len__(self) -> int:
+        return len(self._by_variant)

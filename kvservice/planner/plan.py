@@ -1,0 +1,324 @@
+"""The planner: one object that turns a request's retrieved chunks into a Plan.
+
+Order (design card, "Service" / "Planner algorithms"):
+  1. conversation dedup (CRAFT §4.3)           drop chunks sent in earlier turns
+  2. CRAFT reorder, first turn only (§4.2)     stable sort by CA-Table count
+  3. CP-Tree longest prefix, first turn only   reuse prefix-exact KV, no recompute
+  4. per remaining chunk: lowest-CFO variant   Cache-Craft §3.1-3.3, else fresh
+  5. recompute token lists                     Cache-Craft eq. 14
+  6. loading controller                        CacheBlend §5 ratio, Cache-Craft eq. 16 Lp
+then the state update: the CA-Table counts the request (CRAFT §4.2, before the
+reorder: adding 1 to every chunk of the request does not change their order), the
+CP-Tree promotes / extends, and the ChunkMap records the chunks sent.
+
+The CP-Tree applies only to a first turn: a later turn's chunks follow the
+conversation's history in the prompt, so they are never at a chunk-prefix.
+
+Not thread-safe: the service calls it from its event loop (one planner per process).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from .ca_table import DEFAULT_WINDOW, CATable
+from .catalog import VariantCatalog, VariantInfo
+from .controller import R_MIN, LoadingController, ModelProfile, TierProfile
+from .conversation import DEFAULT_MAX_CONVERSATIONS, DEFAULT_TTL_S, ChunkMap, dedup
+from .cp_tree import DEFAULT_PROMOTION_THRESHOLD, CPTree
+from .reorder import reorder_by_count
+from .variants import DEFAULT_ALPHA, choose_variant, recompute_count
+
+# ChunkPlan.source
+PREFIX = "prefix"    # CP-Tree prefix: the variant is exact, nothing to recompute
+VARIANT = "variant"  # Cache-Craft reuse: load the variant, recompute `recompute`
+FRESH = "fresh"      # no usable variant: compute the whole chunk
+
+
+class PlanError(ValueError):
+    """A Plan request that cannot be planned (maps to INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One retrieved chunk as the request names it."""
+
+    key: str
+    token_count: int
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Planner settings; validated once, at construction.
+
+    The four switches turn the paper mechanisms on and off (the benchmark uses them to
+    replay one trace under several policies); production keeps all on.
+    """
+
+    alpha: float = DEFAULT_ALPHA          # Cache-Craft eq. 12 scale
+    max_cfo: float = 1.0                  # CFO >= this -> compute fresh
+    ca_window: int = DEFAULT_WINDOW       # CRAFT CA-Table sliding window (requests)
+    promotion_threshold: int = DEFAULT_PROMOTION_THRESHOLD
+    conversation_ttl_s: float = DEFAULT_TTL_S
+    max_conversations: int = DEFAULT_MAX_CONVERSATIONS
+    r_min: float = R_MIN                  # CacheBlend §5 minimum recompute ratio
+    models: Mapping[str, ModelProfile] = field(default_factory=dict)  # model id -> profile
+    default_model: ModelProfile = ModelProfile()
+    tiers: Mapping[str, TierProfile] | None = None  # None: controller defaults
+    dedup: bool = True
+    reorder: bool = True
+    prefix_tree: bool = True
+    variants: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.alpha >= 0.0:
+            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        if not 0.0 < self.max_cfo <= 1.0:
+            raise ValueError(f"max_cfo must be in (0, 1], got {self.max_cfo}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """What to do with one chunk of the final order.
+
+    token_span: [start, end) of the chunk's tokens among this turn's chunk tokens.
+    cfo: 0 for PREFIX, the chosen variant's CFO for VARIANT, 1 for FRESH.
+    recompute: VARIANT only: token indices (within the chunk) to recompute, most
+    contextualized first (Cache-Craft eq. 14); FRESH computes every token.
+    """
+
+    chunk_key: str
+    token_count: int
+    position: int
+    token_span: tuple[int, int]
+    source: str
+    variant_id: str | None
+    tier: str | None
+    cfo: float
+    recompute: tuple[int, ...]
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens of this chunk whose KV the engine computes."""
+        return self.token_count if self.source == FRESH else len(self.recompute)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The planner's answer for one request.
+
+    order: final chunk order of this turn (after dedup and reorder).
+    dropped: chunk keys removed as conversation (or same-request) duplicates.
+    prefix: variant ids of the CP-Tree prefix reused as is (the first len(prefix)
+      chunks of `order`).
+    chunks: one ChunkPlan per key of `order`.
+    ratio: CacheBlend recompute ratio r: recomputing up to r of the reused tokens per
+      layer hides behind loading (>= r_min).
+    preload_depth: Lp, layers to fetch ahead (Cache-Craft eq. 16).
+    store_tier: tier for the variants this request creates.
+    history: the conversation's earlier chunks in send order (empty on a first turn);
+      a chunk's prefix in the prompt is history + order[:position].
+    """
+
+    model_id: str
+    conv_id: str
+    first_turn: bool
+    order: tuple[str, ...]
+    dropped: tuple[str, ...]
+    prefix: tuple[str, ...]
+    chunks: tuple[ChunkPlan, ...]
+    ratio: float
+    preload_depth: int
+    load_s_per_layer: float
+    compute_s_per_layer: float
+    store_tier: str
+    history: tuple[str, ...]
+    retrieved_tokens: int
+
+    @property
+    def computed_tokens(self) -> int:
+        """Chunk tokens whose KV the engine computes (fresh + recompute)."""
+        return sum(c.computed_tokens for c in self.chunks)
+
+    @property
+    def reuse_cfo(self) -> tuple[tuple[str, float], ...]:
+        """(variant id, CFO) of every reused variant, for the store's fr update
+        (Cache-Craft §3.3: fr += 1/CFO; see `variants.fr_increment`)."""
+        return tuple((c.variant_id, c.cfo) for c in self.chunks if c.variant_id is not None)
+
+    def prefix_of(self, position: int) -> tuple[str, ...]:
+        """Chunk keys before `order[position]` in the prompt: the prefix a new
+        variant of that chunk is stored under."""
+        return self.history + self.order[:position]
+
+
+class Planner:
+    """CRAFT + Cache-Craft + CacheBlend planning over a `VariantCatalog`.
+
+    The store must call the hooks after each metadata change, so that a plan never
+    names a deleted variant:
+      on_put(info)              a variant was stored (makes pending CP-Tree nodes live)
+      on_move(variant_id, tier) a variant changed tier
+      on_evict(variant_id)      a variant was deleted
+    The engine side reports timings for the controller's estimators through
+    observe_load / observe_compute.
+    """
+
+    def __init__(self, catalog: VariantCatalog, config: PlannerConfig = PlannerConfig(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.ca_table = CATable(config.ca_window)
+        self.cp_tree = CPTree(self._tier_of, config.promotion_threshold)
+        self.conversations = ChunkMap(config.conversation_ttl_s, clock, config.max_conversations)
+        self._controllers: dict[str, LoadingController] = {}
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, model_id: str, conv_id: str, chunks: Sequence[ChunkRef],
+             question_tokens: int, first_turn: bool | None = None) -> Plan:
+        """Plan one request.
+
+        model_id: model fingerprint (`ModelSpec.fingerprint()`); picks the controller.
+        conv_id: conversation id, "" for a single-turn request.
+        chunks: retrieved chunks in retriever order.
+        question_tokens: tokens after the chunks (question, turn text), always computed.
+        first_turn: whether the chunks start the prompt. None: a turn is first when
+          the conversation is unknown (or expired) to the planner. A caller that knows
+          the prompt has history should pass False, so no CP-Tree prefix is used.
+        """
+        if not model_id:
+            raise PlanError("model_id is empty")
+        if question_tokens < 0:
+            raise PlanError(f"question_tokens is negative ({question_tokens})")
+        cfg = self.config
+        tokens: dict[str, int] = {}
+        keys: list[str] = []
+        retrieved_tokens = 0
+        for c in chunks:
+            if c.token_count < 1:
+                raise PlanError(f"chunk {c.key!r} has token_count {c.token_count} < 1")
+            keys.append(c.key)
+            tokens[c.key] = c.token_count
+            retrieved_tokens += c.token_count
+
+        history = self.conversations.history(conv_id)
+        first = (history is None) if first_turn is None else first_turn
+
+        # 1. conversation dedup (CRAFT §4.3)
+        if cfg.dedup:
+            order, dropped = dedup(keys, history or ())
+        else:
+            order, dropped = keys, []
+
+        # CA-Table counts every retrieved chunk (CRAFT §4.2, "Table Update").
+        ca = self.ca_table
+        ca.observe(keys)
+        count = ca.count
+
+        # 2. reorder a first turn (CRAFT §4.2 "Chunk Reordering")
+        if first and cfg.reorder and len(order) > 1:
+            order = reorder_by_count(order, count)
+
+        # 3. CP-Tree longest prefix
+        nodes = self.cp_tree.lookup(order) if first and cfg.prefix_tree else []
+        p = len(nodes)
+
+        # 4-5. variants for the rest
+        hist_len = len(history) if history else 0
+        s_new: dict[str, int] = dict(history) if history else {}
+        catalog = self.catalog
+        alpha, max_cfo = cfg.alpha, cfg.max_cfo
+        use_variants = cfg.variants
+        plans: list[ChunkPlan] = []
+        by_tier: dict[str, int] = {}
+        fresh_tokens = recompute_total = start = 0
+        for i, k in enumerate(order):
+            n = tokens[k]
+            span = (start, start + n)
+            start += n
+            if i < p:
+                node = nodes[i]
+                plans.append(ChunkPlan(k, n, i, span, PREFIX, node.variant_id, node.tier, 0.0, ()))
+                by_tier[node.tier] = by_tier.get(node.tier, 0) + n
+            else:
+                choice = None
+                if use_variants:
+                    vs = catalog.variants_of(k)
+                    if vs:
+                        choice = choose_variant(vs, s_new, alpha, max_cfo)
+                if choice is None:
+                    plans.append(ChunkPlan(k, n, i, span, FRESH, None, None, 1.0, ()))
+                    fresh_tokens += n
+                else:
+                    info = choice.info
+                    rc = info.recompute_order[: recompute_count(choice.cfo, n)]
+                    plans.append(ChunkPlan(k, n, i, span, VARIANT, info.variant_id, info.tier,
+                                           choice.cfo, rc))
+                    recompute_total += len(rc)
+                    by_tier[info.tier] = by_tier.get(info.tier, 0) + n
+            s_new[k] = hist_len + i
+
+        # State update (CRAFT §4.2 promotion / extension; §4.3 ChunkMap).
+        if first and cfg.prefix_tree and order:
+            self.cp_tree.update(order, [tokens[k] for k in order], count, p)
+        self.conversations.record(conv_id, order)
+
+        # 6. loading controller
+        d = self.controller(model_id).decide(by_tier, fresh_tokens, question_tokens, recompute_total)
+        return Plan(
+            model_id=model_id,
+            conv_id=conv_id,
+            first_turn=first,
+            order=tuple(order),
+            dropped=tuple(dropped),
+            prefix=tuple(nd.variant_id for nd in nodes),
+            chunks=tuple(plans),
+            ratio=d.ratio,
+            preload_depth=d.preload_depth,
+            load_s_per_layer=d.load_s_per_layer,
+            compute_s_per_layer=d.compute_s_per_layer,
+            store_tier=d.store_tier,
+            history=tuple(history) if history else (),
+            retrieved_tokens=retrieved_tokens,
+        )
+
+    # ------------------------------------------------------------------ store hooks
+    def on_put(self, info: VariantInfo) -> None:
+        """The store wrote a variant (after its metadata batch committed)."""
+        self.cp_tree.on_put(info.variant_id, info.tier)
+
+    def on_move(self, variant_id: str, tier: str) -> None:
+        """The store moved a variant to another tier."""
+        self.cp_tree.on_move(variant_id, tier)
+
+    def on_evict(self, variant_id: str) -> None:
+        """The store deleted a variant."""
+        self.cp_tree.on_evict(variant_id)
+
+    def restore_prefix(self, keys: Sequence[str], token_counts: Sequence[int]) -> None:
+        """Re-insert a chunk-prefix path at start-up (recovery from stored metadata);
+        nodes whose variants are stored become live at once."""
+        self.cp_tree.insert(keys, token_counts)
+
+    # ------------------------------------------------------------------ engine timings
+    def controller(self, model_id: str) -> LoadingController:
+        c = self._controllers.get(model_id)
+        if c is None:
+            cfg = self.config
+            c = LoadingController(cfg.models.get(model_id, cfg.default_model), cfg.tiers, cfg.r_min)
+            self._controllers[model_id] = c
+        return c
+
+    def observe_load(self, model_id: str, tier: str, nbytes_per_layer: float, seconds: float) -> None:
+        """Engine report: loading one layer of `nbytes_per_layer` from `tier` took `seconds`."""
+        self.controller(model_id).observe_load(tier, nbytes_per_layer, seconds)
+
+    def observe_compute(self, model_id: str, tokens_per_layer: float, seconds: float) -> None:
+        """Engine report: computing one layer for `tokens_per_layer` tokens took `seconds`."""
+        self.controller(model_id).observe_compute(tokens_per_layer, seconds)
+
+    def _tier_of(self, variant_id: str) -> str | None:
+        info = self.catalog.get(variant_id)
+        return None if info is None else info.tier
