@@ -1,0 +1,1 @@
+"""kvcraft service: store, planner, tiers, server, CLI. Imports no torch."""

@@ -1,0 +1,279 @@
+"""Sync and asyncio clients of a kvcraft service.
+
+Both speak the same wire contract (proto/kvcraft/v1/kvcraft.proto) and build their
+requests with the same helpers; they differ only in how a call is awaited.
+Errors arrive as kvclient.errors types (NotFoundError means: recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterable, Iterator, Sequence, Union
+
+import grpc
+import torch
+
+from kvclient.errors import from_rpc_error
+from kvclient.tensors import from_bytes, spec_of, to_bytes
+from kvclient.types import VariantStats
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+MAX_MESSAGE_BYTES = 64 << 20
+
+Layer = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [kv_heads, tokens, head_dim]
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A variant to fetch or lease. Empty variant_id: the service picks (see proto)."""
+
+    chunk_key: str
+    variant_id: str = ""
+    cfo: float = 0.0  # Cache-Craft CFO of this reuse; 0 = unknown
+
+
+RefLike = Union[str, Ref]
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    chunk_key: str
+    variant_id: str
+    bytes_stored: int
+    already_present: bool
+
+
+@dataclass(frozen=True)
+class FetchedLayer:
+    layer: int
+    index: int  # position of the variant in the request
+    variant_id: str
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str
+    variant_ids: list[str]
+    expires_unix_ms: int
+
+
+# -- request builders shared by both clients --------------------------------------------
+def store_requests(model_id: str, token_ids: Sequence[int], layers: Sequence[Layer],
+                   prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> Iterator[pb.StoreRequest]:
+    if not layers:
+        raise ValueError("layers is empty: a variant has at least one layer")
+    k0, v0 = layers[0]
+    header = pb.StoreHeader(model_id=model_id, token_ids=[int(t) for t in token_ids],
+                            prefix_keys=list(prefix_keys), num_layers=len(layers),
+                            key_spec=spec_of(k0), value_spec=spec_of(v0))
+    if stats is not None:
+        header.stats.CopyFrom(pb.VariantStats(a=stats.a, b=stats.b, prefix_attention=stats.prefix_attention,
+                                              token_inter_attention=stats.token_inter_attention))
+    yield pb.StoreRequest(header=header)
+    for i, (k, v) in enumerate(layers):
+        yield pb.StoreRequest(layer=pb.LayerPayload(layer=i, key=to_bytes(k), value=to_bytes(v)))
+
+
+def fetch_request(refs: Sequence[RefLike], first_layer: int = 0, num_layers: int = 0) -> pb.FetchRequest:
+    return pb.FetchRequest(variants=[_ref(r) for r in refs], first_layer=first_layer, num_layers=num_layers)
+
+
+def _ref(r: RefLike) -> pb.VariantRef:
+    r = Ref(r) if isinstance(r, str) else r
+    return pb.VariantRef(chunk_key=r.chunk_key, variant_id=r.variant_id, cfo=r.cfo)
+
+
+def _layer(msg: pb.LayerChunk, device: str | torch.device) -> FetchedLayer:
+    return FetchedLayer(msg.layer, msg.index, msg.variant_id,
+                        from_bytes(msg.key_spec, msg.key, device), from_bytes(msg.value_spec, msg.value, device))
+
+
+def _lookup_request(model_id: str | None, token_ids: Sequence[int] | None, chunk_key: str | None) -> pb.LookupRequest:
+    if chunk_key:
+        return pb.LookupRequest(chunk_key=chunk_key)
+    if model_id is None or token_ids is None:
+        raise ValueError("give chunk_key, or model_id and token_ids")
+    return pb.LookupRequest(tokens=pb.ChunkTokens(model_id=model_id, token_ids=[int(t) for t in token_ids]))
+
+
+def _selector(chunk_key: str | None, variant_id: str | None) -> pb.VariantSelector:
+    if bool(chunk_key) == bool(variant_id):
+        raise ValueError("give exactly one of chunk_key or variant_id")
+    return pb.VariantSelector(chunk_key=chunk_key) if chunk_key else pb.VariantSelector(variant_id=variant_id)
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class KVClient:
+    """Blocking client. Use as a context manager or call close()."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, token: str | None = None,
+                 admin_token: str | None = None, timeout: float = 30.0,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        opts = _options(max_message_bytes)
+        self._channel = (grpc.secure_channel(address, credentials, options=opts) if credentials
+                         else grpc.insecure_channel(address, options=opts))
+        self._kv = pb_grpc.KVCacheStub(self._channel)
+        self._admin = pb_grpc.AdminStub(self._channel)
+        self._md = _metadata(token)
+        self._admin_md = _metadata(admin_token)
+        self.timeout = timeout
+
+    def __enter__(self) -> "KVClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method, request, admin: bool = False):
+        try:
+            return method(request, metadata=self._admin_md if admin else self._md, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    # -- KVCache ----------------------------------------------------------------------
+    def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
+              prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
+        r = self._call(self._kv.Store, store_requests(model_id, token_ids, layers, prefix_keys, stats))
+        return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
+
+    def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
+                     device: str | torch.device = "cpu", timeout: float | None = None) -> Iterator[FetchedLayer]:
+        """Layers of the variants, layer-major, as they arrive."""
+        stream = self._kv.FetchLayers(fetch_request(refs, first_layer, num_layers), metadata=self._md,
+                                      timeout=timeout or self.timeout)
+        try:
+            for msg in stream:
+                yield _layer(msg, device)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            stream.cancel()
+
+    def fetch(self, chunk_key: str, variant_id: str = "", device: str | torch.device = "cpu") -> list[Layer]:
+        """All layers of one variant as [(K, V), ...]."""
+        return [(f.key, f.value) for f in self.fetch_layers([Ref(chunk_key, variant_id)], device=device)]
+
+    def lookup(self, model_id: str | None = None, token_ids: Sequence[int] | None = None, *,
+               chunk_key: str | None = None) -> pb.LookupResponse:
+        return self._call(self._kv.Lookup, _lookup_request(model_id, token_ids, chunk_key))
+
+    def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
+        r = self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))
+        return Lease(r.lease_id, list(r.variant_ids), r.expires_unix_ms)
+
+    def release(self, lease_id: str) -> bool:
+        return self._call(self._kv.Release, pb.ReleaseRequest(lease_id=lease_id)).released
+
+    # -- Admin ------------------------------------------------------------------------
+    def stats(self) -> pb.StatsResponse:
+        return self._call(self._admin.Stats, pb.StatsRequest(), admin=True)
+
+    def list_chunks(self, model_id: str = "", page_size: int = 0, page_token: str = "") -> pb.ListChunksResponse:
+        return self._call(self._admin.ListChunks, pb.ListChunksRequest(
+            model_id=model_id, page_size=page_size, page_token=page_token), admin=True)
+
+    def get_chunk(self, chunk_key: str) -> list[pb.VariantInfo]:
+        return list(self._call(self._admin.GetChunk, pb.GetChunkRequest(chunk_key=chunk_key), admin=True).variants)
+
+    def evict(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> pb.EvictResponse:
+        return self._call(self._admin.Evict, _selector(chunk_key, variant_id), admin=True)
+
+    def pin(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> int:
+        return self._call(self._admin.Pin, _selector(chunk_key, variant_id), admin=True).variants
+
+    def unpin(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> int:
+        return self._call(self._admin.Unpin, _selector(chunk_key, variant_id), admin=True).variants
+
+    def flush(self) -> pb.FlushResponse:
+        return self._call(self._admin.Flush, pb.FlushRequest(), admin=True)
+
+    def config(self) -> str:
+        return self._call(self._admin.Config, pb.ConfigRequest(), admin=True).toml
+
+
+class AsyncKVClient:
+    """asyncio client with the same methods as KVClient, awaited."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, token: str | None = None,
+                 admin_token: str | None = None, timeout: float = 30.0,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        opts = _options(max_message_bytes)
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=opts) if credentials
+                         else grpc.aio.insecure_channel(address, options=opts))
+        self._kv = pb_grpc.KVCacheStub(self._channel)
+        self._admin = pb_grpc.AdminStub(self._channel)
+        self._md = _metadata(token)
+        self._admin_md = _metadata(admin_token)
+        self.timeout = timeout
+
+    async def __aenter__(self) -> "AsyncKVClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method, request, admin: bool = False):
+        try:
+            return await method(request, metadata=self._admin_md if admin else self._md, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
+                    prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
+        r = await self._call(self._kv.Store, _aiter(store_requests(model_id, token_ids, layers, prefix_keys, stats)))
+        return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
+
+    async def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
+                           device: str | torch.device = "cpu",
+                           timeout: float | None = None) -> AsyncIterator[FetchedLayer]:
+        call = self._kv.FetchLayers(fetch_request(refs, first_layer, num_layers), metadata=self._md,
+                                    timeout=timeout or self.timeout)
+        try:
+            async for msg in call:
+                yield _layer(msg, device)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    async def fetch(self, chunk_key: str, variant_id: str = "", device: str | torch.device = "cpu") -> list[Layer]:
+        return [(f.key, f.value) async for f in self.fetch_layers([Ref(chunk_key, variant_id)], device=device)]
+
+    async def lookup(self, model_id: str | None = None, token_ids: Sequence[int] | None = None, *,
+                     chunk_key: str | None = None) -> pb.LookupResponse:
+        return await self._call(self._kv.Lookup, _lookup_request(model_id, token_ids, chunk_key))
+
+    async def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
+        r = await self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))
+        return Lease(r.lease_id, list(r.variant_ids), r.expires_unix_ms)
+
+    async def release(self, lease_id: str) -> bool:
+        return (await self._call(self._kv.Release, pb.ReleaseRequest(lease_id=lease_id))).released
+
+    async def stats(self) -> pb.StatsResponse:
+        return await self._call(self._admin.Stats, pb.StatsRequest(), admin=True)
+
+
+async def _aiter(it: Iterable[pb.StoreRequest]) -> AsyncIterator[pb.StoreRequest]:
+    for x in it:
+        yield x

@@ -1,0 +1,43 @@
+"""Typed client errors, one per status code the service uses."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KVCraftError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class NotFoundError(KVCraftError):
+    """The chunk/variant is not stored (or was corrupt and dropped): recompute it."""
+
+
+class InvalidArgumentError(KVCraftError):
+    pass
+
+
+class ResourceExhaustedError(KVCraftError):
+    pass
+
+
+class UnavailableError(KVCraftError):
+    """The service cannot be reached (down, or the deadline passed)."""
+
+
+_BY_CODE = {
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
+}
+
+
+def from_rpc_error(e: grpc.RpcError) -> KVCraftError:
+    code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = e.details() if callable(getattr(e, "details", None)) else str(e)
+    return _BY_CODE.get(code, KVCraftError)(code, details or "")

@@ -1,0 +1,137 @@
+"""Settings of the service: embedded defaults < TOML file < KVCRAFT_* env vars < flags.
+
+Validated once, here, at the edge; the rest of the service trusts a `Config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Config:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port (the bound port is logged)
+    data_dir: str = "./kvcraft-data"
+    # Tier budgets in bytes. Every acknowledged variant is durable on disk; host holds
+    # copies of the hottest ones (docs/storage.md: inclusive tiers).
+    host_budget_bytes: int = 1 * GiB
+    disk_budget_bytes: int = 64 * GiB
+    # Cache-Craft §3.3: at most M variants per chunk and N x M in all.
+    max_variants_per_chunk: int = 4
+    max_variants: int = 1_000_000
+    # Limits on requests.
+    max_message_bytes: int = 64 * MiB
+    max_layers: int = 512
+    max_chunk_tokens: int = 65_536
+    max_variant_bytes: int = 4 * GiB
+    max_fetch_variants: int = 256
+    lease_timeout_s: float = 30.0
+    # Prometheus metrics over HTTP on this port; 0 = off.
+    metrics_port: int = 0
+    # Bearer tokens; empty = no auth. Admin RPCs need admin_token when it is set.
+    auth_token: str = ""
+    admin_token: str = ""
+    # TLS: server certificate and key (PEM paths); client CA for mTLS. Empty = plaintext.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    log_level: str = "INFO"
+    # Seconds a SIGTERM waits for in-flight RPCs before stopping.
+    drain_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} is outside 0..65535")
+        for name in ("host_budget_bytes", "disk_budget_bytes", "max_message_bytes",
+                     "max_layers", "max_chunk_tokens", "max_variant_bytes",
+                     "max_variants_per_chunk", "max_variants", "max_fetch_variants"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lease_timeout_s <= 0:
+            raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir)
+
+    def to_toml(self) -> str:
+        """Effective settings as TOML, secrets masked."""
+        lines = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("auth_token", "admin_token") and v:
+                v = "***"
+            lines.append(f"{f.name} = {_toml_value(v)}")
+        return "\n".join(lines) + "\n"
+
+
+def load_config(
+    file: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge defaults, a TOML file, KVCRAFT_* env vars and explicit overrides (flags)."""
+    env = os.environ if env is None else env
+    types = {f.name: f.type for f in fields(Config)}
+    merged: dict[str, Any] = {}
+    if file:
+        with open(file, "rb") as fh:
+            doc = tomllib.load(fh)
+        doc = doc.get("kvcraft", doc)  # allow a [kvcraft] table or top-level keys
+        for k, v in doc.items():
+            if k not in types:
+                raise ValueError(f"{file}: unknown setting {k!r}")
+            merged[k] = v
+    for k in types:
+        ev = env.get(f"KVCRAFT_{k.upper()}")
+        if ev is not None:
+            merged[k] = _parse(k, ev, types[k])
+    for k, v in (overrides or {}).items():
+        if v is None:
+            continue
+        if k not in types:
+            raise ValueError(f"unknown setting {k!r}")
+        merged[k] = v
+    for k, v in merged.items():
+        merged[k] = _coerce(k, v, types[k])
+    return Config(**merged)
+
+
+def _parse(name: str, raw: str, typ: str) -> Any:
+    return _coerce(name, raw, typ)
+
+
+def _coerce(name: str, v: Any, typ: str) -> Any:
+    try:
+        if typ == "int":
+            return int(v)
+        if typ == "float":
+            return float(v)
+        if typ == "bool":
+            return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+        return str(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"setting {name}: cannot read {v!r} as {typ}") from None
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def replace(cfg: Config, **changes: Any) -> Config:
+    return dataclasses.replace(cfg, **changes)

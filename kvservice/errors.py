@@ -1,0 +1,33 @@
+"""Domain errors of the service, and their one mapping to gRPC status codes.
+
+The core raises these; the gRPC layer (kvservice.server) turns them into statuses.
+Every message names what was wrong, so a client can fix its request without logs.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KVCraftError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(KVCraftError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(KVCraftError):
+    """Unknown chunk/variant/lease, or a payload that failed its checksum (dropped)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(KVCraftError):
+    """A size limit or a tier budget is exceeded; nothing already stored is lost."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(KVCraftError):
+    code = grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,63 @@
+"""Payload layout of a variant: dtypes, shapes, byte offsets, checksums.
+
+A variant's payload is, for each layer in order, the row-major bytes of K then of V,
+each of shape [kv_heads, tokens, head_dim] in the model dtype (docs/storage.md).
+Nothing here imports torch: the service handles bytes and specs only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import xxhash
+
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.errors import InvalidArgument
+
+ITEMSIZE = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4}
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Byte sizes of one layer; the same for every layer of a variant."""
+
+    key_bytes: int
+    value_bytes: int
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.key_bytes + self.value_bytes
+
+    def offset(self, layer: int) -> int:
+        return layer * self.layer_bytes
+
+
+def spec_bytes(spec: pb.TensorSpec, name: str, tokens: int) -> int:
+    """Validate a K or V spec against the chunk's token count; return its byte size."""
+    if spec.dtype not in ITEMSIZE:
+        raise InvalidArgument(f"{name}.dtype is {pb.DType.Name(spec.dtype) if spec.dtype in pb.DType.values() else spec.dtype}; expected FLOAT16, BFLOAT16 or FLOAT32")
+    shape = list(spec.shape)
+    if len(shape) != 3 or min(shape) < 1:
+        raise InvalidArgument(f"{name}.shape is {shape}; expected [kv_heads, tokens, head_dim], each >= 1")
+    if shape[1] != tokens:
+        raise InvalidArgument(f"{name}.shape[1] is {shape[1]} but the chunk has {tokens} tokens")
+    return math.prod(shape) * ITEMSIZE[spec.dtype]
+
+
+def layer_layout(key_spec: pb.TensorSpec, value_spec: pb.TensorSpec, tokens: int) -> LayerLayout:
+    kb = spec_bytes(key_spec, "key_spec", tokens)
+    vb = spec_bytes(value_spec, "value_spec", tokens)
+    if key_spec.shape[0] != value_spec.shape[0]:
+        raise InvalidArgument(
+            f"key_spec has {key_spec.shape[0]} kv heads but value_spec has {value_spec.shape[0]}"
+        )
+    return LayerLayout(kb, vb)
+
+
+def layer_checksum(key: bytes | memoryview, value: bytes | memoryview) -> int:
+    """xxh3-64 of K bytes followed by V bytes."""
+    h = xxhash.xxh3_64()
+    h.update(key)
+    h.update(value)
+    return h.intdigest()

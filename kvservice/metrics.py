@@ -1,0 +1,54 @@
+"""Prometheus metrics: per-tier bytes/entries/hits/misses read from the store at scrape
+time, plus fetch/store traffic and fetch latency measured by the server."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvservice.store import ChunkStore
+
+
+class _StoreCollector:
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.store.stats()
+        used = GaugeMetricFamily("kvcraft_tier_bytes", "Payload bytes held per tier", labels=["tier"])
+        budget = GaugeMetricFamily("kvcraft_tier_budget_bytes", "Byte budget per tier", labels=["tier"])
+        entries = GaugeMetricFamily("kvcraft_tier_variants", "Variants with a copy in the tier", labels=["tier"])
+        hits = CounterMetricFamily("kvcraft_tier_hits", "Fetched layers served from the tier", labels=["tier"])
+        misses = CounterMetricFamily("kvcraft_tier_misses", "Fetched layers the tier did not hold", labels=["tier"])
+        for t in s.tiers:
+            used.add_metric([t.name], t.bytes_used)
+            budget.add_metric([t.name], t.bytes_budget)
+            entries.add_metric([t.name], t.variants)
+            hits.add_metric([t.name], t.hits)
+            misses.add_metric([t.name], t.misses)
+        yield from (used, budget, entries, hits, misses)
+        yield CounterMetricFamily("kvcraft_evictions", "Variants deleted for space", value=s.evictions)
+        yield CounterMetricFamily("kvcraft_moves", "Variants demoted one tier down", value=s.moves)
+        yield GaugeMetricFamily("kvcraft_chunks", "Chunks stored", value=s.chunks)
+        yield GaugeMetricFamily("kvcraft_leases", "Leases active", value=s.leases)
+
+
+class Metrics:
+    def __init__(self, store: ChunkStore, port: int) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StoreCollector(store))
+        self.fetch_bytes = Counter("kvcraft_fetch_bytes", "Payload bytes sent by FetchLayers", registry=self.registry)
+        self.store_bytes = Counter("kvcraft_store_bytes", "Payload bytes accepted by Store", registry=self.registry)
+        self.fetch_seconds = Histogram("kvcraft_fetch_seconds", "FetchLayers stream duration", registry=self.registry)
+        self._http = None
+        self.port = 0
+        if port:
+            self._http, _ = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+            self.port = self._http.server_port
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http = None

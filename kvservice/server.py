@@ -1,0 +1,282 @@
+"""gRPC adapter around the store: KVCache + Admin services, health, reflection, auth.
+
+Servicers are thin: validate the shape of a request, call the store in a worker
+thread (its I/O blocks), map domain errors to status codes in one place (`_rpc`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvclient.keys import chunk_key, is_key
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
+from kvservice.config import Config
+from kvservice.errors import InvalidArgument, KVCraftError
+from kvservice.metrics import Metrics
+from kvservice.store import ChunkStore
+
+log = logging.getLogger("kvcraft.server")
+
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["KVCache"].full_name,
+    pb.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+
+
+def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Map domain errors to status codes; never leak a stack trace to the client."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except KVCraftError as e:
+            await context.abort(e.code, str(e))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug: log it whole, tell the client what kind
+            log.exception("%s failed", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}: {type(e).__name__}")
+
+    return wrapper
+
+
+class KVCacheServicer(pb_grpc.KVCacheServicer):
+    def __init__(self, store: ChunkStore, metrics: Metrics) -> None:
+        self.store = store
+        self.metrics = metrics
+
+    @_rpc
+    async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest], context: Any) -> pb.StoreResponse:
+        session = None
+        try:
+            async for req in request_iterator:
+                part = req.WhichOneof("part")
+                if session is None:
+                    if part != "header":
+                        raise InvalidArgument("the first message of a Store stream must be a header")
+                    session = await asyncio.to_thread(self.store.begin_store, req.header)
+                elif part == "layer":
+                    await asyncio.to_thread(session.add_layer, req.layer)
+                else:
+                    raise InvalidArgument(f"unexpected {part or 'empty'} message after the header")
+            if session is None:
+                raise InvalidArgument("empty Store stream: no header")
+            resp = await asyncio.to_thread(session.finish)
+            self.metrics.store_bytes.inc(resp.bytes_stored if not resp.already_present else 0)
+            return resp
+        finally:
+            if session is not None:
+                session.abort()  # no-op once finished
+
+    async def FetchLayers(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.LayerChunk]:
+        # A server-streaming handler cannot use the unary wrapper: errors are mapped inline.
+        try:
+            infos = await asyncio.to_thread(self.store.open_fetch, request.variants)
+        except KVCraftError as e:
+            await context.abort(e.code, str(e))
+        loop = asyncio.get_running_loop()
+        timer = self.metrics.fetch_seconds.time()
+        timer.__enter__()
+        try:
+            last = min(i.num_layers for i in infos)
+            first = request.first_layer
+            end = last if request.num_layers == 0 else first + request.num_layers
+            if first >= last or end > last:
+                raise InvalidArgument(
+                    f"layers [{first}, {end}) requested; the variants have {last} layers")
+            for layer in range(first, end):
+                for idx, info in enumerate(infos):
+                    k, v = await asyncio.to_thread(self.store.read_layer, info, layer)
+                    self.metrics.fetch_bytes.inc(len(k) + len(v))
+                    yield pb.LayerChunk(layer=layer, index=idx, variant_id=info.variant_id,
+                                        key_spec=info.key_spec, value_spec=info.value_spec,
+                                        key=bytes(k), value=bytes(v))
+        except KVCraftError as e:
+            await context.abort(e.code, str(e))
+        finally:
+            timer.__exit__(None, None, None)
+            # Not awaited: this also runs when the client cancels mid-stream.
+            loop.run_in_executor(None, self.store.close_fetch, infos)
+
+    @_rpc
+    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        which = request.WhichOneof("target")
+        if which == "chunk_key":
+            key = request.chunk_key
+            if not is_key(key):
+                raise InvalidArgument(f"chunk_key {key[:40]!r} is not 32 lowercase hex chars")
+        elif which == "tokens":
+            t = request.tokens
+            if not is_key(t.model_id):
+                raise InvalidArgument(f"tokens.model_id {t.model_id[:40]!r} is not 32 lowercase hex chars")
+            if not t.token_ids:
+                raise InvalidArgument("tokens.token_ids is empty")
+            key = chunk_key(t.model_id, t.token_ids)
+        else:
+            raise InvalidArgument("give chunk_key or tokens")
+        variants = self.store.lookup(key)
+        return pb.LookupResponse(found=bool(variants), chunk_key=key, variants=variants)
+
+    @_rpc
+    async def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
+        lease_id, vids, expires = await asyncio.to_thread(self.store.take_lease, request.variants, request.ttl_s)
+        return pb.LeaseResponse(lease_id=lease_id, variant_ids=vids, expires_unix_ms=int(expires * 1000))
+
+    @_rpc
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        if not request.lease_id:
+            raise InvalidArgument("lease_id is empty")
+        return pb.ReleaseResponse(released=self.store.release(request.lease_id))
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self, store: ChunkStore, cfg: Config) -> None:
+        self.store = store
+        self.cfg = cfg
+
+    @_rpc
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        return self.store.stats()
+
+    @_rpc
+    async def ListChunks(self, request: pb.ListChunksRequest, context: Any) -> pb.ListChunksResponse:
+        return self.store.list_chunks(request.model_id, request.page_size, request.page_token)
+
+    @_rpc
+    async def GetChunk(self, request: pb.GetChunkRequest, context: Any) -> pb.GetChunkResponse:
+        if not is_key(request.chunk_key):
+            raise InvalidArgument(f"chunk_key {request.chunk_key[:40]!r} is not 32 lowercase hex chars")
+        return pb.GetChunkResponse(variants=self.store.get_chunk(request.chunk_key))
+
+    @_rpc
+    async def Evict(self, request: pb.VariantSelector, context: Any) -> pb.EvictResponse:
+        evicted, skipped = await asyncio.to_thread(self.store.evict, request)
+        return pb.EvictResponse(evicted=evicted, skipped_protected=skipped)
+
+    @_rpc
+    async def Pin(self, request: pb.VariantSelector, context: Any) -> pb.PinResponse:
+        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, request, True))
+
+    @_rpc
+    async def Unpin(self, request: pb.VariantSelector, context: Any) -> pb.PinResponse:
+        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, request, False))
+
+    @_rpc
+    async def Flush(self, request: pb.FlushRequest, context: Any) -> pb.FlushResponse:
+        evicted, skipped = await asyncio.to_thread(self.store.flush)
+        return pb.FlushResponse(evicted=evicted, skipped_protected=skipped)
+
+    @_rpc
+    async def Config(self, request: pb.ConfigRequest, context: Any) -> pb.ConfigResponse:
+        return pb.ConfigResponse(toml=self.cfg.to_toml())
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Bearer tokens: `auth_token` for KVCache, `admin_token` for Admin (health and
+    reflection stay open so probes and grpcurl discovery work)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        method = details.method
+        if method.startswith("/kvcraft.v1.Admin/"):
+            need = self.cfg.admin_token
+        elif method.startswith("/kvcraft.v1.KVCache/"):
+            need = self.cfg.auth_token
+        else:
+            need = ""
+        if need:
+            got = dict(details.invocation_metadata or ()).get("authorization", "")
+            if got != f"Bearer {need}":
+                code = grpc.StatusCode.UNAUTHENTICATED if not got else grpc.StatusCode.PERMISSION_DENIED
+                return _deny(code, f"{method} needs 'authorization: Bearer <token>' metadata")
+        return await continuation(details)
+
+
+def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    store: ChunkStore
+    port: int
+    health: health.aio.HealthServicer
+    metrics: Metrics
+
+    async def stop(self, grace: float | None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        self.metrics.stop()
+        self.store.close()
+
+
+async def start_server(cfg: Config) -> RunningServer:
+    store = ChunkStore(cfg)
+    metrics = Metrics(store, cfg.metrics_port)
+    options = [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+    ]
+    interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    pb_grpc.add_KVCacheServicer_to_server(KVCacheServicer(store, metrics), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(store, cfg), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    address = f"{cfg.host}:{cfg.port}"
+    if cfg.tls_cert:
+        with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+            pair = [(k.read(), c.read())]
+        ca = open(cfg.tls_client_ca, "rb").read() if cfg.tls_client_ca else None
+        creds = grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        store.close()
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    return RunningServer(server, store, port, health_servicer, metrics)
+
+
+async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain in-flight RPCs for up to cfg.drain_s."""
+    running = await start_server(cfg)
+    rep = running.store.recovery
+    log.info("recovered %d variants (%d dropped, %d orphan payloads deleted)",
+             rep.variants, rep.dropped_metadata, rep.orphan_payloads)
+    if on_ready:
+        on_ready(running)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining for up to %.1fs", cfg.drain_s)
+    await running.stop(cfg.drain_s)
+

@@ -1,0 +1,345 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+FLOAT16: DType
+BFLOAT16: DType
+FLOAT32: DType
+
+class TensorSpec(_message.Message):
+    __slots__ = ("dtype", "shape")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VariantStats(_message.Message):
+    __slots__ = ("a", "b", "prefix_attention", "token_inter_attention")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INTER_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    a: float
+    b: float
+    prefix_attention: _containers.RepeatedScalarFieldContainer[float]
+    token_inter_attention: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, a: _Optional[float] = ..., b: _Optional[float] = ..., prefix_attention: _Optional[_Iterable[float]] = ..., token_inter_attention: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class VariantInfo(_message.Message):
+    __slots__ = ("variant_id", "chunk_key", "model_id", "prefix_keys", "token_count", "num_layers", "key_spec", "value_spec", "stats", "tier", "size_bytes", "fr", "last_access_unix_ms", "created_unix_ms", "pinned", "leased", "layer_checksums")
+    VARIANT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SPEC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FR_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    LAYER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    variant_id: str
+    chunk_key: str
+    model_id: str
+    prefix_keys: _containers.RepeatedScalarFieldContainer[str]
+    token_count: int
+    num_layers: int
+    key_spec: TensorSpec
+    value_spec: TensorSpec
+    stats: VariantStats
+    tier: str
+    size_bytes: int
+    fr: float
+    last_access_unix_ms: int
+    created_unix_ms: int
+    pinned: bool
+    leased: bool
+    layer_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, variant_id: _Optional[str] = ..., chunk_key: _Optional[str] = ..., model_id: _Optional[str] = ..., prefix_keys: _Optional[_Iterable[str]] = ..., token_count: _Optional[int] = ..., num_layers: _Optional[int] = ..., key_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., value_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., stats: _Optional[_Union[VariantStats, _Mapping]] = ..., tier: _Optional[str] = ..., size_bytes: _Optional[int] = ..., fr: _Optional[float] = ..., last_access_unix_ms: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., pinned: _Optional[bool] = ..., leased: _Optional[bool] = ..., layer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StoreHeader(_message.Message):
+    __slots__ = ("model_id", "token_ids", "prefix_keys", "num_layers", "key_spec", "value_spec", "stats")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SPEC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prefix_keys: _containers.RepeatedScalarFieldContainer[str]
+    num_layers: int
+    key_spec: TensorSpec
+    value_spec: TensorSpec
+    stats: VariantStats
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_keys: _Optional[_Iterable[str]] = ..., num_layers: _Optional[int] = ..., key_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., value_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., stats: _Optional[_Union[VariantStats, _Mapping]] = ...) -> None: ...
+
+class LayerPayload(_message.Message):
+    __slots__ = ("layer", "key", "value")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    key: bytes
+    value: bytes
+    def __init__(self, layer: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("header", "layer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    header: StoreHeader
+    layer: LayerPayload
+    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., layer: _Optional[_Union[LayerPayload, _Mapping]] = ...) -> None: ...
+
+class StoreResponse(_message.Message):
+    __slots__ = ("chunk_key", "variant_id", "bytes_stored", "already_present")
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    chunk_key: str
+    variant_id: str
+    bytes_stored: int
+    already_present: bool
+    def __init__(self, chunk_key: _Optional[str] = ..., variant_id: _Optional[str] = ..., bytes_stored: _Optional[int] = ..., already_present: _Optional[bool] = ...) -> None: ...
+
+class VariantRef(_message.Message):
+    __slots__ = ("chunk_key", "variant_id", "cfo")
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_ID_FIELD_NUMBER: _ClassVar[int]
+    CFO_FIELD_NUMBER: _ClassVar[int]
+    chunk_key: str
+    variant_id: str
+    cfo: float
+    def __init__(self, chunk_key: _Optional[str] = ..., variant_id: _Optional[str] = ..., cfo: _Optional[float] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("variants", "first_layer", "num_layers")
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    variants: _containers.RepeatedCompositeFieldContainer[VariantRef]
+    first_layer: int
+    num_layers: int
+    def __init__(self, variants: _Optional[_Iterable[_Union[VariantRef, _Mapping]]] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class LayerChunk(_message.Message):
+    __slots__ = ("layer", "index", "variant_id", "key_spec", "value_spec", "key", "value")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_SPEC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_SPEC_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    index: int
+    variant_id: str
+    key_spec: TensorSpec
+    value_spec: TensorSpec
+    key: bytes
+    value: bytes
+    def __init__(self, layer: _Optional[int] = ..., index: _Optional[int] = ..., variant_id: _Optional[str] = ..., key_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., value_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("chunk_key", "tokens")
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    chunk_key: str
+    tokens: ChunkTokens
+    def __init__(self, chunk_key: _Optional[str] = ..., tokens: _Optional[_Union[ChunkTokens, _Mapping]] = ...) -> None: ...
+
+class ChunkTokens(_message.Message):
+    __slots__ = ("model_id", "token_ids")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("found", "chunk_key", "variants")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    chunk_key: str
+    variants: _containers.RepeatedCompositeFieldContainer[VariantInfo]
+    def __init__(self, found: _Optional[bool] = ..., chunk_key: _Optional[str] = ..., variants: _Optional[_Iterable[_Union[VariantInfo, _Mapping]]] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("variants", "ttl_s")
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    variants: _containers.RepeatedCompositeFieldContainer[VariantRef]
+    ttl_s: float
+    def __init__(self, variants: _Optional[_Iterable[_Union[VariantRef, _Mapping]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("lease_id", "variant_ids", "expires_unix_ms")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    variant_ids: _containers.RepeatedScalarFieldContainer[str]
+    expires_unix_ms: int
+    def __init__(self, lease_id: _Optional[str] = ..., variant_ids: _Optional[_Iterable[str]] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "bytes_used", "bytes_budget", "variants", "hits", "misses")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    bytes_used: int
+    bytes_budget: int
+    variants: int
+    hits: int
+    misses: int
+    def __init__(self, name: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., variants: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("chunks", "variants", "tiers", "evictions", "moves", "leases", "pinned")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    variants: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    evictions: int
+    moves: int
+    leases: int
+    pinned: int
+    def __init__(self, chunks: _Optional[int] = ..., variants: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., moves: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
+
+class ListChunksRequest(_message.Message):
+    __slots__ = ("model_id", "page_size", "page_token")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    page_size: int
+    page_token: str
+    def __init__(self, model_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ChunkSummary(_message.Message):
+    __slots__ = ("chunk_key", "model_id", "token_count", "variants", "size_bytes")
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunk_key: str
+    model_id: str
+    token_count: int
+    variants: int
+    size_bytes: int
+    def __init__(self, chunk_key: _Optional[str] = ..., model_id: _Optional[str] = ..., token_count: _Optional[int] = ..., variants: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class ListChunksResponse(_message.Message):
+    __slots__ = ("chunks", "next_page_token")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkSummary]
+    next_page_token: str
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class GetChunkRequest(_message.Message):
+    __slots__ = ("chunk_key",)
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    chunk_key: str
+    def __init__(self, chunk_key: _Optional[str] = ...) -> None: ...
+
+class GetChunkResponse(_message.Message):
+    __slots__ = ("variants",)
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    variants: _containers.RepeatedCompositeFieldContainer[VariantInfo]
+    def __init__(self, variants: _Optional[_Iterable[_Union[VariantInfo, _Mapping]]] = ...) -> None: ...
+
+class VariantSelector(_message.Message):
+    __slots__ = ("chunk_key", "variant_id")
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_ID_FIELD_NUMBER: _ClassVar[int]
+    chunk_key: str
+    variant_id: str
+    def __init__(self, chunk_key: _Optional[str] = ..., variant_id: _Optional[str] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted", "skipped_protected")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_PROTECTED_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    skipped_protected: int
+    def __init__(self, evicted: _Optional[int] = ..., skipped_protected: _Optional[int] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("variants",)
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    variants: int
+    def __init__(self, variants: _Optional[int] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("evicted", "skipped_protected")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_PROTECTED_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    skipped_protected: int
+    def __init__(self, evicted: _Optional[int] = ..., skipped_protected: _Optional[int] = ...) -> None: ...
+
+class ConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ConfigResponse(_message.Message):
+    __slots__ = ("toml",)
+    TOML_FIELD_NUMBER: _ClassVar[int]
+    toml: str
+    def __init__(self, toml: _Optional[str] = ...) -> None: ...
