@@ -1,0 +1,157 @@
+"""Selective attention: reference vs SDPA and vs a naive softmax, Triton vs reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvkernels import selective_attention_reference, selective_attention_triton
+
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
+}
+MASS_TOL = dict(atol=2e-6, rtol=1e-5)
+
+
+def _qkv(Hq: int, Hkv: int, R: int, T: int, D: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(Hq, R, D, generator=g).to(dtype)
+    k = torch.randn(Hkv, T, D, generator=g).to(dtype)
+    v = torch.randn(Hkv, T, D, generator=g).to(dtype)
+    return q, k, v
+
+
+def _sdpa_full_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    G = q.shape[0] // k.shape[0]
+    return F.scaled_dot_product_attention(
+        q[None], k.repeat_interleave(G, dim=0)[None], v.repeat_interleave(G, dim=0)[None], is_causal=True
+    )[0]
+
+
+def _naive_mass(q, q_pos, k, k_pos, segments, scale) -> torch.Tensor:
+    """Softmax the slow way, in float64, one (head, row) at a time."""
+    Hq, R, _ = q.shape
+    G = Hq // k.shape[0]
+    bounds = segments.tolist()
+    mass = torch.zeros(R, len(bounds) - 1, dtype=torch.float64)
+    for h in range(Hq):
+        for r in range(R):
+            visible = [j for j in range(k.shape[1]) if k_pos[j] <= q_pos[r]]
+            if not visible:
+                continue
+            logits = {j: float(q[h, r].double() @ k[h // G, j].double()) * scale for j in visible}
+            top = max(logits.values())
+            weights = {j: math.exp(s - top) for j, s in logits.items()}
+            total = sum(weights.values())
+            for s in range(len(bounds) - 1):
+                mass[r, s] += sum(w for j, w in weights.items() if bounds[s] <= j < bounds[s + 1]) / total / Hq
+    return mass.float()
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 1), (8, 1)])
+def test_reference_all_rows_equals_sdpa_causal(Hq: int, Hkv: int) -> None:
+    q, k, v = _qkv(Hq, Hkv, 33, 33, 16, torch.float32, seed=Hq)
+    pos = torch.arange(33)
+    out, mass = selective_attention_reference(q, pos, k, v, pos)
+    assert mass is None
+    torch.testing.assert_close(out, _sdpa_full_causal(q, k, v), **TOL[torch.float32])
+
+
+def test_reference_row_subset_equals_rows_of_full_sdpa() -> None:
+    T, D = 41, 32
+    q_all, k, v = _qkv(8, 2, T, T, D, torch.float32, seed=5)
+    rows = torch.randperm(T, generator=torch.Generator().manual_seed(5))[:9]  # random order
+    full = _sdpa_full_causal(q_all, k, v)
+    out, _ = selective_attention_reference(q_all[:, rows], rows, k, v, torch.arange(T))
+    torch.testing.assert_close(out, full[:, rows], **TOL[torch.float32])
+
+
+def test_reference_mass_equals_naive_softmax() -> None:
+    T, D = 19, 16
+    q, k, v = _qkv(4, 2, 6, T, D, torch.float32, seed=6)
+    q_pos = torch.tensor([18, 0, 7, 12, 3, 18])
+    k_pos = torch.arange(T)
+    segments = torch.tensor([0, 5, 5, 11, 19])  # includes an empty chunk
+    _, mass = selective_attention_reference(q, q_pos, k, v, k_pos, segments=segments)
+    expected = _naive_mass(q, q_pos, k, k_pos, segments, 1 / math.sqrt(D))
+    torch.testing.assert_close(mass, expected, **MASS_TOL)
+    assert mass[1, 0] == pytest.approx(1.0)  # row at position 0 sees only key 0
+    assert torch.all(mass[:, 1] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 1), (8, 1)], ids=["mha", "gqa4", "gqa8"])
+@pytest.mark.parametrize("R,T", [(1, 37), (13, 45), (50, 50)], ids=["one_row", "subset", "all_rows"])
+def test_triton_matches_reference(dtype: torch.dtype, Hq: int, Hkv: int, R: int, T: int) -> None:
+    seed = R * 1000 + T + Hq
+    q, k, v = _qkv(Hq, Hkv, R, T, 32, dtype, seed)
+    k_pos = torch.arange(T) + 100
+    q_pos = k_pos[torch.randperm(T, generator=torch.Generator().manual_seed(seed))[:R]]
+    segments = torch.tensor([0, 7, 7, T // 2, T])
+    expected, expected_mass = selective_attention_reference(q, q_pos, k, v, k_pos, segments=segments)
+    got, mass = selective_attention_triton(q, q_pos, k, v, k_pos, segments=segments)
+    assert got.dtype == dtype and mass.dtype == torch.float32 and mass.shape == (R, 4)
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
+    torch.testing.assert_close(mass, expected_mass, **MASS_TOL)
+    torch.testing.assert_close(mass.sum(dim=1), torch.ones(R), **MASS_TOL)
+
+
+def test_triton_without_segments_returns_no_mass_and_sdpa_rows() -> None:
+    q_all, k, v = _qkv(4, 2, 20, 20, 16, torch.float32, seed=7)
+    rows = torch.tensor([19, 3, 8, 0, 11])
+    out, mass = selective_attention_triton(q_all[:, rows], rows, k, v, torch.arange(20))
+    assert mass is None
+    torch.testing.assert_close(out, _sdpa_full_causal(q_all, k, v)[:, rows], **TOL[torch.float32])
+
+
+def test_triton_keys_out_of_position_order_and_odd_head_dim() -> None:
+    # The mask is by position, not by key index: a shuffled cache gives the same output,
+    # and a non-power-of-two head dim is padded inside the kernel.
+    T, D = 29, 24
+    q, k, v = _qkv(4, 2, 8, T, D, torch.float32, seed=8)
+    k_pos = torch.arange(T)
+    q_pos = torch.tensor([28, 0, 14, 5, 21, 9, 2, 17])
+    perm = torch.randperm(T, generator=torch.Generator().manual_seed(8))
+    got, _ = selective_attention_triton(q, q_pos, k[:, perm], v[:, perm], k_pos[perm])
+    expected, _ = selective_attention_reference(q, q_pos, k, v, k_pos)
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
+def test_triton_strided_inputs_and_custom_scale() -> None:
+    T, D = 27, 32
+    k = torch.randn(T, 2, D).transpose(0, 1)  # [Hkv, T, D] views of [T, H, D] buffers
+    v = torch.randn(T, 2, D).transpose(0, 1)
+    q = torch.randn(6, 4, D).transpose(0, 1)
+    pos = torch.arange(T)
+    q_pos = torch.tensor([26, 1, 13, 20, 7, 26])
+    got, mass = selective_attention_triton(q, q_pos, k, v, pos, scale=0.3, segments=torch.tensor([0, 10, T]))
+    expected, expected_mass = selective_attention_reference(
+        q.contiguous(), q_pos, k.contiguous(), v.contiguous(), pos, scale=0.3, segments=torch.tensor([0, 10, T])
+    )
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])
+    torch.testing.assert_close(mass, expected_mass, **MASS_TOL)
+
+
+@pytest.mark.parametrize("impl", [selective_attention_reference, selective_attention_triton], ids=["reference", "triton"])
+def test_row_that_sees_no_key_outputs_zero(impl) -> None:
+    q, k, v = _qkv(2, 1, 2, 18, 16, torch.float32, seed=9)
+    k_pos = torch.arange(18) + 10
+    q_pos = torch.tensor([5, 20])  # row 0 precedes every key
+    out, mass = impl(q, q_pos, k, v, k_pos, segments=torch.tensor([0, 9, 18]))
+    assert torch.all(out[:, 0] == 0) and torch.all(mass[0] == 0)
+    assert torch.isfinite(out).all() and mass[1].sum().item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_rejects_bad_segments_and_head_ratio() -> None:
+    q, k, v = _qkv(3, 2, 2, 8, 16, torch.float32, seed=10)
+    pos = torch.arange(8)
+    with pytest.raises(ValueError, match="multiple"):
+        selective_attention_reference(q, pos[:2], k, v, pos)
+    q, k, v = _qkv(2, 2, 2, 8, 16, torch.float32, seed=10)
+    with pytest.raises(ValueError, match="segments"):
+        selective_attention_triton(q, pos[:2], k, v, pos, segments=torch.tensor([0, 5, 7]))
