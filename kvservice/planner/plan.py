@@ -260,6 +260,7 @@ class Planner:
                     by_tier[info.tier] = by_tier.get(info.tier, 0) + n
             s_new[k] = hist_len + i
 
+        hist_keys = tuple(history) if history else ()
         # State update (CRAFT §4.2 promotion / extension; §4.3 ChunkMap).
         if first and cfg.prefix_tree and order:
             self.cp_tree.update(order, [tokens[k] for k in order], count, p)
@@ -280,7 +281,7 @@ class Planner:
             load_s_per_layer=d.load_s_per_layer,
             compute_s_per_layer=d.compute_s_per_layer,
             store_tier=d.store_tier,
-            history=tuple(history) if history else (),
+            history=hist_keys,
             retrieved_tokens=retrieved_tokens,
         )
 

@@ -1,0 +1,117 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvservice.planner import (
+    FRESH, PREFIX, VARIANT, ChunkRef, InMemoryCatalog, PlanError, Planner, PlannerConfig,
+)
+
+from .helpers import key, variant
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(**cfg):
+    catalog = InMemoryCatalog()
+    planner = Planner(catalog, PlannerConfig(**cfg), clock=Clock())
+    catalog.listeners.append(planner)
+    return catalog, planner
+
+
+def refs(*names, tokens=10):
+    return [ChunkRef(key(n), tokens) for n in names]
+
+
+def test_first_turn_reordered_by_count_later_turn_keeps_retriever_order_and_drops_history():
+    catalog, planner = make()
+    for _ in range(3):
+        planner.plan("m", "", refs("hot"), 4)
+    p1 = planner.plan("m", "conv", refs("a", "hot", "b"), 4)
+    assert p1.first_turn and p1.order == (key("hot"), key("a"), key("b"))
+    p2 = planner.plan("m", "conv", refs("c", "b", "hot", "d"), 4)
+    assert not p2.first_turn
+    assert p2.order == (key("c"), key("d")) and p2.dropped == (key("b"), key("hot"))
+    assert p2.history == p1.order and p2.prefix_of(1) == p1.order + (key("c"),)
+
+
+def test_later_turn_uses_history_as_variant_context_and_no_prefix_tree():
+    catalog, planner = make()
+    p1 = planner.plan("m", "conv", refs("a"), 4)
+    # a variant of x computed behind [a]: exact for turn 2, where x follows history [a]
+    catalog.put(variant(key("x"), [key("a")]))
+    p2 = planner.plan("m", "conv", refs("x"), 4)
+    assert p2.chunks[0].source == VARIANT and p2.chunks[0].cfo == 0.0
+    assert p2.prefix == ()
+
+
+def test_variant_choice_and_recompute_tokens_in_plan():
+    catalog, planner = make(alpha=1.0)
+    v = variant(key("x"), [key("q")], tokens=10, a=1.0, b=1.0)
+    catalog.put(v)
+    plan = planner.plan("m", "", refs("x"), 4)
+    c = plan.chunks[0]
+    assert c.source == VARIANT and c.variant_id == v.variant_id
+    assert len(c.recompute) == 8  # CFO = sigmoid(1) * (1 - 0) = 0.731 -> ceil(7.31)
+    assert c.recompute == v.recompute_order[:8]
+    assert plan.reuse_cfo == ((v.variant_id, c.cfo),)
+    assert plan.computed_tokens == 8 and plan.retrieved_tokens == 10
+
+
+def test_first_turn_flag_overrides_conversation_inference():
+    catalog, planner = make()
+    for _ in range(3):
+        planner.plan("m", "", refs("a", "b"), 4)
+        catalog.put(variant(key("a"), []))
+        catalog.put(variant(key("b"), [key("a")]))
+    assert len(planner.plan("m", "", refs("a", "b"), 4).prefix) == 2
+    p = planner.plan("m", "forgotten", refs("a", "b"), 4, first_turn=False)
+    assert p.prefix == () and all(c.source != PREFIX for c in p.chunks)
+
+
+def test_bad_requests_raise_plan_error():
+    _, planner = make()
+    with pytest.raises(PlanError):
+        planner.plan("", "", refs("a"), 1)
+    with pytest.raises(PlanError):
+        planner.plan("m", "", [ChunkRef(key("a"), 0)], 1)
+    with pytest.raises(PlanError):
+        planner.plan("m", "", refs("a"), -1)
+
+
+def test_empty_request_plans_nothing():
+    _, planner = make()
+    p = planner.plan("m", "", [], 7)
+    assert p.chunks == () and p.computed_tokens == 0 and p.preload_depth == 1
+
+
+names = st.sampled_from("abcdef")
+steps = st.lists(st.tuples(st.sampled_from(["plan", "evict", "move"]),
+                           st.lists(names, max_size=4), st.sampled_from(["", "c1", "c2"])),
+                 max_size=30)
+
+
+@settings(max_examples=120, deadline=None)
+@given(steps)
+def test_plan_never_names_a_variant_that_is_not_stored(ops):
+    catalog, planner = make(promotion_threshold=2)
+    for op, ns, conv in ops:
+        if op == "plan":
+            plan = planner.plan("m", conv, refs(*ns), 3)
+            for c in plan.chunks:
+                if c.variant_id is not None:
+                    info = catalog.get(c.variant_id)
+                    assert info is not None and info.tier == c.tier and info.chunk_key == c.chunk_key
+                if c.source != PREFIX:
+                    catalog.put(variant(c.chunk_key, plan.prefix_of(c.position)))
+            assert sorted(plan.order + plan.dropped) == sorted(key(n) for n in ns)
+        elif op == "evict" and len(catalog):
+            vid = sorted(catalog._by_id)[len(ns) % len(catalog)]
+            catalog.evict(vid)
+        elif op == "move" and len(catalog):
+            vid = sorted(catalog._by_id)[len(ns) % len(catalog)]
+            catalog.move(vid, "disk")
