@@ -1,0 +1,243 @@
+"""Reference Llama-family engine, written for per-layer control of a blended prefill.
+
+One file, gpt-fast style. The engine owns the weights and the per-layer math on a
+SELECTED set of rows (token positions); the blend driver (`blend.py`) owns the loop,
+RoPE and the merged KV cache. Q and K leave `qkv` without rotary embedding, so a
+chunk's K can be stored RoPE-free and rotated to any new position later.
+
+`prefill` is the plain full prefill (causal SDPA, RoPE from the engine's own
+config): the ground truth a blended prefill is checked against.
+
+Shapes: T prompt tokens, R selected rows, d hidden, Hq/Hkv heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvclient.keys import ModelSpec
+
+from kvkernels import RopeConfig, apply_rope, selective_attention
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3 RoPE scaling as (key, value) pairs from HF "rope_scaling"; empty = none.
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+
+    @classmethod
+    def named(cls, name: str) -> "LlamaConfig":
+        """Named shapes: `tiny` (mechanics and tests) and `llama3-8b` (Meta-Llama-3-8B)."""
+        shapes = {
+            "tiny": cls("tiny", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
+                        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                        max_position_embeddings=2048),
+            "llama3-8b": cls("llama3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                             rope_theta=500000.0),
+        }
+        if name not in shapes:
+            raise ValueError(f"unknown model shape {name!r}; known: {sorted(shapes)}")
+        return shapes[name]
+
+    @classmethod
+    def from_hf(cls, hf: dict, name: str | None = None) -> "LlamaConfig":
+        """From an HF config.json dict (transformers 4 `rope_theta`/`rope_scaling`, or 5 `rope_parameters`)."""
+        params = dict(hf.get("rope_parameters") or {})
+        theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = params if params.get("rope_type", "default") != "default" else dict(hf.get("rope_scaling") or {})
+        return cls(
+            name=name or hf.get("_name_or_path") or hf.get("model_type", "llama"),
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=tuple(sorted(scaling.items())),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+        )
+
+    def to_hf(self) -> dict:
+        """HF config.json content (transformers 5 `rope_parameters` form)."""
+        rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": self.name,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
+            "rope_parameters": rope, "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False, "mlp_bias": False,
+        }
+
+    def rope(self) -> RopeConfig:
+        return RopeConfig.from_hf_config(self.to_hf())
+
+
+def rope_for_spec(spec: ModelSpec) -> RopeConfig:
+    """The RoPE a stored cache of `spec` was keyed with: the adapter rotates with this one."""
+    rope = {"rope_type": "default", **dict(spec.rope_scaling), "rope_theta": spec.rope_theta}
+    return RopeConfig.from_hf_config({"head_dim": spec.head_dim, "rope_parameters": rope})
+
+
+def _hf_names(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """HF parameter names -> shapes."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    names = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names |= {
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (cfg.num_heads * hd, d),
+            p + "self_attn.k_proj.weight": (cfg.num_kv_heads * hd, d),
+            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * hd, d),
+            p + "self_attn.o_proj.weight": (d, cfg.num_heads * hd),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
+            p + "mlp.down_proj.weight": (d, cfg.intermediate_size),
+        }
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = (cfg.vocab_size, d)
+    return names
+
+
+class LlamaEngine:
+    """Weights + per-layer primitives on selected rows.
+
+    `rope` is the RoPE the engine's own `prefill` uses (default: from `cfg`). It exists
+    separately so a misconfigured engine can be built on purpose (the reuse probe's test).
+    """
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, Tensor], *, rope: RopeConfig | None = None):
+        missing = set(_hf_names(cfg)) - set(weights)
+        if missing:
+            raise ValueError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        self.cfg = cfg
+        self.w = weights
+        self.dtype = weights["model.embed_tokens.weight"].dtype
+        self.rope = rope or cfg.rope()
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    @classmethod
+    def random(cls, cfg: LlamaConfig | str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+               std: float = 0.02, **kw) -> "LlamaEngine":
+        """Random weights (seeded); norms at 1 as in a freshly initialised HF model."""
+        cfg = LlamaConfig.named(cfg) if isinstance(cfg, str) else cfg
+        g = torch.Generator().manual_seed(seed)
+        w = {n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * std).to(dtype)
+             for n, s in _hf_names(cfg).items()}
+        return cls(cfg, w, **kw)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None, **kw) -> "LlamaEngine":
+        """An HF directory with config.json and model.safetensors (HF parameter names)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        hf = json.loads((path / "config.json").read_text())
+        cfg = LlamaConfig.from_hf(hf, name=path.name)
+        w = load_file(str(path / "model.safetensors"))
+        if cfg.tie_word_embeddings:
+            w.pop("lm_head.weight", None)
+        if dtype is not None:
+            w = {k: v.to(dtype) for k, v in w.items()}
+        return cls(cfg, w, **kw)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        hf = self.cfg.to_hf() | {"dtype": str(self.dtype).removeprefix("torch.")}
+        (path / "config.json").write_text(json.dumps(hf, indent=2))
+        save_file({k: v.contiguous() for k, v in self.w.items()}, str(path / "model.safetensors"))
+
+    def model_spec(self) -> ModelSpec:
+        c = self.cfg
+        return ModelSpec(name=c.name, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                         head_dim=c.head_dim, dtype=str(self.dtype).removeprefix("torch."),
+                         rope_theta=c.rope_theta, rope_scaling=c.rope_scaling)
+
+    # ---- per-layer primitives on selected rows -------------------------------------------
+
+    def _norm(self, x: Tensor, name: str) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return self.w[name] * xf.to(x.dtype)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.w["model.embed_tokens.weight"][tokens]  # [R, d]
+
+    def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Pre-RoPE q [Hq,R,D], k [Hkv,R,D], v [Hkv,R,D] for hidden rows h [R, d]."""
+        p, c = f"model.layers.{layer}.", self.cfg
+        x = self._norm(h, p + "input_layernorm.weight")  # [R, d]
+        q = (x @ self.w[p + "self_attn.q_proj.weight"].T).view(-1, c.num_heads, c.head_dim)
+        k = (x @ self.w[p + "self_attn.k_proj.weight"].T).view(-1, c.num_kv_heads, c.head_dim)
+        v = (x @ self.w[p + "self_attn.v_proj.weight"].T).view(-1, c.num_kv_heads, c.head_dim)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, R, D]
+
+    def attend(self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
+               segments: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Selective attention of rotated q [Hq,R,D] over rotated k/v [Hkv,T,D] (position-causal)."""
+        return selective_attention(q, q_pos, k, v, k_pos, scale=self.scale, segments=segments)
+
+    def attn_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
+        """Residual + o_proj of attention output o [Hq,R,D] -> h [R, d]."""
+        o = o.transpose(0, 1).reshape(o.shape[1], -1)  # [R, Hq*D]
+        return h + o @ self.w[f"model.layers.{layer}.self_attn.o_proj.weight"].T
+
+    def mlp(self, layer: int, h: Tensor) -> Tensor:
+        p = f"model.layers.{layer}."
+        x = self._norm(h, p + "post_attention_layernorm.weight")
+        x = F.silu(x @ self.w[p + "mlp.gate_proj.weight"].T) * (x @ self.w[p + "mlp.up_proj.weight"].T)
+        return h + x @ self.w[p + "mlp.down_proj.weight"].T  # [R, d]
+
+    def logits(self, h: Tensor) -> Tensor:
+        head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+        return self._norm(h, "model.norm.weight") @ head.T  # [R, V]
+
+    # ---- plain full prefill ------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, tokens: Tensor, start_pos: int = 0) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """Logits [T, V] and per-layer KV (K post-RoPE [Hkv,T,D], V) of tokens at start_pos.."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        pos = torch.arange(start_pos, start_pos + len(tokens))
+        h = self.embed(tokens)  # [T, d]
+        kv = []
+        for layer in range(self.cfg.num_layers):
+            q, k, v = self.qkv(layer, h)
+            q, k = apply_rope(q, pos, self.rope), apply_rope(k, pos, self.rope)
+            kv.append((k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            h = self.mlp(layer, self.attn_out(layer, h, o))
+        return self.logits(h), kv
+
+
+__all__ = ["LlamaConfig", "LlamaEngine", "rope_for_spec"]
