@@ -1,0 +1,80 @@
+"""A prompt as ordered segments: chunks (reused or fresh) and the question at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from kvclient.keys import chunk_key
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One span of the prompt.
+
+    tokens        token ids of the span.
+    key           chunk key (`kvclient.keys.chunk_key`); computed from the tokens when empty.
+    cached        a stored variant of this chunk arrives through the LayerSource.
+    cached_prefix chunk keys the stored variant was computed behind, in order (the
+                  `prefix` policy reuses a chunk only when this equals the chunks before it).
+    recompute     token indices inside the chunk to recompute (the plan's Cache-Craft
+                  top-N list, eq. 14); used by the `cachecraft` policy.
+    question      the user question / suffix: never cached, always computed, last.
+    """
+
+    tokens: tuple[int, ...]
+    key: str = ""
+    cached: bool = False
+    cached_prefix: tuple[str, ...] = ()
+    recompute: tuple[int, ...] = ()
+    question: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "cached_prefix", tuple(self.cached_prefix))
+        object.__setattr__(self, "recompute", tuple(sorted({int(i) for i in self.recompute})))
+        if not self.tokens:
+            raise ValueError("a segment needs at least one token")
+        if self.question and self.cached:
+            raise ValueError("the question is never cached")
+        if self.recompute and not 0 <= self.recompute[0] <= self.recompute[-1] < len(self.tokens):
+            raise ValueError(f"recompute indices {self.recompute} outside a chunk of {len(self.tokens)} tokens")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every segment sits in the prompt. Positions are 0..N-1 in segment order."""
+
+    segments: tuple[Segment, ...]
+    keys: tuple[str, ...]  # chunk key per segment ("" for the question)
+    tokens: Tensor  # [N] long
+    bounds: Tensor  # [S+1] long: segment s spans rows bounds[s]:bounds[s+1]
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment], model_id: str) -> "Layout":
+        segments = tuple(segments)
+        if not segments:
+            raise ValueError("empty prompt")
+        if any(s.question for s in segments[:-1]):
+            raise ValueError("the question must be the last segment")
+        keys = tuple("" if s.question else (s.key or chunk_key(model_id, s.tokens)) for s in segments)
+        lens = torch.tensor([len(s.tokens) for s in segments])
+        bounds = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+        tokens = torch.tensor([t for s in segments for t in s.tokens], dtype=torch.long)
+        return cls(segments, keys, tokens, bounds)
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    def rows(self, s: int) -> Tensor:
+        return torch.arange(int(self.bounds[s]), int(self.bounds[s + 1]))
+
+    def span(self, s: int) -> slice:
+        return slice(int(self.bounds[s]), int(self.bounds[s + 1]))
+
+    def chunk_indices(self) -> list[int]:
+        return [s for s, seg in enumerate(self.segments) if not seg.question]

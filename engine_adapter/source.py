@@ -1,0 +1,39 @@
+"""Where the reused chunks' stored KV comes from, one layer at a time."""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Protocol, Sequence
+
+from torch import Tensor
+
+LayerKV = dict[int, tuple[Tensor, Tensor]]
+
+
+class LayerSource(Protocol):
+    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
+        """KV of `layer` for each reused chunk (chunk index -> (K [Hkv,T,D] RoPE-free, V)),
+        blocking at most until `deadline` (time.monotonic()). Chunks missing, late or
+        corrupt are simply absent from the dict.
+
+        Called once per layer, in layer order, only while some reused chunk is still
+        served from the cache. Chunk indices are segment indices of the prompt.
+        """
+        ...
+
+
+class InMemoryLayerSource:
+    """Every layer already in memory: chunk index -> per-layer (K RoPE-free, V).
+
+    `withhold` lists (chunk, layer) pairs that never arrive: the same thing the
+    driver sees from a fetch that misses its deadline, so tests need no sleeping.
+    """
+
+    def __init__(self, kv: Mapping[int, Sequence[tuple[Tensor, Tensor]]],
+                 withhold: Iterable[tuple[int, int]] = ()):
+        self.kv = dict(kv)
+        self.withhold = set(withhold)
+        self.requested: list[int] = []  # layers asked for, in order
+
+    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
+        self.requested.append(layer)
+        return {c: layers[layer] for c, layers in self.kv.items() if (c, layer) not in self.withhold}

@@ -1,0 +1,65 @@
+"""Helpers for the engine_adapter tests: RAG-shaped prompts with stored variants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_adapter.blend import FreshChunk, blend_prefill
+from engine_adapter.llama import LlamaEngine
+from engine_adapter.policy import Policy
+from engine_adapter.probe import TRUSTED
+from engine_adapter.prompt import Segment
+from engine_adapter.source import InMemoryLayerSource
+
+
+def variant(engine: LlamaEngine, prefix: list[list[int]], chunk: list[int]) -> FreshChunk:
+    """The stored variant of `chunk` computed behind `prefix` chunks (as a previous request made it)."""
+    segs = [Segment(c) for c in prefix] + [Segment(chunk)]
+    return blend_prefill(engine, segs, Policy("full"), InMemoryLayerSource({}), gate=TRUSTED).fresh[len(prefix)]
+
+
+@dataclass
+class Prompt:
+    chunks: list[list[int]]
+    question: list[int]
+    cache: dict[int, FreshChunk]  # chunk index -> stored variant
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return torch.tensor(sum(self.chunks, []) + self.question)
+
+    def segments(self, recompute: float = 0.0) -> list[Segment]:
+        """Every chunk cached; the plan recomputes the top `recompute` fraction by eq. 14."""
+        out = []
+        for i, c in enumerate(self.chunks):
+            tia = torch.tensor(self.cache[i].stats.token_inter_attention)
+            n = round(recompute * len(c))
+            top = tia.topk(n).indices.tolist() if n else []
+            out.append(Segment(c, cached=True, cached_prefix=self.cache[i].prefix, recompute=top))
+        return out + [Segment(self.question, question=True)]
+
+    def source(self, withhold=()) -> InMemoryLayerSource:
+        return InMemoryLayerSource({i: v.kv for i, v in self.cache.items()}, withhold=withhold)
+
+
+def make_prompt(engine: LlamaEngine, seed: int, *, behind: str = "other", n_chunks: int = 4,
+                chunk_len: int = 24, question_len: int = 6) -> Prompt:
+    """behind="other": each chunk cached behind an unrelated chunk (the usual RAG case);
+    "same": cached behind exactly the chunks before it here (exact KV)."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(0, engine.cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    chunks = [rand(chunk_len) for _ in range(n_chunks)]
+    question = rand(question_len)
+    if behind == "same":
+        r = blend_prefill(engine, [Segment(c) for c in chunks], Policy("full"), InMemoryLayerSource({}),
+                          gate=TRUSTED)
+        cache = dict(r.fresh)
+    else:
+        cache = {i: variant(engine, [rand(chunk_len)], c) for i, c in enumerate(chunks)}
+    return Prompt(chunks, question, cache)
+
+
+def rel_dev(logits: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((logits - ref).norm() / ref.norm())

@@ -1,0 +1,196 @@
+"""Blended prefill against full prefill: exactness at 100%, quality between naive and full,
+RoPE exactness, fallbacks for late/missing/corrupt layers, statistics of fresh chunks."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from adapter_helpers import make_prompt, rel_dev, variant
+from engine_adapter.blend import blend_prefill
+from engine_adapter.llama import rope_for_spec
+from engine_adapter.policy import Policy
+from engine_adapter.probe import TRUSTED
+from engine_adapter.prompt import Segment
+from engine_adapter.source import InMemoryLayerSource
+from kvclient.keys import chunk_key
+from kvkernels import apply_rope
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return [make_prompt(engine, seed) for seed in range(3)]
+
+
+def _blend(engine, prompt, policy, recompute=0.0, **kw):
+    return blend_prefill(engine, prompt.segments(recompute), policy, kw.pop("source", prompt.source()),
+                         gate=TRUSTED, **kw)
+
+
+@pytest.mark.parametrize("policy,recompute", [
+    (Policy("full"), 0.0), (Policy("cachecraft"), 1.0), (Policy("cacheblend", ratio=1.0), 0.0)])
+def test_full_recompute_reproduces_full_prefill(engine, prompts, policy, recompute):
+    p = prompts[0]
+    ref_logits, ref_kv = engine.prefill(p.tokens)
+    r = _blend(engine, p, policy, recompute)
+    assert (r.logits - ref_logits[-1]).abs().max() < 1e-4
+    for (k, v), (rk, rv) in zip(r.kv, ref_kv, strict=True):
+        assert (k - rk).abs().max() < 1e-4 and (v - rv).abs().max() < 1e-4
+
+
+def test_naive_reuse_deviates_measurably(engine, prompts):
+    p = prompts[0]
+    r = _blend(engine, p, Policy("naive"))
+    assert r.reuse and r.recomputed_rows == [0] * engine.cfg.num_layers
+    assert rel_dev(r.logits, engine.prefill(p.tokens)[0][-1]) > 0.1
+
+
+@pytest.mark.parametrize("name", ["cachecraft", "cacheblend"])
+def test_partial_recompute_sits_between_naive_and_full_and_improves_with_ratio(engine, prompts, name):
+    ratios = [0.15, 0.3, 0.5, 0.75]
+    refs = [engine.prefill(p.tokens)[0][-1] for p in prompts]
+
+    def mean_dev(policy, recompute=0.0):
+        return sum(rel_dev(_blend(engine, p, policy, recompute).logits, ref)
+                   for p, ref in zip(prompts, refs)) / len(prompts)
+
+    naive = mean_dev(Policy("naive"))
+    if name == "cachecraft":
+        devs = [mean_dev(Policy("cachecraft"), r) for r in ratios]
+    else:
+        devs = [mean_dev(Policy("cacheblend", ratio=r)) for r in ratios]
+    assert naive > devs[0] and devs[-1] > 1e-3  # strictly between naive and exact
+    assert all(a > b for a, b in zip(devs, devs[1:])), devs
+
+
+def test_cacheblend_filters_gradually(engine, prompts):
+    p = prompts[0]
+    r = _blend(engine, p, Policy("cacheblend", ratio=0.2, filter_layers=3))
+    reused = sum(len(c) for c in p.chunks)
+    assert r.recomputed_rows[0] == reused  # full deviation on the first layer
+    assert r.recomputed_rows[1] > r.recomputed_rows[2] > r.recomputed_rows[3] >= 0.2 * reused
+    assert r.recomputed_rows[3] <= 0.2 * reused + 1
+
+
+def test_reused_chunk_at_new_position_equals_computing_it_there_alone(engine):
+    chunk = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(7)).tolist()
+    stored = variant(engine, [], chunk)  # computed alone at positions 0..23
+    assert stored.stats.a == 0 and stored.stats.prefix_attention == ()
+    rope, start = rope_for_spec(engine.model_spec()), 301
+    _, there = engine.prefill(torch.tensor(chunk), start_pos=start)
+    pos = torch.arange(start, start + len(chunk))
+    for (k, v), (k_there, v_there) in zip(stored.kv, there, strict=True):
+        assert (apply_rope(k, pos, rope) - k_there).abs().max() < 1e-5
+        assert (v - v_there).abs().max() < 1e-5
+
+
+def test_prefix_policy_reuses_only_the_exact_prefix_run(engine):
+    p = make_prompt(engine, 11, behind="same")
+    other = make_prompt(engine, 12)
+    p.cache[2] = variant(engine, [other.chunks[0]], p.chunks[2])  # behind another prefix: the run stops
+    src = p.source()
+    r = blend_prefill(engine, p.segments(), Policy("prefix"), src, gate=TRUSTED)
+    assert r.reused_tokens == len(p.chunks[0]) + len(p.chunks[1])
+    assert (r.logits - engine.prefill(p.tokens)[0][-1]).abs().max() < 1e-4  # a prefix cache is exact
+    assert set(r.fresh) == {2, 3}
+
+
+def test_missing_layer_is_computed_from_layer_zero_and_matches_full_prefill(engine, caplog):
+    p = make_prompt(engine, 21, behind="same")  # exact stored KV: any error is the fallback's
+    ref = engine.prefill(p.tokens)[0][-1]
+    assert (_blend(engine, p, Policy("naive")).logits - ref).abs().max() < 1e-4
+    with caplog.at_level(logging.WARNING, logger="engine_adapter.blend"):
+        r = _blend(engine, p, Policy("naive"), source=p.source(withhold={(1, 2)}))
+    assert r.fallbacks == [(1, 2)]
+    assert (r.logits - ref).abs().max() < 1e-4
+    assert r.recomputed_rows == [0, 0, len(p.chunks[1]), len(p.chunks[1])]
+    assert sum("layer 2 of chunk(s) [1] absent" in m for m in caplog.messages) == 1
+
+
+def test_corrupt_layer_is_treated_as_missing(engine):
+    p = make_prompt(engine, 21, behind="same")
+    src = p.source()
+    k, v = src.kv[2][0]
+    src.kv[2] = [(k[:, :-1], v[:, :-1])] + list(src.kv[2][1:])  # layer 0 of chunk 2: wrong shape
+    r = _blend(engine, p, Policy("naive"), source=src)
+    assert r.fallbacks == [(2, 0)]
+    assert (r.logits - engine.prefill(p.tokens)[0][-1]).abs().max() < 1e-4
+
+
+class _NeverArrives:
+    """A fetch that never delivers: returns at its deadline with nothing (deadline in the past)."""
+
+    def __init__(self):
+        self.budgets: list[float] = []
+
+    def wait_layer(self, layer, deadline):
+        self.budgets.append(deadline - time.monotonic())
+        return {}
+
+
+def test_source_that_never_delivers_yields_full_prefill(engine, prompts):
+    p, src = prompts[1], _NeverArrives()
+    r = _blend(engine, p, Policy("cacheblend", ratio=0.15, layer_budget_s=0.0), source=src)
+    assert (r.logits - engine.prefill(p.tokens)[0][-1]).abs().max() < 1e-4
+    assert sorted(r.fallbacks) == [(c, 0) for c in range(4)]
+    assert len(src.budgets) == 1 and src.budgets[0] <= 0.0  # asked once, then nothing is live
+    assert len(r.timings) == engine.cfg.num_layers
+
+
+def test_wait_deadline_is_the_per_layer_budget(engine, prompts):
+    src = _NeverArrives()
+    _blend(engine, prompts[1], Policy("naive", layer_budget_s=0.25), source=src)
+    assert 0.0 < src.budgets[0] <= 0.25
+
+
+def test_fresh_chunks_carry_rope_free_kv_and_attention_stats(engine, tmp_path):
+    g = torch.Generator().manual_seed(5)
+    a, b, q = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 24, 6))
+    r = blend_prefill(engine, [Segment(a), Segment(b), Segment(q, question=True)], Policy("full"),
+                      InMemoryLayerSource({}), gate=TRUSTED)
+    assert set(r.fresh) == {0, 1}
+    assert r.fresh[0].prefix == () and r.fresh[1].prefix == (chunk_key(engine.model_spec().fingerprint(), a),)
+    # Independent truth: transformers' eager attention probabilities, same weights.
+    engine.save_pretrained(tmp_path)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        att = hf(torch.tensor([a + b + q]), output_attentions=True).attentions  # L x [1, H, N, N]
+    A, B = slice(0, 20), slice(20, 44)
+    L = len(att)
+    inter = sum(x[0].mean(0)[B, A].sum() for x in att)  # eq. 3 summed over layers
+    intra = sum(x[0].mean(0)[B, B].sum() for x in att)  # eq. 4
+    tok = sum(x[0].mean(0)[B, A].sum(1) for x in att)  # eq. 14 input
+    s = r.fresh[1].stats
+    assert s.a == pytest.approx(float(inter) / (L * 24), abs=1e-5)
+    assert s.b == pytest.approx(float(intra) / (L * 24), abs=1e-5)
+    assert s.prefix_attention == pytest.approx([s.a], abs=1e-6)
+    assert torch.allclose(torch.tensor(s.token_inter_attention), tok, atol=1e-5)
+    assert r.fresh[0].stats.a == 0 and r.fresh[0].stats.b == pytest.approx(1.0, abs=1e-5)
+    # Stored K is RoPE-free: rotating it to its positions gives the merged (post-RoPE) cache.
+    rope = rope_for_spec(engine.model_spec())
+    k_b, v_b = r.fresh[1].kv[2]
+    assert torch.allclose(apply_rope(k_b, torch.arange(20, 44), rope), r.kv[2][0][:, B], atol=1e-6)
+    assert torch.equal(v_b, r.kv[2][1][:, B])
+
+
+def test_focused_chunk_detection_stops_recomputing_unfocused_chunks(engine, prompts):
+    p = prompts[2]
+    plain = _blend(engine, p, Policy("cachecraft"), 0.5)
+    early = _blend(engine, p, Policy("cachecraft", focus_window=1), 0.5)
+    assert plain.focused is None and early.focused is not None and early.focus_layer is not None
+    L = early.focus_layer
+    assert early.recomputed_rows[: L + 1] == plain.recomputed_rows[: L + 1]
+    unfocused = [c for c in range(4) if c not in early.focused]
+    assert unfocused, "the test prompt must leave some chunk unfocused"
+    dropped = sum(len(p.segments(0.5)[c].recompute) for c in unfocused)
+    assert early.recomputed_rows[L + 1] == plain.recomputed_rows[L + 1] - dropped
+
+
+def test_question_must_be_last(engine):
+    with pytest.raises(ValueError, match="last segment"):
+        blend_prefill(engine, [Segment([1, 2], question=True), Segment([3])], Policy("full"),
+                      InMemoryLayerSource({}))
