@@ -1,0 +1,55 @@
+"""Policy rules on their own: prefix run, HKVD ratio schedule, Alg. 1 focused chunks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_adapter.policy import FocusTracker, Policy, focused_chunks
+from engine_adapter.prompt import Layout, Segment
+
+
+def test_prefix_run_stops_at_the_first_chunk_cached_behind_another_prefix():
+    lay = Layout.of([Segment([1, 2], key="a"), Segment([3], key="b"), Segment([4], key="c"),
+                     Segment([5], key="d"), Segment([6], question=True)], "model")
+    segs = [Segment([1, 2], key="a", cached=True), Segment([3], key="b", cached=True, cached_prefix=("a",)),
+            Segment([4], key="c", cached=True, cached_prefix=("x",)),
+            Segment([5], key="d", cached=True, cached_prefix=("a", "b", "c")), lay.segments[-1]]
+    lay = Layout.of(segs, "model")
+    assert Policy("prefix").reused(lay) == [0, 1]
+    assert Policy("naive").reused(lay) == [0, 1, 2, 3]
+    assert Policy("full").reused(lay) == []
+
+
+def test_hkvd_ratios_fall_from_r1_to_r_then_stay():
+    p = Policy("cacheblend", ratio=0.2, first_ratio=0.5, filter_layers=4)
+    ratios = [p.hkvd_ratio(layer, 32) for layer in range(6)]
+    assert ratios[:4] == pytest.approx([0.5, 0.4, 0.3, 0.2])
+    assert ratios[4:] == [None, None]
+    assert Policy("cachecraft").hkvd_ratio(0, 32) is None
+
+
+def test_policy_validation():
+    for bad in (dict(name="lru"), dict(name="cacheblend", ratio=1.5),
+                dict(name="cacheblend", ratio=0.3, first_ratio=0.2), dict(name="naive", layer_budget_s=-1)):
+        with pytest.raises(ValueError):
+            Policy(**bad)
+
+
+def test_focused_chunks_are_a_top_run_of_the_ranking():
+    scores = [0.1, 5.0, 0.3, 4.0, 0.2]
+    f = focused_chunks(scores)
+    ranking = sorted(range(5), key=lambda i: -scores[i])
+    assert f == frozenset(ranking[: len(f)]) and 1 <= len(f) <= 3
+    assert focused_chunks([1.0, 2.0]) == {0, 1}  # too few chunks to cut
+    assert focused_chunks([1.0, 1.0, 1.0]) == {0, 1, 2}  # no gap: nothing to cut
+
+
+def test_focus_tracker_decides_after_window_stable_layers():
+    t = FocusTracker([10, 11, 12, 13], window=2)
+    seq = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 5, 0, 0], [0, 5, 0, 0], [0, 5, 0, 0]]
+    decided = [t.update(layer, x) for layer, x in enumerate(seq)]
+    first = next(i for i, d in enumerate(decided) if d is not None)
+    assert t.layer == first and t.focused == decided[first]
+    assert first >= 2 and 11 in t.focused
+    assert all(d is None for d in decided[first + 1:])  # decided once
+    assert FocusTracker([0, 1, 2], window=0).update(0, [1, 2, 3]) is None
