@@ -1,0 +1,225 @@
+"""Synthetic multi-hop retrieval task where cross-chunk attention is required.
+
+A prompt is a list of retrieved chunks followed by one question. Chunks are short
+profiles that form *chains*, the way a document split by a chunker leaves
+pronouns whose referent sits in the previous chunk:
+
+    chunk 0: "alice lives in paris and works as a baker . their friend is bob ."
+    chunk 1: "they live in rome and work as a pilot . their friend is carol ."
+    chunk 2: "the weather in oslo was cold and the nurse stayed home all day ."
+    chunk 3: "dave lives in lima and works as a judge . their friend is erin ."
+    chunk 4: "they live in kyiv and work as a chef . their friend is frank ."
+
+"they" in chunk 1 is bob, named at the end of chunk 0. So "where does bob live ?"
+needs two chunks (chunk 0 names bob as a friend, chunk 1 says where "they" live),
+and "where does the friend of alice live ?" is a 2-hop chain over the same two.
+Weather chunks are distractors that carry cities and jobs but no person. With a
+causal model, the only tokens that can bind "rome" to bob are chunk 1's, attending
+back into chunk 0 (Cache-Craft §2.4, CacheBlend §3: cross-chunk attention). A chunk
+KV computed alone, with no prefix, cannot carry that binding, which is what the
+naive-reuse check measures.
+
+Question kinds (``Example.kind``):
+  ``local``  about a chain head (named in its own chunk): one chunk suffices.
+  ``cross``  about a person introduced as a friend: needs the naming chunk and the
+             "they" chunk after it.
+  ``hop2``   "the friend of X": X's chunk names the friend, the next chunk holds
+             the fact.
+Answers are one word; the model must emit it then ``<eos>``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+NAMES = (
+    "alice bob carol dave erin frank grace heidi ivan judy kevin laura mike nina "
+    "oscar peggy quinn rita sam tina uma victor wendy xavier yara zach amir bella "
+    "chen dora elias fiona gavin hana igor jonas kira leo maya nils olga pablo "
+    "rosa sven tara ugo vera wade yuri zoe"
+).split()
+CITIES = (
+    "paris rome oslo lima kyiv cairo delhi tokyo seoul dublin madrid lisbon vienna "
+    "prague warsaw berlin munich zurich geneva milan naples athens sofia riga "
+    "tallinn quito bogota havana denver boston austin dallas miami toronto perth"
+).split()
+JOBS = (
+    "baker pilot nurse judge chef farmer singer doctor lawyer painter tailor "
+    "sailor miner poet dentist builder teacher writer plumber driver"
+).split()
+FILLER = "lives live in and works work as a . their friend is they the weather was cold stayed home all day".split()
+QUESTION_WORDS = "where does what job have who of ?".split()
+
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<eos>")
+PAD, UNK, EOS = SPECIAL_TOKENS
+
+
+def vocabulary() -> list[str]:
+    """Every word the task can produce, specials first; fixed order = fixed ids."""
+    words: list[str] = list(SPECIAL_TOKENS)
+    for w in (*NAMES, *CITIES, *JOBS, *FILLER, *QUESTION_WORDS):
+        if w not in words:
+            words.append(w)
+    return words
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt: retrieved chunks (words), a question, and its one-word answer."""
+
+    chunks: tuple[str, ...]
+    question: str
+    answer: str
+    kind: str  # "local" | "cross" | "hop2"
+    # Indices of the chunks whose content the answer depends on.
+    needed_chunks: tuple[int, ...]
+
+    def prompt_text(self) -> str:
+        return " ".join(self.chunks) + " " + self.question
+
+
+@dataclass(frozen=True)
+class _Person:
+    name: str
+    city: str
+    job: str
+    friend: str
+    chunk: int  # the chunk holding this person's facts
+    named_in: int  # the chunk that names them (== chunk for a chain head)
+
+
+def _head_chunk(name: str, city: str, job: str, friend: str) -> str:
+    return f"{name} lives in {city} and works as a {job} . their friend is {friend} ."
+
+
+def _cont_chunk(city: str, job: str, friend: str) -> str:
+    return f"they live in {city} and work as a {job} . their friend is {friend} ."
+
+
+def _weather_chunk(city: str, job: str) -> str:
+    return f"the weather in {city} was cold and the {job} stayed home all day ."
+
+
+def _chain_lengths(rng: random.Random, n_person_chunks: int) -> list[int]:
+    """Split the person chunks into chains of length >= 2 (one chain allowed)."""
+    if n_person_chunks < 4 or rng.random() < 0.4:
+        return [n_person_chunks]
+    first = rng.randint(2, n_person_chunks - 2)
+    return [first, n_person_chunks - first]
+
+
+# Weights of question kinds; most questions must cross a chunk boundary.
+KIND_WEIGHTS = {"local": 0.2, "cross": 0.5, "hop2": 0.3}
+
+
+@dataclass(frozen=True)
+class Context:
+    """The retrieved chunks of one prompt and the people they describe."""
+
+    chunks: tuple[str, ...]
+    persons: tuple[_Person, ...]
+
+
+def make_context(rng: random.Random, n_chunks: int | None = None) -> Context:
+    """Draw 4-6 chunks: one or two chains of profiles, at most one distractor."""
+    n = n_chunks if n_chunks is not None else rng.choice((4, 5, 6))
+    n_weather = 1 if (n >= 5 and rng.random() < 0.6) else 0
+    n_person = n - n_weather
+    chains = _chain_lengths(rng, n_person)
+    names = rng.sample(NAMES, n_person + len(chains))
+    cities = rng.sample(CITIES, n)
+    jobs = [rng.choice(JOBS) for _ in range(n)]
+
+    # (subject, city, job, friend) per person chunk, grouped by chain.
+    chain_facts: list[list[tuple[str, str, str, str]]] = []
+    name_i = fact_i = 0
+    for length in chains:
+        chain = []
+        subject = names[name_i]
+        name_i += 1
+        for _ in range(length):
+            friend = names[name_i]
+            name_i += 1
+            chain.append((subject, cities[fact_i], jobs[fact_i], friend))
+            fact_i += 1
+            subject = friend
+        chain_facts.append(chain)
+
+    # A distractor goes at a chain boundary, so "they" always refers to the
+    # friend named at the end of the chunk right before it.
+    weather_at = rng.randint(0, len(chain_facts)) if n_weather else -1
+    chunks: list[str] = []
+    persons: list[_Person] = []
+    for b, chain in enumerate(chain_facts + [[]]):
+        if b == weather_at:
+            chunks.append(_weather_chunk(cities[fact_i], jobs[fact_i]))
+        for k, (subject, city, job, friend) in enumerate(chain):
+            here = len(chunks)
+            if k == 0:
+                chunks.append(_head_chunk(subject, city, job, friend))
+                named_in = here
+            else:
+                chunks.append(_cont_chunk(city, job, friend))
+                named_in = here - 1
+            persons.append(_Person(subject, city, job, friend, here, named_in))
+    assert len(chunks) == n
+    return Context(tuple(chunks), tuple(persons))
+
+
+def make_question(rng: random.Random, ctx: Context, kind: str | None = None) -> tuple[str, str, str, tuple[int, ...]]:
+    """(question, answer, kind, needed chunk indices) about one person of ``ctx``."""
+    by_name = {p.name: p for p in ctx.persons}
+    if kind is None:
+        kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
+    if kind == "local":
+        target = rng.choice([p for p in ctx.persons if p.named_in == p.chunk])
+        subject_words = target.name
+        needed = {target.chunk}
+    elif kind == "cross":
+        target = rng.choice([p for p in ctx.persons if p.named_in != p.chunk])
+        subject_words = target.name
+        needed = {target.named_in, target.chunk}
+    elif kind == "hop2":
+        via = rng.choice([p for p in ctx.persons if p.friend in by_name])
+        target = by_name[via.friend]
+        subject_words = f"the friend of {via.name}"
+        needed = {via.named_in, via.chunk, target.chunk}
+    else:
+        raise ValueError(f"unknown question kind {kind!r}")
+    if rng.random() < 0.5:
+        question, answer = f"where does {subject_words} live ?", target.city
+    else:
+        question, answer = f"what job does {subject_words} have ?", target.job
+    return question, answer, kind, tuple(sorted(needed))
+
+
+def make_example(rng: random.Random, n_chunks: int | None = None) -> Example:
+    """One prompt: 4-6 chunks and one question about them."""
+    ctx = make_context(rng, n_chunks)
+    question, answer, kind, needed = make_question(rng, ctx)
+    return Example(ctx.chunks, question, answer, kind, needed)
+
+
+# Seeds of the two splits are far apart; held-out examples are also filtered
+# against nothing else: with ~10^20 distinct prompts a collision is negligible,
+# and `test_splits_are_disjoint` checks a sample.
+TRAIN_SEED = 1_000
+HELDOUT_SEED = 9_000_001
+
+
+def examples(split: str, count: int, seed: int | None = None) -> list[Example]:
+    """Deterministic list of examples for ``split`` in {"train", "heldout"}."""
+    return list(iter_examples(split, count, seed))
+
+
+def iter_examples(split: str, count: int | None = None, seed: int | None = None) -> Iterator[Example]:
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    base = TRAIN_SEED if split == "train" else HELDOUT_SEED
+    rng = random.Random(base if seed is None else base + seed)
+    i = 0
+    while count is None or i < count:
+        yield make_example(rng)
+        i += 1
