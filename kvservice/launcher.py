@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,8 +14,9 @@ from typing import IO
 class ServiceProcess:
     """The service exactly as operators run it: its own process, real RocksDB, real files."""
 
-    def __init__(self, data_dir: Path, **settings: object) -> None:
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None, **settings: object) -> None:
         self.data_dir = Path(data_dir)
+        self.env = env or {}
         self.settings = {"host": "127.0.0.1", "port": 0, "data_dir": str(self.data_dir), **settings}
         self.proc: subprocess.Popen | None = None
         self.address = ""
@@ -28,7 +30,7 @@ class ServiceProcess:
             self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvservice.cli", "serve", "--config", str(cfg)],
-            stdout=subprocess.PIPE, stderr=self._log, text=True,
+            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **self.env},
         )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout

@@ -90,6 +90,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         loop = asyncio.get_running_loop()
         timer = self.metrics.fetch_seconds.time()
         timer.__enter__()
+        closed = False
         try:
             last = min(i.num_layers for i in infos)
             first = request.first_layer
@@ -105,11 +106,18 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                                         key_spec=info.key_spec, value_spec=info.value_spec,
                                         key=bytes(k), value=bytes(v))
         except KVCraftError as e:
+            closed = True
+            loop.run_in_executor(None, self.store.close_fetch, infos)
             await context.abort(e.code, str(e))
+        else:
+            # Before the status goes out, so a client that saw the stream end also
+            # sees the promotion to the host tier.
+            closed = True
+            await asyncio.to_thread(self.store.close_fetch, infos)
         finally:
             timer.__exit__(None, None, None)
-            # Not awaited: this also runs when the client cancels mid-stream.
-            loop.run_in_executor(None, self.store.close_fetch, infos)
+            if not closed:  # cancelled by the client: release without awaiting
+                loop.run_in_executor(None, self.store.close_fetch, infos)
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:

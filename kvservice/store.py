@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 from kvclient.keys import chunk_key, is_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import Config
+from kvservice import failpoints
 from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvservice.eviction import eviction_key, fr_increment
 from kvservice.layout import LayerLayout, layer_checksum, layer_layout
@@ -175,8 +176,11 @@ class ChunkStore:
                 if session.variant_id in self._variants:  # a concurrent identical store won
                     session.writer.abort()
                     return self._already_present(session)
+                failpoints.reach("store:payload-written")
                 session.writer.commit()
+                failpoints.reach("store:payload-committed")
                 self.meta.put_variants([info], sync=True)
+                failpoints.reach("store:metadata-committed")
                 self._variants[info.variant_id] = _Variant(info, session.layout)
                 self._chunks.setdefault(info.chunk_key, []).append(info.variant_id)
                 if payload is not None and len(payload) <= self.host.budget_bytes:
@@ -453,6 +457,7 @@ class ChunkStore:
     def _delete(self, vid: str) -> None:
         """Metadata first (synced), then payloads: a crash leaves only an orphan file."""
         self.meta.delete_variants([vid])
+        failpoints.reach("delete:metadata-committed")
         v = self._variants.pop(vid)
         vids = self._chunks[v.info.chunk_key]
         vids.remove(vid)
