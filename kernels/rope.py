@@ -62,7 +62,8 @@ class RopeConfig:
 
         Accepts both layouts: ``rope_theta`` + ``rope_scaling`` (transformers 4) and
         ``rope_parameters`` holding ``rope_theta`` and the scaling keys (transformers 5).
-        Only the "default" and "llama3" rope types are supported; others raise.
+        A transformers config object is read through its ``to_dict()``. Only the
+        "default" and "llama3" rope types are supported; others raise ValueError.
         """
         if not isinstance(config, Mapping) and hasattr(config, "to_dict"):
             config = config.to_dict()
@@ -94,6 +95,7 @@ def inv_freq(cfg: RopeConfig, device: torch.device | str | None = None) -> torch
 
     The same fp32 arithmetic as transformers' default and llama3 initialisers, so a
     cache written by an HF model and rotated here agree bit for bit in the angles.
+    The tensor is cached per (cfg, device) and shared: do not modify it in place.
     """
     return _inv_freq_cached(cfg, str(torch.device(device or "cpu")))
 
