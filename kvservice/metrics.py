@@ -36,7 +36,7 @@ class _StoreCollector:
 
 
 class Metrics:
-    def __init__(self, store: ChunkStore, port: int) -> None:
+    def __init__(self, store: ChunkStore, port: int, host: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StoreCollector(store))
         self.fetch_bytes = Counter("kvcraft_fetch_bytes", "Payload bytes sent by FetchLayers", registry=self.registry)
@@ -45,7 +45,7 @@ class Metrics:
         self._http = None
         self.port = 0
         if port:
-            self._http, _ = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
             self.port = self._http.server_port
 
     def stop(self) -> None:

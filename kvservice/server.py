@@ -239,7 +239,7 @@ class RunningServer:
 
 async def start_server(cfg: Config) -> RunningServer:
     store = ChunkStore(cfg)
-    metrics = Metrics(store, cfg.metrics_port)
+    metrics = Metrics(store, cfg.metrics_port, cfg.host)
     options = [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
