@@ -245,23 +245,33 @@ def plan_latency(n_variants: int, n_plans: int = 20_000, k: int = 5, seed: int =
     reqs = []
     for j in range(n_plans + 2_000):
         ks = list(dict.fromkeys(rng.choices(keys[: len(weights)], weights, k=k)))
-        conv = f"c{j % 500}" if j % 3 else ""
+        conv = f"c{j // 3}" if j % 4 else ""  # conversations of ~3 turns, 1/4 single-turn
         reqs.append(([ChunkRef(x, 256) for x in ks], conv))
     gc.collect()
     gc.freeze()  # what a long-running server does after loading its index
-    times = []
-    clock = time.perf_counter_ns
+    # Wall time is what a request waits; thread CPU time excludes preemption, which
+    # on a shared, oversubscribed machine dominates the wall-clock tail.
+    times, cpu = [], []
+    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     for j, (refs, conv) in enumerate(reqs):
+        c0 = cpu_clock()
         t0 = clock()
         planner.plan(MODEL_ID, conv, refs, 32)
         t1 = clock()
+        c1 = cpu_clock()
         if j >= 2_000:
             times.append(t1 - t0)
+            cpu.append(c1 - c0)
     gc.unfreeze()
     times.sort()
-    q = lambda f: times[min(len(times) - 1, int(f * len(times)))] / 1e3  # noqa: E731
-    return {"variants": float(n_variants), "plans": float(len(times)), "p50_us": q(0.50),
-            "p99_us": q(0.99), "mean_us": sum(times) / len(times) / 1e3}
+    cpu.sort()
+
+    def q(xs: list[int], f: float) -> float:
+        return xs[min(len(xs) - 1, int(f * len(xs)))] / 1e3
+
+    return {"variants": float(n_variants), "plans": float(len(times)), "p50_us": q(times, 0.5),
+            "p99_us": q(times, 0.99), "mean_us": sum(times) / len(times) / 1e3,
+            "cpu_p50_us": q(cpu, 0.5), "cpu_p99_us": q(cpu, 0.99)}
 
 
 # ---------------------------------------------------------------------- CLI
@@ -317,16 +327,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(f"  {g}: {v:.3f}" if isinstance(v, float) and not isinstance(v, bool) else f"  {g}: {v}")
     if not args.skip_latency:
         table = Table(title="Planner.plan latency, in process (k=5 chunks, 256 tokens each)")
-        for col in ("variants", "plans", "p50 us", "p99 us", "mean us"):
+        for col in ("variants", "plans", "p50 us", "p99 us", "mean us", "cpu p50 us", "cpu p99 us"):
             table.add_column(col, justify="right")
         results["latency"] = []
         for n in args.latency_sizes:
             r = plan_latency(n, args.latency_plans, seed=args.seed)
             results["latency"].append(r)
             table.add_row(f"{n:,}", f"{int(r['plans']):,}", f"{r['p50_us']:.1f}", f"{r['p99_us']:.1f}",
-                          f"{r['mean_us']:.1f}")
+                          f"{r['mean_us']:.1f}", f"{r['cpu_p50_us']:.1f}", f"{r['cpu_p99_us']:.1f}")
         console.print(table)
-        results["latency_goal_p99_lt_100us_at_max"] = results["latency"][-1]["p99_us"] < 100.0
+        last = results["latency"][-1]
+        results["latency_goal_p99_lt_100us_at_max"] = {"wall": last["p99_us"] < 100.0,
+                                                       "cpu": last["cpu_p99_us"] < 100.0}
+        console.print(f"  p99 < 100 us at {int(last['variants']):,} variants: "
+                      f"{results['latency_goal_p99_lt_100us_at_max']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

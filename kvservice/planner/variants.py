@@ -99,12 +99,39 @@ def cfo(alpha: float, cci_value: float, beta_adj: float) -> float:
 
 
 def variant_cfo(info: VariantInfo, s_new_pos: Mapping[str, int], alpha: float) -> float:
-    """CFO of reusing `info` behind the chunks `s_new_pos` (key -> position)."""
+    """CFO of reusing `info` behind the chunks `s_new_pos` (key -> position).
+
+    eq. 6-8 and 11-12 fused into one pass over the old prefix (this runs for every
+    variant of every chunk of every request); equal to composing `beta`, `gamma`,
+    `adjusted_beta`, `cci` and `cfo`, which the tests check.
+    """
     st = info.stats
-    bt = beta(info.prefix_keys, st.prefix_attention, s_new_pos)
-    if bt == 0.0:
-        return cfo(alpha, cci(st.a, st.b), 0.0)
-    return cfo(alpha, cci(st.a, st.b), adjusted_beta(bt, gamma(info.prefix_keys, s_new_pos)))
+    keys = info.prefix_keys
+    c = cci(st.a, st.b)
+    if not keys:
+        return 0.0 if not s_new_pos else cfo(alpha, c, 0.0)
+    pa = st.prefix_attention
+    pos: list[int] = []
+    get = s_new_pos.get
+    total = common = 0.0
+    if len(pa) == len(keys):
+        for k, w in zip(keys, pa):
+            total += w
+            p = get(k)
+            if p is not None:
+                common += w
+                pos.append(p)
+    else:
+        for k in keys:
+            p = get(k)
+            if p is not None:
+                pos.append(p)
+    if not pos:
+        return cfo(alpha, c, 0.0)
+    bt = common / total if total > 0.0 else len(pos) / len(keys)
+    m = len(pos)
+    g = discordant_pairs(pos) / (m * (m - 1) / 2) if m > 1 else 0.0
+    return cfo(alpha, c, bt * (1.0 - g))
 
 
 def recompute_count(cfo_value: float, token_count: int) -> int:

@@ -95,3 +95,18 @@ def test_tie_goes_to_faster_tier():
     fast = variant(X, [C1, C2], tier="gpu")
     # both exact on their overlap (beta 1): CFO 0 for both
     assert choose_variant([slow, fast], pos([C1, C2]), alpha=1.0).info is fast
+
+
+prefixes = st.lists(st.sampled_from([key(i) for i in range(6)]), max_size=5, unique=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(prefixes, prefixes, st.floats(0, 3), st.floats(0, 2), st.booleans(), st.floats(0.1, 2))
+def test_fused_cfo_equals_composed_equations(old, new, a, b, zero_attention, alpha):
+    pa = [0.0] * len(old) if zero_attention else [0.1 * (i + 1) for i in range(len(old))]
+    v = variant(X, old, a=a, b=b, prefix_attention=pa)
+    s_new = pos(new)
+    st_ = v.stats
+    expected = cfo(alpha, cci(st_.a, st_.b),
+                   adjusted_beta(beta(old, pa, s_new), gamma(old, s_new)))
+    assert variant_cfo(v, s_new, alpha) == pytest.approx(expected)
