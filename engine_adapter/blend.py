@@ -208,8 +208,8 @@ class _Blend:
         new = torch.cat([self.lay.rows(s) for s in absent])
         new = new[~torch.isin(new, rows)]  # rows already computed have their hidden states
         log.warning("blend: layer %d of chunk(s) %s absent (late/missing/corrupt); computing them "
-                    "from here on, catching up %d rows through layers 0..%d", layer, absent,
-                    len(new), layer - 1)
+                    "from here on%s", layer, absent,
+                    f", catching up {len(new)} rows through layers 0..{layer - 1}" if layer and len(new) else "")
         if len(new) == 0:
             return rows, h
         hn = self.e.embed(self.lay.tokens[new])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Iterable, Mapping, Protocol, Sequence
 
 from torch import Tensor
@@ -37,3 +38,24 @@ class InMemoryLayerSource:
     def wait_layer(self, layer: int, deadline: float) -> LayerKV:
         self.requested.append(layer)
         return {c: layers[layer] for c, layers in self.kv.items() if (c, layer) not in self.withhold}
+
+
+class ScheduledLayerSource(InMemoryLayerSource):
+    """In memory, but layer l only "arrives" at start + (l + 1) * layer_interval_s: a stand-in
+    for a layer-wise fetch from a slower tier (benchmarks, the docs timeline). Blocks until
+    the layer arrives or the deadline passes, whichever is first; late layers are absent.
+    """
+
+    def __init__(self, kv: Mapping[int, Sequence[tuple[Tensor, Tensor]]], layer_interval_s: float,
+                 start: float | None = None, withhold: Iterable[tuple[int, int]] = ()):
+        super().__init__(kv, withhold)
+        self.interval = layer_interval_s
+        self.start = time.monotonic() if start is None else start
+
+    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
+        ready = self.start + (layer + 1) * self.interval
+        time.sleep(max(0.0, min(ready, deadline) - time.monotonic()))
+        if ready > deadline:
+            self.requested.append(layer)
+            return {}
+        return super().wait_layer(layer, deadline)

@@ -194,3 +194,13 @@ def test_question_must_be_last(engine):
     with pytest.raises(ValueError, match="last segment"):
         blend_prefill(engine, [Segment([1, 2], question=True), Segment([3])], Policy("full"),
                       InMemoryLayerSource({}))
+
+
+def test_scheduled_source_delivers_arrived_layers_and_drops_late_ones(engine, prompts):
+    from engine_adapter.source import ScheduledLayerSource
+
+    p, now = prompts[0], time.monotonic()
+    arrived = ScheduledLayerSource({0: p.cache[0].kv}, layer_interval_s=1.0, start=now - 100.0)
+    assert set(arrived.wait_layer(3, deadline=now)) == {0}
+    late = ScheduledLayerSource({0: p.cache[0].kv}, layer_interval_s=100.0, start=now)
+    assert late.wait_layer(0, deadline=now - 1.0) == {}  # deadline already past: no wait, nothing
