@@ -82,6 +82,24 @@ def fetch_request(refs: Sequence[RefLike], first_layer: int = 0, num_layers: int
     return pb.FetchRequest(variants=[_ref(r) for r in refs], first_layer=first_layer, num_layers=num_layers)
 
 
+ChunkLike = Union[Sequence[int], tuple[str, int]]  # token ids, or (chunk key, token count)
+
+
+def plan_request(model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, conversation_id: str = "",
+                 first_turn: bool | None = None, lease_ttl_s: float = 0.0,
+                 timings: pb.TimingReport | None = None) -> pb.PlanRequest:
+    req = pb.PlanRequest(model_id=model_id, conversation_id=conversation_id, question_tokens=question_tokens,
+                         lease_ttl_s=lease_ttl_s, timings=timings)
+    for c in chunks:
+        if isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str):
+            req.chunks.add(chunk_key=c[0], token_count=c[1])
+        else:
+            req.chunks.add(token_ids=[int(t) for t in c])
+    if first_turn is not None:
+        req.first_turn = first_turn
+    return req
+
+
 def _ref(r: RefLike) -> pb.VariantRef:
     r = Ref(r) if isinstance(r, str) else r
     return pb.VariantRef(chunk_key=r.chunk_key, variant_id=r.variant_id, cfo=r.cfo)
@@ -151,6 +169,13 @@ class KVClient:
               prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
         r = self._call(self._kv.Store, store_requests(model_id, token_ids, layers, prefix_keys, stats))
         return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
+
+    def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
+             conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
+             timings: pb.TimingReport | None = None) -> pb.PlanResponse:
+        """Plan a RAG request (chunks in retriever order); Release the returned lease."""
+        return self._call(self._kv.Plan, plan_request(model_id, chunks, question_tokens, conversation_id,
+                                                      first_turn, lease_ttl_s, timings))
 
     def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                      device: str | torch.device = "cpu", timeout: float | None = None) -> Iterator[FetchedLayer]:
@@ -242,6 +267,12 @@ class AsyncKVClient:
                     prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
         r = await self._call(self._kv.Store, _aiter(store_requests(model_id, token_ids, layers, prefix_keys, stats)))
         return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
+
+    async def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
+                   conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
+                   timings: pb.TimingReport | None = None) -> pb.PlanResponse:
+        return await self._call(self._kv.Plan, plan_request(model_id, chunks, question_tokens, conversation_id,
+                                                            first_turn, lease_ttl_s, timings))
 
     async def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                            device: str | torch.device = "cpu",

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -23,6 +24,7 @@ from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 from kvservice.config import Config
 from kvservice.errors import InvalidArgument, KVCraftError
 from kvservice.metrics import Metrics
+from kvservice.planning import PlanningService
 from kvservice.store import ChunkStore
 
 log = logging.getLogger("kvcraft.server")
@@ -54,9 +56,15 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
 
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
-    def __init__(self, store: ChunkStore, metrics: Metrics) -> None:
+    def __init__(self, store: ChunkStore, planning: PlanningService, metrics: Metrics) -> None:
         self.store = store
+        self.planning = planning
         self.metrics = metrics
+        self._preload = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvcraft-preload")
+
+    @_rpc
+    async def Plan(self, request: pb.PlanRequest, context: Any) -> pb.PlanResponse:
+        return await asyncio.to_thread(self.planning.plan, request, self._preload)
 
     @_rpc
     async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest], context: Any) -> pb.StoreResponse:
@@ -246,7 +254,7 @@ async def start_server(cfg: Config) -> RunningServer:
     ]
     interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    pb_grpc.add_KVCacheServicer_to_server(KVCacheServicer(store, metrics), server)
+    pb_grpc.add_KVCacheServicer_to_server(KVCacheServicer(store, PlanningService(store), metrics), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(store, cfg), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -226,23 +226,33 @@ class ChunkStore:
 
     def close_fetch(self, infos: Iterable[pb.VariantInfo], *, promote: bool = True) -> None:
         """End a fetch's hold; copy variants read from disk up into the host tier."""
-        to_promote = []
         with self._lock:
             for info in infos:
                 v = self._variants.get(info.variant_id)
-                if v is None:
-                    continue
-                v.holds -= 1
-                if promote and info.variant_id not in self.host and info.size_bytes <= self.host.budget_bytes:
+                if v is not None:
+                    v.holds -= 1
+        if promote:
+            self.promote([i.variant_id for i in infos])
+
+    def promote(self, variant_ids: Iterable[str]) -> None:
+        """Copy disk-only variants into the host tier (reads verified), then enforce
+        the host budget: the fastest tier gets what requests are about to use."""
+        todo = []
+        with self._lock:
+            for vid in variant_ids:
+                v = self._variants.get(vid)
+                if v is not None and vid not in self.host and v.info.size_bytes <= self.host.budget_bytes:
                     v.holds += 1  # hold while reading, outside the lock
-                    to_promote.append(v)
-        for v in to_promote:
+                    todo.append(v)
+        for v in todo:
             try:
                 payload = self._read_verified(v, 0, v.info.num_layers)
             except NotFound:
                 continue
+            finally:
+                with self._lock:
+                    v.holds -= 1
             with self._lock:
-                v.holds -= 1
                 if v.info.variant_id in self._variants and v.info.variant_id not in self.host:
                     self.host.put(v.info.variant_id, bytes(payload))
                     self._set_tier(v, "host")
@@ -490,6 +500,10 @@ class ChunkStore:
         out.CopyFrom(v.info)
         out.leased = any(v.info.variant_id in l.variant_ids for l in self._leases.values())
         return out
+
+    def all_variants(self) -> list[pb.VariantInfo]:
+        with self._lock:
+            return [self._public(v) for v in self._variants.values()]
 
     def variant_count(self) -> int:
         return len(self._variants)

@@ -76,6 +76,118 @@ class VariantInfo(_message.Message):
     layer_checksums: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, variant_id: _Optional[str] = ..., chunk_key: _Optional[str] = ..., model_id: _Optional[str] = ..., prefix_keys: _Optional[_Iterable[str]] = ..., token_count: _Optional[int] = ..., num_layers: _Optional[int] = ..., key_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., value_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., stats: _Optional[_Union[VariantStats, _Mapping]] = ..., tier: _Optional[str] = ..., size_bytes: _Optional[int] = ..., fr: _Optional[float] = ..., last_access_unix_ms: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., pinned: _Optional[bool] = ..., leased: _Optional[bool] = ..., layer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PlanChunk(_message.Message):
+    __slots__ = ("chunk_key", "token_count", "token_ids")
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    chunk_key: str
+    token_count: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chunk_key: _Optional[str] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TimingReport(_message.Message):
+    __slots__ = ("loads", "computes")
+    class Load(_message.Message):
+        __slots__ = ("tier", "bytes_per_layer", "seconds")
+        TIER_FIELD_NUMBER: _ClassVar[int]
+        BYTES_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+        SECONDS_FIELD_NUMBER: _ClassVar[int]
+        tier: str
+        bytes_per_layer: float
+        seconds: float
+        def __init__(self, tier: _Optional[str] = ..., bytes_per_layer: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
+    class Compute(_message.Message):
+        __slots__ = ("tokens_per_layer", "seconds")
+        TOKENS_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+        SECONDS_FIELD_NUMBER: _ClassVar[int]
+        tokens_per_layer: float
+        seconds: float
+        def __init__(self, tokens_per_layer: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTES_FIELD_NUMBER: _ClassVar[int]
+    loads: _containers.RepeatedCompositeFieldContainer[TimingReport.Load]
+    computes: _containers.RepeatedCompositeFieldContainer[TimingReport.Compute]
+    def __init__(self, loads: _Optional[_Iterable[_Union[TimingReport.Load, _Mapping]]] = ..., computes: _Optional[_Iterable[_Union[TimingReport.Compute, _Mapping]]] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("model_id", "conversation_id", "chunks", "question_tokens", "lease_ttl_s", "timings", "first_turn")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TURN_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    conversation_id: str
+    chunks: _containers.RepeatedCompositeFieldContainer[PlanChunk]
+    question_tokens: int
+    lease_ttl_s: float
+    timings: TimingReport
+    first_turn: bool
+    def __init__(self, model_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[PlanChunk, _Mapping]]] = ..., question_tokens: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., timings: _Optional[_Union[TimingReport, _Mapping]] = ..., first_turn: _Optional[bool] = ...) -> None: ...
+
+class ChunkPlan(_message.Message):
+    __slots__ = ("chunk_key", "position", "token_start", "token_count", "source", "variant_id", "tier", "cfo", "recompute", "prefix_keys")
+    class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SOURCE_UNSPECIFIED: _ClassVar[ChunkPlan.Source]
+        FRESH: _ClassVar[ChunkPlan.Source]
+        PREFIX: _ClassVar[ChunkPlan.Source]
+        VARIANT: _ClassVar[ChunkPlan.Source]
+    SOURCE_UNSPECIFIED: ChunkPlan.Source
+    FRESH: ChunkPlan.Source
+    PREFIX: ChunkPlan.Source
+    VARIANT: ChunkPlan.Source
+    CHUNK_KEY_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CFO_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    chunk_key: str
+    position: int
+    token_start: int
+    token_count: int
+    source: ChunkPlan.Source
+    variant_id: str
+    tier: str
+    cfo: float
+    recompute: _containers.RepeatedScalarFieldContainer[int]
+    prefix_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunk_key: _Optional[str] = ..., position: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., source: _Optional[_Union[ChunkPlan.Source, str]] = ..., variant_id: _Optional[str] = ..., tier: _Optional[str] = ..., cfo: _Optional[float] = ..., recompute: _Optional[_Iterable[int]] = ..., prefix_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PlanResponse(_message.Message):
+    __slots__ = ("order", "dropped", "chunks", "history", "ratio", "preload_depth", "load_s_per_layer", "compute_s_per_layer", "lease_id", "lease_expires_unix_ms", "computed_tokens")
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    PRELOAD_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    order: _containers.RepeatedScalarFieldContainer[str]
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlan]
+    history: _containers.RepeatedScalarFieldContainer[str]
+    ratio: float
+    preload_depth: int
+    load_s_per_layer: float
+    compute_s_per_layer: float
+    lease_id: str
+    lease_expires_unix_ms: int
+    computed_tokens: int
+    def __init__(self, order: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., history: _Optional[_Iterable[str]] = ..., ratio: _Optional[float] = ..., preload_depth: _Optional[int] = ..., load_s_per_layer: _Optional[float] = ..., compute_s_per_layer: _Optional[float] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+
 class StoreHeader(_message.Message):
     __slots__ = ("model_id", "token_ids", "prefix_keys", "num_layers", "key_spec", "value_spec", "stats")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]

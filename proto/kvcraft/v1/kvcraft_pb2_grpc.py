@@ -34,6 +34,11 @@ class KVCacheStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Plan = channel.unary_unary(
+                '/kvcraft.v1.KVCache/Plan',
+                request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.PlanRequest.SerializeToString,
+                response_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.PlanResponse.FromString,
+                _registered_method=True)
         self.Store = channel.stream_unary(
                 '/kvcraft.v1.KVCache/Store',
                 request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.StoreRequest.SerializeToString,
@@ -63,6 +68,15 @@ class KVCacheStub:
 
 class KVCacheServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Plan(self, request, context):
+        """Plan a request: conversation dedup, CRAFT reorder, CP-Tree prefix, Cache-Craft
+        variant choice, recompute tokens, loading controller; leases the chosen variants
+        and starts preloading them toward the fastest tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Store(self, request_iterator, context):
         """Store one variant, layer by layer (client stream). Acknowledged only after the
@@ -103,6 +117,11 @@ class KVCacheServicer:
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Plan': grpc.unary_unary_rpc_method_handler(
+                    servicer.Plan,
+                    request_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.PlanRequest.FromString,
+                    response_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.PlanResponse.SerializeToString,
+            ),
             'Store': grpc.stream_unary_rpc_method_handler(
                     servicer.Store,
                     request_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.StoreRequest.FromString,
@@ -138,6 +157,33 @@ def add_KVCacheServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class KVCache:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Plan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcraft.v1.KVCache/Plan',
+            kvcraft_dot_v1_dot_kvcraft__pb2.PlanRequest.SerializeToString,
+            kvcraft_dot_v1_dot_kvcraft__pb2.PlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Store(request_iterator,

@@ -1,0 +1,118 @@
+"""Glue between the store and the planner, and the Plan RPC's core (no gRPC here).
+
+The store tells `PlanningService` of every put / move / evict (it is a StoreListener);
+the service keeps the planner's variant catalog in step and answers Plan requests:
+plan, lease what the plan reuses, start preloading it toward the fastest tier.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Executor
+
+from kvclient.keys import chunk_key, is_key
+from kvclient.types import VariantStats
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.errors import InvalidArgument, NotFound
+from kvservice.planner import ChunkRef, Planner, PlannerConfig, VariantInfo
+from kvservice.planner.catalog import InMemoryCatalog
+from kvservice.planner.plan import FRESH, PREFIX, PlanError
+from kvservice.store import ChunkStore
+
+_SOURCE = {FRESH: pb.ChunkPlan.FRESH, PREFIX: pb.ChunkPlan.PREFIX, "variant": pb.ChunkPlan.VARIANT}
+
+
+def planner_info(info: pb.VariantInfo) -> VariantInfo:
+    s = info.stats
+    return VariantInfo.build(info.variant_id, info.chunk_key, tuple(info.prefix_keys), info.token_count,
+                             info.tier, VariantStats(s.a, s.b, tuple(s.prefix_attention),
+                                                     tuple(s.token_inter_attention)))
+
+
+class PlanningService:
+    def __init__(self, store: ChunkStore, config: PlannerConfig = PlannerConfig()) -> None:
+        self.store = store
+        self.catalog = InMemoryCatalog()
+        self.planner = Planner(self.catalog, config)
+        self.catalog.listeners.append(self.planner)
+        # The planner is not thread-safe; store hooks arrive from worker threads.
+        self._lock = threading.Lock()
+        with self._lock:
+            for info in store.all_variants():
+                self.catalog.put(planner_info(info))
+        store.listeners.append(self)
+
+    # -- StoreListener ------------------------------------------------------------------
+    def on_put(self, info: pb.VariantInfo) -> None:
+        with self._lock:
+            self.catalog.put(planner_info(info))
+
+    def on_move(self, variant_id: str, tier: str) -> None:
+        with self._lock:
+            if variant_id in self.catalog:
+                self.catalog.move(variant_id, tier)
+
+    def on_evict(self, variant_id: str) -> None:
+        with self._lock:
+            if variant_id in self.catalog:
+                self.catalog.evict(variant_id)
+
+    # -- Plan ---------------------------------------------------------------------------
+    def plan(self, req: pb.PlanRequest, preload: Executor | None = None) -> pb.PlanResponse:
+        if not is_key(req.model_id):
+            raise InvalidArgument(f"model_id {req.model_id[:40]!r} is not 32 lowercase hex chars")
+        if not req.chunks:
+            raise InvalidArgument("chunks is empty: a RAG request names at least one retrieved chunk")
+        if len(req.chunks) > self.store.cfg.max_fetch_variants:
+            raise InvalidArgument(f"{len(req.chunks)} chunks; at most {self.store.cfg.max_fetch_variants}")
+        refs = [self._chunk_ref(req.model_id, i, c) for i, c in enumerate(req.chunks)]
+        first = req.first_turn if req.HasField("first_turn") else None
+        with self._lock:
+            for t in req.timings.loads:
+                self.planner.observe_load(req.model_id, t.tier, t.bytes_per_layer, t.seconds)
+            for t in req.timings.computes:
+                self.planner.observe_compute(req.model_id, t.tokens_per_layer, t.seconds)
+            try:
+                plan = self.planner.plan(req.model_id, req.conversation_id, refs, req.question_tokens, first)
+            except PlanError as e:
+                raise InvalidArgument(str(e)) from None
+        reused = [pb.VariantRef(chunk_key=c.chunk_key, variant_id=c.variant_id)
+                  for c in plan.chunks if c.variant_id is not None]
+        lease_id, expires = "", 0.0
+        if reused:
+            try:
+                lease_id, _, expires = self.store.take_lease(reused, req.lease_ttl_s)
+            except NotFound:  # evicted between planning and leasing: plan once more
+                return self.plan(req, preload)
+            if preload is not None:
+                preload.submit(self.store.promote, [r.variant_id for r in reused])
+        return pb.PlanResponse(
+            order=plan.order,
+            dropped=plan.dropped,
+            history=plan.history,
+            chunks=[pb.ChunkPlan(chunk_key=c.chunk_key, position=c.position, token_start=c.token_span[0],
+                                 token_count=c.token_count, source=_SOURCE[c.source],
+                                 variant_id=c.variant_id or "", tier=c.tier or "", cfo=c.cfo,
+                                 recompute=c.recompute, prefix_keys=plan.prefix_of(c.position))
+                    for c in plan.chunks],
+            ratio=plan.ratio,
+            preload_depth=plan.preload_depth,
+            load_s_per_layer=plan.load_s_per_layer,
+            compute_s_per_layer=plan.compute_s_per_layer,
+            lease_id=lease_id,
+            lease_expires_unix_ms=int(expires * 1000),
+            computed_tokens=plan.computed_tokens,
+        )
+
+    @staticmethod
+    def _chunk_ref(model_id: str, i: int, c: pb.PlanChunk) -> ChunkRef:
+        if c.token_ids:
+            key = chunk_key(model_id, c.token_ids)
+            if c.chunk_key and c.chunk_key != key:
+                raise InvalidArgument(f"chunks[{i}].chunk_key does not match its token_ids")
+            return ChunkRef(key, len(c.token_ids))
+        if not is_key(c.chunk_key):
+            raise InvalidArgument(f"chunks[{i}] needs token_ids, or a chunk_key (32 hex chars) and token_count")
+        if c.token_count < 1:
+            raise InvalidArgument(f"chunks[{i}].token_count is {c.token_count}; expected >= 1")
+        return ChunkRef(c.chunk_key, c.token_count)

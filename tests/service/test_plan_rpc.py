@@ -1,0 +1,101 @@
+"""Plan over gRPC against a real server with real stored variants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvclient.client import KVClient, Ref
+from kvclient.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from kvclient.keys import ModelSpec, chunk_key, variant_id
+from kvclient.types import VariantStats
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.planner import ChunkRef, InMemoryCatalog, Planner, VariantInfo
+
+MODEL = ModelSpec("plan-test", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
+
+
+def chunk_tokens(i: int, n: int = 6) -> list[int]:
+    return [i * 10 + t for t in range(n)]
+
+
+def layers(n: int = 6, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, n, 4, generator=g), torch.randn(1, n, 4, generator=g)) for _ in range(2)]
+
+
+def test_plan_leases_reused_variants_until_release(start_server):
+    size = 2 * 2 * 6 * 4 * 4
+    server = start_server(disk_budget_bytes=2 * size)
+    with KVClient(server.address) as c:
+        # chunk 1 computed behind chunk 0, with statistics; chunk 0 alone
+        # (a chunk computed alone: a = 0; with b > 0, CCI = sigmoid(0) = 0.5 and CFO < 1)
+        k0 = c.store(MODEL, chunk_tokens(0), layers(seed=0), stats=VariantStats(a=0.0, b=0.5)).chunk_key
+        stats = VariantStats(a=0.3, b=0.6, prefix_attention=(0.3,), token_inter_attention=(0.1, 0.9, 0.2, 0.8, 0.0, 0.5))
+        v1 = c.store(MODEL, chunk_tokens(1), layers(seed=1), prefix_keys=[k0], stats=stats)
+        plan = c.plan(MODEL, [chunk_tokens(1), chunk_tokens(0), chunk_tokens(2)], question_tokens=5)
+        assert plan.lease_id
+        by_key = {cp.chunk_key: cp for cp in plan.chunks}
+        assert by_key[v1.chunk_key].source == pb.ChunkPlan.VARIANT
+        assert by_key[v1.chunk_key].variant_id == v1.variant_id
+        assert by_key[k0].source == pb.ChunkPlan.VARIANT
+        assert by_key[chunk_key(MODEL, chunk_tokens(2))].source == pb.ChunkPlan.FRESH
+        # the recompute set is the top tokens by stored inter-attention (eq. 14)
+        rc = list(by_key[v1.chunk_key].recompute)
+        assert rc == [1, 3, 5, 2, 0, 4][: len(rc)]
+
+        # Pressure: the disk holds exactly these two, both leased by the plan, so a
+        # store that needs room is refused rather than evicting them.
+        with pytest.raises(ResourceExhaustedError, match="leased or pinned"):
+            c.store(MODEL, chunk_tokens(3), layers(seed=3))
+        assert c.fetch(k0) and c.fetch(v1.chunk_key, v1.variant_id)
+
+        assert c.release(plan.lease_id)
+        c.store(MODEL, chunk_tokens(3), layers(seed=3))  # now the policy may evict one
+        assert sum(bool(c.lookup(chunk_key=k).found) for k in (k0, v1.chunk_key)) == 1
+
+
+def test_plan_over_grpc_matches_the_in_process_planner(kvserver):
+    """Same stored variants, same request sequence: the service answers what a planner
+    built from scratch beside it answers."""
+    catalog = InMemoryCatalog()
+    ref = Planner(catalog)
+    catalog.listeners.append(ref)
+    keys = [chunk_key(MODEL, chunk_tokens(i)) for i in range(6)]
+    with KVClient(kvserver.address) as c:
+        for i in (0, 2, 4):
+            r = c.store(MODEL, chunk_tokens(i), layers(seed=i))
+            catalog.put(VariantInfo.build(r.variant_id, r.chunk_key, (), 6, "host", VariantStats()))
+        requests = [[0, 1, 2], [2, 0, 3], [4, 2, 0, 5], [1, 0, 2], [0, 2, 4]]
+        for n, idx in enumerate(requests):
+            got = c.plan(MODEL, [(keys[i], 6) for i in idx], question_tokens=4, conversation_id=f"c{n % 2}")
+            c.release(got.lease_id) if got.lease_id else None
+            want = ref.plan(MODEL, f"c{n % 2}", [ChunkRef(keys[i], 6) for i in idx], 4)
+            assert list(got.order) == list(want.order)
+            assert list(got.dropped) == list(want.dropped)
+            assert [(cp.source, cp.variant_id, list(cp.recompute)) for cp in got.chunks] == [
+                ({"fresh": 1, "prefix": 2, "variant": 3}[w.source], w.variant_id or "", list(w.recompute))
+                for w in want.chunks]
+            assert got.preload_depth == want.preload_depth
+
+
+def test_second_turn_drops_chunks_already_sent(kvserver):
+    with KVClient(kvserver.address) as c:
+        t1 = c.plan(MODEL, [chunk_tokens(0), chunk_tokens(1)], 3, conversation_id="conv")
+        t2 = c.plan(MODEL, [chunk_tokens(1), chunk_tokens(2)], 3, conversation_id="conv")
+    assert list(t2.dropped) == [chunk_key(MODEL, chunk_tokens(1))]
+    assert list(t2.order) == [chunk_key(MODEL, chunk_tokens(2))]
+    assert list(t2.history) == list(t1.order)
+    assert list(t2.chunks[0].prefix_keys) == list(t1.order)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(model_id="x", chunks=[[1]]), "model_id"),
+    (dict(model_id=MODEL, chunks=[]), "chunks is empty"),
+    (dict(model_id=MODEL, chunks=[("abc", 3)]), r"chunks\[0\] needs token_ids"),
+    (dict(model_id=MODEL, chunks=[("0" * 32, 0)]), r"chunks\[0\].token_count is 0"),
+])
+def test_malformed_plan_is_invalid_argument(kvserver, kwargs, message):
+    with KVClient(kvserver.address) as c:
+        with pytest.raises(InvalidArgumentError, match=message):
+            c.plan(question_tokens=1, **kwargs)
