@@ -115,7 +115,7 @@ class _Blend:
         self.e, self.lay, self.policy, self.source = engine, lay, policy, source
         self.rope = rope_for_spec(engine.model_spec())
         self.L, self.n = c.num_layers, lay.n
-        self.kv_shape = (c.num_kv_heads, None, c.head_dim)
+        self.hkv, self.hd = c.num_kv_heads, c.head_dim
         self.pos = torch.arange(self.n)  # [N]
         self.live = list(reused)  # reused chunks still served from the cache
         self.reused_mask = torch.zeros(self.n, dtype=torch.bool)  # [N] rows of reused chunks
@@ -155,16 +155,17 @@ class _Blend:
             got = self.wait(layer)
             t1 = time.perf_counter()
             rows, h = self.fall_back(layer, got, rows, h)
-            K = torch.empty(self.kv_shape[0], self.n, self.kv_shape[2], dtype=e.dtype)  # [Hkv, N, D]
+            K = torch.empty(self.hkv, self.n, self.hd, dtype=e.dtype)  # [Hkv, N, D] merged cache
             V = torch.empty_like(K)
             for s in self.live:  # RoPE the stored K to the chunk's new positions
                 sp = lay.span(s)
                 K[:, sp] = apply_rope(got[s][0], self.pos[sp], self.rope)
                 V[:, sp] = got[s][1]
             self.kv.append((K, V))
+            stored = (K[:, rows], V[:, rows]) if self.policy.hkvd_ratio(layer, self.L) is not None else None
             h, k_raw, v, mass = self.layer(layer, rows, h)
-            self.record_stats(layer, rows, k_raw, v, mass)
-            keep = self.next_rows(layer, rows, v, got)
+            to_question = self.record_stats(rows, k_raw, v, mass)
+            keep = self.next_rows(layer, rows, v, stored, to_question)
             self.res.computed_rows.append(len(rows))
             self.res.recomputed_rows.append(int(self.reused_mask[rows].sum()))
             rows, h = rows[keep], h[keep]
@@ -195,8 +196,7 @@ class _Blend:
         return {s: kv for s, kv in got.items() if s in want and self._valid(kv, want[s])}
 
     def _valid(self, kv: tuple[Tensor, Tensor], t: int) -> bool:
-        hkv, _, d = self.kv_shape
-        return all(x.shape == (hkv, t, d) and x.dtype == self.e.dtype for x in kv)
+        return len(kv) == 2 and all(x.shape == (self.hkv, t, self.hd) and x.dtype == self.e.dtype for x in kv)
 
     def fall_back(self, layer: int, got: LayerKV, rows: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         """Chunks absent at `layer` are computed from now on; catch their rows up through 0..layer-1."""
@@ -218,8 +218,13 @@ class _Blend:
         rows, order = torch.cat([rows, new]).sort()
         return rows, torch.cat([h, hn])[order]
 
-    def next_rows(self, layer: int, rows: Tensor, v: Tensor, got: LayerKV) -> Tensor:
-        """Which of `rows` are computed at layer+1 (bool mask over rows)."""
+    def next_rows(self, layer: int, rows: Tensor, v: Tensor, stored: tuple[Tensor, Tensor] | None,
+                  to_question: list[float]) -> Tensor:
+        """Which of `rows` are computed at layer+1 (bool mask over rows).
+
+        stored: this layer's stored K (RoPE at the new positions) and V at `rows`, taken
+        before the scatter (cacheblend selection layers only); to_question: inter(C_i, U).
+        """
         keep = torch.ones(len(rows), dtype=torch.bool)
         live_mask = torch.zeros(self.n, dtype=torch.bool)
         for s in self.live:
@@ -230,14 +235,12 @@ class _Blend:
         if ratio is not None and len(cand):
             # CacheBlend §4.3: keep the highest-KV-deviation tokens among this layer's candidates,
             # both K at the same (new) positions.
-            old_k, old_v = self._stored_rows(rows[cand], got)
             new_k = self.kv[layer][0][:, rows[cand]]
             want = ratio * self.reused_tokens / len(cand)
-            _, top = kv_deviation_topk(new_k, v[:, cand], old_k, old_v, min(1.0, want))
+            _, top = kv_deviation_topk(new_k, v[:, cand], stored[0][:, cand], stored[1][:, cand], min(1.0, want))
             keep[cand] = False
             keep[cand[top]] = True
-        inter = self.mass_to_question
-        focused = self.focus.update(layer, inter) if inter is not None else None
+        focused = self.focus.update(layer, to_question)
         if focused is not None:
             # Cache-Craft Alg. 1: stop recomputing tokens of unfocused reused chunks.
             for s in self.live:
@@ -245,23 +248,15 @@ class _Blend:
                     keep &= ~(torch.isin(rows, self.lay.rows(s)) & live_mask[rows])
         return keep
 
-    def _stored_rows(self, rows: Tensor, got: LayerKV) -> tuple[Tensor, Tensor]:
-        """Stored K (RoPE at the new positions) and V [Hkv, len(rows), D] of rows of live chunks."""
-        K = torch.empty(self.kv_shape[0], self.n, self.kv_shape[2], dtype=self.e.dtype)
-        V = torch.empty_like(K)
-        for s in self.live:
-            K[:, self.lay.span(s)], V[:, self.lay.span(s)] = got[s]
-        return apply_rope(K[:, rows], self.pos[rows], self.rope), V[:, rows]
-
     # ---- statistics (Cache-Craft §3.1, `kvclient.types.VariantStats`) -----------------
 
     def _stats_init(self) -> None:
-        self.mass_to_question: list[float] | None = None
         self.fresh_kv: dict[int, list[tuple[Tensor, Tensor]]] = {s: [] for s in self.fresh}
         self.inter: dict[int, Tensor] = {}  # s -> [|C_s|, s] sum over layers of mass to prefix chunks
         self.intra: dict[int, float] = {s: 0.0 for s in self.fresh}
 
-    def record_stats(self, layer: int, rows: Tensor, k_raw: Tensor, v: Tensor, mass: Tensor) -> None:
+    def record_stats(self, rows: Tensor, k_raw: Tensor, v: Tensor, mass: Tensor) -> list[float]:
+        """Accumulate fresh chunks' KV and stats; return this layer's inter(C_i, U) per chunk."""
         for s in self.fresh:  # every row of a fresh chunk is computed at every layer
             idx = torch.searchsorted(rows, self.lay.rows(s))
             self.fresh_kv[s].append((k_raw[:, idx].clone(), v[:, idx].clone()))
@@ -269,7 +264,7 @@ class _Blend:
             self.inter[s] = self.inter.get(s, 0) + m[:, :s]  # eq. 3 per token and prefix chunk
             self.intra[s] += float(m[:, s].sum())  # eq. 4
         q = torch.searchsorted(rows, self.asker)
-        self.mass_to_question = [float(mass[q, s].sum()) for s in self.lay.chunk_indices()]  # inter(C_i, U)
+        return [float(mass[q, s].sum()) for s in self.lay.chunk_indices()]
 
     def fresh_chunks(self) -> dict[int, FreshChunk]:
         out = {}
