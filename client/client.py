@@ -133,6 +133,27 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+class FetchStream:
+    """An open FetchLayers stream of the blocking client."""
+
+    def __init__(self, call: grpc.Call, device: str | torch.device) -> None:
+        self._call = call
+        self._device = device
+
+    def __iter__(self) -> Iterator[FetchedLayer]:
+        try:
+            for msg in self._call:
+                yield _layer(msg, self._device)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(e) from None
+        finally:
+            self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class KVClient:
     """Blocking client. Use as a context manager or call close()."""
 
@@ -178,17 +199,12 @@ class KVClient:
                                                       first_turn, lease_ttl_s, timings))
 
     def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
-                     device: str | torch.device = "cpu", timeout: float | None = None) -> Iterator[FetchedLayer]:
-        """Layers of the variants, layer-major, as they arrive."""
-        stream = self._kv.FetchLayers(fetch_request(refs, first_layer, num_layers), metadata=self._md,
-                                      timeout=timeout or self.timeout)
-        try:
-            for msg in stream:
-                yield _layer(msg, device)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            stream.cancel()
+                     device: str | torch.device = "cpu", timeout: float | None = None) -> "FetchStream":
+        """Layers of the variants, layer-major, as they arrive (iterate; `cancel()` from
+        any thread ends the stream)."""
+        call = self._kv.FetchLayers(fetch_request(refs, first_layer, num_layers), metadata=self._md,
+                                    timeout=timeout or self.timeout)
+        return FetchStream(call, device)
 
     def fetch(self, chunk_key: str, variant_id: str = "", device: str | torch.device = "cpu") -> list[Layer]:
         """All layers of one variant as [(K, V), ...]."""

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from kvclient.keys import chunk_key, is_key
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
+from kvservice import failpoints
 from kvservice.config import Config
 from kvservice.errors import InvalidArgument, KVCraftError
 from kvservice.metrics import Metrics
@@ -107,6 +108,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 raise InvalidArgument(
                     f"layers [{first}, {end}) requested; the variants have {last} layers")
             for layer in range(first, end):
+                if layer == first + 1:
+                    failpoints.reach("fetch:after-first-layer")
                 for idx, info in enumerate(infos):
                     k, v = await asyncio.to_thread(self.store.read_layer, info, layer)
                     self.metrics.fetch_bytes.inc(len(k) + len(v))

@@ -29,8 +29,8 @@ def start_server(tmp_path):
     """Factory: start_server(name="data", **settings) -> a running ServiceProcess."""
     started: list[ServiceProcess] = []
 
-    def start(name: str = "data", **settings: object) -> ServiceProcess:
-        s = ServiceProcess(tmp_path / name, **settings).start()
+    def start(name: str = "data", env: dict[str, str] | None = None, **settings: object) -> ServiceProcess:
+        s = ServiceProcess(tmp_path / name, env=env, **settings).start()
         started.append(s)
         return s
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from adapter_helpers import make_prompt, rel_dev, variant
+from .adapter_helpers import make_prompt, rel_dev, variant
 from engine_adapter.blend import blend_prefill
 from engine_adapter.llama import rope_for_spec
 from engine_adapter.policy import Policy

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from adapter_helpers import make_prompt
+from .adapter_helpers import make_prompt
 from engine_adapter import probe as probe_mod
 from engine_adapter.blend import blend_prefill
 from engine_adapter.llama import LlamaEngine

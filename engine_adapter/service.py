@@ -1,0 +1,237 @@
+"""The adapter's link to a kvcraft service: plan, fetch layer by layer, store back.
+
+`ServiceLayerSource` reads one FetchLayers stream on a background thread, at most
+`depth` layers ahead of the layer being computed (Cache-Craft Alg. 2: preload depth Lp
+from the plan), so layer l is consumed while l+1..l+Lp are in flight.
+
+`RAGAdapter.prefill` serves one RAG request:
+  Plan (reorder, dedup, variant choice, lease) -> ServiceLayerSource -> blend_prefill
+  -> Release -> store the freshly computed chunks back in the background -> keep the
+  measured per-layer timings for the next Plan (the loading controller learns from them).
+Whatever the service does — down, slow, a chunk dropped as corrupt — the request
+completes: a missing layer is computed by the driver, a failed Plan means full prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from engine_adapter.blend import BlendResult, Gate, blend_prefill
+from engine_adapter.llama import LlamaEngine
+from engine_adapter.policy import Policy
+from engine_adapter.prompt import Segment
+from engine_adapter.source import LayerKV
+from kvclient.client import KVClient, Ref
+from kvclient.errors import KVCraftError
+from kvclient.keys import chunk_key
+from kvcraft.v1 import kvcraft_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class ServiceLayerSource:
+    """A LayerSource fed by one FetchLayers stream (segment index -> variant ref)."""
+
+    def __init__(self, client: KVClient, refs: Mapping[int, Ref], depth: int = 1,
+                 stream_timeout_s: float = 60.0) -> None:
+        self._segs = list(refs)
+        self._want = set(self._segs)
+        self._depth = max(1, depth)
+        self._buf: dict[int, LayerKV] = {}
+        self._cond = threading.Condition()
+        self._consumed = -1  # last layer handed to the driver
+        self._done = False
+        self.error: str | None = None
+        self.arrived: dict[int, float] = {}  # layer -> seconds from start until complete
+        self.layer_bytes: dict[int, int] = {}
+        self._t0 = time.monotonic()
+        self._stream = client.fetch_layers(list(refs.values()), timeout=stream_timeout_s)
+        self._thread = threading.Thread(target=self._read, name="kvcraft-fetch", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for f in self._stream:
+                seg = self._segs[f.index]
+                with self._cond:
+                    while f.layer > self._consumed + self._depth and not self._done:
+                        self._cond.wait()  # back-pressure: stay within the preload depth
+                    if self._done:
+                        return
+                    layer = self._buf.setdefault(f.layer, {})
+                    layer[seg] = (f.key, f.value)
+                    self.layer_bytes[f.layer] = self.layer_bytes.get(f.layer, 0) + (
+                        f.key.numel() * f.key.element_size() * 2)
+                    if len(layer) == len(self._want):
+                        self.arrived[f.layer] = time.monotonic() - self._t0
+                    self._cond.notify_all()
+        except KVCraftError as e:
+            self.error = str(e)
+            log.warning("kvcraft fetch stopped (%s); layers not yet received are computed instead", e)
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
+        with self._cond:
+            while len(self._buf.get(layer, ())) < len(self._want) and not self._done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            got = self._buf.pop(layer, {})
+            self._consumed = layer
+            self._cond.notify_all()
+        return got
+
+    def close(self) -> None:
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+        self._stream.cancel()
+        self._thread.join(timeout=5)
+
+
+@dataclass
+class RequestReport:
+    """What one request did, for logs, the demo and benchmarks."""
+
+    policy: str
+    order: list[str]
+    dropped: list[str]
+    reused_chunks: int
+    fresh_chunks: int
+    prompt_tokens: int
+    computed_rows: int  # rows computed, summed over layers
+    recomputed_rows: int  # of those, rows of reused chunks
+    fetch_wait_s: float  # time blocked waiting for layers
+    ttft_s: float  # plan + fetch + prefill, until the first token's logits
+    fallbacks: list[tuple[int, int]] = field(default_factory=list)
+    plan_error: str = ""
+
+
+class RAGAdapter:
+    """An engine plus a kvcraft service: serves RAG prefills with stored chunk KV."""
+
+    def __init__(self, engine: LlamaEngine, client: KVClient, policy: Policy, *,
+                 gate: Gate | None = None, store_back: bool = True) -> None:
+        self.engine = engine
+        self.client = client
+        self.policy = policy
+        self.gate = gate
+        self.store_back = store_back
+        self.model_id = engine.model_spec().fingerprint()
+        self._stores = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-store")
+        self._pending: list[Future] = []
+        self._timings = pb.TimingReport()
+
+    def prefill(self, chunks: Sequence[Sequence[int]], question: Sequence[int],
+                conversation_id: str = "") -> tuple[BlendResult, RequestReport]:
+        t0 = time.perf_counter()
+        by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
+        try:
+            plan = self.client.plan(self.model_id, [list(c) for c in chunks], len(question),
+                                    conversation_id=conversation_id, timings=self._timings)
+            self._timings = pb.TimingReport()
+        except KVCraftError as e:  # service down or slow: serve by full prefill, never fail
+            log.warning("kvcraft Plan failed (%s); serving this request by full prefill", e)
+            plan = None
+        segments, refs = self._segments(plan, by_key, chunks, question)
+        source = ServiceLayerSource(self.client, refs, plan.preload_depth if plan else 1) if refs else _NoSource()
+        try:
+            result = blend_prefill(self.engine, segments, self.policy, source, gate=self.gate)
+        finally:
+            source.close()
+            if plan is not None and plan.lease_id:
+                self._release(plan.lease_id)
+        ttft = time.perf_counter() - t0
+        if self.store_back and result.fresh:
+            self._store_back(segments, result)
+        self._learn(source, result)
+        report = RequestReport(
+            policy=self.policy.name,
+            order=list(plan.order) if plan else [chunk_key(self.model_id, c) for c in chunks],
+            dropped=list(plan.dropped) if plan else [],
+            reused_chunks=len(refs),
+            fresh_chunks=sum(1 for s in segments if not s.cached and not s.question),
+            prompt_tokens=sum(len(s.tokens) for s in segments),
+            computed_rows=sum(result.computed_rows),
+            recomputed_rows=sum(result.recomputed_rows),
+            fetch_wait_s=sum(t.wait_s for t in result.timings),
+            ttft_s=ttft,
+            fallbacks=list(result.fallbacks),
+            plan_error="" if plan else "plan failed",
+        )
+        return result, report
+
+    def _segments(self, plan: pb.PlanResponse | None, by_key: dict[str, tuple[int, ...]],
+                  chunks: Sequence[Sequence[int]], question: Sequence[int]) -> tuple[list[Segment], dict[int, Ref]]:
+        segments: list[Segment] = []
+        refs: dict[int, Ref] = {}
+        if plan is None:
+            segments = [Segment(tuple(c)) for c in chunks]
+        else:
+            for cp in plan.chunks:
+                cached = cp.source in (pb.ChunkPlan.PREFIX, pb.ChunkPlan.VARIANT)
+                if cached:
+                    refs[len(segments)] = Ref(cp.chunk_key, cp.variant_id, cp.cfo)
+                segments.append(Segment(by_key[cp.chunk_key], key=cp.chunk_key, cached=cached,
+                                        cached_prefix=tuple(cp.prefix_keys) if cp.source == pb.ChunkPlan.PREFIX else (),
+                                        recompute=tuple(cp.recompute)))
+        segments.append(Segment(tuple(question), question=True))
+        return segments, refs
+
+    def _release(self, lease_id: str) -> None:
+        try:
+            self.client.release(lease_id)
+        except KVCraftError as e:  # the lease times out by itself
+            log.warning("kvcraft Release failed (%s); the lease will time out", e)
+
+    def _store_back(self, segments: list[Segment], result: BlendResult) -> None:
+        for s, fresh in result.fresh.items():
+            tokens = segments[s].tokens
+            kv = [(k.contiguous(), v.contiguous()) for k, v in fresh.kv]
+            self._pending.append(self._stores.submit(self._store_one, tokens, kv, fresh.prefix, fresh.stats))
+
+    def _store_one(self, tokens, kv, prefix, stats) -> None:  # noqa: ANN001 - background task
+        try:
+            self.client.store(self.model_id, list(tokens), kv, prefix_keys=list(prefix), stats=stats)
+        except KVCraftError as e:  # a failed store never fails a request
+            log.warning("kvcraft store-back of a chunk failed: %s", e)
+
+    def flush(self) -> None:
+        """Wait for background store-backs (tests, shutdown)."""
+        for f in self._pending:
+            f.result()
+        self._pending.clear()
+
+    def _learn(self, source: object, result: BlendResult) -> None:
+        """Timings for the loading controller (CacheBlend §5), sent with the next Plan."""
+        if isinstance(source, ServiceLayerSource):
+            prev = 0.0
+            for layer in sorted(source.arrived):
+                t = source.arrived[layer]
+                self._timings.loads.add(tier="host", bytes_per_layer=source.layer_bytes.get(layer, 0),
+                                        seconds=max(t - prev, 1e-9))
+                prev = t
+        for t, rows in zip(result.timings, result.computed_rows):
+            if rows:
+                self._timings.computes.add(tokens_per_layer=rows, seconds=max(t.compute_s, 1e-9))
+
+    def close(self) -> None:
+        self.flush()
+        self._stores.shutdown()
+
+
+class _NoSource:
+    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,141 @@
+"""The engine adapter against the real service on loopback: a tiny random-weight Llama
+serves RAG requests whose chunk KV was stored by earlier requests in other orders."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pytest
+import torch
+
+from engine_adapter import LlamaEngine, Policy, ReuseGate
+from engine_adapter.blend import blend_prefill
+from engine_adapter.prompt import Segment
+from engine_adapter.service import RAGAdapter, ServiceLayerSource
+from kvclient.client import KVClient, Ref
+from kvclient.keys import chunk_key
+from kvkernels import RopeConfig
+
+ENGINE = LlamaEngine.random("tiny", seed=0)
+
+
+def chunks(seed: int, n: int = 4, length: int = 20) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (length,), generator=g).tolist() for _ in range(n)]
+
+
+QUESTION = [7, 11, 13, 17, 19]
+
+
+def full_logits(engine: LlamaEngine, order: list[list[int]], question: list[int]) -> torch.Tensor:
+    tokens = [t for c in order for t in c] + question
+    return engine.prefill(torch.tensor(tokens))[0][-1]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def warm(adapter: RAGAdapter, cs: list[list[int]]) -> None:
+    """First request: every chunk computed fresh and stored back (each behind the ones before it)."""
+    result, report = adapter.prefill(cs, QUESTION)
+    adapter.flush()
+    assert report.reused_chunks == 0 and report.fresh_chunks == len(cs)
+
+
+def in_plan_order(cs: list[list[int]], order_keys) -> list[list[int]]:
+    """The chunks in the order the plan put them."""
+    by_key = {chunk_key(ENGINE.model_spec().fingerprint(), c): c for c in cs}
+    return [by_key[k] for k in order_keys]
+
+
+def test_reuse_through_the_service_full_ratio_exact_naive_off_partial_between(kvserver):
+    cs = chunks(1)
+    with KVClient(kvserver.address) as client:
+        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+        shuffled = [cs[2], cs[0], cs[3], cs[1]]
+        devs = {}
+        for name, ratio in [("cacheblend", 1.0), ("naive", 0.0), ("cacheblend", 0.3), ("cachecraft", 0.0)]:
+            adapter = RAGAdapter(ENGINE, client, Policy(name, ratio=ratio), gate=ReuseGate(), store_back=False)
+            result, report = adapter.prefill(shuffled, QUESTION)
+            assert report.reused_chunks == 4 and result.reuse
+            order = in_plan_order(cs, report.order)
+            devs[(name, ratio)] = rel(result.logits, full_logits(ENGINE, order, QUESTION))
+    assert devs[("cacheblend", 1.0)] < 1e-4  # 100% recompute == full prefill
+    assert devs[("naive", 0.0)] > 0.05  # reusing everything as is is measurably off
+    assert devs[("cacheblend", 1.0)] < devs[("cacheblend", 0.3)] < devs[("naive", 0.0)]
+    assert devs[("cachecraft", 0.0)] < devs[("naive", 0.0)]
+
+
+def test_chunk_reused_at_a_new_position_equals_computing_it_there(kvserver):
+    """RoPE exactness through the wire: chunk b, stored computed alone (positions 0..19,
+    K without RoPE), reused as is at positions 20..39 behind chunk a, has exactly the
+    K/V of b computed alone at 20..39 (attention only looks back; b had no prefix)."""
+    a, b = chunks(2, n=2)
+    with KVClient(kvserver.address) as client:
+        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), [b])
+        src = ServiceLayerSource(client, {1: Ref(chunk_key(ENGINE.model_spec().fingerprint(), b))})
+        segs = [Segment(tuple(a)), Segment(tuple(b), cached=True), Segment(tuple(QUESTION), question=True)]
+        result = blend_prefill(ENGINE, segs, Policy("naive"), src, gate=ReuseGate())
+        src.close()
+    assert result.reuse and not result.fallbacks
+    _, kv_alone = ENGINE.prefill(torch.tensor(b), start_pos=20)
+    for layer, (k, v) in enumerate(result.kv):
+        assert torch.allclose(k[:, 20:40], kv_alone[layer][0], atol=1e-5)
+        assert torch.allclose(v[:, 20:40], kv_alone[layer][1], atol=1e-6)
+
+
+def test_service_dying_mid_fetch_request_completes_correctly(start_server, caplog):
+    server = start_server(env={"KVCRAFT_FAILPOINT": "fetch:after-first-layer"})
+    cs = chunks(3)
+    with KVClient(server.address) as client:
+        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+        adapter = RAGAdapter(ENGINE, client, Policy("cacheblend", ratio=0.3, layer_budget_s=5.0),
+                             gate=ReuseGate(), store_back=False)
+        with caplog.at_level(logging.WARNING):
+            result, report = adapter.prefill(cs[::-1], QUESTION)
+    assert server.proc.wait(timeout=30) == 137  # the service died after layer 0
+    order = in_plan_order(cs, report.order)
+    assert rel(result.logits, full_logits(ENGINE, order, QUESTION)) < 1e-4
+    # Every reused chunk was computed from the layer the stream broke at (0 or 1: whether
+    # layer 0 left the dying process's socket is up to the kernel).
+    assert {c for c, _ in report.fallbacks} == {0, 1, 2, 3}
+    assert {layer for _, layer in report.fallbacks} <= {0, 1}
+    assert "kvcraft fetch stopped" in caplog.text
+
+
+def test_stalled_service_past_the_deadline_is_computed_instead(kvserver, caplog):
+    cs = chunks(4)
+    with KVClient(kvserver.address, timeout=2.0) as client:
+        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+        plan = client.plan(ENGINE.model_spec().fingerprint(), cs, len(QUESTION))
+        refs = {i: Ref(cp.chunk_key, cp.variant_id) for i, cp in enumerate(plan.chunks)}
+        os.kill(kvserver.proc.pid, signal.SIGSTOP)  # the service hangs: no layer arrives
+        try:
+            src = ServiceLayerSource(client, refs, stream_timeout_s=2.0)
+            segs = [Segment(tuple(c), cached=True) for c in in_plan_order(cs, plan.order)] + [
+                Segment(tuple(QUESTION), question=True)]
+            with caplog.at_level(logging.WARNING):
+                result = blend_prefill(ENGINE, segs, Policy("naive", layer_budget_s=0.05), src, gate=ReuseGate())
+            src.close()
+        finally:
+            os.kill(kvserver.proc.pid, signal.SIGCONT)
+    order = in_plan_order(cs, plan.order)
+    assert rel(result.logits, full_logits(ENGINE, order, QUESTION)) < 1e-4
+    assert len(result.fallbacks) == 4
+
+
+def test_failing_reuse_probe_refuses_reuse_and_answers_match_full_prefill(kvserver, caplog):
+    cs = chunks(5)
+    bad = LlamaEngine(ENGINE.cfg, ENGINE.w, rope=RopeConfig(head_dim=16, theta=1e5))  # forward disagrees with its spec
+    with KVClient(kvserver.address) as client:
+        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+        adapter = RAGAdapter(bad, client, Policy("cacheblend", ratio=0.3), gate=ReuseGate(), store_back=False)
+        with caplog.at_level(logging.ERROR):
+            result, report = adapter.prefill(cs[::-1], QUESTION)
+    assert not result.reuse
+    assert "reuse probe FAILED" in caplog.text
+    order = in_plan_order(cs, report.order)
+    assert torch.allclose(result.logits, bad.prefill(torch.tensor([t for c in order for t in c] + QUESTION))[0][-1])
