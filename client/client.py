@@ -31,7 +31,7 @@ class Ref:
 
     chunk_key: str
     variant_id: str = ""
-    cfo: float = 0.0  # Cache-Craft CFO of this reuse; 0 = unknown
+    cfo: float | None = None  # Cache-Craft CFO of this reuse (ChunkPlan.cfo); None = unknown
 
 
 RefLike = Union[str, Ref]
@@ -102,7 +102,7 @@ def plan_request(model_id: str, chunks: Sequence[ChunkLike], question_tokens: in
 
 def _ref(r: RefLike) -> pb.VariantRef:
     r = Ref(r) if isinstance(r, str) else r
-    return pb.VariantRef(chunk_key=r.chunk_key, variant_id=r.variant_id, cfo=r.cfo)
+    return pb.VariantRef(chunk_key=r.chunk_key, variant_id=r.variant_id, cfo=r.cfo)  # None leaves it unset
 
 
 def _layer(msg: pb.LayerChunk, device: str | torch.device) -> FetchedLayer:

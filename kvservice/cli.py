@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     admin.add_argument("target", nargs="?", help="chunk key (get/evict/pin/unpin)")
 
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
-    bench.add_argument("name", choices=["planner", "crash"])
+    bench.add_argument("name", choices=["planner", "plan-latency", "crash"])
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
     a = parser.parse_args(argv)
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.command == "bench":
         from importlib import import_module
 
-        return import_module(f"kvbench.{a.name}").main(a.args)
+        return import_module(f"kvbench.{a.name.replace('-', '_')}").main(a.args)
     return 2
 
 

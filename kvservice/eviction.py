@@ -14,12 +14,3 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 def eviction_key(info: pb.VariantInfo) -> tuple[float, int, int, str]:
     return (info.fr, info.last_access_unix_ms, info.created_unix_ms, info.variant_id)
 
-
-def fr_increment(cfo: float) -> float:
-    """Cache-Craft §3.3: fr += 1/CFO on each reuse; an unknown CFO (0) counts as 1.
-
-    CFO is clamped below at 0.01 so one cheap reuse cannot dominate forever.
-    """
-    if cfo <= 0:
-        return 1.0
-    return 1.0 / max(cfo, 0.01)

@@ -13,7 +13,7 @@ from concurrent.futures import Executor
 from kvclient.keys import chunk_key, is_key
 from kvclient.types import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.errors import InvalidArgument, NotFound
+from kvservice.errors import InvalidArgument, NotFound, Unavailable
 from kvservice.planner import ChunkRef, Planner, PlannerConfig, VariantInfo
 from kvservice.planner.catalog import InMemoryCatalog
 from kvservice.planner.plan import FRESH, PREFIX, PlanError
@@ -58,7 +58,7 @@ class PlanningService:
                 self.catalog.evict(variant_id)
 
     # -- Plan ---------------------------------------------------------------------------
-    def plan(self, req: pb.PlanRequest, preload: Executor | None = None) -> pb.PlanResponse:
+    def plan(self, req: pb.PlanRequest, preload: Executor | None = None, _retried: bool = False) -> pb.PlanResponse:
         if not is_key(req.model_id):
             raise InvalidArgument(f"model_id {req.model_id[:40]!r} is not 32 lowercase hex chars")
         if not req.chunks:
@@ -82,8 +82,12 @@ class PlanningService:
         if reused:
             try:
                 lease_id, _, expires = self.store.take_lease(reused, req.lease_ttl_s)
-            except NotFound:  # evicted between planning and leasing: plan once more
-                return self.plan(req, preload)
+            except NotFound:
+                # Evicted between planning and leasing (the hooks have already removed it
+                # from the catalog): plan once more; a second miss is a real inconsistency.
+                if _retried:
+                    raise Unavailable("variants keep disappearing while planning; retry the request") from None
+                return self.plan(req, preload, _retried=True)
             if preload is not None:
                 preload.submit(self.store.promote, [r.variant_id for r in reused])
         return pb.PlanResponse(

@@ -25,7 +25,8 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import Config
 from kvservice import failpoints
 from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvservice.eviction import eviction_key, fr_increment
+from kvservice.eviction import eviction_key
+from kvservice.planner.variants import fr_increment
 from kvservice.layout import LayerLayout, layer_checksum, layer_layout
 from kvservice.metadata import MetadataDB
 from kvservice.tiers.disk import DiskTier, DiskWriter
@@ -219,7 +220,7 @@ class ChunkStore:
             now_ms = int(self._clock() * 1000)
             for ref, v in zip(refs, variants):
                 v.holds += 1
-                v.info.fr += fr_increment(ref.cfo)
+                v.info.fr += fr_increment(ref.cfo) if ref.HasField("cfo") else 1.0
                 v.info.last_access_unix_ms = now_ms
             self._persist_access(variants)
         return [v.info for v in variants]
@@ -311,7 +312,7 @@ class ChunkStore:
                 if not is_key(ref.chunk_key):
                     raise InvalidArgument(f"variants[{i}].chunk_key {ref.chunk_key[:40]!r} is not a chunk key")
                 if not 0 <= ref.cfo <= 1:
-                    raise InvalidArgument(f"variants[{i}].cfo is {ref.cfo}; expected 0 (unknown) or (0, 1]")
+                    raise InvalidArgument(f"variants[{i}].cfo is {ref.cfo}; expected [0, 1], or unset if unknown")
                 vids = self._chunks.get(ref.chunk_key)
                 if not vids:
                     raise NotFound(f"chunk {ref.chunk_key} is not stored")

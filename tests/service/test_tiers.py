@@ -49,7 +49,7 @@ class BruteForceTiers:
         self.enforce(times)
 
     def fetch(self, vid: str, cfo: float, times: dict[str, tuple[int, int]]) -> None:
-        self.fr[vid] += 1.0 if cfo == 0 else 1.0 / cfo
+        self.fr[vid] += 1.0 if cfo is None else 1.0 / max(cfo, 0.01)
         self.in_host.add(vid)  # a fetch from disk promotes the variant
         self.enforce(times)
 
@@ -82,7 +82,7 @@ def test_host_pressure_demotes_lowest_fr_first_like_brute_force(start_server):
                 model.store(r.variant_id, times)
             else:
                 vid = rng.choice(sorted(keys))
-                cfo = rng.choice([0.0, 0.1, 0.25, 0.5, 0.8, 1.0])
+                cfo = rng.choice([None, 0.0, 0.1, 0.25, 0.5, 0.8, 1.0])
                 got = [(f.key, f.value) for f in c.fetch_layers([Ref(keys[vid], vid, cfo)])]
                 for (gk, gv), (wk, wv) in zip(got, sent[vid]):  # identical, from host or disk
                     assert torch.equal(gk, wk) and torch.equal(gv, wv)
