@@ -80,7 +80,9 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
 
     async def run() -> None:
         with tempfile.TemporaryDirectory(prefix="kvcraft-planlat-") as tmp:
-            cfg = load_config(env={}, overrides={"port": 0, "data_dir": tmp, "max_variants": 10 * n_variants})
+            # host budget of 1 byte: Plan's preload skips the metadata-only variants (no payload to read)
+            cfg = load_config(env={}, overrides={"port": 0, "data_dir": tmp, "max_variants": 10 * n_variants,
+                                                 "host_budget_bytes": 1})
             holder["server"] = await start_server(cfg)
             holder["stop"] = asyncio.Event()
             ready.set()

@@ -214,6 +214,14 @@ class KVClient:
                chunk_key: str | None = None) -> pb.LookupResponse:
         return self._call(self._kv.Lookup, _lookup_request(model_id, token_ids, chunk_key))
 
+    def match_prefix(self, variant_ids: Sequence[str], timeout: float | None = None) -> int:
+        """How many leading variants of a chain are stored."""
+        try:
+            return self._kv.MatchPrefix(pb.MatchPrefixRequest(variant_ids=list(variant_ids)), metadata=self._md,
+                                        timeout=timeout or self.timeout).matched
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
     def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
         r = self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))
         return Lease(r.lease_id, list(r.variant_ids), r.expires_unix_ms)
@@ -309,6 +317,9 @@ class AsyncKVClient:
     async def lookup(self, model_id: str | None = None, token_ids: Sequence[int] | None = None, *,
                      chunk_key: str | None = None) -> pb.LookupResponse:
         return await self._call(self._kv.Lookup, _lookup_request(model_id, token_ids, chunk_key))
+
+    async def match_prefix(self, variant_ids: Sequence[str]) -> int:
+        return (await self._call(self._kv.MatchPrefix, pb.MatchPrefixRequest(variant_ids=list(variant_ids)))).matched
 
     async def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
         r = await self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))

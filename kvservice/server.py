@@ -150,6 +150,12 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return pb.LookupResponse(found=bool(variants), chunk_key=key, variants=variants)
 
     @_rpc
+    async def MatchPrefix(self, request: pb.MatchPrefixRequest, context: Any) -> pb.MatchPrefixResponse:
+        if len(request.variant_ids) > self.store.cfg.max_fetch_variants:
+            raise InvalidArgument(f"{len(request.variant_ids)} variant ids; at most {self.store.cfg.max_fetch_variants}")
+        return pb.MatchPrefixResponse(matched=self.store.match_prefix(request.variant_ids))
+
+    @_rpc
     async def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
         lease_id, vids, expires = await asyncio.to_thread(self.store.take_lease, request.variants, request.ttl_s)
         return pb.LeaseResponse(lease_id=lease_id, variant_ids=vids, expires_unix_ms=int(expires * 1000))

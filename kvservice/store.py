@@ -502,6 +502,16 @@ class ChunkStore:
         out.leased = any(v.info.variant_id in l.variant_ids for l in self._leases.values())
         return out
 
+    def match_prefix(self, variant_ids: Sequence[str]) -> int:
+        """How many leading ids of the chain are stored."""
+        with self._lock:
+            n = 0
+            for vid in variant_ids:
+                if vid not in self._variants:
+                    break
+                n += 1
+            return n
+
     def all_variants(self) -> list[pb.VariantInfo]:
         with self._lock:
             return [self._public(v) for v in self._variants.values()]

@@ -167,3 +167,20 @@ def test_oversized_stream_is_resource_exhausted(start_server):
         with pytest.raises(InvalidArgumentError, match="num_layers is 5; expected 1..4"):
             c.store(MODEL, [1], make_layers(5, 1, torch.float32))
         assert_bit_identical(c.fetch(key), keep)
+
+
+def test_match_prefix_counts_the_stored_head_of_a_chain(kvserver):
+    from kvclient.keys import variant_id as vid_of
+    with KVClient(kvserver.address) as c:
+        chain, prev = [], []
+        for i in range(4):  # block i stored behind block i-1's variant id
+            tokens = [i, i + 1]
+            if i != 2:
+                r = c.store(MODEL, tokens, make_layers(1, 2, torch.float16, i), prefix_keys=prev)
+                assert r.variant_id == vid_of(chunk_key(MODEL, tokens), prev)
+            vid = vid_of(chunk_key(MODEL, tokens), prev)
+            chain.append(vid)
+            prev = [vid]
+        assert c.match_prefix(chain) == 2  # block 2 is missing: the prefix ends there
+        assert c.match_prefix(chain[:1]) == 1 and c.match_prefix([]) == 0
+        assert c.match_prefix(chain[3:]) == 1

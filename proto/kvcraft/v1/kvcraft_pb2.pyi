@@ -300,6 +300,18 @@ class LookupResponse(_message.Message):
     variants: _containers.RepeatedCompositeFieldContainer[VariantInfo]
     def __init__(self, found: _Optional[bool] = ..., chunk_key: _Optional[str] = ..., variants: _Optional[_Iterable[_Union[VariantInfo, _Mapping]]] = ...) -> None: ...
 
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("variant_ids",)
+    VARIANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    variant_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, variant_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("matched",)
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    def __init__(self, matched: _Optional[int] = ...) -> None: ...
+
 class LeaseRequest(_message.Message):
     __slots__ = ("variants", "ttl_s")
     VARIANTS_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class KVCacheStub:
                 request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.MatchPrefix = channel.unary_unary(
+                '/kvcraft.v1.KVCache/MatchPrefix',
+                request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixRequest.SerializeToString,
+                response_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixResponse.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/kvcraft.v1.KVCache/Lease',
                 request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.LeaseRequest.SerializeToString,
@@ -100,6 +105,13 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MatchPrefix(self, request, context):
+        """How long a stored prefix of a chain of variants is (prefix caches, e.g. vLLM blocks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lease(self, request, context):
         """Hold variants (never moved or deleted) until Release or the lease's ttl.
         """
@@ -136,6 +148,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.LookupRequest.FromString,
                     response_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.LookupResponse.SerializeToString,
+            ),
+            'MatchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.MatchPrefix,
+                    request_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixRequest.FromString,
+                    response_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixResponse.SerializeToString,
             ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
@@ -256,6 +273,33 @@ class KVCache:
             '/kvcraft.v1.KVCache/Lookup',
             kvcraft_dot_v1_dot_kvcraft__pb2.LookupRequest.SerializeToString,
             kvcraft_dot_v1_dot_kvcraft__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcraft.v1.KVCache/MatchPrefix',
+            kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixRequest.SerializeToString,
+            kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
