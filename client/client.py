@@ -169,6 +169,7 @@ class KVClient:
         self._md = _metadata(token)
         self._admin_md = _metadata(admin_token)
         self.timeout = timeout
+        self._slabs: dict = {}  # segment -> kvclient.local.SharedSlab
 
     def __enter__(self) -> "KVClient":
         return self
@@ -177,6 +178,8 @@ class KVClient:
         self.close()
 
     def close(self) -> None:
+        for slab in self._slabs.values():
+            slab.close()
         self._channel.close()
 
     def _call(self, method, request, admin: bool = False):
@@ -221,6 +224,17 @@ class KVClient:
                                         timeout=timeout or self.timeout).matched
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+
+    def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> "LocalFetch":
+        """Same-host fast path: tensors aliasing the service's shared memory, valid until
+        the returned LocalFetch is released (use it as a context manager)."""
+        from kvclient.local import LocalFetch, SharedSlab
+
+        r = self._call(self._kv.Locate, pb.LocateRequest(variants=[_ref(x) for x in refs], lease_ttl_s=ttl_s))
+        slab = self._slabs.get(r.segment)
+        if slab is None:
+            slab = self._slabs[r.segment] = SharedSlab(r.segment)
+        return LocalFetch(self, r, slab)
 
     def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
         r = self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))

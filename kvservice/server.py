@@ -156,6 +156,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return pb.MatchPrefixResponse(matched=self.store.match_prefix(request.variant_ids))
 
     @_rpc
+    async def Locate(self, request: pb.LocateRequest, context: Any) -> pb.LocateResponse:
+        return await asyncio.to_thread(self.store.locate, request.variants, request.lease_ttl_s)
+
+    @_rpc
     async def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
         lease_id, vids, expires = await asyncio.to_thread(self.store.take_lease, request.variants, request.ttl_s)
         return pb.LeaseResponse(lease_id=lease_id, variant_ids=vids, expires_unix_ms=int(expires * 1000))

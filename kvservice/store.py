@@ -30,7 +30,7 @@ from kvservice.planner.variants import fr_increment
 from kvservice.layout import LayerLayout, layer_checksum, layer_layout
 from kvservice.metadata import MetadataDB
 from kvservice.tiers.disk import DiskTier, DiskWriter
-from kvservice.tiers.host import HostTier
+from kvservice.tiers.host import HostTier, segment_name
 
 log = logging.getLogger("kvcraft.store")
 
@@ -84,7 +84,7 @@ class ChunkStore:
         root.mkdir(parents=True, exist_ok=True)
         self.meta = MetadataDB(root / "metadata")
         self.disk = DiskTier(root / "payloads", cfg.disk_budget_bytes)
-        self.host = HostTier(cfg.host_budget_bytes)
+        self.host = HostTier(cfg.host_budget_bytes, segment_name(root))
         self.counters = Counters()
         self.listeners: list[StoreListener] = []
         self._lock = threading.RLock()
@@ -98,6 +98,7 @@ class ChunkStore:
         with self._lock:
             self._persist_access(self._variants.values())
             self.meta.close()
+            self.host.close()
 
     # -- store ----------------------------------------------------------------------
     def begin_store(self, header: pb.StoreHeader) -> "StoreSession":
@@ -182,14 +183,13 @@ class ChunkStore:
                 failpoints.reach("store:payload-committed")
                 self.meta.put_variants([info], sync=True)
                 failpoints.reach("store:metadata-committed")
-                self._variants[info.variant_id] = _Variant(info, session.layout)
+                v = _Variant(info, session.layout)
+                self._variants[info.variant_id] = v
                 self._chunks.setdefault(info.chunk_key, []).append(info.variant_id)
-                if payload is not None and len(payload) <= self.host.budget_bytes:
-                    self.host.put(info.variant_id, payload)
+                if payload is not None and self._admit_host(v, payload):
                     info.tier = "host"
                 for lst in self.listeners:
                     lst.on_put(info)
-                self._enforce_host_budget()
         finally:
             with self._lock:
                 self._disk_reserved -= session.total_bytes
@@ -217,13 +217,32 @@ class ChunkStore:
         """Resolve and hold the variants of a fetch; count the reuse (fr += 1/CFO)."""
         variants = self._resolve(refs)
         with self._lock:
-            now_ms = int(self._clock() * 1000)
-            for ref, v in zip(refs, variants):
+            for v in variants:
                 v.holds += 1
-                v.info.fr += fr_increment(ref.cfo) if ref.HasField("cfo") else 1.0
-                v.info.last_access_unix_ms = now_ms
-            self._persist_access(variants)
+            self._count_reuse(refs, variants)
         return [v.info for v in variants]
+
+    def _count_reuse(self, refs: Sequence[pb.VariantRef], variants: Sequence[_Variant]) -> None:
+        now_ms = int(self._clock() * 1000)
+        for ref, v in zip(refs, variants):
+            v.info.fr += fr_increment(ref.cfo) if ref.HasField("cfo") else 1.0
+            v.info.last_access_unix_ms = now_ms
+        self._persist_access(variants)
+
+    def locate(self, refs: Sequence[pb.VariantRef], ttl_s: float = 0.0) -> pb.LocateResponse:
+        """Lease the variants, bring them into the host slab, say where they are."""
+        lease_id, vids, expires = self.take_lease(refs, ttl_s)
+        with self._lock:
+            self._count_reuse(refs, [self._variants[v] for v in vids])
+        self.promote(vids)
+        out = pb.LocateResponse(segment=self.host.segment, lease_id=lease_id, lease_expires_unix_ms=int(expires * 1000))
+        with self._lock:
+            for vid in vids:
+                info = self._variants[vid].info  # leased: still stored
+                off, n = self.host.location(vid) if vid in self.host else (0, 0)
+                out.variants.add(variant_id=vid, offset=off, length=n, num_layers=info.num_layers,
+                                 key_spec=info.key_spec, value_spec=info.value_spec)
+        return out
 
     def close_fetch(self, infos: Iterable[pb.VariantInfo], *, promote: bool = True) -> None:
         """End a fetch's hold; copy variants read from disk up into the host tier."""
@@ -255,9 +274,8 @@ class ChunkStore:
                     v.holds -= 1
             with self._lock:
                 if v.info.variant_id in self._variants and v.info.variant_id not in self.host:
-                    self.host.put(v.info.variant_id, bytes(payload))
-                    self._set_tier(v, "host")
-                    self._enforce_host_budget()
+                    if self._admit_host(v, payload):
+                        self._set_tier(v, "host")
 
     def read_layer(self, info: pb.VariantInfo, layer: int) -> tuple[memoryview, memoryview]:
         """K and V bytes of one layer of a held variant; verified if read from disk."""
@@ -447,18 +465,25 @@ class ChunkStore:
             self._delete(victims[0].info.variant_id)
             self.counters.evictions += 1
 
-    def _enforce_host_budget(self) -> None:
-        """Cache-Craft §3.3: a tier over budget moves its lowest-fr variants one tier down."""
-        if self.host.usage() <= self.host.budget_bytes:
-            return
+    def _admit_host(self, v: _Variant, payload: bytes | memoryview) -> bool:
+        """Cache-Craft §3.3 for the host tier: a copy goes in only if, among the host's
+        unprotected copies and the newcomer, it is not the lowest fr; lower ones are
+        moved one tier down (their copy dropped) until the slab has room."""
+        if v.info.size_bytes > self.host.budget_bytes:
+            return False
         self._expire_leases()
-        in_host = [v for v in self._variants.values() if v.info.variant_id in self.host]
-        for v in self._victims(in_host):
-            if self.host.usage() <= self.host.budget_bytes:
-                break
-            self.host.delete(v.info.variant_id)
-            self._set_tier(v, "disk")
+        while not self.host.put(v.info.variant_id, payload):
+            in_host = [x for x in self._variants.values() if x.info.variant_id in self.host]
+            victims = self._victims(in_host)
+            if not victims:
+                return False
+            if not v.protected and eviction_key(v.info) < eviction_key(victims[0].info):
+                self.counters.moves += 1  # the newcomer is the one that goes down
+                return False
+            self.host.delete(victims[0].info.variant_id)
+            self._set_tier(victims[0], "disk")
             self.counters.moves += 1
+        return True
 
     def _set_tier(self, v: _Variant, tier: str) -> None:
         v.info.tier = tier

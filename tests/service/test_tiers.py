@@ -158,3 +158,25 @@ def test_metrics_endpoint_reports_tiers(start_server):
     assert f'kvcraft_tier_bytes{{tier="disk"}} {float(disk.bytes_used)}' in text
     assert f"kvcraft_moves_total {float(stats.moves)}" in text
     assert "kvcraft_fetch_seconds_count 1.0" in text
+
+
+def test_same_host_fast_path_reads_the_slab_without_copies(start_server):
+    server = start_server(host_budget_bytes=2 * SIZE)
+    with KVClient(server.address) as c:
+        rs = [c.store(MODEL, tokens_for(s), layers_for(s)) for s in range(3)]  # one is only on disk
+        with c.fetch_local([Ref(r.chunk_key) for r in rs[:2]]) as got:
+            assert got.lease_id
+            for layers, seed in zip(got.layers, (0, 1)):
+                assert layers is not None
+                for (k, v), (wk, wv) in zip(layers, layers_for(seed)):
+                    assert torch.equal(k, wk) and torch.equal(v, wv)
+            assert c.stats().leases == 1
+        assert c.stats().leases == 0  # released on exit
+        # A variant that is not in host memory is brought in (Locate promotes it).
+        with c.fetch_local([Ref(rs[2].chunk_key)]) as got:
+            (layers,) = got.layers
+            assert all(torch.equal(k, wk) for (k, _), (wk, _) in zip(layers, layers_for(2)))
+        # Too big for the host tier: no location; the caller falls back to FetchLayers.
+        big = c.store(MODEL, list(range(1000, 1100)), [(torch.zeros(2, 100, 8), torch.zeros(2, 100, 8))] * 2)
+        with c.fetch_local([Ref(big.chunk_key)]) as got:
+            assert got.layers == [None]

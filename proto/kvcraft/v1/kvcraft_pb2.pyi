@@ -330,6 +330,42 @@ class LeaseResponse(_message.Message):
     expires_unix_ms: int
     def __init__(self, lease_id: _Optional[str] = ..., variant_ids: _Optional[_Iterable[str]] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
 
+class LocateRequest(_message.Message):
+    __slots__ = ("variants", "lease_ttl_s")
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    variants: _containers.RepeatedCompositeFieldContainer[VariantRef]
+    lease_ttl_s: float
+    def __init__(self, variants: _Optional[_Iterable[_Union[VariantRef, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class VariantLocation(_message.Message):
+    __slots__ = ("variant_id", "offset", "length", "num_layers", "key_spec", "value_spec")
+    VARIANT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SPEC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_SPEC_FIELD_NUMBER: _ClassVar[int]
+    variant_id: str
+    offset: int
+    length: int
+    num_layers: int
+    key_spec: TensorSpec
+    value_spec: TensorSpec
+    def __init__(self, variant_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., num_layers: _Optional[int] = ..., key_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., value_spec: _Optional[_Union[TensorSpec, _Mapping]] = ...) -> None: ...
+
+class LocateResponse(_message.Message):
+    __slots__ = ("segment", "variants", "lease_id", "lease_expires_unix_ms")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    variants: _containers.RepeatedCompositeFieldContainer[VariantLocation]
+    lease_id: str
+    lease_expires_unix_ms: int
+    def __init__(self, segment: _Optional[str] = ..., variants: _Optional[_Iterable[_Union[VariantLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

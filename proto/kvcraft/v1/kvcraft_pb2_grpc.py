@@ -59,6 +59,11 @@ class KVCacheStub:
                 request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixRequest.SerializeToString,
                 response_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixResponse.FromString,
                 _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/kvcraft.v1.KVCache/Locate',
+                request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.LocateRequest.SerializeToString,
+                response_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.LocateResponse.FromString,
+                _registered_method=True)
         self.Lease = channel.unary_unary(
                 '/kvcraft.v1.KVCache/Lease',
                 request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.LeaseRequest.SerializeToString,
@@ -112,6 +117,14 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Locate(self, request, context):
+        """Same-host fast path: lease variants, copy them into the host tier's shared memory,
+        and say where; the engine maps the segment and reads layers with no gRPC copy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Lease(self, request, context):
         """Hold variants (never moved or deleted) until Release or the lease's ttl.
         """
@@ -153,6 +166,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.MatchPrefix,
                     request_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixRequest.FromString,
                     response_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixResponse.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.LocateRequest.FromString,
+                    response_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.LocateResponse.SerializeToString,
             ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
@@ -300,6 +318,33 @@ class KVCache:
             '/kvcraft.v1.KVCache/MatchPrefix',
             kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixRequest.SerializeToString,
             kvcraft_dot_v1_dot_kvcraft__pb2.MatchPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcraft.v1.KVCache/Locate',
+            kvcraft_dot_v1_dot_kvcraft__pb2.LocateRequest.SerializeToString,
+            kvcraft_dot_v1_dot_kvcraft__pb2.LocateResponse.FromString,
             options,
             channel_credentials,
             insecure,

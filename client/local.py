@@ -1,0 +1,73 @@
+"""Same-host fast path: read leased variants straight from the service's shared memory.
+
+`KVClient.fetch_local(refs)` asks the service to lease the variants and copy them into
+its host-tier slab (`Locate` RPC), maps the slab (/dev/shm/<segment>) once, and hands
+out tensors that alias it: no bytes cross gRPC and nothing is copied. The tensors are
+valid while the lease is held (the `LocalFetch` context); copy what you keep longer.
+"""
+
+from __future__ import annotations
+
+import math
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from kvcraft.v1 import kvcraft_pb2 as pb
+
+_DTYPES = {pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.FLOAT32: torch.float32}
+
+
+class SharedSlab:
+    """The service's host tier, mapped into this process."""
+
+    def __init__(self, segment: str) -> None:
+        self.segment = segment
+        self._shm = shared_memory.SharedMemory(name=segment)
+        # Python < 3.13 registers attached segments with this process's resource tracker,
+        # which would unlink the service's segment when this process exits.
+        resource_tracker.unregister(self._shm._name, "shared_memory")  # noqa: SLF001
+
+    def layers(self, loc: pb.VariantLocation) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (K, V) aliasing the slab; layout as in docs/storage.md."""
+        kb = math.prod(loc.key_spec.shape) * torch.finfo(_DTYPES[loc.key_spec.dtype]).bits // 8
+        vb = math.prod(loc.value_spec.shape) * torch.finfo(_DTYPES[loc.value_spec.dtype]).bits // 8
+        if (kb + vb) * loc.num_layers != loc.length:
+            raise ValueError(f"variant {loc.variant_id}: {loc.length} bytes do not match its specs")
+        raw = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=loc.length, offset=loc.offset)
+        out = []
+        for layer in range(loc.num_layers):
+            base = layer * (kb + vb)
+            k = raw[base : base + kb].view(_DTYPES[loc.key_spec.dtype]).view(*loc.key_spec.shape)
+            v = raw[base + kb : base + kb + vb].view(_DTYPES[loc.value_spec.dtype]).view(*loc.value_spec.shape)
+            out.append((k, v))
+        return out
+
+    def close(self) -> None:
+        try:
+            self._shm.close()
+        except BufferError:  # tensors still alias it; the mapping goes with the process
+            pass
+
+
+class LocalFetch:
+    """Result of `KVClient.fetch_local`: per requested variant its layers, or None where
+    the service could not place it in host memory (fetch that one with FetchLayers)."""
+
+    def __init__(self, client, response: pb.LocateResponse, slab: SharedSlab) -> None:  # noqa: ANN001
+        self._client = client
+        self.lease_id = response.lease_id
+        self.locations = list(response.variants)
+        self.variant_ids = [loc.variant_id for loc in self.locations]
+        self.layers = [slab.layers(loc) if loc.length else None for loc in self.locations]
+
+    def release(self) -> None:
+        if self.lease_id:
+            self._client.release(self.lease_id)
+            self.lease_id = ""
+
+    def __enter__(self) -> "LocalFetch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
