@@ -25,7 +25,7 @@ from engine_adapter.blend import BlendResult, Gate, blend_prefill
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import Policy
 from engine_adapter.prompt import Segment
-from engine_adapter.source import LayerKV
+from engine_adapter.source import InMemoryLayerSource, LayerKV, LayerSource
 from kvclient.client import KVClient, Ref
 from kvclient.errors import KVCraftError
 from kvclient.keys import chunk_key
@@ -120,7 +120,10 @@ class RAGAdapter:
     """An engine plus a kvcraft service: serves RAG prefills with stored chunk KV."""
 
     def __init__(self, engine: LlamaEngine, client: KVClient, policy: Policy, *,
-                 gate: Gate | None = None, store_back: bool = True) -> None:
+                 gate: Gate | None = None, store_back: bool = True, local: bool = False) -> None:
+        """local: the service runs on this host; read reused KV from its shared memory
+        (Locate) instead of streaming it over gRPC."""
+        self.local = local
         self.engine = engine
         self.client = client
         self.policy = policy
@@ -143,11 +146,19 @@ class RAGAdapter:
             log.warning("kvcraft Plan failed (%s); serving this request by full prefill", e)
             plan = None
         segments, refs = self._segments(plan, by_key, chunks, question)
-        source = ServiceLayerSource(self.client, refs, plan.preload_depth if plan else 1) if refs else _NoSource()
+        local = None
+        if refs and self.local:
+            try:
+                local = self.client.fetch_local(list(refs.values()))
+            except KVCraftError as e:
+                log.warning("kvcraft Locate failed (%s); streaming over gRPC instead", e)
+        source = self._source(refs, local, plan.preload_depth if plan else 1)
         try:
             result = blend_prefill(self.engine, segments, self.policy, source, gate=self.gate)
         finally:
             source.close()
+            if local is not None:
+                self._release(local.lease_id)
             if plan is not None and plan.lease_id:
                 self._release(plan.lease_id)
         ttft = time.perf_counter() - t0
@@ -186,6 +197,17 @@ class RAGAdapter:
                                         recompute=tuple(cp.recompute)))
         segments.append(Segment(tuple(question), question=True))
         return segments, refs
+
+    def _source(self, refs: dict[int, Ref], local: object, depth: int) -> "LayerSource":
+        if not refs:
+            return _NoSource()
+        if local is None:
+            return ServiceLayerSource(self.client, refs, depth)
+        segs = list(refs)
+        mapped = {s: layers for s, layers in zip(segs, local.layers) if layers is not None}
+        rest = {s: refs[s] for s in segs if s not in mapped}  # not in host memory: stream those
+        return _MergedSource(InMemoryLayerSource(mapped),
+                             ServiceLayerSource(self.client, rest, depth) if rest else _NoSource())
 
     def _release(self, lease_id: str) -> None:
         try:
@@ -227,6 +249,19 @@ class RAGAdapter:
     def close(self) -> None:
         self.flush()
         self._stores.shutdown()
+
+
+class _MergedSource:
+    """Layers from shared memory for some chunks and from a stream for the others."""
+
+    def __init__(self, mapped: InMemoryLayerSource, streamed: "ServiceLayerSource | _NoSource") -> None:
+        self.mapped, self.streamed = mapped, streamed
+
+    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
+        return {**self.mapped.wait_layer(layer, deadline), **self.streamed.wait_layer(layer, deadline)}
+
+    def close(self) -> None:
+        self.streamed.close()
 
 
 class _NoSource:

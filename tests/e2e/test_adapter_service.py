@@ -139,3 +139,17 @@ def test_failing_reuse_probe_refuses_reuse_and_answers_match_full_prefill(kvserv
     assert "reuse probe FAILED" in caplog.text
     order = in_plan_order(cs, report.order)
     assert torch.allclose(result.logits, bad.prefill(torch.tensor([t for c in order for t in c] + QUESTION))[0][-1])
+
+
+def test_same_host_fast_path_gives_the_streamed_result(kvserver):
+    cs = chunks(6)
+    with KVClient(kvserver.address) as client:
+        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+        out = {}
+        for local in (False, True):
+            adapter = RAGAdapter(ENGINE, client, Policy("cacheblend", ratio=0.3), gate=ReuseGate(),
+                                 store_back=False, local=local)
+            out[local], report = adapter.prefill(cs[::-1], QUESTION)
+            assert report.reused_chunks == 4 and not report.fallbacks
+        assert client.stats().leases == 0  # both the plan's and Locate's leases released
+    assert torch.equal(out[True].logits, out[False].logits)
