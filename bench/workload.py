@@ -42,7 +42,7 @@ class WorkloadConfig:
     k: int = 5
     conversations: int = 2_000
     mean_turns: float = 2.0
-    p_repeat: float = 0.2
+    p_repeat: float = 0.31
     order_bias: float = 1.0
     active: int = 16
     min_tokens: int = 128
