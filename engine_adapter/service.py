@@ -135,12 +135,15 @@ class RAGAdapter:
         self._timings = pb.TimingReport()
 
     def prefill(self, chunks: Sequence[Sequence[int]], question: Sequence[int],
-                conversation_id: str = "") -> tuple[BlendResult, RequestReport]:
+                conversation_id: str = "", reorder: bool = True) -> tuple[BlendResult, RequestReport]:
+        """reorder=False keeps the retriever's order (CRAFT reorder off for this request:
+        use it when chunk order carries meaning)."""
         t0 = time.perf_counter()
         by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
         try:
             plan = self.client.plan(self.model_id, [list(c) for c in chunks], len(question),
-                                    conversation_id=conversation_id, timings=self._timings)
+                                    conversation_id=conversation_id, timings=self._timings,
+                                    first_turn=None if reorder else False)
             self._timings = pb.TimingReport()
         except KVCraftError as e:  # service down or slow: serve by full prefill, never fail
             log.warning("kvcraft Plan failed (%s); serving this request by full prefill", e)

@@ -35,6 +35,8 @@ class Config:
     max_variant_bytes: int = 4 * GiB
     max_fetch_variants: int = 256
     lease_timeout_s: float = 30.0
+    # Cache-Craft eq. 12-13: CFO = alpha * CCI * (1 - beta'); set against answer quality.
+    cfo_alpha: float = 1.0
     # Prometheus metrics over HTTP on this port; 0 = off.
     metrics_port: int = 0
     # Bearer tokens; empty = no auth. Admin RPCs need admin_token when it is set.
@@ -56,6 +58,8 @@ class Config:
                      "max_variants_per_chunk", "max_variants", "max_fetch_variants"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cfo_alpha < 0:
+            raise ValueError(f"cfo_alpha must be >= 0, got {self.cfo_alpha}")
         if self.lease_timeout_s <= 0:
             raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -25,6 +25,7 @@ from kvservice import failpoints
 from kvservice.config import Config
 from kvservice.errors import InvalidArgument, KVCraftError
 from kvservice.metrics import Metrics
+from kvservice.planner import PlannerConfig
 from kvservice.planning import PlanningService
 from kvservice.store import ChunkStore
 
@@ -267,7 +268,7 @@ async def start_server(cfg: Config) -> RunningServer:
     ]
     interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    pb_grpc.add_KVCacheServicer_to_server(KVCacheServicer(store, PlanningService(store), metrics), server)
+    pb_grpc.add_KVCacheServicer_to_server(KVCacheServicer(store, PlanningService(store, PlannerConfig(alpha=cfg.cfo_alpha)), metrics), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(store, cfg), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
