@@ -196,7 +196,7 @@ class RAGAdapter:
                 if cached:
                     refs[len(segments)] = Ref(cp.chunk_key, cp.variant_id, cp.cfo)
                 segments.append(Segment(by_key[cp.chunk_key], key=cp.chunk_key, cached=cached,
-                                        cached_prefix=tuple(cp.prefix_keys) if cp.source == pb.ChunkPlan.PREFIX else (),
+                                        cached_prefix=tuple(cp.variant_prefix_keys),
                                         recompute=tuple(cp.recompute)))
         segments.append(Segment(tuple(question), question=True))
         return segments, refs

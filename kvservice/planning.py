@@ -97,7 +97,8 @@ class PlanningService:
             chunks=[pb.ChunkPlan(chunk_key=c.chunk_key, position=c.position, token_start=c.token_span[0],
                                  token_count=c.token_count, source=_SOURCE[c.source],
                                  variant_id=c.variant_id or "", tier=c.tier or "", cfo=c.cfo,
-                                 recompute=c.recompute, prefix_keys=plan.prefix_of(c.position))
+                                 recompute=c.recompute, prefix_keys=plan.prefix_of(c.position),
+                                 variant_prefix_keys=self._variant_prefix(c.variant_id))
                     for c in plan.chunks],
             ratio=plan.ratio,
             preload_depth=plan.preload_depth,
@@ -107,6 +108,10 @@ class PlanningService:
             lease_expires_unix_ms=int(expires * 1000),
             computed_tokens=plan.computed_tokens,
         )
+
+    def _variant_prefix(self, vid: str | None) -> tuple[str, ...]:
+        info = self.catalog.get(vid) if vid else None
+        return info.prefix_keys if info is not None else ()
 
     @staticmethod
     def _chunk_ref(model_id: str, i: int, c: pb.PlanChunk) -> ChunkRef:

@@ -99,3 +99,17 @@ def test_malformed_plan_is_invalid_argument(kvserver, kwargs, message):
     with KVClient(kvserver.address) as c:
         with pytest.raises(InvalidArgumentError, match=message):
             c.plan(question_tokens=1, **kwargs)
+
+
+def test_plan_names_the_prefix_each_chosen_variant_was_computed_behind(kvserver):
+    with KVClient(kvserver.address) as c:
+        k0 = c.store(MODEL, chunk_tokens(0), layers(seed=0), stats=VariantStats(a=0.0, b=0.5)).chunk_key
+        v1 = c.store(MODEL, chunk_tokens(1), layers(seed=1), prefix_keys=[k0],
+                     stats=VariantStats(a=0.1, b=0.8, prefix_attention=(0.1,)))
+        # chunk 1 first: its variant was computed behind chunk 0, so it is not exact here
+        plan = c.plan(MODEL, [chunk_tokens(1), chunk_tokens(0)], 2, first_turn=False)
+        by_key = {cp.chunk_key: cp for cp in plan.chunks}
+        assert list(by_key[v1.chunk_key].variant_prefix_keys) == [k0]
+        assert list(by_key[v1.chunk_key].prefix_keys) == []
+        assert list(by_key[k0].variant_prefix_keys) == []
+        c.release(plan.lease_id)

@@ -129,7 +129,7 @@ class PlanRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[PlanChunk, _Mapping]]] = ..., question_tokens: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., timings: _Optional[_Union[TimingReport, _Mapping]] = ..., first_turn: _Optional[bool] = ...) -> None: ...
 
 class ChunkPlan(_message.Message):
-    __slots__ = ("chunk_key", "position", "token_start", "token_count", "source", "variant_id", "tier", "cfo", "recompute", "prefix_keys")
+    __slots__ = ("chunk_key", "position", "token_start", "token_count", "source", "variant_id", "tier", "cfo", "recompute", "prefix_keys", "variant_prefix_keys")
     class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         SOURCE_UNSPECIFIED: _ClassVar[ChunkPlan.Source]
@@ -150,6 +150,7 @@ class ChunkPlan(_message.Message):
     CFO_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
     chunk_key: str
     position: int
     token_start: int
@@ -160,7 +161,8 @@ class ChunkPlan(_message.Message):
     cfo: float
     recompute: _containers.RepeatedScalarFieldContainer[int]
     prefix_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, chunk_key: _Optional[str] = ..., position: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., source: _Optional[_Union[ChunkPlan.Source, str]] = ..., variant_id: _Optional[str] = ..., tier: _Optional[str] = ..., cfo: _Optional[float] = ..., recompute: _Optional[_Iterable[int]] = ..., prefix_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    variant_prefix_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunk_key: _Optional[str] = ..., position: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., source: _Optional[_Union[ChunkPlan.Source, str]] = ..., variant_id: _Optional[str] = ..., tier: _Optional[str] = ..., cfo: _Optional[float] = ..., recompute: _Optional[_Iterable[int]] = ..., prefix_keys: _Optional[_Iterable[str]] = ..., variant_prefix_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
     __slots__ = ("order", "dropped", "chunks", "history", "ratio", "preload_depth", "load_s_per_layer", "compute_s_per_layer", "lease_id", "lease_expires_unix_ms", "computed_tokens")

@@ -1,0 +1,197 @@
+"""Answer quality of each reuse policy, with chunk caches from other requests' contexts,
+through the real service (issue 9).
+
+For every held-out example:
+  1. warm: a request with the example's chunks shuffled among a neighbour example's
+     chunks is served by full prefill, and every chunk's KV is stored back with its
+     attention statistics — so each stored variant was computed behind another prefix;
+  2. evaluate: the example in its retriever order, once per policy, through
+     RAGAdapter (Plan -> fetch layer by layer -> blend), nothing stored back. Only
+     the CRAFT setting lets the planner reorder the chunks (in this task chunk order
+     carries meaning: "they" refers to the friend named in the chunk before).
+The answer is one word, so exact match is the greedy first token. The reference engine
+runs the trained weights (`kvbench.quality.modeling.MODEL_DIR`).
+
+    python -m kvbench.quality.evaluate --examples 200 --json q.json --plot docs/quality-policies.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from rich.progress import track
+
+from engine_adapter import LlamaEngine, Policy, ReuseGate
+from engine_adapter.service import RAGAdapter
+from kvbench.quality import data
+from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
+from kvclient.client import KVClient
+from kvclient.keys import chunk_key
+from kvservice.launcher import ServiceProcess
+
+
+@dataclass(frozen=True)
+class Setting:
+    label: str
+    policy: Policy
+    reorder: bool = False  # CRAFT reorder of the first turn (changes the prompt)
+    alpha: float = 1.0  # Cache-Craft eq. 12 alpha of the service
+
+
+SETTINGS = (
+    Setting("full prefill", Policy("full")),
+    Setting("prefix (exact prefix only)", Policy("prefix")),
+    Setting("CRAFT reorder + prefix", Policy("prefix"), reorder=True),
+    Setting("naive (reuse all, recompute none)", Policy("naive")),
+    *(Setting(f"cacheblend r={int(r * 100)}%", Policy("cacheblend", ratio=r)) for r in (0.05, 0.10, 0.15, 0.30)),
+    *(Setting(f"cachecraft alpha={a}", Policy("cachecraft"), alpha=a) for a in (0.25, 0.5, 1.0)),
+    Setting("cachecraft alpha=1.0 + focus (w=2)", Policy("cachecraft", focus_window=2)),
+)
+
+
+def evaluate(n_examples: int, settings: Sequence[Setting] = SETTINGS, model_dir: Path = MODEL_DIR,
+             seed: int = 0, progress: bool = True) -> list[dict]:
+    engine = LlamaEngine.from_pretrained(model_dir)
+    tok = build_tokenizer()
+    exs = data.examples("heldout", n_examples + 1, seed=seed)
+    enc = [encode(tok, e) for e in exs]
+    L = engine.cfg.num_layers
+    rows = []
+    # One service per (alpha, reorder): CRAFT's reorder changes which variants and
+    # chunk-prefixes the warm requests leave behind, so it gets its own history.
+    groups: dict[tuple[float, bool], list[Setting]] = {}
+    for s in settings:
+        groups.setdefault((s.alpha, s.reorder), []).append(s)
+    for (alpha, reorder), group in groups.items():
+        with tempfile.TemporaryDirectory(prefix="kvcraft-quality-") as tmp:
+            with ServiceProcess(Path(tmp) / "data", cfo_alpha=alpha) as service, KVClient(service.address) as client:
+                _warm(engine, client, enc, seed, reorder)
+                stats = {s.label: _Tally() for s in group}
+                items = range(n_examples)
+                for i in (track(items, description=f"alpha={alpha} reorder={reorder}") if progress else items):
+                    e = enc[i]
+                    chunks = [list(c) for c in e.chunk_ids]
+                    answer = e.answer_ids[0]
+                    for s in group:
+                        adapter = RAGAdapter(engine, client, s.policy, gate=_GATE, store_back=False)
+                        result, rep = adapter.prefill(chunks, list(e.question_ids), reorder=s.reorder)
+                        ordered = _in_order(engine, chunks, rep.order)
+                        ref = engine.prefill(torch.tensor([t for c in ordered for t in c] + list(e.question_ids)))[0][-1]
+                        stats[s.label].add(
+                            correct=int(result.logits.argmax()) == answer,
+                            kind=exs[i].kind,
+                            computed=sum(result.computed_rows) if result.timings else rep.prompt_tokens * L,
+                            prompt=rep.prompt_tokens * L,
+                            recomputed=sum(result.recomputed_rows),
+                            reused=result.reused_tokens * L,
+                            dev=float((result.logits - ref).abs().max() / ref.abs().max()),
+                        )
+                for s in group:
+                    rows.append({"setting": s.label, "alpha": alpha, **stats[s.label].summary()})
+    return rows
+
+
+_GATE = ReuseGate()
+
+
+def _warm(engine: LlamaEngine, client: KVClient, enc: list, seed: int, reorder: bool) -> None:
+    """Every example's chunks computed and stored behind other prefixes (and, with
+    reorder, in the order CRAFT gives those requests)."""
+    rng = random.Random(seed)
+    warm = RAGAdapter(engine, client, Policy("full"), gate=_GATE)
+    for i in range(len(enc) - 1):
+        mixed = [list(c) for c in enc[i].chunk_ids] + [list(c) for c in enc[i + 1].chunk_ids[:2]]
+        rng.shuffle(mixed)
+        warm.prefill(mixed, list(enc[i].question_ids), reorder=reorder)
+    warm.close()
+
+
+def _in_order(engine: LlamaEngine, chunks: list[list[int]], keys: Sequence[str]) -> list[list[int]]:
+    model_id = engine.model_spec().fingerprint()
+    by_key = {chunk_key(model_id, c): c for c in chunks}
+    return [by_key[k] for k in keys]
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.n = self.correct = 0
+        self.by_kind: dict[str, list[int]] = {}
+        self.computed = self.prompt = self.recomputed = self.reused = 0
+        self.devs: list[float] = []
+
+    def add(self, *, correct: bool, kind: str, computed: int, prompt: int, recomputed: int, reused: int,
+            dev: float) -> None:
+        self.n += 1
+        self.correct += correct
+        k = self.by_kind.setdefault(kind, [0, 0])
+        k[0] += correct
+        k[1] += 1
+        self.computed += computed
+        self.prompt += prompt
+        self.recomputed += recomputed
+        self.reused += reused
+        self.devs.append(dev)
+
+    def summary(self) -> dict:
+        return {
+            "examples": self.n,
+            "accuracy": self.correct / self.n,
+            "accuracy_by_kind": {k: c / n for k, (c, n) in sorted(self.by_kind.items())},
+            "computed_share": self.computed / self.prompt,
+            "recomputed_share_of_reused": self.recomputed / self.reused if self.reused else 0.0,
+            "first_token_logit_dev_mean": sum(self.devs) / len(self.devs),
+        }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    full = next(r["accuracy"] for r in rows if r["setting"] == "full prefill")
+    for r in rows:
+        ax.scatter(100 * r["computed_share"], 100 * r["accuracy"], s=40)
+        ax.annotate(r["setting"], (100 * r["computed_share"], 100 * r["accuracy"]), fontsize=7,
+                    xytext=(4, 2), textcoords="offset points")
+    ax.axhline(100 * 0.98 * full, color="gray", ls="--", lw=0.8)
+    ax.text(1, 100 * 0.98 * full + 0.5, "98% of full-prefill accuracy", fontsize=7, color="gray")
+    ax.set_xlabel("prompt tokens computed, % of full prefill (rows x layers)")
+    ax.set_ylabel("exact-match accuracy, %")
+    ax.set_title("Answer quality vs computation, trained 4-layer Llama, chunk caches from other contexts")
+    ax.title.set_fontsize(9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvbench.quality.evaluate")
+    p.add_argument("--examples", type=int, default=200)
+    p.add_argument("--model-dir", type=Path, default=MODEL_DIR)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path)
+    a = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    rows = evaluate(a.examples, model_dir=a.model_dir)
+    print(f"{'setting':<38} {'acc':>6} {'computed':>9} {'recomp/reused':>14} {'logit dev':>10}  by kind")
+    for r in rows:
+        kinds = " ".join(f"{k}={v:.2f}" for k, v in r["accuracy_by_kind"].items())
+        print(f"{r['setting']:<38} {r['accuracy']:>6.3f} {r['computed_share']:>9.3f} "
+              f"{r['recomputed_share_of_reused']:>14.3f} {r['first_token_logit_dev_mean']:>10.4f}  {kinds}")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=2))
+    if a.plot:
+        plot(rows, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
