@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -184,3 +186,40 @@ def test_match_prefix_counts_the_stored_head_of_a_chain(kvserver):
         assert c.match_prefix(chain) == 2  # block 2 is missing: the prefix ends there
         assert c.match_prefix(chain[:1]) == 1 and c.match_prefix([]) == 0
         assert c.match_prefix(chain[3:]) == 1
+
+
+def test_client_vanishing_mid_store_leaves_nothing_behind(kvserver):
+    reqs = list(store_requests(MODEL, list(range(6)), make_layers(3, 6, torch.float32, 9)))
+
+    def dies_after_first_layer():
+        yield reqs[0]
+        yield reqs[1]
+        raise ConnectionError("engine crashed")
+
+    with grpc.insecure_channel(kvserver.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.KVCacheStub(ch).Store(dies_after_first_layer(), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNKNOWN  # the client's own iterator failed
+    with KVClient(kvserver.address) as c:
+        stats = c.stats()
+        assert stats.variants == 0
+        assert all(t.bytes_used == 0 for t in stats.tiers)
+        key = c.store(MODEL, [1, 2], make_layers(3, 2, torch.float32)).chunk_key  # still serving, room intact
+        assert c.fetch(key)
+    # The server learns of the cancellation after the client has returned: wait (bounded)
+    # for the aborted session to remove its temporary file.
+    deadline = time.monotonic() + 10
+    while list((kvserver.data_dir / "payloads").rglob("*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert list((kvserver.data_dir / "payloads").rglob("*.tmp")) == []
+
+
+def test_sigterm_drains_and_exits_cleanly_keeping_data(start_server):
+    server = start_server()
+    layers = make_layers(3, 4, torch.float16)
+    with KVClient(server.address) as c:
+        key = c.store(MODEL, [1, 2, 3, 4], layers).chunk_key
+    assert server.stop() == 0
+    server.start()
+    with KVClient(server.address) as c:
+        assert_bit_identical(c.fetch(key), layers)
