@@ -77,7 +77,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 if session is None:
                     if part != "header":
                         raise InvalidArgument("the first message of a Store stream must be a header")
-                    session = await asyncio.to_thread(self.store.begin_store, req.header)
+                    begin = asyncio.ensure_future(asyncio.to_thread(self.store.begin_store, req.header))
+                    try:
+                        session = await asyncio.shield(begin)
+                    except asyncio.CancelledError:
+                        # The client left while begin_store ran on: abort the session it
+                        # makes, or its temporary file and disk reservation would leak.
+                        begin.add_done_callback(_abort_when_done)
+                        raise
                 elif part == "layer":
                     await asyncio.to_thread(session.add_layer, req.layer)
                 else:
@@ -170,6 +177,11 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         if not request.lease_id:
             raise InvalidArgument("lease_id is empty")
         return pb.ReleaseResponse(released=self.store.release(request.lease_id))
+
+
+def _abort_when_done(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().abort()
 
 
 class AdminServicer(pb_grpc.AdminServicer):

@@ -649,8 +649,16 @@ class StoreSession:
         keep_copy = writer is not None and self.total_bytes <= store.host.budget_bytes
         self._host_copy: bytearray | None = bytearray() if keep_copy else None
         self._done = False
+        # A cancelled stream's abort may arrive while a worker thread writes a layer.
+        self._lock = threading.Lock()
 
     def add_layer(self, layer: pb.LayerPayload) -> None:
+        with self._lock:
+            if self._done:
+                raise InvalidArgument("the Store stream was aborted")
+            self._add_layer(layer)
+
+    def _add_layer(self, layer: pb.LayerPayload) -> None:
         n = len(self.checksums)
         if n >= self.header.num_layers:
             raise InvalidArgument(f"layer {layer.layer} is past header.num_layers={self.header.num_layers}")
@@ -671,6 +679,12 @@ class StoreSession:
                 self._host_copy += layer.value
 
     def finish(self) -> pb.StoreResponse:
+        with self._lock:
+            if self._done:
+                raise InvalidArgument("the Store stream was aborted")
+            return self._finish()
+
+    def _finish(self) -> pb.StoreResponse:
         if len(self.checksums) != self.header.num_layers:
             raise InvalidArgument(
                 f"stream ended after {len(self.checksums)} of header.num_layers={self.header.num_layers} layers")
@@ -684,6 +698,7 @@ class StoreSession:
         return self._store._commit(self, payload)
 
     def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self._store._abort(self)
+        with self._lock:
+            if not self._done:
+                self._done = True
+                self._store._abort(self)
