@@ -7,7 +7,8 @@ Rows:
                 preallocated buffer (what an engine does before its H2D copy)
   disk-stream   FetchLayers with no host tier: read from disk files (page cache after the
                 first read; no GDS here), every layer's checksum verified
-  memcpy-limit  torch copy of the same bytes between two preallocated host buffers
+  memcpy-limit  one torch copy (one thread) of the same bytes between two preallocated
+                host buffers
 
     kvcraft bench fetch --chunks 4 --tokens 512 --repeat 3
 """
@@ -47,6 +48,10 @@ def _best(fn, repeat: int) -> float:
 
 
 def run(chunks: int, tokens: int, repeat: int) -> list[dict]:
+    # One copy stream, for our path and the limit alike: with torch's default two
+    # threads, each of the 256 per-layer copies opens an OpenMP region that stalls
+    # whenever the other core is busy (this machine is shared).
+    torch.set_num_threads(1)
     model_id = SPEC.fingerprint()
     per_chunk = 2 * SPEC.num_layers * SPEC.num_kv_heads * tokens * SPEC.head_dim * 2
     total = chunks * per_chunk
