@@ -38,9 +38,25 @@ class PlanningService:
         # The planner is not thread-safe; store hooks arrive from worker threads.
         self._lock = threading.Lock()
         with self._lock:
-            for info in store.all_variants():
+            infos = store.all_variants()
+            for info in infos:
                 self.catalog.put(planner_info(info))
+            self._restore_prefixes(infos)
         store.listeners.append(self)
+
+    def _restore_prefixes(self, infos: list[pb.VariantInfo]) -> None:
+        """Rebuild the CP-Tree after a restart (CRAFT §4.1 keeps it in memory).
+
+        A stored variant of chunk C behind [A, B] is exact KV for the prompt prefix
+        A, B, C when A is stored alone and B behind [A]: every such fully stored chain
+        is a chunk-prefix the planner may reuse without recompute.
+        """
+        stored = {(i.chunk_key, tuple(i.prefix_keys)): i.token_count for i in infos}
+        for info in sorted(infos, key=lambda i: len(i.prefix_keys)):
+            path = (*info.prefix_keys, info.chunk_key)
+            counts = [stored.get((path[j], path[:j])) for j in range(len(path))]
+            if all(counts):
+                self.planner.restore_prefix(path, counts)
 
     # -- StoreListener ------------------------------------------------------------------
     def on_put(self, info: pb.VariantInfo) -> None:

@@ -113,3 +113,19 @@ def test_plan_names_the_prefix_each_chosen_variant_was_computed_behind(kvserver)
         assert list(by_key[v1.chunk_key].prefix_keys) == []
         assert list(by_key[k0].variant_prefix_keys) == []
         c.release(plan.lease_id)
+
+
+def test_chunk_prefixes_survive_a_restart(start_server):
+    """Stored chains (A alone, B behind [A]) come back as CP-Tree prefixes after a restart."""
+    server = start_server()
+    with KVClient(server.address) as c:
+        ka = c.store(MODEL, chunk_tokens(0), layers(seed=0)).chunk_key
+        vb = c.store(MODEL, chunk_tokens(1), layers(seed=1), prefix_keys=[ka])
+        c.store(MODEL, chunk_tokens(2), layers(seed=2), prefix_keys=[chunk_key(MODEL, chunk_tokens(9))])  # broken chain
+    server.restart()
+    with KVClient(server.address) as c:
+        plan = c.plan(MODEL, [chunk_tokens(0), chunk_tokens(1), chunk_tokens(2)], 3)
+        c.release(plan.lease_id)
+    assert [cp.source for cp in plan.chunks][:2] == [pb.ChunkPlan.PREFIX, pb.ChunkPlan.PREFIX]
+    assert plan.chunks[1].variant_id == vb.variant_id and not plan.chunks[1].recompute
+    assert plan.chunks[2].source != pb.ChunkPlan.PREFIX
