@@ -4,28 +4,26 @@ A prompt is a list of retrieved chunks followed by one question. Chunks are shor
 profiles that form *chains*, the way a document split by a chunker leaves
 pronouns whose referent sits in the previous chunk:
 
-    chunk 0: "alice lives in paris and works as a baker . their friend is bob ."
-    chunk 1: "they live in rome and work as a pilot . their friend is carol ."
-    chunk 2: "the weather in oslo was cold and the nurse stayed home all day ."
-    chunk 3: "dave lives in lima and works as a judge . their friend is erin ."
-    chunk 4: "they live in kyiv and work as a chef . their friend is frank ."
+    0: "alice lives in paris and she works as a baker . their friend is bob ."
+    1: "they live in rome and he works as a pilot . their friend is carol ."
+    2: "the weather in oslo was cold and the nurse stayed home all day ."
+    3: "dave lives in lima and he works as a judge . their friend is erin ."
+    4: "they live in kyiv and she works as a chef . their friend is frank ."
+    question: "who lives in rome"   answer: "bob"
 
-"they" in chunk 1 is bob, named at the end of chunk 0. So "where does bob live ?"
-needs two chunks (chunk 0 names bob as a friend, chunk 1 says where "they" live),
-and "where does the friend of alice live ?" is a 2-hop chain over the same two.
-Weather chunks are distractors that carry cities and jobs but no person. With a
-causal model, the only tokens that can bind "rome" to bob are chunk 1's, attending
-back into chunk 0 (Cache-Craft §2.4, CacheBlend §3: cross-chunk attention). A chunk
-KV computed alone, with no prefix, cannot carry that binding, which is what the
-naive-reuse check measures.
+"they" in chunk 1 is bob, named at the end of chunk 0, so the answer needs two
+chunks and a 2-hop chain (rome -> the "they" of chunk 1 -> the friend named at
+the end of chunk 0 -> bob). Weather chunks are distractors that carry cities and jobs but
+no person. With a causal model the only tokens that can bind "rome" to bob are
+chunk 1's, attending back into chunk 0 (Cache-Craft §2.4, CacheBlend §3:
+cross-chunk attention). A chunk KV computed alone, with no prefix, cannot carry
+that binding; that is what the naive-reuse check measures.
 
 Question kinds (``Example.kind``):
   ``local``  about a chain head (named in its own chunk): one chunk suffices.
   ``cross``  about a person introduced as a friend: needs the naming chunk and the
              "they" chunk after it.
-  ``hop2``   "the friend of X": X's chunk names the friend, the next chunk holds
-             the fact.
-Answers are one word; the model must emit it then ``<eos>``.
+Answers are one word (a name); the model must emit it then ``<eos>``.
 """
 
 from __future__ import annotations
@@ -50,7 +48,17 @@ JOBS = (
     "sailor miner poet dentist builder teacher writer plumber driver"
 ).split()
 FILLER = "lives live in and works work as a . their friend is they the weather was cold stayed home all day".split()
-QUESTION_WORDS = "where does what job have who of ?".split()
+QUESTION_WORDS = "where does what job have who of ?".split()  # some unused; ids kept
+# Appended last so that ids of the words above never move.
+PRONOUNS = "he she".split()
+FEMALE = frozenset(
+    "alice carol erin grace heidi judy laura nina peggy rita tina uma wendy yara "
+    "bella dora fiona hana kira maya olga rosa tara vera zoe".split()
+)
+
+
+def pronoun(name: str) -> str:
+    return "she" if name in FEMALE else "he"
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<eos>")
 PAD, UNK, EOS = SPECIAL_TOKENS
@@ -59,7 +67,7 @@ PAD, UNK, EOS = SPECIAL_TOKENS
 def vocabulary() -> list[str]:
     """Every word the task can produce, specials first; fixed order = fixed ids."""
     words: list[str] = list(SPECIAL_TOKENS)
-    for w in (*NAMES, *CITIES, *JOBS, *FILLER, *QUESTION_WORDS):
+    for w in (*NAMES, *CITIES, *JOBS, *FILLER, *QUESTION_WORDS, *PRONOUNS):
         if w not in words:
             words.append(w)
     return words
@@ -72,7 +80,7 @@ class Example:
     chunks: tuple[str, ...]
     question: str
     answer: str
-    kind: str  # "local" | "cross" | "hop2"
+    kind: str  # "local" | "cross"
     # Indices of the chunks whose content the answer depends on.
     needed_chunks: tuple[int, ...]
 
@@ -91,11 +99,14 @@ class _Person:
 
 
 def _head_chunk(name: str, city: str, job: str, friend: str) -> str:
-    return f"{name} lives in {city} and works as a {job} . their friend is {friend} ."
+    return f"{name} lives in {city} and {pronoun(name)} works as a {job} . their friend is {friend} ."
 
 
-def _cont_chunk(city: str, job: str, friend: str) -> str:
-    return f"they live in {city} and work as a {job} . their friend is {friend} ."
+def _cont_chunk(subject: str, city: str, job: str, friend: str) -> str:
+    # "they" names nobody inside this chunk: the referent, and so the gender of the
+    # pronoun after "and", is only known from the previous chunk. Predicting that
+    # pronoun gives training a dense signal for the cross-chunk binding.
+    return f"they live in {city} and {pronoun(subject)} works as a {job} . their friend is {friend} ."
 
 
 def _weather_chunk(city: str, job: str) -> str:
@@ -110,8 +121,27 @@ def _chain_lengths(rng: random.Random, n_person_chunks: int) -> list[int]:
     return [first, n_person_chunks - first]
 
 
-# Weights of question kinds; most questions must cross a chunk boundary.
-KIND_WEIGHTS = {"local": 0.2, "cross": 0.5, "hop2": 0.3}
+def _head_chunk(name: str, city: str, job: str, friend: str) -> str:
+    return f"{name} lives in {city} and {pronoun(name)} works as a {job} . their friend is {friend} ."
+
+
+def _cont_chunk(subject: str, city: str, job: str, friend: str) -> str:
+    # "they" names nobody inside this chunk: the referent, and so the gender of the
+    # pronoun after "and", is only known from the previous chunk. Predicting that
+    # pronoun gives training a dense signal for the cross-chunk binding.
+    return f"they live in {city} and {pronoun(subject)} works as a {job} . their friend is {friend} ."
+
+
+def _weather_chunk(city: str, job: str) -> str:
+    return f"the weather in {city} was cold and the {job} stayed home all day ."
+
+
+def _chain_lengths(rng: random.Random, n_person_chunks: int) -> list[int]:
+    """Split the person chunks into chains of length >= 2 (one chain allowed)."""
+    if n_person_chunks < 4 or rng.random() < 0.4:
+        return [n_person_chunks]
+    first = rng.randint(2, n_person_chunks - 2)
+    return [first, n_person_chunks - first]
 
 
 @dataclass(frozen=True)
@@ -161,38 +191,33 @@ def make_context(rng: random.Random, n_chunks: int | None = None) -> Context:
                 chunks.append(_head_chunk(subject, city, job, friend))
                 named_in = here
             else:
-                chunks.append(_cont_chunk(city, job, friend))
+                chunks.append(_cont_chunk(subject, city, job, friend))
                 named_in = here - 1
             persons.append(_Person(subject, city, job, friend, here, named_in))
     assert len(chunks) == n
     return Context(tuple(chunks), tuple(persons))
 
 
+# Share of questions about a person named in an earlier chunk; the rest are local.
+CROSS_SHARE = 0.7
+
+
 def make_question(rng: random.Random, ctx: Context, kind: str | None = None) -> tuple[str, str, str, tuple[int, ...]]:
-    """(question, answer, kind, needed chunk indices) about one person of ``ctx``."""
-    by_name = {p.name: p for p in ctx.persons}
+    """(question, answer, kind, needed chunk indices) about one person of ``ctx``.
+
+    The question names a city and ends with it, "who lives in rome"; the answer is
+    the person. Cities are unique within a context, so the answer is unique.
+    """
     if kind is None:
-        kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
+        kind = "cross" if rng.random() < CROSS_SHARE else "local"
     if kind == "local":
         target = rng.choice([p for p in ctx.persons if p.named_in == p.chunk])
-        subject_words = target.name
-        needed = {target.chunk}
     elif kind == "cross":
         target = rng.choice([p for p in ctx.persons if p.named_in != p.chunk])
-        subject_words = target.name
-        needed = {target.named_in, target.chunk}
-    elif kind == "hop2":
-        via = rng.choice([p for p in ctx.persons if p.friend in by_name])
-        target = by_name[via.friend]
-        subject_words = f"the friend of {via.name}"
-        needed = {via.named_in, via.chunk, target.chunk}
     else:
         raise ValueError(f"unknown question kind {kind!r}")
-    if rng.random() < 0.5:
-        question, answer = f"where does {subject_words} live ?", target.city
-    else:
-        question, answer = f"what job does {subject_words} have ?", target.job
-    return question, answer, kind, tuple(sorted(needed))
+    needed = tuple(sorted({target.named_in, target.chunk}))
+    return f"who lives in {target.city}", target.name, kind, needed
 
 
 def make_example(rng: random.Random, n_chunks: int | None = None) -> Example:

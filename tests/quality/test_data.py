@@ -36,23 +36,33 @@ def test_every_word_is_in_the_vocabulary():
 def test_prompts_have_four_to_six_chunks_of_fixed_length():
     for e in data.examples("heldout", 300):
         assert 4 <= len(e.chunks) <= 6
-        assert all(14 <= len(c.split()) <= 15 for c in e.chunks)
+        assert all(14 <= len(c.split()) <= 16 for c in e.chunks)
 
 
-def test_answer_is_unique_fact_of_the_target_chunk():
+def test_answer_is_the_person_living_in_the_asked_city():
+    for e in data.examples("heldout", 300):
+        city = e.question.split()[-1]
+        fact = [c for c in e.chunks if f" in {city} and " in f" {c} "]
+        assert len(fact) == 1  # cities are unique in a context
+        assert e.chunks.index(fact[0]) == e.needed_chunks[-1]
+        assert e.answer in data.NAMES and f" {e.answer} " in f" {e.chunks[e.needed_chunks[0]]} "
+
+
+def test_cross_questions_need_two_chunks_and_local_ones_one():
     for e in data.examples("heldout", 300):
         fact_chunk = e.chunks[e.needed_chunks[-1]]
-        assert f" {e.answer} " in f" {fact_chunk} "
-
-
-def test_cross_and_hop2_questions_need_two_or_more_chunks():
-    for e in data.examples("heldout", 300):
         if e.kind == "local":
             assert len(e.needed_chunks) == 1
+            assert fact_chunk.startswith(f"{e.answer} lives in ")
         else:
-            assert len(e.needed_chunks) >= 2
-            # The fact sits in a "they" chunk: its subject is named in the chunk before.
-            assert e.chunks[e.needed_chunks[-1]].startswith("they ")
+            assert e.needed_chunks == (e.needed_chunks[0], e.needed_chunks[0] + 1)
+            # The fact sits in a "they" chunk that never names its subject.
+            assert fact_chunk.startswith("they ") and e.answer not in fact_chunk.split()
+
+
+def test_most_questions_cross_a_chunk_boundary():
+    kinds = [e.kind for e in data.examples("heldout", 1000)]
+    assert 0.6 < kinds.count("cross") / len(kinds) < 0.8
 
 
 def test_they_refers_to_the_friend_named_in_the_previous_chunk():
