@@ -72,6 +72,7 @@ def run_service(chunk_len: int = 96) -> list[tuple[str, BlendResult, float]]:
     from kvclient.client import KVClient
     from kvservice.launcher import ServiceProcess
 
+    torch.set_num_threads(1)  # the service shares this small machine: no OpenMP stalls
     torch.manual_seed(0)
     eng = LlamaEngine.random(SHAPE, seed=0, std=0.05)
     rand = lambda n: torch.randint(0, SHAPE.vocab_size, (n,)).tolist()  # noqa: E731
