@@ -26,6 +26,7 @@ SHAPE = LlamaConfig("small", vocab_size=1024, hidden_size=256, intermediate_size
 
 
 def run(chunk_len: int = 96, interval_s: float = 0.03) -> list[tuple[str, BlendResult, float]]:
+    torch.set_num_threads(1)  # comparable with run_service; no OpenMP stalls on a shared machine
     torch.manual_seed(0)
     eng = LlamaEngine.random(SHAPE, seed=0, std=0.05)
     rand = lambda n: torch.randint(0, SHAPE.vocab_size, (n,)).tolist()  # noqa: E731
