@@ -4,10 +4,10 @@ A prompt is a list of retrieved chunks followed by one question. Chunks are shor
 profiles that form *chains*, the way a document split by a chunker leaves
 pronouns whose referent sits in the previous chunk:
 
-    0: "alice lives in paris and she works as a baker . their friend is bob ."
+    0: "meet alice . she lives in paris and works as a baker . their friend is bob ."
     1: "they live in rome and he works as a pilot . their friend is carol ."
     2: "the weather in oslo was cold and the nurse stayed home all day ."
-    3: "dave lives in lima and he works as a judge . their friend is erin ."
+    3: "meet dave . he lives in lima and works as a judge . their friend is erin ."
     4: "they live in kyiv and she works as a chef . their friend is frank ."
     question: "who lives in rome"   answer: "bob"
 
@@ -51,6 +51,7 @@ FILLER = "lives live in and works work as a . their friend is they the weather w
 QUESTION_WORDS = "where does what job have who of ?".split()  # some unused; ids kept
 # Appended last so that ids of the words above never move.
 PRONOUNS = "he she".split()
+EXTRA_WORDS = ("meet",)
 FEMALE = frozenset(
     "alice carol erin grace heidi judy laura nina peggy rita tina uma wendy yara "
     "bella dora fiona hana kira maya olga rosa tara vera zoe".split()
@@ -67,7 +68,7 @@ PAD, UNK, EOS = SPECIAL_TOKENS
 def vocabulary() -> list[str]:
     """Every word the task can produce, specials first; fixed order = fixed ids."""
     words: list[str] = list(SPECIAL_TOKENS)
-    for w in (*NAMES, *CITIES, *JOBS, *FILLER, *QUESTION_WORDS, *PRONOUNS):
+    for w in (*NAMES, *CITIES, *JOBS, *FILLER, *QUESTION_WORDS, *PRONOUNS, *EXTRA_WORDS):
         if w not in words:
             words.append(w)
     return words
@@ -99,7 +100,10 @@ class _Person:
 
 
 def _head_chunk(name: str, city: str, job: str, friend: str) -> str:
-    return f"{name} lives in {city} and {pronoun(name)} works as a {job} . their friend is {friend} ."
+    # The name sits 5 words before the city, as the friend named at the end of the
+    # previous chunk does for a "they" chunk: one binding rule serves both kinds,
+    # and only for "they" chunks does it cross the chunk boundary.
+    return f"meet {name} . {pronoun(name)} lives in {city} and works as a {job} . their friend is {friend} ."
 
 
 def _cont_chunk(subject: str, city: str, job: str, friend: str) -> str:
@@ -122,7 +126,10 @@ def _chain_lengths(rng: random.Random, n_person_chunks: int) -> list[int]:
 
 
 def _head_chunk(name: str, city: str, job: str, friend: str) -> str:
-    return f"{name} lives in {city} and {pronoun(name)} works as a {job} . their friend is {friend} ."
+    # The name sits 5 words before the city, as the friend named at the end of the
+    # previous chunk does for a "they" chunk: one binding rule serves both kinds,
+    # and only for "they" chunks does it cross the chunk boundary.
+    return f"meet {name} . {pronoun(name)} lives in {city} and works as a {job} . their friend is {friend} ."
 
 
 def _cont_chunk(subject: str, city: str, job: str, friend: str) -> str:
