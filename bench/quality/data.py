@@ -125,32 +125,6 @@ def _chain_lengths(rng: random.Random, n_person_chunks: int) -> list[int]:
     return [first, n_person_chunks - first]
 
 
-def _head_chunk(name: str, city: str, job: str, friend: str) -> str:
-    # The name sits 5 words before the city, as the friend named at the end of the
-    # previous chunk does for a "they" chunk: one binding rule serves both kinds,
-    # and only for "they" chunks does it cross the chunk boundary.
-    return f"meet {name} . {pronoun(name)} lives in {city} and works as a {job} . their friend is {friend} ."
-
-
-def _cont_chunk(subject: str, city: str, job: str, friend: str) -> str:
-    # "they" names nobody inside this chunk: the referent, and so the gender of the
-    # pronoun after "and", is only known from the previous chunk. Predicting that
-    # pronoun gives training a dense signal for the cross-chunk binding.
-    return f"they live in {city} and {pronoun(subject)} works as a {job} . their friend is {friend} ."
-
-
-def _weather_chunk(city: str, job: str) -> str:
-    return f"the weather in {city} was cold and the {job} stayed home all day ."
-
-
-def _chain_lengths(rng: random.Random, n_person_chunks: int) -> list[int]:
-    """Split the person chunks into chains of length >= 2 (one chain allowed)."""
-    if n_person_chunks < 4 or rng.random() < 0.4:
-        return [n_person_chunks]
-    first = rng.randint(2, n_person_chunks - 2)
-    return [first, n_person_chunks - first]
-
-
 @dataclass(frozen=True)
 class Context:
     """The retrieved chunks of one prompt and the people they describe."""
