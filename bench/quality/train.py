@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--intermediate", type=int, default=384)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--target", type=float, default=0.97, help="stop early at this held-out EM")
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(data.TRAIN_SEED + args.seed)
     tok = modeling.build_tokenizer()
     cfg = modeling.build_config(
-        len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers
+        len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
     )
     if args.init_from is not None:
         model = modeling.LlamaForCausalLM.from_pretrained(str(args.init_from), torch_dtype=torch.float32)
