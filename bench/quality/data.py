@@ -6,9 +6,8 @@ pronouns whose referent sits in the previous chunk:
 
     0: "meet alice . she lives in paris and works as a baker . their friend is bob ."
     1: "they live in rome and he works as a pilot . their friend is carol ."
-    2: "the weather in oslo was cold and the nurse stayed home all day ."
-    3: "meet dave . he lives in lima and works as a judge . their friend is erin ."
-    4: "they live in kyiv and she works as a chef . their friend is frank ."
+    2: "they live in oslo and she works as a chef . their friend is dave ."
+    3: "the weather in lima was cold and the nurse stayed home all day ."
     question: "who lives in rome"   answer: "bob"
 
 "they" in chunk 1 is bob, named at the end of chunk 0, so the answer needs two
@@ -133,13 +132,22 @@ class Context:
     persons: tuple[_Person, ...]
 
 
+# Retrieved chunks per prompt.
+CHUNK_COUNTS = (3, 4)
+# Chance that one of them is a distractor (from 3 chunks up).
+WEATHER_SHARE = 0.5
+
+
 def make_context(rng: random.Random, n_chunks: int | None = None) -> Context:
-    """Draw 4-6 chunks: one or two chains of profiles, at most one distractor."""
-    n = n_chunks if n_chunks is not None else rng.choice((4, 5, 6))
-    n_weather = 1 if (n >= 5 and rng.random() < 0.6) else 0
+    """Draw 3-4 chunks: one or two chains of profiles, at most one distractor."""
+    n = n_chunks if n_chunks is not None else rng.choice(CHUNK_COUNTS)
+    n_weather = 1 if (n >= 3 and rng.random() < WEATHER_SHARE) else 0
     n_person = n - n_weather
     chains = _chain_lengths(rng, n_person)
-    names = rng.sample(NAMES, n_person + len(chains))
+    # One gender per context: the pronoun after "they live in CITY and" then says
+    # nothing that tells the people apart, so it cannot give an answer away.
+    female = rng.random() < 0.5
+    names = rng.sample([m for m in NAMES if (m in FEMALE) == female], n_person + len(chains))
     cities = rng.sample(CITIES, n)
     jobs = [rng.choice(JOBS) for _ in range(n)]
 
@@ -202,7 +210,7 @@ def make_question(rng: random.Random, ctx: Context, kind: str | None = None) -> 
 
 
 def make_example(rng: random.Random, n_chunks: int | None = None) -> Example:
-    """One prompt: 4-6 chunks and one question about them."""
+    """One prompt: 3-4 chunks and one question about them."""
     ctx = make_context(rng, n_chunks)
     question, answer, kind, needed = make_question(rng, ctx)
     return Example(ctx.chunks, question, answer, kind, needed)

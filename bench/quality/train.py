@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m kvbench.quality.train --minutes 25
 
-Each training sequence is one context (4-6 chunks) followed by several
+Each training sequence is one context (3-4 chunks) followed by several
 question/answer pairs about it, so one forward pass carries several answers.
 The loss counts answer tokens (and EOS) fully and the rest of the text lightly:
 context words are mostly random draws, but their templates are worth learning.
@@ -28,14 +28,16 @@ from . import data, modeling
 
 
 def chunks_for(rng: random.Random, frac: float) -> int:
-    """Curriculum on context length: 2 chunks first, up to 6 by 30% of the budget.
+    """Curriculum on context length: 2 chunks first, growing to the task's
+    largest count by the end of the curriculum share of the budget.
 
     With few distractor tokens the attention to the right fact gets a visible
     gradient early; the lookup circuit then carries over to longer contexts.
     """
+    longest = max(data.CHUNK_COUNTS)
     if frac < CURRICULUM_FRAC[0]:
-        return rng.randint(2, 2 + int(4 * frac / CURRICULUM_FRAC[0]))
-    return rng.choice((3, 4, 5, 6))
+        return rng.randint(2, 2 + int((longest - 2) * frac / CURRICULUM_FRAC[0]))
+    return rng.choice(data.CHUNK_COUNTS)
 
 
 CURRICULUM_FRAC = [0.3]  # set from --curriculum

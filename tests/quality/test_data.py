@@ -33,10 +33,17 @@ def test_every_word_is_in_the_vocabulary():
         assert e.answer in vocab
 
 
-def test_prompts_have_four_to_six_chunks_of_fixed_length():
+def test_prompts_have_three_or_four_chunks_of_fixed_length():
     for e in data.examples("heldout", 300):
-        assert 4 <= len(e.chunks) <= 6
+        assert 3 <= len(e.chunks) <= 4
         assert all(14 <= len(c.split()) <= 18 for c in e.chunks)
+
+
+def test_about_half_the_prompts_carry_a_distractor_chunk():
+    # A weather chunk names a city but no person: the lookup must skip it.
+    prompts = data.examples("heldout", 1000)
+    with_distractor = sum(any(c.startswith("the weather in ") for c in e.chunks) for e in prompts)
+    assert 0.4 < with_distractor / len(prompts) < 0.6
 
 
 def test_answer_is_the_person_living_in_the_asked_city():
