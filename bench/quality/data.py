@@ -133,7 +133,7 @@ class Context:
 
 
 # Retrieved chunks per prompt.
-CHUNK_COUNTS = (3, 4)
+CHUNK_COUNTS = (4,)
 # Chance that one of them is a distractor (from 3 chunks up).
 WEATHER_SHARE = 0.5
 
@@ -202,7 +202,10 @@ def make_question(rng: random.Random, ctx: Context, kind: str | None = None) -> 
     if kind == "local":
         target = rng.choice([p for p in ctx.persons if p.named_in == p.chunk])
     elif kind == "cross":
-        target = rng.choice([p for p in ctx.persons if p.named_in != p.chunk])
+        # Only "they" chunks followed by another chunk: with the city in the last
+        # chunk, recency alone points at the friend named just before it.
+        target = rng.choice([p for p in ctx.persons if p.named_in != p.chunk and p.chunk < len(ctx.chunks) - 1]
+                            or [p for p in ctx.persons if p.named_in != p.chunk])
     else:
         raise ValueError(f"unknown question kind {kind!r}")
     needed = tuple(sorted({target.named_in, target.chunk}))

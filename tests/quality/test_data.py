@@ -33,10 +33,18 @@ def test_every_word_is_in_the_vocabulary():
         assert e.answer in vocab
 
 
-def test_prompts_have_three_or_four_chunks_of_fixed_length():
+def test_prompts_have_four_chunks_of_fixed_length():
     for e in data.examples("heldout", 300):
-        assert 3 <= len(e.chunks) <= 4
+        assert len(e.chunks) == 4
         assert all(14 <= len(c.split()) <= 18 for c in e.chunks)
+
+
+def test_cross_questions_never_ask_about_the_last_chunk():
+    # With the city in the last chunk, recency alone would name the friend just
+    # before it, and naive reuse would not need the cross-chunk binding.
+    for e in data.examples("heldout", 500):
+        if e.kind == "cross":
+            assert e.needed_chunks[-1] < len(e.chunks) - 1
 
 
 def test_about_half_the_prompts_carry_a_distractor_chunk():
@@ -80,3 +88,11 @@ def test_they_refers_to_the_friend_named_in_the_previous_chunk():
             if p.named_in != p.chunk:
                 assert p.named_in == p.chunk - 1
                 assert ctx.chunks[p.named_in].endswith(f"their friend is {p.name} .")
+
+
+def test_everyone_in_a_prompt_shares_a_gender():
+    # Otherwise the he/she after "they live in CITY and" tells a chunk computed
+    # alone the answer's gender, which picks the answer out of two candidates.
+    for e in data.examples("heldout", 300):
+        names = {w for c in e.chunks for w in c.split() if w in data.NAMES}
+        assert len({n in data.FEMALE for n in names}) == 1
