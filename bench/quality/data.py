@@ -139,7 +139,7 @@ WEATHER_SHARE = 0.5
 
 
 def make_context(rng: random.Random, n_chunks: int | None = None) -> Context:
-    """Draw 3-4 chunks: one or two chains of profiles, at most one distractor."""
+    """Draw 4 chunks (CHUNK_COUNTS): one or two chains of profiles, at most one distractor."""
     n = n_chunks if n_chunks is not None else rng.choice(CHUNK_COUNTS)
     n_weather = 1 if (n >= 3 and rng.random() < WEATHER_SHARE) else 0
     n_person = n - n_weather
@@ -213,7 +213,7 @@ def make_question(rng: random.Random, ctx: Context, kind: str | None = None) -> 
 
 
 def make_example(rng: random.Random, n_chunks: int | None = None) -> Example:
-    """One prompt: 3-4 chunks and one question about them."""
+    """One prompt: 4 chunks and one question about them."""
     ctx = make_context(rng, n_chunks)
     question, answer, kind, needed = make_question(rng, ctx)
     return Example(ctx.chunks, question, answer, kind, needed)

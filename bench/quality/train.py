@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m kvbench.quality.train --minutes 25
 
-Each training sequence is one context (3-4 chunks) followed by several
+Each training sequence is one context (4 chunks) followed by several
 question/answer pairs about it, so one forward pass carries several answers.
 The loss counts answer tokens (and EOS) fully and the rest of the text lightly:
 context words are mostly random draws, but their templates are worth learning.
