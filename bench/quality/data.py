@@ -4,19 +4,29 @@ A prompt is a list of retrieved chunks followed by one question. Chunks are shor
 profiles that form *chains*, the way a document split by a chunker leaves
 pronouns whose referent sits in the previous chunk:
 
-    0: "meet alice . she lives in paris and works as a baker . their friend is bob ."
-    1: "they live in rome and he works as a pilot . their friend is carol ."
-    2: "they live in oslo and she works as a chef . their friend is dave ."
-    3: "the weather in lima was cold and the nurse stayed home all day ."
+    0: "meet alice . she lives in paris with bob ."
+    1: "they live in rome with carol ."
+    2: "the weather in lima was cold ."
+    3: "meet dave . he lives in oslo with erin ."
+    4: "they live in kyiv with frank ."
+    5: "they live in cairo with grace ."
     question: "who lives in rome"   answer: "bob"
 
-"they" in chunk 1 is bob, named at the end of chunk 0, so the answer needs two
+"they" in chunk 1 is bob, the companion named at the end of chunk 0 (the rule
+of this task: "they" is always the person named last before it), so the answer needs two
 chunks and a 2-hop chain (rome -> the "they" of chunk 1 -> the friend named at
-the end of chunk 0 -> bob). Weather chunks are distractors that carry cities and jobs but
+the end of chunk 0 -> bob). Weather chunks are distractors that carry a city but
 no person. With a causal model the only tokens that can bind "rome" to bob are
 chunk 1's, attending back into chunk 0 (Cache-Craft §2.4, CacheBlend §3:
-cross-chunk attention). A chunk KV computed alone, with no prefix, cannot carry
-that binding; that is what the naive-reuse check measures.
+cross-chunk attention). A chunk KV computed alone cannot carry that binding;
+that is what the naive-reuse check measures.
+
+Six short chunks rather than a few long ones: a query that sees chunk caches
+computed alone can still guess by elimination (not the friend named in the
+city's own chunk, not a chain head, not the last friend), which picks the answer
+out of 1-2 candidates with 3-4 chunks but out of about 4 with 6. Short chunks
+(7-10 words) keep the whole prompt under 50 tokens, which the model's lookup
+learns in minutes on a CPU.
 
 Question kinds (``Example.kind``):
   ``local``  about a chain head (named in its own chunk): one chunk suffices.
@@ -42,25 +52,17 @@ CITIES = (
     "prague warsaw berlin munich zurich geneva milan naples athens sofia riga "
     "tallinn quito bogota havana denver boston austin dallas miami toronto perth"
 ).split()
-JOBS = (
-    "baker pilot nurse judge chef farmer singer doctor lawyer painter tailor "
-    "sailor miner poet dentist builder teacher writer plumber driver"
-).split()
-FILLER = "lives live in and works work as a . their friend is they the weather was cold stayed home all day".split()
-QUESTION_WORDS = "where does what job have who of ?".split()  # some unused; ids kept
-# Appended last so that ids of the words above never move.
-PRONOUNS = "he she".split()
-EXTRA_WORDS = ("meet",)
+# Every other word a prompt or question can hold.
+TEMPLATE_WORDS = "meet . he she lives live in with they the weather was cold who".split()
 FEMALE = frozenset(
     "alice carol erin grace heidi judy laura nina peggy rita tina uma wendy yara "
     "bella dora fiona hana kira maya olga rosa tara vera zoe".split()
 )
-FEMALE_NAMES = [n for n in NAMES if n in FEMALE]
-MALE_NAMES = [n for n in NAMES if n not in FEMALE]
 
 
 def pronoun(name: str) -> str:
     return "she" if name in FEMALE else "he"
+
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<eos>")
 PAD, UNK, EOS = SPECIAL_TOKENS
@@ -68,11 +70,7 @@ PAD, UNK, EOS = SPECIAL_TOKENS
 
 def vocabulary() -> list[str]:
     """Every word the task can produce, specials first; fixed order = fixed ids."""
-    words: list[str] = list(SPECIAL_TOKENS)
-    for w in (*NAMES, *CITIES, *JOBS, *FILLER, *QUESTION_WORDS, *PRONOUNS, *EXTRA_WORDS):
-        if w not in words:
-            words.append(w)
-    return words
+    return [*SPECIAL_TOKENS, *NAMES, *CITIES, *TEMPLATE_WORDS]
 
 
 @dataclass(frozen=True)
@@ -94,29 +92,26 @@ class Example:
 class _Person:
     name: str
     city: str
-    job: str
     friend: str
     chunk: int  # the chunk holding this person's facts
     named_in: int  # the chunk that names them (== chunk for a chain head)
 
 
-def _head_chunk(name: str, city: str, job: str, friend: str) -> str:
+def _head_chunk(name: str, city: str, friend: str) -> str:
     # The name sits 5 words before the city, as the friend named at the end of the
     # previous chunk does for a "they" chunk: one binding rule serves both kinds,
     # and only for "they" chunks does it cross the chunk boundary.
-    return f"meet {name} . {pronoun(name)} lives in {city} and works as a {job} . their friend is {friend} ."
+    return f"meet {name} . {pronoun(name)} lives in {city} with {friend} ."
 
 
-def _cont_chunk(subject: str, city: str, job: str, friend: str) -> str:
-    # "they" names nobody inside this chunk, so the pronoun after "and" is only
-    # known from earlier chunks. Predicting it makes training attend across the
-    # boundary; with one gender per prompt any earlier name tells it, so it no
-    # longer needs the referent itself.
-    return f"they live in {city} and {pronoun(subject)} works as a {job} . their friend is {friend} ."
+def _cont_chunk(city: str, friend: str) -> str:
+    # Nothing in a "they" chunk says who "they" is, not even a gendered pronoun:
+    # computed alone, its KV knows its city and friend but not its subject.
+    return f"they live in {city} with {friend} ."
 
 
-def _weather_chunk(city: str, job: str) -> str:
-    return f"the weather in {city} was cold and the {job} stayed home all day ."
+def _weather_chunk(city: str) -> str:
+    return f"the weather in {city} was cold ."
 
 
 def _chain_lengths(rng: random.Random, n_person_chunks: int) -> list[int]:
@@ -136,26 +131,22 @@ class Context:
 
 
 # Retrieved chunks per prompt.
-CHUNK_COUNTS = (4,)
+CHUNK_COUNTS = (6,)
 # Chance that one of them is a distractor (from 3 chunks up).
 WEATHER_SHARE = 0.5
 
 
 def make_context(rng: random.Random, n_chunks: int | None = None) -> Context:
-    """Draw 4 chunks (CHUNK_COUNTS): one or two chains of profiles, at most one distractor."""
+    """Draw 6 chunks (CHUNK_COUNTS): one or two chains of profiles, at most one distractor."""
     n = n_chunks if n_chunks is not None else rng.choice(CHUNK_COUNTS)
     n_weather = 1 if (n >= 3 and rng.random() < WEATHER_SHARE) else 0
     n_person = n - n_weather
     chains = _chain_lengths(rng, n_person)
-    # One gender per context: the pronoun after "they live in CITY and" then says
-    # nothing that tells the people apart, so it cannot give an answer away.
-    cast = FEMALE_NAMES if rng.random() < 0.5 else MALE_NAMES
-    names = rng.sample(cast, n_person + len(chains))
+    names = rng.sample(NAMES, n_person + len(chains))
     cities = rng.sample(CITIES, n)
-    jobs = [rng.choice(JOBS) for _ in range(n)]
 
-    # (subject, city, job, friend) per person chunk, grouped by chain.
-    chain_facts: list[list[tuple[str, str, str, str]]] = []
+    # (subject, city, friend) per person chunk, grouped by chain.
+    chain_facts: list[list[tuple[str, str, str]]] = []
     name_i = fact_i = 0
     for length in chains:
         chain = []
@@ -164,7 +155,7 @@ def make_context(rng: random.Random, n_chunks: int | None = None) -> Context:
         for _ in range(length):
             friend = names[name_i]
             name_i += 1
-            chain.append((subject, cities[fact_i], jobs[fact_i], friend))
+            chain.append((subject, cities[fact_i], friend))
             fact_i += 1
             subject = friend
         chain_facts.append(chain)
@@ -176,16 +167,16 @@ def make_context(rng: random.Random, n_chunks: int | None = None) -> Context:
     persons: list[_Person] = []
     for b, chain in enumerate(chain_facts + [[]]):
         if b == weather_at:
-            chunks.append(_weather_chunk(cities[fact_i], jobs[fact_i]))
-        for k, (subject, city, job, friend) in enumerate(chain):
+            chunks.append(_weather_chunk(cities[fact_i]))
+        for k, (subject, city, friend) in enumerate(chain):
             here = len(chunks)
             if k == 0:
-                chunks.append(_head_chunk(subject, city, job, friend))
+                chunks.append(_head_chunk(subject, city, friend))
                 named_in = here
             else:
-                chunks.append(_cont_chunk(subject, city, job, friend))
+                chunks.append(_cont_chunk(city, friend))
                 named_in = here - 1
-            persons.append(_Person(subject, city, job, friend, here, named_in))
+            persons.append(_Person(subject, city, friend, here, named_in))
     assert len(chunks) == n
     return Context(tuple(chunks), tuple(persons))
 
@@ -216,7 +207,7 @@ def make_question(rng: random.Random, ctx: Context, kind: str | None = None) -> 
 
 
 def make_example(rng: random.Random, n_chunks: int | None = None) -> Example:
-    """One prompt: 4 chunks and one question about them."""
+    """One prompt: 6 chunks and one question about them."""
     ctx = make_context(rng, n_chunks)
     question, answer, kind, needed = make_question(rng, ctx)
     return Example(ctx.chunks, question, answer, kind, needed)
