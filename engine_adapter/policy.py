@@ -8,7 +8,7 @@ naive       reuse every cached chunk, recompute nothing but fresh chunks and the
 cachecraft  the plan's per-chunk top-N token lists (Cache-Craft eq. 14), with
             focused-chunk early termination (Alg. 1, window w) when focus_window > 0.
 cacheblend  HKVD with gradual filtering (CacheBlend §4.3): all reused tokens on the
-            first layer, then the highest-KV-deviation r1 > r2 > ... > r of them.
+            first two layers, then the highest-KV-deviation r1 > r2 > ... > r of them.
 """
 
 from __future__ import annotations
@@ -59,15 +59,22 @@ class Policy:
     def hkvd_ratio(self, layer: int, num_layers: int) -> float | None:
         """cacheblend: fraction of reused tokens to keep for layer+1, chosen after `layer`.
 
-        Layer 0 computes every reused token (full deviation); then selections 1..filter_layers
+        Layers 0 and 1 compute every reused token; selections after layers 1..filter_layers
         keep r1 > r2 > ... > r (linear), after which the set stays fixed (None).
+
+        CacheBlend §4.3 selects "on the first layer". But layer-0 K/V are projections of
+        the token embeddings alone: equal for a chunk computed behind any prefix, so their
+        deviation ranks nothing (a selection made on it did no better than naive reuse on
+        the trained quality model, docs/quality.md). Layer 1's K/V are the first that
+        depend on cross-chunk attention, so the first deviation measured is layer 1's.
         """
-        if self.name != "cacheblend" or layer >= min(self.filter_layers, num_layers - 1):
+        j = layer - 1  # index of this selection
+        if self.name != "cacheblend" or not 0 <= j < self.filter_layers or layer >= num_layers - 1:
             return None
         r1 = self.first_ratio if self.first_ratio is not None else min(1.0, 1.5 * self.ratio)
         if self.filter_layers == 1:
             return self.ratio
-        return r1 + (self.ratio - r1) * layer / (self.filter_layers - 1)
+        return r1 + (self.ratio - r1) * j / (self.filter_layers - 1)
 
 
 def focused_chunks(cinter: Sequence[float]) -> frozenset[int]:
