@@ -57,7 +57,7 @@ SETTINGS = (
 
 
 def evaluate(n_examples: int, settings: Sequence[Setting] = SETTINGS, model_dir: Path = MODEL_DIR,
-             seed: int = 0, progress: bool = True) -> list[dict]:
+             seed: int = 1, progress: bool = True) -> list[dict]:
     engine = LlamaEngine.from_pretrained(model_dir)
     tok = build_tokenizer()
     exs = data.examples("heldout", n_examples + 1, seed=seed)

@@ -125,12 +125,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(modeling.MODEL_DIR))
     ap.add_argument("--n", type=int, default=500, help="held-out examples")
+    ap.add_argument("--seed", type=int, default=1,
+                    help="held-out draw; 1 by default: training picks its checkpoint on the default draw")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = modeling.load(args.model)
     t0 = time.time()
-    res = evaluate(model, tok, data.examples("heldout", args.n))
+    res = evaluate(model, tok, data.examples("heldout", args.n, seed=args.seed))
     res["n"] = args.n
     res["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(res, indent=1))

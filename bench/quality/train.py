@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         model = modeling.LlamaForCausalLM(cfg)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
+    # Checkpoints are picked on the default held-out draw; reports use seed 1, never picked on.
     heldout = data.examples("heldout", args.eval_size)
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
