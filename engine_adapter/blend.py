@@ -6,8 +6,10 @@ Per layer l (design card, "Adapter"; Cache-Craft §3.4.3; CacheBlend §4):
   3. Q/K/V for the computed rows only (fresh chunks, the question, the recompute set);
   4. scatter the computed K/V into the merged cache, selective attention of the
      computed rows over it (position-causal), with attention mass per segment;
-  5. o-proj + MLP for the computed rows; choose the rows of layer l+1 (HKVD filtering,
-     focused-chunk early termination). The last prompt row is always computed.
+  5. o-proj + MLP for the computed rows; choose the rows of layer l+1 (focused-chunk
+     early termination). The last prompt row is always computed.
+  HKVD (CacheBlend) selects between 3 and 4: of the rows whose K/V were just computed,
+  only the highest-deviation ones run attention + MLP on.
 
 A reused chunk whose layer l is absent (late, missing, corrupt) is computed from then on.
 Its rows need hidden states at layer l, which were never computed, so the driver
@@ -162,12 +164,11 @@ class _Blend:
                 K[:, sp] = apply_rope(got[s][0], self.pos[sp], self.rope)
                 V[:, sp] = got[s][1]
             self.kv.append((K, V))
-            stored = (K[:, rows], V[:, rows]) if self.policy.hkvd_ratio(layer, self.L) is not None else None
-            h, k_raw, v, mass = self.layer(layer, rows, h)
+            rows, h, k_raw, v, mass = self.layer(layer, rows, h)
             to_question = self.record_stats(rows, k_raw, v, mass)
-            keep = self.next_rows(layer, rows, v, stored, to_question)
             self.res.computed_rows.append(len(rows))
             self.res.recomputed_rows.append(int(self.reused_mask[rows].sum()))
+            keep = self.focus_keep(layer, rows, to_question)
             rows, h = rows[keep], h[keep]
             self.res.timings.append(LayerTiming(wait_s=t1 - t0, compute_s=time.perf_counter() - t1))
         logits = e.logits(h)  # [R, V]; rows[-1] is the last prompt row
@@ -178,15 +179,24 @@ class _Blend:
         self.res.focused, self.res.focus_layer = self.focus.focused, self.focus.layer
         return self.res
 
-    def layer(self, layer: int, rows: Tensor, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One layer for `rows`: scatter their K/V into the merged cache, attend, MLP."""
+    def layer(self, layer: int, rows: Tensor, h: Tensor, select: bool = True
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """One layer: K/V of `rows` into the merged cache, then attention + MLP for those
+        of them that stay (all, except where HKVD selects at this layer).
+
+        Returns the rows that ran the layer, their hidden states, pre-RoPE k, v and mass.
+        """
         e, K, V = self.e, *self.kv[layer]
         q, k, v = e.qkv(layer, h)  # [Hq,R,D], [Hkv,R,D] pre-RoPE
-        p = self.pos[rows]
-        K[:, rows] = apply_rope(k, p, self.rope)
+        k_rot = apply_rope(k, self.pos[rows], self.rope)
+        keep = self.hkvd_keep(layer, rows, k_rot, v) if select else torch.ones(len(rows), dtype=torch.bool)
+        # Every computed K/V goes in, selected or not: it came from right hidden states.
+        K[:, rows] = k_rot
         V[:, rows] = v
+        rows, h, q, k, v = rows[keep], h[keep], q[:, keep], k[:, keep], v[:, keep]
+        p = self.pos[rows]
         o, mass = e.attend(apply_rope(q, p, self.rope), p, K, V, self.pos, self.lay.bounds)  # mass [R, S]
-        return e.mlp(layer, e.attn_out(layer, h, o)), k, v, mass
+        return rows, e.mlp(layer, e.attn_out(layer, h, o)), k, v, mass
 
     def wait(self, layer: int) -> LayerKV:
         if not self.live:
@@ -214,38 +224,50 @@ class _Blend:
             return rows, h
         hn = self.e.embed(self.lay.tokens[new])
         for l2 in range(layer):
-            hn = self.layer(l2, new, hn)[0]
+            hn = self.layer(l2, new, hn, select=False)[1]
         rows, order = torch.cat([rows, new]).sort()
         return rows, torch.cat([h, hn])[order]
 
-    def next_rows(self, layer: int, rows: Tensor, v: Tensor, stored: tuple[Tensor, Tensor] | None,
-                  to_question: list[float]) -> Tensor:
-        """Which of `rows` are computed at layer+1 (bool mask over rows).
-
-        stored: this layer's stored K (RoPE at the new positions) and V at `rows`, taken
-        before the scatter (cacheblend selection layers only); to_question: inter(C_i, U).
-        """
-        keep = torch.ones(len(rows), dtype=torch.bool)
+    def _live_rows(self, rows: Tensor) -> Tensor:
+        """Indices into `rows` of reused tokens still served from the cache (never the last row)."""
         live_mask = torch.zeros(self.n, dtype=torch.bool)
         for s in self.live:
             live_mask[self.lay.span(s)] = True
         live_mask[-1] = False
-        cand = live_mask[rows].nonzero().squeeze(1)  # indices into rows: reused, still from cache
-        ratio = self.policy.hkvd_ratio(layer, self.L)
-        if ratio is not None and len(cand):
-            # CacheBlend §4.3: keep the highest-KV-deviation tokens among this layer's candidates,
-            # both K at the same (new) positions.
-            new_k = self.kv[layer][0][:, rows[cand]]
+        return live_mask[rows].nonzero().squeeze(1)
+
+    def hkvd_keep(self, layer: int, rows: Tensor, k_rot: Tensor, v: Tensor) -> Tensor:
+        """CacheBlend §4.3 gradual filtering: which of `rows` run this layer (bool mask).
+
+        Among the reused rows still computed, keep the share `Policy.hkvd_ratio` of the
+        reused tokens with the highest deviation between this layer's K/V from the
+        current hidden states (k_rot, v) and the stored K/V (both K at the new positions).
+        Called before the scatter, so the merged cache still holds the stored K/V.
+        """
+        keep = torch.ones(len(rows), dtype=torch.bool)
+        ratio = self.policy.hkvd_ratio(layer)
+        cand = self._live_rows(rows) if ratio is not None else rows[:0]
+        if len(cand):
+            K, V = self.kv[layer]
             want = ratio * self.reused_tokens / len(cand)
-            _, top = kv_deviation_topk(new_k, v[:, cand], stored[0][:, cand], stored[1][:, cand], min(1.0, want))
+            at = rows[cand]
+            _, top = kv_deviation_topk(k_rot[:, cand], v[:, cand], K[:, at], V[:, at], min(1.0, want))
             keep[cand] = False
             keep[cand[top]] = True
+        return keep
+
+    def focus_keep(self, layer: int, rows: Tensor, to_question: list[float]) -> Tensor:
+        """Cache-Craft Alg. 1: which of `rows` continue to layer+1 (bool mask); to_question:
+        inter(C_i, U) of this layer."""
+        keep = torch.ones(len(rows), dtype=torch.bool)
         focused = self.focus.update(layer, to_question)
         if focused is not None:
-            # Cache-Craft Alg. 1: stop recomputing tokens of unfocused reused chunks.
+            cand = torch.zeros(len(rows), dtype=torch.bool)
+            cand[self._live_rows(rows)] = True
+            # Stop recomputing tokens of unfocused reused chunks.
             for s in self.live:
                 if s not in focused:
-                    keep &= ~(torch.isin(rows, self.lay.rows(s)) & live_mask[rows])
+                    keep &= ~(torch.isin(rows, self.lay.rows(s)) & cand)
         return keep
 
     # ---- statistics (Cache-Craft §3.1, `kvclient.types.VariantStats`) -----------------

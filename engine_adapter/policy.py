@@ -7,8 +7,8 @@ prefix      reuse only the leading run of chunks whose variant was computed behi
 naive       reuse every cached chunk, recompute nothing but fresh chunks and the question.
 cachecraft  the plan's per-chunk top-N token lists (Cache-Craft eq. 14), with
             focused-chunk early termination (Alg. 1, window w) when focus_window > 0.
-cacheblend  HKVD with gradual filtering (CacheBlend §4.3): all reused tokens on the
-            first two layers, then the highest-KV-deviation r1 > r2 > ... > r of them.
+cacheblend  HKVD with gradual filtering (CacheBlend §4.3): all reused tokens on layer 0,
+            then the highest-KV-deviation r1 > r2 > ... > r of them.
 """
 
 from __future__ import annotations
@@ -56,20 +56,20 @@ class Policy:
             return run
         return cached
 
-    def hkvd_ratio(self, layer: int, num_layers: int) -> float | None:
-        """cacheblend: fraction of reused tokens to keep for layer+1, chosen after `layer`.
+    def hkvd_ratio(self, layer: int) -> float | None:
+        """cacheblend: fraction of the reused tokens that run `layer` (attention + MLP),
+        picked by the deviation of their `layer` K/V; None: no selection at this layer.
 
-        Layers 0 and 1 compute every reused token; selections after layers 1..filter_layers
-        keep r1 > r2 > ... > r (linear), after which the set stays fixed (None).
-
-        CacheBlend §4.3 selects "on the first layer". But layer-0 K/V are projections of
-        the token embeddings alone: equal for a chunk computed behind any prefix, so their
-        deviation ranks nothing (a selection made on it did no better than naive reuse on
-        the trained quality model, docs/quality.md). Layer 1's K/V are the first that
-        depend on cross-chunk attention, so the first deviation measured is layer 1's.
+        Layer 0 runs every reused token. At layers 1..filter_layers the share falls
+        linearly from r1 to r (CacheBlend §4.3 gradual filtering); after that the set
+        stays fixed. The paper picks r1 by "the attention deviation on the first layer":
+        that is what layer 1's K/V deviation measures. Layer-0 K/V themselves are
+        projections of the token embeddings, equal for a chunk computed behind any
+        prefix (tested), so a selection on them is blind: one did no better than naive
+        reuse up to r = 15% on the trained quality model (docs/quality.md).
         """
         j = layer - 1  # index of this selection
-        if self.name != "cacheblend" or not 0 <= j < self.filter_layers or layer >= num_layers - 1:
+        if self.name != "cacheblend" or not 0 <= j < self.filter_layers:
             return None
         r1 = self.first_ratio if self.first_ratio is not None else min(1.0, 1.5 * self.ratio)
         if self.filter_layers == 1:
