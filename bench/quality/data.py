@@ -203,7 +203,11 @@ def make_question(rng: random.Random, ctx: Context, kind: str | None = None) -> 
     else:
         raise ValueError(f"unknown question kind {kind!r}")
     needed = tuple(sorted({target.named_in, target.chunk}))
-    return f"who lives in {target.city}", target.name, kind, needed
+    return question_about(target.city), target.name, kind, needed
+
+
+def question_about(city: str) -> str:
+    return f"who lives in {city}"
 
 
 def make_example(rng: random.Random, n_chunks: int | None = None) -> Example:

@@ -92,7 +92,7 @@ def make_batch(rng: random.Random, tok, batch: int, curriculum: Curriculum) -> B
         ctx = data.make_context(rng, curriculum.chunks(rng))
         contexts.append([t for c in ctx.chunks for t in tok.encode(c, add_special_tokens=False)])
         for p in ctx.persons:
-            q = tok.encode(f"who lives in {p.city}", add_special_tokens=False)
+            q = tok.encode(data.question_about(p.city), add_special_tokens=False)
             a = tok.encode(p.name, add_special_tokens=False) + [tok.eos_token_id]
             of.append(i)
             qas.append(q + a)
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                     top_since = time.time() - t0
                 em = exact_match_full_prefill(model, tok, heldout)
                 rec = {"step": step, "seconds": round(time.time() - t0, 1), "loss": round(ema, 4),
-                       "chunks": level, "em_at_chunks": level_em and round(level_em, 4),
+                       "chunks": level, "em_at_chunks": None if level_em is None else round(level_em, 4),
                        **{f"em_{k}": round(v, 4) for k, v in em.items()}}
                 log.append(rec)
                 bar.console.log(json.dumps(rec))
