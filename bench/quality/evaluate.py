@@ -160,16 +160,17 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     xy = lambda r: (100 * r["computed_share"], 100 * r["accuracy"])  # noqa: E731
-    for family, marker in (("cacheblend r=", "o"), ("cachecraft alpha=", "s")):
-        series = sorted((r for r in rows if r["setting"].startswith(family) and "focus" not in r["setting"]),
-                        key=lambda r: r["computed_share"])
-        pts = [xy(r) for r in series]
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, label=family.split()[0])
-        for r, (x, y) in zip(series, pts):
-            ax.annotate(r["setting"].removeprefix(family.split()[0]).strip(), (x, y), fontsize=7,
+    families = {"cacheblend": "o", "cachecraft": "s"}  # prefix of the setting -> marker
+    series = lambda r: r["setting"].split()[0] if "focus" not in r["setting"] else None  # noqa: E731
+    for family, marker in families.items():
+        members = sorted((r for r in rows if series(r) == family), key=lambda r: r["computed_share"])
+        pts = [xy(r) for r in members]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, label=family)
+        for r, pt in zip(members, pts):
+            ax.annotate(r["setting"].removeprefix(family).strip(), pt, fontsize=7,
                         xytext=(4, -10), textcoords="offset points")
     for r in rows:
-        if r["setting"].startswith(("cacheblend r=", "cachecraft alpha=")) and "focus" not in r["setting"]:
+        if series(r) in families:
             continue
         ax.scatter(*xy(r), s=30, color="black", zorder=3)
         ax.annotate(r["setting"].split(" (")[0], xy(r), fontsize=7, xytext=(4, 3), textcoords="offset points")

@@ -9,7 +9,7 @@ re-rotation, selective attention, HKVD) under:
   - the policies: full, naive, cacheblend at several r, Cache-Craft's top-N tokens by
     inter-attention (eq. 14) at several fractions of each chunk;
   - fixed token sets, the same positions in every chunk, to find where this model keeps
-    the cross-chunk binding (e.g. `--fixed -2` = the companion named at the chunk's end).
+    the cross-chunk binding (`fixed([-2])` = the companion named at the chunk's end).
 No service and no planner: this isolates token selection from everything else
 (`kvbench.quality.evaluate` runs the same model through the real service).
 """
