@@ -55,6 +55,7 @@ def _serve(a: argparse.Namespace) -> int:
     try:
         cfg = load_config(a.config, overrides={"host": a.host, "port": a.port, "data_dir": a.data_dir,
                                                "metrics_port": a.metrics_port})
+        cfg.check_tls_files()
     except (OSError, ValueError) as e:
         print(f"kvcraft serve: bad configuration: {e}", file=sys.stderr)
         return 2
@@ -77,8 +78,12 @@ def _serve(a: argparse.Namespace) -> int:
 
 
 def _admin(a: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
+    from functools import partial
 
+    from google.protobuf import json_format
+
+    # The proto's own field names, as grpcurl prints them (not JSON camelCase).
+    MessageToDict = partial(json_format.MessageToDict, preserving_proto_field_name=True)
     from kvclient.client import KVClient
     from kvclient.errors import KVCraftError
 

@@ -6,7 +6,9 @@ Validated once, here, at the edge; the rest of the service trusts a `Config`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import ssl
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -35,6 +37,11 @@ class Config:
     max_variant_bytes: int = 4 * GiB
     max_fetch_variants: int = 256
     lease_timeout_s: float = 30.0
+    # Longest lease a request may ask for (Lease ttl_s, Locate / Plan lease_ttl_s).
+    max_lease_ttl_s: float = 3600.0
+    # A conversation remembers its last this-many chunks (CRAFT §4.3 dedup); bounds
+    # the Plan response (history and per-chunk prefix keys), however long the talk.
+    max_conversation_chunks: int = 512
     # Cache-Craft eq. 12-13: CFO = alpha * CCI * (1 - beta'); set against answer quality.
     cfo_alpha: float = 1.0
     # Prometheus metrics over HTTP on this port; 0 = off.
@@ -55,19 +62,51 @@ class Config:
             raise ValueError(f"port {self.port} is outside 0..65535")
         for name in ("host_budget_bytes", "disk_budget_bytes", "max_message_bytes",
                      "max_layers", "max_chunk_tokens", "max_variant_bytes",
-                     "max_variants_per_chunk", "max_variants", "max_fetch_variants"):
+                     "max_variants_per_chunk", "max_variants", "max_fetch_variants",
+                     "max_conversation_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cfo_alpha < 0:
             raise ValueError(f"cfo_alpha must be >= 0, got {self.cfo_alpha}")
-        if self.lease_timeout_s <= 0:
-            raise ValueError(f"lease_timeout_s must be > 0, got {self.lease_timeout_s}")
+        if not 0 < self.lease_timeout_s <= self.max_lease_ttl_s < math.inf:
+            raise ValueError(f"need 0 < lease_timeout_s ({self.lease_timeout_s}) <= max_lease_ttl_s "
+                             f"({self.max_lease_ttl_s}), both finite")
+        if not 0 <= self.drain_s < math.inf:
+            raise ValueError(f"drain_s must be finite and >= 0, got {self.drain_s}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key: "
+                             "client certificates are only checked on a TLS server")
 
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir)
+
+    def check_tls_files(self) -> None:
+        """Read the TLS files once before serving, so a bad one is named, not reported
+        as a failure to bind the address."""
+        if not self.tls_cert:
+            return
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                raise ValueError(f"{name} {path!r} is not a readable file")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        except ssl.SSLError as e:
+            if "KEY_VALUES_MISMATCH" in str(e):
+                raise ValueError(f"tls_key {self.tls_key!r} does not match the certificate in "
+                                 f"tls_cert {self.tls_cert!r}") from None
+            raise ValueError(f"tls_cert {self.tls_cert!r} / tls_key {self.tls_key!r} cannot be loaded "
+                             f"as a PEM certificate and private key: {e.reason or e}") from None
+        if self.tls_client_ca:
+            try:
+                ctx.load_verify_locations(self.tls_client_ca)
+            except ssl.SSLError as e:
+                raise ValueError(f"tls_client_ca {self.tls_client_ca!r} holds no PEM CA certificate: "
+                                 f"{e.reason or e}") from None
 
     def to_toml(self) -> str:
         """Effective settings as TOML, secrets masked."""

@@ -7,14 +7,19 @@ thread (its I/O blocks), map domain errors to status codes in one place (`_rpc`)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import math
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -23,9 +28,10 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 from kvservice import failpoints
 from kvservice.config import Config
-from kvservice.errors import InvalidArgument, KVCraftError
+from kvservice.errors import InvalidArgument, KVCraftError, ResourceExhausted
 from kvservice.metrics import Metrics
 from kvservice.planner import PlannerConfig
+from kvservice.planner.catalog import TIERS
 from kvservice.planning import PlanningService
 from kvservice.store import ChunkStore
 
@@ -37,13 +43,123 @@ SERVICE_NAMES = (
 )
 
 
+@dataclass(frozen=True)
+class _Malformed:
+    """What the deserializer hands a handler for bytes that are not the request type:
+    the handler answers INVALID_ARGUMENT (grpcio would answer UNKNOWN and log a
+    traceback per request)."""
+
+    problem: str
+
+
+def _parser(cls: type) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        msg = cls()
+        try:
+            msg.ParseFromString(data)
+        except (DecodeError, RecursionError) as e:
+            return _Malformed(f"the request is not a valid {cls.DESCRIPTOR.full_name} message: {e}")
+        return msg
+
+    return parse
+
+
+def _check_parsed(request: Any) -> None:
+    if isinstance(request, _Malformed):
+        raise InvalidArgument(request.problem)
+
+
+def add_service(server: grpc.aio.Server, service: str, servicer: Any) -> None:
+    """Register `servicer` for `service` of kvcraft.proto, with deserializers that turn
+    bytes that do not parse into INVALID_ARGUMENT instead of UNKNOWN."""
+    desc = pb.DESCRIPTOR.services_by_name[service]
+    make = {(False, False): grpc.unary_unary_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {
+        m.name: make[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, m.name),
+            request_deserializer=_parser(GetMessageClass(m.input_type)),
+            response_serializer=GetMessageClass(m.output_type).SerializeToString)
+        for m in desc.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
+
+
+class InFlight:
+    """Counts running RPCs, so a SIGTERM drain can wait for them to finish."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+def check_ttl(name: str, ttl_s: float, cfg: Config) -> None:
+    """A lease ttl must be finite and within max_lease_ttl_s, checked before any lease
+    exists (a NaN ttl would never expire and hold its variants forever)."""
+    if not 0 <= ttl_s <= cfg.max_lease_ttl_s:
+        raise InvalidArgument(f"{name} is {ttl_s}; expected 0 (lease_timeout_s) .. max_lease_ttl_s "
+                              f"({cfg.max_lease_ttl_s:g}) seconds")
+
+
+# Bounds on engine-reported timings: far beyond any real layer, far below overflow of
+# the estimators' sums of squares.
+_MAX_TIMING = {"bytes_per_layer": float(1 << 50), "tokens_per_layer": float(1 << 32), "seconds": 3600.0}
+
+
+def _check_timing(where: str, t: Any, fields: tuple[str, ...]) -> None:
+    for f in fields:
+        v = getattr(t, f)
+        if not (math.isfinite(v) and 0 <= v <= _MAX_TIMING[f]):
+            raise InvalidArgument(f"{where}.{f} is {v}; expected a finite number in [0, {_MAX_TIMING[f]:g}]")
+
+
+def check_plan_request(req: pb.PlanRequest, cfg: Config) -> None:
+    """Bounds of a Plan request the planner itself does not know (limits, ttl, timings)."""
+    check_ttl("lease_ttl_s", req.lease_ttl_s, cfg)
+    if len(req.chunks) > cfg.max_fetch_variants:
+        raise InvalidArgument(f"{len(req.chunks)} chunks; at most max_fetch_variants={cfg.max_fetch_variants}")
+    for i, c in enumerate(req.chunks):
+        n = len(c.token_ids) or c.token_count
+        if n > cfg.max_chunk_tokens:
+            raise ResourceExhausted(f"chunks[{i}] has {n} tokens; max_chunk_tokens is {cfg.max_chunk_tokens}")
+    for i, t in enumerate(req.timings.loads):
+        if t.tier not in TIERS:
+            raise InvalidArgument(f"timings.loads[{i}].tier is {t.tier[:40]!r}; expected one of {', '.join(TIERS)}")
+        _check_timing(f"timings.loads[{i}]", t, ("bytes_per_layer", "seconds"))
+    for i, t in enumerate(req.timings.computes):
+        _check_timing(f"timings.computes[{i}]", t, ("tokens_per_layer", "seconds"))
+
+
 def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Map domain errors to status codes; never leak a stack trace to the client."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await fn(self, request, context)
+            with self.inflight.track():
+                _check_parsed(request)
+                return await fn(self, request, context)
         except grpc.aio.AbortError:
             raise
         except KVCraftError as e:
@@ -58,14 +174,17 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
 
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
-    def __init__(self, store: ChunkStore, planning: PlanningService, metrics: Metrics) -> None:
+    def __init__(self, store: ChunkStore, planning: PlanningService, metrics: Metrics,
+                 inflight: InFlight) -> None:
         self.store = store
         self.planning = planning
         self.metrics = metrics
+        self.inflight = inflight
         self._preload = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvcraft-preload")
 
     @_rpc
     async def Plan(self, request: pb.PlanRequest, context: Any) -> pb.PlanResponse:
+        check_plan_request(request, self.store.cfg)
         return await asyncio.to_thread(self.planning.plan, request, self._preload)
 
     @_rpc
@@ -73,6 +192,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         session = None
         try:
             async for req in request_iterator:
+                _check_parsed(req)
                 part = req.WhichOneof("part")
                 if session is None:
                     if part != "header":
@@ -99,8 +219,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 session.abort()  # no-op once finished
 
     async def FetchLayers(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.LayerChunk]:
+        with self.inflight.track():
+            async for chunk in self._fetch_layers(request, context):
+                yield chunk
+
+    async def _fetch_layers(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.LayerChunk]:
         # A server-streaming handler cannot use the unary wrapper: errors are mapped inline.
         try:
+            _check_parsed(request)
             infos = await asyncio.to_thread(self.store.open_fetch, request.variants)
         except KVCraftError as e:
             await context.abort(e.code, str(e))
@@ -151,7 +277,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 raise InvalidArgument(f"tokens.model_id {t.model_id[:40]!r} is not 32 lowercase hex chars")
             if not t.token_ids:
                 raise InvalidArgument("tokens.token_ids is empty")
-            key = chunk_key(t.model_id, t.token_ids)
+            if len(t.token_ids) > self.store.cfg.max_chunk_tokens:
+                raise ResourceExhausted(f"tokens.token_ids has {len(t.token_ids)} tokens; "
+                                        f"max_chunk_tokens is {self.store.cfg.max_chunk_tokens}")
+            key = await asyncio.to_thread(chunk_key, t.model_id, t.token_ids)
         else:
             raise InvalidArgument("give chunk_key or tokens")
         variants = self.store.lookup(key)
@@ -165,10 +294,12 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     @_rpc
     async def Locate(self, request: pb.LocateRequest, context: Any) -> pb.LocateResponse:
+        check_ttl("lease_ttl_s", request.lease_ttl_s, self.store.cfg)
         return await asyncio.to_thread(self.store.locate, request.variants, request.lease_ttl_s)
 
     @_rpc
     async def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
+        check_ttl("ttl_s", request.ttl_s, self.store.cfg)
         lease_id, vids, expires = await asyncio.to_thread(self.store.take_lease, request.variants, request.ttl_s)
         return pb.LeaseResponse(lease_id=lease_id, variant_ids=vids, expires_unix_ms=int(expires * 1000))
 
@@ -185,9 +316,10 @@ def _abort_when_done(fut: asyncio.Future) -> None:
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, store: ChunkStore, cfg: Config) -> None:
+    def __init__(self, store: ChunkStore, cfg: Config, inflight: InFlight) -> None:
         self.store = store
         self.cfg = cfg
+        self.inflight = inflight
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
@@ -263,6 +395,16 @@ class RunningServer:
     port: int
     health: health.aio.HealthServicer
     metrics: Metrics
+    inflight: InFlight
+
+    async def drain(self, drain_s: float) -> None:
+        """SIGTERM: report NOT_SERVING at once while still accepting connections (so a
+        health probe sees it, not "connection refused"), let running RPCs finish for up
+        to `drain_s`, then stop."""
+        deadline = time.monotonic() + drain_s
+        await self.health.enter_graceful_shutdown()
+        await self.inflight.wait_idle(drain_s)
+        await self.stop(max(0.0, deadline - time.monotonic()))
 
     async def stop(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()
@@ -272,6 +414,7 @@ class RunningServer:
 
 
 async def start_server(cfg: Config) -> RunningServer:
+    cfg.check_tls_files()
     store = ChunkStore(cfg)
     metrics = Metrics(store, cfg.metrics_port, cfg.host)
     options = [
@@ -280,8 +423,11 @@ async def start_server(cfg: Config) -> RunningServer:
     ]
     interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    pb_grpc.add_KVCacheServicer_to_server(KVCacheServicer(store, PlanningService(store, PlannerConfig(alpha=cfg.cfo_alpha)), metrics), server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(store, cfg), server)
+    inflight = InFlight()
+    planning = PlanningService(store, PlannerConfig(alpha=cfg.cfo_alpha,
+                                                    max_conversation_chunks=cfg.max_conversation_chunks))
+    add_service(server, "KVCache", KVCacheServicer(store, planning, metrics, inflight))
+    add_service(server, "Admin", AdminServicer(store, cfg, inflight))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", *SERVICE_NAMES):
@@ -303,7 +449,7 @@ async def start_server(cfg: Config) -> RunningServer:
         store.close()
         raise OSError(f"cannot listen on {address}")
     await server.start()
-    return RunningServer(server, store, port, health_servicer, metrics)
+    return RunningServer(server, store, port, health_servicer, metrics, inflight)
 
 
 async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = None) -> None:
@@ -319,6 +465,6 @@ async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("draining for up to %.1fs", cfg.drain_s)
-    await running.stop(cfg.drain_s)
-
+    log.info("draining: health NOT_SERVING, %d RPCs running, waiting up to %.1fs",
+             running.inflight.active, cfg.drain_s)
+    await running.drain(cfg.drain_s)

@@ -82,6 +82,9 @@ class LinearEstimator:
         self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
 
     def observe(self, x: float, y: float) -> None:
+        # One NaN or inf would poison the sums, and every later estimate, for good.
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return
         d = self._decay
         self._n = self._n * d + 1.0
         self._sx = self._sx * d + x
@@ -93,10 +96,14 @@ class LinearEstimator:
         if n < self._min - 1e-9 or var <= 1e-12 * max(1.0, self._sxx):
             return
         c1 = (self._sxy - self._sx * self._sy / n) / var
-        if c1 <= 0.0:
+        if not c1 > 0.0 or not math.isfinite(c1):
             self.c0, self.c1 = self._d0, self._d1
             return
-        self.c0 = max(0.0, (self._sy - c1 * self._sx) / n)
+        c0 = (self._sy - c1 * self._sx) / n
+        if not math.isfinite(c0):
+            self.c0, self.c1 = self._d0, self._d1
+            return
+        self.c0 = max(0.0, c0)
         self.c1 = c1
 
     def predict(self, x: float) -> float:
@@ -137,7 +144,10 @@ class LoadingController:
 
     # ------------------------------------------------------------ engine timings
     def observe_load(self, tier: str, nbytes_per_layer: float, seconds: float) -> None:
-        self.load[tier].observe(nbytes_per_layer, seconds)
+        est = self.load.get(tier)
+        if est is None:
+            raise ValueError(f"unknown tier {tier!r}; this controller knows {', '.join(self.tiers)}")
+        est.observe(nbytes_per_layer, seconds)
 
     def observe_compute(self, tokens_per_layer: float, seconds: float) -> None:
         self.compute.observe(tokens_per_layer, seconds)

@@ -10,8 +10,10 @@ prompt, history included (Cache-Craft eq. 6-7).
 
 Entries expire `ttl_s` seconds after their conversation's last turn. An expired or
 unknown conversation has no history, so nothing is dropped: forgetting can only
-cause a redundant chunk, never a missing one. The clock is injectable so tests
-never sleep.
+cause a redundant chunk, never a missing one. For the same reason a conversation
+keeps only its last `max_chunks` keys: the history (and every Plan response, which
+carries it and each chunk's prefix) stays bounded however long the conversation
+runs. The clock is injectable so tests never sleep.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable, Container, Iterable, Sequence
 
 DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_CONVERSATIONS = 100_000
+DEFAULT_MAX_CHUNKS = 512
 
 
 def dedup(keys: Sequence[str], sent: "Container[str]") -> tuple[list[str], list[str]]:
@@ -40,16 +43,21 @@ def dedup(keys: Sequence[str], sent: "Container[str]") -> tuple[list[str], list[
 
 
 class ChunkMap:
-    """conv_id -> chunk keys already sent, with a TTL and a bound on conversations
-    (the least recently active one is forgotten first)."""
+    """conv_id -> chunk keys already sent, with a TTL, a bound on conversations (the
+    least recently active one is forgotten first) and a bound on each conversation's
+    keys (the earliest sent are forgotten first)."""
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S,
                  clock: Callable[[], float] = time.monotonic,
-                 max_conversations: int = DEFAULT_MAX_CONVERSATIONS) -> None:
+                 max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+                 max_chunks: int = DEFAULT_MAX_CHUNKS) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if max_chunks < 1:
+            raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
         self.ttl_s = ttl_s
         self.max_conversations = max_conversations
+        self.max_chunks = max_chunks
         self._clock = clock
         # conv_id -> (last turn time, sent key -> send position); least recent first.
         self._convs: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
@@ -73,6 +81,10 @@ class ChunkMap:
         for k in keys:
             if k not in sent:
                 sent[k] = len(sent)
+        if len(sent) > self.max_chunks:
+            # Keep the latest keys, renumbered from 0: positions are send order.
+            kept = list(sent)[-self.max_chunks:]
+            sent = {k: i for i, k in enumerate(kept)}
         self._convs[conv_id] = (now, sent)
         while len(self._convs) > self.max_conversations:
             self._convs.popitem(last=False)

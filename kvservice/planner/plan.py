@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 from .ca_table import DEFAULT_WINDOW, CATable
 from .catalog import VariantCatalog, VariantInfo
 from .controller import R_MIN, LoadingController, ModelProfile, TierProfile
-from .conversation import DEFAULT_MAX_CONVERSATIONS, DEFAULT_TTL_S, ChunkMap, dedup
+from .conversation import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_CONVERSATIONS, DEFAULT_TTL_S, ChunkMap, dedup
 from .cp_tree import DEFAULT_PROMOTION_THRESHOLD, CPTree
 from .reorder import reorder_by_count
 from .variants import DEFAULT_ALPHA, choose_variant, recompute_count
@@ -63,6 +63,7 @@ class PlannerConfig:
     promotion_threshold: int = DEFAULT_PROMOTION_THRESHOLD
     conversation_ttl_s: float = DEFAULT_TTL_S
     max_conversations: int = DEFAULT_MAX_CONVERSATIONS
+    max_conversation_chunks: int = DEFAULT_MAX_CHUNKS  # a conversation remembers its last N chunks
     r_min: float = R_MIN                  # CacheBlend §5 minimum recompute ratio
     models: Mapping[str, ModelProfile] = field(default_factory=dict)  # model id -> profile
     default_model: ModelProfile = ModelProfile()
@@ -172,7 +173,8 @@ class Planner:
         self.config = config
         self.ca_table = CATable(config.ca_window)
         self.cp_tree = CPTree(self._tier_of, config.promotion_threshold)
-        self.conversations = ChunkMap(config.conversation_ttl_s, clock, config.max_conversations)
+        self.conversations = ChunkMap(config.conversation_ttl_s, clock, config.max_conversations,
+                                      config.max_conversation_chunks)
         self._controllers: dict[str, LoadingController] = {}
 
     # ------------------------------------------------------------------ plan

@@ -39,3 +39,22 @@ def test_grpcurl_lists_services_checks_health_and_reads_stats(kvserver):
 
     described = grpcurl(kvserver.address, "describe", "kvcraft.v1.KVCache")
     assert "rpc FetchLayers" in described
+
+
+def test_kvcraft_admin_prints_the_same_json_as_grpcurl(kvserver):
+    model = ModelSpec("m", 2, 1, 4, "float32").fingerprint()
+    with KVClient(kvserver.address) as c:
+        key = c.store(model, [7, 8], [(torch.zeros(1, 2, 4), torch.ones(1, 2, 4))] * 2).chunk_key
+
+    def admin(*args: str) -> object:
+        out = subprocess.run([sys.executable, "-m", "kvservice.cli", "admin", "--address", kvserver.address, *args],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    assert admin("stats") == json.loads(grpcurl(kvserver.address, "kvcraft.v1.Admin/Stats"))
+    assert admin("list") == json.loads(grpcurl(kvserver.address, "kvcraft.v1.Admin/ListChunks"))
+    by_grpcurl = json.loads(grpcurl("-d", json.dumps({"chunk_key": key}), kvserver.address,
+                                    "kvcraft.v1.Admin/GetChunk"))
+    assert admin("get", key) == by_grpcurl["variants"]
+    assert "layer_checksums" in by_grpcurl["variants"][0]  # the proto's names, not camelCase

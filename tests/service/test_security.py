@@ -53,3 +53,34 @@ def test_tls_server_speaks_tls_only(start_server, tmp_path):
     with KVClient(server.address, timeout=3) as plain:
         with pytest.raises(UnavailableError):
             plain.stats()
+
+
+def _self_signed(tmp_path, name: str):
+    key, cert = tmp_path / f"{name}-key.pem", tmp_path / f"{name}-cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return key, cert
+
+
+def _refused_start(start_server, **settings) -> str:
+    with pytest.raises(RuntimeError, match="exited with 2") as e:
+        start_server(**settings)
+    assert "Traceback" not in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_client_ca_without_a_server_certificate_is_refused_at_start(start_server, tmp_path):
+    _, ca = _self_signed(tmp_path, "ca")
+    message = _refused_start(start_server, tls_client_ca=str(ca))
+    assert "tls_client_ca" in message and "tls_cert" in message
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_key_that_does_not_match_its_certificate_is_named_at_start(start_server, tmp_path):
+    _, cert = _self_signed(tmp_path, "a")
+    other_key, _ = _self_signed(tmp_path, "b")
+    message = _refused_start(start_server, tls_cert=str(cert), tls_key=str(other_key))
+    assert "does not match" in message and str(other_key) in message
+    message = _refused_start(start_server, name="data2", tls_cert=str(cert), tls_key=str(tmp_path / "missing.pem"))
+    assert "tls_key" in message and "missing.pem" in message

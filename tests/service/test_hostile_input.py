@@ -1,0 +1,158 @@
+"""Hostile or broken requests against the real server: a clear status, never INTERNAL or
+UNKNOWN, no traceback in the log, nothing held or lost (issue 18, items 1-5)."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+import torch
+
+from kvclient.client import KVClient, Ref
+from kvclient.errors import InvalidArgumentError, ResourceExhaustedError
+from kvclient.keys import ModelSpec
+from kvcraft.v1 import kvcraft_pb2 as pb
+
+MODEL = ModelSpec("hostile", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
+
+
+def tokens(i: int, n: int = 4) -> list[int]:
+    return [i * 100 + t for t in range(n)]
+
+
+def layers(n: int = 4):
+    return [(torch.full((1, n, 4), float(i)), torch.full((1, n, 4), -float(i))) for i in range(2)]
+
+
+def raw_unary(channel: grpc.Channel, method: str):
+    return channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+
+
+# -- item 1: lease ttls ------------------------------------------------------------------
+@pytest.mark.parametrize("ttl", [math.nan, math.inf, -math.inf, 1e30, -1.0])
+def test_non_finite_or_huge_lease_ttl_is_refused_and_holds_nothing(kvserver, ttl):
+    with KVClient(kvserver.address, timeout=10) as c:
+        key = c.store(MODEL, tokens(1), layers()).chunk_key
+        with pytest.raises(InvalidArgumentError, match="ttl_s"):
+            c.lease([key], ttl_s=ttl)
+        with pytest.raises(InvalidArgumentError, match="lease_ttl_s"):
+            c.fetch_local([key], ttl_s=ttl).release()
+        with pytest.raises(InvalidArgumentError, match="lease_ttl_s"):
+            c.plan(MODEL, [tokens(1)], question_tokens=3, lease_ttl_s=ttl)
+        assert c.stats().leases == 0
+        flushed = c.flush()  # nothing protects the variant: no lease was registered
+        assert (flushed.evicted, flushed.skipped_protected) == (1, 0)
+    assert "Traceback" not in kvserver.log()
+
+
+# -- item 2: Plan timings ----------------------------------------------------------------
+def test_plan_timing_for_an_unknown_tier_is_invalid_argument(kvserver):
+    timings = pb.TimingReport(loads=[pb.TimingReport.Load(tier="tape", bytes_per_layer=1e6, seconds=0.01)])
+    with KVClient(kvserver.address) as c:
+        with pytest.raises(InvalidArgumentError, match="tape"):
+            c.plan(MODEL, [tokens(1)], question_tokens=3, timings=timings)
+    assert "Traceback" not in kvserver.log()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, 1e300])
+def test_non_finite_timings_are_refused_and_do_not_poison_later_plans(kvserver, bad):
+    loads = [pb.TimingReport.Load(tier="disk", bytes_per_layer=b, seconds=s)
+             for b, s in ((1e6, bad), (2e6, bad), (3e6, bad), (bad, 0.01))]
+    computes = [pb.TimingReport.Compute(tokens_per_layer=100, seconds=bad)]
+    with KVClient(kvserver.address) as c:
+        c.store(MODEL, tokens(1), layers())
+        for load in loads:
+            with pytest.raises(InvalidArgumentError, match="timings.loads"):
+                c.plan(MODEL, [tokens(1)], question_tokens=3, timings=pb.TimingReport(loads=[load]))
+        with pytest.raises(InvalidArgumentError, match="timings.computes"):
+            c.plan(MODEL, [tokens(1)], question_tokens=3, timings=pb.TimingReport(computes=computes))
+        plan = c.plan(MODEL, [tokens(1)], question_tokens=3)  # reuses the stored variant
+        assert plan.chunks[0].source != pb.ChunkPlan.FRESH
+        assert math.isfinite(plan.load_s_per_layer) and plan.load_s_per_layer > 0
+        c.release(plan.lease_id)
+    assert "Traceback" not in kvserver.log()
+
+
+# -- item 3: bytes that are not protobuf -------------------------------------------------
+GARBAGE = [b"\x0a\xff", b"\xff\xff\xff\xff", b"\x0a\x02\xff\xfe"]  # truncated, bad tag, bad UTF-8
+
+
+@pytest.mark.parametrize("method", ["/kvcraft.v1.KVCache/Lookup", "/kvcraft.v1.KVCache/Plan",
+                                    "/kvcraft.v1.KVCache/Lease", "/kvcraft.v1.Admin/GetChunk",
+                                    "/kvcraft.v1.Admin/Evict"])
+def test_unparseable_unary_request_is_invalid_argument_without_traceback(kvserver, method):
+    with grpc.insecure_channel(kvserver.address) as ch:
+        call = raw_unary(ch, method)
+        for data in GARBAGE:
+            with pytest.raises(grpc.RpcError) as e:
+                call(data, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert "kvcraft.v1." in e.value.details()
+    assert "Traceback" not in kvserver.log()
+
+
+def test_unparseable_fetch_request_is_invalid_argument(kvserver):
+    with grpc.insecure_channel(kvserver.address) as ch:
+        call = ch.unary_stream("/kvcraft.v1.KVCache/FetchLayers", request_serializer=None,
+                               response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call(GARBAGE[0], timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Traceback" not in kvserver.log()
+
+
+def test_unparseable_message_inside_a_store_stream_is_invalid_argument(kvserver):
+    from kvclient.client import store_requests
+
+    good = [m.SerializeToString() for m in store_requests(MODEL, tokens(2), layers())]
+    with grpc.insecure_channel(kvserver.address) as ch:
+        call = ch.stream_unary("/kvcraft.v1.KVCache/Store", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            call(iter([good[0], GARBAGE[1], *good[1:]]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "StoreRequest" in e.value.details()
+    with KVClient(kvserver.address) as c:
+        assert not c.lookup(MODEL, tokens(2)).found
+        assert c.stats().variants == 0
+    assert "Traceback" not in kvserver.log()
+
+
+# -- item 4: token-count limits ----------------------------------------------------------
+def test_lookup_over_max_chunk_tokens_is_resource_exhausted(start_server):
+    server = start_server(max_chunk_tokens=1000)
+    with KVClient(server.address) as c:
+        assert not c.lookup(MODEL, list(range(1000))).found  # at the limit: fine
+        with pytest.raises(ResourceExhaustedError, match="max_chunk_tokens"):
+            c.lookup(MODEL, list(range(1001)))
+
+
+def test_plan_chunk_over_max_chunk_tokens_is_resource_exhausted(start_server):
+    server = start_server(max_chunk_tokens=1000)
+    with KVClient(server.address) as c:
+        with pytest.raises(ResourceExhaustedError, match=r"chunks\[1\].*max_chunk_tokens"):
+            c.plan(MODEL, [tokens(1), list(range(1001))], question_tokens=3)
+        with pytest.raises(ResourceExhaustedError, match=r"chunks\[0\].*max_chunk_tokens"):
+            c.plan(MODEL, [("0" * 32, 1_000_000)], question_tokens=3)
+
+
+# -- item 5: a long conversation ---------------------------------------------------------
+def test_plan_response_stays_bounded_however_long_the_conversation(start_server):
+    per_turn, cap = 32, 64
+    server = start_server(max_conversation_chunks=cap)
+    sizes = []
+    with KVClient(server.address) as c:
+        for turn in range(12):
+            chunks = [(f"{turn:08x}{i:024x}", 16) for i in range(per_turn)]
+            plan = c.plan(MODEL, chunks, question_tokens=8, conversation_id="long-talk")
+            assert sorted(plan.order) == sorted(k for k, _ in chunks)  # all new: nothing dropped
+            assert len(plan.history) == min(turn * per_turn, cap)
+            # Each chunk's prefix is the remembered history, then this turn's chunks before it.
+            assert list(plan.chunks[3].prefix_keys) == [*plan.history, *plan.order[:3]]
+            sizes.append(plan.ByteSize())
+        # The earliest turn is forgotten: sending its chunks again is not deduplicated,
+        # and the latest turn's chunks still are.
+        again = c.plan(MODEL, [(f"{0:08x}{0:024x}", 16), (f"{11:08x}{0:024x}", 16)], question_tokens=8,
+                       conversation_id="long-talk")
+        assert list(again.dropped) == [f"{11:08x}{0:024x}"]
+    assert max(sizes[2:]) == sizes[2]  # once the history is full the response stops growing
