@@ -37,7 +37,17 @@ _BY_CODE = {
 }
 
 
+# What grpcio's asyncio client reports when a write races the end of the RPC
+# (grpc/grpc#36066): the server's own status is lost on the client side.
+_CORE_WRITE_RACE = "Internal error from Core"
+
+
 def from_rpc_error(e: grpc.RpcError) -> KVCraftError:
     code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
     details = e.details() if callable(getattr(e, "details", None)) else str(e)
+    if code == grpc.StatusCode.INTERNAL and details and _CORE_WRITE_RACE in details:
+        details += (" (grpcio asyncio client, grpc/grpc#36066: the server ended the stream while this "
+                    "client was still writing, and its status was lost; nothing was stored. The server "
+                    "reads up to 256 MiB of a refused Store before answering, so this only happens past "
+                    "that; the server log names the reason)")
     return _BY_CODE.get(code, KVCraftError)(code, details or "")

@@ -27,7 +27,7 @@ from kvclient.keys import chunk_key, is_key
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 from kvservice import failpoints
-from kvservice.config import Config
+from kvservice.config import Config, MiB
 from kvservice.errors import InvalidArgument, KVCraftError, ResourceExhausted
 from kvservice.metrics import Metrics
 from kvservice.planner import PlannerConfig
@@ -214,6 +214,11 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             resp = await asyncio.to_thread(session.finish)
             self.metrics.store_bytes.inc(resp.bytes_stored if not resp.already_present else 0)
             return resp
+        except KVCraftError:
+            if session is not None:
+                session.abort()
+            await _discard_rest(request_iterator)
+            raise
         finally:
             if session is not None:
                 session.abort()  # no-op once finished
@@ -308,6 +313,25 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         if not request.lease_id:
             raise InvalidArgument("lease_id is empty")
         return pb.ReleaseResponse(released=self.store.release(request.lease_id))
+
+
+# A refused Store reads (and drops) up to this much of what the client still sends
+# before it answers: a status sent while the client is still writing can reach a grpcio
+# asyncio client as "INTERNAL: Internal error from Core" (grpc/grpc#36066).
+STORE_DISCARD_BYTES = 256 * MiB
+STORE_DISCARD_S = 10.0
+
+
+async def _discard_rest(request_iterator: AsyncIterator[Any]) -> None:
+    async def discard() -> None:
+        seen = 0
+        async for req in request_iterator:
+            seen += 0 if isinstance(req, _Malformed) else req.ByteSize()
+            if seen > STORE_DISCARD_BYTES:
+                return
+
+    with contextlib.suppress(TimeoutError, grpc.RpcError, asyncio.InvalidStateError):
+        await asyncio.wait_for(discard(), STORE_DISCARD_S)
 
 
 def _abort_when_done(fut: asyncio.Future) -> None:

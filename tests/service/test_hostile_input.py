@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvclient.client import KVClient, Ref
-from kvclient.errors import InvalidArgumentError, ResourceExhaustedError
+from kvclient.errors import InvalidArgumentError, KVCraftError, ResourceExhaustedError
 from kvclient.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -156,3 +156,30 @@ def test_plan_response_stays_bounded_however_long_the_conversation(start_server)
                        conversation_id="long-talk")
         assert list(again.dropped) == [f"{11:08x}{0:024x}"]
     assert max(sizes[2:]) == sizes[2]  # once the history is full the response stops growing
+
+
+# -- item 12: the server's status reaches an asyncio client that is still writing -------
+def test_async_client_sees_the_servers_status_when_a_store_is_refused_mid_stream(kvserver):
+    import asyncio
+
+    from kvclient.client import AsyncKVClient
+    from kvclient.types import VariantStats
+
+    model = ModelSpec("hostile-async", num_layers=48, num_kv_heads=1, head_dim=64, dtype="float32").fingerprint()
+    big = [(torch.zeros(1, 256, 64), torch.zeros(1, 256, 64)) for _ in range(48)]  # 6 MiB after the header
+    bad_stats = VariantStats(token_inter_attention=(0.5,))  # 1 value for 256 tokens: refused at the header
+
+    async def attempts() -> list[str]:
+        codes = []
+        async with AsyncKVClient(kvserver.address) as c:
+            for i in range(12):
+                try:
+                    await c.store(model, list(range(i, i + 256)), big, stats=bad_stats)
+                    codes.append("OK")
+                except KVCraftError as e:
+                    codes.append(e.code.name)
+        return codes
+
+    # grpc/grpc#36066: without the server reading the rest of a refused stream, about half
+    # of these arrive as INTERNAL "Internal error from Core".
+    assert asyncio.run(attempts()) == ["INVALID_ARGUMENT"] * 12
