@@ -13,6 +13,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
+from kvclient.copy_stream import pin_host_memory
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 _DTYPES = {pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.FLOAT32: torch.float32}
@@ -27,6 +28,9 @@ class SharedSlab:
         # Python < 3.13 registers attached segments with this process's resource tracker,
         # which would unlink the service's segment when this process exits.
         resource_tracker.unregister(self._shm._name, "shared_memory")  # noqa: SLF001
+        # Page-locked in this process too (where CUDA exists), so copies of its layers into
+        # GPU memory are asynchronous DMA (kvclient.copy_stream, docs/gpu.md).
+        self._unpin = pin_host_memory(torch.frombuffer(self._shm.buf, dtype=torch.uint8))
 
     def layers(self, loc: pb.VariantLocation) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K, V) aliasing the slab; layout as in docs/storage.md."""
@@ -44,6 +48,9 @@ class SharedSlab:
         return out
 
     def close(self) -> None:
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
         try:
             self._shm.close()
         except BufferError:  # tensors still alias it; the mapping goes with the process

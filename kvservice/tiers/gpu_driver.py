@@ -20,7 +20,7 @@ import ctypes
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -51,7 +51,8 @@ class Driver(Protocol):
 
 def host_address(buf: memoryview | bytes | bytearray) -> int:
     """Address of a contiguous host buffer (read-only buffers too)."""
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
+    view = memoryview(buf)
+    return int(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
 @dataclass
@@ -109,7 +110,7 @@ class CudaDriver:
 
     def htod(self, dst: int, src: memoryview | bytes | bytearray) -> None:
         self._enter()
-        n = len(src)
+        n = memoryview(src).nbytes
         self._check("cuMemcpyHtoD", self._lib.cuMemcpyHtoD_v2(
             ctypes.c_uint64(dst), ctypes.c_void_p(host_address(src)), ctypes.c_size_t(n)))
 
@@ -123,7 +124,7 @@ class CudaDriver:
         self._enter()
         addr = host_address(buf)
         self._check("cuMemHostRegister", self._lib.cuMemHostRegister_v2(
-            ctypes.c_void_p(addr), ctypes.c_size_t(len(buf)), CU_MEMHOSTREGISTER_PORTABLE))
+            ctypes.c_void_p(addr), ctypes.c_size_t(memoryview(buf).nbytes), CU_MEMHOSTREGISTER_PORTABLE))
         return addr
 
     def host_unregister(self, host_ptr: int) -> None:
@@ -163,3 +164,13 @@ def load(device: int = 0) -> CudaDriver | None:
                      "disk reads through POSIX", e)
         _loaded[device] = drv
         return drv
+
+
+def pin_host(buf: memoryview, driver: Driver | None) -> Callable[[], None] | None:
+    """Page-lock `buf` (cudaHostRegister) so copies between it and GPU memory are DMA at
+    full PCIe speed; returns the undo to call before the memory goes away, or None when
+    there is no driver. Registration is per process: each process pins its own mapping."""
+    if driver is None or not memoryview(buf).nbytes:
+        return None
+    addr = driver.host_register(buf)
+    return lambda: driver.host_unregister(addr)

@@ -45,8 +45,9 @@ class FakeDriver:
         self.freed.append(ptr)
 
     def htod(self, dst: int, src) -> None:  # noqa: ANN001
-        mem, off = self._span(dst, len(src))
-        mem[off : off + len(src)] = bytes(src)
+        data = bytes(memoryview(src).cast("B"))
+        mem, off = self._span(dst, len(data))
+        mem[off : off + len(data)] = data
 
     def dtoh(self, dst, src: int, nbytes: int) -> None:  # noqa: ANN001
         mem, off = self._span(src, nbytes)
@@ -54,7 +55,7 @@ class FakeDriver:
 
     def host_register(self, buf) -> int:  # noqa: ANN001
         addr = host_address(buf)
-        self.registered[addr] = len(buf)
+        self.registered[addr] = memoryview(buf).nbytes
         return addr
 
     def host_unregister(self, host_ptr: int) -> None:
