@@ -2,16 +2,18 @@
 
 - `llama`    reference Llama-family engine, per-layer primitives on selected rows
 - `prompt`   a prompt as ordered segments (chunks, question)
-- `policy`   reuse policies: full, prefix, naive, cachecraft (Alg. 1), cacheblend (HKVD)
+- `policy`   reuse policies as objects: Full, Prefix, Naive, CacheCraft (Alg. 1), CacheBlend
+             (HKVD); `Policy(name, **options)` builds one from a name
 - `source`   LayerSource: where stored chunk KV comes from, layer by layer
-- `blend`    the blended prefill driver
-- `probe`    per-model reuse probe (ReuseGate)
-- `timeline` the per-layer timeline figure of docs/adapter.md
+- `driver`   the per-layer loop of a blended prefill
+- `probe`    per-model reuse probe (ReuseGate), runs the driver
+- `blend`    `blend_prefill`: asks the gate, then runs the driver
+- `service`  RAGAdapter: the link to a kvcraft service
 """
 
 from engine_adapter.blend import BlendResult, FreshChunk, LayerTiming, blend_prefill
 from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
-from engine_adapter.policy import Policy
+from engine_adapter.policy import CacheBlend, CacheCraft, Full, Naive, Policy, Prefix, ReusePolicy
 from engine_adapter.probe import DEFAULT_GATE, ReuseGate, probe
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource, LayerSource, ScheduledLayerSource
@@ -19,7 +21,7 @@ from engine_adapter.source import InMemoryLayerSource, LayerSource, ScheduledLay
 __all__ = [
     "BlendResult", "FreshChunk", "LayerTiming", "blend_prefill",
     "LlamaConfig", "LlamaEngine", "rope_for_spec",
-    "Policy", "Segment",
+    "Policy", "ReusePolicy", "Full", "Prefix", "Naive", "CacheCraft", "CacheBlend", "Segment",
     "DEFAULT_GATE", "ReuseGate", "probe",
     "InMemoryLayerSource", "LayerSource", "ScheduledLayerSource",
 ]

@@ -6,7 +6,10 @@ RoPE and the merged KV cache. Q and K leave `qkv` without rotary embedding, so a
 chunk's K can be stored RoPE-free and rotated to any new position later.
 
 `prefill` is the plain full prefill (causal SDPA, RoPE from the engine's own
-config): the ground truth a blended prefill is checked against.
+config): the ground truth a blended prefill is checked against, and the fast path
+when nothing is reused. Attention is torch's fused SDPA with 4-D inputs [1, H, T, D]
+for both (3-D inputs send CPU SDPA down its unfused math path, ~6x slower); Q/K/V and
+gate/up are one matmul each (the HF weights are views into the fused ones).
 
 Shapes: T prompt tokens, R selected rows, d hidden, Hq/Hkv heads, D head dim, V vocab.
 """
@@ -24,7 +27,7 @@ from torch import Tensor
 
 from kvclient.keys import ModelSpec
 
-from kvkernels import RopeConfig, apply_rope, selective_attention
+from kvkernels import RopeConfig, rope_tables, rotate, selective_attention, selective_attention_sdpa
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -138,10 +141,32 @@ class LlamaEngine:
         if missing:
             raise ValueError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         self.cfg = cfg
-        self.w = weights
+        self.w = dict(weights)
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.rope = rope or cfg.rope()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self._fuse()
+
+    def _fuse(self) -> None:
+        """One [Wq; Wk; Wv] and one [Wgate; Wup] per layer; the HF names become row views
+        into them (no second copy of the weights)."""
+        c = self.cfg
+        self.w_qkv: list[Tensor] = []
+        self.w_gate_up: list[Tensor] = []
+        for layer in range(c.num_layers):
+            p = f"model.layers.{layer}."
+            names = [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"]
+            self.w_qkv.append(self._fused(names))
+            self.w_gate_up.append(self._fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
+
+    def _fused(self, names: list[str]) -> Tensor:
+        fused = torch.cat([self.w[n] for n in names])
+        start = 0
+        for n in names:
+            rows = self.w[n].shape[0]
+            self.w[n] = fused[start:start + rows]
+            start += rows
+        return fused
 
     @classmethod
     def random(cls, cfg: LlamaConfig | str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -175,7 +200,7 @@ class LlamaEngine:
         path.mkdir(parents=True, exist_ok=True)
         hf = self.cfg.to_hf() | {"dtype": str(self.dtype).removeprefix("torch.")}
         (path / "config.json").write_text(json.dumps(hf, indent=2))
-        save_file({k: v.contiguous() for k, v in self.w.items()}, str(path / "model.safetensors"))
+        save_file({k: v.clone() for k, v in self.w.items()}, str(path / "model.safetensors"))  # clone: no shared views
 
     def model_spec(self) -> ModelSpec:
         c = self.cfg
@@ -195,17 +220,22 @@ class LlamaEngine:
 
     def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Pre-RoPE q [Hq,R,D], k [Hkv,R,D], v [Hkv,R,D] for hidden rows h [R, d]."""
-        p, c = f"model.layers.{layer}.", self.cfg
-        x = self._norm(h, p + "input_layernorm.weight")  # [R, d]
-        q = (x @ self.w[p + "self_attn.q_proj.weight"].T).view(-1, c.num_heads, c.head_dim)
-        k = (x @ self.w[p + "self_attn.k_proj.weight"].T).view(-1, c.num_kv_heads, c.head_dim)
-        v = (x @ self.w[p + "self_attn.v_proj.weight"].T).view(-1, c.num_kv_heads, c.head_dim)
+        c = self.cfg
+        x = self._norm(h, f"model.layers.{layer}.input_layernorm.weight")  # [R, d]
+        qkv = (x @ self.w_qkv[layer].T).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, R, D]
 
     def attend(self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
                segments: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Selective attention of rotated q [Hq,R,D] over rotated k/v [Hkv,T,D] (position-causal)."""
-        return selective_attention(q, q_pos, k, v, k_pos, scale=self.scale, segments=segments)
+        """Selective attention of rotated q [Hq,R,D] over rotated k/v [Hkv,T,D] (position-causal).
+
+        CPU: torch's fused SDPA; CUDA: the Triton kernel (mass in the same pass). Mass per
+        segment only when `segments` is given (`kvkernels.attention_mass` for a few rows).
+        """
+        if q.is_cuda:
+            return selective_attention(q, q_pos, k, v, k_pos, scale=self.scale, segments=segments)
+        return selective_attention_sdpa(q, q_pos, k, v, k_pos, scale=self.scale, segments=segments)
 
     def attn_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
         """Residual + o_proj of attention output o [Hq,R,D] -> h [R, d]."""
@@ -215,8 +245,8 @@ class LlamaEngine:
     def mlp(self, layer: int, h: Tensor) -> Tensor:
         p = f"model.layers.{layer}."
         x = self._norm(h, p + "post_attention_layernorm.weight")
-        x = F.silu(x @ self.w[p + "mlp.gate_proj.weight"].T) * (x @ self.w[p + "mlp.up_proj.weight"].T)
-        return h + x @ self.w[p + "mlp.down_proj.weight"].T  # [R, d]
+        gate, up = (x @ self.w_gate_up[layer].T).chunk(2, dim=-1)  # [R, I] each
+        return h + (F.silu(gate) * up) @ self.w[p + "mlp.down_proj.weight"].T  # [R, d]
 
     def logits(self, h: Tensor) -> Tensor:
         head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
@@ -225,19 +255,27 @@ class LlamaEngine:
     # ---- plain full prefill ------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, tokens: Tensor, start_pos: int = 0) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """Logits [T, V] and per-layer KV (K post-RoPE [Hkv,T,D], V) of tokens at start_pos.."""
+    def prefill(self, tokens: Tensor, start_pos: int = 0, *, all_logits: bool = True
+                ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """Logits and per-layer KV (K post-RoPE [Hkv,T,D], V) of tokens at start_pos..
+
+        Logits are [T, V], or [1, V] for the last token alone with all_logits=False
+        (what serving needs: the first output token; the vocabulary projection of every
+        row is a large share of a small model's prefill).
+        """
         tokens = torch.as_tensor(tokens, dtype=torch.long)
-        pos = torch.arange(start_pos, start_pos + len(tokens))
+        cos, sin = rope_tables(self.rope, torch.arange(start_pos, start_pos + len(tokens)))  # [T, D/2]
         h = self.embed(tokens)  # [T, d]
+        gqa = self.cfg.num_heads != self.cfg.num_kv_heads
         kv = []
         for layer in range(self.cfg.num_layers):
             q, k, v = self.qkv(layer, h)
-            q, k = apply_rope(q, pos, self.rope), apply_rope(k, pos, self.rope)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             kv.append((k, v))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=self.scale,
+                                               enable_gqa=gqa)[0]  # [Hq, T, D]
             h = self.mlp(layer, self.attn_out(layer, h, o))
-        return self.logits(h), kv
+        return self.logits(h if all_logits else h[-1:]), kv
 
 
 __all__ = ["LlamaConfig", "LlamaEngine", "rope_for_spec"]

@@ -1,4 +1,12 @@
-"""Reuse policies: which chunks are reused, and which of their tokens are recomputed per layer.
+"""Reuse policies as small objects: what is reused, which rows run first, HKVD share, focus.
+
+Each policy answers four questions the blend driver asks, and nothing else:
+
+    reused(layout)          which cached chunks are served from stored KV
+    first_rows(layout, s)   which token indices of reused chunk s run from layer 0
+    hkvd_share(layer, L)    CacheBlend: share of the reused tokens that run `layer`
+                            (chosen by KV deviation), None where no selection happens
+    focus_window            Cache-Craft Alg. 1 window w (0: off)
 
 full        no reuse: every row computed at every layer (ground truth, and how new
             chunks get their variants + statistics).
@@ -8,59 +16,163 @@ naive       reuse every cached chunk, recompute nothing but fresh chunks and the
 cachecraft  the plan's per-chunk top-N token lists (Cache-Craft eq. 14), with
             focused-chunk early termination (Alg. 1, window w) when focus_window > 0.
 cacheblend  HKVD with gradual filtering (CacheBlend §4.3): all reused tokens on layer 0,
-            then the highest-KV-deviation r1 > r2 > ... > r of them.
+            then the highest-KV-deviation r1 > r2 > ... > r of them. Named either by the
+            paper's steady-state r (`ratio`) or by its whole `budget`: the share of the
+            reused tokens' row-layers computed, layer 0 included (default 15%).
+
+`Policy(name, **options)` builds one of them once, from a name (configuration, CLI);
+an option the named policy does not have is refused.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Sequence
 
 from engine_adapter.prompt import Layout
 
-PolicyName = Literal["full", "prefix", "naive", "cachecraft", "cacheblend"]
 POLICIES: tuple[str, ...] = ("full", "prefix", "naive", "cachecraft", "cacheblend")
 
 
 @dataclass(frozen=True)
-class Policy:
-    name: PolicyName
-    ratio: float = 0.15  # cacheblend: target fraction r of reused tokens recomputed per layer
-    first_ratio: float | None = None  # cacheblend: r1 (default min(1, 1.5 r))
-    filter_layers: int = 3  # cacheblend: selections over which r1 falls linearly to r
-    focus_window: int = 0  # cachecraft: Alg. 1 window w; 0 turns early termination off
+class ReusePolicy:
+    """Base: reuse every cached chunk, recompute none of its tokens, no selection, no focus."""
+
     layer_budget_s: float = 0.05  # longest wait for one layer of the reused chunks
 
+    name = "naive"
+    focus_window = 0
+
     def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise ValueError(f"unknown policy {self.name!r}; known: {POLICIES}")
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"ratio {self.ratio} outside [0, 1]")
-        if self.first_ratio is not None and not self.ratio <= self.first_ratio <= 1.0:
-            raise ValueError(f"first_ratio {self.first_ratio} must lie in [ratio, 1]")
-        if self.filter_layers < 1 or self.focus_window < 0 or self.layer_budget_s < 0:
-            raise ValueError("filter_layers >= 1, focus_window >= 0 and layer_budget_s >= 0")
+        if not self.layer_budget_s >= 0:
+            raise ValueError(f"layer_budget_s must be >= 0, got {self.layer_budget_s}")
 
     def reused(self, layout: Layout) -> list[int]:
         """Indices of the segments whose stored KV this policy reuses."""
-        cached = [s for s, seg in enumerate(layout.segments) if seg.cached]
-        if self.name == "full":
-            return []
-        if self.name == "prefix":
-            run = []
-            for s, seg in enumerate(layout.segments):
-                if not (seg.cached and seg.cached_prefix == layout.keys[:s]):
-                    break
-                run.append(s)
-            return run
-        return cached
+        return [s for s, seg in enumerate(layout.segments) if seg.cached]
 
-    def hkvd_ratio(self, layer: int) -> float | None:
-        """cacheblend: fraction of the reused tokens that run `layer` (attention + MLP),
-        picked by the deviation of their `layer` K/V; None: no selection at this layer.
+    def first_rows(self, layout: Layout, s: int) -> Sequence[int]:
+        """Token indices inside reused chunk `s` computed from layer 0 on."""
+        return ()
 
-        Layer 0 runs every reused token. At layers 1..filter_layers the share falls
+    def hkvd_share(self, layer: int, num_layers: int) -> float | None:
+        """Share of the reused tokens that run `layer` (attention + MLP), picked by the
+        deviation of their `layer` K/V; None: no selection at this layer."""
+        return None
+
+    def hkvd_ratio(self, layer: int, num_layers: int | None = None) -> float | None:
+        """`hkvd_share` (older name; `num_layers` is needed only for a budget schedule)."""
+        return self.hkvd_share(layer, num_layers or 0)
+
+
+@dataclass(frozen=True)
+class Full(ReusePolicy):
+    name = "full"
+
+    def reused(self, layout: Layout) -> list[int]:
+        return []
+
+
+@dataclass(frozen=True)
+class Prefix(ReusePolicy):
+    name = "prefix"
+
+    def reused(self, layout: Layout) -> list[int]:
+        run = []
+        for s, seg in enumerate(layout.segments):
+            if not (seg.cached and seg.cached_prefix == layout.keys[:s]):
+                break
+            run.append(s)
+        return run
+
+
+@dataclass(frozen=True)
+class Naive(ReusePolicy):
+    name = "naive"
+
+
+@dataclass(frozen=True)
+class CacheCraft(ReusePolicy):
+    focus_window: int = 0  # Alg. 1 window w; 0 turns early termination off
+
+    name = "cachecraft"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.focus_window < 0:
+            raise ValueError(f"focus_window must be >= 0, got {self.focus_window}")
+
+    def first_rows(self, layout: Layout, s: int) -> Sequence[int]:
+        return layout.segments[s].recompute  # the plan's top-N list (eq. 14)
+
+
+DEFAULT_BLEND_BUDGET = 0.15
+
+
+@dataclass(frozen=True)
+class CacheBlend(ReusePolicy):
+    """HKVD with gradual filtering. Give `ratio` (the paper's r: the share of reused tokens
+    on every layer after the filter layers) or `budget` (the share of the reused tokens'
+    row-layers computed in all, layer 0 included); neither: budget 15%."""
+
+    ratio: float | None = None
+    first_ratio: float | None = None  # r1 (default min(1, 1.5 r))
+    filter_layers: int = 3  # selections over which r1 falls linearly to r
+    budget: float | None = None
+
+    name = "cacheblend"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ratio is not None and self.budget is not None:
+            raise ValueError("give cacheblend a ratio or a budget, not both")
+        if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio {self.ratio} outside [0, 1]")
+        if self.budget is not None and not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"budget {self.budget} outside (0, 1]")
+        if self.first_ratio is not None:
+            if self.ratio is None:
+                raise ValueError("first_ratio needs an explicit ratio")
+            if not self.ratio <= self.first_ratio <= 1.0:
+                raise ValueError(f"first_ratio {self.first_ratio} must lie in [ratio, 1]")
+        if self.filter_layers < 1:
+            raise ValueError(f"filter_layers must be >= 1, got {self.filter_layers}")
+
+    def first_rows(self, layout: Layout, s: int) -> Sequence[int]:
+        return range(len(layout.segments[s].tokens))  # layer 0: full KV deviation
+
+    def _share(self, j: int, r: float, r1: float) -> float:
+        """Share at selection j (0-based, layer j + 1) for steady-state r and first r1."""
+        if j >= self.filter_layers - 1:
+            return r
+        return r1 + (r - r1) * j / (self.filter_layers - 1)
+
+    def steady_ratio(self, num_layers: int) -> float:
+        """The r this policy runs with on a model of `num_layers` layers."""
+        if self.ratio is not None:
+            return self.ratio
+        budget = DEFAULT_BLEND_BUDGET if self.budget is None else self.budget
+        # Row-layers of the reused tokens, in units of one layer: layer 0 runs all (1),
+        # selections j = 0..L-2 run share_j(r) with r1 = 1.5 r, linear in r while 1.5 r <= 1.
+        need = budget * num_layers - 1.0
+        if need < 0:
+            raise ValueError(f"cacheblend budget {budget:.0%} is below layer 0 alone "
+                             f"({1 / num_layers:.0%} of a {num_layers}-layer model); "
+                             f"give a budget >= {1 / num_layers:.0%} or an explicit ratio")
+        per_r = sum(self._share(j, 1.0, 1.5) for j in range(num_layers - 1))
+        r = need / per_r if per_r else 0.0
+        if 1.5 * r > 1.0:  # r1 capped at 1: solve the capped schedule by bisection
+            lo, hi = 0.0, 1.0
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                got = sum(self._share(j, mid, min(1.0, 1.5 * mid)) for j in range(num_layers - 1))
+                lo, hi = (mid, hi) if got < need else (lo, mid)
+            r = lo
+        return min(1.0, r)
+
+    def hkvd_share(self, layer: int, num_layers: int) -> float | None:
+        """Layer 0 runs every reused token. At layers 1..filter_layers the share falls
         linearly from r1 to r (CacheBlend §4.3 gradual filtering); after that the set
         stays fixed. The paper picks r1 by "the attention deviation on the first layer":
         that is what layer 1's K/V deviation measures. Layer-0 K/V themselves are
@@ -69,12 +181,34 @@ class Policy:
         reuse up to r = 15% on the trained quality model (docs/quality.md).
         """
         j = layer - 1  # index of this selection
-        if self.name != "cacheblend" or not 0 <= j < self.filter_layers:
+        if not 0 <= j < self.filter_layers:
             return None
-        r1 = self.first_ratio if self.first_ratio is not None else min(1.0, 1.5 * self.ratio)
+        r = self.steady_ratio(num_layers)
+        r1 = self.first_ratio if self.first_ratio is not None else min(1.0, 1.5 * r)
         if self.filter_layers == 1:
-            return self.ratio
-        return r1 + (self.ratio - r1) * j / (self.filter_layers - 1)
+            return r
+        return r1 + (r - r1) * j / (self.filter_layers - 1)
+
+    def label(self) -> str:
+        if self.ratio is not None:
+            return f"cacheblend r={self.ratio:.0%}"
+        return f"cacheblend budget {DEFAULT_BLEND_BUDGET if self.budget is None else self.budget:.0%}"
+
+
+_KINDS: dict[str, type[ReusePolicy]] = {
+    "full": Full, "prefix": Prefix, "naive": Naive, "cachecraft": CacheCraft, "cacheblend": CacheBlend}
+
+
+def Policy(name: str, **options: object) -> ReusePolicy:  # noqa: N802 - the name users construct by
+    """The reuse policy `name` with `options` (its dataclass fields), chosen once."""
+    kind = _KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"unknown policy {name!r}; known: {POLICIES}")
+    fields = set(kind.__dataclass_fields__)
+    extra = sorted(set(options) - fields)
+    if extra:
+        raise ValueError(f"policy {name!r} has no option(s) {extra}; it takes {sorted(fields)}")
+    return kind(**options)
 
 
 def focused_chunks(cinter: Sequence[float]) -> frozenset[int]:
@@ -113,6 +247,11 @@ class FocusTracker:
         self.history: list[frozenset[int]] = []
         self.focused: frozenset[int] | None = None  # F*, segment indices
         self.layer: int | None = None  # L*, 0-based
+
+    @property
+    def active(self) -> bool:
+        """Still deciding: the driver needs question->chunk attention mass this layer."""
+        return self.window > 0 and self.focused is None
 
     def update(self, layer: int, inter: Sequence[float]) -> frozenset[int] | None:
         """Add layer `layer`'s inter(C_i, U) (eq. 15); returns F* the first time it is decided."""

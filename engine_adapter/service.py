@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
 from engine_adapter.llama import LlamaEngine
-from engine_adapter.policy import Policy
+from engine_adapter.policy import ReusePolicy
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource, LayerKV, LayerSource
 from kvclient.client import KVClient, Ref
@@ -119,7 +119,7 @@ class RequestReport:
 class RAGAdapter:
     """An engine plus a kvcraft service: serves RAG prefills with stored chunk KV."""
 
-    def __init__(self, engine: LlamaEngine, client: KVClient, policy: Policy, *,
+    def __init__(self, engine: LlamaEngine, client: KVClient, policy: ReusePolicy, *,
                  gate: Gate | None = None, store_back: bool = True, local: bool = False) -> None:
         """local: the service runs on this host; read reused KV from its shared memory
         (Locate) instead of streaming it over gRPC."""

@@ -1,7 +1,9 @@
 """kvkernels: Triton kernels of blended prefill, each beside its plain-torch reference.
 
 The names without a suffix are dispatchers: the Triton kernel when the inputs are CUDA
-tensors, the torch reference otherwise (CPU, CI). ``*_triton`` and ``*_reference`` are
+tensors, the torch reference otherwise (CPU, CI). ``selective_attention_sdpa`` is the
+same attention through torch's fused SDPA: what a prefill on CPU runs (the reference
+materialises every score; the Triton interpreter is slower still). ``*_triton`` and ``*_reference`` are
 the explicit variants; tests run the Triton ones on CPU tensors under
 ``TRITON_INTERPRET=1``, which must be set before this package is first imported.
 
@@ -14,20 +16,30 @@ from __future__ import annotations
 
 import torch
 
-from .attention import selective_attention_reference, selective_attention_triton
+from .attention import (
+    attention_mass_reference,
+    selective_attention_reference,
+    selective_attention_sdpa,
+    selective_attention_triton,
+)
 from .deviation import kv_deviation_topk_reference, kv_deviation_topk_triton
-from .rope import RopeConfig, apply_rope_reference, apply_rope_triton, inv_freq
+from .rope import RopeConfig, apply_rope_reference, apply_rope_triton, inv_freq, rope_tables, rotate
 from .rows import gather_rows_reference, gather_rows_triton, scatter_rows_reference, scatter_rows_triton
 
 __all__ = [
     "RopeConfig",
     "inv_freq",
+    "rope_tables",
+    "rotate",
     "apply_rope",
     "apply_rope_triton",
     "apply_rope_reference",
     "selective_attention",
     "selective_attention_triton",
     "selective_attention_reference",
+    "selective_attention_sdpa",
+    "attention_mass",
+    "attention_mass_reference",
     "kv_deviation_topk",
     "kv_deviation_topk_triton",
     "kv_deviation_topk_reference",
@@ -65,10 +77,26 @@ def selective_attention(
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Selected query rows over the merged cache, and per-segment mass
-    (contract: :func:`selective_attention_triton`)."""
+    (contract: :func:`selective_attention_triton`). A prefill on CPU wants
+    :func:`selective_attention_sdpa` (the engine calls it), the fast one there."""
     if q.is_cuda:
         return selective_attention_triton(q, q_pos, k, v, k_pos, scale=scale, segments=segments)
     return selective_attention_reference(q, q_pos, k, v, k_pos, scale=scale, segments=segments)
+
+
+def attention_mass(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    k_pos: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Per-segment attention mass fp32 [R, S] only (contract: :func:`attention_mass_reference`)."""
+    if q.is_cuda:
+        return selective_attention_triton(q, q_pos, k, k, k_pos, scale=scale, segments=segments)[1]
+    return attention_mass_reference(q, q_pos, k, k_pos, segments, scale=scale)
 
 
 def kv_deviation_topk(

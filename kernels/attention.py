@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -94,6 +95,65 @@ def selective_attention_reference(
     mass = torch.zeros(R, S, dtype=torch.float32, device=q.device)
     mass.index_add_(1, _segment_ids(segments, T), per_key)  # [R, S]
     return out, mass
+
+
+def attention_mass_reference(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    k_pos: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Per-segment attention mass fp32 [R, S] of query rows q [Hq, R, D] over k [Hkv, T, D]
+    (the ``mass`` of :func:`selective_attention_reference`, without the output).
+
+    For the few rows whose mass is needed (fresh chunks' statistics, the question for
+    Alg. 1) beside a fast attention that returns none: scores, softmax and a segment sum.
+    """
+    _check(q, q_pos, k, k, k_pos, segments)
+    Hq, R, D = q.shape
+    Hkv, T, _ = k.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scores = torch.matmul(q.float().reshape(Hkv, Hq // Hkv * R, D), k.float().transpose(1, 2))  # [Hkv, G*R, T]
+    scores = scores.view(Hq, R, T).mul_(scale)
+    scores.masked_fill_(~(k_pos[None, :] <= q_pos[:, None]), float("-inf"))
+    per_key = torch.softmax(scores, dim=-1).nan_to_num_(0.0).mean(dim=0)  # [R, T], mean over heads
+    mass = torch.zeros(R, segments.shape[0] - 1, dtype=torch.float32, device=q.device)
+    return mass.index_add_(1, _segment_ids(segments, T), per_key)  # [R, S]
+
+
+def selective_attention_sdpa(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    scale: float | None = None,
+    segments: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Selective attention through torch's fused SDPA. Same contract as
+    :func:`selective_attention_triton`.
+
+    Inputs go in as [1, H, R, D] / [1, Hkv, T, D] with a boolean [R, T] mask and GQA
+    left to SDPA: on CPU that selects the fused flash kernel (given 3-D tensors it takes
+    the unfused math path, ~6x slower at 1.3k keys). Mass, when asked for, is a second
+    pass (:func:`attention_mass_reference`): ask only for the rows that need it.
+    """
+    _check(q, q_pos, k, v, k_pos, segments)
+    Hq, R, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    visible = k_pos[None, :] <= q_pos[:, None]  # [R, T]
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=scale,
+                                         enable_gqa=Hq != k.shape[0])[0]  # [Hq, R, D]
+    blind = ~visible.any(dim=1)  # a row that sees no key outputs 0, as the reference does
+    if bool(blind.any()):
+        out[:, blind] = 0
+    if segments is None:
+        return out, None
+    return out, attention_mass_reference(q, q_pos, k, k_pos, segments, scale=scale)
 
 
 @triton.jit

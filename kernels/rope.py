@@ -135,6 +135,25 @@ def _check(x: torch.Tensor, positions: torch.Tensor, cfg: RopeConfig, out: torch
         raise ValueError("out must match x in shape, dtype and device")
 
 
+def rope_tables(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin [T, D/2] of ``positions`` [T]: compute once, rotate many tensors
+    (every layer of a prefill uses the same positions) with :func:`rotate`."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq(cfg, positions.device)[None, :]  # [T, D/2]
+    return freqs.cos(), freqs.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [H, T, D] rotated by tables from :func:`rope_tables` (rows of x = rows of the tables).
+
+    The arithmetic of :func:`apply_rope_reference` (fp32, rounded once to x.dtype), so the
+    two agree bit for bit; batched: one call rotates all heads and tokens.
+    """
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]  # [H, T, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
 def apply_rope_reference(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -145,14 +164,10 @@ def apply_rope_reference(
 ) -> torch.Tensor:
     """Plain-torch RoPE. Same contract as :func:`apply_rope_triton`."""
     _check(x, positions, cfg, out)
-    half = cfg.head_dim // 2
-    freqs = positions.to(torch.float32)[:, None] * inv_freq(cfg, x.device)[None, :]  # [T, D/2]
-    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = rope_tables(cfg, positions.to(x.device))
     if inverse:
         sin = -sin  # rotation by -angle is the exact inverse rotation
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]  # [H, T, D/2] each
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    rotated = rotate(x, cos, sin)
     if out is None:
         return rotated
     out.copy_(rotated)

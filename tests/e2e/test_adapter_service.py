@@ -58,7 +58,8 @@ def test_reuse_through_the_service_full_ratio_exact_naive_off_partial_between(kv
         shuffled = [cs[2], cs[0], cs[3], cs[1]]
         devs = {}
         for name, ratio in [("cacheblend", 1.0), ("naive", 0.0), ("cacheblend", 0.3), ("cachecraft", 0.0)]:
-            adapter = RAGAdapter(ENGINE, client, Policy(name, ratio=ratio), gate=ReuseGate(), store_back=False)
+            policy = Policy(name, ratio=ratio) if name == "cacheblend" else Policy(name)
+            adapter = RAGAdapter(ENGINE, client, policy, gate=ReuseGate(), store_back=False)
             result, report = adapter.prefill(shuffled, QUESTION)
             assert report.reused_chunks == 4 and result.reuse
             order = in_plan_order(cs, report.order)

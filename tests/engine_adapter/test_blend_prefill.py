@@ -77,6 +77,14 @@ def test_cacheblend_filters_gradually(engine, prompts):
     assert r.recomputed_rows[3] <= 0.2 * reused + 1
 
 
+def test_cacheblend_budget_is_the_measured_share_of_reused_row_layers(engine, prompts):
+    # The budget names what is computed, layer 0 included (tiny: 4 layers, layer 0 = 25%).
+    r = _blend(engine, prompts[0], Policy("cacheblend", budget=0.5))
+    assert r.recompute_ratio == pytest.approx(0.5, abs=2 / r.reused_tokens)
+    n = r.prompt_tokens
+    assert r.computed_share == pytest.approx(sum(r.computed_rows) / (n * engine.cfg.num_layers))
+
+
 def test_hkvd_selects_tokens_whose_stored_kv_is_wrong(engine):
     # Chunk 0 leads the prompt, so its variant computed alone is exact; the others were
     # computed behind unrelated chunks. HKVD must spend its budget on those only.

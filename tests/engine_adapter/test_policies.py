@@ -55,3 +55,28 @@ def test_focus_tracker_decides_after_window_stable_layers():
     assert first >= 2 and 11 in t.focused
     assert all(d is None for d in decided[first + 1:])  # decided once
     assert FocusTracker([0, 1, 2], window=0).update(0, [1, 2, 3]) is None
+
+
+def test_policy_by_name_is_an_object_of_its_kind_and_refuses_options_it_lacks():
+    from engine_adapter.policy import CacheBlend, CacheCraft, Full
+
+    assert isinstance(Policy("full"), Full) and isinstance(Policy("cachecraft", focus_window=2), CacheCraft)
+    assert Policy("cacheblend", ratio=0.3) == CacheBlend(ratio=0.3)
+    with pytest.raises(ValueError, match="no option"):
+        Policy("naive", ratio=0.3)  # naive recomputes nothing: a ratio would be silently ignored
+    with pytest.raises(ValueError, match="ratio or a budget"):
+        Policy("cacheblend", ratio=0.2, budget=0.2)
+
+
+@pytest.mark.parametrize("layers,budget", [(12, 0.15), (8, 0.15), (32, 0.15), (4, 0.5), (4, 0.9)])
+def test_cacheblend_budget_schedule_sums_to_the_budget_layer_0_included(layers, budget):
+    p = Policy("cacheblend", budget=budget)
+    shares = [1.0] + [p.hkvd_share(layer, layers) for layer in range(1, min(layers, 4))]
+    shares += [shares[-1]] * (layers - len(shares))  # the set stays after the filter layers
+    assert sum(shares) / layers == pytest.approx(budget, abs=1e-6)
+    assert shares[1] >= shares[2] >= shares[3]
+
+
+def test_cacheblend_budget_below_layer_0_alone_is_refused():
+    with pytest.raises(ValueError, match="below layer 0"):
+        Policy("cacheblend", budget=0.15).hkvd_share(1, 4)  # layer 0 of 4 is already 25%

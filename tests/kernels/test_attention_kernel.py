@@ -1,4 +1,5 @@
-"""Selective attention: reference vs SDPA and vs a naive softmax, Triton vs reference."""
+"""Selective attention: reference vs SDPA and vs a naive softmax, Triton and the fused-SDPA
+path vs reference, attention mass alone vs a naive softmax."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvkernels import selective_attention_reference, selective_attention_triton
+from kvkernels import (
+    attention_mass_reference,
+    selective_attention_reference,
+    selective_attention_sdpa,
+    selective_attention_triton,
+)
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -155,3 +161,44 @@ def test_rejects_bad_segments_and_head_ratio() -> None:
     q, k, v = _qkv(2, 2, 2, 8, 16, torch.float32, seed=10)
     with pytest.raises(ValueError, match="segments"):
         selective_attention_triton(q, pos[:2], k, v, pos, segments=torch.tensor([0, 5, 7]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 1), (12, 4)], ids=["mha", "gqa4", "gqa3"])
+@pytest.mark.parametrize("R,T", [(1, 37), (13, 45), (50, 50)], ids=["one_row", "subset", "all_rows"])
+def test_sdpa_matches_reference(dtype: torch.dtype, Hq: int, Hkv: int, R: int, T: int) -> None:
+    seed = R * 1000 + T + Hq + 1
+    q, k, v = _qkv(Hq, Hkv, R, T, 32, dtype, seed)
+    k_pos = torch.arange(T) + 100
+    q_pos = k_pos[torch.randperm(T, generator=torch.Generator().manual_seed(seed))[:R]]
+    segments = torch.tensor([0, 7, 7, T // 2, T])
+    expected, expected_mass = selective_attention_reference(q, q_pos, k, v, k_pos, segments=segments)
+    got, mass = selective_attention_sdpa(q, q_pos, k, v, k_pos, segments=segments)
+    assert got.dtype == dtype and got.shape == (Hq, R, 32) and mass.shape == (R, 4)
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
+    torch.testing.assert_close(mass, expected_mass, **MASS_TOL)
+
+
+def test_sdpa_keys_out_of_position_order_strided_inputs_and_blind_rows() -> None:
+    T, D = 29, 24
+    k = torch.randn(T, 2, D).transpose(0, 1)  # [Hkv, T, D] views of [T, H, D] buffers
+    v = torch.randn(T, 2, D).transpose(0, 1)
+    q = torch.randn(8, 4, D).transpose(0, 1)
+    k_pos = torch.arange(T) + 3
+    q_pos = torch.tensor([31, 0, 14, 5, 21, 9, 2, 17])  # row 1 precedes every key
+    perm = torch.randperm(T, generator=torch.Generator().manual_seed(8))
+    got, mass = selective_attention_sdpa(q, q_pos, k[:, perm], v[:, perm], k_pos[perm], scale=0.3)
+    expected, _ = selective_attention_reference(q.contiguous(), q_pos, k.contiguous(), v.contiguous(), k_pos,
+                                                scale=0.3)
+    assert mass is None and torch.all(got[:, 1] == 0) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
+def test_attention_mass_alone_equals_naive_softmax() -> None:
+    T, D = 19, 16
+    q, k, _ = _qkv(4, 2, 6, T, D, torch.float32, seed=6)
+    q_pos = torch.tensor([18, 0, 7, 12, 3, 18])
+    k_pos = torch.arange(T)
+    segments = torch.tensor([0, 5, 5, 11, 19])
+    mass = attention_mass_reference(q, q_pos, k, k_pos, segments, scale=1 / math.sqrt(D))
+    torch.testing.assert_close(mass, _naive_mass(q, q_pos, k, k_pos, segments, 1 / math.sqrt(D)), **MASS_TOL)

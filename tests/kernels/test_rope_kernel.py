@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kvkernels import RopeConfig, apply_rope_reference, apply_rope_triton, inv_freq
+from kvkernels import RopeConfig, apply_rope_reference, apply_rope_triton, inv_freq, rope_tables, rotate
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -144,3 +144,13 @@ def test_rejects_mismatched_positions() -> None:
         apply_rope_reference(torch.randn(1, 4, 16), torch.arange(5), cfg)
     with pytest.raises(ValueError, match="head dim"):
         apply_rope_triton(torch.randn(1, 4, 8), torch.arange(4), cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tables_computed_once_rotate_any_rows_like_the_reference(dtype: torch.dtype) -> None:
+    # The blend driver builds cos/sin for positions 0..N-1 once and indexes rows out of them.
+    cfg = RopeConfig(head_dim=32, theta=500000.0, factor=8.0, original_max_position_embeddings=64)
+    cos, sin = rope_tables(cfg, torch.arange(300))
+    x = torch.randn(3, 40, 32).to(dtype)
+    rows = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:40]
+    assert torch.equal(rotate(x, cos[rows], sin[rows]), apply_rope_reference(x, rows, cfg))

@@ -1,6 +1,6 @@
 """Per-layer timeline of blended prefills (wait vs compute), the figure in docs/adapter.md.
 
-    python -m engine_adapter.timeline docs/adapter-timeline.png
+    python -m kvbench.timeline docs/adapter-timeline.png
 
 An in-process run on CPU: a random-weight Llama of a small shape, 4 chunks of 96
 tokens cached behind other chunks, a 16-token question, and a LayerSource whose layer
@@ -132,7 +132,7 @@ def plot(results: list[tuple[str, BlendResult, float]], path: str,
 
 
 def main(argv: list[str]) -> None:
-    """python -m engine_adapter.timeline [--service] [PATH]"""
+    """python -m kvbench.timeline [--service] [PATH]"""
     service = "--service" in argv
     argv = [a for a in argv if a != "--service"]
     path = argv[0] if argv else ("docs/adapter-timeline-service.png" if service else "docs/adapter-timeline.png")
