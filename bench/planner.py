@@ -50,7 +50,7 @@ from typing import Sequence
 from kvclient.keys import variant_id
 from kvclient.types import VariantStats
 from kvservice.planner import (
-    FRESH, PREFIX, ChunkRef, InMemoryCatalog, Planner, PlannerConfig, VariantInfo, fr_increment,
+    FRESH, PREFIX, ChunkRef, InMemoryCatalog, Planner, PlannerConfig, Variant, fr_increment,
 )
 from kvservice.planner.catalog import rank_tokens
 
@@ -85,7 +85,7 @@ class ContextModel:
     def affinity(self, a: str, b: str) -> float:
         return 0.2 + 0.8 * random.Random(f"{self.seed}:a:{a}:{b}").random()
 
-    def variant(self, key: str, prefix: tuple[str, ...], tokens: int, tier: str) -> VariantInfo:
+    def variant(self, key: str, prefix: tuple[str, ...], tokens: int, tier: str) -> Variant:
         p = len(prefix)
         a = 2.0 * self.kappa(key) * min(1.0, p / 3.0)
         if p:
@@ -96,7 +96,7 @@ class ContextModel:
             pa = ()
         tia, order = self.profile(key, tokens)
         stats = VariantStats(a=a, b=1.0, prefix_attention=pa, token_inter_attention=tia)
-        return VariantInfo(variant_id(key, prefix), key, prefix, tokens, tier, stats, order)
+        return Variant(variant_id(key, prefix), key, prefix, tokens, tier, stats, order)
 
 
 class SimStore:
@@ -230,7 +230,7 @@ def build_catalog(n_variants: int, chunks_per: int = 4, tokens: int = 256, seed:
         p = rng.randrange(5)
         prefix = tuple(keys[rng.randrange(n_chunks)] for _ in range(p))
         vid = f"{i:032x}v"
-        catalog.put(VariantInfo(vid, k, prefix, tokens, "host", pools[p][i % 16], order), notify=False)
+        catalog.put(Variant(vid, k, prefix, tokens, "host", pools[p][i % 16], order), notify=False)
     return catalog, keys
 
 

@@ -1,6 +1,7 @@
 """Variant metadata in RocksDB (through rocksdict; docs/storage.md says why not rocksdb-py).
 
-Column family "variants": variant id (ascii) -> serialized kvcraft.v1.VariantInfo.
+Column family "variants": variant id (ascii) -> serialized kvcraft.v1.VariantInfo (the
+protobuf message is the on-disk format only: records in memory are `index.Variant`).
 Column family "meta": format version. Writes that make or drop a variant are one
 WriteBatch with sync=True; fr / last-access updates are unsynced (losing the last
 few on a crash only makes eviction slightly less informed).
@@ -14,6 +15,8 @@ from typing import Iterable, Iterator
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
 from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.index import Variant
+from kvservice.wire import variant_message
 
 FORMAT_VERSION = b"1"
 _CFS = ("variants", "meta")
@@ -38,15 +41,16 @@ class MetadataDB:
             raise RuntimeError(f"{path}: metadata format {version!r}, this build reads {FORMAT_VERSION!r}")
 
     def load_variants(self) -> Iterator[pb.VariantInfo]:
+        """Stored records as messages; recovery validates them (`decode`) before use."""
         for _, raw in self._variants.items():
             info = pb.VariantInfo()
             info.ParseFromString(raw)
             yield info
 
-    def put_variants(self, infos: Iterable[pb.VariantInfo], *, sync: bool) -> None:
+    def put_variants(self, variants: Iterable[Variant], *, sync: bool) -> None:
         wb = WriteBatch(raw_mode=True)
-        for info in infos:
-            wb.put(info.variant_id.encode(), info.SerializeToString(), self._variants_h)
+        for v in variants:
+            wb.put(v.variant_id.encode(), variant_message(v).SerializeToString(), self._variants_h)
         self._db.write(wb, self._sync if sync else self._nosync)
 
     def delete_variants(self, variant_ids: Iterable[str]) -> None:
@@ -59,3 +63,4 @@ class MetadataDB:
         self._variants.close()
         self._meta.close()
         self._db.close()
+

@@ -1,8 +1,10 @@
 """Glue between the store and the planner, and the Plan RPC's core (no gRPC here).
 
-The store tells `PlanningService` of every put / move / evict (it is a StoreListener);
-the service keeps the planner's variant catalog in step and answers Plan requests:
-plan, lease what the plan reuses, start preloading it toward the fastest tier.
+The planner reads the store's own variant index (`kvservice.index`, one index for
+both). The store tells `PlanningService` of every put / move / evict (it is a
+StoreListener, called under the store's lock) so the planner's CP-Tree follows; the
+service answers Plan requests: plan, lease what the plan reuses, start preloading it
+toward the fastest tier.
 """
 
 from __future__ import annotations
@@ -11,40 +13,30 @@ import threading
 from concurrent.futures import Executor
 
 from kvclient.keys import chunk_key, is_key
-from kvclient.types import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.errors import InvalidArgument, NotFound, Unavailable
-from kvservice.planner import ChunkRef, Planner, PlannerConfig, VariantInfo
-from kvservice.planner.catalog import InMemoryCatalog
+from kvservice.index import Variant
+from kvservice.planner import ChunkRef, Planner, PlannerConfig
 from kvservice.planner.plan import FRESH, PREFIX, PlanError
+from kvservice.records import Ref
 from kvservice.store import ChunkStore
 
 _SOURCE = {FRESH: pb.ChunkPlan.FRESH, PREFIX: pb.ChunkPlan.PREFIX, "variant": pb.ChunkPlan.VARIANT}
 
 
-def planner_info(info: pb.VariantInfo) -> VariantInfo:
-    s = info.stats
-    return VariantInfo.build(info.variant_id, info.chunk_key, tuple(info.prefix_keys), info.token_count,
-                             info.tier, VariantStats(s.a, s.b, tuple(s.prefix_attention),
-                                                     tuple(s.token_inter_attention)))
-
-
 class PlanningService:
     def __init__(self, store: ChunkStore, config: PlannerConfig = PlannerConfig()) -> None:
         self.store = store
-        self.catalog = InMemoryCatalog()
-        self.planner = Planner(self.catalog, config)
-        self.catalog.listeners.append(self.planner)
-        # The planner is not thread-safe; store hooks arrive from worker threads.
+        self.catalog = store.index
+        self.planner = Planner(self.catalog, config, tiers=[t.name for t in store.tiers])
+        # The planner is not thread-safe; store hooks arrive from worker threads (with
+        # the store's lock held: lock order is store, then this one).
         self._lock = threading.Lock()
         with self._lock:
-            infos = store.all_variants()
-            for info in infos:
-                self.catalog.put(planner_info(info))
-            self._restore_prefixes(infos)
+            self._restore_prefixes(list(store.index))
         store.listeners.append(self)
 
-    def _restore_prefixes(self, infos: list[pb.VariantInfo]) -> None:
+    def _restore_prefixes(self, infos: list[Variant]) -> None:
         """Rebuild the CP-Tree after a restart (CRAFT §4.1 keeps it in memory).
 
         A stored variant of chunk C behind [A, B] is exact KV for the prompt prefix
@@ -59,19 +51,17 @@ class PlanningService:
                 self.planner.restore_prefix(path, counts)
 
     # -- StoreListener ------------------------------------------------------------------
-    def on_put(self, info: pb.VariantInfo) -> None:
+    def on_put(self, variant: Variant) -> None:
         with self._lock:
-            self.catalog.put(planner_info(info))
+            self.planner.on_put(variant)
 
     def on_move(self, variant_id: str, tier: str) -> None:
         with self._lock:
-            if variant_id in self.catalog:
-                self.catalog.move(variant_id, tier)
+            self.planner.on_move(variant_id, tier)
 
     def on_evict(self, variant_id: str) -> None:
         with self._lock:
-            if variant_id in self.catalog:
-                self.catalog.evict(variant_id)
+            self.planner.on_evict(variant_id)
 
     # -- Plan ---------------------------------------------------------------------------
     def plan(self, req: pb.PlanRequest, preload: Executor | None = None, _retried: bool = False) -> pb.PlanResponse:
@@ -83,6 +73,10 @@ class PlanningService:
             raise InvalidArgument(f"{len(req.chunks)} chunks; at most {self.store.cfg.max_fetch_variants}")
         refs = [self._chunk_ref(req.model_id, i, c) for i, c in enumerate(req.chunks)]
         first = req.first_turn if req.HasField("first_turn") else None
+        tiers = [t.name for t in self.store.tiers]
+        for i, t in enumerate(req.timings.loads):
+            if t.tier not in tiers:
+                raise InvalidArgument(f"timings.loads[{i}].tier is {t.tier!r}; this service's tiers are {tiers}")
         with self._lock:
             for t in req.timings.loads:
                 self.planner.observe_load(req.model_id, t.tier, t.bytes_per_layer, t.seconds)
@@ -92,8 +86,7 @@ class PlanningService:
                 plan = self.planner.plan(req.model_id, req.conversation_id, refs, req.question_tokens, first)
             except PlanError as e:
                 raise InvalidArgument(str(e)) from None
-        reused = [pb.VariantRef(chunk_key=c.chunk_key, variant_id=c.variant_id)
-                  for c in plan.chunks if c.variant_id is not None]
+        reused = [Ref(c.chunk_key, c.variant_id) for c in plan.chunks if c.variant_id is not None]
         lease_id, expires = "", 0.0
         if reused:
             try:

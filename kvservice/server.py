@@ -34,6 +34,7 @@ from kvservice.planner import PlannerConfig
 from kvservice.planner.catalog import TIERS
 from kvservice.planning import PlanningService
 from kvservice.store import ChunkStore
+from kvservice import wire
 
 log = logging.getLogger("kvcraft.server")
 
@@ -197,7 +198,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 if session is None:
                     if part != "header":
                         raise InvalidArgument("the first message of a Store stream must be a header")
-                    begin = asyncio.ensure_future(asyncio.to_thread(self.store.begin_store, req.header))
+                    begin = asyncio.ensure_future(asyncio.to_thread(self.store.begin_store,
+                                                                    wire.store_header(req.header)))
                     try:
                         session = await asyncio.shield(begin)
                     except asyncio.CancelledError:
@@ -206,14 +208,15 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                         begin.add_done_callback(_abort_when_done)
                         raise
                 elif part == "layer":
-                    await asyncio.to_thread(session.add_layer, req.layer)
+                    layer = req.layer
+                    await asyncio.to_thread(session.add_layer, layer.layer, layer.key, layer.value)
                 else:
                     raise InvalidArgument(f"unexpected {part or 'empty'} message after the header")
             if session is None:
                 raise InvalidArgument("empty Store stream: no header")
-            resp = await asyncio.to_thread(session.finish)
-            self.metrics.store_bytes.inc(resp.bytes_stored if not resp.already_present else 0)
-            return resp
+            result = await asyncio.to_thread(session.finish)
+            self.metrics.store_bytes.inc(result.bytes_stored if not result.already_present else 0)
+            return wire.store_response(result)
         except KVCraftError:
             if session is not None:
                 session.abort()
@@ -232,7 +235,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         # A server-streaming handler cannot use the unary wrapper: errors are mapped inline.
         try:
             _check_parsed(request)
-            infos = await asyncio.to_thread(self.store.open_fetch, request.variants)
+            infos = await asyncio.to_thread(self.store.open_fetch, wire.refs(request.variants))
         except KVCraftError as e:
             await context.abort(e.code, str(e))
         loop = asyncio.get_running_loop()
@@ -241,6 +244,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         closed = False
         try:
             last = min(i.num_layers for i in infos)
+            specs = [(wire.spec_message(i.key_spec), wire.spec_message(i.value_spec)) for i in infos]
             first = request.first_layer
             end = last if request.num_layers == 0 else first + request.num_layers
             if first >= last or end > last:
@@ -253,8 +257,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                     k, v = await asyncio.to_thread(self.store.read_layer, info, layer)
                     self.metrics.fetch_bytes.inc(len(k) + len(v))
                     yield pb.LayerChunk(layer=layer, index=idx, variant_id=info.variant_id,
-                                        key_spec=info.key_spec, value_spec=info.value_spec,
-                                        key=bytes(k), value=bytes(v))
+                                        key_spec=specs[idx][0], value_spec=specs[idx][1],
+                                        key=bytes(k), value=bytes(v))  # protobuf takes bytes only
         except KVCraftError as e:
             closed = True
             loop.run_in_executor(None, self.store.close_fetch, infos)
@@ -288,7 +292,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             key = await asyncio.to_thread(chunk_key, t.model_id, t.token_ids)
         else:
             raise InvalidArgument("give chunk_key or tokens")
-        variants = self.store.lookup(key)
+        variants = [wire.variant_message(v, self.store.leased(v.variant_id)) for v in self.store.lookup(key)]
         return pb.LookupResponse(found=bool(variants), chunk_key=key, variants=variants)
 
     @_rpc
@@ -300,12 +304,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     @_rpc
     async def Locate(self, request: pb.LocateRequest, context: Any) -> pb.LocateResponse:
         check_ttl("lease_ttl_s", request.lease_ttl_s, self.store.cfg)
-        return await asyncio.to_thread(self.store.locate, request.variants, request.lease_ttl_s)
+        located = await asyncio.to_thread(self.store.locate, wire.refs(request.variants), request.lease_ttl_s)
+        return wire.locate_response(located)
 
     @_rpc
     async def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
         check_ttl("ttl_s", request.ttl_s, self.store.cfg)
-        lease_id, vids, expires = await asyncio.to_thread(self.store.take_lease, request.variants, request.ttl_s)
+        lease_id, vids, expires = await asyncio.to_thread(self.store.take_lease, wire.refs(request.variants),
+                                                          request.ttl_s)
         return pb.LeaseResponse(lease_id=lease_id, variant_ids=vids, expires_unix_ms=int(expires * 1000))
 
     @_rpc
@@ -347,30 +353,32 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        return self.store.stats()
+        return wire.stats_response(self.store.stats())
 
     @_rpc
     async def ListChunks(self, request: pb.ListChunksRequest, context: Any) -> pb.ListChunksResponse:
-        return self.store.list_chunks(request.model_id, request.page_size, request.page_token)
+        return wire.list_chunks_response(*self.store.list_chunks(request.model_id, request.page_size,
+                                                                 request.page_token))
 
     @_rpc
     async def GetChunk(self, request: pb.GetChunkRequest, context: Any) -> pb.GetChunkResponse:
         if not is_key(request.chunk_key):
             raise InvalidArgument(f"chunk_key {request.chunk_key[:40]!r} is not 32 lowercase hex chars")
-        return pb.GetChunkResponse(variants=self.store.get_chunk(request.chunk_key))
+        return pb.GetChunkResponse(variants=[wire.variant_message(v, self.store.leased(v.variant_id))
+                                             for v in self.store.get_chunk(request.chunk_key)])
 
     @_rpc
     async def Evict(self, request: pb.VariantSelector, context: Any) -> pb.EvictResponse:
-        evicted, skipped = await asyncio.to_thread(self.store.evict, request)
+        evicted, skipped = await asyncio.to_thread(self.store.evict, wire.selector(request))
         return pb.EvictResponse(evicted=evicted, skipped_protected=skipped)
 
     @_rpc
     async def Pin(self, request: pb.VariantSelector, context: Any) -> pb.PinResponse:
-        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, request, True))
+        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, wire.selector(request), True))
 
     @_rpc
     async def Unpin(self, request: pb.VariantSelector, context: Any) -> pb.PinResponse:
-        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, request, False))
+        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, wire.selector(request), False))
 
     @_rpc
     async def Flush(self, request: pb.FlushRequest, context: Any) -> pb.FlushResponse:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from .catalog import TIERS
 
@@ -128,13 +128,20 @@ class LoadingController:
 
     def __init__(self, model: ModelProfile = ModelProfile(),
                  tiers: Mapping[str, TierProfile] | None = None,
-                 r_min: float = R_MIN) -> None:
+                 r_min: float = R_MIN, names: Sequence[str] | None = None) -> None:
+        """tiers: load profile per tier name (None: the defaults below); names: the
+        tiers the store runs, fastest first (None: every profiled tier)."""
         if not 0.0 <= r_min <= 1.0:
             raise ValueError(f"r_min must be in [0, 1], got {r_min}")
         self.model = model
         self.r_min = r_min
         profiles = dict(DEFAULT_TIER_PROFILES if tiers is None else tiers)
-        self.tiers = [t for t in TIERS if t in profiles]
+        if names is None:
+            names = [t for t in TIERS if t in profiles]
+        missing = [t for t in names if t not in profiles]
+        if missing:
+            raise ValueError(f"no load profile for tier(s) {missing}; profiles exist for {sorted(profiles)}")
+        self.tiers = list(names)
         self._cost = {t: profiles[t].cost_per_gib for t in self.tiers}
         # x = bytes per layer, y = seconds; slope = 1/bandwidth.
         self.load = {t: LinearEstimator(profiles[t].latency_s, 1.0 / profiles[t].bandwidth_Bps)

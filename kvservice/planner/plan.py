@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from .ca_table import DEFAULT_WINDOW, CATable
-from .catalog import VariantCatalog, VariantInfo
+from .catalog import Variant, VariantCatalog
 from .controller import R_MIN, LoadingController, ModelProfile, TierProfile
 from .conversation import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_CONVERSATIONS, DEFAULT_TTL_S, ChunkMap, dedup
 from .cp_tree import DEFAULT_PROMOTION_THRESHOLD, CPTree
@@ -168,9 +168,12 @@ class Planner:
     """
 
     def __init__(self, catalog: VariantCatalog, config: PlannerConfig = PlannerConfig(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tiers: Sequence[str] | None = None) -> None:
+        """tiers: names of the tiers the store runs, fastest first (the loading
+        controller estimates those only); None: every tier with a profile."""
         self.catalog = catalog
         self.config = config
+        self.tiers = tuple(tiers) if tiers is not None else None
         self.ca_table = CATable(config.ca_window)
         self.cp_tree = CPTree(self._tier_of, config.promotion_threshold)
         self.conversations = ChunkMap(config.conversation_ttl_s, clock, config.max_conversations,
@@ -255,7 +258,7 @@ class Planner:
                     fresh_tokens += n
                 else:
                     info = choice.info
-                    rc = info.recompute_order[: recompute_count(choice.cfo, n)]
+                    rc = tuple(info.recompute_order[: recompute_count(choice.cfo, n)])
                     plans.append(ChunkPlan(k, n, i, span, VARIANT, info.variant_id, info.tier,
                                            choice.cfo, rc))
                     recompute_total += len(rc)
@@ -288,7 +291,7 @@ class Planner:
         )
 
     # ------------------------------------------------------------------ store hooks
-    def on_put(self, info: VariantInfo) -> None:
+    def on_put(self, info: Variant) -> None:
         """The store wrote a variant (after its metadata batch committed)."""
         self.cp_tree.on_put(info.variant_id, info.tier)
 
@@ -310,7 +313,7 @@ class Planner:
         c = self._controllers.get(model_id)
         if c is None:
             cfg = self.config
-            c = LoadingController(cfg.models.get(model_id, cfg.default_model), cfg.tiers, cfg.r_min)
+            c = LoadingController(cfg.models.get(model_id, cfg.default_model), cfg.tiers, cfg.r_min, self.tiers)
             self._controllers[model_id] = c
         return c
 

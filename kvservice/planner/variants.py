@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .catalog import TIER_RANK, VariantInfo
+from .catalog import TIER_RANK, Variant
 
 DEFAULT_ALPHA = 1.0
 
@@ -98,7 +98,7 @@ def cfo(alpha: float, cci_value: float, beta_adj: float) -> float:
     return 0.0 if v < 0.0 else 1.0 if v > 1.0 else v
 
 
-def variant_cfo(info: VariantInfo, s_new_pos: Mapping[str, int], alpha: float) -> float:
+def variant_cfo(info: Variant, s_new_pos: Mapping[str, int], alpha: float) -> float:
     """CFO of reusing `info` behind the chunks `s_new_pos` (key -> position).
 
     eq. 6-8 and 11-12 fused into one pass over the old prefix (this runs for every
@@ -141,22 +141,22 @@ def recompute_count(cfo_value: float, token_count: int) -> int:
     return 0 if n < 0 else token_count if n > token_count else n
 
 
-def recompute_tokens(info: VariantInfo, cfo_value: float) -> tuple[int, ...]:
+def recompute_tokens(info: Variant, cfo_value: float) -> tuple[int, ...]:
     """Cache-Craft eq. 14: the top-N tokens by stored inter-attention from prefix
     chunks, most contextualized first."""
-    return info.recompute_order[: recompute_count(cfo_value, info.token_count)]
+    return tuple(info.recompute_order[: recompute_count(cfo_value, info.token_count)])
 
 
 @dataclass(frozen=True, slots=True)
 class VariantChoice:
-    info: VariantInfo
+    info: Variant
     cfo: float
 
 
-def choose_variant(variants: Sequence[VariantInfo], s_new_pos: Mapping[str, int],
+def choose_variant(variants: Sequence[Variant], s_new_pos: Mapping[str, int],
                    alpha: float = DEFAULT_ALPHA, max_cfo: float = 1.0) -> VariantChoice | None:
     """The lowest-CFO variant (Cache-Craft §3.3), or None -> compute the chunk fresh."""
-    best: VariantInfo | None = None
+    best: Variant | None = None
     best_cfo = 2.0
     for v in variants:
         c = variant_cfo(v, s_new_pos, alpha)
@@ -173,5 +173,5 @@ def fr_increment(cfo_value: float, floor: float = 0.01) -> float:
     return 1.0 / max(cfo_value, floor)
 
 
-def _tie_key(v: VariantInfo) -> tuple[int, str]:
+def _tie_key(v: Variant) -> tuple[int, str]:
     return (TIER_RANK.get(v.tier, len(TIER_RANK)), v.variant_id)

@@ -2,8 +2,8 @@
 looks complete but is not (docs/storage.md, "Disk format" and "Write order").
 
 Layout: <root>/<vid[:2]>/<vid>.kv holds, for each layer in order, K bytes then V bytes.
-A write goes to <vid>.<random>.kv.tmp, is fsynced, renamed into place and the directory fsynced;
-only then may the store commit metadata. Leftover .tmp files are crash debris.
+A write goes to <vid>.<random>.kv.tmp, is fsynced, renamed into place and the directory
+fsynced; only then may the store commit metadata. Leftover .tmp files are crash debris.
 
 This is the POSIX backend, used where CUDA is absent. On CUDA machines kvikio reads
 straight into GPU memory; that backend is not built yet (no GPU in this environment).
@@ -13,37 +13,47 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 from pathlib import Path
 from typing import Iterator
 
-from kvservice.tiers.base import Tier
+from kvcraft import tiers
+from kvservice.tiers.base import Buffer, PayloadShape, Tier, TierFull, TierWriter
 
 SUFFIX = ".kv"
 TMP_SUFFIX = ".kv.tmp"
 
 
-class DiskWriter:
+class DiskWriter(TierWriter):
     """Streams one variant's payload into a temporary file; `commit` makes it durable."""
 
-    def __init__(self, tier: "DiskTier", variant_id: str) -> None:
+    def __init__(self, tier: "DiskTier", variant_id: str, shape: PayloadShape) -> None:
         self._tier = tier
-        self.variant_id = variant_id
+        self._shape = shape
         self.final = tier.path_of(variant_id)
         self.final.parent.mkdir(parents=True, exist_ok=True)
         # A unique temporary name: two streams storing the same variant never collide.
         self.tmp = self.final.with_name(f"{variant_id}.{secrets.token_hex(4)}{TMP_SUFFIX}")
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._reserved = shape.total_bytes
         self.written = 0
 
-    def write(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-        self.written += len(data)
+    def write_layer(self, *parts: Buffer) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        n = sum(len(v) for v in views)
+        while views:  # one writev per layer: K and V go out without being joined
+            done = os.writev(self._fd, views)
+            while views and done >= len(views[0]):
+                done -= len(views[0])
+                views.pop(0)
+            if views and done:
+                views[0] = views[0][done:]
+        self.written += n
 
     def commit(self) -> None:
         """fsync the file, rename it into place, fsync the directory."""
+        if self.written != self._shape.total_bytes:
+            raise ValueError(f"{self.final.name}: {self.written} bytes written, {self._shape.total_bytes} expected")
         try:
             os.fsync(self._fd)
         finally:
@@ -51,38 +61,65 @@ class DiskWriter:
             self._fd = -1
         os.replace(self.tmp, self.final)
         _fsync_dir(self.final.parent)
-        self._tier._add_usage(self.written)
+        self._tier._settle(self._reserved, self.written)
+        self._reserved = 0
 
     def abort(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        self.tmp.unlink(missing_ok=True)
+            self.tmp.unlink(missing_ok=True)
+        if self._reserved:
+            self._tier._settle(self._reserved, 0)
+            self._reserved = 0
 
 
 class DiskTier(Tier):
-    name = "disk"
+    name = tiers.DISK
+    persistent = True
+    verify_reads = True  # a file may rot or be damaged while we are not looking
 
     def __init__(self, root: Path, budget_bytes: int) -> None:
         super().__init__(budget_bytes)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._used = 0
+        self._reserved = 0  # bytes of writers still streaming
+        self._lock = threading.Lock()
 
     def path_of(self, variant_id: str) -> Path:
         return self.root / variant_id[:2] / (variant_id + SUFFIX)
 
-    def writer(self, variant_id: str) -> DiskWriter:
-        return DiskWriter(self, variant_id)
+    def open_writer(self, variant_id: str, shape: PayloadShape) -> DiskWriter:
+        with self._lock:
+            n = shape.total_bytes
+            if self._used + self._reserved + n > self.budget_bytes:
+                raise TierFull(f"disk tier is full: budget {self.budget_bytes} bytes, {self._used} used, "
+                               f"{self._reserved} reserved, {n} requested")
+            self._reserved += n
+        try:
+            return DiskWriter(self, variant_id, shape)
+        except BaseException:
+            self._settle(n, 0)
+            raise
 
-    def read(self, variant_id: str, offset: int, length: int) -> memoryview:
+    def room(self) -> tuple[int, int]:
+        """(used, reserved) bytes: what a new writer of n bytes must fit beside."""
+        return self._used, self._reserved
+
+    def get_layer(self, variant_id: str, layer: int, shape: PayloadShape) -> memoryview:
+        return self._read(variant_id, shape.offset(layer), shape.layer_bytes)
+
+    def get_layers(self, variant_id: str, first: int, count: int, shape: PayloadShape) -> memoryview:
+        return self._read(variant_id, shape.offset(first), count * shape.layer_bytes)
+
+    def _read(self, variant_id: str, offset: int, length: int) -> memoryview:
         try:
             fd = os.open(self.path_of(variant_id), os.O_RDONLY)
         except FileNotFoundError:
             raise KeyError(variant_id) from None
         try:
-            buf = bytearray(length)
-            view = memoryview(buf)
+            view = memoryview(bytearray(length))
             got = 0
             while got < length:
                 n = os.preadv(fd, [view[got:]], offset + got)
@@ -93,26 +130,25 @@ class DiskTier(Tier):
         finally:
             os.close(fd)
 
-    def size_of(self, variant_id: str) -> int | None:
-        try:
-            return self.path_of(variant_id).stat().st_size
-        except FileNotFoundError:
-            return None
-
     def delete(self, variant_id: str) -> None:
-        size = self.size_of(variant_id)
-        self.path_of(variant_id).unlink(missing_ok=True)
-        if size is not None:
-            self._add_usage(-size)
+        path = self.path_of(variant_id)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return
+        path.unlink(missing_ok=True)
+        self._settle(0, -size)
 
     def usage(self) -> int:
         return self._used
 
-    def __contains__(self, variant_id: str) -> bool:
-        return self.path_of(variant_id).exists()
+    def __contains__(self, variant_id: object) -> bool:
+        return isinstance(variant_id, str) and self.path_of(variant_id).exists()
 
-    def _add_usage(self, n: int) -> None:
-        self._used += n
+    def _settle(self, reserved: int, used: int) -> None:
+        with self._lock:
+            self._reserved -= reserved
+            self._used += used
 
     # -- recovery ---------------------------------------------------------------------
     def scan(self) -> Iterator[tuple[str, int]]:
@@ -127,7 +163,8 @@ class DiskTier(Tier):
                     yield f.name[: -len(SUFFIX)], f.stat().st_size
 
     def reset_usage(self, used: int) -> None:
-        self._used = used
+        with self._lock:
+            self._used = used
 
 
 def _fsync_dir(path: Path) -> None:

@@ -4,6 +4,9 @@ The slab is a POSIX shared-memory segment (/dev/shm/<name>), so an engine on the
 host can map it and read a leased variant's layers with no copy through gRPC
 (`Locate` RPC, `kvclient.local`). The segment is named after the data directory, so a
 restart after a crash replaces the stale segment instead of leaking it.
+
+A writer allocates the variant's extent when it opens and copies each layer straight
+into it, so a Store fills the slab from the same buffer it writes to disk.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import threading
 from multiprocessing import shared_memory
 from pathlib import Path
 
-from kvservice.tiers.base import Tier
+from kvcraft import tiers
+from kvservice.tiers.base import Buffer, PayloadShape, SharedLocation, Tier, TierFull, TierWriter
 from kvservice.tiers.slab import SlabAllocator, aligned
 
 
@@ -21,8 +25,43 @@ def segment_name(data_dir: Path) -> str:
     return "kvcraft-" + hashlib.sha1(str(Path(data_dir).resolve()).encode()).hexdigest()[:16]
 
 
+class HostWriter(TierWriter):
+    """Copies layers into an extent allocated up front; `commit` makes it readable."""
+
+    def __init__(self, tier: "HostTier", variant_id: str, offset: int, shape: PayloadShape) -> None:
+        self._tier = tier
+        self._vid = variant_id
+        self._off = offset
+        self._shape = shape
+        self._pos = 0
+        self._open = True
+
+    def write_layer(self, *parts: Buffer) -> None:
+        buf = self._tier.shm.buf
+        for p in parts:
+            n = len(p) if not isinstance(p, memoryview) else p.nbytes
+            start = self._off + self._pos
+            if self._pos + n > self._shape.total_bytes:
+                raise ValueError(f"{self._vid}: write past the payload's {self._shape.total_bytes} bytes")
+            buf[start : start + n] = p if not isinstance(p, memoryview) else p.cast("B")
+            self._pos += n
+
+    def commit(self) -> None:
+        if self._pos != self._shape.total_bytes:
+            raise ValueError(f"{self._vid}: {self._pos} bytes written, {self._shape.total_bytes} expected")
+        self._open = False
+        self._tier._publish(self._vid, self._off, self._shape.total_bytes)
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            self._tier._release(self._off, self._shape.total_bytes)
+
+
 class HostTier(Tier):
-    name = "host"
+    name = tiers.HOST
+    cache_on_store = True  # new stores are the likeliest next reads (and Locate maps them)
+    mappable = True
 
     def __init__(self, budget_bytes: int, segment: str) -> None:
         super().__init__(budget_bytes)
@@ -36,47 +75,54 @@ class HostTier(Tier):
         self.segment = segment
         self._alloc = SlabAllocator(budget_bytes)
         self._where: dict[str, tuple[int, int]] = {}  # variant id -> (offset, length)
-        self._used = 0
+        self._used = 0  # aligned bytes of committed copies and open writers
         self._lock = threading.Lock()
 
-    def put(self, variant_id: str, payload: bytes | bytearray | memoryview) -> bool:
-        """Copy the payload into the slab; False when no contiguous room is free."""
-        n = len(payload)
+    def open_writer(self, variant_id: str, shape: PayloadShape) -> HostWriter:
+        n = shape.total_bytes
         with self._lock:
-            if variant_id in self._where:
-                return True
             off = self._alloc.alloc(n)
             if off is None:
-                return False
-            self._where[variant_id] = (off, n)
+                raise TierFull(f"host slab has no free run of {aligned(n)} bytes")
             self._used += aligned(n)
-        self.shm.buf[off : off + n] = payload
-        return True
+        return HostWriter(self, variant_id, off, shape)
 
-    def fits(self, n: int) -> bool:
-        return self._alloc.largest_free() >= aligned(n)
+    def _publish(self, variant_id: str, off: int, n: int) -> None:
+        with self._lock:
+            old = self._where.get(variant_id)
+            self._where[variant_id] = (off, n)
+        if old is not None:  # a second copy of the same variant: keep the new one
+            self._release(*old)
 
-    def read(self, variant_id: str, offset: int, length: int) -> memoryview:
+    def _release(self, off: int, n: int) -> None:
+        with self._lock:
+            self._alloc.free(off, n)
+            self._used -= aligned(n)
+
+    def get_layer(self, variant_id: str, layer: int, shape: PayloadShape) -> memoryview:
+        return self.get_layers(variant_id, layer, 1, shape)
+
+    def get_layers(self, variant_id: str, first: int, count: int, shape: PayloadShape) -> memoryview:
         base, n = self._where[variant_id]
-        if offset + length > n:
+        start, length = shape.offset(first), count * shape.layer_bytes
+        if start + length > n:
             raise KeyError(f"{variant_id}: read past the payload")
-        return self.shm.buf[base + offset : base + offset + length]
+        return self.shm.buf[base + start : base + start + length]
 
-    def location(self, variant_id: str) -> tuple[int, int]:
-        """(offset, length) of the payload in the segment."""
-        return self._where[variant_id]
+    def mapping(self, variant_id: str) -> SharedLocation | None:
+        where = self._where.get(variant_id)
+        return None if where is None else SharedLocation(self.segment, *where)
 
     def delete(self, variant_id: str) -> None:
         with self._lock:
             where = self._where.pop(variant_id, None)
-            if where is not None:
-                self._alloc.free(*where)
-                self._used -= aligned(where[1])
+        if where is not None:
+            self._release(*where)
 
     def usage(self) -> int:
         return self._used
 
-    def __contains__(self, variant_id: str) -> bool:
+    def __contains__(self, variant_id: object) -> bool:
         return variant_id in self._where
 
     def close(self) -> None:

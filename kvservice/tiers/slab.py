@@ -45,9 +45,3 @@ class SlabAllocator:
             del self._free[i - 1]
             i -= 1
         self._free.insert(i, (start, end - start))
-
-    def free_bytes(self) -> int:
-        return sum(length for _, length in self._free)
-
-    def largest_free(self) -> int:
-        return max((length for _, length in self._free), default=0)

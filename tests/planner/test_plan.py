@@ -57,7 +57,7 @@ def test_variant_choice_and_recompute_tokens_in_plan():
     c = plan.chunks[0]
     assert c.source == VARIANT and c.variant_id == v.variant_id
     assert len(c.recompute) == 8  # CFO = sigmoid(1) * (1 - 0) = 0.731 -> ceil(7.31)
-    assert c.recompute == v.recompute_order[:8]
+    assert c.recompute == tuple(v.recompute_order[:8])
     assert plan.reuse_cfo == ((v.variant_id, c.cfo),)
     assert plan.computed_tokens == 8 and plan.retrieved_tokens == 10
 

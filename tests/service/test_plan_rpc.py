@@ -10,7 +10,7 @@ from kvclient.errors import InvalidArgumentError, NotFoundError, ResourceExhaust
 from kvclient.keys import ModelSpec, chunk_key, variant_id
 from kvclient.types import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.planner import ChunkRef, InMemoryCatalog, Planner, VariantInfo
+from kvservice.planner import ChunkRef, InMemoryCatalog, Planner, Variant
 
 MODEL = ModelSpec("plan-test", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
 
@@ -65,7 +65,7 @@ def test_plan_over_grpc_matches_the_in_process_planner(kvserver):
     with KVClient(kvserver.address) as c:
         for i in (0, 2, 4):
             r = c.store(MODEL, chunk_tokens(i), layers(seed=i))
-            catalog.put(VariantInfo.build(r.variant_id, r.chunk_key, (), 6, "host", VariantStats()))
+            catalog.put(Variant.build(r.variant_id, r.chunk_key, (), 6, "host", VariantStats()))
         requests = [[0, 1, 2], [2, 0, 3], [4, 2, 0, 5], [1, 0, 2], [0, 2, 4]]
         for n, idx in enumerate(requests):
             got = c.plan(MODEL, [(keys[i], 6) for i in idx], question_tokens=4, conversation_id=f"c{n % 2}")

@@ -8,6 +8,8 @@ from kvclient.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
 from kvservice.errors import ResourceExhausted
+from kvservice.index import Spec
+from kvservice.records import Ref, StoreHeader
 from kvservice.store import ChunkStore
 
 MODEL = ModelSpec("unit", 1, 1, 2, "float32").fingerprint()
@@ -15,9 +17,9 @@ LAYER_BYTES = 2 * 1 * 2 * 2 * 4  # K + V of [1, 2, 2] fp32
 
 
 def put(store: ChunkStore, tokens: list[int]) -> str:
-    spec = pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, len(tokens), 2])
-    s = store.begin_store(pb.StoreHeader(model_id=MODEL, token_ids=tokens, num_layers=1, key_spec=spec, value_spec=spec))
-    s.add_layer(pb.LayerPayload(layer=0, key=bytes(len(tokens) * 8), value=bytes(len(tokens) * 8)))
+    spec = Spec(pb.FLOAT32, (1, len(tokens), 2))
+    s = store.begin_store(StoreHeader(MODEL, tokens, (), 1, spec, spec))
+    s.add_layer(0, bytes(len(tokens) * 8), bytes(len(tokens) * 8))
     return s.finish().chunk_key
 
 
@@ -35,7 +37,7 @@ def test_lease_protects_until_it_times_out(tmp_path):
                                          "lease_timeout_s": 30.0})
     store = ChunkStore(cfg, clock=clock)
     a, b = put(store, [1, 2]), put(store, [3, 4])
-    store.take_lease([pb.VariantRef(chunk_key=a), pb.VariantRef(chunk_key=b)])
+    store.take_lease([Ref(a), Ref(b)])
     with pytest.raises(ResourceExhausted, match="leased or pinned"):
         put(store, [5, 6])
     clock.now += 29.9

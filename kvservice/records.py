@@ -1,0 +1,96 @@
+"""Plain records the store takes and returns; `kvservice.wire` converts them to and
+from protobuf (the wire stays at the server edge)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kvclient.types import VariantStats
+from kvservice.index import Spec, Variant
+
+
+@dataclass(frozen=True)
+class StoreHeader:
+    """What a Store stream declares before its layers."""
+
+    model_id: str
+    token_ids: Sequence[int]
+    prefix_keys: Sequence[str]
+    num_layers: int
+    key_spec: Spec
+    value_spec: Spec
+    stats: VariantStats = field(default_factory=VariantStats)
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    chunk_key: str
+    variant_id: str
+    bytes_stored: int
+    already_present: bool = False
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A variant to fetch or lease. Empty variant_id: the store picks (the chunk's
+    alone-computed variant, else its highest-fr one). cfo None: unknown (fr += 1)."""
+
+    chunk_key: str
+    variant_id: str = ""
+    cfo: float | None = None
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Exactly one of chunk_key (every variant of the chunk) or variant_id."""
+
+    chunk_key: str = ""
+    variant_id: str = ""
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a leased variant lies in the host slab; length 0: not in host memory."""
+
+    variant: Variant
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Located:
+    segment: str
+    lease_id: str
+    expires_s: float
+    variants: list[Location]
+
+
+@dataclass(frozen=True)
+class TierStats:
+    name: str
+    bytes_used: int
+    bytes_budget: int
+    variants: int
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    chunks: int
+    variants: int
+    tiers: list[TierStats]
+    evictions: int
+    moves: int
+    leases: int
+    pinned: int
+
+
+@dataclass(frozen=True)
+class ChunkSummary:
+    chunk_key: str
+    model_id: str
+    token_count: int
+    variants: int
+    size_bytes: int

@@ -1,0 +1,233 @@
+"""The chunk-cache store: a facade over its named parts. Plain Python, no gRPC and no
+protobuf: `kvservice.server` converts at the edge.
+
+  state.py      what the parts share (tiers fastest first, index, metadata, lock, listeners)
+  session.py    one Store stream, and the write order (payload, fsync, synced metadata batch)
+  placement.py  room, demotion one tier down, deletion, the M-per-chunk and N x M caps
+  leases.py     leases and holds
+  promotion.py  reads from the fastest tier holding a variant (verified), copies up
+  recovery.py   start-up recovery (the one function that decides what survived a crash)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Sequence
+
+from kvclient.keys import is_key
+from kvservice.config import Config
+from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvservice.index import Variant, eviction_key
+from kvservice.metadata import MetadataDB
+from kvservice.planner.variants import fr_increment
+from kvservice.records import (ChunkSummary, Located, Location, Ref, Selector, StoreHeader, StoreResult,
+                                 StoreStats, TierStats)
+from kvservice.store.leases import Leases
+from kvservice.store.placement import Placement
+from kvservice.store.promotion import Promotion
+from kvservice.store.recovery import RecoveryReport, recover
+from kvservice.store.session import StoreSession, begin
+from kvservice.store.state import StoreListener, StoreState
+from kvservice.tiers import Tier, build_tiers
+
+__all__ = ["ChunkStore", "RecoveryReport", "StoreListener", "StoreSession"]
+
+
+class ChunkStore:
+    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
+                 tiers: list[Tier] | None = None) -> None:
+        cfg.data_path.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self._s = StoreState(cfg, tiers if tiers is not None else build_tiers(cfg),
+                             MetadataDB(cfg.data_path / "metadata"), clock)
+        self.index = self._s.index
+        self.tiers = self._s.tiers
+        self.listeners: list[StoreListener] = self._s.listeners
+        self.counters = self._s.counters
+        self._leases = Leases(self._s)
+        self._placement = Placement(self._s, self._leases.expire)
+        self._promotion = Promotion(self._s, self._placement)
+        self.recovery = recover(self._s)
+
+    def close(self) -> None:
+        with self._s.lock:
+            self._s.persist_access(list(self.index))
+            self._s.meta.close()
+            for tier in self.tiers:
+                tier.close()
+
+    # -- Store ---------------------------------------------------------------------------
+    def begin_store(self, header: StoreHeader) -> StoreSession:
+        return begin(self._s, self._placement, header)
+
+    # -- fetch ---------------------------------------------------------------------------
+    def open_fetch(self, refs: Sequence[Ref]) -> list[Variant]:
+        """Resolve and hold the variants of a fetch; count the reuse (fr += 1/CFO)."""
+        with self._s.lock:
+            variants = self._resolve(refs)
+            for v in variants:
+                v.holds += 1
+            self._count_reuse(refs, variants)
+        return variants
+
+    def read_layer(self, v: Variant, layer: int) -> tuple[memoryview, memoryview]:
+        """K and V bytes of one layer of a held variant; verified if read from disk."""
+        if v.variant_id not in self.index:
+            raise NotFound(f"variant {v.variant_id} is no longer stored (dropped while fetching); recompute it")
+        return self._promotion.read_layer(v, layer)
+
+    def close_fetch(self, variants: Iterable[Variant], *, promote: bool = True) -> None:
+        """End a fetch's hold; copy variants read from slower tiers up into the fastest."""
+        variants = list(variants)
+        with self._s.lock:
+            for v in variants:
+                v.holds -= 1
+        if promote:
+            self.promote(v.variant_id for v in variants)
+
+    def promote(self, variant_ids: Iterable[str]) -> None:
+        self._promotion.promote(variant_ids, to=0)
+
+    def locate(self, refs: Sequence[Ref], ttl_s: float = 0.0) -> Located:
+        """Lease the variants, bring them into the mappable tier, say where they are."""
+        lease_id, vids, expires = self.take_lease(refs, ttl_s)
+        with self._s.lock:
+            self._count_reuse(refs, [self.index.get(v) for v in vids])  # type: ignore[misc]
+        mappable = next((t for t in self.tiers if t.mappable), None)
+        out = []
+        if mappable is not None:
+            self._promotion.promote(vids, to=self.tiers.index(mappable))
+        with self._s.lock:
+            for vid in vids:
+                v = self.index.get(vid)  # leased: still stored
+                m = mappable.mapping(vid) if mappable is not None else None
+                out.append(Location(v, m.offset, m.length) if m else Location(v, 0, 0))  # type: ignore[arg-type]
+        return Located(mappable.segment if mappable else "", lease_id, expires, out)
+
+    def _count_reuse(self, refs: Sequence[Ref], variants: Sequence[Variant]) -> None:
+        now = self._s.now_ms()
+        for ref, v in zip(refs, variants):
+            v.fr += fr_increment(ref.cfo) if ref.cfo is not None else 1.0
+            v.last_access_ms = now
+        self._s.persist_access(list(variants))
+
+    def _resolve(self, refs: Sequence[Ref]) -> list[Variant]:
+        if not refs:
+            raise InvalidArgument("variants is empty: name at least one chunk")
+        if len(refs) > self.cfg.max_fetch_variants:
+            raise ResourceExhausted(f"{len(refs)} variants requested; max_fetch_variants is {self.cfg.max_fetch_variants}")
+        out = []
+        for i, ref in enumerate(refs):
+            if not is_key(ref.chunk_key):
+                raise InvalidArgument(f"variants[{i}].chunk_key {ref.chunk_key[:40]!r} is not a chunk key")
+            if ref.cfo is not None and not 0 <= ref.cfo <= 1:
+                raise InvalidArgument(f"variants[{i}].cfo is {ref.cfo}; expected [0, 1], or unset if unknown")
+            vs = self.index.variants_of(ref.chunk_key)
+            if not vs:
+                raise NotFound(f"chunk {ref.chunk_key} is not stored")
+            if ref.variant_id:
+                v = next((v for v in vs if v.variant_id == ref.variant_id), None)
+                if v is None:
+                    raise NotFound(f"chunk {ref.chunk_key} has no variant {ref.variant_id}")
+                out.append(v)
+            else:
+                alone = [v for v in vs if not v.prefix_keys]
+                out.append(alone[0] if alone else max(vs, key=eviction_key))
+        return out
+
+    # -- leases and pins -------------------------------------------------------------------
+    def take_lease(self, refs: Sequence[Ref], ttl_s: float = 0.0) -> tuple[str, list[str], float]:
+        with self._s.lock:
+            variants = self._resolve(refs)
+            lease_id, expires = self._leases.take(variants, ttl_s)
+        return lease_id, [v.variant_id for v in variants], expires
+
+    def release(self, lease_id: str) -> bool:
+        with self._s.lock:
+            return self._leases.release(lease_id)
+
+    def leased(self, variant_id: str) -> bool:
+        with self._s.lock:
+            return self._leases.leased(variant_id)
+
+    def set_pinned(self, selector: Selector, pinned: bool) -> int:
+        with self._s.lock:
+            vs = self._select(selector)
+            for v in vs:
+                v.pinned = pinned
+            self._s.meta.put_variants(vs, sync=True)
+            return len(vs)
+
+    def _select(self, selector: Selector) -> list[Variant]:
+        if selector.chunk_key:
+            vs = self.index.variants_of(selector.chunk_key)
+            if not vs:
+                raise NotFound(f"chunk {selector.chunk_key} is not stored")
+            return list(vs)
+        if selector.variant_id:
+            v = self.index.get(selector.variant_id)
+            if v is None:
+                raise NotFound(f"variant {selector.variant_id} is not stored")
+            return [v]
+        raise InvalidArgument("selector is empty: give chunk_key or variant_id")
+
+    # -- eviction (Admin) ------------------------------------------------------------------
+    def evict(self, selector: Selector) -> tuple[int, int]:
+        with self._s.lock:
+            self._leases.expire()
+            return self._placement.evict_many(self._select(selector))
+
+    def flush(self) -> tuple[int, int]:
+        with self._s.lock:
+            self._leases.expire()
+            return self._placement.evict_many(list(self.index))
+
+    # -- queries ---------------------------------------------------------------------------
+    def lookup(self, key: str) -> list[Variant]:
+        """The chunk's variants, highest eviction key (most worth keeping) first."""
+        return sorted(self.index.variants_of(key), key=eviction_key, reverse=True)
+
+    def get_chunk(self, key: str) -> list[Variant]:
+        found = self.lookup(key)
+        if not found:
+            raise NotFound(f"chunk {key} is not stored")
+        return found
+
+    def match_prefix(self, variant_ids: Sequence[str]) -> int:
+        """How many leading ids of the chain are stored."""
+        n = 0
+        for vid in variant_ids:
+            if vid not in self.index:
+                break
+            n += 1
+        return n
+
+    def variant_count(self) -> int:
+        return len(self.index)
+
+    def stats(self) -> StoreStats:
+        with self._s.lock:
+            self._leases.expire()
+            c = self.counters
+            vs = list(self.index)
+            tiers = [TierStats(t.name, t.usage(), t.budget_bytes, sum(1 for v in vs if v.variant_id in t),
+                               c.hits[t.name], c.misses[t.name]) for t in self.tiers]
+            return StoreStats(self.index.chunk_count(), len(vs), tiers, c.evictions, c.moves, len(self._leases),
+                              sum(1 for v in vs if v.pinned))
+
+    def list_chunks(self, model_id: str, page_size: int, page_token: str) -> tuple[list[ChunkSummary], str]:
+        """One page of chunks in key order after `page_token`; the next page's token."""
+        page_size = page_size or 100
+        if page_size > 1000:
+            raise InvalidArgument(f"page_size is {page_size}; at most 1000")
+        keys = sorted(k for k in self.index.chunk_keys() if k > page_token)
+        out: list[ChunkSummary] = []
+        for k in keys:
+            vs = self.index.variants_of(k)
+            if not vs or (model_id and vs[0].model_id != model_id):
+                continue
+            out.append(ChunkSummary(k, vs[0].model_id, vs[0].token_count, len(vs), sum(v.size_bytes for v in vs)))
+            if len(out) == page_size:
+                break
+        more = bool(out) and out[-1].chunk_key != (keys[-1] if keys else "")
+        return out, out[-1].chunk_key if more else ""

@@ -1,0 +1,161 @@
+"""Which tier holds what: room, demotion, deletion (Cache-Craft §3.3).
+
+Every method runs with the store's lock held.
+
+- A tier that needs room loses its lowest (fr, last access, created, id) unprotected
+  variant one tier down: copied into the next tier if no lower tier holds it yet, then
+  deleted; leaving the last tier deletes the variant (metadata first).
+- A cache tier (above the home tier) admits a newcomer only if, among its unprotected
+  copies and the newcomer, the newcomer is not the lowest; lower copies go down until
+  the newcomer fits. The home tier and those below it always make room, or refuse.
+- At most `max_variants_per_chunk` (M) variants per chunk and `max_variants` (N x M) in
+  all: a new variant displaces the lowest-fr one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from kvservice import failpoints
+from kvservice.errors import ResourceExhausted
+from kvservice.index import Variant, eviction_key
+from kvservice.store.state import StoreState
+from kvservice.tiers.base import PayloadShape, TierFull, TierWriter
+
+log = logging.getLogger("kvcraft.store")
+
+EvictionKey = tuple[float, int, int, str]
+
+
+class Placement:
+    def __init__(self, state: StoreState, expire_leases) -> None:  # noqa: ANN001 (Leases.expire)
+        self.s = state
+        self._expire_leases = expire_leases
+
+    def victims(self, pool: Iterable[Variant]) -> list[Variant]:
+        return sorted((v for v in pool if not v.protected), key=eviction_key)
+
+    def in_tier(self, i: int) -> list[Variant]:
+        tier = self.s.tiers[i]
+        return [v for v in self.s.index if v.variant_id in tier]
+
+    # -- room for a new variant --------------------------------------------------------
+    def make_room_for_variant(self, chunk_key: str) -> None:
+        """Cache-Craft §3.3: at most M variants per chunk and N x M variants in all."""
+        cfg, index = self.s.cfg, self.s.index
+        mine = index.variants_of(chunk_key)
+        if len(mine) >= cfg.max_variants_per_chunk:
+            self._expire_leases()
+            victims = self.victims(mine)
+            if not victims:
+                raise ResourceExhausted(
+                    f"chunk {chunk_key} already holds {len(mine)} variants (max_variants_per_chunk) "
+                    "and all are leased or pinned")
+            self.delete(victims[0].variant_id)
+            self.s.counters.evictions += 1
+        if len(index) >= cfg.max_variants:
+            self._expire_leases()
+            victims = self.victims(index)
+            if not victims:
+                raise ResourceExhausted(f"store holds max_variants={cfg.max_variants} variants, all leased or pinned")
+            self.delete(victims[0].variant_id)
+            self.s.counters.evictions += 1
+
+    def open_writer(self, i: int, vid: str, shape: PayloadShape) -> TierWriter:
+        """A writer on tier i (the home tier or one below it), making room by demotion;
+        ResourceExhausted when every variant there is protected."""
+        tier = self.s.tiers[i]
+        self._expire_leases()
+        tried: set[str] = set()
+        while True:
+            try:
+                return tier.open_writer(vid, shape)
+            except TierFull as full:
+                victims = [v for v in self.victims(self.in_tier(i)) if v.variant_id not in tried]
+                if not victims:
+                    raise ResourceExhausted(f"{full}, and every variant stored there is leased or pinned") from None
+                tried.add(victims[0].variant_id)
+                self.demote(victims[0], i)
+
+    def open_cache_writer(self, i: int, vid: str, shape: PayloadShape, key: EvictionKey,
+                          protected: bool) -> TierWriter | None:
+        """A writer on cache tier i for a newcomer with eviction key `key`, or None
+        when the newcomer is the one that would go down (or can never fit)."""
+        tier = self.s.tiers[i]
+        if shape.total_bytes > tier.budget_bytes:
+            return None
+        self._expire_leases()
+        while True:
+            try:
+                return tier.open_writer(vid, shape)
+            except TierFull:
+                victims = self.victims(v for v in self.in_tier(i) if v.variant_id != vid)
+                if not victims:
+                    return None
+                if not protected and key < eviction_key(victims[0]):
+                    self.s.counters.moves += 1  # the newcomer is the one that goes down
+                    return None
+                self.demote(victims[0], i)
+
+    # -- moving down and out -----------------------------------------------------------
+    def demote(self, v: Variant, i: int) -> None:
+        """Move `v` out of tier i: copy it one tier down unless a lower tier holds it,
+        then drop tier i's copy; out of the last tier (or with no copy left below the
+        home tier) the variant is deleted."""
+        s = self.s
+        vid = v.variant_id
+        below = [j for j in s.holders(v) if j > i]
+        if not below and i + 1 < len(s.tiers):
+            below = [i + 1] if self._copy_down(v, i, i + 1) else []
+        if not below:
+            self.delete(vid)
+            s.counters.evictions += 1
+            return
+        s.tiers[i].delete(vid)
+        s.counters.moves += 1
+        s.retier(v)
+
+    def _copy_down(self, v: Variant, src: int, dst: int) -> bool:
+        s = self.s
+        shape = s.shape(v)
+        try:
+            writer = self.open_writer(dst, v.variant_id, shape)
+        except ResourceExhausted:
+            return False
+        try:
+            for layer in range(v.num_layers):
+                writer.write_layer(s.tiers[src].get_layer(v.variant_id, layer, shape))
+            writer.commit()
+        except (KeyError, OSError) as e:
+            writer.abort()
+            log.warning("could not move variant %s from %s to %s: %s", v.variant_id, s.tiers[src].name,
+                        s.tiers[dst].name, e)
+            return False
+        return True
+
+    def delete(self, vid: str) -> None:
+        """Metadata first (synced), then payloads: a crash leaves only an orphan file."""
+        s = self.s
+        s.meta.delete_variants([vid])
+        failpoints.reach("delete:metadata-committed")
+        s.index.remove(vid)
+        for tier in s.tiers:
+            tier.delete(vid)
+        for lst in s.listeners:
+            lst.on_evict(vid)
+
+    def drop(self, vid: str, why: str) -> None:
+        """Delete a variant whose payload cannot be served (unreadable or corrupt)."""
+        with self.s.lock:
+            if vid in self.s.index:
+                log.warning("dropping variant %s: %s", vid, why)
+                self.delete(vid)
+
+    def evict_many(self, vs: list[Variant]) -> tuple[int, int]:
+        """Admin Evict / Flush: delete the unprotected ones; (evicted, skipped)."""
+        victims = [v for v in vs if not v.protected]
+        for v in victims:
+            self.delete(v.variant_id)
+        self.s.counters.evictions += len(victims)
+        return len(victims), len(vs) - len(victims)

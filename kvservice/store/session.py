@@ -1,0 +1,175 @@
+"""One Store stream, and the write order (the one place it is spelled out; docs/storage.md):
+
+  1. each layer, as it arrives, is checked against the header and written once, from
+     the same buffer, to the home tier's writer (a temporary file) and to the writer
+     of every cache tier above it that admitted the variant (the host slab);
+  2. the home writer commits: fsync, rename into place, fsync the directory;
+  3. one synced RocksDB WriteBatch with the variant's metadata;
+  4. the cache copies become readable, the index and listeners learn of the variant,
+     and only then is the write acknowledged.
+Deletes go the other way: metadata first (synced), then payloads (`Placement.delete`).
+So after a crash at any point, recovery finds a complete variant or debris it deletes.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+
+from kvclient.keys import chunk_key, is_key, variant_id
+from kvservice import failpoints
+from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvservice.index import Variant
+from kvservice.layout import LayerLayout, layer_checksum, layer_layout
+from kvservice.records import StoreHeader, StoreResult
+from kvservice.store.placement import Placement
+from kvservice.store.state import StoreState
+from kvservice.tiers.base import Buffer, PayloadShape, TierWriter
+
+
+def begin(s: StoreState, placement: Placement, h: StoreHeader) -> "StoreSession":
+    """Validate a Store header and open the tier writers; the session takes the layers."""
+    cfg = s.cfg
+    if not h.model_id:
+        raise InvalidArgument("header.model_id is empty")
+    if not is_key(h.model_id):
+        raise InvalidArgument(f"header.model_id {h.model_id[:40]!r} is not 32 lowercase hex chars "
+                              "(use kvclient.keys.ModelSpec.fingerprint())")
+    tokens = len(h.token_ids)
+    if tokens == 0:
+        raise InvalidArgument("header.token_ids is empty: a chunk has at least one token")
+    if tokens > cfg.max_chunk_tokens:
+        raise ResourceExhausted(f"chunk has {tokens} tokens; max_chunk_tokens is {cfg.max_chunk_tokens}")
+    if not 1 <= h.num_layers <= cfg.max_layers:
+        raise InvalidArgument(f"header.num_layers is {h.num_layers}; expected 1..{cfg.max_layers}")
+    for i, p in enumerate(h.prefix_keys):
+        if not is_key(p):
+            raise InvalidArgument(f"header.prefix_keys[{i}] {p[:40]!r} is not a chunk key")
+    layout = layer_layout(h.key_spec, h.value_spec, tokens)
+    if len(h.stats.prefix_attention) not in (0, len(h.prefix_keys)):
+        raise InvalidArgument(f"stats.prefix_attention has {len(h.stats.prefix_attention)} values for "
+                              f"{len(h.prefix_keys)} prefix keys")
+    if len(h.stats.token_inter_attention) not in (0, tokens):
+        raise InvalidArgument(f"stats.token_inter_attention has {len(h.stats.token_inter_attention)} values "
+                              f"for {tokens} tokens")
+    shape = PayloadShape(h.num_layers, layout.layer_bytes)
+    if shape.total_bytes > cfg.max_variant_bytes:
+        raise ResourceExhausted(f"variant payload is {shape.total_bytes} bytes; "
+                                f"max_variant_bytes is {cfg.max_variant_bytes}")
+    key = chunk_key(h.model_id, h.token_ids)
+    vid = variant_id(key, h.prefix_keys)
+    writers: list[tuple[int, TierWriter]] = []
+    with s.lock:
+        if vid in s.index:
+            return StoreSession(s, h, key, vid, layout, writers=None)
+        placement.make_room_for_variant(key)
+        try:
+            writers.append((s.home, placement.open_writer(s.home, vid, shape)))
+            now = s.now_ms()
+            for i in range(s.home):
+                if s.tiers[i].cache_on_store:
+                    w = placement.open_cache_writer(i, vid, shape, (0.0, now, now, vid), protected=False)
+                    if w is not None:
+                        writers.append((i, w))
+        except BaseException:
+            for _, w in writers:
+                w.abort()
+            raise
+    return StoreSession(s, h, key, vid, layout, writers)
+
+
+class StoreSession:
+    """One Store stream: validates each layer as it arrives and writes it to the tiers."""
+
+    def __init__(self, s: StoreState, header: StoreHeader, key: str, vid: str, layout: LayerLayout,
+                 writers: list[tuple[int, TierWriter]] | None) -> None:
+        self._s = s
+        self.header = header
+        self.chunk_key = key
+        self.variant_id = vid
+        self.layout = layout
+        self.writers = writers  # None: the variant is already stored, layers are only checked
+        self.total_bytes = header.num_layers * layout.layer_bytes
+        self.checksums = array("Q")
+        self._done = False
+        # A cancelled stream's abort may arrive while a worker thread writes a layer.
+        self._lock = threading.Lock()
+
+    def add_layer(self, layer: int, key: Buffer, value: Buffer) -> None:
+        with self._lock:
+            if self._done:
+                raise InvalidArgument("the Store stream was aborted")
+            n = len(self.checksums)
+            if n >= self.header.num_layers:
+                raise InvalidArgument(f"layer {layer} is past header.num_layers={self.header.num_layers}")
+            if layer != n:
+                raise InvalidArgument(f"expected layer {n}, got layer {layer}: layers must arrive in order")
+            if len(key) != self.layout.key_bytes:
+                raise InvalidArgument(f"layer {n}: key has {len(key)} bytes; key_spec needs {self.layout.key_bytes}")
+            if len(value) != self.layout.value_bytes:
+                raise InvalidArgument(
+                    f"layer {n}: value has {len(value)} bytes; value_spec needs {self.layout.value_bytes}")
+            self.checksums.append(layer_checksum(key, value))
+            for _, w in self.writers or ():
+                w.write_layer(key, value)
+
+    def finish(self) -> StoreResult:
+        with self._lock:
+            if self._done:
+                raise InvalidArgument("the Store stream was aborted")
+            if len(self.checksums) != self.header.num_layers:
+                raise InvalidArgument(f"stream ended after {len(self.checksums)} of "
+                                      f"header.num_layers={self.header.num_layers} layers")
+            self._done = True
+            s = self._s
+            if self.writers is None:
+                with s.lock:
+                    if self.variant_id in s.index:
+                        return self._already_present()
+                raise NotFound(f"variant {self.variant_id} was evicted while being stored again; store it once more")
+            try:
+                return self._commit()
+            finally:
+                for _, w in self.writers:
+                    w.abort()  # no-op for the committed ones
+
+    def _commit(self) -> StoreResult:
+        """Steps 2-4 of the write order, for a session whose layers all arrived."""
+        s, h = self._s, self.header
+        now = s.now_ms()
+        idx = s.index
+        with s.lock:
+            if self.variant_id in idx:  # a concurrent identical store won
+                return self._already_present()
+            v = Variant.build(
+                self.variant_id, idx.intern_key(self.chunk_key), tuple(idx.intern_key(k) for k in h.prefix_keys),
+                len(h.token_ids), s.tiers[s.home].name, h.stats, model_id=h.model_id, num_layers=h.num_layers,
+                key_spec=idx.intern_spec(h.key_spec), value_spec=idx.intern_spec(h.value_spec),
+                layout=idx.intern_layout(self.layout), layer_checksums=self.checksums,
+                last_access_ms=now, created_ms=now)
+            home = next(w for i, w in self.writers if i == s.home)  # type: ignore[union-attr]
+            failpoints.reach("store:payload-written")
+            home.commit()
+            failpoints.reach("store:payload-committed")
+            s.meta.put_variants([v], sync=True)
+            failpoints.reach("store:metadata-committed")
+            for i, w in self.writers:  # type: ignore[union-attr]
+                if i != s.home:
+                    w.commit()
+            v.tier = s.tiers[min(i for i, _ in self.writers)].name  # type: ignore[union-attr]
+            idx.add(v)
+            for lst in s.listeners:
+                lst.on_put(v)
+        return StoreResult(v.chunk_key, v.variant_id, v.size_bytes)
+
+    def _already_present(self) -> StoreResult:
+        v = self._s.index.get(self.variant_id)
+        assert v is not None
+        return StoreResult(self.chunk_key, self.variant_id, v.size_bytes, already_present=True)
+
+    def abort(self) -> None:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                for _, w in self.writers or ():
+                    w.abort()

@@ -1,0 +1,85 @@
+"""What the store's parts share: config, clock, tiers, index, metadata, lock, listeners."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from kvservice.config import Config
+from kvservice.index import Variant, VariantIndex
+from kvservice.metadata import MetadataDB
+from kvservice.tiers.base import PayloadShape, Tier
+
+
+class StoreListener(Protocol):
+    """Told of every change in what is stored (the planner keeps its CP-Tree by it).
+
+    Called with the store's lock held, right after the change (for a put: after the
+    synced metadata batch), from whichever thread made it. A listener must be quick,
+    must not call back into the store (the lock is reentrant, but the store is
+    mid-change), and must not block on a lock that a thread calling the store may hold
+    while waiting for the store's lock (lock order: store, then listener).
+    """
+
+    def on_put(self, variant: Variant) -> None: ...
+    def on_move(self, variant_id: str, tier: str) -> None: ...
+    def on_evict(self, variant_id: str) -> None: ...
+
+
+@dataclass
+class Counters:
+    evictions: int = 0  # variants deleted for space
+    moves: int = 0  # copies moved (or kept) one tier down for space
+    hits: dict[str, int] = field(default_factory=dict)  # layers read, by tier that served them
+    misses: dict[str, int] = field(default_factory=dict)  # layers a tier did not hold when read
+    corrupt: int = 0  # layers that failed their checksum
+
+
+class StoreState:
+    """Shared by the parts of one `ChunkStore`; every mutation happens under `lock`."""
+
+    def __init__(self, cfg: Config, tiers: list[Tier], meta: MetadataDB, clock: Callable[[], float]) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names repeat: {names}")
+        homes = [i for i, t in enumerate(tiers) if t.persistent]
+        if not homes:
+            raise ValueError(f"no persistent tier among {names}: a Store could never be acknowledged")
+        self.cfg = cfg
+        self.clock = clock
+        self.tiers = tiers
+        self.home = homes[0]  # index of the tier a Store must reach before it is acknowledged
+        self.meta = meta
+        self.index = VariantIndex()
+        self.lock = threading.RLock()
+        self.listeners: list[StoreListener] = []
+        self.counters = Counters(hits={n: 0 for n in names}, misses={n: 0 for n in names})
+
+    def now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    @staticmethod
+    def shape(v: Variant) -> PayloadShape:
+        assert v.layout is not None
+        return PayloadShape(v.num_layers, v.layout.layer_bytes)
+
+    def holders(self, v: Variant) -> list[int]:
+        """Indices of the tiers holding a copy of `v`, fastest first."""
+        return [i for i, t in enumerate(self.tiers) if v.variant_id in t]
+
+    def retier(self, v: Variant) -> None:
+        """Set `v.tier` to its fastest holder and tell the listeners if it changed."""
+        held = self.holders(v)
+        name = self.tiers[held[0]].name if held else ""
+        if name and name != v.tier:
+            v.tier = name
+            for lst in self.listeners:
+                lst.on_move(v.variant_id, name)
+
+    def persist_access(self, vs: list[Variant]) -> None:
+        """fr / last access updates: unsynced (a crash loses only eviction hints)."""
+        if vs:
+            self.meta.put_variants(vs, sync=False)

@@ -1,0 +1,83 @@
+"""Protobuf <-> the service's plain records, in one place: the server edge (and the
+RocksDB values, which are serialized `VariantInfo` messages)."""
+
+from __future__ import annotations
+
+from array import array
+from typing import Sequence
+
+from kvclient.types import VariantStats
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.index import Spec, Variant
+from kvservice.records import ChunkSummary, Located, Ref, Selector, StoreHeader, StoreResult, StoreStats
+
+
+def spec(msg: pb.TensorSpec) -> Spec:
+    return Spec(msg.dtype, tuple(msg.shape))
+
+
+def spec_message(s: Spec | None) -> pb.TensorSpec | None:
+    return None if s is None else pb.TensorSpec(dtype=s.dtype, shape=s.shape)
+
+
+def stats_record(s: pb.VariantStats) -> VariantStats:
+    """Per-token numbers as a float32 array (4 bytes a token, as on the wire), the rest as tuples."""
+    return VariantStats(s.a, s.b, tuple(s.prefix_attention), array("f", s.token_inter_attention))
+
+
+def store_header(h: pb.StoreHeader) -> StoreHeader:
+    return StoreHeader(h.model_id, h.token_ids, tuple(h.prefix_keys), h.num_layers, spec(h.key_spec),
+                       spec(h.value_spec), stats_record(h.stats))
+
+
+def store_response(r: StoreResult) -> pb.StoreResponse:
+    return pb.StoreResponse(chunk_key=r.chunk_key, variant_id=r.variant_id, bytes_stored=r.bytes_stored,
+                            already_present=r.already_present)
+
+
+def refs(msgs: Sequence[pb.VariantRef]) -> list[Ref]:
+    return [Ref(m.chunk_key, m.variant_id, m.cfo if m.HasField("cfo") else None) for m in msgs]
+
+
+def selector(msg: pb.VariantSelector) -> Selector:
+    which = msg.WhichOneof("target")
+    if which == "chunk_key":
+        return Selector(chunk_key=msg.chunk_key)
+    if which == "variant_id":
+        return Selector(variant_id=msg.variant_id)
+    return Selector()
+
+
+def variant_message(v: Variant, leased: bool = False) -> pb.VariantInfo:
+    st = v.stats
+    return pb.VariantInfo(
+        variant_id=v.variant_id, chunk_key=v.chunk_key, model_id=v.model_id, prefix_keys=v.prefix_keys,
+        token_count=v.token_count, num_layers=v.num_layers, key_spec=spec_message(v.key_spec),
+        value_spec=spec_message(v.value_spec),
+        stats=pb.VariantStats(a=st.a, b=st.b, prefix_attention=st.prefix_attention,
+                              token_inter_attention=st.token_inter_attention),
+        tier=v.tier, size_bytes=v.size_bytes, fr=v.fr, last_access_unix_ms=v.last_access_ms,
+        created_unix_ms=v.created_ms, pinned=v.pinned, leased=leased, layer_checksums=v.layer_checksums)
+
+
+def locate_response(r: Located) -> pb.LocateResponse:
+    out = pb.LocateResponse(segment=r.segment, lease_id=r.lease_id, lease_expires_unix_ms=int(r.expires_s * 1000))
+    for loc in r.variants:
+        v = loc.variant
+        out.variants.add(variant_id=v.variant_id, offset=loc.offset, length=loc.length, num_layers=v.num_layers,
+                         key_spec=spec_message(v.key_spec), value_spec=spec_message(v.value_spec))
+    return out
+
+
+def stats_response(s: StoreStats) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        chunks=s.chunks, variants=s.variants, evictions=s.evictions, moves=s.moves, leases=s.leases, pinned=s.pinned,
+        tiers=[pb.TierStats(name=t.name, bytes_used=t.bytes_used, bytes_budget=t.bytes_budget, variants=t.variants,
+                            hits=t.hits, misses=t.misses) for t in s.tiers])
+
+
+def list_chunks_response(chunks: list[ChunkSummary], next_token: str) -> pb.ListChunksResponse:
+    return pb.ListChunksResponse(
+        chunks=[pb.ChunkSummary(chunk_key=c.chunk_key, model_id=c.model_id, token_count=c.token_count,
+                                variants=c.variants, size_bytes=c.size_bytes) for c in chunks],
+        next_page_token=next_token)
