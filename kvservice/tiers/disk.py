@@ -61,7 +61,7 @@ class DiskWriter(TierWriter):
             self._fd = -1
         os.replace(self.tmp, self.final)
         _fsync_dir(self.final.parent)
-        self._tier._settle(self._reserved, self.written)
+        self._tier._settle(self._reserved, self.written, add=self.final.name[: -len(SUFFIX)])
         self._reserved = 0
 
     def abort(self) -> None:
@@ -85,6 +85,7 @@ class DiskTier(Tier):
         self.root.mkdir(parents=True, exist_ok=True)
         self._used = 0
         self._reserved = 0  # bytes of writers still streaming
+        self._held: set[str] = set()  # variant ids with a committed file (no stat per question)
         self._lock = threading.Lock()
 
     def path_of(self, variant_id: str) -> Path:
@@ -102,10 +103,6 @@ class DiskTier(Tier):
         except BaseException:
             self._settle(n, 0)
             raise
-
-    def room(self) -> tuple[int, int]:
-        """(used, reserved) bytes: what a new writer of n bytes must fit beside."""
-        return self._used, self._reserved
 
     def get_layer(self, variant_id: str, layer: int, shape: PayloadShape) -> memoryview:
         return self._read(variant_id, shape.offset(layer), shape.layer_bytes)
@@ -135,20 +132,24 @@ class DiskTier(Tier):
         try:
             size = path.stat().st_size
         except FileNotFoundError:
+            self._settle(0, 0, drop=variant_id)
             return
         path.unlink(missing_ok=True)
-        self._settle(0, -size)
+        self._settle(0, -size, drop=variant_id)
 
     def usage(self) -> int:
         return self._used
 
     def __contains__(self, variant_id: object) -> bool:
-        return isinstance(variant_id, str) and self.path_of(variant_id).exists()
+        return variant_id in self._held
 
-    def _settle(self, reserved: int, used: int) -> None:
+    def _settle(self, reserved: int, used: int, add: str = "", drop: str = "") -> None:
         with self._lock:
             self._reserved -= reserved
             self._used += used
+            if add:
+                self._held.add(add)
+            self._held.discard(drop)
 
     # -- recovery ---------------------------------------------------------------------
     def scan(self) -> Iterator[tuple[str, int]]:
@@ -160,7 +161,9 @@ class DiskTier(Tier):
                 if f.name.endswith(TMP_SUFFIX):
                     f.unlink(missing_ok=True)
                 elif f.name.endswith(SUFFIX):
-                    yield f.name[: -len(SUFFIX)], f.stat().st_size
+                    vid = f.name[: -len(SUFFIX)]
+                    self._held.add(vid)
+                    yield vid, f.stat().st_size
 
     def reset_usage(self, used: int) -> None:
         with self._lock:

@@ -75,7 +75,7 @@ class HostTier(Tier):
         self.segment = segment
         self._alloc = SlabAllocator(budget_bytes)
         self._where: dict[str, tuple[int, int]] = {}  # variant id -> (offset, length)
-        self._used = 0  # aligned bytes of committed copies and open writers
+        self._used = 0  # aligned bytes of committed copies (open writers hold extents too)
         self._lock = threading.Lock()
 
     def open_writer(self, variant_id: str, shape: PayloadShape) -> HostWriter:
@@ -84,20 +84,21 @@ class HostTier(Tier):
             off = self._alloc.alloc(n)
             if off is None:
                 raise TierFull(f"host slab has no free run of {aligned(n)} bytes")
-            self._used += aligned(n)
         return HostWriter(self, variant_id, off, shape)
 
     def _publish(self, variant_id: str, off: int, n: int) -> None:
         with self._lock:
             old = self._where.get(variant_id)
             self._where[variant_id] = (off, n)
+            self._used += aligned(n)
         if old is not None:  # a second copy of the same variant: keep the new one
-            self._release(*old)
+            self._release(*old, committed=True)
 
-    def _release(self, off: int, n: int) -> None:
+    def _release(self, off: int, n: int, committed: bool = False) -> None:
         with self._lock:
             self._alloc.free(off, n)
-            self._used -= aligned(n)
+            if committed:
+                self._used -= aligned(n)
 
     def get_layer(self, variant_id: str, layer: int, shape: PayloadShape) -> memoryview:
         return self.get_layers(variant_id, layer, 1, shape)
@@ -117,7 +118,7 @@ class HostTier(Tier):
         with self._lock:
             where = self._where.pop(variant_id, None)
         if where is not None:
-            self._release(*where)
+            self._release(*where, committed=True)
 
     def usage(self) -> int:
         return self._used
