@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     admin.add_argument("target", nargs="?", help="chunk key (get/evict/pin/unpin)")
 
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
-    bench.add_argument("name", choices=["planner", "plan-latency", "crash", "fetch"])
+    bench.add_argument("name", choices=["planner", "plan-latency", "crash", "fetch", "load"])
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
     a = parser.parse_args(argv)

@@ -14,9 +14,11 @@ from typing import IO
 class ServiceProcess:
     """The service exactly as operators run it: its own process, real RocksDB, real files."""
 
-    def __init__(self, data_dir: Path, env: dict[str, str] | None = None, **settings: object) -> None:
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None, cwd: str | None = None,
+                 **settings: object) -> None:
         self.data_dir = Path(data_dir)
         self.env = env or {}
+        self.cwd = cwd  # where `python -m kvservice.cli` runs (bench/load.py: another checkout)
         self.settings = {"host": "127.0.0.1", "port": 0, "data_dir": str(self.data_dir), **settings}
         self.proc: subprocess.Popen | None = None
         self.address = ""
@@ -31,6 +33,7 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvservice.cli", "serve", "--config", str(cfg)],
             stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **self.env},
+            cwd=self.cwd,
         )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout

@@ -445,8 +445,15 @@ class RunningServer:
         self.store.close()
 
 
+# Worker threads for the store's blocking calls (asyncio.to_thread). The default pool
+# (cores + 4) lets a few Stores waiting on fsync stall every fetch behind them.
+IO_THREADS = 64
+
+
 async def start_server(cfg: Config) -> RunningServer:
     cfg.check_tls_files()
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="kvcraft-io"))
     store = ChunkStore(cfg)
     metrics = Metrics(store, cfg.metrics_port, cfg.host)
     options = [

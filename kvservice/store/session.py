@@ -78,6 +78,19 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader) -> "StoreSession"
     return StoreSession(s, h, key, vid, layout, writers)
 
 
+def _claim_commit(s: StoreState, vid: str) -> bool:
+    """Make the caller the one session that commits `vid`; False once it is stored."""
+    while True:
+        with s.lock:
+            if vid in s.index:
+                return False
+            other = s.committing.get(vid)
+            if other is None:
+                s.committing[vid] = threading.Event()
+                return True
+        other.wait()
+
+
 class StoreSession:
     """One Store stream: validates each layer as it arrives and writes it to the tiers."""
 
@@ -134,32 +147,42 @@ class StoreSession:
                     w.abort()  # no-op for the committed ones
 
     def _commit(self) -> StoreResult:
-        """Steps 2-4 of the write order, for a session whose layers all arrived."""
+        """Steps 2-4 of the write order, for a session whose layers all arrived.
+
+        The fsyncs and the synced batch run outside the store lock, so fetches,
+        lookups and other stores go on meanwhile (bench/load.py); an identical store
+        committing at the same time is waited for (both would rename onto one file)."""
         s, h = self._s, self.header
         now = s.now_ms()
         idx = s.index
-        with s.lock:
-            if self.variant_id in idx:  # a concurrent identical store won
-                return self._already_present()
-            v = Variant.build(
-                self.variant_id, idx.intern_key(self.chunk_key), tuple(idx.intern_key(k) for k in h.prefix_keys),
-                len(h.token_ids), s.tiers[s.home].name, h.stats, model_id=h.model_id, num_layers=h.num_layers,
-                key_spec=idx.intern_spec(h.key_spec), value_spec=idx.intern_spec(h.value_spec),
-                layout=idx.intern_layout(self.layout), layer_checksums=self.checksums,
-                last_access_ms=now, created_ms=now)
+        if not _claim_commit(s, self.variant_id):  # a concurrent identical store won
+            return self._already_present()
+        try:
+            with s.lock:
+                v = Variant.build(
+                    self.variant_id, idx.intern_key(self.chunk_key),
+                    tuple(idx.intern_key(k) for k in h.prefix_keys), len(h.token_ids), s.tiers[s.home].name,
+                    h.stats, model_id=h.model_id, num_layers=h.num_layers,
+                    key_spec=idx.intern_spec(h.key_spec), value_spec=idx.intern_spec(h.value_spec),
+                    layout=idx.intern_layout(self.layout), layer_checksums=self.checksums,
+                    last_access_ms=now, created_ms=now)
             home = next(w for i, w in self.writers if i == s.home)  # type: ignore[union-attr]
             failpoints.reach("store:payload-written")
             home.commit()
             failpoints.reach("store:payload-committed")
             s.meta.put_variants([v], sync=True)
             failpoints.reach("store:metadata-committed")
-            for i, w in self.writers:  # type: ignore[union-attr]
-                if i != s.home:
-                    w.commit()
-            v.tier = s.tiers[min(i for i, _ in self.writers)].name  # type: ignore[union-attr]
-            idx.add(v)
-            for lst in s.listeners:
-                lst.on_put(v)
+            with s.lock:
+                for i, w in self.writers:  # type: ignore[union-attr]
+                    if i != s.home:
+                        w.commit()
+                v.tier = s.tiers[min(i for i, _ in self.writers)].name  # type: ignore[union-attr]
+                idx.add(v)
+                for lst in s.listeners:
+                    lst.on_put(v)
+        finally:
+            with s.lock:
+                s.committing.pop(self.variant_id).set()
         return StoreResult(v.chunk_key, v.variant_id, v.size_bytes)
 
     def _already_present(self) -> StoreResult:

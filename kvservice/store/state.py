@@ -55,6 +55,7 @@ class StoreState:
         self.meta = meta
         self.index = VariantIndex()
         self.lock = threading.RLock()
+        self.committing: dict[str, threading.Event] = {}  # variant id -> set when its commit ends
         self.listeners: list[StoreListener] = []
         self.counters = Counters(hits={n: 0 for n in names}, misses={n: 0 for n in names})
 
