@@ -26,7 +26,7 @@ import torch
 
 from kvclient.client import KVClient, Ref
 from kvclient.errors import KVCraftError, NotFoundError
-from kvclient.keys import ModelSpec, chunk_key, variant_id
+from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvservice.launcher import ServiceProcess
 
 MODEL = ModelSpec("crash-loop", num_layers=3, num_kv_heads=2, head_dim=16, dtype="bfloat16").fingerprint()

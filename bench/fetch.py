@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from kvclient.client import KVClient, Ref
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 from kvservice.launcher import ServiceProcess
 
 SPEC = ModelSpec("llama3-8b", 32, 8, 128, "bfloat16", 500000.0)

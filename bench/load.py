@@ -44,7 +44,7 @@ PACKAGES = {"kvcraft": "proto/kvcraft", "kvclient": "client", "kvkernels": "kern
 
 
 def _model_id() -> str:
-    from kvclient.keys import ModelSpec
+    from kvcraft.keys import ModelSpec
 
     return ModelSpec("load", LAYERS, HEADS, DIM, "float16").fingerprint()
 

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Sequence
 
 from kvclient.client import KVClient
-from kvclient.keys import ModelSpec, chunk_key, variant_id
+from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
-from kvservice.layout import layer_layout
+from kvcraft.layout import layer_layout
 from kvservice.planner import ChunkRef
 from kvservice.planning import planner_info
 from kvservice.server import RunningServer, start_server

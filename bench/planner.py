@@ -47,8 +47,8 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
-from kvclient.keys import variant_id
-from kvclient.types import VariantStats
+from kvcraft.keys import variant_id
+from kvcraft.records import VariantStats
 from kvservice.planner import (
     FRESH, PREFIX, ChunkRef, InMemoryCatalog, Planner, PlannerConfig, Variant, fr_increment,
 )

@@ -52,7 +52,7 @@ def build_tiny_llama(path: str | Path, *, layers: int = 2, hidden: int = 128, he
 
 def front_model_id(model: str) -> str:
     """Namespace of the chunk keys the CRAFT front's Plan counts, per model."""
-    from kvclient.keys import ModelSpec
+    from kvcraft.keys import ModelSpec
 
     return ModelSpec(f"rag-front/{model}", 0, 0, 0, "none").fingerprint()
 

@@ -64,7 +64,7 @@ class Request:
 
 
 def chunk_key_of(i: int) -> str:
-    """Stand-in for a content hash: 32 hex chars, like kvclient.keys.chunk_key."""
+    """Stand-in for a content hash: 32 hex chars, like kvcraft.keys.chunk_key."""
     return f"{i:032x}"
 
 

@@ -1,7 +1,8 @@
 """kvcraft client library (import name `kvclient`).
 
-`kvclient.keys` and `kvclient.types` are light (no torch, no grpc) and shared with the
-service; the clients themselves load torch and grpc on first use.
+Identity (`ModelSpec`, `chunk_key`, `variant_id`) and shared records (`VariantStats`)
+live in the contract package `kvcraft` (`kvcraft.keys`, `kvcraft.records`); the clients
+load torch and grpc on first use.
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ _LAZY = {
     "StoreResult": "kvclient.client",
     "FetchedLayer": "kvclient.client",
     "Lease": "kvclient.client",
-    "ModelSpec": "kvclient.keys",
-    "chunk_key": "kvclient.keys",
-    "variant_id": "kvclient.keys",
-    "VariantStats": "kvclient.types",
     "KVCraftError": "kvclient.errors",
     "NotFoundError": "kvclient.errors",
     "InvalidArgumentError": "kvclient.errors",

@@ -15,7 +15,7 @@ import torch
 
 from kvclient.errors import from_rpc_error
 from kvclient.tensors import from_bytes, spec_of, to_bytes
-from kvclient.types import VariantStats
+from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 

@@ -8,15 +8,14 @@ valid while the lease is held (the `LocalFetch` context); copy what you keep lon
 
 from __future__ import annotations
 
-import math
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
 from kvclient.copy_stream import pin_host_memory
+from kvclient.tensors import TORCH_DTYPE
+from kvcraft.layout import layer_layout
 from kvcraft.v1 import kvcraft_pb2 as pb
-
-_DTYPES = {pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.FLOAT32: torch.float32}
 
 
 class SharedSlab:
@@ -34,16 +33,18 @@ class SharedSlab:
 
     def layers(self, loc: pb.VariantLocation) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K, V) aliasing the slab; layout as in docs/storage.md."""
-        kb = math.prod(loc.key_spec.shape) * torch.finfo(_DTYPES[loc.key_spec.dtype]).bits // 8
-        vb = math.prod(loc.value_spec.shape) * torch.finfo(_DTYPES[loc.value_spec.dtype]).bits // 8
-        if (kb + vb) * loc.num_layers != loc.length:
+        tokens = loc.key_spec.shape[1] if len(loc.key_spec.shape) > 1 else 0
+        layout = layer_layout(loc.key_spec, loc.value_spec, tokens)
+        kb = layout.key_bytes
+        if layout.layer_bytes * loc.num_layers != loc.length:
             raise ValueError(f"variant {loc.variant_id}: {loc.length} bytes do not match its specs")
         raw = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=loc.length, offset=loc.offset)
+        k_dtype, v_dtype = TORCH_DTYPE[loc.key_spec.dtype], TORCH_DTYPE[loc.value_spec.dtype]
         out = []
         for layer in range(loc.num_layers):
-            base = layer * (kb + vb)
-            k = raw[base : base + kb].view(_DTYPES[loc.key_spec.dtype]).view(*loc.key_spec.shape)
-            v = raw[base + kb : base + kb + vb].view(_DTYPES[loc.value_spec.dtype]).view(*loc.value_spec.shape)
+            base = layout.offset(layer)
+            k = raw[base : base + kb].view(k_dtype).view(*loc.key_spec.shape)
+            v = raw[base + kb : base + layout.layer_bytes].view(v_dtype).view(*loc.value_spec.shape)
             out.append((k, v))
         return out
 

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
-from kvclient.keys import chunk_key
+from kvcraft.keys import chunk_key
 
 log = logging.getLogger("kvcraft.rag_front")
 

@@ -1,25 +1,27 @@
-"""torch tensor <-> (TensorSpec, bytes), bit-exact for fp16 / bf16 / fp32."""
+"""torch tensor <-> (TensorSpec, bytes), bit-exact for fp16 / bf16 / fp32.
+
+The storable dtypes, their wire enums and sizes are the contract's (`kvcraft.layout.DTYPES`);
+this module only maps each to its torch dtype.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from kvcraft.layout import BY_WIRE, DTYPES
 from kvcraft.v1 import kvcraft_pb2 as pb
 
-_TO_PB = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
-_FROM_PB = {v: k for k, v in _TO_PB.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+TORCH_DTYPE: dict[int, torch.dtype] = {d.wire: getattr(torch, d.name) for d in DTYPES}
+"""Wire dtype enum -> torch dtype."""
+_WIRE = {t: w for w, t in TORCH_DTYPE.items()}
 
 
 def spec_of(t: torch.Tensor) -> pb.TensorSpec:
-    if t.dtype not in _TO_PB:
-        raise ValueError(f"dtype {t.dtype} is not storable; use float16, bfloat16 or float32")
+    if t.dtype not in _WIRE:
+        raise ValueError(f"dtype {t.dtype} is not storable; use {', '.join(d.name for d in DTYPES)}")
     if t.dim() != 3:
         raise ValueError(f"expected a [kv_heads, tokens, head_dim] tensor, got shape {tuple(t.shape)}")
-    return pb.TensorSpec(dtype=_TO_PB[t.dtype], shape=list(t.shape))
+    return pb.TensorSpec(dtype=_WIRE[t.dtype], shape=list(t.shape))
 
 
 def to_bytes(t: torch.Tensor) -> bytes:
@@ -29,8 +31,8 @@ def to_bytes(t: torch.Tensor) -> bytes:
 
 
 def from_bytes(spec: pb.TensorSpec, data: bytes, device: str | torch.device = "cpu") -> torch.Tensor:
-    if spec.dtype not in _FROM_PB:
+    if spec.dtype not in BY_WIRE:
         raise ValueError(f"unknown dtype {spec.dtype} in a LayerChunk")
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    t = flat.view(_FROM_PB[spec.dtype]).reshape(tuple(spec.shape))
+    t = flat.view(TORCH_DTYPE[spec.dtype]).reshape(tuple(spec.shape))
     return t.to(device) if str(device) != "cpu" else t

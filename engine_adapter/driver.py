@@ -39,7 +39,7 @@ from engine_adapter.llama import LlamaEngine, rope_for_spec
 from engine_adapter.policy import FocusTracker, ReusePolicy
 from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
-from kvclient.types import VariantStats
+from kvcraft.records import VariantStats
 from kvkernels import attention_mass, kv_deviation_topk, rope_tables, rotate
 
 log = logging.getLogger("engine_adapter.blend")
@@ -292,7 +292,7 @@ class _Blend:
                 unfocused[self.lay.span(s)] = True
         return ~(unfocused & self.live_mask)[rows]
 
-    # ---- statistics (Cache-Craft §3.1, `kvclient.types.VariantStats`) -----------------
+    # ---- statistics (Cache-Craft §3.1, `kvcraft.records.VariantStats`) -----------------
 
     def _stats_init(self) -> None:
         self._attend_s = 0.0

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 
 from kvkernels import RopeConfig, rope_tables, rotate, selective_attention, selective_attention_sdpa
 

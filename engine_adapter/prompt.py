@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from kvclient.keys import chunk_key
+from kvcraft.keys import chunk_key
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Segment:
     """One span of the prompt.
 
     tokens        token ids of the span.
-    key           chunk key (`kvclient.keys.chunk_key`); computed from the tokens when empty.
+    key           chunk key (`kvcraft.keys.chunk_key`); computed from the tokens when empty.
     cached        a stored variant of this chunk arrives through the LayerSource.
     cached_prefix chunk keys the stored variant was computed behind, in order (the
                   `prefix` policy reuses a chunk only when this equals the chunks before it).

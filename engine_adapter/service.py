@@ -28,7 +28,7 @@ from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource, LayerKV, LayerSource
 from kvclient.client import KVClient, Ref
 from kvclient.errors import KVCraftError
-from kvclient.keys import chunk_key
+from kvcraft.keys import chunk_key
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 log = logging.getLogger(__name__)

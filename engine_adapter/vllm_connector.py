@@ -52,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvclient.keys import ModelSpec, chunk_key, variant_id
+from kvcraft.keys import ModelSpec, chunk_key, variant_id
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

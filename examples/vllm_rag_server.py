@@ -30,7 +30,7 @@ def build_app(model: str, kvcraft: str, block_size: int = 32):
     from vllm.inputs import TokensPrompt
 
     from engine_adapter.vllm_connector import kv_transfer_config
-    from kvclient.keys import ModelSpec
+    from kvcraft.keys import ModelSpec
     from kvclient.rag_front import RAGFront
 
     tok = AutoTokenizer.from_pretrained(model)

@@ -23,8 +23,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from kvservice.layout import LayerLayout
-from kvclient.types import VariantStats
+from kvcraft.layout import LayerLayout
+from kvcraft.records import VariantStats
 
 
 class InvalidVariant(ValueError):

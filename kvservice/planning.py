@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Executor
 
-from kvclient.keys import chunk_key, is_key
+from kvcraft.keys import chunk_key, is_key
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.errors import InvalidArgument, NotFound, Unavailable
 from kvservice.index import Variant

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kvclient.types import VariantStats
+from kvcraft.records import VariantStats
 from kvservice.index import Spec, Variant
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from array import array
 from typing import Sequence
 
-from kvclient.types import VariantStats
+from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.index import Spec, Variant
 from kvservice.records import ChunkSummary, Located, Ref, Selector, StoreHeader, StoreResult, StoreStats

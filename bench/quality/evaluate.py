@@ -33,7 +33,7 @@ from engine_adapter.service import RAGAdapter
 from kvbench.quality import data
 from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
 from kvclient.client import KVClient
-from kvclient.keys import chunk_key
+from kvcraft.keys import chunk_key
 from kvservice.launcher import ServiceProcess
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from kvclient.keys import variant_id as _variant_id
+from kvcraft.keys import variant_id as _variant_id
 
 DEFAULT_PROMOTION_THRESHOLD = 2
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Sequence
 
-from kvclient.keys import is_key
+from kvcraft.keys import is_key
 from kvservice.config import Config
 from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvservice.index import Variant, eviction_key

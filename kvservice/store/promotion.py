@@ -13,7 +13,7 @@ from typing import Iterable
 
 from kvservice.errors import NotFound
 from kvservice.index import Variant, eviction_key
-from kvservice.layout import layer_checksum
+from kvcraft.layout import layer_checksum
 from kvservice.store.placement import Placement
 from kvservice.store.state import StoreState
 from kvservice.tiers.base import TierWriter

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.errors import InvalidArgument
 from kvservice.index import InvalidVariant, Spec, Variant
-from kvservice.layout import layer_checksum, layer_layout
+from kvcraft.layout import layer_checksum, layer_layout
 from kvservice.wire import stats_record
 from kvservice.store.state import StoreState
 from kvservice.tiers.base import Tier

@@ -16,11 +16,11 @@ from __future__ import annotations
 import threading
 from array import array
 
-from kvclient.keys import chunk_key, is_key, variant_id
+from kvcraft.keys import chunk_key, is_key, variant_id
 from kvservice import failpoints
 from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvservice.index import Variant
-from kvservice.layout import LayerLayout, layer_checksum, layer_layout
+from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layout
 from kvservice.records import StoreHeader, StoreResult
 from kvservice.store.placement import Placement
 from kvservice.store.state import StoreState
@@ -34,7 +34,7 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader) -> "StoreSession"
         raise InvalidArgument("header.model_id is empty")
     if not is_key(h.model_id):
         raise InvalidArgument(f"header.model_id {h.model_id[:40]!r} is not 32 lowercase hex chars "
-                              "(use kvclient.keys.ModelSpec.fingerprint())")
+                              "(use kvcraft.keys.ModelSpec.fingerprint())")
     tokens = len(h.token_ids)
     if tokens == 0:
         raise InvalidArgument("header.token_ids is empty: a chunk has at least one token")
@@ -45,7 +45,10 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader) -> "StoreSession"
     for i, p in enumerate(h.prefix_keys):
         if not is_key(p):
             raise InvalidArgument(f"header.prefix_keys[{i}] {p[:40]!r} is not a chunk key")
-    layout = layer_layout(h.key_spec, h.value_spec, tokens)
+    try:
+        layout = layer_layout(h.key_spec, h.value_spec, tokens)
+    except LayoutError as e:
+        raise InvalidArgument(str(e)) from None
     if len(h.stats.prefix_attention) not in (0, len(h.prefix_keys)):
         raise InvalidArgument(f"stats.prefix_attention has {len(h.stats.prefix_attention)} values for "
                               f"{len(h.prefix_keys)} prefix keys")

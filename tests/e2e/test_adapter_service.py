@@ -15,7 +15,7 @@ from engine_adapter.blend import blend_prefill
 from engine_adapter.prompt import Segment
 from engine_adapter.service import RAGAdapter, ServiceLayerSource
 from kvclient.client import KVClient, Ref
-from kvclient.keys import chunk_key
+from kvcraft.keys import chunk_key
 from kvkernels import RopeConfig
 
 ENGINE = LlamaEngine.random("tiny", seed=0)

@@ -17,7 +17,7 @@ from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource
-from kvclient.keys import chunk_key
+from kvcraft.keys import chunk_key
 from kvkernels import apply_rope
 
 

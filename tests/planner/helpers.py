@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvclient.keys import variant_id
-from kvclient.types import VariantStats
+from kvcraft.keys import variant_id
+from kvcraft.records import VariantStats
 from kvservice.planner import Variant
 
 

@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvclient.keys import variant_id
+from kvcraft.keys import variant_id
 from kvservice.planner import FRESH, PREFIX, ChunkRef, InMemoryCatalog, Planner, PlannerConfig
 from kvservice.planner.cp_tree import CPTree
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvclient.client import KVClient
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 
 MODEL = ModelSpec("concurrent", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
 LAYERS = [(torch.full((1, 3, 4), 1.0), torch.full((1, 3, 4), 2.0))] * 2

@@ -8,7 +8,7 @@ import torch
 from kvbench.crash import run
 from kvclient.client import KVClient
 from kvclient.errors import KVCraftError
-from kvclient.keys import ModelSpec, chunk_key
+from kvcraft.keys import ModelSpec, chunk_key
 from kvservice.launcher import ServiceProcess
 
 MODEL = ModelSpec("crash", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32").fingerprint()

@@ -12,7 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvclient.client import KVClient, store_requests
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 
 MODEL = ModelSpec("drain", num_layers=3, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()

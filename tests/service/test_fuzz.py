@@ -21,7 +21,7 @@ import torch
 from google.protobuf.descriptor import FieldDescriptor as FD
 
 from kvclient.client import KVClient, store_requests
-from kvclient.keys import ModelSpec, chunk_key, variant_id
+from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 SEED = int(os.environ.get("KVCRAFT_FUZZ_SEED", "1823"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from kvclient.client import KVClient
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 
 
 def grpcurl(*args: str) -> str:

@@ -11,7 +11,7 @@ import torch
 
 from kvclient.client import KVClient, Ref
 from kvclient.errors import InvalidArgumentError, KVCraftError, ResourceExhaustedError
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 MODEL = ModelSpec("hostile", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
@@ -163,7 +163,7 @@ def test_async_client_sees_the_servers_status_when_a_store_is_refused_mid_stream
     import asyncio
 
     from kvclient.client import AsyncKVClient
-    from kvclient.types import VariantStats
+    from kvcraft.records import VariantStats
 
     model = ModelSpec("hostile-async", num_layers=48, num_kv_heads=1, head_dim=64, dtype="float32").fingerprint()
     big = [(torch.zeros(1, 256, 64), torch.zeros(1, 256, 64)) for _ in range(48)]  # 6 MiB after the header

@@ -7,8 +7,8 @@ import torch
 
 from kvclient.client import KVClient, Ref
 from kvclient.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
-from kvclient.keys import ModelSpec, chunk_key, variant_id
-from kvclient.types import VariantStats
+from kvcraft.keys import ModelSpec, chunk_key, variant_id
+from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.planner import ChunkRef, InMemoryCatalog, Planner, Variant
 

@@ -11,7 +11,7 @@ import torch
 
 from kvclient.client import KVClient
 from kvclient.errors import KVCraftError, UnavailableError
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 
 MODEL = ModelSpec("sec", 1, 1, 2, "float32").fingerprint()
 LAYERS = [(torch.ones(1, 2, 2), torch.zeros(1, 2, 2))]

@@ -10,7 +10,7 @@ import torch
 
 from kvclient.client import KVClient, Ref, store_requests
 from kvclient.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
-from kvclient.keys import ModelSpec, chunk_key, variant_id
+from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 
@@ -172,7 +172,7 @@ def test_oversized_stream_is_resource_exhausted(start_server):
 
 
 def test_match_prefix_counts_the_stored_head_of_a_chain(kvserver):
-    from kvclient.keys import variant_id as vid_of
+    from kvcraft.keys import variant_id as vid_of
     with KVClient(kvserver.address) as c:
         chain, prev = [], []
         for i in range(4):  # block i stored behind block i-1's variant id

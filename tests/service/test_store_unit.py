@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
 from kvservice.errors import ResourceExhausted

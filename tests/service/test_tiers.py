@@ -11,7 +11,7 @@ import torch
 
 from kvclient.client import KVClient, Ref
 from kvclient.errors import NotFoundError, ResourceExhaustedError
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 
 MODEL = ModelSpec("tier-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32").fingerprint()
 TOKENS = 8

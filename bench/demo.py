@@ -109,7 +109,7 @@ def _blended_requests(console, engine, client, chunks) -> None:  # noqa: ANN001 
 
 
 def _index(engine, chunks, key: str) -> int:  # noqa: ANN001
-    from kvclient.keys import chunk_key
+    from kvcraft.keys import chunk_key
 
     model_id = engine.model_spec().fingerprint()
     return next(i for i, c in enumerate(chunks) if chunk_key(model_id, c.tolist()) == key)

@@ -2,7 +2,8 @@
 
 A variant's payload is, for each layer in order, the row-major bytes of K then of V,
 each of shape [kv_heads, tokens, head_dim] in the model dtype (docs/storage.md).
-Nothing here imports torch: the service handles bytes and specs only.
+The service validates and checksums bytes with it; the client maps bytes to tensors
+with it (the torch dtype of each name is the client's business: `kvclient.tensors`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,28 @@ from dataclasses import dataclass
 import xxhash
 
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.errors import InvalidArgument
 
-ITEMSIZE = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4}
+
+class LayoutError(ValueError):
+    """A tensor spec that no payload can have; the message names the field and the problem."""
+
+
+@dataclass(frozen=True)
+class DType:
+    """A storable element type: its name (as in `ModelSpec.dtype` and torch), wire enum, size."""
+
+    name: str
+    wire: int  # kvcraft.v1.DType value
+    itemsize: int  # bytes per element
+
+
+DTYPES: tuple[DType, ...] = (
+    DType("float16", pb.FLOAT16, 2),
+    DType("bfloat16", pb.BFLOAT16, 2),
+    DType("float32", pb.FLOAT32, 4),
+)
+BY_WIRE: dict[int, DType] = {d.wire: d for d in DTYPES}
+BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 
 
 @dataclass(frozen=True)
@@ -35,21 +55,24 @@ class LayerLayout:
 
 def spec_bytes(spec: pb.TensorSpec, name: str, tokens: int) -> int:
     """Validate a K or V spec against the chunk's token count; return its byte size."""
-    if spec.dtype not in ITEMSIZE:
-        raise InvalidArgument(f"{name}.dtype is {pb.DType.Name(spec.dtype) if spec.dtype in pb.DType.values() else spec.dtype}; expected FLOAT16, BFLOAT16 or FLOAT32")
+    if spec.dtype not in BY_WIRE:
+        shown = pb.DType.Name(spec.dtype) if spec.dtype in pb.DType.values() else spec.dtype
+        names = [pb.DType.Name(d.wire) for d in DTYPES]
+        expected = ", ".join(names[:-1]) + " or " + names[-1]
+        raise LayoutError(f"{name}.dtype is {shown}; expected {expected}")
     shape = list(spec.shape)
     if len(shape) != 3 or min(shape) < 1:
-        raise InvalidArgument(f"{name}.shape is {shape}; expected [kv_heads, tokens, head_dim], each >= 1")
+        raise LayoutError(f"{name}.shape is {shape}; expected [kv_heads, tokens, head_dim], each >= 1")
     if shape[1] != tokens:
-        raise InvalidArgument(f"{name}.shape[1] is {shape[1]} but the chunk has {tokens} tokens")
-    return math.prod(shape) * ITEMSIZE[spec.dtype]
+        raise LayoutError(f"{name}.shape[1] is {shape[1]} but the chunk has {tokens} tokens")
+    return math.prod(shape) * BY_WIRE[spec.dtype].itemsize
 
 
 def layer_layout(key_spec: pb.TensorSpec, value_spec: pb.TensorSpec, tokens: int) -> LayerLayout:
     kb = spec_bytes(key_spec, "key_spec", tokens)
     vb = spec_bytes(value_spec, "value_spec", tokens)
     if key_spec.shape[0] != value_spec.shape[0]:
-        raise InvalidArgument(
+        raise LayoutError(
             f"key_spec has {key_spec.shape[0]} kv heads but value_spec has {value_spec.shape[0]}"
         )
     return LayerLayout(kb, vb)

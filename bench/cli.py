@@ -1,0 +1,91 @@
+"""The `kvcraft` command: serve, demo, admin, bench.
+
+This front sits above the service, the client and the benchmarks, so each of them
+stays free of the others: `serve` is the service's own command (`kvservice.cli`),
+`admin` is a client of a running service, `demo` and `bench ...` live in `kvbench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import import_module
+from typing import Sequence
+
+from kvservice import cli as service_cli
+
+BENCHMARKS = ("planner", "plan-latency", "crash", "fetch", "load")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvcraft", description="KV-cache service for RAG LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    service_cli.add_serve_arguments(sub.add_parser("serve", help="run the service (until SIGTERM)"))
+
+    demo = sub.add_parser("demo", help="start a service and drive it end to end")
+    demo.add_argument("--data-dir", help="default: a temporary directory")
+
+    admin = sub.add_parser("admin", help="inspect or manage a running service")
+    admin.add_argument("--address", default="127.0.0.1:50051")
+    admin.add_argument("--admin-token")
+    admin.add_argument("action", choices=["stats", "list", "get", "evict", "pin", "unpin", "flush", "config"])
+    admin.add_argument("target", nargs="?", help="chunk key (get/evict/pin/unpin)")
+
+    bench = sub.add_parser("bench", help="benchmarks (bench/)")
+    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+
+    a = parser.parse_args(argv)
+    if a.command == "serve":
+        return service_cli.serve(a)
+    if a.command == "demo":
+        from kvbench.demo import run_demo
+
+        return run_demo(a.data_dir)
+    if a.command == "admin":
+        return _admin(a)
+    return import_module(f"kvbench.{a.name.replace('-', '_')}").main(a.args)
+
+
+def _admin(a: argparse.Namespace) -> int:
+    from functools import partial
+
+    from google.protobuf import json_format
+
+    from kvclient.client import KVClient
+    from kvclient.errors import KVCraftError
+
+    # The proto's own field names, as grpcurl prints them (not JSON camelCase).
+    MessageToDict = partial(json_format.MessageToDict, preserving_proto_field_name=True)
+    with KVClient(a.address, admin_token=a.admin_token) as c:
+        try:
+            if a.action == "stats":
+                out = MessageToDict(c.stats())
+            elif a.action == "list":
+                out = MessageToDict(c.list_chunks())
+            elif a.action == "config":
+                print(c.config(), end="")
+                return 0
+            elif a.action == "flush":
+                out = MessageToDict(c.flush())
+            else:
+                if not a.target:
+                    print(f"kvcraft admin {a.action}: give a chunk key", file=sys.stderr)
+                    return 2
+                if a.action == "get":
+                    out = [MessageToDict(v) for v in c.get_chunk(a.target)]
+                elif a.action == "evict":
+                    out = MessageToDict(c.evict(chunk_key=a.target))
+                else:
+                    out = {"variants": getattr(c, a.action)(chunk_key=a.target)}
+        except KVCraftError as e:
+            print(f"kvcraft admin {a.action}: {e}", file=sys.stderr)
+            return 1
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

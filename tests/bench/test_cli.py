@@ -1,0 +1,50 @@
+"""The `kvcraft` command front (kvbench.cli): it reaches the service, the client and the benches."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+from kvbench import cli
+from kvclient.client import KVClient
+
+
+def test_serve_through_the_front_runs_the_service(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbench.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+         "--data-dir", str(tmp_path / "data")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("kvcraft serving on 127.0.0.1:"), line
+        address = line.split()[3]
+        with KVClient(address) as c:
+            assert [t.name for t in c.stats().tiers]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_admin_stats_prints_what_the_client_reads(kvserver, capsys):
+    assert cli.main(["admin", "--address", kvserver.address, "stats"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    with KVClient(kvserver.address) as c:
+        names = [t.name for t in c.stats().tiers]
+    assert [t["name"] for t in printed["tiers"]] == names
+
+
+def test_admin_needs_a_chunk_key_for_get(kvserver, capsys):
+    assert cli.main(["admin", "--address", kvserver.address, "get"]) == 2
+    assert "give a chunk key" in capsys.readouterr().err
+
+
+def test_bench_runs_the_named_benchmark(tmp_path, capsys):
+    out = tmp_path / "fetch.json"
+    assert cli.main(["bench", "fetch", "--chunks", "1", "--tokens", "8", "--repeat", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert rows and all(r["bytes"] > 0 and r["seconds"] > 0 for r in rows)
+    printed = capsys.readouterr().out
+    assert all(r["path"] in printed for r in rows)
