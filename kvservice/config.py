@@ -27,6 +27,13 @@ class Config:
     # copies of the hottest ones (docs/storage.md: inclusive tiers).
     host_budget_bytes: int = 1 * GiB
     disk_budget_bytes: int = 64 * GiB
+    # GPU tier (docs/gpu.md): a CUDA memory pool of this many bytes on gpu_device, above
+    # host; 0 = off. Needs a CUDA driver; without one the service runs without it.
+    gpu_budget_bytes: int = 0
+    gpu_device: int = 0
+    # How payloads are read from disk into GPU memory: "posix" (read, then one copy up)
+    # or "kvikio" (GPUDirect Storage, or kvikio's compat mode; pip install 'kvcraft[gpu]').
+    disk_backend: str = "posix"
     # Cache-Craft §3.3: at most M variants per chunk and N x M in all.
     max_variants_per_chunk: int = 4
     max_variants: int = 1_000_000
@@ -66,6 +73,11 @@ class Config:
                      "max_conversation_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.gpu_budget_bytes < 0 or self.gpu_device < 0:
+            raise ValueError(f"gpu_budget_bytes and gpu_device must be >= 0, got "
+                             f"{self.gpu_budget_bytes} and {self.gpu_device}")
+        if self.disk_backend not in ("posix", "kvikio"):
+            raise ValueError(f"disk_backend must be \"posix\" or \"kvikio\", got {self.disk_backend!r}")
         if self.cfo_alpha < 0:
             raise ValueError(f"cfo_alpha must be >= 0, got {self.cfo_alpha}")
         if not 0 < self.lease_timeout_s <= self.max_lease_ttl_s < math.inf:

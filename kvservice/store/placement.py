@@ -106,8 +106,15 @@ class Placement:
         s = self.s
         vid = v.variant_id
         below = [j for j in s.holders(v) if j > i]
-        if not below and i + 1 < len(s.tiers):
-            below = [i + 1] if self._copy_down(v, i, i + 1) else []
+        nxt = i + 1
+        if nxt < s.home and nxt not in below:
+            # One tier down is the next cache tier (gpu -> host) even when the disk holds
+            # the variant too: it was hot enough for the faster tier. Admission as for a
+            # newcomer (open_cache_writer); refused, the copy simply goes.
+            if self._copy_into_cache(v, i, nxt):
+                below.append(nxt)
+        elif not below and nxt < len(s.tiers):
+            below = [nxt] if self._copy_down(v, i, nxt) else []
         if not below:
             self.delete(vid)
             s.counters.evictions += 1
@@ -116,6 +123,10 @@ class Placement:
         s.counters.moves += 1
         s.retier(v)
 
+    def _copy_into_cache(self, v: Variant, src: int, dst: int) -> bool:
+        writer = self.open_cache_writer(dst, v.variant_id, self.s.shape(v), eviction_key(v), v.protected)
+        return writer is not None and self._fill(v, src, dst, writer)
+
     def _copy_down(self, v: Variant, src: int, dst: int) -> bool:
         s = self.s
         shape = s.shape(v)
@@ -123,6 +134,10 @@ class Placement:
             writer = self.open_writer(dst, v.variant_id, shape)
         except ResourceExhausted:
             return False
+        return self._fill(v, src, dst, writer)
+
+    def _fill(self, v: Variant, src: int, dst: int, writer: TierWriter) -> bool:
+        s, shape = self.s, self.s.shape(v)
         try:
             for layer in range(v.num_layers):
                 writer.write_layer(s.tiers[src].get_layer(v.variant_id, layer, shape))

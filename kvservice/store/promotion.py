@@ -90,6 +90,18 @@ class Promotion:
         """Stream every layer of `v` from tier `src` into `writer`; False (variant
         dropped or gone) if a layer cannot be read or fails its checksum."""
         tier, shape = self.s.tiers[src], self.s.shape(v)
+        fill = getattr(writer, "fill_from", None)  # the gpu tier: disk -> GPU memory directly (docs/gpu.md)
+        if fill is not None:
+            verify = (lambda layer, data: self._verify(v, layer, data)) if tier.verify_reads else None
+            try:
+                if fill(tier, v.variant_id, shape, verify):
+                    return True
+            except NotFound:  # a layer failed its checksum; the variant was dropped
+                return False
+            except (KeyError, OSError) as e:
+                if not tier.shared:
+                    self.placement.drop(v.variant_id, f"{tier.name} tier read failed: {e}")
+                return False
         for layer in range(v.num_layers):
             try:
                 data = tier.get_layer(v.variant_id, layer, shape)

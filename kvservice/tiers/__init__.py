@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+import logging
+
 from kvservice.config import Config
+from kvservice.tiers import gpu_driver
+from kvservice.tiers.disk_backend import choose_backend
 from kvservice.tiers.base import PayloadShape, SharedLocation, Tier, TierFull, TierWriter
 from kvservice.tiers.disk import DiskTier
 from kvservice.tiers.host import HostTier, segment_name
 
+log = logging.getLogger("kvcraft.tiers")
+
 __all__ = ["PayloadShape", "SharedLocation", "Tier", "TierFull", "TierWriter", "build_tiers"]
 
 
-def build_tiers(cfg: Config) -> list[Tier]:
-    """The tiers this machine runs, fastest first: the host slab, then the disk (home)."""
+def build_tiers(cfg: Config, driver: gpu_driver.Driver | None = None) -> list[Tier]:
+    """The tiers this machine runs, fastest first: the gpu pool (when `gpu_budget_bytes`
+    is set and a CUDA driver loads), the host slab (pinned where CUDA exists), then the
+    disk (home). `driver`: this process's CUDA driver by default (tests pass a fake)."""
     root = cfg.data_path
     root.mkdir(parents=True, exist_ok=True)
-    return [
-        HostTier(cfg.host_budget_bytes, segment_name(root)),
+    if driver is None:
+        driver = gpu_driver.load(cfg.gpu_device)  # None without CUDA: said once, in one log line
+    out: list[Tier] = [
+        HostTier(cfg.host_budget_bytes, segment_name(root), driver),
         DiskTier(root / "payloads", cfg.disk_budget_bytes),
     ]
+    if cfg.gpu_budget_bytes:
+        if driver is None:
+            log.warning("gpu_budget_bytes is set but no CUDA driver loads: running without the gpu tier")
+        else:
+            from kvservice.tiers.gpu import GpuTier
+
+            out.insert(0, GpuTier(cfg.gpu_budget_bytes, driver, choose_backend(cfg.disk_backend, driver)))
+    return out

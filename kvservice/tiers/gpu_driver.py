@@ -22,8 +22,6 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-import numpy as np
-
 log = logging.getLogger("kvcraft.gpu")
 
 IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
@@ -51,6 +49,8 @@ class Driver(Protocol):
 
 def host_address(buf: memoryview | bytes | bytearray) -> int:
     """Address of a contiguous host buffer (read-only buffers too)."""
+    import numpy as np  # noqa: PLC0415 - only on the GPU path: the service starts without it
+
     view = memoryview(buf)
     return int(np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data) if view.nbytes else 0
 

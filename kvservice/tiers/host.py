@@ -12,13 +12,17 @@ into it, so a Store fills the slab from the same buffer it writes to disk.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from multiprocessing import shared_memory
 from pathlib import Path
 
 from kvcraft import tiers
 from kvservice.tiers.base import Buffer, PayloadShape, SharedLocation, Tier, TierFull, TierWriter
+from kvservice.tiers.gpu_driver import CudaError, Driver, pin_host
 from kvservice.tiers.slab import SlabAllocator, aligned
+
+log = logging.getLogger("kvcraft.host")
 
 
 def segment_name(data_dir: Path) -> str:
@@ -63,7 +67,9 @@ class HostTier(Tier):
     cache_on_store = True  # new stores are the likeliest next reads (and Locate maps them)
     mappable = True
 
-    def __init__(self, budget_bytes: int, segment: str) -> None:
+    def __init__(self, budget_bytes: int, segment: str, driver: Driver | None = None) -> None:
+        """`driver`: this process's CUDA driver (`gpu_driver.load()`), to page-lock the
+        slab so copies from it into GPU memory are DMA at full speed; None: pageable."""
         super().__init__(budget_bytes)
         try:  # a segment left by a crashed run of this data dir
             stale = shared_memory.SharedMemory(name=segment)
@@ -73,6 +79,7 @@ class HostTier(Tier):
             pass
         self.shm = shared_memory.SharedMemory(name=segment, create=True, size=max(budget_bytes, 1))
         self.segment = segment
+        self._unpin = _pin(self.shm.buf, driver)
         self._alloc = SlabAllocator(budget_bytes)
         self._where: dict[str, tuple[int, int]] = {}  # variant id -> (offset, length)
         self._used = 0  # aligned bytes of committed copies (open writers hold extents too)
@@ -127,6 +134,9 @@ class HostTier(Tier):
         return variant_id in self._where
 
     def close(self) -> None:
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
         try:
             self.shm.close()
         except BufferError:  # a view is still alive somewhere; the unlink below still frees it at exit
@@ -135,3 +145,11 @@ class HostTier(Tier):
             self.shm.unlink()
         except FileNotFoundError:
             pass
+
+
+def _pin(buf: memoryview, driver: Driver | None):  # noqa: ANN202 - the undo, or None
+    try:
+        return pin_host(buf, driver)
+    except CudaError as e:  # e.g. RLIMIT_MEMLOCK; copies still work, at pageable speed
+        log.warning("host slab not pinned: %s", e)
+        return None
