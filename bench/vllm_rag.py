@@ -2,14 +2,21 @@
 
     python -m kvbench.vllm_rag engine SPEC.json OUT.json
 
-SPEC: {"model": dir, "block_size": 32, "kv": {"address": ...} | null, "num_blocks": int | null,
-       "max_tokens": 8, "requests": [{"prompt": [ids]} | {"conv": str, "chunks": [[ids]],
-       "question": [ids], "preamble": [ids]}], "front": {"address": ..., "model_id": ...} | null}
+SPEC: {"model": dir, "block_size": 32, "kv": {"address": ..., <extra config>} | null,
+       "num_blocks": int | null, "max_tokens": 8, "requests": [{"prompt": [ids]} | {"conv": str,
+       "chunks": [[ids]], "question": [ids], "preamble": [ids]}], "front": {"address": ...,
+       "model_id": ...} | null, "connector": {"module": ..., "name": ...} (a KVCraftConnector subclass)}
+      or, for several phases on one instance, "phases": [{"requests": [...], "max_tokens": n,
+       "batch": bool, "reset_prefix_cache": bool, "signal": "SIGSTOP" | "SIGCONT" (sent to
+       "service_pid" first), "drain_saves_s": s}], and "shutdown": true to time the engine's
+       shutdown at the end.
 OUT:  {"outputs": [{"prompt": [ids], "output": [ids], "cached": int, "ttft_s": float}, ...],
-       "metrics": connector counters, "startup_s": float}
+       "metrics": connector counters (both roles), "phases": [{"outputs", "metrics"}, ...],
+       "startup_s": float, "shutdown_s": float (the engine's), "connector_shutdown_s": float}
 
 Requests run one at a time (greedy), so each wall time is that request's TTFT when
-max_tokens is 1. A `front` spec builds each prompt through kvclient.rag_front first (its
+max_tokens is 1; a "batch" phase sends them in one generate call (vLLM batches and, with
+few KV blocks, preempts). A `front` spec builds each prompt through kvclient.rag_front first (its
 Plan RPC counts in the TTFT).
 """
 
@@ -68,35 +75,82 @@ def engine_env() -> dict[str, str]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """One vLLM instance through the spec's phases (a spec without "phases" is one phase)."""
     import logging
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvcraft").setLevel(logging.INFO)
     t0 = time.perf_counter()
     kw: dict[str, Any] = {}
     if spec.get("kv"):
-        from engine_adapter.vllm_connector import kv_transfer_config
+        from engine_adapter.vllm import kv_transfer_config
 
         kv = dict(spec["kv"])
         kw["kv_transfer_config"] = kv_transfer_config(kv.pop("address"), **kv)
+        if spec.get("connector"):  # a subclass of KVCraftConnector (tests)
+            kw["kv_transfer_config"].update(kv_connector=spec["connector"]["name"],
+                                            kv_connector_module_path=spec["connector"]["module"])
     if spec.get("num_blocks"):
         kw["num_gpu_blocks_override"] = int(spec["num_blocks"])
     llm = LLM(model=spec["model"], block_size=spec.get("block_size", 32), dtype="float32", seed=0,
               enable_prefix_caching=True, max_model_len=spec.get("max_model_len", 4096),
-              max_num_batched_tokens=spec.get("max_model_len", 4096), **kw)
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", spec.get("max_model_len", 4096)),
+              max_num_seqs=spec.get("max_num_seqs", 256), **kw)
     startup = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     front = None
     if spec.get("front"):
         from kvclient.rag_front import RAGFront
 
         front = RAGFront(spec["front"]["address"], spec["front"]["model_id"],
                          preamble=spec["front"].get("preamble", []), timeout_s=spec["front"].get("timeout_s", 1.0))
+    phases = spec.get("phases") or [{"requests": spec["requests"], "max_tokens": spec.get("max_tokens", 8),
+                                     "return_prompts": spec.get("return_prompts", False),
+                                     "drain_saves_s": spec.get("drain_saves_s", 0)}]
+    results = [_phase(llm, front, spec, ph) for ph in phases]
+    if front is not None:
+        front.close()
+    out = {"outputs": results[0]["outputs"], "metrics": results[-1]["metrics"], "phases": results,
+           "startup_s": startup}
+    if spec.get("shutdown"):  # the engine's own shutdown path: scheduler then worker connector
+        worker = None
+        if spec.get("kv"):
+            from engine_adapter.vllm import connectors_of
+
+            worker = connectors_of(llm)[1].worker
+        t = time.perf_counter()
+        llm.llm_engine.engine_core.shutdown()
+        out["shutdown_s"] = time.perf_counter() - t
+        if worker is not None:
+            out["metrics"] = {**out["metrics"], "dropped_saves": worker.metrics.get("dropped_saves")}
+            out["connector_shutdown_s"] = worker.shutdown_s
+    return out
+
+
+def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> dict[str, Any]:
+    """One phase: optional service signal / prefix-cache reset, then its requests (one at a
+    time, or all in one generate call with "batch"), then optionally wait for the saves."""
+    import signal
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if ph.get("signal"):
+        os.kill(int(spec["service_pid"]), getattr(signal, ph["signal"]))
+    if ph.get("reset_prefix_cache"):
+        llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=ph.get("max_tokens", 8), ignore_eos=True)
     outs = []
-    for r in spec["requests"]:
+    if ph.get("batch"):
+        prompts = [list(r["prompt"]) for r in ph["requests"]]
+        t = time.perf_counter()
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        for p, o in zip(prompts, res):
+            outs.append({"prompt_len": len(p), "prompt": p if ph.get("return_prompts") else None,
+                         "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
+                         "ttft_s": time.perf_counter() - t})
+    for r in ([] if ph.get("batch") else ph["requests"]):
         t = time.perf_counter()
         if "prompt" in r:
             prompt, extra = list(r["prompt"]), {}
@@ -108,18 +162,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             prompt = list(r.get("preamble", [])) + [t for c in r["chunks"] for t in c] + list(r["question"])
             extra = {"chunk_tokens": len(prompt) - len(r["question"]), "dropped_tokens": 0}
         (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        outs.append({"prompt_len": len(prompt), "prompt": prompt if spec.get("return_prompts") else None,
+        outs.append({"prompt_len": len(prompt), "prompt": prompt if ph.get("return_prompts") else None,
                      "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
                      "ttft_s": time.perf_counter() - t, **extra})
     metrics: dict[str, Any] = {}
     if spec.get("kv"):
-        from engine_adapter import vllm_connector
+        from engine_adapter.vllm import connector_metrics, connectors_of
 
-        metrics = vllm_connector.METRICS.snapshot()
-        metrics.pop("per_request_matched")
-    if front is not None:
-        front.close()
-    return {"outputs": outs, "metrics": metrics, "startup_s": startup}
+        if ph.get("drain_saves_s"):
+            metrics["saves_drained"] = connectors_of(llm)[1].worker.drain_saves(ph["drain_saves_s"])
+        metrics.update(connector_metrics(llm))
+    return {"outputs": outs, "metrics": metrics}
 
 
 def engine_main(argv: list[str]) -> int:

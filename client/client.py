@@ -225,6 +225,12 @@ class KVClient:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
+    def match_prefix_future(self, variant_ids: Sequence[str], timeout: float | None = None) -> grpc.Future:
+        """MatchPrefix without blocking: a grpc.Future of the MatchPrefixResponse (`.done()`,
+        `.cancel()`; convert its exception with kvclient.errors.from_rpc_error)."""
+        return self._kv.MatchPrefix.future(pb.MatchPrefixRequest(variant_ids=list(variant_ids)), metadata=self._md,
+                                           timeout=timeout or self.timeout)
+
     def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> "LocalFetch":
         """Same-host fast path: tensors aliasing the service's shared memory, valid until
         the returned LocalFetch is released (use it as a context manager)."""

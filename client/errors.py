@@ -28,12 +28,16 @@ class UnavailableError(KVCraftError):
     """The service cannot be reached (down, or the deadline passed)."""
 
 
+class DeadlineExceededError(UnavailableError):
+    """The service did not answer within the call's timeout (it may be slow, not down)."""
+
+
 _BY_CODE = {
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 
 

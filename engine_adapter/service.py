@@ -1,8 +1,9 @@
 """The adapter's link to a kvcraft service: plan, fetch layer by layer, store back.
 
-`ServiceLayerSource` reads one FetchLayers stream on a background thread, at most
-`depth` layers ahead of the layer being computed (Cache-Craft Alg. 2: preload depth Lp
-from the plan), so layer l is consumed while l+1..l+Lp are in flight.
+`ServiceLayerSource` reads one FetchLayers stream (`kvclient.layer_stream.LayerStream`, the
+reader the vLLM connector uses too) on a background thread, at most `depth` layers ahead
+of the layer being computed (Cache-Craft Alg. 2: preload depth Lp from the plan), so
+layer l is consumed while l+1..l+Lp are in flight.
 
 `RAGAdapter.prefill` serves one RAG request:
   Plan (reorder, dedup, variant choice, lease) -> ServiceLayerSource -> blend_prefill
@@ -15,7 +16,6 @@ completes: a missing layer is computed by the driver, a failed Plan means full p
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +28,7 @@ from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource, LayerKV, LayerSource
 from kvclient.client import KVClient, Ref
 from kvclient.errors import KVCraftError
+from kvclient.layer_stream import LayerStream
 from kvcraft.keys import chunk_key
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -35,67 +36,38 @@ log = logging.getLogger(__name__)
 
 
 class ServiceLayerSource:
-    """A LayerSource fed by one FetchLayers stream (segment index -> variant ref)."""
+    """A LayerSource fed by one kvclient LayerStream (segment index -> variant ref)."""
 
     def __init__(self, client: KVClient, refs: Mapping[int, Ref], depth: int = 1,
                  stream_timeout_s: float = 60.0) -> None:
         self._segs = list(refs)
-        self._want = set(self._segs)
-        self._depth = max(1, depth)
-        self._buf: dict[int, LayerKV] = {}
-        self._cond = threading.Condition()
-        self._consumed = -1  # last layer handed to the driver
-        self._done = False
-        self.error: str | None = None
-        self.arrived: dict[int, float] = {}  # layer -> seconds from start until complete
-        self.layer_bytes: dict[int, int] = {}
-        self._t0 = time.monotonic()
-        self._stream = client.fetch_layers(list(refs.values()), timeout=stream_timeout_s)
-        self._thread = threading.Thread(target=self._read, name="kvcraft-fetch", daemon=True)
-        self._thread.start()
+        self._stream = LayerStream(client, list(refs.values()), depth=max(1, depth),
+                                   deadline=time.monotonic() + stream_timeout_s)
+        self._warned = False
 
-    def _read(self) -> None:
-        try:
-            for f in self._stream:
-                seg = self._segs[f.index]
-                with self._cond:
-                    while f.layer > self._consumed + self._depth and not self._done:
-                        self._cond.wait()  # back-pressure: stay within the preload depth
-                    if self._done:
-                        return
-                    layer = self._buf.setdefault(f.layer, {})
-                    layer[seg] = (f.key, f.value)
-                    self.layer_bytes[f.layer] = self.layer_bytes.get(f.layer, 0) + (
-                        f.key.numel() * f.key.element_size() * 2)
-                    if len(layer) == len(self._want):
-                        self.arrived[f.layer] = time.monotonic() - self._t0
-                    self._cond.notify_all()
-        except KVCraftError as e:
-            self.error = str(e)
-            log.warning("kvcraft fetch stopped (%s); layers not yet received are computed instead", e)
-        finally:
-            with self._cond:
-                self._done = True
-                self._cond.notify_all()
+    @property
+    def error(self) -> str | None:
+        return self._stream.error
+
+    @property
+    def arrived(self) -> dict[int, float]:
+        """layer -> seconds from the start until every variant had it."""
+        return self._stream.arrived
+
+    @property
+    def layer_bytes(self) -> dict[int, int]:
+        return self._stream.layer_bytes
 
     def wait_layer(self, layer: int, deadline: float) -> LayerKV:
-        with self._cond:
-            while len(self._buf.get(layer, ())) < len(self._want) and not self._done:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            got = self._buf.pop(layer, {})
-            self._consumed = layer
-            self._cond.notify_all()
-        return got
+        got = self._stream.wait_layer(layer, deadline)
+        if self._stream.error and not self._warned:
+            self._warned = True
+            log.warning("kvcraft fetch stopped (%s); layers not yet received are computed instead",
+                        self._stream.error)
+        return {self._segs[i]: kv for i, kv in got.items()}
 
     def close(self) -> None:
-        with self._cond:
-            self._done = True
-            self._cond.notify_all()
-        self._stream.cancel()
-        self._thread.join(timeout=5)
+        self._stream.close()
 
 
 @dataclass

@@ -21,6 +21,11 @@ class LayerSource(Protocol):
         """
         ...
 
+    def close(self) -> None:
+        """Stop fetching and free what is buffered; idempotent. The caller calls it once the
+        prefill is done (or failed), whatever was consumed."""
+        ...
+
 
 class InMemoryLayerSource:
     """Every layer already in memory: chunk index -> per-layer (K RoPE-free, V).
@@ -38,6 +43,9 @@ class InMemoryLayerSource:
     def wait_layer(self, layer: int, deadline: float) -> LayerKV:
         self.requested.append(layer)
         return {c: layers[layer] for c, layers in self.kv.items() if (c, layer) not in self.withhold}
+
+    def close(self) -> None:
+        pass
 
 
 class ScheduledLayerSource(InMemoryLayerSource):

@@ -7,7 +7,9 @@ it (`variant_id(chunk_key, path_keys)`), the tier says where that KV lives, and 
 token span is [start, end) of the chunk's tokens inside the prefix.
 
 Lookup walks from the root and returns the longest matching path whose KV is
-resident; any sub-prefix of a longer path is reusable ("prefix slicing").
+resident; any sub-prefix of a longer path is reusable ("prefix slicing"). `follow`
+finds, for a request's chunk set, a path already in the tree (live or pending), so a
+chunk set seen before keeps the order it had.
 
 Update after each request (CRAFT §4.2 "Table Update and Maintenance"), with the
 CA-Table already counting the request:
@@ -85,6 +87,27 @@ class CPTree:
             out.append(child)
             node = child
         return out
+
+    def follow(self, keys: Sequence[str]) -> list[str]:
+        """The longest existing path made only of chunks in `keys` (CRAFT §4.2: a request
+        follows a chunk-prefix already in the tree before the rest is reordered, so the
+        same chunk set gets the order it had). Among equally long paths: the one with
+        more live nodes, then the one whose chunks come first in `keys` (the caller passes
+        its count-sorted order). Only nodes whose chunk is in `keys` are visited."""
+        want = {k: i for i, k in enumerate(keys)}
+
+        def best(node: CPNode, used: frozenset[str]) -> tuple[tuple[int, int, tuple[int, ...]], list[str]]:
+            top: tuple[tuple[int, int, tuple[int, ...]], list[str]] = ((0, 0, ()), [])
+            for k, child in node.children.items():
+                if k not in want or k in used:
+                    continue
+                (n, live, rank), path = best(child, used | {k})
+                cand = ((n + 1, live + (child.tier is not None), (-want[k],) + rank), [k] + path)
+                if cand[0] > top[0]:
+                    top = cand
+            return top
+
+        return best(self._root, frozenset())[1]
 
     # ------------------------------------------------------------------ update
     def update(self, keys: Sequence[str], token_counts: Sequence[int],

@@ -2,7 +2,8 @@
 
 Order (design card, "Service" / "Planner algorithms"):
   1. conversation dedup (CRAFT §4.3)           drop chunks sent in earlier turns
-  2. CRAFT reorder, first turn only (§4.2)     stable sort by CA-Table count
+  2. CRAFT reorder, first turn only (§4.2)     a CP-Tree path the chunks already form,
+                                               then a stable sort by CA-Table count
   3. CP-Tree longest prefix, first turn only   reuse prefix-exact KV, no recompute
   4. per remaining chunk: lowest-CFO variant   Cache-Craft §3.1-3.3, else fresh
   5. recompute token lists                     Cache-Craft eq. 14
@@ -71,6 +72,7 @@ class PlannerConfig:
     dedup: bool = True
     reorder: bool = True
     prefix_tree: bool = True
+    follow_prefix: bool = True            # reorder follows an existing CP-Tree path first
     variants: bool = True
 
     def __post_init__(self) -> None:
@@ -225,6 +227,12 @@ class Planner:
         # 2. reorder a first turn (CRAFT §4.2 "Chunk Reordering")
         if first and cfg.reorder and len(order) > 1:
             order = reorder_by_count(order, count)
+            if cfg.prefix_tree and cfg.follow_prefix:
+                # an existing chunk-prefix path first, the rest by count (CRAFT §4.2)
+                head = self.cp_tree.follow(order)
+                if head:
+                    taken = set(head)
+                    order = head + [k for k in order if k not in taken]
 
         # 3. CP-Tree longest prefix
         nodes = self.cp_tree.lookup(order) if first and cfg.prefix_tree else []

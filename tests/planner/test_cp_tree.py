@@ -164,3 +164,13 @@ class _TreeHooks:
 
     def on_evict(self, vid):
         self.tree.on_evict(vid)
+
+
+def test_follow_takes_an_existing_path_of_the_requests_chunks_live_first():
+    live = {"p/a", "p/a/c"}
+    tree = CPTree(lambda vid: "host" if vid in live else None, variant_id_fn=lambda k, ks: "/".join(["p", *ks, k]))
+    tree.insert(["a", "b"], [1, 1])   # pending path a -> b
+    tree.insert(["a", "c"], [1, 1])   # live path a -> c
+    assert tree.follow(["b", "c", "a"]) == ["a", "c"]          # live child before a pending one
+    assert tree.follow(["b", "a"]) == ["a", "b"]               # a pending path still fixes the order
+    assert tree.follow(["x", "b"]) == []                       # no path starts with these chunks

@@ -115,3 +115,18 @@ def test_plan_never_names_a_variant_that_is_not_stored(ops):
         elif op == "move" and len(catalog):
             vid = sorted(catalog._by_id)[len(ns) % len(catalog)]
             catalog.move(vid, "disk")
+
+
+def test_a_chunk_set_seen_before_keeps_its_order_after_counts_change():
+    """CRAFT §4.2: a request follows an existing CP-Tree path before the rest is reordered."""
+    for follow in (True, False):
+        catalog, planner = make(follow_prefix=follow)
+        first = [planner.plan("m", "", refs("a", "b", "c"), 4).order for _ in range(2)]
+        # c becomes the most retrieved chunk: a plain count sort would now put it first
+        for _ in range(3):
+            planner.plan("m", "", refs("c", "x"), 4)
+        again = planner.plan("m", "", refs("c", "b", "a"), 4).order
+        if follow:
+            assert again == first[1] == (key("a"), key("b"), key("c"))
+        else:
+            assert again[0] == key("c")  # the control: without following, the order changes

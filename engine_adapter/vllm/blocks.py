@@ -1,0 +1,62 @@
+"""vLLM token blocks as kvcraft variants, and what the scheduler side tells the worker side.
+
+Block i of a prompt is stored as a variant of the "chunk" made of that block's token
+ids, behind the variant id of block i-1 (empty for block 0), so a block's variant id is
+a chained hash of every token before it, exactly like vLLM's prefix cache:
+
+    vid_0 = variant_id(chunk_key(M, tokens[0:B]), [])
+    vid_i = variant_id(chunk_key(M, tokens[iB:(i+1)B]), [vid_{i-1}])
+
+M is the block namespace (config.spec_from_vllm): vLLM's cached K is *after* RoPE, at
+the block's absolute positions, unlike kvcraft's chunk caches (K without RoPE), and it
+names the weights, so no block is ever read by another model or other weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvcraft.keys import chunk_key, variant_id
+
+
+def block_chain(model_id: str, token_ids: list[int], block_size: int) -> tuple[list[str], list[str]]:
+    """(chunk keys, chained variant ids) of the full blocks of `token_ids`."""
+    keys: list[str] = []
+    vids: list[str] = []
+    prev: list[str] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        k = chunk_key(model_id, token_ids[start:start + block_size])
+        v = variant_id(k, prev)
+        keys.append(k)
+        vids.append(v)
+        prev = [v]
+    return keys, vids
+
+
+@dataclass(frozen=True)
+class BlockLoad:
+    """Load these service blocks into these vLLM blocks, then report the request done."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    chunk_keys: tuple[str, ...]
+    variant_ids: tuple[str, ...]
+    tokens: int  # tokens vLLM accepted from this load (counted as loaded or failed)
+
+
+@dataclass(frozen=True)
+class BlockSave:
+    """Store the KV of vLLM block `block_id` (computed this step) as this variant."""
+
+    block_id: int
+    token_ids: tuple[int, ...]
+    prefix_vid: str  # "" for block 0
+    variant_id: str
+
+
+@dataclass
+class KVCraftMetadata(KVConnectorMetadata):
+    loads: list[BlockLoad] = field(default_factory=list)
+    saves: list[BlockSave] = field(default_factory=list)

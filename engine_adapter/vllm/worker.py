@@ -1,0 +1,291 @@
+"""The connector's worker side: background loads into vLLM's paged KV, batched saves out of it.
+
+Loads: each request's load (blocks vLLM allocated and will not touch until the load is
+reported finished) runs on a loader thread: one kvclient LayerStream, every layer
+checked (shape, dtype) and copied into the request's blocks. The forward pass never
+waits for it. When it ends, `finished_recving` names the request; if it failed or
+missed `load_timeout_s`, the same step reports its blocks through
+`get_block_ids_with_load_errors` and vLLM (policy "recompute") recomputes them. The
+request's blocks stay allocated until that report, so a late write never lands in a
+block vLLM gave to another request (an aborted request's blocks are freed only then).
+
+Saves: at layer 0 of a step the worker takes the step's planned blocks that are not
+already stored or in flight here; each layer's rows of those blocks are copied out
+(one index_select per layer, so vLLM may reuse the blocks at once); `wait_for_save`
+hands the step's blocks to a pool of `save_concurrency` threads that Store them. A
+failed Store forgets the block (a later request plans it again); a step in which not
+every layer reached `save_kv_layer` saves nothing and says so (counted and logged).
+`shutdown` waits up to `shutdown_drain_s` for queued saves, drops the rest (counted),
+then closes the channel and joins its threads; nothing is logged as an error. It returns
+within shutdown_drain_s plus the time a loader needs to see its closed stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from engine_adapter.vllm.blocks import BlockLoad, BlockSave, KVCraftMetadata
+from engine_adapter.vllm.config import ConnectorSettings
+from engine_adapter.vllm.metrics import ConnectorMetrics
+from kvcraft.keys import ModelSpec
+from kvclient.layer_stream import LayerStream
+
+log = logging.getLogger("kvcraft.vllm")
+
+REMEMBERED_STORED = 8192  # recently confirmed saves not copied again (the scheduler's lookup catches evictions)
+
+
+class WorkerSide:
+    """Worker-role half of KVCraftConnector (see the module docstring)."""
+
+    def __init__(self, settings: ConnectorSettings, spec: ModelSpec, model_id: str, block_size: int, client: Any,
+                 metrics: ConnectorMetrics) -> None:
+        self.settings = settings
+        self.spec = spec
+        self.model_id = model_id
+        self.block_size = block_size
+        self._client = client
+        self.metrics = metrics
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._layer_index: dict[str, int] = {}
+        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvcraft-load")
+        self._lock = threading.Lock()
+        self._streams: set[LayerStream] = set()
+        self._finished: set[str] = set()
+        self._failed: dict[str, set[int]] = {}
+        self._report_failed: set[int] = set()
+        self._closing = False
+        # saves
+        self._inflight: set[str] = set()
+        self._stored: OrderedDict[str, None] = OrderedDict()
+        self._step_saves: list[BlockSave] = []
+        self._step_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._incomplete_logged = False
+        self._saver = ThreadPoolExecutor(max_workers=settings.save_concurrency, thread_name_prefix="kvcraft-save")
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._save_failing = False
+        self.shutdown_s: float | None = None  # how long shutdown() took
+
+    # -- KV cache layout -------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        def index(name: str) -> int:
+            m = re.search(r"layers\.(\d+)\.", name)
+            return int(m.group(1)) if m else 0
+
+        names = sorted(kv_caches, key=index)
+        self._layers = [self._kv_views(kv_caches[n]) for n in names]
+        self._layer_index = {n: i for i, n in enumerate(names)}
+
+    def _kv_views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) views of one layer's paged KV, each [num_blocks, kv_heads, block_size, head_dim]."""
+        bs, h, d = self.block_size, self.spec.num_kv_heads, self.spec.head_dim
+        nb = t.shape[0]
+        if t.dim() == 4 and tuple(t.shape[1:]) == (h, bs, 2 * d):
+            # CPU backend: [blocks, heads, block, 2*hd], K rows then V rows per (block, head)
+            v = t.view(nb, h, 2, bs, d)
+            return v[:, :, 0], v[:, :, 1]
+        if t.dim() == 5 and tuple(t.shape[1:]) == (2, bs, h, d):
+            # flash-attention NHD: [blocks, 2, block, heads, hd]
+            return t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3)
+        raise ValueError(f"KVCraftConnector does not know the paged KV layout {tuple(t.shape)} "
+                         f"(block {bs}, kv heads {h}, head dim {d})")
+
+    # -- loads -------------------------------------------------------------------------------
+    def start_loads(self, meta: KVCraftMetadata) -> None:
+        for ld in meta.loads:
+            if self._closing:
+                self._finish(ld, "shutting down")
+            else:
+                self._loader.submit(self._load, ld)
+
+    def _load(self, ld: BlockLoad) -> None:
+        from kvclient.client import Ref
+
+        why = ""
+        stream = LayerStream(self._client, [Ref(k, v) for k, v in zip(ld.chunk_keys, ld.variant_ids)],
+                             deadline=time.monotonic() + self.settings.load_timeout_s, depth=2, name="kvcraft-load")
+        with self._lock:
+            self._streams.add(stream)
+        try:
+            n = len(ld.block_ids)
+            for i, (kc, vc) in enumerate(self._layers):  # kc, vc: [blocks, heads, block, hd] views
+                got = stream.wait_layer(i)
+                if len(got) < n:
+                    why = stream.error or f"layer {i} not complete within load_timeout_s={self.settings.load_timeout_s}s"
+                    break
+                want = tuple(kc.shape[1:])
+                for j, block_id in enumerate(ld.block_ids):
+                    k, v = got[j]  # [heads, block, hd]
+                    if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype != kc.dtype or v.dtype != vc.dtype:
+                        why = f"a block of shape {tuple(k.shape)} {k.dtype}, not {want} {kc.dtype}"
+                        break
+                    kc[block_id].copy_(k)
+                    vc[block_id].copy_(v)
+                if why:
+                    break
+        except Exception as e:  # noqa: BLE001 - reported as a failed load, vLLM recomputes
+            why = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            stream.close()
+            with self._lock:
+                self._streams.discard(stream)
+        self._finish(ld, why)
+
+    def _finish(self, ld: BlockLoad, why: str) -> None:
+        with self._lock:
+            self._finished.add(ld.req_id)
+            if why:
+                self._failed.setdefault(ld.req_id, set()).update(ld.block_ids)
+        if why:
+            self.metrics.add(failed_load_tokens=ld.tokens, failed_load_blocks=len(ld.block_ids))
+            log.warning("kvcraft: loading %d blocks from %s failed (%s); vLLM recomputes them",
+                        len(ld.block_ids), self.settings.address, why)
+        else:
+            self.metrics.add(loaded_tokens=ld.tokens)
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose load ended (ok or failed) since the last call; their failed blocks
+        become what `failed_blocks` returns next (vLLM asks right after, same step)."""
+        with self._lock:
+            done, self._finished = self._finished, set()
+            for r in done:
+                self._report_failed |= self._failed.pop(r, set())
+        return done
+
+    def failed_blocks(self) -> set[int]:
+        with self._lock:
+            out, self._report_failed = self._report_failed, set()
+        return out
+
+    # -- saves -------------------------------------------------------------------------------
+    def save_layer(self, meta: KVCraftMetadata, layer_name: str) -> None:
+        i = self._layer_index.get(layer_name)
+        if i is None or not meta.saves:
+            return
+        if i == 0:
+            self._release(self._step_saves, stored=False)
+            self._step_saves = [s for s in meta.saves if self._claim(s.variant_id)]
+            self._step_rows = []
+        if not self._step_saves:
+            return
+        kc, vc = self._layers[i]
+        ids = torch.tensor([s.block_id for s in self._step_saves], dtype=torch.long, device=kc.device)
+        # copies now, so vLLM may reuse the blocks before the Store is sent; [n, heads, block, hd]
+        self._step_rows.append((kc.index_select(0, ids).cpu(), vc.index_select(0, ids).cpu()))
+
+    def submit_saves(self) -> None:
+        saves, rows = self._step_saves, self._step_rows
+        self._step_saves, self._step_rows = [], []
+        if not saves:
+            return
+        if len(rows) != len(self._layers):
+            self._release(saves, stored=False)
+            self.metrics.add(incomplete_save_steps=1)
+            if not self._incomplete_logged:
+                log.warning("kvcraft: %d of %d layers reached save_kv_layer in a step; its %d blocks are not "
+                            "saved (a later request saves them)", len(rows), len(self._layers), len(saves))
+                self._incomplete_logged = True
+            return
+        for j, s in enumerate(saves):
+            with self._lock:
+                full = self._closing or self._pending >= self.settings.max_pending_saves
+                if not full:
+                    self._pending += 1
+            if full:
+                self._release([s], stored=False)
+                self.metrics.add(dropped_saves=1)
+                continue
+            self._saver.submit(self._store, s, [(k[j], v[j]) for k, v in rows])  # [heads, block, hd] each
+
+    def _claim(self, vid: str) -> bool:
+        with self._lock:
+            if vid in self._inflight or vid in self._stored:
+                dup = True
+            else:
+                self._inflight.add(vid)
+                dup = False
+        if dup:
+            self.metrics.add(duplicate_saves=1)
+        return not dup
+
+    def _release(self, saves: list[BlockSave], stored: bool) -> None:
+        with self._lock:
+            for s in saves:
+                self._inflight.discard(s.variant_id)
+                if stored:
+                    self._stored[s.variant_id] = None
+                    self._stored.move_to_end(s.variant_id)
+                    if len(self._stored) > REMEMBERED_STORED:
+                        self._stored.popitem(last=False)
+
+    def _store(self, save: BlockSave, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        ok = False
+        try:
+            if self._closing:
+                self.metrics.add(dropped_saves=1)
+                return
+            r = self._client.store(self.model_id, list(save.token_ids), layers,
+                                   prefix_keys=[save.prefix_vid] if save.prefix_vid else [])
+            if r.variant_id != save.variant_id:
+                raise RuntimeError(f"service named the block {r.variant_id}, expected {save.variant_id}")
+            ok = True
+            self.metrics.add(saved_blocks=1)
+            if self._save_failing:
+                self._save_failing = False
+                log.warning("kvcraft: storing blocks in %s works again", self.settings.address)
+        except Exception as e:  # noqa: BLE001 - a lost save is only a later miss
+            if self._closing:
+                self.metrics.add(dropped_saves=1)
+            else:
+                self.metrics.add(save_failures=1)
+                if not self._save_failing:
+                    self._save_failing = True
+                    log.warning("kvcraft: storing a block in %s failed (%s: %s); later requests that compute "
+                                "it save it again", self.settings.address, type(e).__name__, str(e)[:200])
+        finally:
+            self._release([save], stored=ok)
+            with self._lock:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def drain_saves(self, timeout_s: float) -> bool:
+        """Wait until every queued save was sent (or failed); False if `timeout_s` passed first."""
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            while self._pending:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def shutdown(self, close_channel: Any) -> None:
+        """Drain saves (bounded), stop loads, close the channel, join the threads."""
+        t0 = time.monotonic()
+        drained = self.drain_saves(self.settings.shutdown_drain_s)
+        with self._lock:
+            self._closing = True  # queued saves return at once, counted as dropped
+            left = self._pending
+            streams = list(self._streams)
+        for s in streams:
+            s.close(join_s=0.0)
+        close_channel()  # Stores still in flight end now; their errors are expected, not logged
+        self._saver.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
+        self.shutdown_s = time.monotonic() - t0
+        if drained:
+            log.info("kvcraft: worker side shut down in %.2fs, every save sent", self.shutdown_s)
+        else:
+            log.info("kvcraft: worker side shut down in %.2fs; %d saves still queued or in flight after "
+                     "shutdown_drain_s=%.1fs were dropped (dropped_saves)", self.shutdown_s, left,
+                     self.settings.shutdown_drain_s)

