@@ -26,7 +26,7 @@ ENGINE_TIMEOUT_S = 400
 BLOCK = 32
 # 24 blocks of 32 tokens for 8 requests that each need 8 (160 prompt + 90 generated): vLLM preempts,
 # and a resumed request has usually lost its blocks from vLLM's own cache, so it loads again.
-TINY = {"num_blocks": 24, "max_model_len": 768, "max_num_batched_tokens": 768}
+TINY = {"num_blocks": 24, "max_model_len": 704, "max_num_batched_tokens": 704}  # 23 usable blocks
 P_REQUESTS, P_TOKENS, P_GENERATED = 8, 160, 90
 STEP_BOUND_S = 0.25  # docs/vllm.md: the scheduler never waits on the service; asserted per step here
 SHUTDOWN_DRAIN_S = 0.2
