@@ -9,6 +9,7 @@
 - `probe`    per-model reuse probe (ReuseGate), runs the driver
 - `blend`    `blend_prefill`: asks the gate, then runs the driver
 - `service`  RAGAdapter: the link to a kvcraft service
+- `vllm`     the vLLM KV connector (a package; imports vLLM only when its modules load)
 """
 
 from engine_adapter.blend import BlendResult, FreshChunk, LayerTiming, blend_prefill

@@ -68,33 +68,42 @@ def second_turn_requests(w: dict) -> list[dict]:
             {"chunks": [cs[3], cs[1], cs[0], cs[4]], "question": q[1]}]
 
 
-def test_fresh_vllm_loads_reordered_prefixes_from_kvcraft_with_identical_outputs(world):
-    tmp, model = world["tmp"], world["model"]
-    out2, log = run_engine(tmp, "second", {"model": model, "kv": world["kv"], "front": world["front"],
-                                           "requests": second_turn_requests(world), "return_prompts": True})
-    assert all(o["planned"] for o in out2["outputs"])
-    assert out2["metrics"]["loaded_tokens"] > 0, out2["metrics"]
-    assert out2["metrics"]["failed_load_blocks"] == 0
-    # the front put the popular chunks first: each prompt starts with c0 or c1
-    heads = {tuple(world["chunks"][i][:16]) for i in (0, 1)}
-    assert all(tuple(o["prompt"][:16]) in heads for o in out2["outputs"])
-    ref, _ = run_engine(tmp, "second-ref", {"model": model, "kv": None,
-                                            "requests": [{"prompt": o["prompt"]} for o in out2["outputs"]]})
-    assert [o["output"] for o in out2["outputs"]] == [o["output"] for o in ref["outputs"]]
-    assert sum(o["cached"] for o in out2["outputs"]) >= out2["metrics"]["loaded_tokens"]
-
-
 def prompts_of(w: dict) -> list[dict]:
     cs, q = w["chunks"], w["q"]
     return [{"prompt": cs[0] + cs[1] + cs[2] + q[0]}, {"prompt": cs[1] + cs[0] + cs[3] + q[1]},
             {"prompt": cs[0] + cs[1] + cs[5] + q[2]}]
 
 
-def test_load_failing_mid_stream_is_recomputed_by_vllm(world, start_server):
+@pytest.fixture(scope="module")
+def second(world):
+    """A fresh vLLM through the front on the second-turn requests, and one vLLM without the
+    connector giving the reference outputs of its prompts and of the failing-load prompt."""
+    tmp, model = world["tmp"], world["model"]
+    out2, _ = run_engine(tmp, "second", {"model": model, "kv": world["kv"], "front": world["front"],
+                                         "requests": second_turn_requests(world), "return_prompts": True})
+    ref, _ = run_engine(tmp, "ref", {"model": model, "kv": None, "phases": [
+        {"requests": [{"prompt": o["prompt"]} for o in out2["outputs"]]}, {"requests": prompts_of(world)[:1]}]})
+    return out2, [[o["output"] for o in ph["outputs"]] for ph in ref["phases"]]
+
+
+def test_fresh_vllm_loads_reordered_prefixes_from_kvcraft_with_identical_outputs(world, second):
+    out2, (ref, _) = second
+    assert all(o["planned"] for o in out2["outputs"])
+    assert out2["metrics"]["loaded_tokens"] > 0, out2["metrics"]
+    assert out2["metrics"]["loaded_tokens"] == out2["metrics"]["promised_tokens"]
+    assert out2["metrics"]["failed_load_blocks"] == 0
+    # the front put the popular chunks first: each prompt starts with c0 or c1
+    heads = {tuple(world["chunks"][i][:16]) for i in (0, 1)}
+    assert all(tuple(o["prompt"][:16]) in heads for o in out2["outputs"])
+    assert [o["output"] for o in out2["outputs"]] == ref
+    assert sum(o["cached"] for o in out2["outputs"]) >= out2["metrics"]["loaded_tokens"]
+
+
+def test_load_failing_mid_stream_is_recomputed_by_vllm(world, second):
     """The service dies after sending the first layer: vLLM gets the blocks reported and recomputes."""
     tmp, model, server = world["tmp"], world["model"], world["server"]
     reqs = prompts_of(world)[:1]
-    ref, _ = run_engine(tmp, "fail-ref", {"model": model, "kv": None, "requests": reqs})
+    ref = second[1][1]
     server.stop()
     server.env = {"KVCRAFT_FAILPOINT": "fetch:after-first-layer"}
     server.start()
@@ -108,5 +117,6 @@ def test_load_failing_mid_stream_is_recomputed_by_vllm(world, start_server):
         server.start()
     assert out["metrics"]["failed_load_blocks"] > 0, out["metrics"]
     assert out["metrics"]["loaded_tokens"] == 0
-    assert [o["output"] for o in out["outputs"]] == [o["output"] for o in ref["outputs"]]
+    assert out["metrics"]["failed_load_tokens"] == out["metrics"]["promised_tokens"]
+    assert [o["output"] for o in out["outputs"]] == ref
     assert "vLLM recomputes them" in log
