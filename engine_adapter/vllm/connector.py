@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from engine_adapter.vllm.blocks import KVCraftMetadata
 from engine_adapter.vllm.config import ConnectorSettings, spec_from_vllm
-from engine_adapter.vllm.metrics import WORKER_COUNTERS, ConnectorMetrics, KVCraftStats
+from engine_adapter.vllm.metrics import SCHEDULER_COUNTERS, WORKER_COUNTERS, ConnectorMetrics, KVCraftStats
 from engine_adapter.vllm.scheduler import SchedulerSide
 from engine_adapter.vllm.worker import WorkerSide
 
@@ -135,10 +135,12 @@ class KVCraftConnector(KVConnectorBase_V1):
         return self.worker.failed_blocks()
 
     def get_kv_connector_stats(self) -> "KVConnectorStats | None":
-        """The worker's counter increments since the last call, for vLLM's stat loggers."""
+        """This role's counter increments since the last call, for vLLM's stat loggers (vLLM
+        adds the scheduler's to the worker's and prints them as "KV Transfer metrics")."""
+        names = WORKER_COUNTERS if self.worker is not None else SCHEDULER_COUNTERS
         now = self.metrics.snapshot()
-        delta = {k: now[k] - self._reported.get(k, 0) for k in WORKER_COUNTERS if now[k] != self._reported.get(k, 0)}
-        self._reported = {k: now[k] for k in WORKER_COUNTERS}
+        delta = {k: now[k] - self._reported.get(k, 0) for k in names if now[k] != self._reported.get(k, 0)}
+        self._reported = {k: now[k] for k in names}
         return KVCraftStats(data=delta) if delta else None
 
     @classmethod

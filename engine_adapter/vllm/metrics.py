@@ -2,9 +2,9 @@
 
 Where a user reads them (docs/vllm.md): vLLM's own Prometheus counters
 `vllm:external_prefix_cache_queries` / `vllm:external_prefix_cache_hits` (tokens the
-scheduler side promised), vLLM's periodic "KV Transfer metrics" log line (the worker
-side's counters, sent to the scheduler as `KVCraftStats` every step), and, with vLLM in
-the caller's process, `engine_adapter.vllm.connector_metrics(llm)`.
+scheduler side promised), vLLM's periodic "KV Transfer metrics" log line (both roles'
+increments, handed to vLLM as `KVCraftStats` every step), and, with vLLM in the caller's
+process, `engine_adapter.vllm.connector_metrics(llm)`.
 """
 
 from __future__ import annotations
