@@ -9,7 +9,7 @@ import time
 import torch
 
 from kvclient.client import KVClient, Ref
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 from kvclient.layer_stream import LayerStream
 
 MODEL = ModelSpec("layer-stream-test", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32").fingerprint()
