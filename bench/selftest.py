@@ -190,7 +190,7 @@ class SelfTest:
         from kvservice.records import Ref, StoreHeader
         from kvservice.store import ChunkStore
         from kvservice.tiers import build_tiers
-        from kvclient.keys import ModelSpec
+        from kvcraft.keys import ModelSpec
 
         layers, heads, dim = 4, 8, 128
         tokens = max(1, self.nbytes // (layers * 2 * heads * dim * 2))  # fp16 K and V

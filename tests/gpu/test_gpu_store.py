@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
 from kvservice.index import Spec
