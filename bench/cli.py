@@ -37,7 +37,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
-    a = parser.parse_args(argv)
+    # Its own options (kvbench.selftest): everything after the word is passed through.
+    sub.add_parser("selftest", add_help=False, help="prove the GPU data path on this host (docs/gpu.md)")
+
+    a, rest = parser.parse_known_args(argv)
+    if a.command == "selftest":
+        from kvbench.selftest import main as selftest
+
+        return selftest(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.command == "serve":
         return service_cli.serve(a)
     if a.command == "demo":

@@ -1,6 +1,7 @@
-"""`python -m kvbench.selftest`: prove the GPU data path on this host, in one command (docs/gpu.md).
+"""`kvcraft selftest`: prove the GPU data path on this host, in one command (docs/gpu.md).
 
-    python -m kvbench.selftest [--mib 256] [--repeat 5] [--json selftest.json] [--no-kernels]
+    kvcraft selftest [--mib 256] [--repeat 5] [--dir D] [--json selftest.json] [--no-kernels]
+    python -m kvbench.selftest ...     (the same)
 
 1. What the host has: CUDA driver, torch CUDA, kvikio (GDS or compat mode).
 2. Round trips, bit for bit, through every piece that can run here: the gpu tier pool

@@ -59,3 +59,11 @@ def test_a_corrupting_device_fails_the_selftest(tmp_path: Path) -> None:
     assert report.failed
     assert by_check["gpu tier: put, read back (driver API pool)"].status == "FAIL"
     assert "differ" in by_check["disk -> GPU, POSIX backend"].detail
+
+
+def test_kvcraft_selftest_is_a_command(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from kvbench.cli import main
+
+    assert main(["selftest", "--mib", "0.25", "--repeat", "1", "--no-kernels", "--dir", str(tmp_path)]) == 0
+    assert "PASS  host + disk tiers" in capsys.readouterr().out
+    assert main(["selftest", "--mib", "0"]) == 2  # bad input: a message, not a traceback
