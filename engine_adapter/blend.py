@@ -31,16 +31,18 @@ class Gate(Protocol):
 @torch.no_grad()
 def blend_prefill(engine: LlamaEngine, segments: Sequence[Segment], policy: ReusePolicy,
                   source: LayerSource, *, gate: Gate | None = None,
-                  all_logits: bool = False) -> BlendResult:
+                  all_logits: bool = False, stats: bool = True) -> BlendResult:
     """Prefill `segments` reusing stored chunk KV from `source` as `policy` says.
 
-    gate: None asks `probe.DEFAULT_GATE` (one probe per model fingerprint)."""
+    gate: None asks `probe.DEFAULT_GATE` (one probe per model fingerprint).
+    stats: return the fresh chunks as new variants (KV + attention statistics, `.fresh`);
+    False when nothing will be stored: their attention mass is then never computed."""
     spec = engine.model_spec()
     lay = Layout.of(segments, spec.fingerprint())
     reused = policy.reused(lay)
     if reused and not (gate or DEFAULT_GATE).allows(engine):
         return _serve_full(engine, lay)
-    return run_blend(engine, lay, policy, source, reused, all_logits)
+    return run_blend(engine, lay, policy, source, reused, all_logits, stats)
 
 
 def _serve_full(engine: LlamaEngine, lay: Layout) -> BlendResult:

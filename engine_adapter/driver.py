@@ -98,16 +98,17 @@ class BlendResult:
 
 @torch.no_grad()
 def run_blend(engine: LlamaEngine, lay: Layout, policy: ReusePolicy, source: LayerSource,
-              reused: Sequence[int], all_logits: bool = False) -> BlendResult:
-    """The loop, trusted: no reuse probe is asked here."""
-    return _Blend(engine, lay, policy, source, list(reused)).run(all_logits)
+              reused: Sequence[int], all_logits: bool = False, stats: bool = True) -> BlendResult:
+    """The loop, trusted: no reuse probe is asked here. stats=False: no new variants are
+    wanted (nothing will be stored), so fresh chunks get no KV copies and no attention mass."""
+    return _Blend(engine, lay, policy, source, list(reused), stats).run(all_logits)
 
 
 class _Blend:
     """State of one blended prefill; `run` is the per-layer loop."""
 
     def __init__(self, engine: LlamaEngine, lay: Layout, policy: ReusePolicy,
-                 source: LayerSource, reused: list[int]):
+                 source: LayerSource, reused: list[int], stats: bool = True):
         c = engine.cfg
         self.e, self.lay, self.policy, self.source = engine, lay, policy, source
         self.L, self.n = c.num_layers, lay.n
@@ -121,7 +122,8 @@ class _Blend:
         self.live_mask = self.reused_mask.clone()  # [N] rows still served from the cache
         self.live_mask[-1] = False  # the last row is always computed
         self.reused_tokens = int(self.reused_mask.sum())
-        self.fresh = [s for s, seg in enumerate(lay.segments) if not seg.question and s not in reused]
+        self.fresh = [s for s, seg in enumerate(lay.segments)
+                      if stats and not seg.question and s not in reused]  # new variants to return
         self.fresh_mask = torch.zeros(self.n, dtype=torch.bool)  # rows whose mass feeds statistics
         for s in self.fresh:
             self.fresh_mask[lay.span(s)] = True

@@ -129,7 +129,8 @@ class RAGAdapter:
                 log.warning("kvcraft Locate failed (%s); streaming over gRPC instead", e)
         source = self._source(refs, local, plan.preload_depth if plan else 1)
         try:
-            result = blend_prefill(self.engine, segments, self.policy, source, gate=self.gate)
+            result = blend_prefill(self.engine, segments, self.policy, source, gate=self.gate,
+                                   stats=self.store_back)
         finally:
             source.close()
             if local is not None:

@@ -49,8 +49,9 @@ class Config:
     # A conversation remembers its last this-many chunks (CRAFT §4.3 dedup); bounds
     # the Plan response (history and per-chunk prefix keys), however long the talk.
     max_conversation_chunks: int = 512
-    # Cache-Craft eq. 12-13: CFO = alpha * CCI * (1 - beta'); set against answer quality.
-    cfo_alpha: float = 1.0
+    # Cache-Craft eq. 12-13: CFO = alpha * CCI * (1 - beta') <= alpha: the most of a chunk
+    # recomputed (default 15%, planner.variants.DEFAULT_ALPHA); set against answer quality.
+    cfo_alpha: float = 0.15
     # Prometheus metrics over HTTP on this port; 0 = off.
     metrics_port: int = 0
     # Bearer tokens; empty = no auth. Admin RPCs need admin_token when it is set.

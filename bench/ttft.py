@@ -1,0 +1,285 @@
+"""Time to first token of reuse against full prefill, side by side in one run, on CPU.
+
+    python -m kvbench.ttft --json ttft.json --plot docs/ttft.png
+
+A compute-dominant shape: a random-weight Llama (12 layers, hidden 768, 12 heads / 4 KV
+heads, MLP 2048, vocab 32000, fp32), 5 retrieved chunks of 256 tokens + a 32-token
+question. Every chunk's KV was stored in a real kvcraft service (its own process, on
+loopback) behind ANOTHER chunk first, as an earlier request would have left it. Then the
+same prompt is served:
+
+- full prefill: transformers' `LlamaForCausalLM` (SDPA attention, `logits_to_keep=1`) with
+  the same weights, as an outside reference, and the engine's own `LlamaEngine.prefill`;
+- through `RAGAdapter` (Plan, fetch, blended prefill, Release; nothing stored back) with
+  naive reuse, CacheBlend at several budgets, Cache-Craft recomputing the top share of
+  each chunk by eq. 14 at several shares, Cache-Craft as the planner sizes it (the
+  service's default alpha), and the prefix cache (exact variants of the first 3 chunks,
+  stored last); stored KV read from the service's shared memory ("shm") or streamed
+  over gRPC ("grpc").
+
+Each case runs `--repeats` times, cases interleaved, and the median is kept. The split:
+fetch wait, merge + re-rotation, recompute (Q/K/V, MLP, HKVD, statistics), attention,
+logits, other (Plan, Locate, Release, setup). "ideal" is 1 / the share of the prompt's
+row-layers computed (layer 0 and the question included): the speed-up if everything but
+that compute were free. One torch thread by default: the service shares this small
+machine, and a second OpenMP thread stalls whenever it is busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from engine_adapter import CacheBlend, CacheCraft, LlamaConfig, LlamaEngine, Naive, Policy, ReusePolicy
+from engine_adapter.blend import BlendResult, blend_prefill
+from engine_adapter.probe import TRUSTED
+from engine_adapter.prompt import Layout, Segment
+from engine_adapter.service import RAGAdapter
+from engine_adapter.source import InMemoryLayerSource
+from kvclient.client import KVClient
+from kvcraft.keys import chunk_key
+
+SHAPE = LlamaConfig("ttft-bench", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+                    num_heads=12, num_kv_heads=4, head_dim=64)
+
+
+@dataclass(frozen=True)
+class TopShare(CacheCraft):
+    """Cache-Craft with the recompute set fixed to the top `share` of each chunk's tokens by
+    stored inter-attention (eq. 14), instead of the plan's CFO-sized list: to sweep shares."""
+
+    share: float = 0.1
+    ranking: dict = field(default_factory=dict, compare=False)  # chunk key -> token indices, best first
+
+    def first_rows(self, layout: Layout, s: int) -> Sequence[int]:
+        order = self.ranking[layout.keys[s]]
+        return sorted(order[:math.ceil(self.share * len(order))])
+
+
+@dataclass
+class Case:
+    name: str
+    run: Callable[[], tuple[float, BlendResult | None, object]]  # -> (ttft s, result, report)
+    group: str = "reuse"
+    samples: list[dict] = field(default_factory=list)
+
+
+def _split(ttft: float, r: BlendResult | None, fetch_wait: float) -> dict:
+    if r is None or not r.timings:
+        return {"fetch_wait": 0.0, "rotate": 0.0, "recompute": 0.0, "attention": 0.0, "logits": 0.0,
+                "other": 0.0, "compute": ttft}
+    rotate = sum(t.rotate_s for t in r.timings)
+    attend = sum(t.attend_s for t in r.timings)
+    compute = sum(t.compute_s for t in r.timings)
+    layers = sum(t.wait_s + t.compute_s for t in r.timings)
+    return {"fetch_wait": fetch_wait, "rotate": rotate, "attention": attend,
+            "recompute": compute - rotate - attend, "logits": r.logits_s,
+            "other": max(0.0, ttft - layers - r.logits_s), "compute": 0.0}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvbench.ttft", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=SHAPE.num_layers)
+    ap.add_argument("--chunks", type=int, default=5)
+    ap.add_argument("--chunk-len", type=int, default=256)
+    ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--plot", help="write a bar chart (PNG) here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    out = run(a.layers, a.chunks, a.chunk_len, a.question_len, a.repeats)
+    print_table(out)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    if a.plot:
+        plot(out, a.plot)
+    return 0
+
+
+def run(layers: int, n_chunks: int, chunk_len: int, question_len: int, repeats: int) -> dict:
+    from transformers import LlamaForCausalLM
+
+    from kvservice.launcher import ServiceProcess
+
+    cfg = dataclasses.replace(SHAPE, num_layers=layers)
+    engine = LlamaEngine.random(cfg, seed=0, std=0.05)
+    model_id = engine.model_spec().fingerprint()
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    chunks = [rand(chunk_len) for _ in range(n_chunks)]
+    others = [rand(chunk_len) for _ in range(n_chunks)]
+    question = rand(question_len)
+    tokens = torch.tensor(sum(chunks, []) + question)
+
+    with tempfile.TemporaryDirectory(prefix="kvcraft-ttft-") as tmp:
+        engine.save_pretrained(Path(tmp) / "model")
+        hf = LlamaForCausalLM.from_pretrained(Path(tmp) / "model", attn_implementation="sdpa").eval()
+        ref = engine.prefill(tokens, all_logits=False)[0][-1]
+        with ServiceProcess(Path(tmp) / "data") as service, KVClient(service.address) as client:
+            ranking = {}
+            for c, o in zip(chunks, others):  # each chunk stored behind another chunk
+                fresh = blend_prefill(engine, [Segment(o), Segment(c)], Policy("full"), InMemoryLayerSource({}),
+                                      gate=TRUSTED).fresh[1]
+                client.store(model_id, c, fresh.kv, prefix_keys=list(fresh.prefix), stats=fresh.stats)
+                tia = torch.tensor(fresh.stats.token_inter_attention)
+                ranking[chunk_key(model_id, c)] = tia.argsort(descending=True).tolist()
+
+            def via_adapter(policy: ReusePolicy, local: bool) -> Callable:
+                def go() -> tuple[float, BlendResult, object]:
+                    adapter = RAGAdapter(engine, client, policy, gate=TRUSTED, store_back=False, local=local)
+                    try:
+                        r, rep = adapter.prefill(chunks, question, reorder=False)
+                    finally:
+                        adapter.close()
+                    return rep.ttft_s, r, rep
+                return go
+
+            def timed(f: Callable) -> Callable:
+                def go() -> tuple[float, None, None]:
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        f()
+                    return time.perf_counter() - t0, None, None
+                return go
+
+            cases = [
+                Case("transformers SDPA full prefill", timed(lambda: hf(tokens[None], logits_to_keep=1)), "full"),
+                Case("engine full prefill", timed(lambda: engine.prefill(tokens, all_logits=False)), "full"),
+                Case("naive (shm)", via_adapter(Naive(), True)),
+                Case("naive (gRPC)", via_adapter(Naive(), False)),
+            ]
+            for share in (0.05, 0.10, 0.15):
+                cases.append(Case(f"cachecraft top {share:.0%} (shm)", via_adapter(TopShare(share=share, ranking=ranking), True)))
+            cases.append(Case("cachecraft top 10% (gRPC)", via_adapter(TopShare(share=0.10, ranking=ranking), False)))
+            cases.append(Case("cachecraft planned (service alpha) (shm)", via_adapter(CacheCraft(), True)))
+            for budget in (0.12, 0.15, 0.20):
+                if budget * layers >= 1:
+                    cases.append(Case(f"cacheblend budget {budget:.0%} (shm)", via_adapter(CacheBlend(budget=budget), True)))
+            if 0.15 * layers >= 1:
+                cases.append(Case("cacheblend budget 15% (gRPC)", via_adapter(CacheBlend(budget=0.15), False)))
+
+            def sample(case: Case) -> None:
+                ttft, r, rep = case.run()
+                s = {"ttft_s": ttft, "computed_share": r.computed_share if r else 1.0,
+                     "recompute_ratio": r.recompute_ratio if r else 0.0,
+                     "reused_chunks": getattr(rep, "reused_chunks", 0),
+                     **_split(ttft, r, getattr(rep, "fetch_wait_s", 0.0))}
+                if r is not None:
+                    s["logit_dev"] = float((r.logits - ref).norm() / ref.norm())
+                case.samples.append(s)
+
+            for case in cases:  # warm-up: one untimed run each (allocator, first Locate, probe)
+                case.run()
+            for _ in range(repeats):
+                for case in cases:
+                    sample(case)
+            # The prefix cache: exact variants of the first 3 chunks, as a request with the
+            # same leading chunks stores them (the plan prefers them: CFO 0).
+            lead = blend_prefill(engine, [Segment(c) for c in chunks[:3]], Policy("full"), InMemoryLayerSource({}),
+                                 gate=TRUSTED).fresh
+            for i in range(3):
+                client.store(model_id, chunks[i], lead[i].kv, prefix_keys=list(lead[i].prefix), stats=lead[i].stats)
+            prefix = [Case("prefix, 3 of 5 chunks (shm)", via_adapter(Policy("prefix"), True)),
+                      Case("prefix, 3 of 5 chunks (gRPC)", via_adapter(Policy("prefix"), False))]
+            for case in prefix:
+                case.run()
+            for _ in range(repeats):
+                for case in prefix:
+                    sample(case)
+            cases += prefix
+
+    hf_s = _median(cases[0], "ttft_s")
+    eng_s = _median(cases[1], "ttft_s")
+    rows = []
+    for c in cases:
+        med = {k: _median(c, k) for k in c.samples[0]}
+        rows.append({"case": c.name, "group": c.group, **med,
+                     "speedup_vs_transformers": hf_s / med["ttft_s"], "speedup_vs_engine_full": eng_s / med["ttft_s"],
+                     "ideal_speedup": 1.0 / med["computed_share"], "samples": c.samples})
+    return {
+        "benchmark": "kvbench.ttft",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s), "
+                   f"torch {torch.__version__}, {platform.python_version()}",
+        "shape": {"layers": layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
+                  "kv_heads": cfg.num_kv_heads, "mlp": cfg.intermediate_size, "vocab": cfg.vocab_size,
+                  "chunks": n_chunks, "chunk_len": chunk_len, "question_len": question_len, "dtype": "float32"},
+        "repeats": repeats,
+        "rows": rows,
+    }
+
+
+def _median(c: Case, key: str) -> float:
+    return statistics.median(s[key] for s in c.samples if key in s) if any(key in s for s in c.samples) else float("nan")
+
+
+def print_table(out: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    sh = out["shape"]
+    t = Table(title=f"TTFT, {sh['layers']}-layer random Llama (hidden {sh['hidden']}), {sh['chunks']} x "
+                    f"{sh['chunk_len']}-token chunks + {sh['question_len']}-token question, fp32; "
+                    f"median of {out['repeats']}")
+    cols = ("case", "TTFT ms", "vs transformers", "vs engine full", "computed", "ideal", "fetch wait",
+            "rotate", "recompute", "attention", "logits", "other", "logit dev")
+    for col in cols:
+        t.add_column(col, justify="left" if col == "case" else "right")
+    for r in out["rows"]:
+        ms = lambda k: f"{r[k] * 1e3:.0f}" if r["group"] != "full" else "-"  # noqa: E731
+        t.add_row(r["case"], f"{r['ttft_s'] * 1e3:.0f}", f"{r['speedup_vs_transformers']:.1f}x",
+                  f"{r['speedup_vs_engine_full']:.1f}x", f"{r['computed_share']:.1%}", f"{r['ideal_speedup']:.1f}x",
+                  ms("fetch_wait"), ms("rotate"), ms("recompute"), ms("attention"), ms("logits"), ms("other"),
+                  f"{r['logit_dev']:.3f}" if "logit_dev" in r and r["logit_dev"] == r["logit_dev"] else "-")
+    Console(width=200).print(t)
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["rows"]
+    parts = ("fetch_wait", "rotate", "recompute", "attention", "logits", "other")
+    colors = ("0.75", "tab:purple", "tab:blue", "tab:orange", "tab:green", "0.45")
+    fig, ax = plt.subplots(figsize=(11, 0.42 * len(rows) + 1.6))
+    for y, r in enumerate(rows):
+        if r["group"] == "full":
+            ax.barh(y, r["ttft_s"] * 1e3, color="tab:red")
+        else:
+            left = 0.0
+            for p, col in zip(parts, colors):
+                ax.barh(y, r[p] * 1e3, left=left, color=col, label=p if y == 2 else None)
+                left += r[p] * 1e3
+        ax.text(r["ttft_s"] * 1e3 * 1.01, y, f"{r['ttft_s'] * 1e3:.0f} ms, {r['speedup_vs_transformers']:.1f}x "
+                f"(ideal {r['ideal_speedup']:.1f}x, computed {r['computed_share']:.0%})", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), [r["case"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT, ms (log); speed-up vs transformers' SDPA full prefill of the same weights")
+    sh = out["shape"]
+    ax.set_title(f"TTFT on CPU: {sh['layers']}-layer random Llama, hidden {sh['hidden']}, {sh['chunks']} x "
+                 f"{sh['chunk_len']} tokens + {sh['question_len']}, fp32 ({out['date'][:10]})", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_xlim(right=ax.get_xlim()[1] * 8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
