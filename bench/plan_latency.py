@@ -1,9 +1,11 @@
 """Plan latency, in process and over gRPC on loopback, with N variants stored.
 
-Variants are metadata only (issue 6 allows it): records are put straight into the
-store's index and the planner's catalog of a server running in this process, so a
-million of them need no payload files. Everything a Plan touches is real: the
-planner, the lease on the reused variants, the gRPC round trip.
+The server runs in its own process (its own GIL, as operators run it). Variants are
+metadata only (issue 6 allows it): that process puts records straight into the store's
+index, the one the planner reads, so a million of them need no payload files.
+Everything a Plan touches is real: the planner, the lease on the reused variants, the
+gRPC round trip. The server process also times the planner in process, and reports its
+peak RSS (the index's memory) and the time to fill it.
 
     kvcraft bench plan-latency --sizes 10000 100000 1000000 --requests 2000
 """
@@ -14,50 +16,51 @@ import argparse
 import asyncio
 import gc
 import json
+import multiprocessing as mp
 import random
+import resource
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Sequence
 
 from kvclient.client import KVClient
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
+from kvcraft.layout import layer_layout
+from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
-from kvcraft.layout import layer_layout
+from kvservice.index import Spec, Variant
 from kvservice.planner import ChunkRef
-from kvservice.planning import planner_info
 from kvservice.server import RunningServer, start_server
-from kvservice.store import _Variant
 
 MODEL = ModelSpec("llama3-8b", 32, 8, 128, "bfloat16", 500000.0).fingerprint()
 TOKENS = 512
-SPEC = pb.TensorSpec(dtype=pb.BFLOAT16, shape=[8, TOKENS, 128])
+LAYERS = 32
 
 
 def _fill(running: RunningServer, n_variants: int, seed: int) -> list[str]:
     """n_variants metadata records: chunks with 1..4 variants behind random prefixes."""
     rng = random.Random(seed)
-    store = running.store
-    planning = store.listeners[0]
-    layout = layer_layout(SPEC, SPEC, TOKENS)
+    index = running.store.index
+    spec = index.intern_spec(Spec(pb.BFLOAT16, (8, TOKENS, 128)))
+    layout = index.intern_layout(layer_layout(spec, spec, TOKENS))
+    order = range(TOKENS)
+    checksums = tuple(range(LAYERS))
+    disk = running.store.tiers[-1].name
     keys: list[str] = []
     made = 0
     while made < n_variants:
         key = chunk_key(MODEL, [len(keys), 7, 7])
         keys.append(key)
         for m in range(min(rng.randint(1, 4), n_variants - made)):
-            prefix = [] if m == 0 else [chunk_key(MODEL, [rng.randrange(len(keys)), 7, 7])]
-            stats = pb.VariantStats(a=rng.random() * 0.3 if prefix else 0.0, b=0.3 + rng.random() * 0.5,
-                                    prefix_attention=[0.2] * len(prefix))
-            info = pb.VariantInfo(variant_id=variant_id(key, prefix), chunk_key=key, model_id=MODEL,
-                                  prefix_keys=prefix, token_count=TOKENS, num_layers=32, key_spec=SPEC,
-                                  value_spec=SPEC, stats=stats, tier="disk", size_bytes=32 * layout.layer_bytes)
-            store._variants[info.variant_id] = _Variant(info, layout)
-            store._chunks.setdefault(key, []).append(info.variant_id)
-            planning.catalog.put(planner_info(info))
+            prefix = () if m == 0 else (index.intern_key(keys[rng.randrange(len(keys))]),)
+            stats = VariantStats(a=rng.random() * 0.3 if prefix else 0.0, b=0.3 + rng.random() * 0.5,
+                                 prefix_attention=(0.2,) * len(prefix))
+            index.add(Variant(variant_id(key, prefix), key, prefix, TOKENS, disk, stats, order, model_id=MODEL,
+                              num_layers=LAYERS, key_spec=spec, value_spec=spec, layout=layout,
+                              layer_checksums=checksums))
             made += 1
     return keys
 
@@ -73,56 +76,64 @@ def _pcts(samples: list[float]) -> tuple[float, float]:
     return statistics.median(s) * 1e6, s[int(0.99 * (len(s) - 1))] * 1e6
 
 
-def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    holder: dict = {}
+def _serve(n_variants: int, n_requests: int, seed: int, conn) -> None:  # noqa: ANN001 (a Connection)
+    """The server process: fill, time the planner in process, serve until told to stop."""
 
     async def run() -> None:
         with tempfile.TemporaryDirectory(prefix="kvcraft-planlat-") as tmp:
             # host budget of 1 byte: Plan's preload skips the metadata-only variants (no payload to read)
             cfg = load_config(env={}, overrides={"port": 0, "data_dir": tmp, "max_variants": 10 * n_variants,
                                                  "host_budget_bytes": 1})
-            holder["server"] = await start_server(cfg)
-            holder["stop"] = asyncio.Event()
-            ready.set()
-            await holder["stop"].wait()
-            await holder["server"].stop(0)
+            running = await start_server(cfg)
+            t0 = time.perf_counter()
+            keys = _fill(running, n_variants, seed)
+            fill_s = time.perf_counter() - t0
+            reqs = _requests(keys, n_requests, seed + 1)
+            planner = running.store.listeners[0].planner
+            gc.collect()
+            gc.freeze()  # the filled index is long-lived: keep the collector off it, as a server would
+            in_proc = []
+            for r in reqs:
+                s = time.perf_counter()
+                planner.plan(MODEL, "", [ChunkRef(k, TOKENS) for k in r], 64)
+                in_proc.append(time.perf_counter() - s)
+            rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            conn.send({"port": running.port, "keys": [k for r in reqs for k in r], "fill_s": fill_s,
+                       "in_proc": in_proc, "rss_gb": rss_gb})
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
+            await running.stop(0)
 
-    t = threading.Thread(target=lambda: loop.run_until_complete(run()), daemon=True)
-    t.start()
-    ready.wait()
-    running: RunningServer = holder["server"]
-    t0 = time.perf_counter()
-    keys = _fill(running, n_variants, seed)
-    fill_s = time.perf_counter() - t0
-    reqs = _requests(keys, n_requests, seed + 1)
-    planning = running.store.listeners[0]
-    gc.collect()
-    gc.freeze()  # the filled index is long-lived: keep the collector off it, as a server would
+    asyncio.run(run())
 
-    in_proc = []
-    for r in reqs:
-        s = time.perf_counter()
-        planning.planner.plan(MODEL, "", [ChunkRef(k, TOKENS) for k in r], 64)
-        in_proc.append(time.perf_counter() - s)
 
-    grpc_lat = []
-    with KVClient(f"127.0.0.1:{running.port}") as c:
-        for r in reqs[:50]:  # warm the channel
-            c.release(c.plan(MODEL, [(k, TOKENS) for k in r], 64).lease_id or "-")
-        for r in reqs:
-            s = time.perf_counter()
-            resp = c.plan(MODEL, [(k, TOKENS) for k in r], 64)
-            grpc_lat.append(time.perf_counter() - s)
-            if resp.lease_id:
-                c.release(resp.lease_id)
-    loop.call_soon_threadsafe(holder["stop"].set)
-    t.join()
-    gc.unfreeze()
-    p50, p99 = _pcts(in_proc)
+def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(n_variants, n_requests, seed, there), daemon=True)
+    proc.start()
+    try:
+        got = here.recv()
+        flat = got["keys"]
+        reqs = [flat[i : i + 5] for i in range(0, len(flat), 5)]
+        grpc_lat = []
+        with KVClient(f"127.0.0.1:{got['port']}") as c:
+            for r in reqs[:50]:  # warm the channel
+                c.release(c.plan(MODEL, [(k, TOKENS) for k in r], 64).lease_id or "-")
+            for r in reqs:
+                s = time.perf_counter()
+                resp = c.plan(MODEL, [(k, TOKENS) for k in r], 64)
+                grpc_lat.append(time.perf_counter() - s)
+                if resp.lease_id:
+                    c.release(resp.lease_id)
+        here.send("stop")
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    p50, p99 = _pcts(got["in_proc"])
     g50, g99 = _pcts(grpc_lat)
-    return {"variants": n_variants, "requests": n_requests, "fill_s": round(fill_s, 1),
+    return {"variants": n_variants, "requests": n_requests, "fill_s": round(got["fill_s"], 1),
+            "server_peak_rss_gb": round(got["rss_gb"], 2),
             "in_process_p50_us": round(p50, 1), "in_process_p99_us": round(p99, 1),
             "grpc_p50_us": round(g50, 1), "grpc_p99_us": round(g99, 1)}
 
@@ -134,11 +145,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default="bench-plan-latency.json")
     a = p.parse_args(argv)
     rows = []
-    print(f"{'variants':>10} {'in-proc p50 us':>15} {'p99 us':>8} {'gRPC p50 us':>12} {'p99 us':>8}")
+    print(f"{'variants':>10} {'fill s':>7} {'RSS GB':>7} {'in-proc p50 us':>15} {'p99 us':>8} "
+          f"{'gRPC p50 us':>12} {'p99 us':>8}")
     for n in a.sizes:
         row = measure(n, a.requests)
         rows.append(row)
-        print(f"{n:>10} {row['in_process_p50_us']:>15} {row['in_process_p99_us']:>8} "
-              f"{row['grpc_p50_us']:>12} {row['grpc_p99_us']:>8}", flush=True)
+        print(f"{n:>10} {row['fill_s']:>7} {row['server_peak_rss_gb']:>7} {row['in_process_p50_us']:>15} "
+              f"{row['in_process_p99_us']:>8} {row['grpc_p50_us']:>12} {row['grpc_p99_us']:>8}", flush=True)
     Path(a.json).write_text(json.dumps(rows, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,7 +14,8 @@ import grpc
 import torch
 
 from kvclient.errors import from_rpc_error
-from kvclient.tensors import from_bytes, spec_of, to_bytes
+from kvclient.tensors import byte_view, from_bytes, spec_of, to_bytes
+from kvcraft import codec
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
@@ -62,8 +63,8 @@ class Lease:
 
 
 # -- request builders shared by both clients --------------------------------------------
-def store_requests(model_id: str, token_ids: Sequence[int], layers: Sequence[Layer],
-                   prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> Iterator[pb.StoreRequest]:
+def store_header(model_id: str, token_ids: Sequence[int], layers: Sequence[Layer],
+                 prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> pb.StoreHeader:
     if not layers:
         raise ValueError("layers is empty: a variant has at least one layer")
     k0, v0 = layers[0]
@@ -73,9 +74,35 @@ def store_requests(model_id: str, token_ids: Sequence[int], layers: Sequence[Lay
     if stats is not None:
         header.stats.CopyFrom(pb.VariantStats(a=stats.a, b=stats.b, prefix_attention=stats.prefix_attention,
                                               token_inter_attention=stats.token_inter_attention))
-    yield pb.StoreRequest(header=header)
+    return header
+
+
+def store_requests(model_id: str, token_ids: Sequence[int], layers: Sequence[Layer],
+                   prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> Iterator[pb.StoreRequest]:
+    """The Store stream as protobuf messages (the reference for `store_messages`)."""
+    yield pb.StoreRequest(header=store_header(model_id, token_ids, layers, prefix_keys, stats))
     for i, (k, v) in enumerate(layers):
         yield pb.StoreRequest(layer=pb.LayerPayload(layer=i, key=to_bytes(k), value=to_bytes(v)))
+
+
+def store_messages(model_id: str, token_ids: Sequence[int], layers: Sequence[Layer],
+                   prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> Iterator[bytes]:
+    """The Store stream serialized: the header through protobuf, each layer by
+    `kvcraft.codec` straight from the tensors' memory (one copy of its bytes; the same
+    wire bytes as `store_requests`)."""
+    yield pb.StoreRequest(header=store_header(model_id, token_ids, layers, prefix_keys, stats)).SerializeToString()
+    for i, (k, v) in enumerate(layers):
+        spec_of(k), spec_of(v)  # a storable dtype and shape, as store_requests checks
+        yield codec.encode_store_layer(i, byte_view(k), byte_view(v))
+
+
+def _layer_chunk(data: bytes) -> codec.LayerChunkView | pb.LayerChunk:
+    """FetchLayers responses: K and V as views of the received bytes (no copy)."""
+    return codec.decode_layer_chunk(data) or pb.LayerChunk.FromString(data)
+
+
+_STORE = "/kvcraft.v1.KVCache/Store"
+_FETCH = "/kvcraft.v1.KVCache/FetchLayers"
 
 
 def fetch_request(refs: Sequence[RefLike], first_layer: int = 0, num_layers: int = 0) -> pb.FetchRequest:
@@ -105,7 +132,7 @@ def _ref(r: RefLike) -> pb.VariantRef:
     return pb.VariantRef(chunk_key=r.chunk_key, variant_id=r.variant_id, cfo=r.cfo)  # None leaves it unset
 
 
-def _layer(msg: pb.LayerChunk, device: str | torch.device) -> FetchedLayer:
+def _layer(msg: codec.LayerChunkView | pb.LayerChunk, device: str | torch.device) -> FetchedLayer:
     return FetchedLayer(msg.layer, msg.index, msg.variant_id,
                         from_bytes(msg.key_spec, msg.key, device), from_bytes(msg.value_spec, msg.value, device))
 
@@ -166,6 +193,9 @@ class KVClient:
                          else grpc.insecure_channel(address, options=opts))
         self._kv = pb_grpc.KVCacheStub(self._channel)
         self._admin = pb_grpc.AdminStub(self._channel)
+        self._store = self._channel.stream_unary(_STORE, response_deserializer=pb.StoreResponse.FromString)
+        self._fetch = self._channel.unary_stream(_FETCH, request_serializer=pb.FetchRequest.SerializeToString,
+                                                 response_deserializer=_layer_chunk)
         self._md = _metadata(token)
         self._admin_md = _metadata(admin_token)
         self.timeout = timeout
@@ -191,7 +221,7 @@ class KVClient:
     # -- KVCache ----------------------------------------------------------------------
     def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
               prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
-        r = self._call(self._kv.Store, store_requests(model_id, token_ids, layers, prefix_keys, stats))
+        r = self._call(self._store, store_messages(model_id, token_ids, layers, prefix_keys, stats))
         return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
 
     def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
@@ -205,8 +235,8 @@ class KVClient:
                      device: str | torch.device = "cpu", timeout: float | None = None) -> "FetchStream":
         """Layers of the variants, layer-major, as they arrive (iterate; `cancel()` from
         any thread ends the stream)."""
-        call = self._kv.FetchLayers(fetch_request(refs, first_layer, num_layers), metadata=self._md,
-                                    timeout=timeout or self.timeout)
+        call = self._fetch(fetch_request(refs, first_layer, num_layers), metadata=self._md,
+                           timeout=timeout or self.timeout)
         return FetchStream(call, device)
 
     def fetch(self, chunk_key: str, variant_id: str = "", device: str | torch.device = "cpu") -> list[Layer]:
@@ -288,6 +318,9 @@ class AsyncKVClient:
                          else grpc.aio.insecure_channel(address, options=opts))
         self._kv = pb_grpc.KVCacheStub(self._channel)
         self._admin = pb_grpc.AdminStub(self._channel)
+        self._store = self._channel.stream_unary(_STORE, response_deserializer=pb.StoreResponse.FromString)
+        self._fetch = self._channel.unary_stream(_FETCH, request_serializer=pb.FetchRequest.SerializeToString,
+                                                 response_deserializer=_layer_chunk)
         self._md = _metadata(token)
         self._admin_md = _metadata(admin_token)
         self.timeout = timeout
@@ -309,7 +342,7 @@ class AsyncKVClient:
 
     async def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
                     prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
-        r = await self._call(self._kv.Store, _aiter(store_requests(model_id, token_ids, layers, prefix_keys, stats)))
+        r = await self._call(self._store, _aiter(store_messages(model_id, token_ids, layers, prefix_keys, stats)))
         return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
 
     async def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
@@ -321,8 +354,8 @@ class AsyncKVClient:
     async def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                            device: str | torch.device = "cpu",
                            timeout: float | None = None) -> AsyncIterator[FetchedLayer]:
-        call = self._kv.FetchLayers(fetch_request(refs, first_layer, num_layers), metadata=self._md,
-                                    timeout=timeout or self.timeout)
+        call = self._fetch(fetch_request(refs, first_layer, num_layers), metadata=self._md,
+                           timeout=timeout or self.timeout)
         try:
             async for msg in call:
                 yield _layer(msg, device)
@@ -352,6 +385,6 @@ class AsyncKVClient:
         return await self._call(self._admin.Stats, pb.StatsRequest(), admin=True)
 
 
-async def _aiter(it: Iterable[pb.StoreRequest]) -> AsyncIterator[pb.StoreRequest]:
+async def _aiter(it: Iterable[bytes]) -> AsyncIterator[bytes]:
     for x in it:
         yield x

@@ -30,7 +30,15 @@ def to_bytes(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes()
 
 
-def from_bytes(spec: pb.TensorSpec, data: bytes, device: str | torch.device = "cpu") -> torch.Tensor:
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The row-major bytes of `t` as a view (no copy when `t` is a contiguous CPU
+    tensor; a device tensor is copied to the host once). Keep `t` alive while it is used."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+def from_bytes(spec: pb.TensorSpec, data: bytes | memoryview, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A writable tensor of the bytes (one copy)."""
     if spec.dtype not in BY_WIRE:
         raise ValueError(f"unknown dtype {spec.dtype} in a LayerChunk")
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)

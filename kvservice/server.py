@@ -35,6 +35,9 @@ from kvservice.planner.catalog import TIERS
 from kvservice.planning import PlanningService
 from kvservice.store import ChunkStore
 from kvservice import wire
+from kvservice.index import Variant
+from kvcraft import codec
+from kvcraft.codec import StoreLayer
 
 log = logging.getLogger("kvcraft.server")
 
@@ -65,6 +68,27 @@ def _parser(cls: type) -> Callable[[bytes], Any]:
     return parse
 
 
+def _store_parser(data: bytes) -> Any:
+    """Store stream messages: a layer as views of the received bytes (`kvcraft.codec`,
+    no copy), anything else through protobuf."""
+    return codec.decode_store_layer(data) or _STORE_REQUEST(data)
+
+
+_STORE_REQUEST = _parser(pb.StoreRequest)
+# Per method: (request deserializer, response serializer) that replace protobuf's.
+# FetchLayers yields LayerChunk messages it serialized itself (`kvcraft.codec`).
+_CODECS: dict[str, tuple[Callable[[bytes], Any] | None, Callable[[Any], bytes] | None]] = {
+    "Store": (_store_parser, None),
+    "FetchLayers": (None, bytes),
+}
+
+
+def _as_message(req: Any) -> Any:
+    if isinstance(req, StoreLayer):
+        return pb.StoreRequest(layer=pb.LayerPayload(layer=req.layer, key=bytes(req.key), value=bytes(req.value)))
+    return req
+
+
 def _check_parsed(request: Any) -> None:
     if isinstance(request, _Malformed):
         raise InvalidArgument(request.problem)
@@ -81,8 +105,8 @@ def add_service(server: grpc.aio.Server, service: str, servicer: Any) -> None:
     handlers = {
         m.name: make[(m.client_streaming, m.server_streaming)](
             getattr(servicer, m.name),
-            request_deserializer=_parser(GetMessageClass(m.input_type)),
-            response_serializer=GetMessageClass(m.output_type).SerializeToString)
+            request_deserializer=_CODECS.get(m.name, (None,))[0] or _parser(GetMessageClass(m.input_type)),
+            response_serializer=_CODECS.get(m.name, (None, None))[1] or GetMessageClass(m.output_type).SerializeToString)
         for m in desc.methods
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
@@ -193,6 +217,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         session = None
         try:
             async for req in request_iterator:
+                if isinstance(req, StoreLayer) and session is not None:  # the hot path: views of the message
+                    await asyncio.to_thread(session.add_layer, req.layer, req.key, req.value)
+                    continue
+                req = _as_message(req)
                 _check_parsed(req)
                 part = req.WhichOneof("part")
                 if session is None:
@@ -244,7 +272,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         closed = False
         try:
             last = min(i.num_layers for i in infos)
-            specs = [(wire.spec_message(i.key_spec), wire.spec_message(i.value_spec)) for i in infos]
+            specs = [(wire.spec_message(i.key_spec).SerializeToString(),
+                      wire.spec_message(i.value_spec).SerializeToString()) for i in infos]
             first = request.first_layer
             end = last if request.num_layers == 0 else first + request.num_layers
             if first >= last or end > last:
@@ -254,11 +283,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 if layer == first + 1:
                     failpoints.reach("fetch:after-first-layer")
                 for idx, info in enumerate(infos):
-                    k, v = await asyncio.to_thread(self.store.read_layer, info, layer)
-                    self.metrics.fetch_bytes.inc(len(k) + len(v))
-                    yield pb.LayerChunk(layer=layer, index=idx, variant_id=info.variant_id,
-                                        key_spec=specs[idx][0], value_spec=specs[idx][1],
-                                        key=bytes(k), value=bytes(v))  # protobuf takes bytes only
+                    head = codec.layer_chunk_head(layer, idx, info.variant_id, *specs[idx])
+                    msg = await asyncio.to_thread(self._layer_chunk, info, layer, head)
+                    self.metrics.fetch_bytes.inc(info.layout.layer_bytes)
+                    yield msg
         except KVCraftError as e:
             closed = True
             loop.run_in_executor(None, self.store.close_fetch, infos)
@@ -272,6 +300,12 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             timer.__exit__(None, None, None)
             if not closed:  # cancelled by the client: release without awaiting
                 loop.run_in_executor(None, self.store.close_fetch, infos)
+
+    def _layer_chunk(self, info: Variant, layer: int, head: bytes) -> bytes:
+        """A serialized LayerChunk: the layer's bytes copied once, from the tier's buffer
+        into the message (FetchLayers' response serializer passes bytes through)."""
+        k, v = self.store.read_layer(info, layer)
+        return codec.encode_layer_chunk(head, k, v)
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
@@ -332,7 +366,8 @@ async def _discard_rest(request_iterator: AsyncIterator[Any]) -> None:
     async def discard() -> None:
         seen = 0
         async for req in request_iterator:
-            seen += 0 if isinstance(req, _Malformed) else req.ByteSize()
+            seen += (0 if isinstance(req, _Malformed) else
+                     req.key.nbytes + req.value.nbytes if isinstance(req, StoreLayer) else req.ByteSize())
             if seen > STORE_DISCARD_BYTES:
                 return
 

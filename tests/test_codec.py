@@ -1,0 +1,74 @@
+"""kvcraft.codec against protobuf itself: the hand-built layer messages are byte for byte
+what SerializeToString makes, decode back to the same fields, and anything not in the
+canonical form is left to protobuf (decoders answer None)."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+import torch
+
+from kvclient.client import KVClient, store_header
+from kvcraft.keys import ModelSpec
+from kvcraft import codec
+from kvcraft.v1 import kvcraft_pb2 as pb
+
+SIZES = [0, 1, 127, 128, 16383, 16384, 70000]
+LAYERS = [0, 1, 127, 128, 300, 2**21]
+
+
+def test_store_layer_is_protobufs_own_encoding():
+    rng = random.Random(1)
+    for _ in range(120):
+        layer = rng.choice(LAYERS)
+        k, v = rng.randbytes(rng.choice(SIZES)), rng.randbytes(rng.choice(SIZES))
+        want = pb.StoreRequest(layer=pb.LayerPayload(layer=layer, key=k, value=v)).SerializeToString()
+        assert codec.encode_store_layer(layer, memoryview(k), bytearray(v)) == want
+        got = codec.decode_store_layer(want)
+        assert (got.layer, bytes(got.key), bytes(got.value)) == (layer, k, v)
+
+
+def test_layer_chunk_is_protobufs_own_encoding():
+    rng = random.Random(2)
+    for _ in range(120):
+        ks = pb.TensorSpec(dtype=rng.choice([pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32]), shape=[2, rng.randint(1, 999), 8])
+        vs = pb.TensorSpec(dtype=pb.FLOAT32, shape=[rng.randint(1, 9), 3, 4])
+        msg = pb.LayerChunk(layer=rng.choice(LAYERS), index=rng.choice([0, 1, 200]), variant_id=rng.randbytes(16).hex(),
+                            key_spec=ks, value_spec=vs, key=rng.randbytes(rng.choice(SIZES)),
+                            value=rng.randbytes(rng.choice(SIZES)))
+        head = codec.layer_chunk_head(msg.layer, msg.index, msg.variant_id, ks.SerializeToString(), vs.SerializeToString())
+        wire = codec.encode_layer_chunk(head, memoryview(msg.key), msg.value)
+        assert wire == msg.SerializeToString()
+        got = codec.decode_layer_chunk(wire)
+        assert (got.layer, got.index, got.variant_id, got.key_spec, got.value_spec, bytes(got.key), bytes(got.value)) \
+            == (msg.layer, msg.index, msg.variant_id, ks, vs, msg.key, msg.value)
+
+
+@pytest.mark.parametrize("data", [
+    pb.StoreRequest(header=pb.StoreHeader(model_id="m")).SerializeToString(),  # a header, not a layer
+    b"\x12\x04\x1a\x02ab" + b"\x12\x00",  # field 2 twice
+    b"\x12\x06\x1a\x01a\x12\x01b",  # value before key: valid protobuf, not canonical
+    b"\x12\x09\x08\x01",  # truncated
+    b"\x12\x02\x28\x01",  # unknown field 5
+])
+def test_non_canonical_store_messages_are_left_to_protobuf(data):
+    assert codec.decode_store_layer(data) is None
+
+
+def test_server_takes_a_layer_in_any_valid_encoding(kvserver):
+    """Value before key is valid protobuf: the server's fast parser passes it to protobuf."""
+    model = ModelSpec("codec", num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
+    k, v = torch.arange(8, dtype=torch.float32).reshape(1, 2, 4), -torch.arange(8, dtype=torch.float32).reshape(1, 2, 4)
+    kb, vb = k.numpy().tobytes(), v.numpy().tobytes()
+    inner = b"\x1a" + bytes([len(vb)]) + vb + b"\x12" + bytes([len(kb)]) + kb  # field 3, then field 2
+    layer_msg = b"\x12" + bytes([len(inner)]) + inner
+    assert pb.StoreRequest.FromString(layer_msg).layer.key == kb
+    header = pb.StoreRequest(header=store_header(model, [5, 6], [(k, v)])).SerializeToString()
+    with grpc.insecure_channel(kvserver.address) as ch:
+        store = ch.stream_unary("/kvcraft.v1.KVCache/Store", response_deserializer=pb.StoreResponse.FromString)
+        r = store(iter([header, layer_msg]), timeout=30)
+    with KVClient(kvserver.address) as c:
+        ((gk, gv),) = c.fetch(r.chunk_key)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
