@@ -200,6 +200,7 @@ class KVClient:
         self._admin_md = _metadata(admin_token)
         self.timeout = timeout
         self._slabs: dict = {}  # segment -> kvclient.local.SharedSlab
+        self._gpu_pools: dict = {}  # IPC handle -> kvclient.gpu_pool.GpuPool
 
     def __enter__(self) -> "KVClient":
         return self
@@ -208,6 +209,8 @@ class KVClient:
         self.close()
 
     def close(self) -> None:
+        for pool in self._gpu_pools.values():
+            pool.close()
         for slab in self._slabs.values():
             slab.close()
         self._channel.close()
@@ -270,7 +273,23 @@ class KVClient:
         slab = self._slabs.get(r.segment)
         if slab is None:
             slab = self._slabs[r.segment] = SharedSlab(r.segment)
-        return LocalFetch(self, r, slab)
+        return LocalFetch(self, r, slab, self._gpu_pool(r))
+
+    def _gpu_pool(self, r: pb.LocateResponse) -> "GpuPool | None":
+        """The service's gpu pool mapped here (once), when a located variant is in it and
+        this process has CUDA; else None (those variants are read from the host slab)."""
+        if not r.gpu_ipc_handle or not any(loc.gpu_length for loc in r.variants):
+            return None
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        from kvclient.gpu_pool import GpuPool
+
+        pool = self._gpu_pools.get(r.gpu_ipc_handle)
+        if pool is None:
+            pool = self._gpu_pools[r.gpu_ipc_handle] = GpuPool(r.gpu_ipc_handle, r.gpu_pool_bytes, r.gpu_device)
+        return pool
 
     def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
         r = self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))

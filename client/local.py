@@ -13,6 +13,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from kvclient.copy_stream import pin_host_memory
+from kvclient.gpu_pool import GpuPool
 from kvclient.tensors import TORCH_DTYPE
 from kvcraft.layout import layer_layout
 from kvcraft.v1 import kvcraft_pb2 as pb
@@ -60,14 +61,29 @@ class SharedSlab:
 
 class LocalFetch:
     """Result of `KVClient.fetch_local`: per requested variant its layers, or None where
-    the service could not place it in host memory (fetch that one with FetchLayers)."""
+    the service could not place it in host memory (fetch that one with FetchLayers).
 
-    def __init__(self, client, response: pb.LocateResponse, slab: SharedSlab) -> None:  # noqa: ANN001
+    With `gpu_pool` (the service's gpu tier mapped by CUDA IPC, kvclient.gpu_pool), a
+    variant held in the gpu tier comes as tensors in GPU memory instead, aliasing the
+    pool; `tier[i]` says which ("gpu", "host" or "" for none)."""
+
+    def __init__(self, client, response: pb.LocateResponse, slab: SharedSlab,  # noqa: ANN001
+                 gpu_pool: "GpuPool | None" = None) -> None:
         self._client = client
         self.lease_id = response.lease_id
         self.locations = list(response.variants)
         self.variant_ids = [loc.variant_id for loc in self.locations]
-        self.layers = [slab.layers(loc) if loc.length else None for loc in self.locations]
+        self.layers: list = []
+        self.tier: list[str] = []
+        for loc in self.locations:
+            if gpu_pool is not None and loc.gpu_length:
+                key = (TORCH_DTYPE[loc.key_spec.dtype], tuple(loc.key_spec.shape))
+                value = (TORCH_DTYPE[loc.value_spec.dtype], tuple(loc.value_spec.shape))
+                self.layers.append(gpu_pool.layers(loc.gpu_offset, loc.gpu_length, loc.num_layers, key, value))
+                self.tier.append("gpu")
+            else:
+                self.layers.append(slab.layers(loc) if loc.length else None)
+                self.tier.append("host" if loc.length else "")
 
     def release(self) -> None:
         if self.lease_id:

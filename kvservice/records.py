@@ -51,11 +51,23 @@ class Selector:
 
 @dataclass(frozen=True)
 class Location:
-    """Where a leased variant lies in the host slab; length 0: not in host memory."""
+    """Where a leased variant lies in the host slab (length 0: not in host memory) and in
+    the gpu pool (gpu_length 0: not in the gpu tier)."""
 
     variant: Variant
     offset: int
     length: int
+    gpu_offset: int = 0
+    gpu_length: int = 0
+
+
+@dataclass(frozen=True)
+class GpuPool:
+    """The gpu tier's device pool as a same-host engine opens it (docs/gpu.md)."""
+
+    ipc_handle: bytes
+    nbytes: int
+    device: int
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,7 @@ class Located:
     lease_id: str
     expires_s: float
     variants: list[Location]
+    gpu: GpuPool | None = None
 
 
 @dataclass(frozen=True)

@@ -62,10 +62,13 @@ def variant_message(v: Variant, leased: bool = False) -> pb.VariantInfo:
 
 def locate_response(r: Located) -> pb.LocateResponse:
     out = pb.LocateResponse(segment=r.segment, lease_id=r.lease_id, lease_expires_unix_ms=int(r.expires_s * 1000))
+    if r.gpu is not None:
+        out.gpu_ipc_handle, out.gpu_pool_bytes, out.gpu_device = r.gpu.ipc_handle, r.gpu.nbytes, r.gpu.device
     for loc in r.variants:
         v = loc.variant
         out.variants.add(variant_id=v.variant_id, offset=loc.offset, length=loc.length, num_layers=v.num_layers,
-                         key_spec=spec_message(v.key_spec), value_spec=spec_message(v.value_spec))
+                         key_spec=spec_message(v.key_spec), value_spec=spec_message(v.value_spec),
+                         gpu_offset=loc.gpu_offset, gpu_length=loc.gpu_length)
     return out
 
 

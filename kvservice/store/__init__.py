@@ -20,7 +20,7 @@ from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvservice.index import Variant, eviction_key
 from kvservice.metadata import MetadataDB
 from kvservice.planner.variants import fr_increment
-from kvservice.records import (ChunkSummary, Located, Location, Ref, Selector, StoreHeader, StoreResult,
+from kvservice.records import (ChunkSummary, GpuPool, Located, Location, Ref, Selector, StoreHeader, StoreResult,
                                  StoreStats, TierStats)
 from kvservice.store.leases import Leases
 from kvservice.store.placement import Placement
@@ -97,12 +97,15 @@ class ChunkStore:
         out = []
         if mappable is not None:
             self._promotion.promote(vids, to=self.tiers.index(mappable))
+        gpu = next((t for t in self.tiers if hasattr(t, "ipc_handle")), None)  # a CUDA pool (docs/gpu.md)
         with self._s.lock:
             for vid in vids:
                 v = self.index.get(vid)  # leased: still stored
                 m = mappable.mapping(vid) if mappable is not None else None
-                out.append(Location(v, m.offset, m.length) if m else Location(v, 0, 0))  # type: ignore[arg-type]
-        return Located(mappable.segment if mappable else "", lease_id, expires, out)
+                g = gpu.location(vid) if gpu is not None and vid in gpu else (0, 0)
+                out.append(Location(v, m.offset if m else 0, m.length if m else 0, *g))  # type: ignore[arg-type]
+        pool = GpuPool(gpu.ipc_handle(), gpu.pool_bytes, gpu.driver.device) if gpu is not None else None
+        return Located(mappable.segment if mappable else "", lease_id, expires, out, pool)
 
     def _count_reuse(self, refs: Sequence[Ref], variants: Sequence[Variant]) -> None:
         now = self._s.now_ms()

@@ -92,6 +92,7 @@ class GpuTier(Tier):
         self._where: dict[str, tuple[int, int]] = {}  # variant id -> (offset, length)
         self._used = 0  # page-rounded bytes of committed copies (open writers hold extents too)
         self._lock = threading.Lock()
+        self._ipc_handle: bytes | None = None
 
     def open_writer(self, variant_id: str, shape: PayloadShape) -> GpuWriter:
         need = align_up(shape.total_bytes)
@@ -143,7 +144,9 @@ class GpuTier(Tier):
 
     def ipc_handle(self) -> bytes:
         """CUDA IPC handle of the whole pool; a peer opens it once (cuIpcOpenMemHandle)."""
-        return self.driver.ipc_handle(self.base)
+        if self._ipc_handle is None:
+            self._ipc_handle = self.driver.ipc_handle(self.base)
+        return self._ipc_handle
 
     def delete(self, variant_id: str) -> None:
         with self._lock:

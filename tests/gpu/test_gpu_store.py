@@ -185,3 +185,46 @@ def test_on_a_cpu_host_the_service_says_once_what_is_off(tmp_path: Path, fresh_d
 def test_bad_gpu_settings_are_refused_at_the_edge(tmp_path: Path, bad: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_config(env={}, overrides={"data_dir": str(tmp_path), **bad})
+
+
+def test_locate_says_where_a_variant_lies_in_the_gpu_pool_and_an_engine_maps_it(tmp_path: Path) -> None:
+    """Locate -> wire -> LocalFetch: the gpu tier's IPC handle and the variant's place in
+    the pool reach the engine, which reads the layers in place (fake device)."""
+    import torch
+
+    from kvcraft.v1 import kvcraft_pb2
+    from kvclient.gpu_pool import GpuPool
+    from kvclient.local import LocalFetch
+    from kvservice import wire
+
+    from .test_gpu_pool import FakeOpener
+
+    node = Node(tmp_path, gpu_pages=2 * PAGES, host_bytes=4 * SIZE)
+    try:
+        a, b = node.put(0), node.put(1)
+        node.fetch(a)  # promoted into the gpu; b stays in host only
+        located = node.store.locate([Ref(a), Ref(b)])
+        assert located.gpu is not None and located.gpu.ipc_handle == node.gpu.ipc_handle()
+        response = wire.locate_response(located)
+        assert isinstance(response, kvcraft_pb2.LocateResponse)
+        assert response.gpu_pool_bytes == node.gpu.pool_bytes
+        locs = {loc.variant_id: loc for loc in response.variants}
+        va, vb = (node.store.index.variants_of(k)[0].variant_id for k in (a, b))
+        assert (locs[va].gpu_offset, locs[va].gpu_length) == node.gpu.location(va)
+        assert locs[vb].gpu_length == 0 and locs[vb].length == SIZE  # host slab only
+
+        class Slab:  # the host side, as kvclient.local.SharedSlab maps it
+            def layers(self, loc):  # noqa: ANN001, ANN202
+                raw = torch.frombuffer(node.host.shm.buf, dtype=torch.uint8, count=loc.length, offset=loc.offset)
+                return [(raw[i * 2 * HALF : i * 2 * HALF + HALF].view(torch.float32),
+                         raw[i * 2 * HALF + HALF : (i + 1) * 2 * HALF].view(torch.float32)) for i in range(LAYERS)]
+
+        pool = GpuPool(response.gpu_ipc_handle, response.gpu_pool_bytes, opener=FakeOpener(node.driver))
+        fetch = LocalFetch(None, response, Slab(), pool)
+        assert fetch.tier == ["gpu", "host"]
+        for key, layers in zip((a, b), fetch.layers):
+            for (k, v), (sent_k, sent_v) in zip(layers, node.sent[key]):
+                assert k.numpy().tobytes() == sent_k and v.numpy().tobytes() == sent_v
+        del fetch, layers, k, v
+    finally:
+        node.close()

@@ -341,32 +341,42 @@ class LocateRequest(_message.Message):
     def __init__(self, variants: _Optional[_Iterable[_Union[VariantRef, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class VariantLocation(_message.Message):
-    __slots__ = ("variant_id", "offset", "length", "num_layers", "key_spec", "value_spec")
+    __slots__ = ("variant_id", "offset", "length", "num_layers", "key_spec", "value_spec", "gpu_offset", "gpu_length")
     VARIANT_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KEY_SPEC_FIELD_NUMBER: _ClassVar[int]
     VALUE_SPEC_FIELD_NUMBER: _ClassVar[int]
+    GPU_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    GPU_LENGTH_FIELD_NUMBER: _ClassVar[int]
     variant_id: str
     offset: int
     length: int
     num_layers: int
     key_spec: TensorSpec
     value_spec: TensorSpec
-    def __init__(self, variant_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., num_layers: _Optional[int] = ..., key_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., value_spec: _Optional[_Union[TensorSpec, _Mapping]] = ...) -> None: ...
+    gpu_offset: int
+    gpu_length: int
+    def __init__(self, variant_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., num_layers: _Optional[int] = ..., key_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., value_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., gpu_offset: _Optional[int] = ..., gpu_length: _Optional[int] = ...) -> None: ...
 
 class LocateResponse(_message.Message):
-    __slots__ = ("segment", "variants", "lease_id", "lease_expires_unix_ms")
+    __slots__ = ("segment", "variants", "lease_id", "lease_expires_unix_ms", "gpu_ipc_handle", "gpu_pool_bytes", "gpu_device")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    GPU_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    GPU_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPU_DEVICE_FIELD_NUMBER: _ClassVar[int]
     segment: str
     variants: _containers.RepeatedCompositeFieldContainer[VariantLocation]
     lease_id: str
     lease_expires_unix_ms: int
-    def __init__(self, segment: _Optional[str] = ..., variants: _Optional[_Iterable[_Union[VariantLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    gpu_ipc_handle: bytes
+    gpu_pool_bytes: int
+    gpu_device: int
+    def __init__(self, segment: _Optional[str] = ..., variants: _Optional[_Iterable[_Union[VariantLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_device: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
