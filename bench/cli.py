@@ -23,6 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     service_cli.add_serve_arguments(sub.add_parser("serve", help="run the service (until SIGTERM)"))
+    service_cli.add_repair_arguments(sub.add_parser("repair", help=service_cli.REPAIR_HELP))
 
     demo = sub.add_parser("demo", help="start a service and drive it end to end")
     demo.add_argument("--data-dir", help="default: a temporary directory")
@@ -49,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.command == "serve":
         return service_cli.serve(a)
+    if a.command == "repair":
+        return service_cli.repair(a)
     if a.command == "demo":
         from kvbench.demo import run_demo
 

@@ -1,6 +1,6 @@
-"""`kvcraft serve`: run the service until SIGTERM.
+"""`kvcraft serve`: run the service until SIGTERM; `kvcraft repair`: rebuild its metadata.
 
-The service's own command line knows only `serve` (it imports nothing above the
+The service's own command line knows only `serve` and `repair` (it imports nothing above the
 service). The `kvcraft` command users run is the front in `kvbench.cli`, which
 hands `serve` to `main` here; `python -m kvservice.cli serve` is the same thing
 without the front (`kvservice.launcher` starts servers that way).
@@ -24,11 +24,21 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--metrics-port", type=int)
 
 
+def add_repair_arguments(repair: argparse.ArgumentParser) -> None:
+    repair.add_argument("--data-dir")
+    repair.add_argument("--config", help="TOML file (its data_dir is repaired)")
+
+
+REPAIR_HELP = "rebuild damaged metadata from the payload files (service stopped)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvcraft", description="KV-cache service for RAG LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="run the service (until SIGTERM)"))
-    return serve(parser.parse_args(argv))
+    add_repair_arguments(sub.add_parser("repair", help=REPAIR_HELP))
+    a = parser.parse_args(argv)
+    return repair(a) if a.command == "repair" else serve(a)
 
 
 def serve(a: argparse.Namespace) -> int:
@@ -49,11 +59,46 @@ def serve(a: argparse.Namespace) -> int:
         print(f"kvcraft serving on {cfg.host}:{running.port} data_dir={cfg.data_dir}"
               + (f" metrics_port={running.metrics.port}" if running.metrics.port else ""), flush=True)
 
+    from kvservice.metadata import MetadataDamaged
+
     try:
         uvloop.run(run_server(cfg, on_ready=ready))
+    except MetadataDamaged as e:
+        print(f"kvcraft serve: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"kvcraft serve: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def repair(a: argparse.Namespace) -> int:
+    """Move the metadata aside (never deleted) and rebuild it from the records the
+    payload files carry; every payload whose record and layers verify comes back."""
+    import time
+    from pathlib import Path
+
+    from kvservice.store import ChunkStore
+
+    try:
+        cfg = load_config(a.config, overrides={"data_dir": a.data_dir})
+    except (OSError, ValueError) as e:
+        print(f"kvcraft repair: bad configuration: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    meta = cfg.data_path / "metadata"
+    if not (cfg.data_path / "payloads").is_dir():
+        print(f"kvcraft repair: {cfg.data_path} has no payloads directory: nothing to rebuild from", file=sys.stderr)
+        return 2
+    if meta.exists():
+        aside = Path(f"{meta}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        meta.rename(aside)
+        print(f"kvcraft repair: moved the old metadata to {aside}")
+    store = ChunkStore(cfg, repair=True)
+    rep = store.recovery
+    store.close()
+    print(f"kvcraft repair: {rep.variants} variants rebuilt from their payload files; "
+          f"{rep.orphan_payloads} files describe no variant and are in {cfg.data_path / 'lost+found'}")
     return 0
 
 

@@ -10,9 +10,11 @@ few on a crash only makes eviction slightly less informed).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from google.protobuf.message import DecodeError
+
+from rocksdict import Options, ReadOptions, Rdict, WriteBatch, WriteOptions
 
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.index import Variant
@@ -22,12 +24,30 @@ FORMAT_VERSION = b"1"
 _CFS = ("variants", "meta")
 
 
+class MetadataDamaged(Exception):
+    """The metadata cannot be read completely. Nothing was deleted; the message names
+    the damage and the way out (`kvcraft repair`, docs/operations.md)."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        super().__init__(
+            f"metadata in {path} is damaged: {what}. No payload was deleted. Stop the service and run "
+            f"`kvcraft repair --data-dir {path.parent}`: it moves the damaged metadata aside and rebuilds it "
+            "from the self-describing payload files (pins and fr scores start afresh)")
+        self.path = path
+
+
 class MetadataDB:
     def __init__(self, path: Path) -> None:
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
-        self._db = Rdict(str(path), opts, column_families={cf: Options(raw_mode=True) for cf in _CFS})
+        opts.set_paranoid_checks(True)
+        self.path = Path(path)
+        self.created = not (self.path / "CURRENT").exists()  # no database was here before
+        try:
+            self._db = Rdict(str(path), opts, column_families={cf: Options(raw_mode=True) for cf in _CFS})
+        except Exception as e:  # rocksdict raises plain Exception for RocksDB statuses
+            raise MetadataDamaged(self.path, f"RocksDB cannot open it ({e})") from None
         self._variants = self._db.get_column_family("variants")
         self._meta = self._db.get_column_family("meta")
         self._variants_h = self._db.get_column_family_handle("variants")
@@ -40,12 +60,33 @@ class MetadataDB:
         elif version != FORMAT_VERSION:
             raise RuntimeError(f"{path}: metadata format {version!r}, this build reads {FORMAT_VERSION!r}")
 
-    def load_variants(self) -> Iterator[pb.VariantInfo]:
-        """Stored records as messages; recovery validates them (`decode`) before use."""
-        for _, raw in self._variants.items():
-            info = pb.VariantInfo()
-            info.ParseFromString(raw)
-            yield info
+    def load_variants(self) -> list[pb.VariantInfo]:
+        """Every stored record, read completely, checksums verified; recovery validates
+        them (`decode`) before use. Raises MetadataDamaged if any part is unreadable:
+        rocksdict's items() stops early at a damaged block without a word, which would
+        make the payloads of every record after it look like orphans."""
+        ro = ReadOptions()
+        ro.set_verify_checksums(True)
+        it = self._variants.iter(ro)
+        out = []
+        try:
+            it.seek_to_first()
+            while it.valid():
+                info = pb.VariantInfo()
+                try:
+                    info.ParseFromString(it.value())
+                except DecodeError:
+                    raise MetadataDamaged(self.path, f"the record of {it.key()[:40]!r} does not parse") from None
+                out.append(info)
+                it.next()
+            it.status()
+        except MetadataDamaged:
+            raise
+        except Exception as e:  # the iterator's status: Corruption, IOError
+            raise MetadataDamaged(self.path, f"{e} (after {len(out)} records)") from None
+        finally:
+            del it
+        return out
 
     def put_variants(self, variants: Iterable[Variant], *, sync: bool) -> None:
         wb = WriteBatch(raw_mode=True)

@@ -530,8 +530,8 @@ async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = 
     """Run until SIGTERM/SIGINT, then drain in-flight RPCs for up to cfg.drain_s."""
     running = await start_server(cfg)
     rep = running.store.recovery
-    log.info("recovered %d variants (%d dropped, %d orphan payloads deleted)",
-             rep.variants, rep.dropped_metadata, rep.orphan_payloads)
+    log.info("recovered %d variants (%d dropped, %d adopted from their payload files, %d set aside in lost+found)",
+             rep.variants, rep.dropped_metadata, rep.adopted_payloads, rep.orphan_payloads)
     if on_ready:
         on_ready(running)
     stop = asyncio.Event()

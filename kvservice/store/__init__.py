@@ -35,7 +35,8 @@ __all__ = ["ChunkStore", "RecoveryReport", "StoreListener", "StoreSession"]
 
 class ChunkStore:
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
-                 tiers: list[Tier] | None = None) -> None:
+                 tiers: list[Tier] | None = None, repair: bool = False) -> None:
+        """repair: rebuild missing metadata from the payload files (`kvcraft repair`)."""
         cfg.data_path.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self._s = StoreState(cfg, tiers if tiers is not None else build_tiers(cfg),
@@ -47,7 +48,7 @@ class ChunkStore:
         self._leases = Leases(self._s)
         self._placement = Placement(self._s, self._leases.expire)
         self._promotion = Promotion(self._s, self._placement)
-        self.recovery = recover(self._s)
+        self.recovery = recover(self._s, repair=repair)
 
     def close(self) -> None:
         with self._s.lock:

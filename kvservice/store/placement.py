@@ -150,13 +150,16 @@ class Placement:
         return True
 
     def delete(self, vid: str) -> None:
-        """Metadata first (synced), then payloads: a crash leaves only an orphan file."""
+        """Payloads first, then metadata (synced): a crash between leaves a record
+        without a payload, which recovery drops. A payload without a record is thus
+        never debris of a delete, and recovery can adopt it (damaged metadata never
+        costs a payload)."""
         s = self.s
-        s.meta.delete_variants([vid])
-        failpoints.reach("delete:metadata-committed")
         s.index.remove(vid)
         for tier in s.tiers:
             tier.delete(vid)
+        failpoints.reach("delete:payload-deleted")
+        s.meta.delete_variants([vid])
         for lst in s.listeners:
             lst.on_evict(vid)
 

@@ -1,26 +1,36 @@
 """Recovery, run once when a store opens (docs/storage.md, "Recovery").
 
 Keep exactly the variants whose metadata and full, verified payload agree:
+  0. the metadata is read completely, checksums verified, before anything else; if
+     it cannot be (a damaged SST, a missing database beside payload files), start-up
+     stops with MetadataDamaged naming the damage and `kvcraft repair`: nothing is
+     deleted on the word of damaged metadata;
   1. every persistent tier lists its complete payloads (`Tier.scan`), deleting the
      debris of interrupted writes (*.tmp);
   2. a metadata record is kept only if some persistent tier holds its payload with
      the exact size and every layer matching its checksum; otherwise the record and
      the payloads are dropped;
-  3. payloads that have no record are deleted (a crash between a rename and the
-     metadata commit, or between a metadata delete and the payload delete);
+  3. a payload that has no record (a crash between its rename and the metadata
+     commit, or metadata lost undetected, e.g. a damaged WAL) is adopted if the record
+     it carries (docs/storage.md, "Disk format") matches it and every layer verifies;
+     one that cannot be adopted is moved to <data_dir>/lost+found, never deleted;
   4. the index is rebuilt; faster (non-persistent) tiers start empty.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 from array import array
 from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
 
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.errors import InvalidArgument
 from kvservice.index import InvalidVariant, Spec, Variant
 from kvcraft.layout import layer_checksum, layer_layout
+from kvservice.metadata import MetadataDamaged
 from kvservice.wire import stats_record
 from kvservice.store.state import StoreState
 from kvservice.tiers.base import Tier
@@ -32,15 +42,22 @@ log = logging.getLogger("kvcraft.store")
 class RecoveryReport:
     variants: int
     dropped_metadata: int  # metadata whose payload was missing, short or corrupt
-    orphan_payloads: int  # payload files without metadata
+    orphan_payloads: int  # payload files without metadata that could not be adopted (in lost+found)
+    adopted_payloads: int = 0  # payload files without metadata, adopted from their own record
 
 
-def recover(s: StoreState) -> RecoveryReport:
+def recover(s: StoreState, *, repair: bool = False) -> RecoveryReport:
     persistent = [t for t in s.tiers if t.persistent]
+    infos = s.meta.load_variants()  # complete, or MetadataDamaged before any delete
     files = {t.name: dict(t.scan()) for t in persistent}
+    if s.meta.created and not repair and any(files.values()):
+        n = sum(len(f) for f in files.values())
+        s.meta.close()
+        shutil.rmtree(s.meta.path)  # the empty database this start made: the next sees the same
+        raise MetadataDamaged(s.meta.path, f"the metadata database is missing while {n} payload files exist")
     keep: list[tuple[Variant, list[Tier]]] = []
     drop: list[str] = []
-    for info in s.meta.load_variants():
+    for info in infos:
         v = decode(s, info)
         held = [] if v is None else [t for t in persistent if files[t.name].pop(v.variant_id, None) == v.size_bytes
                                      and _payload_ok(t, v)]
@@ -53,11 +70,19 @@ def recover(s: StoreState) -> RecoveryReport:
         keep.append((v, held))
     if drop:
         s.meta.delete_variants(drop)
-    orphans = 0
+    adopted: list[Variant] = []
+    lost = 0
     for t in persistent:
-        for vid in files[t.name]:
-            t.delete(vid)
-            orphans += 1
+        for vid, size in files[t.name].items():
+            v = _adopt(s, t, vid, size)
+            if v is not None and all(k.variant_id != vid for k, _ in keep):
+                adopted.append(v)
+                keep.append((v, [t]))
+            else:
+                _set_aside(s, t, vid)
+                lost += 1
+    if adopted:
+        s.meta.put_variants(adopted, sync=True)
     used = {t.name: 0 for t in persistent}
     for v, held in keep:
         v.tier = held[0].name
@@ -66,11 +91,44 @@ def recover(s: StoreState) -> RecoveryReport:
             used[t.name] += v.size_bytes
     for t in persistent:
         t.reset_usage(used[t.name])
-    report = RecoveryReport(len(keep), len(drop), orphans)
-    if drop or orphans:
-        log.warning("recovery: kept %d variants, dropped %d without a valid payload, deleted %d orphan payloads",
-                    report.variants, report.dropped_metadata, report.orphan_payloads)
+    report = RecoveryReport(len(keep), len(drop), lost, len(adopted))
+    if drop or lost or adopted:
+        log.warning("recovery: kept %d variants, dropped %d without a valid payload, adopted %d payloads whose "
+                    "metadata was missing, moved %d payloads that describe no variant to lost+found",
+                    report.variants, report.dropped_metadata, report.adopted_payloads, report.orphan_payloads)
     return report
+
+
+def _adopt(s: StoreState, tier: Tier, vid: str, size: int) -> Variant | None:
+    """The variant a payload file describes, if its record and every layer check out."""
+    read_record = getattr(tier, "read_record", None)
+    raw = read_record(vid) if read_record is not None else None
+    if raw is None:
+        return None
+    info = pb.VariantInfo()
+    try:
+        info.ParseFromString(raw)
+    except DecodeError:
+        return None
+    if info.variant_id != vid:
+        return None
+    v = decode(s, info)
+    if v is None or size != v.size_bytes or not _payload_ok(tier, v):
+        return None
+    return v
+
+
+def _set_aside(s: StoreState, tier: Tier, vid: str) -> None:
+    """A payload no record describes: kept for a human in lost+found, not deleted."""
+    path_of = getattr(tier, "path_of", None)
+    if path_of is None:
+        tier.delete(vid)
+        return
+    src = path_of(vid)
+    dest = s.cfg.data_path / "lost+found"
+    dest.mkdir(exist_ok=True)
+    src.rename(dest / src.name)
+    tier.delete(vid)  # forget it (the file has moved)
 
 
 def decode(s: StoreState, info: pb.VariantInfo) -> Variant | None:

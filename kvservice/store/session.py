@@ -24,6 +24,7 @@ from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layou
 from kvservice.records import StoreHeader, StoreResult
 from kvservice.store.placement import Placement
 from kvservice.store.state import StoreState
+from kvservice.wire import variant_message
 from kvservice.tiers.base import Buffer, PayloadShape, TierWriter
 
 
@@ -170,6 +171,9 @@ class StoreSession:
                     layout=idx.intern_layout(self.layout), layer_checksums=self.checksums,
                     last_access_ms=now, created_ms=now)
             home = next(w for i, w in self.writers if i == s.home)  # type: ignore[union-attr]
+            describe = getattr(home, "describe", None)
+            if describe is not None:  # self-describing payload: `kvcraft repair` reads it
+                describe(variant_message(v).SerializeToString())
             failpoints.reach("store:payload-written")
             home.commit()
             failpoints.reach("store:payload-committed")

@@ -1,7 +1,11 @@
 """Disk tier: one file per variant, written so that a crash never leaves a file that
 looks complete but is not (docs/storage.md, "Disk format" and "Write order").
 
-Layout: <root>/<vid[:2]>/<vid>.kv holds, for each layer in order, K bytes then V bytes.
+Layout: <root>/<vid[:2]>/<vid>.kv holds, for each layer in order, K bytes then V bytes,
+then the variant's record (a serialized kvcraft.v1.VariantInfo, as committed to the
+metadata), its length (u32, little-endian) and the 8 bytes RECORD_MAGIC. The record
+makes a payload file self-describing: `kvcraft repair` rebuilds lost metadata from it,
+and recovery adopts a complete payload whose record was lost instead of deleting it.
 A write goes to <vid>.<random>.kv.tmp, is fsynced, renamed into place and the directory
 fsynced; only then may the store commit metadata. Leftover .tmp files are crash debris.
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import struct
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +27,8 @@ from kvservice.tiers.base import Buffer, PayloadShape, Tier, TierFull, TierWrite
 
 SUFFIX = ".kv"
 TMP_SUFFIX = ".kv.tmp"
+RECORD_MAGIC = b"KVCRREC1"
+_TRAILER = struct.Struct("<I8s")  # record length, magic
 
 
 class DiskWriter(TierWriter):
@@ -37,6 +44,11 @@ class DiskWriter(TierWriter):
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._reserved = shape.total_bytes
         self.written = 0
+        self.record = b""  # appended after the layers at commit (self-describing file)
+
+    def describe(self, record: bytes) -> None:
+        """The variant's serialized record, written after the layers by `commit`."""
+        self.record = record
 
     def write_layer(self, *parts: Buffer) -> None:
         views = [memoryview(p).cast("B") for p in parts]
@@ -55,6 +67,8 @@ class DiskWriter(TierWriter):
         if self.written != self._shape.total_bytes:
             raise ValueError(f"{self.final.name}: {self.written} bytes written, {self._shape.total_bytes} expected")
         try:
+            if self.record:
+                _write_all(self._fd, self.record + _TRAILER.pack(len(self.record), RECORD_MAGIC))
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
@@ -163,11 +177,47 @@ class DiskTier(Tier):
                 elif f.name.endswith(SUFFIX):
                     vid = f.name[: -len(SUFFIX)]
                     self._held.add(vid)
-                    yield vid, f.stat().st_size
+                    yield vid, _payload_size(f)
+
+    def read_record(self, variant_id: str) -> bytes | None:
+        """The record a payload file carries after its layers; None if it has none."""
+        path = self.path_of(variant_id)
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                n = _record_length(fh, size)
+                if n is None:
+                    return None
+                fh.seek(size - _TRAILER.size - n)
+                return fh.read(n)
+        except FileNotFoundError:
+            return None
 
     def reset_usage(self, used: int) -> None:
         with self._lock:
             self._used = used
+
+
+def _record_length(fh, size: int) -> int | None:  # noqa: ANN001 - a binary file
+    if size < _TRAILER.size:
+        return None
+    fh.seek(size - _TRAILER.size)
+    n, magic = _TRAILER.unpack(fh.read(_TRAILER.size))
+    return n if magic == RECORD_MAGIC and n <= size - _TRAILER.size else None
+
+
+def _payload_size(path: Path) -> int:
+    """Bytes of layers in a payload file (its size without the record trailer)."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        n = _record_length(fh, size)
+    return size if n is None else size - _TRAILER.size - n
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _fsync_dir(path: Path) -> None:

@@ -30,8 +30,10 @@ def _layers(seed: int):
 
 @pytest.mark.parametrize("point,survives", [
     ("store:payload-written", False),
-    ("store:payload-committed", False),
-    ("store:metadata-committed", True),  # durable but unacknowledged: complete, so allowed
+    # durable but unacknowledged: complete, so allowed (the payload carries its record
+    # and is adopted at start)
+    ("store:payload-committed", True),
+    ("store:metadata-committed", True),
 ])
 def test_crash_at_each_step_of_a_store(tmp_path, point, survives):
     data = tmp_path / "data"
@@ -51,18 +53,19 @@ def test_crash_at_each_step_of_a_store(tmp_path, point, survives):
     assert len(files) == (2 if survives else 1) and all(f.endswith(".kv") for f in files)
 
 
-def test_crash_between_delete_metadata_and_payload_leaves_no_orphan(tmp_path):
+def test_crash_between_delete_payload_and_metadata_leaves_nothing_behind(tmp_path):
     data = tmp_path / "data"
-    crashing = ServiceProcess(data, env={"KVCRAFT_FAILPOINT": "delete:metadata-committed"}).start()
+    crashing = ServiceProcess(data, env={"KVCRAFT_FAILPOINT": "delete:payload-deleted"}).start()
     with KVClient(crashing.address) as c:
         key = c.store(MODEL, [1, 2, 3, 4], _layers(0)).chunk_key
         with pytest.raises(KVCraftError):
             c.evict(chunk_key=key)
     crashing.proc.wait(timeout=30)
     crashing.close()
-    assert len(list((data / "payloads").rglob("*.kv"))) == 1  # the orphan the crash left
+    assert list((data / "payloads").rglob("*.kv")) == []  # payload first: only a record is left
     with ServiceProcess(data) as s, KVClient(s.address) as c:
         assert not c.lookup(chunk_key=key).found
+        assert c.stats().variants == 0
     assert list((data / "payloads").rglob("*.kv")) == []
 
 
@@ -75,10 +78,11 @@ def _flip(path, offset: int) -> None:
 def test_flipped_payload_byte_is_not_found_and_dropped(start_server):
     server = start_server()
     with KVClient(server.address) as c:
-        key = c.store(MODEL, [1, 2, 3, 4], _layers(0)).chunk_key
+        stored = c.store(MODEL, [1, 2, 3, 4], _layers(0))
+        key = stored.chunk_key
         other = c.store(MODEL, [9, 9], [(k[:, :2], v[:, :2]) for k, v in _layers(1)]).chunk_key
     server.restart()  # host tier is empty after a restart: the next read comes from disk
-    (path,) = [p for p in (server.data_dir / "payloads").rglob("*.kv") if p.stat().st_size == 2 * 2 * 4 * 8 * 4]
+    (path,) = (server.data_dir / "payloads").rglob(f"{stored.variant_id}.kv")
     _flip(path, 200)  # a byte of layer 1's K
     with KVClient(server.address) as c:
         with pytest.raises(KVCraftError) as e:

@@ -1,0 +1,108 @@
+"""Damaged metadata never costs a payload (issue 18, item 8): a copied data dir with a
+damaged SST, a truncated WAL or no metadata at all; the server refuses to start naming
+the damage and `kvcraft repair`, or adopts what the payload files describe; after the
+repair every intact variant is back, bit for bit."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvclient.client import KVClient
+from kvcraft.keys import ModelSpec
+from kvservice.launcher import ServiceProcess
+
+MODEL = ModelSpec("damage", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32").fingerprint()
+N = 24
+
+
+def _layers(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)) for _ in range(2)]
+
+
+def _tokens(i: int) -> list[int]:
+    return [i * 10 + t for t in range(4)]
+
+
+def _fill(data, *, kill: bool) -> None:
+    s = ServiceProcess(data).start()
+    with KVClient(s.address) as c:
+        for i in range(N):
+            c.store(MODEL, _tokens(i), _layers(i))
+    if kill:
+        s.kill()  # the last records are only in the WAL
+    else:
+        assert s.stop() == 0  # a clean stop flushes them into an SST
+    s.close()
+
+
+def _payloads(data) -> set[str]:
+    return {p.name for p in (data / "payloads").rglob("*.kv")}
+
+
+def _all_back(data) -> None:
+    with ServiceProcess(data) as s, KVClient(s.address) as c:
+        assert c.stats().variants == N
+        for i in range(N):
+            got = c.fetch(c.lookup(MODEL, _tokens(i)).chunk_key)
+            assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, _layers(i)))
+
+
+def _refused(data) -> str:
+    with pytest.raises(RuntimeError, match="exited with 2") as e:
+        ServiceProcess(data).start()
+    message = str(e.value)
+    assert "damaged" in message and "kvcraft repair" in message and "Traceback" not in message
+    return message
+
+
+def _repair(data) -> str:
+    out = subprocess.run([sys.executable, "-m", "kvservice.cli", "repair", "--data-dir", str(data)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_damaged_sst_refuses_start_deletes_nothing_and_repair_brings_every_variant_back(tmp_path):
+    original = tmp_path / "original"
+    _fill(original, kill=False)
+    data = tmp_path / "copy"
+    shutil.copytree(original, data)
+    before = _payloads(data)
+    assert len(before) == N
+    sst = max((data / "metadata").glob("*.sst"), key=lambda p: p.stat().st_size)
+    raw = bytearray(sst.read_bytes())
+    raw[len(raw) // 3] ^= 0xFF
+    sst.write_bytes(bytes(raw))
+    message = _refused(data)
+    assert "Corruption" in message or "cannot open" in message
+    assert _payloads(data) == before  # not one payload deleted
+    assert f"{N} variants rebuilt" in _repair(data)
+    assert list(data.glob("metadata.damaged-*"))  # the damaged metadata is kept aside
+    _all_back(data)
+
+
+def test_truncated_wal_loses_no_variant(tmp_path):
+    original = tmp_path / "original"
+    _fill(original, kill=True)
+    data = tmp_path / "copy"
+    shutil.copytree(original, data)
+    (wal,) = [p for p in (data / "metadata").glob("*.log") if p.stat().st_size > 0]
+    wal.write_bytes(wal.read_bytes()[: wal.stat().st_size // 2])
+    _all_back(data)  # what the WAL lost is adopted from the payload files' own records
+
+
+def test_missing_metadata_refuses_start_and_repair_brings_every_variant_back(tmp_path):
+    data = tmp_path / "data"
+    _fill(data, kill=False)
+    shutil.rmtree(data / "metadata")
+    assert "missing" in _refused(data)
+    assert _refused(data)  # a refused start leaves no empty database behind that would hide the damage
+    assert len(_payloads(data)) == N
+    assert f"{N} variants rebuilt" in _repair(data)
+    _all_back(data)
