@@ -4,7 +4,7 @@ Every method runs with the store's lock held.
 
 - A tier that needs room loses its lowest (fr, last access, created, id) unprotected
   variant one tier down: copied into the next tier if no lower tier holds it yet, then
-  deleted; leaving the last tier deletes the variant (metadata first).
+  deleted; leaving the last tier deletes the variant (payloads first, then metadata).
 - A cache tier (above the home tier) admits a newcomer only if, among its unprotected
   copies and the newcomer, the newcomer is not the lowest; lower copies go down until
   the newcomer fits. The home tier and those below it always make room, or refuse.

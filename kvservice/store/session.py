@@ -7,7 +7,7 @@
   3. one synced RocksDB WriteBatch with the variant's metadata;
   4. the cache copies become readable, the index and listeners learn of the variant,
      and only then is the write acknowledged.
-Deletes go the other way: metadata first (synced), then payloads (`Placement.delete`).
+Deletes go payloads first, then metadata (synced) (`Placement.delete`).
 So after a crash at any point, recovery finds a complete variant or debris it deletes.
 """
 

@@ -11,7 +11,7 @@ this one protocol; the store never names a tier, it walks the list:
 - demotion (Cache-Craft §3.3): when tier i needs room, its lowest-fr unprotected
   variant moves one tier down: copied into tier i+1 if no lower tier holds it yet
   (layer by layer, `get_layer` -> `open_writer`), then deleted from tier i. Leaving
-  the last tier deletes the variant (metadata first).
+  the last tier deletes the variant (payloads first, then metadata).
 - promotion: a variant is copied up into a faster tier from the fastest tier below
   it that holds it, layer by layer, verified when the source has `verify_reads`.
 - reads: from the fastest tier holding the variant.

@@ -144,7 +144,7 @@ class DiskTier(Tier):
     def delete(self, variant_id: str) -> None:
         path = self.path_of(variant_id)
         try:
-            size = path.stat().st_size
+            size = _payload_size(path)  # usage counts layer bytes, as commit and recovery do
         except FileNotFoundError:
             self._settle(0, 0, drop=variant_id)
             return
