@@ -73,7 +73,8 @@ def store_header(model_id: str, token_ids: Sequence[int], layers: Sequence[Layer
                             key_spec=spec_of(k0), value_spec=spec_of(v0))
     if stats is not None:
         header.stats.CopyFrom(pb.VariantStats(a=stats.a, b=stats.b, prefix_attention=stats.prefix_attention,
-                                              token_inter_attention=stats.token_inter_attention))
+                                              token_inter_attention=stats.token_inter_attention,
+                                              recompute_scores=stats.recompute_scores))
     return header
 
 

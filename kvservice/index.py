@@ -43,8 +43,9 @@ class Spec:
 class Variant:
     """One stored variant. Planner fields first (positional), store fields after.
 
-    recompute_order: token indices by descending `stats.token_inter_attention` (ties by
-    index); Cache-Craft §3.3 keeps "an ordered list of token indices needing
+    recompute_order: token indices by descending `stats.recompute_scores` (the learned
+    list, `engine_adapter.selection`) when the variant has them, else by
+    `stats.token_inter_attention` (ties by index); Cache-Craft §3.3 keeps "an ordered list of token indices needing
     recomputation" per variant so top-N selection (eq. 14) is a slice. An array of
     small integers, or `range(token_count)` when there are no per-token statistics.
     """
@@ -79,12 +80,16 @@ class Variant:
         if len(tia) and len(tia) != token_count:
             raise InvalidVariant(
                 f"variant {variant_id}: {len(tia)} token_inter_attention values for {token_count} tokens")
+        rs = stats.recompute_scores
+        if len(rs) and len(rs) != token_count:
+            raise InvalidVariant(f"variant {variant_id}: {len(rs)} recompute_scores for {token_count} tokens")
         if len(stats.prefix_attention) and len(stats.prefix_attention) != len(prefix_keys):
             raise InvalidVariant(
                 f"variant {variant_id}: {len(stats.prefix_attention)} prefix_attention values "
                 f"for {len(prefix_keys)} prefix chunks")
         if recompute_order is None:
-            recompute_order = rank_tokens(tia, token_count)
+            # A learned list outranks eq. 14 (docs/quality.md, token selection).
+            recompute_order = rank_tokens(rs if len(rs) else tia, token_count)
         elif len(recompute_order) != token_count:
             raise InvalidVariant(f"variant {variant_id}: recompute_order has {len(recompute_order)} entries")
         return Variant(variant_id, chunk_key, tuple(prefix_keys), token_count, tier, stats, recompute_order,
@@ -108,7 +113,8 @@ def eviction_key(v: Variant) -> tuple[float, int, int, str]:
 
 
 def rank_tokens(token_inter_attention: Sequence[float], token_count: int) -> Sequence[int]:
-    """Token indices by descending inter-attention (Cache-Craft eq. 14 ranking).
+    """Token indices by descending score: inter-attention (Cache-Craft eq. 14 ranking) or
+    the learned recompute scores.
 
     Without per-token statistics every token is equally contextualized; the order is
     then 0..T-1, which still recomputes the right *number* of tokens.

@@ -22,7 +22,8 @@ def spec_message(s: Spec | None) -> pb.TensorSpec | None:
 
 def stats_record(s: pb.VariantStats) -> VariantStats:
     """Per-token numbers as a float32 array (4 bytes a token, as on the wire), the rest as tuples."""
-    return VariantStats(s.a, s.b, tuple(s.prefix_attention), array("f", s.token_inter_attention))
+    return VariantStats(s.a, s.b, tuple(s.prefix_attention), array("f", s.token_inter_attention),
+                        array("f", s.recompute_scores))
 
 
 def store_header(h: pb.StoreHeader) -> StoreHeader:
@@ -55,7 +56,8 @@ def variant_message(v: Variant, leased: bool = False) -> pb.VariantInfo:
         token_count=v.token_count, num_layers=v.num_layers, key_spec=spec_message(v.key_spec),
         value_spec=spec_message(v.value_spec),
         stats=pb.VariantStats(a=st.a, b=st.b, prefix_attention=st.prefix_attention,
-                              token_inter_attention=st.token_inter_attention),
+                              token_inter_attention=st.token_inter_attention,
+                              recompute_scores=st.recompute_scores),
         tier=v.tier, size_bytes=v.size_bytes, fr=v.fr, last_access_unix_ms=v.last_access_ms,
         created_unix_ms=v.created_ms, pinned=v.pinned, leased=leased, layer_checksums=v.layer_checksums)
 

@@ -210,6 +210,17 @@ def question_about(city: str) -> str:
     return f"who lives in {city}"
 
 
+def city_of(chunk: str) -> str:
+    """The city a chunk names (every chunk names exactly one)."""
+    found = [w for w in chunk.split() if w in _CITY_SET]
+    if len(found) != 1:
+        raise ValueError(f"chunk {chunk!r} names {len(found)} cities, expected 1")
+    return found[0]
+
+
+_CITY_SET = frozenset(CITIES)
+
+
 def make_example(rng: random.Random, n_chunks: int | None = None) -> Example:
     """One prompt: 6 chunks and one question about them."""
     ctx = make_context(rng, n_chunks)

@@ -18,11 +18,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from .data import EOS, PAD, UNK, Example, vocabulary
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
+LONG_MODEL_DIR = Path(__file__).resolve().parent / "model-long"  # the long task's (`longdata`), when trained
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Word-level tokenizer over the task's fixed vocabulary; adds no BOS/EOS."""
-    vocab = {w: i for i, w in enumerate(vocabulary())}
+def build_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over a task's fixed vocabulary (default: the first task's);
+    adds no BOS/EOS."""
+    vocab = {w: i for i, w in enumerate(words or vocabulary())}
     core = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = WhitespaceSplit()
     return PreTrainedTokenizerFast(

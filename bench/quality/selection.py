@@ -18,19 +18,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
+from torch import Tensor
 from rich.progress import track
 
 from engine_adapter import LlamaEngine, Policy
+from engine_adapter.policy import CacheBlend, ReusePolicy
+from engine_adapter import selection as sel
 from engine_adapter.blend import FreshChunk, blend_prefill
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource
+from kvcraft.keys import chunk_key
+from kvcraft.records import VariantStats
+from kvkernels import apply_rope
 from kvbench.quality import data
 from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
 
@@ -42,43 +49,141 @@ class Prompt:
     answer: int  # first answer token (answers are one word)
     kind: str
     stored: dict[int, FreshChunk]  # chunk index -> its variant, computed behind a stranger
+    # chunk index -> the same chunk computed in full behind a second stranger (what a later
+    # request leaves when it computes the chunk instead of reusing it), and alone.
+    # chunk index -> the same chunk computed in full in a second request, behind a second
+    # stranger, with a question about the chunk's city after it (what a later request
+    # that computed the chunk instead of reusing it saw): its KV and what its question read.
+    observed: dict[int, sel.Observation] = field(default_factory=dict)
+    alone: dict[int, FreshChunk] = field(default_factory=dict)  # the chunk computed alone
 
 
-def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False) -> list[Prompt]:
-    """`n` held-out prompts with their chunks' variants computed behind another prompt's chunk."""
+def _variant(engine: LlamaEngine, behind: list[int] | None, chunk: list[int], stats: bool = True) -> FreshChunk:
+    """The chunk's variant computed behind `behind`: through the adapter (with Cache-Craft
+    statistics), or with `stats=False` by the engine's full prefill (the same KV, faster)."""
+    segs = ([Segment(behind)] if behind else []) + [Segment(chunk)]
+    if stats:
+        r = blend_prefill(engine, segs, Policy("full"), InMemoryLayerSource({}), gate=TRUSTED)
+        return r.fresh[len(segs) - 1]
+    n = len(behind or ())
+    _, kv = engine.prefill(torch.tensor((behind or []) + chunk), all_logits=False)
+    pos = torch.arange(n, n + len(chunk))
+    kv = [(apply_rope(k[:, n:], pos, engine.rope, inverse=True), v[:, n:].clone()) for k, v in kv]
+    prefix = (chunk_key(engine.model_spec().fingerprint(), behind),) if behind else ()
+    return FreshChunk(prefix, kv, VariantStats())
+
+
+def _observe(engine: LlamaEngine, tok, behind: list[int], chunk: list[int], text: str) -> sel.Observation:
+    """The chunk computed in full behind `behind`, then asked about: "who lives in <its city>"."""
+    q = tok.encode(data.question_about(data.city_of(text)), add_special_tokens=False)
+    n, m = len(behind), len(chunk)
+    return sel.observe(engine, behind + chunk + q, (n, n + m), (n + m, n + m + len(q)))
+
+
+def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
+            observe: bool = False, compare_alone: bool = False, stats: bool = True) -> list[Prompt]:
+    """`n` held-out prompts (draw `seed`) with their chunks' variants computed behind another
+    prompt's chunk; with `observe`, each chunk also computed in a second request (learned
+    lists), and with `compare_alone` computed alone. `stats=False` skips the stored
+    variants' attention statistics (eq. 14 needs them; nothing else here does)."""
     tok = build_tokenizer()
-    exs = data.examples("heldout", n + 1, seed=seed)
+    exs = data.examples("heldout", n + 2, seed=seed)
     enc = [encode(tok, e) for e in exs]
     out = []
     for i in (track(range(n), description="variants") if progress else range(n)):
         chunks = [list(c) for c in enc[i].chunk_ids]
         strangers = [list(c) for c in enc[i + 1].chunk_ids]
-        stored = {}
-        for j, c in enumerate(chunks):
-            behind = strangers[j - 1]  # the chunk before position j, of another prompt
-            r = blend_prefill(engine, [Segment(behind), Segment(c)], Policy("full"), InMemoryLayerSource({}),
-                              gate=TRUSTED)
-            stored[j] = r.fresh[1]
-        out.append(Prompt(chunks, list(enc[i].question_ids), enc[i].answer_ids[0], exs[i].kind, stored))
+        others = [list(c) for c in enc[i + 2].chunk_ids]
+        # the chunk before position j, of another prompt
+        stored = {j: _variant(engine, strangers[j - 1], c, stats) for j, c in enumerate(chunks)}
+        observed = ({j: _observe(engine, tok, others[j - 1], c, exs[i].chunks[j]) for j, c in enumerate(chunks)}
+                    if observe else {})
+        alone = {j: _variant(engine, None, c) for j, c in enumerate(chunks)} if observe and compare_alone else {}
+        out.append(Prompt(chunks, list(enc[i].question_ids), enc[i].answer_ids[0], exs[i].kind, stored,
+                          observed, alone))
     return out
 
 
-def top_inter_attention(p: Prompt, j: int, fraction: float) -> list[int]:
-    """Cache-Craft eq. 14: the ceil(fraction |C_j|) tokens with the most attention to prior chunks."""
-    tia = torch.tensor(p.stored[j].stats.token_inter_attention)
-    n = math.ceil(fraction * len(p.chunks[j]))
-    return tia.topk(n).indices.tolist() if n else []
+Pick = Callable[[Prompt], Mapping[int, Sequence[int]]]  # prompt -> chunk index -> tokens to recompute
 
 
-def score(engine: LlamaEngine, ps: Sequence[Prompt], policy: Policy,
-          recompute=lambda p, j: ()) -> dict:
-    """Exact match (by kind) and the share of reused token-layers recomputed.
+def no_tokens(p: Prompt) -> dict[int, tuple[int, ...]]:
+    return {}
 
-    recompute(prompt, chunk index) -> token indices: the per-chunk lists of `cachecraft`."""
+
+def top_inter_attention(fraction: float) -> Pick:
+    """Cache-Craft eq. 14: per chunk the ceil(fraction |C_j|) tokens with the most attention
+    to prior chunks, measured when the stored variant was computed."""
+    return lambda p: sel.per_chunk({j: v.stats.token_inter_attention for j, v in p.stored.items()}, fraction)
+
+
+def fixed(positions: Sequence[int]) -> Pick:
+    """The same token positions in every chunk (negative = from the chunk's end)."""
+    return lambda p: {j: sorted({i % len(c) for i in positions}) for j, c in enumerate(p.chunks)}
+
+
+def learned(budget: float, score: str = "read x deviation", layers: Sequence[int] | None = None,
+            spread: str = "prompt") -> Pick:
+    """A learned per-variant list (`engine_adapter.selection`): each stored variant's tokens
+    scored from the second request that computed the chunk in full (`Prompt.observed`):
+
+      "read x deviation"  what that request's question read from the token times how far
+                          the token's KV moved from the stored variant's (`learned_scores`)
+      "deviation"         the KV move alone (CacheBlend §4.1, measured offline)
+      "deviation alone"   the move between the stored variant and the chunk computed alone
+      "read"              what the question read alone
+
+    At reuse the budget goes to the top scores of the whole prompt (`spread="prompt"`) or
+    to every chunk alike (`"chunk"`, Cache-Craft's per-chunk N)."""
+    if score not in ("read x deviation", "deviation", "deviation alone", "read"):
+        raise ValueError(f"unknown score {score!r}")
+
+    def one(p: Prompt, j: int) -> Tensor:
+        stored, seen = p.stored[j].kv, p.observed[j]
+        if score == "read":
+            return seen.received
+        if score == "deviation alone":
+            return sel.kv_deviation(stored, p.alone[j].kv, layers)
+        dev = sel.kv_deviation(stored, seen.kv, layers)
+        return dev * seen.received if score == "read x deviation" else dev
+
+    def pick(p: Prompt) -> Mapping[int, Sequence[int]]:
+        scores = {j: one(p, j).tolist() for j in p.stored}
+        return sel.allocate(scores, budget) if spread == "prompt" else sel.per_chunk(scores, budget)
+    return pick
+
+
+@dataclass(frozen=True)
+class DeepHKVD(CacheBlend):
+    """CacheBlend HKVD with one selection, at layer `first` instead of 1: the layers before
+    it run every reused token (the deviation check at a deeper layer, §4.3)."""
+
+    first: int = 2
+
+    def hkvd_share(self, layer: int, num_layers: int) -> float | None:
+        return self.ratio if layer == self.first else None
+
+
+def _selective_from(policy: ReusePolicy) -> int:
+    """First layer on which a policy selects rows (layers before it run every reused token)."""
+    if isinstance(policy, DeepHKVD):
+        return policy.first
+    return 1 if isinstance(policy, CacheBlend) else 0
+
+
+def score(engine: LlamaEngine, ps: Sequence[Prompt], policy: ReusePolicy, pick: Pick = no_tokens) -> dict:
+    """Exact match (by kind) and how much was computed.
+
+    recomputed_share      reused token-layers recomputed, every layer (layer 0 included)
+    recomputed_selective  the same on the layers where the policy selects (CacheBlend's r:
+                          from layer 1 on for HKVD; every layer for a recompute list)
+    prompt_computed       all prompt token-layers computed (fresh, question, recompute)
+    """
     hits: dict[str, list[int]] = {}
-    recomputed = 0.0
+    recomputed = selective = computed = 0.0
     for p in ps:
-        segs = [Segment(c, cached=True, cached_prefix=p.stored[j].prefix, recompute=recompute(p, j))
+        lists = pick(p)
+        segs = [Segment(c, cached=True, cached_prefix=p.stored[j].prefix, recompute=lists.get(j, ()))
                 for j, c in enumerate(p.chunks)]
         segs.append(Segment(p.question, question=True))
         source = InMemoryLayerSource({j: v.kv for j, v in p.stored.items()})
@@ -86,42 +191,79 @@ def score(engine: LlamaEngine, ps: Sequence[Prompt], policy: Policy,
         ok = int(int(r.logits.argmax()) == p.answer)
         for k in ("all", p.kind):
             hits.setdefault(k, []).append(ok)
-        recomputed += r.recompute_ratio
+        n = sum(map(len, p.chunks)) + len(p.question)
+        if r.computed_rows:
+            layers = range(_selective_from(policy), len(r.recomputed_rows))
+            recomputed += r.recompute_ratio
+            if r.reused_tokens:
+                selective += sum(r.recomputed_rows[l] for l in layers) / (r.reused_tokens * len(layers))
+            computed += sum(r.computed_rows) / (len(r.computed_rows) * n)
+        else:
+            computed += 1.0  # served by full prefill
     return {**{f"acc_{k}": sum(v) / len(v) for k, v in sorted(hits.items())},
-            "recomputed_share": recomputed / len(ps)}
+            "recomputed_share": recomputed / len(ps), "recomputed_selective": selective / len(ps),
+            "prompt_computed": computed / len(ps)}
 
 
-def fixed(positions: Sequence[int]):
-    """The same token positions in every chunk (negative = from the chunk's end)."""
-    return lambda p, j: sorted({i % len(p.chunks[j]) for i in positions})
+def methods(full: bool = True) -> list[tuple[str, ReusePolicy, Pick]]:
+    """Every selection measured, as (name, policy, per-prompt recompute lists)."""
+    cc = Policy("cachecraft")
+    rows: list[tuple[str, ReusePolicy, Pick]] = [("full prefill", Policy("full"), no_tokens),
+                                            ("naive reuse", Policy("naive"), no_tokens)]
+    for r in (0.05, 0.10, 0.15, 0.30):
+        rows.append((f"cacheblend r={r:.0%}", Policy("cacheblend", ratio=r), no_tokens))
+    for first in (2, 3):
+        for r in (0.10, 0.15):
+            rows.append((f"hkvd at layer {first} only, r={r:.0%}", DeepHKVD(ratio=r, first=first), no_tokens))
+    for f in (0.15, 0.30, 0.50):
+        rows.append((f"cachecraft top {f:.0%} by inter-attention (eq. 14)", cc, top_inter_attention(f)))
+    for b in (0.05, 0.10, 0.15):
+        rows.append((f"learned: read x deviation, prompt budget {b:.0%}", cc, learned(b)))
+    rows.append(("learned: read x deviation, 1 token per chunk", cc, learned(0.1, spread="chunk")))
+    for b in (0.10, 0.15):
+        rows.append((f"learned: deviation, prompt budget {b:.0%}", cc, learned(b, "deviation")))
+    for b in (0.10, 0.15):
+        rows.append((f"learned: read, prompt budget {b:.0%}", cc, learned(b, "read")))
+    if full:
+        rows.append(("learned: deviation vs alone, prompt budget 15%", cc, learned(0.15, "deviation alone")))
+        for name, pos in (("first token", (0,)), ("companion (2nd to last)", (-2,)), ("last", (-1,))):
+            rows.append((f"fixed: {name}", cc, fixed(pos)))
+    return rows
+
+
+HEADER = (f"{'selection':<52} {'acc':>6} {'cross':>6} {'local':>6} {'reused/sel':>10} {'reused/all':>10} "
+          f"{'prompt':>7}")
+
+
+def row(name: str, r: dict) -> str:
+    return (f"{name:<52} {r['acc_all']:>6.3f} {r.get('acc_cross', 0):>6.3f} {r.get('acc_local', 0):>6.3f} "
+            f"{r['recomputed_selective']:>10.3f} {r['recomputed_share']:>10.3f} {r['prompt_computed']:>7.3f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvbench.quality.selection", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=3,
+                    help="held-out draw (2: the validation draw methods were chosen on; 3: the report)")
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", default="", help="measure only the methods whose name matches this regex")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     engine = LlamaEngine.from_pretrained(a.model_dir)
-    ps = prompts(engine, a.examples, progress=True)
-    rows: list[tuple[str, dict]] = [("full prefill", score(engine, ps, Policy("full"))),
-                                    ("naive reuse", score(engine, ps, Policy("naive")))]
-    for r in (0.05, 0.10, 0.15, 0.30):
-        rows.append((f"cacheblend r={r:.0%}", score(engine, ps, Policy("cacheblend", ratio=r))))
-    for f in (0.15, 0.30, 0.50):
-        rows.append((f"cachecraft top {f:.0%} by inter-attention (eq. 14)",
-                     score(engine, ps, Policy("cachecraft"), lambda p, j, f=f: top_inter_attention(p, j, f))))
-    for name, pos in (("first token", (0,)), ("4th (the city in 'they' chunks)", (3,)), ("first four", (0, 1, 2, 3)),
-                      ("companion (2nd to last)", (-2,)), ("last", (-1,))):
-        rows.append((f"fixed: {name}", score(engine, ps, Policy("cachecraft"), fixed(pos))))
-    print(f"{'selection':<46} {'acc':>6} {'cross':>6} {'local':>6} {'recomputed':>11}")
-    for name, r in rows:
-        print(f"{name:<46} {r['acc_all']:>6.3f} {r.get('acc_cross', 0):>6.3f} {r.get('acc_local', 0):>6.3f} "
-              f"{r['recomputed_share']:>11.3f}")
+    ps = prompts(engine, a.examples, seed=a.seed, progress=True, observe=True,
+                 compare_alone=bool(re.search(a.only, "learned: deviation vs alone")))
+    rows = []
+    print(HEADER)
+    for name, policy, pick in methods():
+        if not re.search(a.only, name):
+            continue
+        r = score(engine, ps, policy, pick)
+        rows.append({"selection": name, **r})
+        print(row(name, r), flush=True)
     if a.json:
-        a.json.write_text(json.dumps([{"selection": n, **r} for n, r in rows], indent=2))
+        a.json.write_text(json.dumps({"examples": a.examples, "seed": a.seed, "rows": rows}, indent=2))
     return 0
 
 

@@ -1,6 +1,7 @@
 """Train the quality model on CPU with plain torch, one thread.
 
     OMP_NUM_THREADS=1 python -m kvbench.quality.train      # 44 min on one 2-core-VM thread
+    OMP_NUM_THREADS=1 python -m kvbench.quality.train --task long   # the long task (not trained yet)
 
 Each training context (up to 6 chunks) is followed by a question about every
 person in it, each question seeing the context and nothing else (`batch_loss`).
@@ -26,7 +27,10 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import DynamicCache
 
-from . import data, modeling
+from . import data, longdata, modeling
+
+# Task name -> (example module, default model directory, max positions of the model).
+TASKS = {"short": (data, modeling.MODEL_DIR, 256), "long": (longdata, modeling.LONG_MODEL_DIR, 512)}
 
 
 class Curriculum:
@@ -43,9 +47,10 @@ class Curriculum:
     PROMOTE_AT = 0.8
     PROBE_SIZE = 128
 
-    def __init__(self, top: int, start: int = 2) -> None:
+    def __init__(self, top: int, start: int = 2, task=data) -> None:
         self.level = min(start, top)
         self.top = top
+        self.task = task  # the task module (`data` or `longdata`)
 
     def chunks(self, rng: random.Random) -> int:
         return rng.randint(2, self.level)
@@ -54,8 +59,8 @@ class Curriculum:
         """Exact match at the current level (None at the top); promotes if it is high enough."""
         if self.level >= self.top:
             return None
-        rng = random.Random(data.TRAIN_SEED + 10_000 + self.level)  # a fixed probe per level
-        probe = [data.make_example(rng, self.level) for _ in range(self.PROBE_SIZE)]
+        rng = random.Random(self.task.TRAIN_SEED + 10_000 + self.level)  # a fixed probe per level
+        probe = [self.task.make_example(rng, self.level) for _ in range(self.PROBE_SIZE)]
         em = exact_match_full_prefill(model, tok, probe)["all"]
         if em >= self.PROMOTE_AT:
             self.level += 1
@@ -89,7 +94,7 @@ def make_batch(rng: random.Random, tok, batch: int, curriculum: Curriculum) -> B
     """One context per row, each followed (separately) by a question about every person in it."""
     contexts, of, qas, qa_ws = [], [], [], []
     for i in range(batch):
-        ctx = data.make_context(rng, curriculum.chunks(rng))
+        ctx = curriculum.task.make_context(rng, curriculum.chunks(rng))
         contexts.append([t for c in ctx.chunks for t in tok.encode(c, add_special_tokens=False)])
         for p in ctx.persons:
             q = tok.encode(data.question_about(p.city), add_special_tokens=False)
@@ -177,7 +182,9 @@ def save(model, tok, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=modeling.MODEL_DIR)
+    ap.add_argument("--task", choices=sorted(TASKS), default="short",
+                    help="short: 6 chunks of 7-10 words (data); long: 5-8 chunks of 32-52 words (longdata)")
+    ap.add_argument("--out", type=Path, default=None, help="default: the task's committed model directory")
     ap.add_argument("--steps", type=int, default=100_000, help="upper bound; --minutes or --target stops first")
     ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget for training")
     ap.add_argument("--batch", type=int, default=32)
@@ -198,11 +205,13 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    rng = random.Random(data.TRAIN_SEED + args.seed)
-    tok = modeling.build_tokenizer()
+    task, model_dir, max_positions = TASKS[args.task]
+    args.out = args.out or model_dir
+    rng = random.Random(task.TRAIN_SEED + args.seed)
+    tok = modeling.build_tokenizer(task.vocabulary())
     cfg = modeling.build_config(
         len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=max_positions,
     )
     if args.init_from is not None:
         model = modeling.LlamaForCausalLM.from_pretrained(str(args.init_from), torch_dtype=torch.float32)
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     # Checkpoints are picked on the default held-out draw; reports use seed 1, never picked on.
-    heldout = data.examples("heldout", args.eval_size)
+    heldout = task.examples("heldout", args.eval_size)
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -222,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         lr=args.lr, betas=(0.9, 0.98),
     )
     budget_s = args.minutes * 60
-    curriculum = Curriculum(max(data.CHUNK_COUNTS))
+    curriculum = Curriculum(max(task.CHUNK_COUNTS), task=task)
     top_since: float | None = None  # seconds into the run when contexts reached full length
 
     # Peak rate while the curriculum climbs, then a cosine over the rest of the time

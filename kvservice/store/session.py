@@ -53,6 +53,9 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader) -> "StoreSession"
     if len(h.stats.prefix_attention) not in (0, len(h.prefix_keys)):
         raise InvalidArgument(f"stats.prefix_attention has {len(h.stats.prefix_attention)} values for "
                               f"{len(h.prefix_keys)} prefix keys")
+    if len(h.stats.recompute_scores) not in (0, tokens):
+        raise InvalidArgument(f"stats.recompute_scores has {len(h.stats.recompute_scores)} values "
+                              f"for {tokens} tokens (expected 0 or {tokens})")
     if len(h.stats.token_inter_attention) not in (0, tokens):
         raise InvalidArgument(f"stats.token_inter_attention has {len(h.stats.token_inter_attention)} values "
                               f"for {tokens} tokens")

@@ -17,6 +17,9 @@ class VariantStats:
                               in prefix order (beta, eq. 6, needs inter per prefix chunk)
       token_inter_attention = per token t of C_i: sum_l sum_{j<i} inter_l(t, C_j)
                               (top-N token selection, eq. 14)
+      recompute_scores      = per token, the learned recompute score
+                              (`engine_adapter.selection.learned_scores`); when present
+                              it ranks the tokens instead of token_inter_attention
     A chunk computed alone (empty prefix) has a = 0 and empty prefix_attention.
     """
 
@@ -24,3 +27,4 @@ class VariantStats:
     b: float = 0.0
     prefix_attention: tuple[float, ...] = field(default_factory=tuple)
     token_inter_attention: tuple[float, ...] = field(default_factory=tuple)
+    recompute_scores: tuple[float, ...] = field(default_factory=tuple)

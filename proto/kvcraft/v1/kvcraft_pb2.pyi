@@ -27,16 +27,18 @@ class TensorSpec(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VariantStats(_message.Message):
-    __slots__ = ("a", "b", "prefix_attention", "token_inter_attention")
+    __slots__ = ("a", "b", "prefix_attention", "token_inter_attention", "recompute_scores")
     A_FIELD_NUMBER: _ClassVar[int]
     B_FIELD_NUMBER: _ClassVar[int]
     PREFIX_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_INTER_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_SCORES_FIELD_NUMBER: _ClassVar[int]
     a: float
     b: float
     prefix_attention: _containers.RepeatedScalarFieldContainer[float]
     token_inter_attention: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, a: _Optional[float] = ..., b: _Optional[float] = ..., prefix_attention: _Optional[_Iterable[float]] = ..., token_inter_attention: _Optional[_Iterable[float]] = ...) -> None: ...
+    recompute_scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, a: _Optional[float] = ..., b: _Optional[float] = ..., prefix_attention: _Optional[_Iterable[float]] = ..., token_inter_attention: _Optional[_Iterable[float]] = ..., recompute_scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VariantInfo(_message.Message):
     __slots__ = ("variant_id", "chunk_key", "model_id", "prefix_keys", "token_count", "num_layers", "key_spec", "value_spec", "stats", "tier", "size_bytes", "fr", "last_access_unix_ms", "created_unix_ms", "pinned", "leased", "layer_checksums")
