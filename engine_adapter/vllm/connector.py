@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcraft.vllm")
@@ -95,6 +96,10 @@ class KVCraftConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:

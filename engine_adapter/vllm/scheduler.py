@@ -15,7 +15,9 @@ Bounds (docs/vllm.md "What the connector guarantees"):
   request is scheduled when they are in. This covers new requests, requests resumed
   after preemption (vLLM asks again and allocates new blocks), and partial acceptance
   (vLLM accepting fewer tokens than offered: exactly the blocks covering the accepted
-  tokens are loaded).
+  tokens are loaded). A load reported failed lowers the request's kept answer to the
+  blocks before the first failed one: vLLM recomputes from there and is not offered the
+  failed blocks again (no load-fail-retry loop).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvclient.errors import from_rpc_error
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcraft.vllm")
@@ -101,6 +104,7 @@ class SchedulerSide:
         self.metrics = metrics
         self._reqs: dict[str, _Request] = {}
         self._loads: list[BlockLoad] = []
+        self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}  # req -> (first block, vLLM block ids)
         self._failures = 0
         self._off_until = 0.0
         self._off_logged = False
@@ -137,7 +141,21 @@ class SchedulerSide:
         self._step_s = 0.0
         return meta
 
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """A load that failed lowers the request's kept answer to the blocks before the first
+        failed one, so vLLM's retry (it recomputes from there) is not offered them again."""
+        t0 = time.perf_counter()
+        failed = output.invalid_block_ids or set()
+        for req_id in output.finished_recving or ():
+            first, ids = self._loading.pop(req_id, (0, ()))
+            st = self._reqs.get(req_id)
+            bad = [i for i, b in enumerate(ids) if b in failed]
+            if st is not None and bad:
+                st.service_blocks = min(st.service_blocks or 0, first + bad[0])
+        self._step_s += time.perf_counter() - t0
+
     def request_finished(self, request: "Request") -> None:
+        self._loading.pop(request.request_id, None)
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()
@@ -238,9 +256,10 @@ class SchedulerSide:
             raise RuntimeError(f"vLLM accepted {num_external_tokens} tokens of request {request.request_id}, "
                                f"more than the {st.offer_count * bs} kvcraft offered")
         a, b = st.offer_first, st.offer_first + n_blocks
-        ids = blocks.get_block_ids()[0]
-        self._loads.append(BlockLoad(request.request_id, tuple(ids[a:b]), tuple(st.keys[a:b]), tuple(st.vids[a:b]),
+        ids = tuple(blocks.get_block_ids()[0][a:b])
+        self._loads.append(BlockLoad(request.request_id, ids, tuple(st.keys[a:b]), tuple(st.vids[a:b]),
                                      num_external_tokens))
+        self._loading[request.request_id] = (a, ids)
         if num_external_tokens < st.offer_count * bs:
             self.metrics.add(partial_accepts=1)
         st.offer_count = 0
