@@ -64,6 +64,20 @@ class Config:
     log_level: str = "INFO"
     # Seconds a SIGTERM waits for in-flight RPCs before stopping.
     drain_s: float = 5.0
+    # Remote tier (docs/scale-out.md): a Mooncake Store cluster shared by kvcraft nodes.
+    # Off while remote_master is empty. In a TOML file the [remote] table sets these
+    # without the prefix (master = "10.0.0.5:50051").
+    remote_master: str = ""  # host:port of mooncake_master
+    remote_protocol: str = "tcp"  # tcp | rdma
+    remote_device: str = ""  # RDMA device names (rdma only), e.g. "mlx5_0"
+    remote_local_hostname: str = "127.0.0.1"  # address other nodes reach this node's segment at
+    remote_segment_bytes: int = 1 * GiB  # host memory this node contributes to the cluster
+    remote_buffer_bytes: int = 64 * MiB  # the Mooncake client's transfer buffer
+    remote_budget_bytes: int = 64 * GiB  # payload bytes this node writes to the cluster
+    remote_namespace: str = "kvcraft"  # key prefix: deployments sharing a cluster stay apart
+    remote_list_slots: int = 8  # entries of a chunk's variant list in the cluster
+    remote_write_through: bool = True  # copy each stored variant to the cluster at once
+    remote_advertise: str = ""  # this node's gRPC address in the cluster view; "" = host:port
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -91,6 +105,13 @@ class Config:
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key: "
                              "client certificates are only checked on a TLS server")
+        if self.remote_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"remote_protocol must be tcp or rdma, got {self.remote_protocol!r}")
+        for name in ("remote_segment_bytes", "remote_buffer_bytes", "remote_budget_bytes", "remote_list_slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.remote_master and ":" not in self.remote_master:
+            raise ValueError(f"remote_master must be host:port, got {self.remote_master!r}")
 
     @property
     def data_path(self) -> Path:
@@ -145,6 +166,10 @@ def load_config(
         with open(file, "rb") as fh:
             doc = tomllib.load(fh)
         doc = doc.get("kvcraft", doc)  # allow a [kvcraft] table or top-level keys
+        remote = doc.pop("remote", {})
+        if not isinstance(remote, dict):
+            raise ValueError(f"{file}: remote must be a table ([remote])")
+        doc.update({f"remote_{k}": v for k, v in remote.items()})
         for k, v in doc.items():
             if k not in types:
                 raise ValueError(f"{file}: unknown setting {k!r}")

@@ -1,0 +1,11 @@
+"""Scale-out: kvcraft nodes sharing chunk KV through a Mooncake Store cluster.
+
+- `mooncake`: the client wrapper (error codes -> domain errors, buffers -> addresses)
+  and `MasterProcess`, a `mooncake_master` on loopback for tests, benches and docs.
+- `records`: the self-describing, checksummed payload object and the variant record.
+- `view`: the per-chunk variant list and the global chunk-prefix view (CRAFT's global
+  CP-Tree across nodes; each node's planner keeps its local tree).
+
+The remote tier itself (`kvservice.tiers.remote`) speaks the store's tier protocol.
+docs/scale-out.md explains the deployment.
+"""

@@ -1,0 +1,240 @@
+"""Mooncake Store, as kvcraft uses it: a client wrapper and a loopback master.
+
+`MooncakeClient` wraps `mooncake.store.MooncakeDistributedStore` (wheel
+`mooncake-transfer-engine-non-cuda` on CPU machines, `mooncake-transfer-engine` with
+CUDA; both need the system library libibverbs1 at import). It turns Mooncake's
+integer error codes into the service's errors, and buffers into the addresses the
+zero-copy calls take: objects are written from, and read into, the caller's memory
+(`batch_put_from_multi_buffer_ranges`, `batch_get_into_multi_buffers`), never
+through Python bytes.
+
+Metadata: the clients find each other by P2P handshake ("P2PHANDSHAKE"), so a
+cluster is one `mooncake_master` and the nodes; no etcd, no HTTP metadata server.
+
+`MasterProcess` runs `mooncake_master` bound to 127.0.0.1 on free ports (tests,
+benchmarks, a local try-out); production runs the master as its own service
+(deploy/compose.scale-out.yaml, docs/scale-out.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Sequence
+
+import numpy as np
+
+from kvservice.errors import Unavailable
+
+# Mooncake error codes (mooncake-store/include/types.h) that mean "this object is not
+# (or no longer) stored": the caller treats the variant as absent and recomputes.
+_GONE = {-703, -704, -707, -710, -712}
+OBJECT_ALREADY_EXISTS = -705
+
+Buffer = bytes | bytearray | memoryview
+
+
+class ObjectMissing(KeyError):
+    """The object is not in the store (never written, evicted, or lost with the master)."""
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How a node joins a Mooncake Store cluster (Config's `remote_*` settings)."""
+
+    master_address: str  # host:port of mooncake_master
+    local_hostname: str = "127.0.0.1"  # address other nodes reach this node's segment at
+    protocol: str = "tcp"  # tcp | rdma
+    device: str = ""  # RDMA device names (rdma only), e.g. "mlx5_0"
+    segment_bytes: int = 1 << 30  # host memory this node contributes to the cluster
+    buffer_bytes: int = 64 << 20  # the client's own transfer buffer
+
+
+def _view(buf: Buffer) -> np.ndarray:
+    """A uint8 array over `buf`'s memory (no copy), to take its address."""
+    if isinstance(buf, memoryview) and buf.format != "B":
+        buf = buf.cast("B")
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+class MooncakeClient:
+    """One node's connection to the cluster; thread-safe (Mooncake's client is)."""
+
+    def __init__(self, settings: RemoteSettings) -> None:
+        self.settings = settings
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise Unavailable(
+                f"the remote tier needs Mooncake Store: pip install mooncake-transfer-engine-non-cuda "
+                f"(CPU) or mooncake-transfer-engine (CUDA), and the system library libibverbs1 "
+                f"(apt-get install libibverbs1); import failed: {e}") from None
+        self._store = MooncakeDistributedStore()
+        s = settings
+        rc = self._store.setup(s.local_hostname, "P2PHANDSHAKE", s.segment_bytes, s.buffer_bytes,
+                               s.protocol, s.device, s.master_address)
+        if rc != 0:
+            raise Unavailable(f"cannot join the Mooncake cluster at master {s.master_address} "
+                              f"(setup returned {rc}); is mooncake_master running there?")
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # -- payload objects (zero-copy) ------------------------------------------------------
+    def begin_put(self, key: str, size: int) -> None:
+        """Reserve an object of `size` bytes; fill it with `put_range`, then `end_put`."""
+        rc = self._store.batch_put_session_start([key], [size])[0]
+        if rc == OBJECT_ALREADY_EXISTS:
+            raise FileExistsError(key)
+        self._check(rc, f"reserve {size} bytes for {key}")
+
+    def put_range(self, key: str, offset: int, parts: Sequence[Buffer]) -> None:
+        """Copy `parts`, back to back, into the reserved object at `offset`, straight
+        from their memory."""
+        arrays = [_view(p) for p in parts]
+        ptrs, sizes, offs = [], [], []
+        at = offset
+        for a in arrays:
+            ptrs.append(a.ctypes.data)
+            sizes.append(a.nbytes)
+            offs.append(at)
+            at += a.nbytes
+        rc = self._store.batch_put_from_multi_buffer_ranges([key], [ptrs], [sizes], [offs])[0]
+        if rc < 0:
+            self._check(rc, f"write {at - offset} bytes into {key}")
+
+    def end_put(self, key: str) -> None:
+        self._check(self._store.batch_put_session_end([key])[0], f"complete {key}")
+
+    def abort_put(self, key: str) -> None:
+        self._store.batch_put_session_revoke([key])
+
+    def get_into(self, key: str, parts: Sequence[Buffer]) -> int:
+        """Read the object into `parts` (writable, back to back); their sizes must add
+        up to the object's. ObjectMissing if absent, Unavailable if the cluster is not
+        reachable."""
+        arrays = [_view(p) for p in parts]
+        rc = self._store.batch_get_into_multi_buffers(
+            [key], [[a.ctypes.data for a in arrays]], [[a.nbytes for a in arrays]])[0]
+        if rc < 0:
+            self._check(rc, f"read {key}")
+        return rc
+
+    # -- small records --------------------------------------------------------------------
+    def get_many(self, keys: Sequence[str]) -> list[bytes]:
+        """Values of small objects; b"" for an absent one (or when the master is down)."""
+        if not keys:
+            return []
+        return self._store.get_batch(list(keys))
+
+    def upsert(self, key: str, value: bytes) -> None:
+        self._check(self._store.upsert(key, value), f"write {key}")
+
+    def remove(self, key: str) -> None:
+        """Delete the object; absent is not an error."""
+        rc = self._store.remove(key, True)
+        if rc < 0 and rc not in _GONE:
+            self._check(rc, f"remove {key}")
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._store.close()
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc >= 0:
+            return
+        if rc in _GONE:
+            raise ObjectMissing(what)
+        raise Unavailable(f"remote tier: cannot {what}: Mooncake error {rc}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def master_binary() -> str:
+    """The mooncake_master the wheel ships (in the package folder and on PATH)."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.submodule_search_locations:
+        p = Path(list(spec.submodule_search_locations)[0]) / "mooncake_master"
+        if p.exists():
+            return str(p)
+    found = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+    if not os.path.exists(found):
+        raise FileNotFoundError("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda")
+    return found
+
+
+class MasterProcess:
+    """`mooncake_master` bound to 127.0.0.1 on free ports, in its own process.
+
+    Its RPC and admin/metrics servers listen on loopback only; the HTTP metadata
+    server is off (clients use P2P handshake). `restart` keeps the RPC port, so the
+    nodes reconnect to the same address.
+    """
+
+    def __init__(self, log_path: Path, *, eviction_high_watermark: float = 0.9) -> None:
+        self.log_path = Path(log_path)
+        self.rpc_port = free_port()
+        self.metrics_port = free_port()
+        self.watermark = eviction_high_watermark
+        self.proc: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    def start(self, timeout: float = 30.0) -> "MasterProcess":
+        if self._log is None:
+            self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [master_binary(), "-rpc_address=127.0.0.1", f"-rpc_port={self.rpc_port}",
+             "-metrics_host=127.0.0.1", f"-metrics_port={self.metrics_port}",
+             "-enable_metric_reporting=false", "-enable_http_metadata_server=false",
+             f"-eviction_high_watermark_ratio={self.watermark}", "-rpc_thread_num=2", "-logtostderr"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                socket.create_connection(("127.0.0.1", self.rpc_port), 0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError(f"mooncake_master did not listen on {self.address} within {timeout:.0f}s")
+
+    def kill(self) -> None:
+        """SIGKILL, as in a crash: every object's metadata is gone with it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> "MasterProcess":
+        self.kill()
+        return self.start()
+
+    def close(self) -> None:
+        self.kill()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "MasterProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

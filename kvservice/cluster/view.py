@@ -1,0 +1,112 @@
+"""The cluster-wide view: which variants exist on any node, and where prefixes live.
+
+CRAFT (§4.1, hierarchical design) keeps a global CP-Tree with complete metadata and
+a compact local tree per GPU holding only what resides there. Across kvcraft nodes:
+
+- each node's planner keeps its local CP-Tree (kvservice.planner.cp_tree), over the
+  variants its store holds, remote ones included once discovered;
+- the global view lives in Mooncake Store itself: per chunk, a small variant list
+  (kvservice.cluster.records). Variant ids are content hashes of (chunk, prefix), so
+  the node of the global tree for chunk-prefix [c0 .. cj] is the variant
+  `variant_id(cj, [c0 .. cj-1])`: walking a request's order and checking each of
+  those ids against the lists finds the longest chunk-prefix stored anywhere, and
+  each entry names the node that published it.
+
+A node consults the view when it plans a request (`discover`), and publishes every
+variant it writes to the remote tier (`publish`). Lookups cost one batched get of
+(chunks x slots) small objects. A master that is down makes the view empty: nodes
+plan from their local tiers, never fail a request because of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvclient.keys import variant_id
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.cluster.mooncake import MooncakeClient
+from kvservice.cluster.records import BadRecord, Entry, decode_entry, encode_entry, slot_key, slot_of
+from kvservice.errors import KVCraftError
+
+log = logging.getLogger("kvcraft.cluster")
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The longest chunk-prefix of a request stored in the cluster."""
+
+    length: int  # leading chunks of the order covered
+    variant_ids: tuple[str, ...]
+    holder: str  # node that published the deepest variant ("" when length == 0)
+
+
+class ClusterView:
+    def __init__(self, client: MooncakeClient, namespace: str, holder: str, slots: int = 8) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.client = client
+        self.ns = namespace
+        self.holder = holder
+        self.slots = slots
+
+    def publish(self, info: pb.VariantInfo) -> None:
+        """Add the variant to its chunk's list (it must already be in the remote tier)."""
+        key = slot_key(self.ns, info.chunk_key, slot_of(info.variant_id, self.slots))
+        self.client.upsert(key, encode_entry(info, self.holder))
+
+    def unpublish(self, chunk: str, vid: str) -> None:
+        """Remove the variant's list entry, if its slot still names it."""
+        key = slot_key(self.ns, chunk, slot_of(vid, self.slots))
+        raw = self.client.get_many([key])[0]
+        if raw:
+            try:
+                if decode_entry(raw, chunk).info.variant_id != vid:
+                    return
+            except BadRecord:
+                pass
+            self.client.remove(key)
+
+    def drop_entry(self, chunk: str, vid: str) -> None:
+        self.client.remove(slot_key(self.ns, chunk, slot_of(vid, self.slots)))
+
+    def discover(self, chunks: Sequence[str]) -> list[Entry]:
+        """Every valid list entry of these chunks; altered entries are removed."""
+        keys = [slot_key(self.ns, c, s) for c in chunks for s in range(self.slots)]
+        try:
+            values = self.client.get_many(keys)
+        except KVCraftError as e:
+            log.warning("cluster view unavailable: %s", e)
+            return []
+        out = []
+        for i, raw in enumerate(values):
+            if not raw:
+                continue
+            chunk = chunks[i // self.slots]
+            try:
+                out.append(decode_entry(raw, chunk))
+            except BadRecord as e:
+                log.warning("dropping list entry %s: %s", keys[i], e)
+                try:
+                    self.client.remove(keys[i])
+                except KVCraftError:
+                    pass
+        return out
+
+    def longest_prefix(self, order: Sequence[str], entries: Sequence[Entry] | None = None) -> PrefixHit:
+        """The global CP-Tree lookup: the longest leading run of `order` whose
+        prefix-exact variants are all listed (any node), and who published its end."""
+        if entries is None:
+            entries = self.discover(order)
+        by_id = {e.info.variant_id: e for e in entries}
+        vids: list[str] = []
+        holder = ""
+        for j, chunk in enumerate(order):
+            vid = variant_id(chunk, order[:j])
+            e = by_id.get(vid)
+            if e is None:
+                break
+            vids.append(vid)
+            holder = e.holder
+        return PrefixHit(len(vids), tuple(vids), holder)

@@ -1,0 +1,216 @@
+"""Remote tier: variants in a Mooncake Store cluster shared by every kvcraft node.
+
+Last in the tier list (host, disk, remote). Variants arrive here two ways: demotion
+out of the disk tier (the store's usual one-tier-down move), and write-through after
+a Store (`remote_write_through`), so other nodes can reuse a chunk as soon as it is
+stored. Each payload object is self-describing and checksummed
+(kvservice.cluster.records) and keyed by variant id, a content hash, so any node
+finds any variant; after the write the variant is listed in its chunk's variant list
+(kvservice.cluster.view), which is how other nodes' planners see it.
+
+Zero-copy: a writer reserves the object (a Mooncake put session) and copies each
+layer into it straight from the caller's memory (the host slab or the disk read
+buffer); a read brings header and payload in one call straight into a buffer of this
+tier, whose layers the store copies into the host slab when it promotes.
+
+The tier is `shared`: another node may delete or replace a variant, and the master
+may lose everything; a read that finds nothing, or a header that does not carry the
+expected record, is KeyError ("not here"): the store drops its record of the remote
+copy and the engine recomputes. Layer checksums are checked by the store
+(`verify_reads`), so altered bytes are never served.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Callable
+
+from kvcraft import tiers
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.cluster.mooncake import MooncakeClient, ObjectMissing
+from kvservice.cluster.records import BadRecord, Entry, check_header, encode_header, header_length, payload_key, record_bytes
+from kvservice.cluster.view import ClusterView
+from kvservice.errors import KVCraftError
+from kvservice.tiers.base import Buffer, PayloadShape, Tier, TierFull, TierWriter
+
+log = logging.getLogger("kvcraft.remote")
+
+RecordOf = Callable[[str], "pb.VariantInfo | None"]
+
+
+class RemoteWriter(TierWriter):
+    """Fills a reserved object layer by layer; `commit` adds the header and lists it."""
+
+    def __init__(self, tier: "RemoteTier", info: pb.VariantInfo, shape: PayloadShape) -> None:
+        self._tier = tier
+        self._info = info
+        self._shape = shape
+        self._record = record_bytes(info)
+        self._head = header_length(self._record)
+        self._key = payload_key(tier.ns, info.variant_id)
+        self._pos = 0
+        self._open = True
+        self._exists = False
+        try:
+            tier.client.begin_put(self._key, self._head + shape.total_bytes)
+        except FileExistsError:  # another node wrote this variant id: same chunk, same prefix
+            self._exists = True
+
+    def write_layer(self, *parts: Buffer) -> None:
+        n = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+        if self._pos + n > self._shape.total_bytes:
+            raise ValueError(f"{self._info.variant_id}: write past the payload's {self._shape.total_bytes} bytes")
+        if not self._exists:
+            self._tier.client.put_range(self._key, self._head + self._pos, parts)
+        self._pos += n
+
+    def commit(self) -> None:
+        if self._pos != self._shape.total_bytes:
+            raise ValueError(f"{self._info.variant_id}: {self._pos} bytes written, {self._shape.total_bytes} expected")
+        client = self._tier.client
+        if not self._exists:
+            client.put_range(self._key, 0, [encode_header(self._record, self._shape.total_bytes)])
+            client.end_put(self._key)
+        self._open = False
+        self._tier.view.publish(self._info)
+        self._tier._committed(self._info.variant_id, self._shape.total_bytes, mine=not self._exists)
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            if not self._exists:
+                try:
+                    self._tier.client.abort_put(self._key)
+                except KVCraftError:
+                    pass  # the master discards an unfinished put on its own
+            self._tier._release(self._shape.total_bytes)
+
+
+class RemoteTier(Tier):
+    name = tiers.REMOTE
+    persistent = False  # the cluster outlives this process, but not the master's loss
+    shared = True
+    cache_on_store = False
+    verify_reads = True
+
+    def __init__(self, client: MooncakeClient, view: ClusterView, budget_bytes: int,
+                 read_cache: int = 2) -> None:
+        super().__init__(budget_bytes)
+        self.client = client
+        self.view = view
+        self.ns = view.ns
+        self._record_of: RecordOf = lambda vid: None
+        self._known: dict[str, int] = {}  # variant id -> payload bytes, listed in the cluster
+        self._mine: set[str] = set()  # written by this node (counted in usage)
+        self._used = 0  # payload bytes this node wrote, plus open writers
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, bytearray] = OrderedDict()  # last payloads read
+        self._cache_n = read_cache
+
+    def bind(self, record_of: RecordOf) -> None:
+        """The store's record of a variant id (a writer puts it in the header)."""
+        self._record_of = record_of
+
+    # -- write ------------------------------------------------------------------------
+    def open_writer(self, variant_id: str, shape: PayloadShape) -> RemoteWriter:
+        info = self._record_of(variant_id)
+        if info is None:
+            raise KeyError(f"{variant_id}: no record to describe the remote payload with")
+        with self._lock:
+            if self._used + shape.total_bytes > self.budget_bytes:
+                raise TierFull(f"remote tier budget {self.budget_bytes} bytes: {self._used} used by this node")
+            self._used += shape.total_bytes
+        try:
+            return RemoteWriter(self, info, shape)
+        except BaseException:
+            self._release(shape.total_bytes)
+            raise
+
+    def _committed(self, vid: str, n: int, mine: bool) -> None:
+        with self._lock:
+            self._known[vid] = n
+            if mine and vid not in self._mine:
+                self._mine.add(vid)
+                return
+        self._release(n)
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+
+    def adopt(self, entry: Entry) -> None:
+        """A variant another node listed: readable here from now on."""
+        with self._lock:
+            self._known.setdefault(entry.info.variant_id, entry.info.size_bytes)
+
+    # -- read -------------------------------------------------------------------------
+    def get_layer(self, variant_id: str, layer: int, shape: PayloadShape) -> memoryview:
+        return self.get_layers(variant_id, layer, 1, shape)
+
+    def get_layers(self, variant_id: str, first: int, count: int, shape: PayloadShape) -> memoryview:
+        payload = self._payload(variant_id, shape)
+        start = shape.offset(first)
+        return memoryview(payload)[start : start + count * shape.layer_bytes]
+
+    def _payload(self, vid: str, shape: PayloadShape) -> bytearray:
+        with self._lock:
+            got = self._cache.get(vid)
+            if got is not None:
+                self._cache.move_to_end(vid)
+                return got
+        info = self._record_of(vid)
+        if info is None or vid not in self._known:
+            raise KeyError(f"{vid}: not in the remote tier")
+        record = record_bytes(info)
+        header = bytearray(header_length(record))
+        payload = bytearray(shape.total_bytes)
+        try:
+            self.client.get_into(payload_key(self.ns, vid), [header, payload])
+            check_header(header, record, shape.total_bytes)
+        except ObjectMissing:
+            self._forget(vid)
+            raise KeyError(f"{vid}: gone from the remote tier") from None
+        except BadRecord as e:
+            log.warning("remote payload of %s is not the listed variant (%s): deleting it", vid, e)
+            self.delete(vid)
+            raise KeyError(f"{vid}: remote payload altered ({e})") from None
+        except KVCraftError as e:  # master or peer unreachable: not here, for now
+            raise KeyError(f"{vid}: remote tier unavailable ({e})") from None
+        with self._lock:
+            self._cache[vid] = payload
+            while len(self._cache) > self._cache_n:
+                self._cache.popitem(last=False)
+        return payload
+
+    # -- bookkeeping ------------------------------------------------------------------
+    def _forget(self, vid: str) -> None:
+        with self._lock:
+            n = self._known.pop(vid, None)
+            self._cache.pop(vid, None)
+            if vid in self._mine:
+                self._mine.discard(vid)
+                self._used -= n or 0
+
+    def delete(self, variant_id: str) -> None:
+        info = self._record_of(variant_id)
+        known = variant_id in self._known
+        self._forget(variant_id)
+        if not known:
+            return
+        try:
+            if info is not None:
+                self.view.unpublish(info.chunk_key, variant_id)
+            self.client.remove(payload_key(self.ns, variant_id))
+        except KVCraftError as e:
+            log.warning("remote delete of %s failed (%s); the cluster evicts it in time", variant_id, e)
+
+    def usage(self) -> int:
+        return self._used
+
+    def __contains__(self, variant_id: object) -> bool:
+        return variant_id in self._known
+
+    def close(self) -> None:
+        self.client.close()
