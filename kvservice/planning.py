@@ -72,6 +72,8 @@ class PlanningService:
         if len(req.chunks) > self.store.cfg.max_fetch_variants:
             raise InvalidArgument(f"{len(req.chunks)} chunks; at most {self.store.cfg.max_fetch_variants}")
         refs = [self._chunk_ref(req.model_id, i, c) for i, c in enumerate(req.chunks)]
+        if self.store.cluster is not None:  # variants other nodes stored (docs/scale-out.md)
+            self.store.cluster.discover([r.key for r in refs])
         first = req.first_turn if req.HasField("first_turn") else None
         tiers = [t.name for t in self.store.tiers]
         for i, t in enumerate(req.timings.loads):

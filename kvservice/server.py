@@ -522,6 +522,8 @@ async def start_server(cfg: Config) -> RunningServer:
     if port == 0:
         store.close()
         raise OSError(f"cannot listen on {address}")
+    if store.cluster is not None and not cfg.remote_advertise:
+        store.cluster.view.holder = f"{cfg.host}:{port}"  # the bound port, for the cluster view
     await server.start()
     return RunningServer(server, store, port, health_servicer, metrics, inflight)
 

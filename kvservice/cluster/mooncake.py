@@ -38,6 +38,8 @@ from kvservice.errors import Unavailable
 # (or no longer) stored": the caller treats the variant as absent and recomputes.
 _GONE = {-703, -704, -707, -710, -712}
 OBJECT_ALREADY_EXISTS = -705
+_RPC_FAILED = {-900, -901}  # RPC_FAIL, RPC_TIMEOUT: the master did not answer
+WATCH_INTERVAL_S = 0.25
 
 Buffer = bytes | bytearray | memoryview
 
@@ -86,10 +88,33 @@ class MooncakeClient:
                               f"(setup returned {rc}); is mooncake_master running there?")
         self._closed = False
         self._lock = threading.Lock()
+        # While the master is unreachable every Mooncake call blocks ~4 s before it
+        # fails: a watcher keeps `up` current (TCP connect to the master every
+        # WATCH_INTERVAL_S), and calls fail at once while it is down.
+        self.up = True
+        self._stop = threading.Event()
+        host, _, port = s.master_address.rpartition(":")
+        self._master = (host.strip("[]"), int(port))
+        self._watcher = threading.Thread(target=self._watch, name="kvcraft-mooncake-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            try:
+                socket.create_connection(self._master, timeout=WATCH_INTERVAL_S).close()
+                self.up = True
+            except OSError:
+                self.up = False
+
+    def _need_up(self, what: str) -> None:
+        if not self.up:
+            raise Unavailable(f"remote tier: cannot {what}: the Mooncake master at {self.settings.master_address} "
+                              "is unreachable")
 
     # -- payload objects (zero-copy) ------------------------------------------------------
     def begin_put(self, key: str, size: int) -> None:
         """Reserve an object of `size` bytes; fill it with `put_range`, then `end_put`."""
+        self._need_up(f"write {key}")
         rc = self._store.batch_put_session_start([key], [size])[0]
         if rc == OBJECT_ALREADY_EXISTS:
             raise FileExistsError(key)
@@ -98,6 +123,7 @@ class MooncakeClient:
     def put_range(self, key: str, offset: int, parts: Sequence[Buffer]) -> None:
         """Copy `parts`, back to back, into the reserved object at `offset`, straight
         from their memory."""
+        self._need_up(f"write {key}")
         arrays = [_view(p) for p in parts]
         ptrs, sizes, offs = [], [], []
         at = offset
@@ -111,15 +137,18 @@ class MooncakeClient:
             self._check(rc, f"write {at - offset} bytes into {key}")
 
     def end_put(self, key: str) -> None:
+        self._need_up(f"complete {key}")
         self._check(self._store.batch_put_session_end([key])[0], f"complete {key}")
 
     def abort_put(self, key: str) -> None:
-        self._store.batch_put_session_revoke([key])
+        if self.up:
+            self._store.batch_put_session_revoke([key])
 
     def get_into(self, key: str, parts: Sequence[Buffer]) -> int:
         """Read the object into `parts` (writable, back to back); their sizes must add
         up to the object's. ObjectMissing if absent, Unavailable if the cluster is not
         reachable."""
+        self._need_up(f"read {key}")
         arrays = [_view(p) for p in parts]
         rc = self._store.batch_get_into_multi_buffers(
             [key], [[a.ctypes.data for a in arrays]], [[a.nbytes for a in arrays]])[0]
@@ -130,15 +159,17 @@ class MooncakeClient:
     # -- small records --------------------------------------------------------------------
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
         """Values of small objects; b"" for an absent one (or when the master is down)."""
-        if not keys:
-            return []
+        if not keys or not self.up:
+            return [b""] * len(keys)
         return self._store.get_batch(list(keys))
 
     def upsert(self, key: str, value: bytes) -> None:
+        self._need_up(f"write {key}")
         self._check(self._store.upsert(key, value), f"write {key}")
 
     def remove(self, key: str) -> None:
         """Delete the object; absent is not an error."""
+        self._need_up(f"remove {key}")
         rc = self._store.remove(key, True)
         if rc < 0 and rc not in _GONE:
             self._check(rc, f"remove {key}")
@@ -147,14 +178,16 @@ class MooncakeClient:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                self._stop.set()
                 self._store.close()
 
-    @staticmethod
-    def _check(rc: int, what: str) -> None:
+    def _check(self, rc: int, what: str) -> None:
         if rc >= 0:
             return
         if rc in _GONE:
             raise ObjectMissing(what)
+        if rc in _RPC_FAILED:
+            self.up = False  # until the watcher reaches the master again
         raise Unavailable(f"remote tier: cannot {what}: Mooncake error {rc}")
 
 

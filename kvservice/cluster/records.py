@@ -40,6 +40,8 @@ from google.protobuf.message import DecodeError
 
 from kvclient.keys import is_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.index import Variant
+from kvservice.wire import variant_message
 
 MAGIC = b"KVCRAFT\x01"
 ENTRY_MAGIC = b"KVCRLST\x01"
@@ -65,16 +67,16 @@ def slot_of(vid: str, slots: int) -> int:
     return int(vid[:8], 16) % slots
 
 
-def canonical(info: pb.VariantInfo) -> pb.VariantInfo:
+def canonical(record: "pb.VariantInfo | Variant") -> pb.VariantInfo:
     """The record every node writes for this variant: node-local fields cleared."""
     out = pb.VariantInfo()
-    out.CopyFrom(info)
+    out.CopyFrom(record if isinstance(record, pb.VariantInfo) else variant_message(record))
     for f in ("tier", "fr", "last_access_unix_ms", "created_unix_ms", "pinned", "leased"):
         out.ClearField(f)
     return out
 
 
-def record_bytes(info: pb.VariantInfo) -> bytes:
+def record_bytes(info: "pb.VariantInfo | Variant") -> bytes:
     return canonical(info).SerializeToString(deterministic=True)
 
 
@@ -106,7 +108,7 @@ def check_header(header: bytes | bytearray | memoryview, record: bytes, payload_
         raise BadRecord("header carries another record")
 
 
-def encode_entry(info: pb.VariantInfo, holder: str) -> bytes:
+def encode_entry(info: "pb.VariantInfo | Variant", holder: str) -> bytes:
     record = record_bytes(info)
     h = holder.encode()
     return _ENTRY.pack(ENTRY_MAGIC, len(record), len(h), xxhash.xxh3_64_intdigest(record + h)) + record + h

@@ -22,6 +22,7 @@ from kvservice.metadata import MetadataDB
 from kvservice.planner.variants import fr_increment
 from kvservice.records import (ChunkSummary, GpuPool, Located, Location, Ref, Selector, StoreHeader, StoreResult,
                                  StoreStats, TierStats)
+from kvservice.cluster.sync import attach_cluster
 from kvservice.store.leases import Leases
 from kvservice.store.placement import Placement
 from kvservice.store.promotion import Promotion
@@ -49,8 +50,12 @@ class ChunkStore:
         self._placement = Placement(self._s, self._leases.expire)
         self._promotion = Promotion(self._s, self._placement)
         self.recovery = recover(self._s, repair=repair)
+        # Scale-out (docs/scale-out.md): adopt other nodes' variants, write-through.
+        self.cluster = attach_cluster(self._s)
 
     def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
         with self._s.lock:
             self._s.persist_access(list(self.index))
             self._s.meta.close()

@@ -18,8 +18,10 @@ __all__ = ["PayloadShape", "SharedLocation", "Tier", "TierFull", "TierWriter", "
 
 def build_tiers(cfg: Config, driver: gpu_driver.Driver | None = None) -> list[Tier]:
     """The tiers this machine runs, fastest first: the gpu pool (when `gpu_budget_bytes`
-    is set and a CUDA driver loads), the host slab (pinned where CUDA exists), then the
-    disk (home). `driver`: this process's CUDA driver by default (tests pass a fake)."""
+    is set and a CUDA driver loads), the host slab (pinned where CUDA exists), the disk
+    (home), then the remote tier when a Mooncake Store cluster is configured
+    (`remote_master`, docs/scale-out.md). `driver`: this process's CUDA driver by
+    default (tests pass a fake)."""
     root = cfg.data_path
     root.mkdir(parents=True, exist_ok=True)
     if driver is None:
@@ -35,4 +37,13 @@ def build_tiers(cfg: Config, driver: gpu_driver.Driver | None = None) -> list[Ti
             from kvservice.tiers.gpu import GpuTier
 
             out.insert(0, GpuTier(cfg.gpu_budget_bytes, driver, choose_backend(cfg.disk_backend, driver)))
+    if cfg.remote_master:
+        from kvservice.tiers.remote import remote_tier  # imports Mooncake: only when configured
+
+        try:
+            out.append(remote_tier(cfg))
+        except BaseException:
+            for t in out:
+                t.close()
+            raise
     return out

@@ -28,22 +28,32 @@ from collections import OrderedDict
 from typing import Callable
 
 from kvcraft import tiers
-from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.cluster.mooncake import MooncakeClient, ObjectMissing
+from kvservice.cluster.mooncake import MooncakeClient, ObjectMissing, RemoteSettings
 from kvservice.cluster.records import BadRecord, Entry, check_header, encode_header, header_length, payload_key, record_bytes
 from kvservice.cluster.view import ClusterView
+from kvservice.config import Config
 from kvservice.errors import KVCraftError
+from kvservice.index import Variant
+from kvservice.layout import layer_checksum
 from kvservice.tiers.base import Buffer, PayloadShape, Tier, TierFull, TierWriter
 
 log = logging.getLogger("kvcraft.remote")
 
-RecordOf = Callable[[str], "pb.VariantInfo | None"]
+RecordOf = Callable[[str], "Variant | None"]
+
+
+def _check_layers(v: Variant, payload: bytearray, shape: PayloadShape) -> None:
+    kb = v.layout.key_bytes  # type: ignore[union-attr]
+    for layer in range(shape.num_layers):
+        data = memoryview(payload)[shape.offset(layer) : shape.offset(layer + 1)]
+        if layer_checksum(data[:kb], data[kb:]) != v.layer_checksums[layer]:
+            raise BadRecord(f"layer {layer} fails its checksum")
 
 
 class RemoteWriter(TierWriter):
     """Fills a reserved object layer by layer; `commit` adds the header and lists it."""
 
-    def __init__(self, tier: "RemoteTier", info: pb.VariantInfo, shape: PayloadShape) -> None:
+    def __init__(self, tier: "RemoteTier", info: Variant, shape: PayloadShape) -> None:
         self._tier = tier
         self._info = info
         self._shape = shape
@@ -86,6 +96,15 @@ class RemoteWriter(TierWriter):
                 except KVCraftError:
                     pass  # the master discards an unfinished put on its own
             self._tier._release(self._shape.total_bytes)
+
+
+def remote_tier(cfg: Config) -> "RemoteTier":
+    """Join the cluster `cfg.remote_master` names; Unavailable if it cannot be reached."""
+    client = MooncakeClient(RemoteSettings(cfg.remote_master, cfg.remote_local_hostname, cfg.remote_protocol,
+                                           cfg.remote_device, cfg.remote_segment_bytes, cfg.remote_buffer_bytes))
+    holder = cfg.remote_advertise or f"{cfg.host}:{cfg.port}"  # the server sets the bound port
+    view = ClusterView(client, cfg.remote_namespace, holder, cfg.remote_list_slots)
+    return RemoteTier(client, view, cfg.remote_budget_bytes)
 
 
 class RemoteTier(Tier):
@@ -169,12 +188,13 @@ class RemoteTier(Tier):
         try:
             self.client.get_into(payload_key(self.ns, vid), [header, payload])
             check_header(header, record, shape.total_bytes)
+            _check_layers(info, payload, shape)
         except ObjectMissing:
             self._forget(vid)
             raise KeyError(f"{vid}: gone from the remote tier") from None
         except BadRecord as e:
             log.warning("remote payload of %s is not the listed variant (%s): deleting it", vid, e)
-            self.delete(vid)
+            self._remove(vid, info.chunk_key)
             raise KeyError(f"{vid}: remote payload altered ({e})") from None
         except KVCraftError as e:  # master or peer unreachable: not here, for now
             raise KeyError(f"{vid}: remote tier unavailable ({e})") from None
@@ -194,17 +214,23 @@ class RemoteTier(Tier):
                 self._used -= n or 0
 
     def delete(self, variant_id: str) -> None:
+        """Forget the variant; remove it from the cluster only if this node wrote it
+        (a node's eviction of a variant another node listed is not that node's loss).
+        Altered payloads are removed by the read that finds them, whoever wrote them."""
         info = self._record_of(variant_id)
-        known = variant_id in self._known
+        mine = variant_id in self._mine
         self._forget(variant_id)
-        if not known:
-            return
+        if mine:
+            self._remove(variant_id, info.chunk_key if info is not None else None)
+
+    def _remove(self, vid: str, chunk: str | None) -> None:
+        self._forget(vid)
         try:
-            if info is not None:
-                self.view.unpublish(info.chunk_key, variant_id)
-            self.client.remove(payload_key(self.ns, variant_id))
+            if chunk is not None:
+                self.view.unpublish(chunk, vid)
+            self.client.remove(payload_key(self.ns, vid))
         except KVCraftError as e:
-            log.warning("remote delete of %s failed (%s); the cluster evicts it in time", variant_id, e)
+            log.warning("remote delete of %s failed (%s); the cluster evicts it in time", vid, e)
 
     def usage(self) -> int:
         return self._used

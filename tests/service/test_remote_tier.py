@@ -8,6 +8,7 @@ checksum; altered bytes never come back.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import xxhash
@@ -16,6 +17,8 @@ from kvclient.keys import chunk_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.cluster import records
 from kvservice.cluster.view import ClusterView
+from kvservice.index import VariantIndex
+from kvservice.store.recovery import decode
 from kvservice.tiers.base import PayloadShape, TierFull
 from kvservice.tiers.remote import RemoteTier
 
@@ -42,7 +45,9 @@ def make_variant(tokens: list[int], prefix: tuple[str, ...] = (), layers: int = 
                           token_count=len(tokens), num_layers=layers, key_spec=spec, value_spec=spec,
                           size_bytes=len(payload), layer_checksums=sums, tier="disk", fr=2.5,
                           created_unix_ms=123)
-    return info, payload, PayloadShape(layers, layer_bytes)
+    v = decode(SimpleNamespace(index=VariantIndex()), info)  # the store's record, as recovery builds it
+    v.tier = "disk"
+    return v, payload, PayloadShape(layers, layer_bytes)
 
 
 class Node:
@@ -65,7 +70,7 @@ class Node:
     def adopt_all(self, chunks) -> list:
         found = self.view.discover(chunks)
         for e in found:
-            self.records[e.info.variant_id] = e.info
+            self.records[e.info.variant_id] = decode(SimpleNamespace(index=VariantIndex()), e.info)
             self.tier.adopt(e)
         return found
 
@@ -104,8 +109,7 @@ def test_altered_remote_payload_is_not_served_and_its_entry_is_dropped(nodes):
     # Rewrite the object under the same key with one payload byte flipped and a header
     # for another record: what a buggy or foreign writer could leave behind.
     key = records.payload_key(a.tier.ns, info.variant_id)
-    other = pb.VariantInfo()
-    other.CopyFrom(info)
+    other = records.canonical(info)
     other.layer_checksums[0] ^= 1
     bad = bytearray(payload)
     bad[5] ^= 0xFF
@@ -188,3 +192,19 @@ def test_master_down_reads_are_not_here_and_restart_reconnects(cluster, nodes):
             time.sleep(0.2)
     b.adopt_all([info2.chunk_key])
     assert bytes(b.tier.get_layers(info2.variant_id, 0, 3, shape2)) == payload2
+
+
+def test_remote_section_of_the_config_file(tmp_path):
+    from kvservice.config import Config, load_config
+
+    f = tmp_path / "kvcraft.toml"
+    f.write_text('port = 7000\n[remote]\nmaster = "10.0.0.5:50052"\nprotocol = "rdma"\ndevice = "mlx5_0"\n')
+    cfg = load_config(f, env={})
+    assert (cfg.port, cfg.remote_master, cfg.remote_protocol, cfg.remote_device) == (7000, "10.0.0.5:50052", "rdma", "mlx5_0")
+    assert Config().remote_master == ""  # off by default: no remote tier, no Mooncake import
+    f.write_text('[remote]\nprotocol = "udp"\n')
+    with pytest.raises(ValueError, match="remote_protocol must be tcp or rdma"):
+        load_config(f, env={})
+    f.write_text('[remote]\nmastr = "x:1"\n')
+    with pytest.raises(ValueError, match="remote_mastr"):
+        load_config(f, env={})

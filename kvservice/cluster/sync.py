@@ -1,0 +1,147 @@
+"""A node's store and the cluster: adopt what other nodes listed, copy out what it stored.
+
+- `discover(chunk_keys)`: before a Plan, read the variant lists of the request's chunks
+  (ClusterView) and add the variants this node does not know to its index as
+  remote-only records (tier "remote", not persisted: after a restart the node asks
+  the cluster again). The store tells its listeners, so the planner's catalog and
+  CP-Tree see them like local ones; a lease holds them like local ones; a fetch
+  reads them from the remote tier and promotes them into the host slab.
+- write-through: after a Store is acknowledged, copy the variant from the fastest
+  local tier holding it into the remote tier, in the background (one worker thread,
+  never on the request's path), so other nodes can reuse it at once.
+
+Both use the store's parts as the store's own promotion does: state under the store's
+lock, payload copies outside it while the variant is held (so it cannot move).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from kvservice.cluster.view import ClusterView
+from kvservice.errors import KVCraftError
+from kvservice.index import Variant
+from kvservice.store.recovery import decode
+from kvservice.store.state import StoreState
+from kvservice.tiers.base import TierFull
+from kvservice.tiers.remote import RemoteTier
+
+log = logging.getLogger("kvcraft.cluster")
+
+WRITE_ATTEMPTS = 3
+
+
+def attach_cluster(state: StoreState) -> "ClusterSync | None":
+    """The store's link to the cluster, if one of its tiers is a RemoteTier."""
+    remote = next((t for t in state.tiers if isinstance(t, RemoteTier)), None)
+    return None if remote is None else ClusterSync(state, remote, state.cfg.remote_write_through)
+
+
+class ClusterSync:
+    """Attached to a store whose last tier is a RemoteTier (`attach_cluster`)."""
+
+    def __init__(self, state: StoreState, remote: RemoteTier, write_through: bool) -> None:
+        self.s = state
+        self.remote = remote
+        self.view: ClusterView = remote.view
+        self.remote_index = state.tiers.index(remote)
+        self.write_through = write_through
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcraft-remote")
+        remote.bind(state.index.get)
+        state.listeners.append(self)
+
+    # -- adopting what other nodes stored ------------------------------------------------
+    def discover(self, chunk_keys: Sequence[str]) -> int:
+        """Adopt the listed variants of these chunks this node lacks; how many."""
+        entries = self.view.discover(list(dict.fromkeys(chunk_keys)))
+        if not entries:
+            return 0
+        s, n = self.s, 0
+        cfg = s.cfg
+        with s.lock:
+            for e in entries:
+                vid = e.info.variant_id
+                if vid in s.index:
+                    if vid not in self.remote:
+                        self.remote.adopt(e)  # a local variant another node also listed
+                    continue
+                if len(s.index.variants_of(e.info.chunk_key)) >= cfg.max_variants_per_chunk \
+                        or len(s.index) >= cfg.max_variants:
+                    continue  # no room without evicting local variants for remote ones
+                v = decode(s, e.info)
+                if v is None or v.size_bytes != e.info.size_bytes:
+                    self.view.drop_entry(e.info.chunk_key, vid)
+                    continue
+                now = s.now_ms()
+                v.tier, v.created_ms, v.last_access_ms = self.remote.name, now, now
+                self.remote.adopt(e)
+                s.index.add(v)
+                for lst in s.listeners:
+                    lst.on_put(v)
+                n += 1
+        return n
+
+    # -- StoreListener: write-through ----------------------------------------------------
+    def on_put(self, variant: Variant) -> None:
+        if self.write_through and variant.variant_id not in self.remote:
+            self._pool.submit(self._copy_out, variant.variant_id)
+
+    def on_move(self, variant_id: str, tier: str) -> None:
+        pass
+
+    def on_evict(self, variant_id: str) -> None:
+        pass
+
+    def _copy_out(self, vid: str) -> None:
+        s = self.s
+        with s.lock:
+            v = s.index.get(vid)
+            if v is None or vid in self.remote:
+                return
+            held = [i for i in s.holders(v) if i != self.remote_index]
+            if not held:
+                return
+            src = s.tiers[held[0]]
+            shape = s.shape(v)
+            v.holds += 1
+        try:
+            # The master places each object on some node's segment; a node that died a
+            # moment ago may still be listed (until its client_ttl passes), so a failed
+            # copy is tried again: the next placement is another one.
+            for attempt in range(WRITE_ATTEMPTS):
+                try:
+                    writer = self.remote.open_writer(vid, shape)
+                except (TierFull, KeyError) as e:
+                    log.info("write-through of %s skipped: %s", vid, e)
+                    return
+                except KVCraftError as e:
+                    log.warning("write-through of %s failed (attempt %d): %s", vid, attempt + 1, e)
+                    continue
+                try:
+                    for layer in range(v.num_layers):
+                        writer.write_layer(src.get_layer(vid, layer, shape))
+                    with s.lock:
+                        if vid not in s.index:
+                            writer.abort()
+                            return
+                        writer.commit()
+                    return
+                except (KeyError, OSError) as e:  # the local copy went away: nothing to copy
+                    writer.abort()
+                    log.info("write-through of %s skipped: %s", vid, e)
+                    return
+                except KVCraftError as e:
+                    writer.abort()
+                    log.warning("write-through of %s failed (attempt %d): %s", vid, attempt + 1, e)
+        finally:
+            with s.lock:
+                v.holds -= 1
+
+    def flush(self) -> None:
+        """Wait for the write-throughs queued so far (tests, benchmarks, shutdown)."""
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
