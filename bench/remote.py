@@ -74,35 +74,50 @@ def fetch_rows(tmp: Path, chunks: int, tokens: int, repeat: int) -> list[dict]:
         remote = _remote_settings(master, segment)
         big = {"max_message_bytes": 256 * MiB, "host_budget_bytes": 2 * total + MiB}
         a = ServiceProcess(tmp / "node-a", **big, **remote).start()
-        b = ServiceProcess(tmp / "node-b", **big, **remote).start()
+        # node B with a 1-byte host tier: nothing it reads from the cluster is promoted,
+        # so every fetch there reads the cluster
+        b = ServiceProcess(tmp / "node-b", **{**big, "host_budget_bytes": 1}, **remote).start()
         try:
             with KVClient(a.address, max_message_bytes=256 * MiB) as ca, \
                     KVClient(b.address, max_message_bytes=256 * MiB) as cb:
                 keys = [ca.store(model_id, [i * 100000 + t for t in range(tokens)], _layers(SPEC, tokens, i)).chunk_key
                         for i in range(chunks)]
-                ca.plan(model_id, [[i * 100000 + t for t in range(tokens)] for i in range(chunks)], 16)
-                # node B: the first fetch reads the cluster (write-through put them there)
+                _wait_listed(master, keys)  # the write-through runs in the background
+                # node B: Plan adopts what the cluster lists; the first fetch reads the cluster
                 t0 = time.perf_counter()
-                plan = cb.plan(model_id, [[i * 100000 + t for t in range(tokens)] for i in range(chunks)], 16)
+                cb.plan(model_id, [[i * 100000 + t for t in range(tokens)] for i in range(chunks)], 16)
                 plan_s = time.perf_counter() - t0
-                refs = [Ref(c.chunk_key, c.variant_id) for c in plan.chunks]
-                if not all(c.variant_id for c in plan.chunks):
-                    raise RuntimeError("node B did not plan with the variants node A stored")
-                t0 = time.perf_counter()
-                for _ in cb.fetch_layers(refs):
-                    pass
-                rows.append(("grpc-remote (node B, first fetch)", time.perf_counter() - t0))
-                rows.append(("grpc-stream (node A, host tier)", _best(lambda: [None for _ in ca.fetch_layers(
-                    [Ref(k) for k in keys])], repeat)))
+                refs = [Ref(k) for k in keys]
+                rows.append(("grpc-remote: FetchLayers on node B, from the cluster",
+                             _best(lambda: [None for _ in cb.fetch_layers(refs)], repeat)))
+                rows.append(("grpc-stream: FetchLayers on node A, host tier",
+                             _best(lambda: [None for _ in ca.fetch_layers(refs)], repeat)))
+            rows.append(("remote-tier read (Mooncake get_into + verify)", _tier_read(master, tmp, keys, total, repeat)))
         finally:
-            a.close()
-            b.close()
-        rows.append(("remote-tier read (Mooncake get_into + verify)", _tier_read(master, tmp, keys, total, repeat)))
+            for n in (a, b):
+                n.stop()
+                n.close()
     rows.append(("host-tier read (shm slab -> buffer)", _host_read(total, repeat)))
     out = [{"path": n, "bytes": total, "seconds": round(s, 4), "GB_per_s": round(total / s / 1e9, 2)} for n, s in rows]
     out.append({"path": "plan on node B (discovers the cluster's variants)", "bytes": 0,
                 "seconds": round(plan_s, 4), "GB_per_s": None})
     return out
+
+
+def _wait_listed(master: MasterProcess, keys: list[str], timeout: float = 120.0) -> None:
+    from kvservice.cluster.mooncake import MooncakeClient, RemoteSettings
+    from kvservice.cluster.view import ClusterView
+
+    client = MooncakeClient(RemoteSettings(master.address, segment_bytes=16 * MiB, buffer_bytes=16 * MiB))
+    try:
+        view = ClusterView(client, "bench", "bench-waiter")
+        deadline = time.monotonic() + timeout
+        while len({e.info.chunk_key for e in view.discover(keys)}) < len(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError("node A's write-through did not reach the cluster")
+            time.sleep(0.05)
+    finally:
+        client.close()
 
 
 def _tier_read(master: MasterProcess, tmp: Path, keys: list[str], total: int, repeat: int) -> float:
@@ -111,29 +126,23 @@ def _tier_read(master: MasterProcess, tmp: Path, keys: list[str], total: int, re
     from kvservice.cluster.view import ClusterView
     from kvservice.tiers.remote import RemoteTier
     from kvservice.tiers.base import PayloadShape
-    from kvservice.layout import layer_checksum
+    from kvservice.cluster import records
 
     client = MooncakeClient(RemoteSettings(master.address, segment_bytes=64 * MiB, buffer_bytes=64 * MiB))
     try:
         view = ClusterView(client, "bench", "bench-reader")
         tier = RemoteTier(client, view, budget_bytes=1 << 40, read_cache=0)
         entries = view.discover(keys)
-        infos = {e.info.variant_id: e.info for e in entries if not e.info.prefix_keys}
-        tier.bind(infos.get)
+        variants = {e.info.variant_id: records.to_variant(e.info) for e in entries if not e.info.prefix_keys}
+        tier.bind(variants.get)
         for e in entries:
             tier.adopt(e)
-        if len(infos) != len(keys):
-            raise RuntimeError(f"{len(infos)} of {len(keys)} variants listed in the cluster")
+        if len(variants) != len(keys):
+            raise RuntimeError(f"{len(variants)} of {len(keys)} variants listed in the cluster")
 
-        def read_all() -> None:
-            for vid, info in infos.items():
-                kb = info.key_spec.shape[0] * info.key_spec.shape[1] * info.key_spec.shape[2] * 2
-                shape = PayloadShape(info.num_layers, 2 * kb)
-                data = tier.get_layers(vid, 0, info.num_layers, shape)
-                for l in range(info.num_layers):
-                    lay = data[shape.offset(l) : shape.offset(l + 1)]
-                    if layer_checksum(lay[:kb], lay[kb:]) != info.layer_checksums[l]:
-                        raise RuntimeError(f"{vid} layer {l} failed its checksum")
+        def read_all() -> None:  # the tier checks the header and every layer's checksum
+            for vid, v in variants.items():
+                tier.get_layers(vid, 0, v.num_layers, PayloadShape(v.num_layers, v.layout.layer_bytes))
 
         return _best(read_all, repeat)
     finally:
@@ -209,9 +218,6 @@ def share_rows(tmp: Path, requests: int, with_remote: bool) -> dict:
     return {"arm": arm, "requests": len(trace), "node_a_share": round(computed[0] / retrieved[0], 4),
             "node_b_share": round(computed[1] / retrieved[1], 4),
             "total_share": round(sum(computed) / sum(retrieved), 4)}
-
-
-_KEYS: dict[str, dict[str, list[int]]] = {}
 
 
 def toks_by_key(toks: dict[str, list[int]], model_id: str) -> dict[str, list[int]]:
