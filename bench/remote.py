@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvclient.client import KVClient, Ref
-from kvclient.keys import ModelSpec
+from kvcraft.keys import ModelSpec
 from kvservice.cluster.mooncake import MasterProcess
 from kvservice.launcher import ServiceProcess
 
@@ -222,7 +222,7 @@ def share_rows(tmp: Path, requests: int, with_remote: bool) -> dict:
 
 def toks_by_key(toks: dict[str, list[int]], model_id: str) -> dict[str, list[int]]:
     """Real chunk key -> token ids of this request's chunks."""
-    from kvclient.keys import chunk_key
+    from kvcraft.keys import chunk_key
 
     return {chunk_key(model_id, t): t for t in toks.values()}
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import xxhash
 from google.protobuf.message import DecodeError
 
-from kvclient.keys import is_key, variant_id
+from kvcraft.keys import is_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.index import Variant
 from kvservice.wire import variant_message

@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvclient.keys import variant_id
+from kvcraft.keys import variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.cluster.mooncake import MooncakeClient
 from kvservice.cluster.records import BadRecord, Entry, decode_entry, encode_entry, slot_key, slot_of

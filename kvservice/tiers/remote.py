@@ -34,7 +34,7 @@ from kvservice.cluster.view import ClusterView
 from kvservice.config import Config
 from kvservice.errors import KVCraftError
 from kvservice.index import Variant
-from kvservice.layout import layer_checksum
+from kvcraft.layout import layer_checksum
 from kvservice.tiers.base import Buffer, PayloadShape, Tier, TierFull, TierWriter
 
 log = logging.getLogger("kvcraft.remote")

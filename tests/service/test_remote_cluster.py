@@ -16,7 +16,7 @@ import torch
 
 from kvclient.client import KVClient, Ref
 from kvclient.errors import NotFoundError
-from kvclient.keys import ModelSpec, chunk_key, variant_id
+from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvservice.cluster import records
 from kvservice.cluster.view import ClusterView
 from kvservice.launcher import ServiceProcess

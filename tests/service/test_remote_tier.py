@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import xxhash
 
-from kvclient.keys import chunk_key, variant_id
+from kvcraft.keys import chunk_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.cluster import records
 from kvservice.cluster.view import ClusterView
