@@ -1,14 +1,20 @@
-"""Fetch throughput of stored chunk KV into engine memory, side by side in one run.
+"""Store and fetch throughput of chunk KV, side by side in one run, each beside its limit.
 
 Llama-3-8B shapes (32 layers, 8 kv heads, head dim 128, bf16): N chunks of T tokens.
 Rows:
   grpc-stream   FetchLayers over loopback, tensors materialised (remote-client path)
+  grpc-raw      the same number of messages of the same sizes from a plain grpcio
+                (grpc.aio) server in its own process, received as bytes: Python gRPC's limit
   shm-local     Locate + map the host tier's shared memory + copy every layer into a
                 preallocated buffer (what an engine does before its H2D copy)
-  disk-stream   FetchLayers with no host tier: read from disk files (page cache after the
-                first read; no GDS here), every layer's checksum verified
   memcpy-limit  one torch copy (one thread) of the same bytes between two preallocated
                 host buffers
+  disk-stream   FetchLayers with no host tier: read from disk files (page cache after the
+                first read; no GDS here), every layer's checksum verified
+  store-client  KVClient.store of the N chunks (new chunks each repeat): durable on disk,
+                copied into the host slab, metadata committed
+  write-fsync   a plain write + fsync of the same bytes (one file per chunk, in the same
+                data directory): the disk's limit for the Store path
 
     kvcraft bench fetch --chunks 4 --tokens 512 --repeat 3
 """
@@ -16,7 +22,10 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import multiprocessing as mp
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +38,7 @@ from kvcraft.keys import ModelSpec
 from kvservice.launcher import ServiceProcess
 
 SPEC = ModelSpec("llama3-8b", 32, 8, 128, "bfloat16", 500000.0)
+_RAW = "/bench.Raw/Stream"
 
 
 def _layers(tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -40,11 +50,67 @@ def _layers(tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _best(fn, repeat: int) -> float:
     times = []
-    for _ in range(repeat):
+    for i in range(repeat):
         t0 = time.perf_counter()
-        fn()
+        fn(i)
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def _raw_server(message_bytes: int, messages: int, max_message_bytes: int, conn) -> None:  # noqa: ANN001
+    """A grpc.aio server whose one method streams `messages` ready-made byte strings."""
+    import grpc
+
+    async def run() -> None:
+        payload = os.urandom(message_bytes)
+
+        async def stream(request: bytes, context: object):
+            for _ in range(messages):
+                yield payload
+
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message_bytes)])
+        handler = grpc.unary_stream_rpc_method_handler(stream)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Raw", {"Stream": handler}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(port)
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        await server.stop(0)
+
+    asyncio.run(run())
+
+
+def _raw_grpc(message_bytes: int, messages: int, repeat: int, max_message_bytes: int) -> float:
+    import grpc
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_raw_server, args=(message_bytes, messages, max_message_bytes, there), daemon=True)
+    proc.start()
+    try:
+        port = here.recv()
+        opts = [("grpc.max_receive_message_length", max_message_bytes)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
+            call = ch.unary_stream(_RAW)
+            got = _best(lambda _: sum(len(m) for m in call(b"")), repeat)
+        here.send("stop")
+        proc.join(30)
+        return got
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def _write_fsync(root: Path, chunks: list[list[tuple[torch.Tensor, torch.Tensor]]], i: int) -> None:
+    for c, layers in enumerate(chunks):
+        fd = os.open(root / f"plain-{i}-{c}.kv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for k, v in layers:
+                os.write(fd, k.view(torch.uint8).numpy())
+                os.write(fd, v.view(torch.uint8).numpy())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def run(chunks: int, tokens: int, repeat: int) -> list[dict]:
@@ -53,25 +119,28 @@ def run(chunks: int, tokens: int, repeat: int) -> list[dict]:
     # whenever the other core is busy (this machine is shared).
     torch.set_num_threads(1)
     model_id = SPEC.fingerprint()
-    per_chunk = 2 * SPEC.num_layers * SPEC.num_kv_heads * tokens * SPEC.head_dim * 2
+    layer_bytes = 2 * SPEC.num_kv_heads * tokens * SPEC.head_dim * 2
+    per_chunk = SPEC.num_layers * layer_bytes
     total = chunks * per_chunk
+    big = 256 << 20
     rows = []
+    data = [_layers(tokens, i) for i in range(chunks)]
     with tempfile.TemporaryDirectory(prefix="kvcraft-fetch-") as tmp:
         server = ServiceProcess(Path(tmp) / "data", host_budget_bytes=2 * total + (1 << 20),
-                                max_message_bytes=256 << 20)
+                                max_message_bytes=big)
         server.start()
         try:
-            with KVClient(server.address, max_message_bytes=256 << 20) as c:
-                keys = [c.store(model_id, [i * 100000 + t for t in range(tokens)], _layers(tokens, i)).chunk_key
+            with KVClient(server.address, max_message_bytes=big) as c:
+                keys = [c.store(model_id, [i * 100000 + t for t in range(tokens)], data[i]).chunk_key
                         for i in range(chunks)]
                 refs = [Ref(k) for k in keys]
                 dst = torch.empty(total, dtype=torch.uint8)
 
-                def grpc_stream() -> None:
+                def grpc_stream(_: int) -> None:
                     for f in c.fetch_layers(refs):
                         pass  # tensors are materialised by the iterator
 
-                def shm_local() -> None:
+                def shm_local(_: int) -> None:
                     with c.fetch_local(refs) as got:
                         off = 0
                         for layers in got.layers:
@@ -81,22 +150,33 @@ def run(chunks: int, tokens: int, repeat: int) -> list[dict]:
                                     dst[off : off + n].copy_(t.view(torch.uint8).reshape(-1))
                                     off += n
 
+                def store_client(i: int) -> None:
+                    for n, layers in enumerate(data):  # new chunks: token ids of repeat i
+                        c.store(model_id, [(i + 1) * 10**7 + n * 100000 + t for t in range(tokens)], layers)
+
                 src = torch.empty(total, dtype=torch.uint8).random_(0, 255)
                 rows.append(("grpc-stream", _best(grpc_stream, repeat)))
+                rows.append(("grpc-raw", _raw_grpc(layer_bytes + 200, chunks * SPEC.num_layers, repeat, big)))
                 rows.append(("shm-local", _best(shm_local, repeat)))
-                rows.append(("memcpy-limit", _best(lambda: dst.copy_(src), repeat)))
+                rows.append(("memcpy-limit", _best(lambda _: dst.copy_(src), repeat)))
+                rows.append(("store-client", _best(store_client, repeat)))
+                rows.append(("write-fsync", _best(lambda i: _write_fsync(Path(tmp), data, i), repeat)))
             server.close()
             # The same data dir with a 1-byte host budget: every read comes from the disk
             # tier (page cache after the first), checksums verified, nothing promoted.
-            server = ServiceProcess(Path(tmp) / "data", host_budget_bytes=1, max_message_bytes=256 << 20)
+            server = ServiceProcess(Path(tmp) / "data", host_budget_bytes=1, max_message_bytes=big)
             server.start()
-            with KVClient(server.address, max_message_bytes=256 << 20) as c:
+            with KVClient(server.address, max_message_bytes=big) as c:
                 refs = [Ref(k) for k in keys]
-                rows.append(("disk-stream", _best(lambda: [None for _ in c.fetch_layers(refs)], repeat)))
+                rows.append(("disk-stream", _best(lambda _: [None for _ in c.fetch_layers(refs)], repeat)))
         finally:
             server.close()
-    return [{"path": name, "bytes": total, "seconds": round(s, 4), "GB_per_s": round(total / s / 1e9, 2)}
-            for name, s in rows]
+    out = [{"path": name, "bytes": total, "seconds": round(s, 4), "GB_per_s": round(total / s / 1e9, 2)}
+           for name, s in rows]
+    by = {r["path"]: r["seconds"] for r in out}
+    out.append({"path": "ratio grpc-stream / grpc-raw", "value": round(by["grpc-raw"] / by["grpc-stream"], 2)})
+    out.append({"path": "ratio store-client / write-fsync", "value": round(by["write-fsync"] / by["store-client"], 2)})
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,8 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     rows = run(a.chunks, a.tokens, a.repeat)
     print(f"{a.chunks} chunks x {a.tokens} tokens, Llama-3-8B KV (bf16): {rows[0]['bytes'] / 2**20:.0f} MiB")
-    print(f"{'path':<40} {'seconds':>8} {'GB/s':>6}")
+    print(f"{'path':<34} {'seconds':>8} {'GB/s':>6}")
     for r in rows:
-        print(f"{r['path']:<40} {r['seconds']:>8} {r['GB_per_s']:>6}")
+        if "value" in r:
+            print(f"{r['path']:<34} {r['value']:>15}")
+        else:
+            print(f"{r['path']:<34} {r['seconds']:>8} {r['GB_per_s']:>6}")
     Path(a.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -58,6 +58,11 @@ class ServiceLayerSource:
     def layer_bytes(self) -> dict[int, int]:
         return self._stream.layer_bytes
 
+    @property
+    def segments(self) -> list[int]:
+        """Indices of the segments this stream feeds."""
+        return self._segs
+
     def wait_layer(self, layer: int, deadline: float) -> LayerKV:
         got = self._stream.wait_layer(layer, deadline)
         if self._stream.error and not self._warned:
@@ -105,6 +110,7 @@ class RAGAdapter:
         self._stores = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-store")
         self._pending: list[Future] = []
         self._timings = pb.TimingReport()
+        self._plan_tiers: dict[int, str] = {}  # segment -> tier its variant was in when planned
 
     def prefill(self, chunks: Sequence[Sequence[int]], question: Sequence[int],
                 conversation_id: str = "", reorder: bool = True) -> tuple[BlendResult, RequestReport]:
@@ -161,6 +167,7 @@ class RAGAdapter:
                   chunks: Sequence[Sequence[int]], question: Sequence[int]) -> tuple[list[Segment], dict[int, Ref]]:
         segments: list[Segment] = []
         refs: dict[int, Ref] = {}
+        self._plan_tiers = {}
         if plan is None:
             segments = [Segment(tuple(c)) for c in chunks]
         else:
@@ -168,6 +175,7 @@ class RAGAdapter:
                 cached = cp.source in (pb.ChunkPlan.PREFIX, pb.ChunkPlan.VARIANT)
                 if cached:
                     refs[len(segments)] = Ref(cp.chunk_key, cp.variant_id, cp.cfo)
+                    self._plan_tiers[len(segments)] = cp.tier
                 segments.append(Segment(by_key[cp.chunk_key], key=cp.chunk_key, cached=cached,
                                         cached_prefix=tuple(cp.variant_prefix_keys),
                                         recompute=tuple(cp.recompute)))
@@ -211,11 +219,14 @@ class RAGAdapter:
 
     def _learn(self, source: object, result: BlendResult) -> None:
         """Timings for the loading controller (CacheBlend §5), sent with the next Plan."""
-        if isinstance(source, ServiceLayerSource):
+        tiers = {self._plan_tiers.get(s, "") for s in source.segments} if isinstance(
+            source, ServiceLayerSource) else set()
+        if len(tiers) == 1 and "" not in tiers:  # a stream from tiers of several speeds says nothing of one
+            (tier,) = tiers
             prev = 0.0
             for layer in sorted(source.arrived):
                 t = source.arrived[layer]
-                self._timings.loads.add(tier="host", bytes_per_layer=source.layer_bytes.get(layer, 0),
+                self._timings.loads.add(tier=tier, bytes_per_layer=source.layer_bytes.get(layer, 0),
                                         seconds=max(t - prev, 1e-9))
                 prev = t
         for t, rows in zip(result.timings, result.computed_rows):

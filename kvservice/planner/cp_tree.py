@@ -98,8 +98,11 @@ class CPTree:
 
         def best(node: CPNode, used: frozenset[str]) -> tuple[tuple[int, int, tuple[int, ...]], list[str]]:
             top: tuple[tuple[int, int, tuple[int, ...]], list[str]] = ((0, 0, ()), [])
-            for k, child in node.children.items():
-                if k not in want or k in used:
+            # Visit only children whose chunk is wanted: the root has one child per
+            # promoted first chunk (thousands), a request names a handful.
+            for k in want:
+                child = node.children.get(k)
+                if child is None or k in used:
                     continue
                 (n, live, rank), path = best(child, used | {k})
                 cand = ((n + 1, live + (child.tier is not None), (-want[k],) + rank), [k] + path)

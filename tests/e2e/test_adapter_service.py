@@ -154,3 +154,17 @@ def test_same_host_fast_path_gives_the_streamed_result(kvserver):
             assert report.reused_chunks == 4 and not report.fallbacks
         assert client.stats().leases == 0  # both the plan's and Locate's leases released
     assert torch.equal(out[True].logits, out[False].logits)
+
+
+@pytest.mark.parametrize("host_budget,tier", [(1, "disk"), (64 << 20, "host")])
+def test_load_timings_name_the_tier_the_plan_read_from(start_server, host_budget, tier):
+    """The loading controller learns T_load per tier: a stream of variants that lie on
+    disk is reported as disk, not as host."""
+    server = start_server(host_budget_bytes=host_budget)
+    cs = chunks(5)
+    with KVClient(server.address) as client:
+        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+        adapter = RAGAdapter(ENGINE, client, Policy("naive"), gate=ReuseGate(), store_back=False)
+        adapter.prefill([cs[1], cs[0], cs[3], cs[2]], QUESTION)
+        loads = list(adapter._timings.loads)
+        assert loads and {t.tier for t in loads} == {tier}
