@@ -200,8 +200,7 @@ class KVClient:
         self._md = _metadata(token)
         self._admin_md = _metadata(admin_token)
         self.timeout = timeout
-        self._slabs: dict = {}  # segment -> kvclient.local.SharedSlab
-        self._gpu_pools: dict = {}  # IPC handle -> kvclient.gpu_pool.GpuPool
+        self._mappings = None  # kvclient.local.LocalMappings, on the first fetch_local
 
     def __enter__(self) -> "KVClient":
         return self
@@ -210,15 +209,21 @@ class KVClient:
         self.close()
 
     def close(self) -> None:
-        for pool in self._gpu_pools.values():
-            pool.close()
-        for slab in self._slabs.values():
-            slab.close()
+        if self._mappings is not None:
+            self._mappings.close()
         self._channel.close()
 
-    def _call(self, method, request, admin: bool = False):
+    def _local(self) -> "LocalMappings":
+        """This client's mappings of the service's shared memory, made on the first fetch_local."""
+        if self._mappings is None:
+            from kvclient.local import LocalMappings
+
+            self._mappings = LocalMappings()
+        return self._mappings
+
+    def _call(self, method, request, admin: bool = False, timeout: float | None = None):
         try:
-            return method(request, metadata=self._admin_md if admin else self._md, timeout=self.timeout)
+            return method(request, metadata=self._admin_md if admin else self._md, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -253,11 +258,8 @@ class KVClient:
 
     def match_prefix(self, variant_ids: Sequence[str], timeout: float | None = None) -> int:
         """How many leading variants of a chain are stored."""
-        try:
-            return self._kv.MatchPrefix(pb.MatchPrefixRequest(variant_ids=list(variant_ids)), metadata=self._md,
-                                        timeout=timeout or self.timeout).matched
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        return self._call(self._kv.MatchPrefix, pb.MatchPrefixRequest(variant_ids=list(variant_ids)),
+                          timeout=timeout).matched
 
     def match_prefix_future(self, variant_ids: Sequence[str], timeout: float | None = None) -> grpc.Future:
         """MatchPrefix without blocking: a grpc.Future of the MatchPrefixResponse (`.done()`,
@@ -268,29 +270,10 @@ class KVClient:
     def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> "LocalFetch":
         """Same-host fast path: tensors aliasing the service's shared memory, valid until
         the returned LocalFetch is released (use it as a context manager)."""
-        from kvclient.local import LocalFetch, SharedSlab
+        from kvclient.local import LocalFetch
 
         r = self._call(self._kv.Locate, pb.LocateRequest(variants=[_ref(x) for x in refs], lease_ttl_s=ttl_s))
-        slab = self._slabs.get(r.segment)
-        if slab is None:
-            slab = self._slabs[r.segment] = SharedSlab(r.segment)
-        return LocalFetch(self, r, slab, self._gpu_pool(r))
-
-    def _gpu_pool(self, r: pb.LocateResponse) -> "GpuPool | None":
-        """The service's gpu pool mapped here (once), when a located variant is in it and
-        this process has CUDA; else None (those variants are read from the host slab)."""
-        if not r.gpu_ipc_handle or not any(loc.gpu_length for loc in r.variants):
-            return None
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        from kvclient.gpu_pool import GpuPool
-
-        pool = self._gpu_pools.get(r.gpu_ipc_handle)
-        if pool is None:
-            pool = self._gpu_pools[r.gpu_ipc_handle] = GpuPool(r.gpu_ipc_handle, r.gpu_pool_bytes, r.gpu_device)
-        return pool
+        return LocalFetch(self, r, self._local())
 
     def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
         r = self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))
@@ -327,7 +310,9 @@ class KVClient:
 
 
 class AsyncKVClient:
-    """asyncio client with the same methods as KVClient, awaited."""
+    """asyncio client with the same methods as KVClient, awaited (`fetch_layers` is an
+    async iterator; `fetch_local` returns an `AsyncLocalFetch`, used with `async with`).
+    KVClient.match_prefix_future has no twin: `asyncio.ensure_future(c.match_prefix(...))`."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, token: str | None = None,
                  admin_token: str | None = None, timeout: float = 30.0,
@@ -344,6 +329,7 @@ class AsyncKVClient:
         self._md = _metadata(token)
         self._admin_md = _metadata(admin_token)
         self.timeout = timeout
+        self._mappings = None  # kvclient.local.LocalMappings, on the first fetch_local
 
     async def __aenter__(self) -> "AsyncKVClient":
         return self
@@ -352,14 +338,26 @@ class AsyncKVClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._mappings is not None:
+            self._mappings.close()
         await self._channel.close()
 
-    async def _call(self, method, request, admin: bool = False):
+    def _local(self) -> "LocalMappings":
+        """This client's mappings of the service's shared memory, made on the first fetch_local."""
+        if self._mappings is None:
+            from kvclient.local import LocalMappings
+
+            self._mappings = LocalMappings()
+        return self._mappings
+
+    async def _call(self, method, request, admin: bool = False, timeout: float | None = None):
         try:
-            return await method(request, metadata=self._admin_md if admin else self._md, timeout=self.timeout)
+            return await method(request, metadata=self._admin_md if admin else self._md,
+                                timeout=timeout or self.timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
+    # -- KVCache ----------------------------------------------------------------------
     async def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
                     prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
         r = await self._call(self._store, _aiter(store_messages(model_id, token_ids, layers, prefix_keys, stats)))
@@ -368,12 +366,14 @@ class AsyncKVClient:
     async def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                    conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
                    timings: pb.TimingReport | None = None) -> pb.PlanResponse:
+        """Plan a RAG request (chunks in retriever order); Release the returned lease."""
         return await self._call(self._kv.Plan, plan_request(model_id, chunks, question_tokens, conversation_id,
                                                             first_turn, lease_ttl_s, timings))
 
     async def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                            device: str | torch.device = "cpu",
                            timeout: float | None = None) -> AsyncIterator[FetchedLayer]:
+        """Layers of the variants, layer-major, as they arrive (`async for`)."""
         call = self._fetch(fetch_request(refs, first_layer, num_layers), metadata=self._md,
                            timeout=timeout or self.timeout)
         try:
@@ -385,14 +385,25 @@ class AsyncKVClient:
             call.cancel()
 
     async def fetch(self, chunk_key: str, variant_id: str = "", device: str | torch.device = "cpu") -> list[Layer]:
+        """All layers of one variant as [(K, V), ...]."""
         return [(f.key, f.value) async for f in self.fetch_layers([Ref(chunk_key, variant_id)], device=device)]
 
     async def lookup(self, model_id: str | None = None, token_ids: Sequence[int] | None = None, *,
                      chunk_key: str | None = None) -> pb.LookupResponse:
         return await self._call(self._kv.Lookup, _lookup_request(model_id, token_ids, chunk_key))
 
-    async def match_prefix(self, variant_ids: Sequence[str]) -> int:
-        return (await self._call(self._kv.MatchPrefix, pb.MatchPrefixRequest(variant_ids=list(variant_ids)))).matched
+    async def match_prefix(self, variant_ids: Sequence[str], timeout: float | None = None) -> int:
+        """How many leading variants of a chain are stored."""
+        return (await self._call(self._kv.MatchPrefix, pb.MatchPrefixRequest(variant_ids=list(variant_ids)),
+                                 timeout=timeout)).matched
+
+    async def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> "AsyncLocalFetch":
+        """Same-host fast path: tensors aliasing the service's shared memory, valid until
+        the returned AsyncLocalFetch is released (use it with `async with`)."""
+        from kvclient.local import AsyncLocalFetch
+
+        r = await self._call(self._kv.Locate, pb.LocateRequest(variants=[_ref(x) for x in refs], lease_ttl_s=ttl_s))
+        return AsyncLocalFetch(self, r, self._local())
 
     async def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
         r = await self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))
@@ -401,8 +412,32 @@ class AsyncKVClient:
     async def release(self, lease_id: str) -> bool:
         return (await self._call(self._kv.Release, pb.ReleaseRequest(lease_id=lease_id))).released
 
+    # -- Admin ------------------------------------------------------------------------
     async def stats(self) -> pb.StatsResponse:
         return await self._call(self._admin.Stats, pb.StatsRequest(), admin=True)
+
+    async def list_chunks(self, model_id: str = "", page_size: int = 0, page_token: str = "") -> pb.ListChunksResponse:
+        return await self._call(self._admin.ListChunks, pb.ListChunksRequest(
+            model_id=model_id, page_size=page_size, page_token=page_token), admin=True)
+
+    async def get_chunk(self, chunk_key: str) -> list[pb.VariantInfo]:
+        r = await self._call(self._admin.GetChunk, pb.GetChunkRequest(chunk_key=chunk_key), admin=True)
+        return list(r.variants)
+
+    async def evict(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> pb.EvictResponse:
+        return await self._call(self._admin.Evict, _selector(chunk_key, variant_id), admin=True)
+
+    async def pin(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> int:
+        return (await self._call(self._admin.Pin, _selector(chunk_key, variant_id), admin=True)).variants
+
+    async def unpin(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> int:
+        return (await self._call(self._admin.Unpin, _selector(chunk_key, variant_id), admin=True)).variants
+
+    async def flush(self) -> pb.FlushResponse:
+        return await self._call(self._admin.Flush, pb.FlushRequest(), admin=True)
+
+    async def config(self) -> str:
+        return (await self._call(self._admin.Config, pb.ConfigRequest(), admin=True)).toml
 
 
 async def _aiter(it: Iterable[bytes]) -> AsyncIterator[bytes]:

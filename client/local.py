@@ -1,9 +1,10 @@
 """Same-host fast path: read leased variants straight from the service's shared memory.
 
-`KVClient.fetch_local(refs)` asks the service to lease the variants and copy them into
-its host-tier slab (`Locate` RPC), maps the slab (/dev/shm/<segment>) once, and hands
-out tensors that alias it: no bytes cross gRPC and nothing is copied. The tensors are
-valid while the lease is held (the `LocalFetch` context); copy what you keep longer.
+`KVClient.fetch_local(refs)` (and `AsyncKVClient.fetch_local`) asks the service to lease
+the variants and copy them into its host-tier slab (`Locate` RPC), maps the slab
+(/dev/shm/<segment>) once, and hands out tensors that alias it: no bytes cross gRPC and
+nothing is copied. The tensors are valid while the lease is held (the `LocalFetch` /
+`AsyncLocalFetch` context); copy what you keep longer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from kvclient.copy_stream import pin_host_memory
 from kvclient.gpu_pool import GpuPool
 from kvclient.tensors import TORCH_DTYPE
+from kvcraft import tiers
 from kvcraft.layout import layer_layout
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -59,39 +61,94 @@ class SharedSlab:
             pass
 
 
-class LocalFetch:
-    """Result of `KVClient.fetch_local`: per requested variant its layers, or None where
-    the service could not place it in host memory (fetch that one with FetchLayers).
+class LocalMappings:
+    """The service's shared memory as one client maps it: host slabs by segment name and
+    gpu pools by CUDA IPC handle, each mapped once and kept until `close()`."""
 
-    With `gpu_pool` (the service's gpu tier mapped by CUDA IPC, kvclient.gpu_pool), a
-    variant held in the gpu tier comes as tensors in GPU memory instead, aliasing the
-    pool; `tier[i]` says which ("gpu", "host" or "" for none)."""
+    def __init__(self) -> None:
+        self._slabs: dict[str, SharedSlab] = {}
+        self._gpu_pools: dict[bytes, GpuPool] = {}
 
-    def __init__(self, client, response: pb.LocateResponse, slab: SharedSlab,  # noqa: ANN001
-                 gpu_pool: "GpuPool | None" = None) -> None:
+    def slab(self, segment: str) -> SharedSlab:
+        slab = self._slabs.get(segment)
+        if slab is None:
+            slab = self._slabs[segment] = SharedSlab(segment)
+        return slab
+
+    def gpu_pool(self, r: pb.LocateResponse) -> GpuPool | None:
+        """The service's gpu pool mapped here, when a located variant is in it and this
+        process has CUDA; else None (those variants are read from the host slab)."""
+        if not r.gpu_ipc_handle or not any(loc.gpu_length for loc in r.variants):
+            return None
+        if not torch.cuda.is_available():
+            return None
+        pool = self._gpu_pools.get(r.gpu_ipc_handle)
+        if pool is None:
+            pool = self._gpu_pools[r.gpu_ipc_handle] = GpuPool(r.gpu_ipc_handle, r.gpu_pool_bytes, r.gpu_device)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._gpu_pools.values():
+            pool.close()
+        for slab in self._slabs.values():
+            slab.close()
+
+
+class _Located:
+    """Per requested variant its layers, or None where the service could not place it in
+    host memory (fetch that one with FetchLayers); the lease keeps the bytes in place.
+
+    A variant held in the service's gpu tier comes as tensors in GPU memory instead,
+    aliasing its pool (CUDA IPC, kvclient.gpu_pool), when this process has CUDA;
+    `tier[i]` says which ("gpu", "host" or "" for none)."""
+
+    def __init__(self, client, response: pb.LocateResponse, mappings: LocalMappings) -> None:  # noqa: ANN001
         self._client = client
         self.lease_id = response.lease_id
         self.locations = list(response.variants)
         self.variant_ids = [loc.variant_id for loc in self.locations]
         self.layers: list = []
         self.tier: list[str] = []
+        slab, gpu_pool = mappings.slab(response.segment), mappings.gpu_pool(response)
         for loc in self.locations:
             if gpu_pool is not None and loc.gpu_length:
                 key = (TORCH_DTYPE[loc.key_spec.dtype], tuple(loc.key_spec.shape))
                 value = (TORCH_DTYPE[loc.value_spec.dtype], tuple(loc.value_spec.shape))
                 self.layers.append(gpu_pool.layers(loc.gpu_offset, loc.gpu_length, loc.num_layers, key, value))
-                self.tier.append("gpu")
+                self.tier.append(tiers.GPU)
             else:
                 self.layers.append(slab.layers(loc) if loc.length else None)
-                self.tier.append("host" if loc.length else "")
+                self.tier.append(tiers.HOST if loc.length else "")
+
+    def _take_lease(self) -> str:
+        lease_id, self.lease_id = self.lease_id, ""
+        return lease_id
+
+
+class LocalFetch(_Located):
+    """Result of `KVClient.fetch_local`; `release()` (or leaving the `with`) ends the lease."""
 
     def release(self) -> None:
-        if self.lease_id:
-            self._client.release(self.lease_id)
-            self.lease_id = ""
+        if lease_id := self._take_lease():
+            self._client.release(lease_id)
 
     def __enter__(self) -> "LocalFetch":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class AsyncLocalFetch(_Located):
+    """Result of `AsyncKVClient.fetch_local`; `await release()` (or leaving the `async with`)
+    ends the lease."""
+
+    async def release(self) -> None:
+        if lease_id := self._take_lease():
+            await self._client.release(lease_id)
+
+    async def __aenter__(self) -> "AsyncLocalFetch":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()

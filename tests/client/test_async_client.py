@@ -1,0 +1,119 @@
+"""AsyncKVClient against the real server: everything KVClient does, awaited.
+
+The blocking KVClient is the reference: each async call is compared with the same call
+made through it (or with the tensors stored), on the same server.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from kvclient.client import AsyncKVClient, KVClient, Ref
+from kvclient.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from kvcraft.keys import ModelSpec, chunk_key, variant_id
+
+MODEL = ModelSpec("async-test", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16").fingerprint()
+
+
+def make_layers(tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(2, tokens, 4, generator=g).half(), torch.randn(2, tokens, 4, generator=g).half())
+            for _ in range(2)]
+
+
+def assert_same_layers(got, want) -> None:
+    assert len(got) == len(want)
+    for (gk, gv), (wk, wv) in zip(got, want):
+        assert gk.dtype == wk.dtype and gk.shape == wk.shape
+        assert torch.equal(gk.view(torch.uint8), wk.view(torch.uint8))
+        assert torch.equal(gv.view(torch.uint8), wv.view(torch.uint8))
+
+
+def public_methods(cls: type) -> dict[str, inspect.Signature]:
+    return {name: inspect.signature(fn) for name, fn in vars(cls).items()
+            if callable(fn) and not name.startswith("_")}
+
+
+# A grpc.Future for blocking callers; asyncio callers wrap the coroutine in a task instead.
+SYNC_ONLY = {"match_prefix_future"}
+
+
+def test_async_client_has_every_method_of_the_blocking_client_with_the_same_parameters():
+    sync, aio = public_methods(KVClient), public_methods(AsyncKVClient)
+    assert SYNC_ONLY <= set(sync)
+    sync = {name: sig for name, sig in sync.items() if name not in SYNC_ONLY}
+    assert sorted(sync) == sorted(aio)
+    for name, sig in sync.items():
+        assert list(aio[name].parameters.values()) == list(sig.parameters.values()), name
+        if name != "fetch_layers":  # an async generator; every other call is a coroutine
+            assert inspect.iscoroutinefunction(getattr(AsyncKVClient, name)), name
+
+
+async def test_store_fetch_lookup_and_match_prefix(kvserver):
+    a, b = make_layers(5, 1), make_layers(7, 2)
+    async with AsyncKVClient(kvserver.address) as c:
+        ra = await c.store(MODEL, [1, 2, 3, 4, 5], a)
+        rb = await c.store(MODEL, list(range(10, 17)), b, prefix_keys=[ra.chunk_key])
+        assert ra.chunk_key == chunk_key(MODEL, [1, 2, 3, 4, 5])
+        assert rb.variant_id == variant_id(rb.chunk_key, [ra.chunk_key])
+        assert_same_layers(await c.fetch(ra.chunk_key), a)
+        got = [f async for f in c.fetch_layers([Ref(ra.chunk_key), Ref(rb.chunk_key, rb.variant_id)])]
+        assert [(f.layer, f.index) for f in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert_same_layers([(got[i].key, got[i].value) for i in (1, 3)], b)
+        found = await c.lookup(MODEL, [1, 2, 3, 4, 5])
+        assert [v.variant_id for v in found.variants] == [ra.variant_id]
+        assert await c.match_prefix([ra.variant_id, rb.variant_id, "f" * 32]) == 2
+        with pytest.raises(NotFoundError):
+            await c.fetch(chunk_key(MODEL, [99]))
+
+
+async def test_fetch_local_aliases_the_stored_bytes_until_released(kvserver):
+    layers = make_layers(6, 3)
+    async with AsyncKVClient(kvserver.address) as c:
+        r = await c.store(MODEL, list(range(6)), layers)
+        async with await c.fetch_local([r.chunk_key]) as got:
+            assert got.variant_ids == [r.variant_id]
+            assert_same_layers(got.layers[0], layers)
+            lease_id = got.lease_id
+            assert lease_id
+        assert got.lease_id == ""
+        assert await c.release(lease_id) is False  # already released on leaving the block
+
+
+async def test_admin_calls_answer_as_the_blocking_client_does(kvserver):
+    layers = make_layers(4, 4)
+    with KVClient(kvserver.address) as s:
+        r = s.store(MODEL, [4, 3, 2, 1], layers)
+        want_list, want_chunk, want_config = s.list_chunks(), s.get_chunk(r.chunk_key), s.config()
+    async with AsyncKVClient(kvserver.address) as c:
+        assert await c.list_chunks() == want_list
+        assert await c.get_chunk(r.chunk_key) == want_chunk
+        assert await c.config() == want_config
+        assert (await c.stats()).variants == 1
+        assert await c.pin(chunk_key=r.chunk_key) == 1
+        assert (await c.get_chunk(r.chunk_key))[0].pinned
+        assert await c.unpin(variant_id=r.variant_id) == 1
+        assert (await c.evict(chunk_key=r.chunk_key)).evicted == 1
+        with pytest.raises(NotFoundError):
+            await c.get_chunk(r.chunk_key)
+        await c.flush()
+        with pytest.raises(ValueError, match="exactly one"):
+            await c.pin(chunk_key=r.chunk_key, variant_id=r.variant_id)
+        with pytest.raises(InvalidArgumentError):
+            await c.lease([Ref("not-a-key")])
+
+
+async def test_timeouts_end_calls_as_unavailable(kvserver):
+    # A deadline that has passed before the call leaves: DEADLINE_EXCEEDED, whatever the server does.
+    async with AsyncKVClient(kvserver.address, timeout=1e-6) as c:
+        with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
+            await c.stats()
+    async with AsyncKVClient(kvserver.address) as c:
+        assert await c.match_prefix(["f" * 32]) == 0
+        with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
+            await c.match_prefix(["f" * 32], timeout=1e-6)
+        with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
+            [f async for f in c.fetch_layers([chunk_key(MODEL, [1])], timeout=1e-6)]

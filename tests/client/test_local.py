@@ -1,0 +1,34 @@
+"""KVClient.fetch_local (same-host fast path) against the real server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvclient.client import KVClient
+from kvcraft.keys import ModelSpec
+from kvcraft.v1 import kvcraft_pb2 as pb
+
+MODEL = ModelSpec("local-test", num_layers=3, num_kv_heads=1, head_dim=8, dtype="bfloat16").fingerprint()
+
+
+def test_fetch_local_tensors_alias_the_stored_bytes_until_released(kvserver):
+    g = torch.Generator().manual_seed(5)
+    layers = [(torch.randn(1, 9, 8, generator=g).bfloat16(), torch.randn(1, 9, 8, generator=g).bfloat16())
+              for _ in range(3)]
+    with KVClient(kvserver.address) as c:
+        r = c.store(MODEL, list(range(9)), layers)
+        with c.fetch_local([r.chunk_key]) as got:
+            lease_id = got.lease_id
+            assert got.variant_ids == [r.variant_id]
+            for (gk, gv), (wk, wv) in zip(got.layers[0], layers, strict=True):
+                assert gk.dtype == torch.bfloat16 and gk.shape == wk.shape
+                assert torch.equal(gk.view(torch.uint8), wk.view(torch.uint8))
+                assert torch.equal(gv.view(torch.uint8), wv.view(torch.uint8))
+            slab = next(iter(c._mappings._slabs.values()))  # noqa: SLF001 - the mapping fetch_local opened
+            bad = pb.VariantLocation()
+            bad.CopyFrom(got.locations[0])
+            bad.length -= 2
+            with pytest.raises(ValueError, match="do not match its specs"):
+                slab.layers(bad)
+        assert not c.release(lease_id)  # leaving the block released it

@@ -1,0 +1,58 @@
+"""Identity (kvcraft.keys): what a stored chunk is found by, on every node and after upgrades."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+
+from kvcraft.keys import ModelSpec, chunk_key, is_key, variant_id
+
+SPEC = ModelSpec("golden", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16")
+
+
+def test_keys_are_the_documented_hashes():
+    # docs/architecture.md "Identity": xxh3-128 over (model id, 0 byte, uint32 LE token ids),
+    # and over (chunk key, "/" + each prefix key) for a variant.
+    model_id = SPEC.fingerprint()
+    tokens = [1, 2, 3, 2**32 - 1]
+    want = xxhash.xxh3_128_hexdigest(model_id.encode() + b"\x00" + struct.pack("<4I", *tokens))
+    assert chunk_key(model_id, tokens) == want
+    a, b = chunk_key(model_id, [1]), chunk_key(model_id, [2])
+    assert variant_id(want, [a, b]) == xxhash.xxh3_128_hexdigest(f"{want}/{a}/{b}".encode())
+    assert variant_id(want, []) == xxhash.xxh3_128_hexdigest(want.encode())
+
+
+def test_keys_do_not_change_between_versions():
+    # Stored data is found by these values: a change here orphans every stored chunk.
+    model_id = SPEC.fingerprint()
+    assert model_id == "595ca6689a923c5e403af00594ca5d45"
+    key = chunk_key(model_id, [1, 2, 3])
+    assert key == "bc15b60ef7cac01bf4627de9e456323b"
+    assert variant_id(key, [key]) == "ae0c8b7402d25ff0a3464c4a134bfe30"
+
+
+@pytest.mark.parametrize("change", [
+    {"name": "other"}, {"num_layers": 3}, {"num_kv_heads": 1}, {"head_dim": 8}, {"dtype": "bfloat16"},
+    {"rope_theta": 500000.0}, {"rope_scaling": (("factor", 8.0),)},
+])
+def test_same_tokens_under_another_model_never_collide(change):
+    other = ModelSpec(**{**SPEC.__dict__, **change})
+    assert other.fingerprint() != SPEC.fingerprint()
+    assert chunk_key(other.fingerprint(), [5, 6]) != chunk_key(SPEC.fingerprint(), [5, 6])
+
+
+def test_prefix_order_makes_another_variant():
+    m = SPEC.fingerprint()
+    k, a, b = (chunk_key(m, [t]) for t in (1, 2, 3))
+    assert variant_id(k, [a, b]) != variant_id(k, [b, a]) != variant_id(k, [])
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="model_id is empty"):
+        chunk_key("", [1])
+    with pytest.raises(ValueError, match=r"token id -1 is outside \[0, 2\^32\)"):
+        chunk_key(SPEC.fingerprint(), [1, -1])
+    assert is_key(SPEC.fingerprint())
+    assert not is_key(SPEC.fingerprint().upper()) and not is_key("abc") and not is_key("g" * 32)
