@@ -7,6 +7,8 @@ made through it (or with the tensors stored), on the same server.
 from __future__ import annotations
 
 import inspect
+import socket
+import time
 
 import pytest
 import torch
@@ -106,14 +108,24 @@ async def test_admin_calls_answer_as_the_blocking_client_does(kvserver):
             await c.lease([Ref("not-a-key")])
 
 
-async def test_timeouts_end_calls_as_unavailable(kvserver):
-    # A deadline that has passed before the call leaves: DEADLINE_EXCEEDED, whatever the server does.
-    async with AsyncKVClient(kvserver.address, timeout=1e-6) as c:
+@pytest.fixture
+def silent_address():
+    """A peer that accepts TCP connections and never answers: a hung server."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def test_timeouts_end_calls_to_a_hung_server_as_unavailable(silent_address):
+    # The client's default, then a per-call timeout below a default that would outlast the test.
+    async with AsyncKVClient(silent_address, timeout=0.3) as c:
         with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
             await c.stats()
-    async with AsyncKVClient(kvserver.address) as c:
-        assert await c.match_prefix(["f" * 32]) == 0
+    async with AsyncKVClient(silent_address, timeout=3600) as c:
+        t0 = time.monotonic()
         with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
-            await c.match_prefix(["f" * 32], timeout=1e-6)
+            await c.match_prefix(["f" * 32], timeout=0.3)
         with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
-            [f async for f in c.fetch_layers([chunk_key(MODEL, [1])], timeout=1e-6)]
+            [f async for f in c.fetch_layers([chunk_key(MODEL, [1])], timeout=0.3)]
+        assert time.monotonic() - t0 < 60
