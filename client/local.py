@@ -102,14 +102,14 @@ class _Located:
     aliasing its pool (CUDA IPC, kvclient.gpu_pool), when this process has CUDA;
     `tier[i]` says which ("gpu", "host" or "" for none)."""
 
-    def __init__(self, client, response: pb.LocateResponse, mappings: LocalMappings) -> None:  # noqa: ANN001
+    def __init__(self, client, response: pb.LocateResponse, slab: SharedSlab,  # noqa: ANN001
+                 gpu_pool: GpuPool | None = None) -> None:
         self._client = client
         self.lease_id = response.lease_id
         self.locations = list(response.variants)
         self.variant_ids = [loc.variant_id for loc in self.locations]
         self.layers: list = []
         self.tier: list[str] = []
-        slab, gpu_pool = mappings.slab(response.segment), mappings.gpu_pool(response)
         for loc in self.locations:
             if gpu_pool is not None and loc.gpu_length:
                 key = (TORCH_DTYPE[loc.key_spec.dtype], tuple(loc.key_spec.shape))
