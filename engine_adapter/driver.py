@@ -1,6 +1,6 @@
 """The per-layer loop of a blended prefill (no reuse gate: `blend.blend_prefill` asks it first).
 
-Per layer l (design card, "Adapter"; Cache-Craft §3.4.3; CacheBlend §4):
+Per layer l (docs/adapter.md; Cache-Craft §3.4.3; CacheBlend §4):
   1. wait for layer l of the reused chunks, until a deadline (`layer_budget_s`);
   2. merge their RoPE-free K/V into one cache [Hkv, N, D] and rotate all of it to the
      prompt's positions in one batched op (cos/sin tables computed once per prompt);

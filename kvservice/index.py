@@ -1,7 +1,7 @@
 """The one in-memory index of stored variants, shared by the store and the planner.
 
-`Variant` is the service's record of one stored variant (design card, "Identity and
-layout"): the planner reads its identity, token count, tier, attention statistics and
+`Variant` is the service's record of one stored variant (docs/architecture.md, "Identity" and
+"Payload layout"): the planner reads its identity, token count, tier, attention statistics and
 recompute order; the store also keeps its payload shape, checksums, fr and holds.
 Protobuf stays at the edges: `kvservice.metadata` turns records into RocksDB values,
 `kvservice.server` into wire messages.

@@ -5,7 +5,7 @@ The planner never touches payloads; it reads variant *metadata* through the smal
 (`kvservice.index.VariantIndex`: one index for store and planner); tests and
 benchmarks use `InMemoryCatalog`, the same index with put / move / evict hooks.
 
-A variant (design card, "Identity and layout") is one stored KV of a chunk computed
+A variant (docs/architecture.md, "Identity") is one stored KV of a chunk computed
 behind an ordered prefix of chunk keys; its id is `kvcraft.keys.variant_id(chunk_key,
 prefix_keys)`. A CRAFT CP-Tree node is just a variant whose prefix is exactly the
 chunks before it at the start of the prompt.

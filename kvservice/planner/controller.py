@@ -23,7 +23,7 @@ Preload depth (Cache-Craft eq. 16 / Alg. 2):
 
 Estimators are linear and fitted online from timings the engine reports (a
 decayed least-squares fit, so they follow drift); until they have data they use
-the defaults below, taken from the design card's measurements (Llama-3-8B on H100:
+the defaults below, from measurements made on a GPU host (Llama-3-8B on H100:
 4 KiB of K+V per token per layer, pinned host->GPU ~55 GB/s, kvikio compat disk
 ~1.4 GB/s read, Python gRPC / Redis ~1 GB/s).
 """

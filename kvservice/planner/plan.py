@@ -1,6 +1,6 @@
 """The planner: one object that turns a request's retrieved chunks into a Plan.
 
-Order (design card, "Service" / "Planner algorithms"):
+Order (docs/planner.md, "Algorithms as built"):
   1. conversation dedup (CRAFT §4.3)           drop chunks sent in earlier turns
   2. CRAFT reorder, first turn only (§4.2)     a CP-Tree path the chunks already form,
                                                then a stable sort by CA-Table count
@@ -15,7 +15,8 @@ CP-Tree promotes / extends, and the ChunkMap records the chunks sent.
 The CP-Tree applies only to a first turn: a later turn's chunks follow the
 conversation's history in the prompt, so they are never at a chunk-prefix.
 
-Not thread-safe: the service calls it from its event loop (one planner per process).
+Not thread-safe: the service calls it from worker threads (`asyncio.to_thread`), one
+call at a time under `kvservice.planning.PlanningService`'s lock (one planner per process).
 """
 
 from __future__ import annotations

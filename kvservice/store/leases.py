@@ -1,5 +1,5 @@
 """Leases: a variant named by a lease is held (never moved or deleted) until Release or
-the lease's timeout (Cache-Craft §3.3 "pinned while in use"; design card, Plan step 7).
+the lease's timeout (Cache-Craft §3.3 "pinned while in use"; docs/architecture.md, "Plan").
 
 Holds count every reason a variant must stay put: leases, fetch streams, promotions.
 Every method runs with the store's lock held.

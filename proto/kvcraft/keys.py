@@ -1,4 +1,4 @@
-"""Identity of models, chunks and variants (design card, "Identity and layout").
+"""Identity of models, chunks and variants (docs/architecture.md, "Identity").
 
 A chunk key is a content hash over the model fingerprint and the chunk's token ids,
 so the same text under another model (or another dtype, RoPE base, ...) never
