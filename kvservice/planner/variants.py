@@ -110,7 +110,9 @@ def variant_cfo(info: Variant, s_new_pos: Mapping[str, int], alpha: float) -> fl
     """
     st = info.stats
     keys = info.prefix_keys
-    c = cci(st.a, st.b)
+    c = info.cci
+    if c < 0.0:  # eq. 11 depends on the variant alone: computed once, kept on the record
+        c = info.cci = cci(st.a, st.b)
     if not keys:
         return 0.0 if not s_new_pos else cfo(alpha, c, 0.0)
     pa = st.prefix_attention
