@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import math
@@ -191,11 +192,27 @@ def _rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             await context.abort(e.code, str(e))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # a bug: log it whole, tell the client what kind
-            log.exception("%s failed", fn.__name__)
+        except Exception as e:
+            known = storage_error(e)
+            if known is not None:
+                await context.abort(known.code, str(known))
+            log.exception("%s failed", fn.__name__)  # a bug: log it whole, tell the client what kind
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}: {type(e).__name__}")
 
     return wrapper
+
+
+def storage_error(e: BaseException) -> KVCraftError | None:
+    """A full disk (ENOSPC / EDQUOT from a payload file, or RocksDB's "No space left on
+    device") is RESOURCE_EXHAUSTED naming the disk, not a bug."""
+    full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+        "No space left on device" in str(e)
+    if not full:
+        return None
+    where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+    return ResourceExhausted(f"the disk under the data directory is full{where}: nothing was stored; "
+                             "free space there (or lower disk_budget_bytes below what the disk holds); "
+                             "reads of stored variants go on")
 
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
@@ -245,11 +262,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             result = await asyncio.to_thread(session.finish)
             self.metrics.store_bytes.inc(result.bytes_stored if not result.already_present else 0)
             return wire.store_response(result)
-        except KVCraftError:
+        except Exception as e:
+            refusal = e if isinstance(e, KVCraftError) else storage_error(e)
+            if refusal is None:
+                raise
             if session is not None:
                 session.abort()
             await _discard_rest(request_iterator)
-            raise
+            raise refusal from None
         finally:
             if session is not None:
                 session.abort()  # no-op once finished

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -10,6 +11,9 @@ from kvservice.config import Config
 from kvservice.index import Variant, VariantIndex
 from kvservice.metadata import MetadataDB
 from kvservice.tiers.base import PayloadShape, Tier
+
+
+log = logging.getLogger("kvcraft.store")
 
 
 class StoreListener(Protocol):
@@ -55,6 +59,7 @@ class StoreState:
         self.meta = meta
         self.index = VariantIndex()
         self.lock = threading.RLock()
+        self.access_write_failing = False  # logged once per episode (persist_access)
         self.committing: dict[str, threading.Event] = {}  # variant id -> set when its commit ends
         self.listeners: list[StoreListener] = []
         self.counters = Counters(hits={n: 0 for n in names}, misses={n: 0 for n in names})
@@ -81,6 +86,16 @@ class StoreState:
                 lst.on_move(v.variant_id, name)
 
     def persist_access(self, vs: list[Variant]) -> None:
-        """fr / last access updates: unsynced (a crash loses only eviction hints)."""
-        if vs:
+        """fr / last access updates: unsynced (a crash loses only eviction hints), and
+        best effort: a read must never fail, nor leak its holds, because a metadata
+        write did (a full disk); the in-memory scores stay right meanwhile."""
+        if not vs:
+            return
+        try:
             self.meta.put_variants(vs, sync=False)
+        except Exception as e:  # rocksdict raises plain Exception for RocksDB statuses
+            if not self.access_write_failing:
+                log.warning("access-time updates are not persisted (%s); reads go on", e)
+            self.access_write_failing = True
+        else:
+            self.access_write_failing = False

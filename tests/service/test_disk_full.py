@@ -1,0 +1,95 @@
+"""A full disk, for real: the data directory on a small tmpfs (issue 18, item 7). Stores
+answer RESOURCE_EXHAUSTED naming the disk, acknowledged variants stay readable (no
+metadata write on the read path can fail a read), the service recovers by itself once
+space frees, and SIGTERM still exits 0."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvclient.client import KVClient
+from kvclient.errors import ResourceExhaustedError
+from kvcraft.keys import ModelSpec
+from kvservice.launcher import ServiceProcess
+
+MODEL = ModelSpec("full", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32").fingerprint()
+
+
+def _layers(seed: int):  # 4 layers x 2 x [2, 64, 64] fp32 = 256 KiB
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(2, 64, 64, generator=g), torch.randn(2, 64, 64, generator=g)) for _ in range(4)]
+
+
+def _tokens(i: int) -> list[int]:
+    return [i * 100 + t for t in range(64)]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {out.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _fill(path: Path) -> None:
+    """Take the filesystem's last free bytes."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for size in (1 << 20, 64 << 10, 4 << 10, 512):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
+
+
+def test_full_disk_refuses_stores_keeps_reads_recovers_and_stops_cleanly(small_disk):
+    data = small_disk / "data"
+    server = ServiceProcess(data, disk_budget_bytes=1 << 30, host_budget_bytes=1 << 20)
+    server.log_path = small_disk.parent / "full-server.log"  # the log must not need the full disk
+    server.start()
+    try:
+        stored = {}
+        with KVClient(server.address, timeout=30) as c:
+            for i in range(8):
+                stored[i] = c.store(MODEL, _tokens(i), _layers(i)).chunk_key
+            filler = small_disk / "filler"
+            _fill(filler)
+            with pytest.raises(ResourceExhaustedError, match="disk .* is full") as e:
+                for i in range(8, 40):
+                    stored[i] = c.store(MODEL, _tokens(i), _layers(i)).chunk_key
+            assert "Traceback" not in e.value.message
+            for _ in range(3):  # reads of acknowledged variants go on (and count their reuse)
+                for i, key in stored.items():
+                    got = c.fetch(key)
+                    assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, _layers(i)))
+            assert c.stats().leases == 0  # no hold leaked by a failed access-time write
+            os.unlink(filler)  # space frees: stores and evictions work again, no restart
+            key = c.store(MODEL, _tokens(50), _layers(50)).chunk_key
+            assert c.fetch(key)
+            assert c.evict(chunk_key=stored.pop(0)).evicted == 1
+            _fill(filler)
+        assert server.stop() == 0
+        log = server.log()
+        assert "Traceback" not in log, log[-3000:]
+        os.unlink(filler)
+        server.start()
+        with KVClient(server.address) as c:
+            for i, key in stored.items():
+                assert c.lookup(chunk_key=key).found
+    finally:
+        server.close()
