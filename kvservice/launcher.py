@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import IO
 
 
+# glibc raises its mmap threshold as big blocks are freed and then keeps freed layer
+# buffers (MiBs each, a heap per worker thread): in-flight Stores would leave RSS behind.
+# A fixed 1 MiB threshold returns them to the OS (docs/operations.md; deploy/ sets it too).
+SERVER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+
+
 class ServiceProcess:
     """The service exactly as operators run it: its own process, real RocksDB, real files."""
 
@@ -32,7 +38,7 @@ class ServiceProcess:
             self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvservice.cli", "serve", "--config", str(cfg)],
-            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **self.env},
+            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **SERVER_ENV, **self.env},
             cwd=self.cwd,
         )
         assert self.proc.stdout is not None
