@@ -79,10 +79,14 @@ class Skip(Exception):
     """This check cannot run on this host; the message says why."""
 
 
-def _median_gbps(nbytes: int, run: Callable[[], None], repeat: int) -> float:
+def _median_gbps(nbytes: int, run: Callable[[], None], repeat: int,
+                 before: Callable[[], None] = lambda: None) -> float:
+    """Median rate of `run` moving `nbytes`; `before` runs untimed ahead of each run."""
+    before()
     run()  # warm-up: first-touch, context creation, page cache effects on the destination
     times = []
     for _ in range(repeat):
+        before()
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
@@ -304,10 +308,9 @@ class SelfTest:
                     raise AssertionError(f"{backend_name}: bytes [{offset}, +{length}) differ")
 
             def read() -> None:
-                _drop_cache(self.file)
                 backend.read_into_device(self.file, 0, self.nbytes, DeviceBuffer(dev, size))
 
-            gbps = _median_gbps(self.nbytes, read, self.repeat)
+            gbps = _median_gbps(self.nbytes, read, self.repeat, before=lambda: _drop_cache(self.file))
         finally:
             drv.free(dev)
         limit = self.o_direct_gbps()

@@ -51,6 +51,9 @@ class CudaIpcOpener:
 
     def __init__(self) -> None:
         self._lib = ctypes.CDLL("libcuda.so.1")
+        # The handle is a 64-byte struct passed BY VALUE: say so, do not let ctypes guess.
+        self._lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _CuIpcMemHandle, ctypes.c_uint]
+        self._lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
 
     def open(self, handle: bytes, nbytes: int, device: int) -> torch.Tensor:
         if len(handle) != IPC_HANDLE_BYTES:
