@@ -15,8 +15,8 @@ layer, the planner only counts tokens). Reported: the share of retrieved chunk t
 each node computes, without the remote tier (each node reuses only what it stored)
 and with it (a node also plans with what the other stored).
 
-    python -m kvbench.remote                       # part 1 and part 2 (first 1000 requests)
-    python -m kvbench.remote --requests 0          # whole trace (slow: ~4000 requests)
+    kvcraft bench remote                                   # part 1, and part 2 on the first 1000 requests
+    kvcraft bench remote --requests 0                      # part 2 on the whole trace (~4000 requests, slow)
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import argparse
 import json
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Sequence
 
@@ -185,7 +186,7 @@ def share_rows(tmp: Path, requests: int, with_remote: bool) -> dict:
     computed = [0, 0]
     retrieved = [0, 0]
     arm = "remote" if with_remote else "local"
-    with MasterProcess(tmp / f"master-{arm}.log") as master:
+    with (MasterProcess(tmp / f"master-{arm}.log") if with_remote else nullcontext()) as master:
         extra = _remote_settings(master, 256 * MiB) if with_remote else {}
         nodes = [ServiceProcess(tmp / f"{arm}-{n}", lease_timeout_s=5.0, **extra).start() for n in "ab"]
         try:
@@ -214,6 +215,7 @@ def share_rows(tmp: Path, requests: int, with_remote: bool) -> dict:
                 c.close()
         finally:
             for n in nodes:
+                n.stop()
                 n.close()
     return {"arm": arm, "requests": len(trace), "node_a_share": round(computed[0] / retrieved[0], 4),
             "node_b_share": round(computed[1] / retrieved[1], 4),
@@ -234,7 +236,7 @@ def hash_node(conv_id: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvbench.remote")
+    p = argparse.ArgumentParser(prog="kvcraft bench remote")
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--repeat", type=int, default=3)
