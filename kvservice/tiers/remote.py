@@ -115,7 +115,7 @@ class RemoteTier(Tier):
     verify_reads = True
 
     def __init__(self, client: MooncakeClient, view: ClusterView, budget_bytes: int,
-                 read_cache: int = 2) -> None:
+                 read_cache_bytes: int = 256 << 20) -> None:
         super().__init__(budget_bytes)
         self.client = client
         self.view = view
@@ -125,8 +125,11 @@ class RemoteTier(Tier):
         self._mine: set[str] = set()  # written by this node (counted in usage)
         self._used = 0  # payload bytes this node wrote, plus open writers
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, bytearray] = OrderedDict()  # last payloads read
-        self._cache_n = read_cache
+        # Payloads read last: a layer-major fetch of several remote-only variants reads
+        # each one whole once, then serves its layers from here (LRU, bounded in bytes).
+        self._cache: OrderedDict[str, bytearray] = OrderedDict()
+        self._cache_bytes = 0
+        self._cache_limit = read_cache_bytes
 
     def bind(self, record_of: RecordOf) -> None:
         """The store's record of a variant id (a writer puts it in the header)."""
@@ -199,16 +202,20 @@ class RemoteTier(Tier):
         except KVCraftError as e:  # master or peer unreachable: not here, for now
             raise KeyError(f"{vid}: remote tier unavailable ({e})") from None
         with self._lock:
-            self._cache[vid] = payload
-            while len(self._cache) > self._cache_n:
-                self._cache.popitem(last=False)
+            if vid not in self._cache:
+                self._cache[vid] = payload
+                self._cache_bytes += len(payload)
+            while self._cache_bytes > self._cache_limit and self._cache:
+                self._cache_bytes -= len(self._cache.popitem(last=False)[1])
         return payload
 
     # -- bookkeeping ------------------------------------------------------------------
     def _forget(self, vid: str) -> None:
         with self._lock:
             n = self._known.pop(vid, None)
-            self._cache.pop(vid, None)
+            dropped = self._cache.pop(vid, None)
+            if dropped is not None:
+                self._cache_bytes -= len(dropped)
             if vid in self._mine:
                 self._mine.discard(vid)
                 self._used -= n or 0
