@@ -51,6 +51,8 @@ def test_packages_keep_the_import_contract():
         ("kvcraft.keys", "import kvservice", "kvcraft (the contract)", "kvcraft.keys -> kvservice"),
         ("kvclient.client", "import kvservice", "kvclient imports kvcraft", "kvclient.client -> kvservice"),
         ("engine_adapter.source", "import kvbench", "engine_adapter talks", "engine_adapter.source -> kvbench"),
+        ("engine_adapter.source", "import engine_adapter.blend", "No cycles are allowed in engine_adapter",
+         ".source -> .blend"),
     ],
 )
 def test_a_forbidden_import_breaks_the_contract(tmp_path, module, line, contract, arrow):

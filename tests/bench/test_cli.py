@@ -45,6 +45,7 @@ def test_bench_runs_the_named_benchmark(tmp_path, capsys):
     out = tmp_path / "fetch.json"
     assert cli.main(["bench", "fetch", "--chunks", "1", "--tokens", "8", "--repeat", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert rows and all(r["bytes"] > 0 and r["seconds"] > 0 for r in rows)
+    timed = [r for r in rows if "seconds" in r]
+    assert timed and all(r["bytes"] > 0 and r["seconds"] > 0 for r in timed)
     printed = capsys.readouterr().out
     assert all(r["path"] in printed for r in rows)
