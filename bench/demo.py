@@ -37,9 +37,10 @@ def run_demo(data_dir: str | None = None, *, quality_examples: int = QUALITY_EXA
     # default thread pool, every op's OpenMP region stalls whenever the service
     # takes a core, and timings turn to noise.
     torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kvcraft-demo-") as tmp:
+    # no_grad as a context, not set_grad_enabled(False): tests call run_demo in-process,
+    # and a process-wide switch broke a later test's backward pass.
+    with torch.no_grad(), tempfile.TemporaryDirectory(prefix="kvcraft-demo-") as tmp:
         root = Path(data_dir) if data_dir else Path(tmp) / "data"
         with ServiceProcess(root) as service:
             console.print(f"kvcraft service on {service.address}, data in {root}")

@@ -190,7 +190,11 @@ def test_master_down_reads_are_not_here_and_restart_reconnects(cluster, nodes):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-    b.adopt_all([info2.chunk_key])
+    # B's client rejoins on its own ping thread too, maybe later than A's: poll for its
+    # view of the new variant under the same deadline.
+    while not b.adopt_all([info2.chunk_key]):
+        assert time.monotonic() < deadline, "node B did not rejoin the restarted master in 30 s"
+        time.sleep(0.2)
     assert bytes(b.tier.get_layers(info2.variant_id, 0, 3, shape2)) == payload2
 
 
