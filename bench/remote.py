@@ -127,14 +127,15 @@ def _tier_read(master: MasterProcess, tmp: Path, keys: list[str], total: int, re
     from kvservice.cluster.view import ClusterView
     from kvservice.tiers.remote import RemoteTier
     from kvservice.tiers.base import PayloadShape
-    from kvservice.cluster import records
+    from kvservice.index import VariantIndex
+    from kvservice.store.recovery import decode
 
     client = MooncakeClient(RemoteSettings(master.address, segment_bytes=64 * MiB, buffer_bytes=64 * MiB))
     try:
         view = ClusterView(client, "bench", "bench-reader")
         tier = RemoteTier(client, view, budget_bytes=1 << 40, read_cache_bytes=0)
         entries = view.discover(keys)
-        variants = {e.info.variant_id: records.to_variant(e.info) for e in entries if not e.info.prefix_keys}
+        variants = {e.info.variant_id: decode(VariantIndex(), e.info) for e in entries if not e.info.prefix_keys}
         tier.bind(variants.get)
         for e in entries:
             tier.adopt(e)

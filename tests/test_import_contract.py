@@ -53,6 +53,10 @@ def test_packages_keep_the_import_contract():
         ("engine_adapter.source", "import kvbench", "engine_adapter talks", "engine_adapter.source -> kvbench"),
         ("engine_adapter.source", "import engine_adapter.blend", "No cycles are allowed in engine_adapter",
          ".source -> .blend"),
+        ("kvservice.cluster.view", "import kvservice.store", "No cycles are allowed in kvservice",
+         ".cluster -> .store"),
+        ("kvservice.tiers.slab", "import kvservice.server", "No cycles are allowed in kvservice",
+         ".tiers -> .server"),
     ],
 )
 def test_a_forbidden_import_breaks_the_contract(tmp_path, module, line, contract, arrow):

@@ -6,6 +6,8 @@
 - `view`: the per-chunk variant list and the global chunk-prefix view (CRAFT's global
   CP-Tree across nodes; each node's planner keeps its local tree).
 
-The remote tier itself (`kvservice.tiers.remote`) speaks the store's tier protocol.
+The remote tier itself (`kvservice.tiers.remote`) speaks the store's tier protocol, and
+the store's `kvservice.store.sync` adopts listed variants and writes through: both sit
+above this package, which imports neither the store nor the tiers.
 docs/scale-out.md explains the deployment.
 """

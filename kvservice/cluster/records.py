@@ -145,13 +145,3 @@ def decode_entry(raw: bytes, chunk: str) -> Entry:
     info.tier = REMOTE
     return Entry(info, record, body[rlen:].decode(errors="replace"))
 
-
-def to_variant(info: pb.VariantInfo) -> "Variant | None":
-    """A store record (`kvservice.index.Variant`) for a listed record, as recovery
-    builds one from RocksDB; None if it contradicts itself."""
-    from types import SimpleNamespace
-
-    from kvservice.index import VariantIndex
-    from kvservice.store.recovery import decode
-
-    return decode(SimpleNamespace(index=VariantIndex()), info)  # type: ignore[arg-type]

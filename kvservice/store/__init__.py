@@ -7,6 +7,7 @@ protobuf: `kvservice.server` converts at the edge.
   leases.py     leases and holds
   promotion.py  reads from the fastest tier holding a variant (verified), copies up
   recovery.py   start-up recovery (the one function that decides what survived a crash)
+  sync.py       scale-out: adopt variants other nodes listed, write-through to the remote tier
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from kvservice.metadata import MetadataDB
 from kvservice.planner.variants import fr_increment
 from kvservice.records import (ChunkSummary, GpuPool, Located, Location, Ref, Selector, StoreHeader, StoreResult,
                                  StoreStats, TierStats)
-from kvservice.cluster.sync import attach_cluster
 from kvservice.store.leases import Leases
 from kvservice.store.placement import Placement
 from kvservice.store.promotion import Promotion
 from kvservice.store.recovery import RecoveryReport, recover
 from kvservice.store.session import StoreSession, begin
 from kvservice.store.state import StoreListener, StoreState
+from kvservice.store.sync import attach_cluster
 from kvservice.tiers import Tier, build_tiers
 
 __all__ = ["ChunkStore", "RecoveryReport", "StoreListener", "StoreSession"]

@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.errors import InvalidArgument
-from kvservice.index import InvalidVariant, Spec, Variant
+from kvservice.index import InvalidVariant, Spec, Variant, VariantIndex
 from kvcraft.layout import layer_checksum, layer_layout
 from kvservice.metadata import MetadataDamaged
 from kvservice.wire import stats_record
@@ -58,7 +58,7 @@ def recover(s: StoreState, *, repair: bool = False) -> RecoveryReport:
     keep: list[tuple[Variant, list[Tier]]] = []
     drop: list[str] = []
     for info in infos:
-        v = decode(s, info)
+        v = decode(s.index, info)
         held = [] if v is None else [t for t in persistent if files[t.name].pop(v.variant_id, None) == v.size_bytes
                                      and _payload_ok(t, v)]
         if v is None or not held:
@@ -112,7 +112,7 @@ def _adopt(s: StoreState, tier: Tier, vid: str, size: int) -> Variant | None:
         return None
     if info.variant_id != vid:
         return None
-    v = decode(s, info)
+    v = decode(s.index, info)
     if v is None or size != v.size_bytes or not _payload_ok(tier, v):
         return None
     return v
@@ -131,9 +131,9 @@ def _set_aside(s: StoreState, tier: Tier, vid: str) -> None:
     tier.delete(vid)  # forget it (the file has moved)
 
 
-def decode(s: StoreState, info: pb.VariantInfo) -> Variant | None:
-    """The in-memory record of a stored one, or None if it contradicts itself."""
-    idx = s.index
+def decode(idx: VariantIndex, info: pb.VariantInfo) -> Variant | None:
+    """The in-memory record of a stored one (its specs, keys and layout interned in
+    `idx`; not added to it), or None if it contradicts itself."""
     key_spec = idx.intern_spec(Spec(info.key_spec.dtype, tuple(info.key_spec.shape)))
     value_spec = idx.intern_spec(Spec(info.value_spec.dtype, tuple(info.value_spec.shape)))
     try:

@@ -8,7 +8,6 @@ checksum; altered bytes never come back.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 import xxhash
@@ -45,7 +44,7 @@ def make_variant(tokens: list[int], prefix: tuple[str, ...] = (), layers: int = 
                           token_count=len(tokens), num_layers=layers, key_spec=spec, value_spec=spec,
                           size_bytes=len(payload), layer_checksums=sums, tier="disk", fr=2.5,
                           created_unix_ms=123)
-    v = decode(SimpleNamespace(index=VariantIndex()), info)  # the store's record, as recovery builds it
+    v = decode(VariantIndex(), info)  # the store's record, as recovery builds it
     v.tier = "disk"
     return v, payload, PayloadShape(layers, layer_bytes)
 
@@ -70,7 +69,7 @@ class Node:
     def adopt_all(self, chunks) -> list:
         found = self.view.discover(chunks)
         for e in found:
-            self.records[e.info.variant_id] = decode(SimpleNamespace(index=VariantIndex()), e.info)
+            self.records[e.info.variant_id] = decode(VariantIndex(), e.info)
             self.tier.adopt(e)
         return found
 

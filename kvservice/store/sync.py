@@ -70,7 +70,7 @@ class ClusterSync:
                 if len(s.index.variants_of(e.info.chunk_key)) >= cfg.max_variants_per_chunk \
                         or len(s.index) >= cfg.max_variants:
                     continue  # no room without evicting local variants for remote ones
-                v = decode(s, e.info)
+                v = decode(s.index, e.info)
                 if v is None or v.size_bytes != e.info.size_bytes:
                     self.view.drop_entry(e.info.chunk_key, vid)
                     continue
