@@ -1,0 +1,59 @@
+"""The Admin service: stats, listing, eviction, pins, flush, the running config."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvcraft.keys import is_key
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice import wire
+from kvservice.config import Config
+from kvservice.errors import InvalidArgument
+from kvservice.server.status import InFlight, rpc
+from kvservice.store import ChunkStore
+
+
+class AdminServicer:
+    def __init__(self, store: ChunkStore, cfg: Config, inflight: InFlight) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.inflight = inflight
+
+    @rpc
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        return wire.stats_response(self.store.stats())
+
+    @rpc
+    async def ListChunks(self, request: pb.ListChunksRequest, context: Any) -> pb.ListChunksResponse:
+        return wire.list_chunks_response(*self.store.list_chunks(request.model_id, request.page_size,
+                                                                 request.page_token))
+
+    @rpc
+    async def GetChunk(self, request: pb.GetChunkRequest, context: Any) -> pb.GetChunkResponse:
+        if not is_key(request.chunk_key):
+            raise InvalidArgument(f"chunk_key {request.chunk_key[:40]!r} is not 32 lowercase hex chars")
+        return pb.GetChunkResponse(variants=[wire.variant_message(v, self.store.leased(v.variant_id))
+                                             for v in self.store.get_chunk(request.chunk_key)])
+
+    @rpc
+    async def Evict(self, request: pb.VariantSelector, context: Any) -> pb.EvictResponse:
+        evicted, skipped = await asyncio.to_thread(self.store.evict, wire.selector(request))
+        return pb.EvictResponse(evicted=evicted, skipped_protected=skipped)
+
+    @rpc
+    async def Pin(self, request: pb.VariantSelector, context: Any) -> pb.PinResponse:
+        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, wire.selector(request), True))
+
+    @rpc
+    async def Unpin(self, request: pb.VariantSelector, context: Any) -> pb.PinResponse:
+        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, wire.selector(request), False))
+
+    @rpc
+    async def Flush(self, request: pb.FlushRequest, context: Any) -> pb.FlushResponse:
+        evicted, skipped = await asyncio.to_thread(self.store.flush)
+        return pb.FlushResponse(evicted=evicted, skipped_protected=skipped)
+
+    @rpc
+    async def Config(self, request: pb.ConfigRequest, context: Any) -> pb.ConfigResponse:
+        return pb.ConfigResponse(toml=self.cfg.to_toml())

@@ -1,0 +1,156 @@
+"""Starting the server (options, auth, TLS, health, reflection), serving until a signal,
+and the SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.config import Config
+from kvservice.metrics import Metrics
+from kvservice.planner import PlannerConfig
+from kvservice.planning import PlanningService
+from kvservice.server.admin import AdminServicer
+from kvservice.server.codecs import add_service
+from kvservice.server.data import DataServicer
+from kvservice.server.lookup import LookupServicer
+from kvservice.server.status import InFlight
+from kvservice.store import ChunkStore
+
+log = logging.getLogger("kvcraft.server")
+
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["KVCache"].full_name,
+    pb.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Bearer tokens: `auth_token` for KVCache, `admin_token` for Admin (health and
+    reflection stay open so probes and grpcurl discovery work)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        method = details.method
+        if method.startswith("/kvcraft.v1.Admin/"):
+            need = self.cfg.admin_token
+        elif method.startswith("/kvcraft.v1.KVCache/"):
+            need = self.cfg.auth_token
+        else:
+            need = ""
+        if need:
+            got = dict(details.invocation_metadata or ()).get("authorization", "")
+            if got != f"Bearer {need}":
+                code = grpc.StatusCode.UNAUTHENTICATED if not got else grpc.StatusCode.PERMISSION_DENIED
+                return _deny(code, f"{method} needs 'authorization: Bearer <token>' metadata")
+        return await continuation(details)
+
+
+def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    store: ChunkStore
+    port: int
+    health: health.aio.HealthServicer
+    metrics: Metrics
+    inflight: InFlight
+
+    async def drain(self, drain_s: float) -> None:
+        """SIGTERM: report NOT_SERVING at once while still accepting connections (so a
+        health probe sees it, not "connection refused"), let running RPCs finish for up
+        to `drain_s`, then stop."""
+        deadline = time.monotonic() + drain_s
+        await self.health.enter_graceful_shutdown()
+        await self.inflight.wait_idle(drain_s)
+        await self.stop(max(0.0, deadline - time.monotonic()))
+
+    async def stop(self, grace: float | None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        self.metrics.stop()
+        self.store.close()
+
+
+# Worker threads for the store's blocking calls (asyncio.to_thread). The default pool
+# (cores + 4) lets a few Stores waiting on fsync stall every fetch behind them.
+IO_THREADS = 64
+
+
+async def start_server(cfg: Config) -> RunningServer:
+    cfg.check_tls_files()
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="kvcraft-io"))
+    store = ChunkStore(cfg)
+    metrics = Metrics(store, cfg.metrics_port, cfg.host)
+    options = [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+    ]
+    interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    inflight = InFlight()
+    planning = PlanningService(store, PlannerConfig(alpha=cfg.cfo_alpha,
+                                                    max_conversation_chunks=cfg.max_conversation_chunks))
+    add_service(server, "KVCache", DataServicer(store, metrics, inflight), LookupServicer(store, planning, inflight))
+    add_service(server, "Admin", AdminServicer(store, cfg, inflight))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    address = f"{cfg.host}:{cfg.port}"
+    if cfg.tls_cert:
+        with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+            pair = [(k.read(), c.read())]
+        ca = open(cfg.tls_client_ca, "rb").read() if cfg.tls_client_ca else None
+        creds = grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        store.close()
+        raise OSError(f"cannot listen on {address}")
+    if store.cluster is not None and not cfg.remote_advertise:
+        store.cluster.view.holder = f"{cfg.host}:{port}"  # the bound port, for the cluster view
+    await server.start()
+    return RunningServer(server, store, port, health_servicer, metrics, inflight)
+
+
+async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain in-flight RPCs for up to cfg.drain_s."""
+    running = await start_server(cfg)
+    rep = running.store.recovery
+    log.info("recovered %d variants (%d dropped, %d adopted from their payload files, %d set aside in lost+found)",
+             rep.variants, rep.dropped_metadata, rep.adopted_payloads, rep.orphan_payloads)
+    if on_ready:
+        on_ready(running)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining: health NOT_SERVING, %d RPCs running, waiting up to %.1fs",
+             running.inflight.active, cfg.drain_s)
+    await running.drain(cfg.drain_s)

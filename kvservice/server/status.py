@@ -1,0 +1,83 @@
+"""Domain errors -> gRPC status codes in one place, and the count of running RPCs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import logging
+from typing import Any, Awaitable, Callable, Iterator
+
+import grpc
+
+from kvservice.errors import KVCraftError, ResourceExhausted
+from kvservice.server.codecs import check_parsed
+
+log = logging.getLogger("kvcraft.server")
+
+
+class InFlight:
+    """Counts running RPCs, so a SIGTERM drain can wait for them to finish."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+def rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Map domain errors to status codes; never leak a stack trace to the client.
+    For unary-response methods of a servicer with an `inflight` (InFlight)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            with self.inflight.track():
+                check_parsed(request)
+                return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except KVCraftError as e:
+            await context.abort(e.code, str(e))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            known = storage_error(e)
+            if known is not None:
+                await context.abort(known.code, str(known))
+            log.exception("%s failed", fn.__name__)  # a bug: log it whole, tell the client what kind
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}: {type(e).__name__}")
+
+    return wrapper
+
+
+def storage_error(e: BaseException) -> KVCraftError | None:
+    """A full disk (ENOSPC / EDQUOT from a payload file, or RocksDB's "No space left on
+    device") is RESOURCE_EXHAUSTED naming the disk, not a bug."""
+    full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+        "No space left on device" in str(e)
+    if not full:
+        return None
+    where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+    return ResourceExhausted(f"the disk under the data directory is full{where}: nothing was stored; "
+                             "free space there (or lower disk_budget_bytes below what the disk holds); "
+                             "reads of stored variants go on")
