@@ -49,6 +49,7 @@ from typing import Sequence
 
 from kvcraft.keys import variant_id
 from kvcraft.records import VariantStats
+from kvcraft.tiers import HOST
 from kvservice.planner import (
     FRESH, PREFIX, ChunkRef, InMemoryCatalog, Planner, PlannerConfig, Variant, fr_increment,
 )
@@ -101,7 +102,8 @@ class ContextModel:
 
 class SimStore:
     """The store's side, as far as the planner sees it: variants per chunk <= M,
-    lowest-fr eviction, fr += 1/CFO on reuse."""
+    lowest-fr eviction, fr += 1/CFO on reuse; a new variant is in the host tier (the
+    store writes it to its home tier and to the host slab, docs/storage.md)."""
 
     def __init__(self, catalog: InMemoryCatalog, model: ContextModel, per_chunk: int) -> None:
         self.catalog = catalog
@@ -118,7 +120,7 @@ class SimStore:
             if c.source == PREFIX or (c.source != FRESH and c.cfo == 0.0):
                 continue
             prefix = plan.prefix_of(c.position)
-            info = self.model.variant(c.chunk_key, prefix, c.token_count, plan.store_tier)
+            info = self.model.variant(c.chunk_key, prefix, c.token_count, HOST)
             if info.variant_id in self.catalog:
                 continue
             self.catalog.put(info)

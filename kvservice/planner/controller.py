@@ -15,9 +15,6 @@ where `base` is what the layer computes regardless (new chunks, the question). W
 base = 0 this is CacheBlend's rule; a ratio above the plan's own recompute share
 is free quality, since it hides behind loading.
 
-Storage tier (CacheBlend §5): under a fixed r, the cheapest tier whose load time
-does not exceed the compute time (adds no delay); if none, the fastest tier.
-
 Preload depth (Cache-Craft eq. 16 / Alg. 2):
   Lp = max(1, (L - 1) * (1 - T_prefill / T_load) + 1), rounded up, at most L.
 
@@ -32,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from .catalog import TIERS
 
@@ -41,18 +38,17 @@ R_MIN = 0.15
 
 @dataclass(frozen=True)
 class TierProfile:
-    """Load speed of a tier into GPU memory, and its relative storage cost."""
+    """Load speed of a tier into GPU memory."""
 
     bandwidth_Bps: float
     latency_s: float
-    cost_per_gib: float  # relative; only the order matters
 
 
 DEFAULT_TIER_PROFILES: dict[str, TierProfile] = {
-    "gpu": TierProfile(bandwidth_Bps=2.0e12, latency_s=0.0, cost_per_gib=100.0),
-    "host": TierProfile(bandwidth_Bps=55e9, latency_s=10e-6, cost_per_gib=10.0),
-    "disk": TierProfile(bandwidth_Bps=1.4e9, latency_s=100e-6, cost_per_gib=1.0),
-    "remote": TierProfile(bandwidth_Bps=1.0e9, latency_s=500e-6, cost_per_gib=0.5),
+    "gpu": TierProfile(bandwidth_Bps=2.0e12, latency_s=0.0),
+    "host": TierProfile(bandwidth_Bps=55e9, latency_s=10e-6),
+    "disk": TierProfile(bandwidth_Bps=1.4e9, latency_s=100e-6),
+    "remote": TierProfile(bandwidth_Bps=1.0e9, latency_s=500e-6),
 }
 
 
@@ -120,7 +116,6 @@ class LoadingDecision:
     preload_depth: int         # Lp layers (Cache-Craft eq. 16)
     load_s_per_layer: float    # estimated T_load of the reused KV
     compute_s_per_layer: float  # estimated T_prefill of the planned computation
-    store_tier: str            # cheapest tier that adds no delay at r_min, for new variants
 
 
 class LoadingController:
@@ -142,7 +137,6 @@ class LoadingController:
         if missing:
             raise ValueError(f"no load profile for tier(s) {missing}; profiles exist for {sorted(profiles)}")
         self.tiers = list(names)
-        self._cost = {t: profiles[t].cost_per_gib for t in self.tiers}
         # x = bytes per layer, y = seconds; slope = 1/bandwidth.
         self.load = {t: LinearEstimator(profiles[t].latency_s, 1.0 / profiles[t].bandwidth_Bps)
                      for t in self.tiers}
@@ -179,17 +173,6 @@ class LoadingController:
         r = (self.compute.inverse(t_load) - base_tokens) / reused_tokens
         return min(1.0, max(self.r_min, r))
 
-    def store_tier(self, reused_tokens: int, base_tokens: int, ratio: float | None = None,
-                   candidates: Iterable[str] | None = None) -> str:
-        """CacheBlend §5: cheapest tier whose load adds no delay at a fixed ratio."""
-        r = self.r_min if ratio is None else ratio
-        budget = self.compute_time(base_tokens + r * reused_tokens)
-        cands = [t for t in (self.tiers if candidates is None else candidates) if t in self.load]
-        ok = [t for t in cands if self.load_time({t: reused_tokens}) <= budget]
-        if ok:
-            return min(ok, key=lambda t: self._cost[t])
-        return cands[0]
-
     def preload_depth(self, t_prefill: float, t_load: float) -> int:
         """Cache-Craft eq. 16: Lp = max(1, (L-1)(1 - T_prefill/T_load) + 1)."""
         L = self.model.num_layers
@@ -202,8 +185,7 @@ class LoadingController:
                question_tokens: int, recompute_tokens: int) -> LoadingDecision:
         """One plan's decision. tokens_by_tier: reused tokens per tier;
         fresh_chunk_tokens: chunk tokens computed from scratch; recompute_tokens: the
-        plan's per-chunk recompute (Cache-Craft top-N). The store tier is chosen for
-        the fresh chunks, as if a later request reused them behind this question."""
+        plan's per-chunk recompute (Cache-Craft top-N)."""
         base_tokens = fresh_chunk_tokens + question_tokens
         reused = sum(tokens_by_tier.values())
         t_load = self.load_time(tokens_by_tier)
@@ -214,5 +196,4 @@ class LoadingController:
             preload_depth=self.preload_depth(t_prefill, t_load),
             load_s_per_layer=t_load,
             compute_s_per_layer=t_prefill,
-            store_tier=self.store_tier(fresh_chunk_tokens, question_tokens),
         )

@@ -121,7 +121,6 @@ class Plan:
     ratio: CacheBlend recompute ratio r: recomputing up to r of the reused tokens per
       layer hides behind loading (>= r_min).
     preload_depth: Lp, layers to fetch ahead (Cache-Craft eq. 16).
-    store_tier: tier for the variants this request creates.
     history: the conversation's earlier chunks in send order (empty on a first turn);
       a chunk's prefix in the prompt is history + order[:position].
     """
@@ -137,7 +136,6 @@ class Plan:
     preload_depth: int
     load_s_per_layer: float
     compute_s_per_layer: float
-    store_tier: str
     history: tuple[str, ...]
     retrieved_tokens: int
 
@@ -294,7 +292,6 @@ class Planner:
             preload_depth=d.preload_depth,
             load_s_per_layer=d.load_s_per_layer,
             compute_s_per_layer=d.compute_s_per_layer,
-            store_tier=d.store_tier,
             history=hist_keys,
             retrieved_tokens=retrieved_tokens,
         )

@@ -5,8 +5,8 @@ from kvservice.planner.controller import LinearEstimator, LoadingController, Mod
 MODEL = ModelProfile(num_layers=5, kv_bytes_per_token_layer=1000, compute_s_fixed=0.0,
                      compute_s_per_token=1e-6)
 TIERS = {
-    "host": TierProfile(bandwidth_Bps=1e9, latency_s=0.0, cost_per_gib=10.0),   # 1 us / token
-    "disk": TierProfile(bandwidth_Bps=2.5e8, latency_s=0.0, cost_per_gib=1.0),  # 4 us / token
+    "host": TierProfile(bandwidth_Bps=1e9, latency_s=0.0),   # 1 us / token
+    "disk": TierProfile(bandwidth_Bps=2.5e8, latency_s=0.0),  # 4 us / token
 }
 
 
@@ -18,16 +18,6 @@ def test_ratio_equalises_recompute_and_load_with_floor():
     assert c.recompute_ratio(1000, 500, c.load_time({"host": 1000})) == pytest.approx(0.5)
     # loading hidden entirely by the base computation -> floor r_min
     assert c.recompute_ratio(1000, 5000, c.load_time({"host": 1000})) == 0.15
-
-
-def test_store_tier_is_cheapest_without_delay():
-    c = LoadingController(MODEL, TIERS, r_min=0.15)
-    # 1000 reused tokens, 1000 computed: budget 1.15 ms; host 1 ms fits, disk 4 ms not
-    assert c.store_tier(1000, 1000) == "host"
-    # 4000 computed: budget 4.15 ms, disk fits and is cheaper
-    assert c.store_tier(1000, 4000) == "disk"
-    # nothing fits: the fastest tier
-    assert c.store_tier(1000, 0) == "host"
 
 
 def test_preload_depth_eq16():
