@@ -1,16 +1,24 @@
-"""One vLLM instance in its own process, driven by a JSON spec (tests and bench/vllm_rag.py).
+"""The RAG trace through vLLM four ways (`python -m kvbench.vllm_rag`), and the one-vLLM-instance
+runner the benchmarks and tests/vllm use:
 
     python -m kvbench.vllm_rag engine SPEC.json OUT.json
 
 SPEC: {"model": dir, "block_size": 32, "kv": {"address": ..., <extra config>} | null,
        "num_blocks": int | null, "max_tokens": 8, "requests": [{"prompt": [ids]} | {"conv": str,
        "chunks": [[ids]], "question": [ids], "preamble": [ids]}], "front": {"address": ...,
-       "model_id": ...} | null, "connector": {"module": ..., "name": ...} (a KVCraftConnector subclass)}
+       "model_id": ...} | null, "connector": {"module": ..., "name": ...} (a KVCraftConnector subclass),
+       "plugins": ["module:function", ...] (called before the engine starts, e.g. the blend model
+       class's registration), "hf_overrides": {...}, "blend": {"policy": ..., "options": {...}}
+       (chunk/question requests carry their chunk boundaries + this policy to kvcraft)}
       or, for several phases on one instance, "phases": [{"requests": [...], "max_tokens": n,
        "batch": bool, "reset_prefix_cache": bool, "signal": "SIGSTOP" | "SIGCONT" (sent to
-       "service_pid" first), "drain_saves_s": s}], and "shutdown": true to time the engine's
-       shutdown at the end.
-OUT:  {"outputs": [{"prompt": [ids], "output": [ids], "cached": int, "ttft_s": float}, ...],
+       "service_pid" first), "drain_saves_s": s, "per_request_metrics": bool}], and "shutdown": true
+       to time the engine's shutdown at the end. A request may also carry "kv_transfer_params"
+       (sent as SamplingParams.extra_args["kv_transfer_params"]) and "reset_prefix_cache" (vLLM's
+       own prefix cache emptied before it).
+OUT:  {"outputs": [{"prompt": [ids], "output": [ids], "cached": int, "ttft_s": float,
+       "kv_transfer_params": the connector's per-request report, "metrics": this request's
+       counter increments (per_request_metrics)}, ...],
        "metrics": connector counters (both roles), "phases": [{"outputs", "metrics"}, ...],
        "startup_s": float, "shutdown_s": float (the engine's), "connector_shutdown_s": float}
 
@@ -33,14 +41,14 @@ import torch
 
 
 def build_tiny_llama(path: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
-                     vocab: int = 512, seed: int = 0) -> Path:
+                     vocab: int = 512, seed: int = 0, intermediate: int | None = None) -> Path:
     """A random-weight Llama in HF format with a byte-level tokenizer, made offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     path = Path(path)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
                       bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).to(torch.float32)
@@ -94,6 +102,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                                             kv_connector_module_path=spec["connector"]["module"])
     if spec.get("num_blocks"):
         kw["num_gpu_blocks_override"] = int(spec["num_blocks"])
+    for entry in spec.get("plugins", []):  # "module:function" registrations, before the engine starts
+        import importlib
+
+        mod, _, fn = entry.partition(":")
+        getattr(importlib.import_module(mod), fn)()
+    if spec.get("hf_overrides"):
+        kw["hf_overrides"] = spec["hf_overrides"]
     llm = LLM(model=spec["model"], block_size=spec.get("block_size", 32), dtype="float32", seed=0,
               enable_prefix_caching=True, max_model_len=spec.get("max_model_len", 4096),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", spec.get("max_model_len", 4096)),
@@ -151,6 +166,9 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
                          "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
                          "ttft_s": time.perf_counter() - t})
     for r in ([] if ph.get("batch") else ph["requests"]):
+        if r.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        before = _counters(llm) if spec.get("kv") and ph.get("per_request_metrics") else None
         t = time.perf_counter()
         if "prompt" in r:
             prompt, extra = list(r["prompt"]), {}
@@ -161,10 +179,23 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
         else:
             prompt = list(r.get("preamble", [])) + [t for c in r["chunks"] for t in c] + list(r["question"])
             extra = {"chunk_tokens": len(prompt) - len(r["question"]), "dropped_tokens": 0}
-        (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            if spec.get("blend") and "kv_transfer_params" not in r:  # chunk boundaries for kvcraft blending
+                lens = [len(c) for c in ([r["preamble"]] if r.get("preamble") else []) + list(r["chunks"])]
+                r = {**r, "kv_transfer_params": {"kvcraft": {"chunks": lens, **spec["blend"]}}}
+        p = params
+        if r.get("kv_transfer_params") is not None:  # per-request connector parameters (blending)
+            p = params.clone()
+            p.extra_args = {**(p.extra_args or {}), "kv_transfer_params": r["kv_transfer_params"]}
+        (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], p, use_tqdm=False)
+        ttft = time.perf_counter() - t
+        if before is not None:
+            after = _counters(llm)
+            extra["metrics"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        if getattr(o, "kv_transfer_params", None):  # the connector's per-request report
+            extra["kv_transfer_params"] = o.kv_transfer_params
         outs.append({"prompt_len": len(prompt), "prompt": prompt if ph.get("return_prompts") else None,
                      "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
-                     "ttft_s": time.perf_counter() - t, **extra})
+                     "ttft_s": ttft, **extra})
     metrics: dict[str, Any] = {}
     if spec.get("kv"):
         from engine_adapter.vllm import connector_metrics, connectors_of
@@ -173,6 +204,14 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
             metrics["saves_drained"] = connectors_of(llm)[1].worker.drain_saves(ph["drain_saves_s"])
         metrics.update(connector_metrics(llm))
     return {"outputs": outs, "metrics": metrics}
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    """The connector's numeric counters (both roles), to take one request's increments."""
+    from engine_adapter.vllm import connector_metrics
+
+    return {k: v for k, v in connector_metrics(llm).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith("_max_s")}
 
 
 def engine_main(argv: list[str]) -> int:
@@ -184,7 +223,8 @@ def engine_main(argv: list[str]) -> int:
     os._exit(0)  # vLLM's and gRPC's threads must not hold the process open
 
 
-MODES = ("vllm", "vllm+kvcraft", "vllm+kvcraft+craft")
+MODES = ("vllm", "vllm+kvcraft", "vllm+kvcraft+craft", "vllm+kvcraft+blend")
+BLEND_POLICY = {"policy": "cacheblend", "options": {"budget": 0.15}}  # the blend mode's requests
 
 
 def trace_requests(conversations: int, token_scale: float, seed: int = 0) -> list[dict[str, Any]]:
@@ -219,10 +259,14 @@ def summarize(mode: str, reqs: list[dict[str, Any]], res: dict[str, Any]) -> dic
     retrieved = sum(len(c) for r in reqs for c in r["chunks"])
     prompt = sum(o["prompt_len"] for o in outs)
     cached = sum(min(o["cached"], o["prompt_len"]) for o in outs)
-    chunk_computed = sum(max(0, o["chunk_tokens"] - o["cached"]) for o in outs)
+    # blending: kvcraft recomputes some claimed tokens (row-layers / layers, question rows included)
+    reps = [(o.get("kv_transfer_params") or {}).get("kvcraft") or {} for o in outs]
+    recomputed = [r.get("kvcraft_row_layers", 0) / max(1, r.get("num_layers", 1)) for r in reps]
+    chunk_computed = round(sum(max(0, o["chunk_tokens"] - o["cached"]) + x for o, x in zip(outs, recomputed)))
     ttft = [o["ttft_s"] * 1e3 for o in outs]
     return {"mode": mode, "requests": len(outs), "retrieved_chunk_tokens": retrieved, "prompt_tokens": prompt,
-            "computed_share_of_prompt": (prompt - cached) / prompt, "hit_tokens": cached,
+            "computed_share_of_prompt": (prompt - cached + sum(recomputed)) / prompt, "hit_tokens": cached,
+            "kvcraft_recomputed_tokens": round(sum(recomputed)), "blended_requests": sum(bool(r.get("blended")) for r in reps),
             "kvcraft_loaded_tokens": res["metrics"].get("loaded_tokens", 0),
             "chunk_tokens_computed": chunk_computed, "chunk_computed_share": chunk_computed / retrieved,
             "dropped_chunk_tokens": sum(o["dropped_tokens"] for o in outs),
@@ -238,24 +282,30 @@ def bench_main(argv: list[str]) -> int:
     from kvservice.launcher import ServiceProcess
 
     ap = argparse.ArgumentParser(prog="python -m kvbench.vllm_rag",
-                                 description="Replay the default RAG trace through vLLM three ways.")
+                                 description="Replay the default RAG trace through vLLM four ways.")
     ap.add_argument("--conversations", type=int, default=200, help="of the default trace's 2000")
     ap.add_argument("--token-scale", type=float, default=0.5, help="chunk and question lengths x this")
     ap.add_argument("--local-blocks", type=int, default=512,
                     help="vLLM's own KV blocks (its local prefix cache), 32 tokens each")
     ap.add_argument("--out", default="vllm_rag.json")
+    ap.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
     a = ap.parse_args(argv)
     reqs = trace_requests(a.conversations, a.token_scale)
     rows = []
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
         model = str(build_tiny_llama(tmp / "model"))
-        for mode in MODES:
+        for mode in a.modes:
             server = ServiceProcess(tmp / f"data-{len(rows)}").start() if mode != "vllm" else None
             spec: dict[str, Any] = {"model": model, "max_tokens": 1, "num_blocks": a.local_blocks,
                                     "kv": {"address": server.address} if server else None, "requests": reqs}
             if mode == "vllm+kvcraft+craft":
                 spec["front"] = {"address": server.address, "model_id": front_model_id(model)}
+            if mode == "vllm+kvcraft+blend":  # chunks in retriever order, blended; fresh chunks stored back
+                spec.update(hf_overrides={"architectures": ["KVCraftLlamaForCausalLM"]},
+                            plugins=["engine_adapter.vllm.model:register"], blend=BLEND_POLICY)
+                spec["kv"].update(blend_policy=BLEND_POLICY["policy"], blend_options=BLEND_POLICY["options"],
+                                  blend_store_back=True)
             (tmp / "spec.json").write_text(json.dumps(spec))
             try:
                 subprocess.run([sys.executable, "-m", "kvbench.vllm_rag", "engine", str(tmp / "spec.json"),
@@ -269,11 +319,13 @@ def bench_main(argv: list[str]) -> int:
                   f"chunk tokens computed {r['chunk_computed_share']:6.1%} of retrieved, hits {r['hit_tokens']} "
                   f"(kvcraft {r['kvcraft_loaded_tokens']}), TTFT p50 {r['ttft_ms_p50']:.1f} ms "
                   f"p99 {r['ttft_ms_p99']:.1f} ms", flush=True)
-    base = rows[0]["chunk_tokens_computed"]
-    result = {"config": vars(a), "trace_requests": len(reqs), "rows": rows,
-              "craft_front_fewer_chunk_tokens_vs_vllm": 1 - rows[2]["chunk_tokens_computed"] / base if base else 0.0}
-    print(f"CRAFT front: {result['craft_front_fewer_chunk_tokens_vs_vllm']:.1%} fewer chunk tokens computed "
-          f"than vLLM alone (goal >= 19%)")
+    by_mode = {r["mode"]: r for r in rows}
+    result = {"config": vars(a), "trace_requests": len(reqs), "rows": rows}
+    base = by_mode.get("vllm", {}).get("chunk_tokens_computed")
+    for mode, name in (("vllm+kvcraft+craft", "craft_front"), ("vllm+kvcraft+blend", "blend")):
+        if base and mode in by_mode:
+            result[f"{name}_fewer_chunk_tokens_vs_vllm"] = fewer = 1 - by_mode[mode]["chunk_tokens_computed"] / base
+            print(f"{mode}: {fewer:.1%} fewer chunk tokens computed than vLLM alone")
     Path(a.out).write_text(json.dumps(result, indent=2))
     return 0
 

