@@ -15,36 +15,22 @@ copies one tier down into host.
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 from kvcraft import tiers
-from kvservice.tiers.base import Buffer, PayloadShape, Tier, TierFull, TierWriter
+from kvservice.tiers.base import PayloadShape, Tier
 from kvservice.tiers.disk_backend import DiskBackend, align_up
 from kvservice.tiers.gpu_driver import DeviceBuffer, Driver
-from kvservice.tiers.slab import SlabAllocator
+from kvservice.tiers.slab import SlabTier, SlabWriter
 
 Verify = Callable[[int, memoryview], None]  # (layer, K||V bytes); raises if they are wrong
 
 
-class GpuWriter(TierWriter):
-    """Copies layers into a page-aligned extent reserved when the writer opens."""
+class GpuWriter(SlabWriter):
+    """Copies layers into a page-aligned extent reserved when the writer opens, or fills
+    it straight from a payload file."""
 
-    def __init__(self, tier: "GpuTier", variant_id: str, offset: int, shape: PayloadShape) -> None:
-        self._tier = tier
-        self._vid = variant_id
-        self._off = offset
-        self._shape = shape
-        self._pos = 0
-        self._open = True
-
-    def write_layer(self, *parts: Buffer) -> None:
-        for p in parts:
-            n = memoryview(p).nbytes
-            if self._pos + n > self._shape.total_bytes:
-                raise ValueError(f"{self._vid}: write past the payload's {self._shape.total_bytes} bytes")
-            self._tier.driver.htod(self._tier.base + self._off + self._pos, p)
-            self._pos += n
+    _tier: "GpuTier"
 
     def fill_from(self, source: Tier, variant_id: str, shape: PayloadShape, verify: Verify | None) -> bool:
         """Read the whole payload straight from `source`'s file into the pool with the disk
@@ -65,73 +51,36 @@ class GpuWriter(TierWriter):
                 verify(layer, self._tier.read_back(self._off + shape.offset(layer), shape.layer_bytes))
         return True
 
-    def commit(self) -> None:
-        if self._pos != self._shape.total_bytes:
-            raise ValueError(f"{self._vid}: {self._pos} bytes written, {self._shape.total_bytes} expected")
-        self._open = False
-        self._tier._publish(self._vid, self._off, self._shape.total_bytes)
 
-    def abort(self) -> None:
-        if self._open:
-            self._open = False
-            self._tier._release(self._off, self._shape.total_bytes)
-
-
-class GpuTier(Tier):
+class GpuTier(SlabTier):
     name = tiers.GPU
     cache_on_store = False  # device memory is scarce: it gets what Plan/Locate/fetches promote
+    slab_name = "gpu pool"
 
     def __init__(self, budget_bytes: int, driver: Driver, disk_backend: DiskBackend | None = None) -> None:
-        super().__init__(budget_bytes)
+        self.pool_bytes = align_up(max(budget_bytes, 1))
+        # Extents are whole pages, so with a page-aligned pool every offset is page-aligned.
+        super().__init__(budget_bytes, self.pool_bytes, align_up)
         self.driver = driver
         self.disk_backend = disk_backend
-        self.pool_bytes = align_up(max(budget_bytes, 1))
         self.base = driver.alloc(self.pool_bytes)
-        # Extents are whole pages, so with a page-aligned pool every offset is page-aligned.
-        self._alloc = SlabAllocator(self.pool_bytes)
-        self._where: dict[str, tuple[int, int]] = {}  # variant id -> (offset, length)
-        self._used = 0  # page-rounded bytes of committed copies (open writers hold extents too)
-        self._lock = threading.Lock()
         self._ipc_handle: bytes | None = None
 
     def open_writer(self, variant_id: str, shape: PayloadShape) -> GpuWriter:
-        need = align_up(shape.total_bytes)
-        with self._lock:
-            off = self._alloc.alloc(need)
-            if off is None:
-                raise TierFull(f"gpu pool has no free run of {need} bytes")
-        return GpuWriter(self, variant_id, off, shape)
+        return GpuWriter(self, variant_id, self._reserve(shape), shape)
 
-    def _publish(self, variant_id: str, off: int, n: int) -> None:
-        with self._lock:
-            old = self._where.get(variant_id)
-            self._where[variant_id] = (off, n)
-            self._used += align_up(n)
-        if old is not None:  # a second copy of the same variant: keep the new one
-            self._release(*old, committed=True)
-
-    def _release(self, off: int, n: int, committed: bool = False) -> None:
-        with self._lock:
-            self._alloc.free(off, align_up(n))
-            if committed:
-                self._used -= align_up(n)
+    def _copy_in(self, offset: int, part: memoryview) -> None:
+        self.driver.htod(self.base + offset, part)
 
     def read_back(self, offset: int, length: int) -> memoryview:
         out = bytearray(length)
         self.driver.dtoh(out, self.base + offset, length)
         return memoryview(out)
 
-    def get_layer(self, variant_id: str, layer: int, shape: PayloadShape) -> memoryview:
-        return self.get_layers(variant_id, layer, 1, shape)
-
     def get_layers(self, variant_id: str, first: int, count: int, shape: PayloadShape) -> memoryview:
         """A host copy of the layers (FetchLayers to a remote engine, demotion into host);
         a same-host engine maps the pool instead."""
-        base, n = self._where[variant_id]
-        start, length = shape.offset(first), count * shape.layer_bytes
-        if start + length > n:
-            raise KeyError(f"{variant_id}: read past the payload")
-        return self.read_back(base + start, length)
+        return self.read_back(*self._span(variant_id, first, count, shape))
 
     def device_span(self, variant_id: str) -> DeviceBuffer:
         """The payload's device memory, for consumers in this process."""
@@ -147,18 +96,6 @@ class GpuTier(Tier):
         if self._ipc_handle is None:
             self._ipc_handle = self.driver.ipc_handle(self.base)
         return self._ipc_handle
-
-    def delete(self, variant_id: str) -> None:
-        with self._lock:
-            where = self._where.pop(variant_id, None)
-        if where is not None:
-            self._release(*where, committed=True)
-
-    def usage(self) -> int:
-        return self._used
-
-    def __contains__(self, variant_id: object) -> bool:
-        return variant_id in self._where
 
     def close(self) -> None:
         with self._lock:
