@@ -1,4 +1,5 @@
-"""Run `kvcraft serve` as a child process on a free loopback port (demo, tests, benches)."""
+"""Run `kvcraft serve` as a child process on a free loopback port (demo, tests, benches),
+and `ChildProcess`, the start/wait/stop of such helper processes (also mooncake_master)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Callable
 
 
 # glibc raises its mmap threshold as big blocks are freed and then keeps freed layer
@@ -17,40 +18,36 @@ from typing import IO
 SERVER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
-class ServiceProcess:
-    """The service exactly as operators run it: its own process, real RocksDB, real files."""
+class ChildProcess:
+    """A helper process of ours (the service, a mooncake_master): started and waited
+    for until it is ready, its output appended to a log file, stopped or killed."""
 
-    def __init__(self, data_dir: Path, env: dict[str, str] | None = None, cwd: str | None = None,
-                 **settings: object) -> None:
-        self.data_dir = Path(data_dir)
-        self.env = env or {}
-        self.cwd = cwd  # where `python -m kvservice.cli` runs (bench/load.py: another checkout)
-        self.settings = {"host": "127.0.0.1", "port": 0, "data_dir": str(self.data_dir), **settings}
+    what = "process"  # in errors
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
-        self.address = ""
-        self.log_path = self.data_dir.parent / f"{self.data_dir.name}-server.log"
         self._log: IO[bytes] | None = None
 
-    def start(self, timeout: float = 60.0) -> "ServiceProcess":
-        cfg = self.data_dir.parent / f"{self.data_dir.name}.toml"
-        cfg.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in self.settings.items()))
-        if self._log is None:
-            self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvservice.cli", "serve", "--config", str(cfg)],
-            stdout=subprocess.PIPE, stderr=self._log, text=True, env={**os.environ, **SERVER_ENV, **self.env},
-            cwd=self.cwd,
-        )
-        assert self.proc.stdout is not None
+    def _launch(self, argv: list[str], ready: Callable[[], bool], timeout: float, **popen: Any) -> None:
+        """Start `argv` (its stderr to the log unless `popen` says otherwise) and call
+        `ready()` until it is true; a child that exits first or a timeout raise."""
+        self.proc = subprocess.Popen(argv, **{"stderr": self._log_file(), **popen})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"kvcraft serve exited with {self.proc.wait()}: {self.log()[-2000:]}")
-            if line.startswith("kvcraft serving on "):
-                self.address = line.split()[3]
-                return self
-        raise RuntimeError(f"kvcraft serve did not start within {timeout:.0f}s")
+            if ready():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.what} exited with {self.proc.wait()}: {self.log()[-2000:]}")
+        raise RuntimeError(f"{self.what} did not start within {timeout:.0f}s")
+
+    def _log_file(self) -> IO[bytes]:
+        if self._log is None:
+            self._log = open(self.log_path, "ab")
+        return self._log
+
+    def start(self, timeout: float = 60.0) -> "ChildProcess":
+        raise NotImplementedError
 
     def kill(self) -> None:
         """SIGKILL: no cleanup, as in a crash."""
@@ -59,13 +56,11 @@ class ServiceProcess:
             self.proc.wait()
 
     def stop(self) -> int:
-        """SIGTERM: graceful drain; returns the exit code."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            return self.proc.wait(timeout=30)
+        """Stop it (SIGKILL unless a subclass drains); returns the exit code."""
+        self.kill()
         return self.proc.returncode if self.proc else 0
 
-    def restart(self) -> "ServiceProcess":
+    def restart(self) -> "ChildProcess":
         self.stop()
         return self.start()
 
@@ -76,14 +71,54 @@ class ServiceProcess:
             self._log = None
 
     def log(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def __enter__(self) -> "ServiceProcess":
+    def __enter__(self) -> "ChildProcess":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self.close()
+
+
+class ServiceProcess(ChildProcess):
+    """The service exactly as operators run it: its own process, real RocksDB, real files."""
+
+    what = "kvcraft serve"
+
+    def __init__(self, data_dir: Path, env: dict[str, str] | None = None, cwd: str | None = None,
+                 **settings: object) -> None:
+        self.data_dir = Path(data_dir)
+        super().__init__(self.data_dir.parent / f"{self.data_dir.name}-server.log")
+        self.env = env or {}
+        self.cwd = cwd  # where `python -m kvservice.cli` runs (bench/load.py: another checkout)
+        self.settings = {"host": "127.0.0.1", "port": 0, "data_dir": str(self.data_dir), **settings}
+        self.address = ""
+
+    def start(self, timeout: float = 60.0) -> "ServiceProcess":
+        cfg = self.data_dir.parent / f"{self.data_dir.name}.toml"
+        cfg.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in self.settings.items()))
+
+        def ready() -> bool:  # the one line `serve` prints once it listens (blocks until a line)
+            assert self.proc is not None and self.proc.stdout is not None
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()  # output closed: it exited
+            elif line.startswith("kvcraft serving on "):
+                self.address = line.split()[3]
+                return True
+            return False
+
+        self._launch([sys.executable, "-m", "kvservice.cli", "serve", "--config", str(cfg)], ready, timeout,
+                     stdout=subprocess.PIPE, text=True, env={**os.environ, **SERVER_ENV, **self.env}, cwd=self.cwd)
+        return self
+
+    def stop(self) -> int:
+        """SIGTERM: graceful drain; returns the exit code."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            return self.proc.wait(timeout=30)
+        return self.proc.returncode if self.proc else 0
 
 
 def _toml(v: object) -> str:

@@ -28,11 +28,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from kvservice.errors import Unavailable
+from kvservice.launcher import ChildProcess
 
 # Mooncake error codes (mooncake-store/include/types.h) that mean "this object is not
 # (or no longer) stored": the caller treats the variant as absent and recomputes.
@@ -210,7 +211,7 @@ def master_binary() -> str:
     return found
 
 
-class MasterProcess:
+class MasterProcess(ChildProcess):
     """`mooncake_master` bound to 127.0.0.1 on free ports, in its own process.
 
     Its RPC and admin/metrics servers listen on loopback only; the HTTP metadata
@@ -218,56 +219,31 @@ class MasterProcess:
     nodes reconnect to the same address.
     """
 
+    what = "mooncake_master"
+
     def __init__(self, log_path: Path, *, eviction_high_watermark: float = 0.9) -> None:
-        self.log_path = Path(log_path)
+        super().__init__(log_path)
         self.rpc_port = free_port()
         self.metrics_port = free_port()
         self.watermark = eviction_high_watermark
-        self.proc: subprocess.Popen | None = None
-        self._log: IO[bytes] | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.rpc_port}"
 
     def start(self, timeout: float = 30.0) -> "MasterProcess":
-        if self._log is None:
-            self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
+        def ready() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", self.rpc_port), 0.2).close()
+                return True
+            except OSError:
+                time.sleep(0.02)
+                return False
+
+        self._launch(
             [master_binary(), "-rpc_address=127.0.0.1", f"-rpc_port={self.rpc_port}",
              "-metrics_host=127.0.0.1", f"-metrics_port={self.metrics_port}",
              "-enable_metric_reporting=false", "-enable_http_metadata_server=false",
              f"-eviction_high_watermark_ratio={self.watermark}", "-rpc_thread_num=2", "-logtostderr"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                socket.create_connection(("127.0.0.1", self.rpc_port), 0.2).close()
-                return self
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError(f"mooncake_master did not listen on {self.address} within {timeout:.0f}s")
-
-    def kill(self) -> None:
-        """SIGKILL, as in a crash: every object's metadata is gone with it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def restart(self) -> "MasterProcess":
-        self.kill()
-        return self.start()
-
-    def close(self) -> None:
-        self.kill()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> "MasterProcess":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            ready, timeout, stdout=self._log_file(), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self
