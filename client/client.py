@@ -240,6 +240,14 @@ class KVClient:
         return self._call(self._kv.Plan, plan_request(model_id, chunks, question_tokens, conversation_id,
                                                       first_turn, lease_ttl_s, timings))
 
+    def plan_future(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
+                    conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
+                    timeout: float | None = None) -> grpc.Future:
+        """Plan without blocking: a grpc.Future of the PlanResponse (the vLLM connector's
+        scheduler side; convert its exception with kvclient.errors.from_rpc_error)."""
+        return self._kv.Plan.future(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
+                                                 lease_ttl_s), metadata=self._md, timeout=timeout or self.timeout)
+
     def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                      device: str | torch.device = "cpu", timeout: float | None = None) -> "FetchStream":
         """Layers of the variants, layer-major, as they arrive (iterate; `cancel()` from

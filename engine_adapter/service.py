@@ -117,7 +117,6 @@ class RAGAdapter:
         """reorder=False keeps the retriever's order (CRAFT reorder off for this request:
         use it when chunk order carries meaning)."""
         t0 = time.perf_counter()
-        by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
         try:
             plan = self.client.plan(self.model_id, [list(c) for c in chunks], len(question),
                                     conversation_id=conversation_id, timings=self._timings,
@@ -126,6 +125,17 @@ class RAGAdapter:
         except KVCraftError as e:  # service down or slow: serve by full prefill, never fail
             log.warning("kvcraft Plan failed (%s); serving this request by full prefill", e)
             plan = None
+        return self.serve(plan, chunks, question, t0=t0)
+
+    def serve(self, plan: pb.PlanResponse | None, chunks: Sequence[Sequence[int]], question: Sequence[int], *,
+              policy: ReusePolicy | None = None, t0: float | None = None) -> tuple[BlendResult, RequestReport]:
+        """What `prefill` does after its Plan: fetch (shared memory when `local`), blend, release
+        the leases, store fresh chunks back. `plan`: a Plan of `chunks` (None: full prefill);
+        `policy`: this request's (default: the adapter's). The vLLM connector's worker side
+        calls it with the plan its scheduler side obtained."""
+        t0 = time.perf_counter() if t0 is None else t0
+        policy = policy or self.policy
+        by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
         segments, refs = self._segments(plan, by_key, chunks, question)
         local = None
         if refs and self.local:
@@ -135,7 +145,7 @@ class RAGAdapter:
                 log.warning("kvcraft Locate failed (%s); streaming over gRPC instead", e)
         source = self._source(refs, local, plan.preload_depth if plan else 1)
         try:
-            result = blend_prefill(self.engine, segments, self.policy, source, gate=self.gate,
+            result = blend_prefill(self.engine, segments, policy, source, gate=self.gate,
                                    stats=self.store_back)
         finally:
             source.close()
@@ -148,7 +158,7 @@ class RAGAdapter:
             self._store_back(segments, result)
         self._learn(source, result)
         report = RequestReport(
-            policy=self.policy.name,
+            policy=policy.name,
             order=list(plan.order) if plan else [chunk_key(self.model_id, c) for c in chunks],
             dropped=list(plan.dropped) if plan else [],
             reused_chunks=len(refs),
@@ -232,6 +242,12 @@ class RAGAdapter:
         for t, rows in zip(result.timings, result.computed_rows):
             if rows:
                 self._timings.computes.add(tokens_per_layer=rows, seconds=max(t.compute_s, 1e-9))
+
+    def take_timings(self) -> pb.TimingReport:
+        """The load/compute timings gathered since the last Plan this adapter sent (and forget
+        them): for a caller that plans by itself (the vLLM connector)."""
+        out, self._timings = self._timings, pb.TimingReport()
+        return out
 
     def close(self) -> None:
         self.flush()

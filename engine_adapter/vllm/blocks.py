@@ -15,8 +15,9 @@ names the weights, so no block is ever read by another model or other weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvcraft.keys import chunk_key, variant_id
 
@@ -56,7 +57,37 @@ class BlockSave:
     variant_id: str
 
 
+@dataclass(frozen=True)
+class BlendLoad:
+    """Build the context KV of a RAG request (its chunks blended by `policy`) and write
+    tokens [first_token, first_token + len(block_ids) * block size) into these vLLM blocks."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    first_token: int
+    tokens: int                       # tokens vLLM accepted (counted as loaded or failed)
+    prompt: tuple[int, ...]           # the prompt's token ids
+    chunk_tokens: tuple[int, ...]     # token count of each chunk, in prompt order; the rest is the question
+    plan: bytes                       # the PlanResponse of those chunks (serialized)
+    policy: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+
 @dataclass
 class KVCraftMetadata(KVConnectorMetadata):
     loads: list[BlockLoad] = field(default_factory=list)
     saves: list[BlockSave] = field(default_factory=list)
+    blends: list[BlendLoad] = field(default_factory=list)
+
+
+@dataclass
+class KVCraftWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler side, each step: what each finished blend computed (request id ->
+    the numbers RequestOutput.kv_transfer_params["kvcraft"] reports)."""
+
+    blends: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVCraftWorkerMeta":
+        if isinstance(other, KVCraftWorkerMeta):
+            self.blends.update(other.blends)
+        return self

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,14 @@ class ConnectorSettings:
     max_pending_saves: int = 4096    # blocks waiting for Store; more are dropped (a later miss)
     shutdown_drain_s: float = 5.0    # shutdown waits at most this for queued saves
     token: str | None = None
+    # Blending (docs/vllm.md "Blending"): requests whose kv_transfer_params carry chunk
+    # boundaries get their context KV built by kvcraft with this reuse policy.
+    blend_policy: str = "off"        # "off" or a name of engine_adapter.policy.POLICIES
+    blend_options: dict = field(default_factory=dict)  # Policy(blend_policy, **blend_options)
+    blend_store_back: bool = True    # store the chunks kvcraft computed in full (fresh) as variants
+    blend_local: bool = True         # read reused KV from the service's shared memory (same host)
+    chunk_model_id: str = ""         # chunk namespace; default: the reference engine's ModelSpec fingerprint
+    plan_timeout_s: float = 1.0      # a blend request waits at most this for its Plan (then: vLLM alone)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -58,9 +66,29 @@ class ConnectorSettings:
         for name in ("breaker_failures", "save_concurrency", "max_pending_saves"):
             if not (isinstance(getattr(s, name), int) and getattr(s, name) >= 1):
                 raise ValueError(f"kv_connector_extra_config {name} must be an integer >= 1, got {getattr(s, name)!r}")
+        if not s.plan_timeout_s > 0:
+            raise ValueError(f"kv_connector_extra_config plan_timeout_s must be > 0, got {s.plan_timeout_s!r}")
+        if s.blend_policy != "off":
+            blend_policy(s.blend_policy, s.blend_options)  # raises naming the problem
+        elif s.blend_options:
+            raise ValueError("kv_connector_extra_config blend_options given but blend_policy is 'off'")
         if s.shutdown_drain_s < 0:
             raise ValueError(f"kv_connector_extra_config shutdown_drain_s must be >= 0, got {s.shutdown_drain_s!r}")
         return s
+
+
+def blend_policy(name: Any, options: Any) -> Any:
+    """engine_adapter.policy.Policy(name, **options); ValueError naming the key otherwise."""
+    from engine_adapter.policy import POLICIES, Policy
+
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ValueError(f"blend policy {name!r} unknown; known: 'off', {', '.join(map(repr, POLICIES))}")
+    if not isinstance(options, dict):
+        raise ValueError(f"blend options must be a mapping, got {type(options).__name__}")
+    try:
+        return Policy(name, **options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"blend policy {name!r} with options {options}: {e}") from None
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -120,3 +148,19 @@ def spec_from_vllm(vllm_config: "VllmConfig", settings: ConnectorSettings) -> Mo
     return block_model_spec(weights, vllm_config.cache_config.block_size, mc.get_num_layers(par),
                             mc.get_num_kv_heads(par), mc.get_head_size(), dtype, float(rope))
 
+
+
+def chunk_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> str:
+    """The model id chunk variants are keyed by when blending (`chunk_model_id`, else the
+    ModelSpec fingerprint `engine_adapter.llama.LlamaEngine.from_pretrained(model dir)`
+    gives: folder name, shape, dtype, RoPE), so chunks stored by the reference engine
+    (RAGAdapter) and by this connector serve each other."""
+    if settings.chunk_model_id:
+        return settings.chunk_model_id
+    from engine_adapter.llama import LlamaConfig
+
+    mc = vllm_config.model_config
+    c = LlamaConfig.from_hf(mc.hf_config.to_dict(), name=Path(str(mc.model)).name)
+    return ModelSpec(name=c.name, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                     dtype=str(mc.dtype).removeprefix("torch."), rope_theta=c.rope_theta,
+                     rope_scaling=c.rope_scaling).fingerprint()

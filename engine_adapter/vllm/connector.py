@@ -1,5 +1,9 @@
 """kvcraft as a vLLM v1 KV connector (`KVConnectorBase_V1`), loaded by configuration.
 
+Two services: prefix blocks (always), and blending (kv_connector_extra_config
+`blend_policy`, docs/vllm.md "Blending": a RAG request's chunks reused from kvcraft at
+any position, selected tokens recomputed; scheduler.py claims, context.py builds).
+
     LLM(model, block_size=32, kv_transfer_config=kv_transfer_config("127.0.0.1:50051"))
 
 A thin class in the style of vLLM's own connectors: vLLM creates one instance per role,
@@ -28,13 +32,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine_adapter.vllm.blocks import KVCraftMetadata
-from engine_adapter.vllm.config import ConnectorSettings, spec_from_vllm
+from engine_adapter.vllm.config import ConnectorSettings, chunk_namespace, spec_from_vllm
 from engine_adapter.vllm.metrics import SCHEDULER_COUNTERS, WORKER_COUNTERS, ConnectorMetrics, KVCraftStats
 from engine_adapter.vllm.scheduler import SchedulerSide
 from engine_adapter.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -71,12 +76,29 @@ class KVCraftConnector(KVConnectorBase_V1):
         self._reported: dict[str, float] = {}
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self.chunk_model_id = ""
+        if self.settings.blend_policy != "off":
+            from engine_adapter.vllm.model import ARCHITECTURE
+
+            archs = list(getattr(vllm_config.model_config, "architectures", None) or [])
+            if ARCHITECTURE not in archs:
+                raise ValueError(f"kv_connector_extra_config blend_policy={self.settings.blend_policy!r} needs the "
+                                 f"model class {ARCHITECTURE}: start vLLM with hf_overrides={{'architectures': "
+                                 f"['{ARCHITECTURE}']}} (model architectures now: {archs})")
+            self.chunk_model_id = chunk_namespace(vllm_config, self.settings)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.settings, self.model_id, self.block_size, self._client,
-                                           self._block_ids_of, self.metrics)
+                                           self._block_ids_of, self.metrics, chunk_model_id=self.chunk_model_id,
+                                           num_layers=self.spec.num_layers)
         else:
+            context = None
+            if self.chunk_model_id:
+                from engine_adapter.vllm.context import ContextBuilder
+
+                context = ContextBuilder(self.settings, self._client, vllm_config, self.chunk_model_id,
+                                         self.block_size)
             self.worker = WorkerSide(self.settings, self.spec, self.model_id, self.block_size, self._client,
-                                     self.metrics)
+                                     self.metrics, context=context)
         log.info("kvcraft connector (%s) for %s at %s, model id %s", role.name, self.spec.name,
                  self.settings.address, self.model_id)
 
@@ -103,7 +125,7 @@ class KVCraftConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
-            self.scheduler.request_finished(request)
+            return False, self.scheduler.request_finished(request)
         return False, None
 
     def _block_ids_of(self, req_id: str) -> list[int]:
@@ -134,6 +156,11 @@ class KVCraftConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         return None, self.worker.finished_loads() or None
+
+    def build_connector_worker_meta(self) -> "KVConnectorWorkerMetadata | None":
+        """What each blend that finished this step computed (the request's output reports it)."""
+        assert self.worker is not None
+        return self.worker.worker_meta()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None

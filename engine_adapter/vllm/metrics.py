@@ -25,6 +25,13 @@ SCHEDULER_COUNTERS = (
     "partial_accepts",         # vLLM accepted fewer tokens than offered (the covering blocks are loaded)
     "resumed_requests",        # asked about again after a preemption (answered without a new lookup)
     "planned_saves",           # blocks handed to the worker side for Store
+    "blend_plans",             # Plan RPCs sent for requests with chunk boundaries
+    "blend_plan_timeouts",     # no Plan within plan_timeout_s (vLLM computed the request alone)
+    "blend_plan_errors",
+    "blend_declined",          # the Plan did not fit the prompt (order changed / chunks dropped)
+    "blend_bad_params",        # kv_transfer_params['kvcraft'] refused (logged)
+    "blend_requests",          # admissions whose context kvcraft builds
+    "blend_claimed_tokens",    # tokens vLLM accepted from those
 )
 WORKER_COUNTERS = (
     "loaded_tokens",           # tokens whose every layer was written into vLLM's KV
@@ -35,6 +42,11 @@ WORKER_COUNTERS = (
     "dropped_saves",           # not sent: queue full, or shutdown reached its drain bound
     "duplicate_saves",         # already stored or in flight: not copied again
     "incomplete_save_steps",   # a step whose layers did not all reach save_kv_layer: not saved
+    "blend_built_tokens",      # claimed tokens whose blended KV was written into vLLM's cache
+    "blend_row_layers",        # rows kvcraft computed for them, summed over layers (question rows included)
+    "blend_failed",            # blends reported failed (vLLM recomputed the request)
+    "blend_failed_tokens",
+    "blend_s",                 # seconds spent building contexts (loader threads)
 )
 
 

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 
-from engine_adapter.vllm.blocks import BlockLoad, BlockSave, KVCraftMetadata, block_chain
-from engine_adapter.vllm.config import ConnectorSettings
+from engine_adapter.vllm.blocks import BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta, block_chain
+from engine_adapter.vllm.config import ConnectorSettings, blend_policy
 from engine_adapter.vllm.metrics import ConnectorMetrics
 from kvclient.errors import from_rpc_error
+from kvcraft.keys import chunk_key
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -89,21 +90,43 @@ class _Request:
     offer_count: int = 0
     saved_upto: int = 0                 # blocks [0, saved_upto) were planned for save
     preemptions: int = 0                # vLLM's num_preemptions when last asked
+    offer_blend: bool = False           # the last offer was the blend's (else service blocks)
+    blend: "_Blend | None" = None       # the request carries chunk boundaries and blending is on
+
+
+@dataclass
+class _Blend:
+    """One request's blend: its chunks, policy, Plan and what came of it."""
+
+    chunk_tokens: tuple[int, ...]
+    policy: str
+    options: tuple[tuple[str, Any], ...]
+    future: Any = None
+    deadline: float = 0.0
+    plan: bytes | None = None          # a usable PlanResponse (serialized)
+    reused_chunks: int = 0
+    declined: str = ""                 # why kvcraft does not build this request's context
+    claimed: int = 0                   # tokens vLLM accepted from the blend (last admission)
+    result: dict[str, Any] | None = None  # RequestOutput.kv_transfer_params["kvcraft"]
 
 
 class SchedulerSide:
     """Scheduler-role half of KVCraftConnector (see the module docstring)."""
 
     def __init__(self, settings: ConnectorSettings, model_id: str, block_size: int, client: Any,
-                 block_ids_of: Callable[[str], list[int]], metrics: ConnectorMetrics) -> None:
+                 block_ids_of: Callable[[str], list[int]], metrics: ConnectorMetrics,
+                 chunk_model_id: str = "", num_layers: int = 0) -> None:
         self.settings = settings
         self.model_id = model_id
+        self.chunk_model_id = chunk_model_id
+        self.num_layers = num_layers
         self.block_size = block_size
         self._client = client
         self._block_ids_of = block_ids_of
         self.metrics = metrics
         self._reqs: dict[str, _Request] = {}
         self._loads: list[BlockLoad] = []
+        self._blends: list[BlendLoad] = []
         self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}  # req -> (first block, vLLM block ids)
         self._failures = 0
         self._off_until = 0.0
@@ -127,8 +150,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCraftMetadata:
         t0 = time.perf_counter()
-        meta = KVCraftMetadata(loads=self._loads)
-        self._loads = []
+        meta = KVCraftMetadata(loads=self._loads, blends=self._blends)
+        self._loads, self._blends = [], []
         for new in scheduler_output.scheduled_new_reqs:
             self._plan_saves(new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id],
                              meta)
@@ -151,14 +174,38 @@ class SchedulerSide:
             st = self._reqs.get(req_id)
             bad = [i for i, b in enumerate(ids) if b in failed]
             if st is not None and bad:
+                if st.blend is not None and st.blend.claimed:
+                    st.blend.declined = "the blend failed"  # vLLM recomputes; never offered again
                 st.service_blocks = min(st.service_blocks or 0, first + bad[0])
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVCraftWorkerMeta):
+            for req_id, numbers in meta.blends.items():
+                st = self._reqs.get(req_id)
+                if st is not None and st.blend is not None:
+                    st.blend.result = numbers
         self._step_s += time.perf_counter() - t0
 
-    def request_finished(self, request: "Request") -> None:
+    def request_finished(self, request: "Request") -> dict[str, Any] | None:
+        """The request's kv_transfer_params for its RequestOutput: {"kvcraft": numbers} for a
+        request that carried chunk boundaries (docs/vllm.md "Blending"), else None."""
         self._loading.pop(request.request_id, None)
         st = self._reqs.pop(request.request_id, None)
-        if st is not None and st.lookup is not None:
+        if st is None:
+            return None
+        if st.lookup is not None:
             st.lookup.cancel()
+        b = st.blend
+        if b is None:
+            return None
+        if b.future is not None and not b.future.done():
+            b.future.cancel()
+        if b.result is not None:
+            return {"kvcraft": b.result}
+        n = len(st.tokens)
+        return {"kvcraft": {"blended": False, "policy": b.policy, "prompt_tokens": n, "claimed_tokens": 0,
+                            "vllm_computed_tokens": n, "kvcraft_row_layers": 0, "num_layers": self.num_layers,
+                            "computed_share": 1.0, "reused_chunks": 0, "fresh_chunks": 0,
+                            "fallback": b.declined or "not blended"}}
 
     def close(self) -> None:
         for st in self._reqs.values():
@@ -171,12 +218,16 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = self._new_request(request)
-        st.offer_count = 0
+        st.offer_count, st.offer_blend = 0, False
         preemptions = int(getattr(request, "num_preemptions", 0) or 0)
         if preemptions > st.preemptions:
             st.preemptions = preemptions
             self.metrics.add(resumed_requests=1)  # back after a preemption: the kept answer serves it
         bs = self.block_size
+        if st.blend is not None and not st.blend.declined:
+            got = self._blend_matched(st, num_computed_tokens)
+            if got != (0, False):
+                return got
         if not st.vids or num_computed_tokens % bs:
             return 0, False
         if st.service_blocks is None:
@@ -199,7 +250,120 @@ class SchedulerSide:
         if unsupported:  # neither loaded nor saved
             return _Request(tokens, [], [], service_blocks=0, saved_upto=len(tokens) // self.block_size)
         keys, vids = block_chain(self.model_id, tokens, self.block_size)
-        return _Request(tokens, keys, vids)
+        return _Request(tokens, keys, vids, blend=self._new_blend(request, tokens))
+
+    # -- blending ----------------------------------------------------------------------------
+    def _new_blend(self, request: "Request", tokens: list[int]) -> _Blend | None:
+        """The request's blend, if it carries kv_transfer_params {"kvcraft": {"chunks": [...]}}.
+        Bad parameters are logged and the request is served by vLLM alone."""
+        params = getattr(request, "kv_transfer_params", None)
+        ask = params.get("kvcraft") if isinstance(params, dict) else None
+        if ask is None:
+            return None
+        try:
+            if not isinstance(ask, dict):
+                raise ValueError("kv_transfer_params['kvcraft'] must be a mapping")
+            unknown = set(ask) - {"chunks", "policy", "options"}
+            if unknown:
+                raise ValueError(f"unknown keys {sorted(unknown)}; known: chunks, policy, options")
+            chunks = ask.get("chunks")
+            if (not isinstance(chunks, (list, tuple)) or not chunks
+                    or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in chunks)):
+                raise ValueError(f"chunks must be a non-empty list of token counts > 0, got {chunks!r}")
+            if sum(chunks) >= len(tokens):
+                raise ValueError(f"chunks cover {sum(chunks)} tokens of a {len(tokens)}-token prompt; "
+                                 "the question needs at least one")
+            name = ask.get("policy", self.settings.blend_policy)
+            options = ask.get("options", self.settings.blend_options if "policy" not in ask else {})
+            blend_policy(name, options)
+        except ValueError as e:
+            log.warning("kvcraft: request %s: bad kv_transfer_params['kvcraft'] (%s); vLLM computes it alone",
+                        request.request_id, e)
+            self.metrics.add(blend_bad_params=1)
+            return _Blend((), "", (), declined=f"bad kv_transfer_params: {e}")
+        if self.settings.blend_policy == "off":
+            return _Blend(tuple(chunks), name, (), declined="blending is off (blend_policy)")
+        return _Blend(tuple(chunks), name, tuple(sorted(options.items())))
+
+    def _blend_matched(self, st: _Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the blend offers: the whole prompt block-aligned, leaving >= 1 token to vLLM.
+
+        Not only the chunks: the blend computes the question rows anyway (Cache-Craft's focus
+        reads their attention, and the reference engine's blended KV includes them), so their
+        K/V are written too and vLLM computes only the last partial block (>= 1 token)."""
+        b = st.blend
+        assert b is not None
+        bs = self.block_size
+        if num_computed_tokens % bs:
+            return 0, False
+        if b.plan is None:
+            answer = self._plan(st, b)
+            if answer is None:
+                return None, False
+            if not answer:
+                return 0, False
+        end = (len(st.tokens) - 1) // bs * bs
+        if end <= num_computed_tokens:
+            return 0, False
+        if not b.reused_chunks and not self.settings.blend_store_back:
+            b.declined = "no chunk is stored and blend_store_back is off"
+            return 0, False
+        st.offer_first, st.offer_count = num_computed_tokens // bs, (end - num_computed_tokens) // bs
+        st.offer_blend = True
+        return end - num_computed_tokens, True
+
+    def _plan(self, st: _Request, b: _Blend) -> bool | None:
+        """Ask the service for the chunks' Plan (a gRPC future, never waited on): None while
+        pending, False when the blend is off for this request (b.declined says why)."""
+        from kvcraft.v1 import kvcraft_pb2 as pb
+
+        now = time.monotonic()
+        chunks, at = [], 0
+        for n in b.chunk_tokens:
+            chunks.append(st.tokens[at:at + n])
+            at += n
+        if b.future is None:
+            if now < self._off_until:
+                self.metrics.add(lookups_skipped=1)
+                b.declined = "the service is switched off after failures"
+                return False
+            self.metrics.add(blend_plans=1)
+            b.deadline = now + self.settings.plan_timeout_s
+            try:
+                b.future = self._client.plan_future(self.chunk_model_id, chunks, len(st.tokens) - at,
+                                                    first_turn=False, timeout=self.settings.plan_timeout_s)
+            except Exception as e:  # noqa: BLE001 - vLLM computes the request alone
+                self.metrics.add(blend_plan_errors=1)
+                self._failed("error", f"{type(e).__name__}: {e}")
+                b.declined = f"Plan could not be sent ({type(e).__name__})"
+                return False
+        if not b.future.done():
+            if now < b.deadline:
+                return None
+            b.future.cancel()
+            self.metrics.add(blend_plan_timeouts=1)
+            self._failed("timeout", f"no Plan within {self.settings.plan_timeout_s:.2f}s")
+            b.declined = f"no Plan within plan_timeout_s={self.settings.plan_timeout_s}"
+            return False
+        try:
+            plan = b.future.result()
+        except Exception as e:  # noqa: BLE001 - timeouts, errors, cancellation: vLLM alone
+            err = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
+            timeout = getattr(e, "code", lambda: None)() == grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(
+                e, grpc.RpcError) else False
+            self.metrics.add(**{"blend_plan_timeouts" if timeout else "blend_plan_errors": 1})
+            self._failed("timeout" if timeout else "error", str(err))
+            b.declined = f"Plan failed ({type(err).__name__})"
+            return False
+        self._failures = 0
+        keys = [chunk_key(self.chunk_model_id, c) for c in chunks]
+        if list(plan.order) != keys or plan.dropped:
+            b.declined = "the Plan changed the chunk order or dropped chunks (duplicates in the prompt?)"
+            self.metrics.add(blend_declined=1)
+            return False
+        b.reused_chunks = sum(1 for cp in plan.chunks if cp.source in (pb.ChunkPlan.PREFIX, pb.ChunkPlan.VARIANT))
+        b.plan = plan.SerializeToString()
+        return True
 
     def _answer(self, st: _Request) -> int | None:
         now = time.monotonic()
@@ -257,8 +421,16 @@ class SchedulerSide:
                                f"more than the {st.offer_count * bs} kvcraft offered")
         a, b = st.offer_first, st.offer_first + n_blocks
         ids = tuple(blocks.get_block_ids()[0][a:b])
-        self._loads.append(BlockLoad(request.request_id, ids, tuple(st.keys[a:b]), tuple(st.vids[a:b]),
-                                     num_external_tokens))
+        bl = st.blend
+        if st.offer_blend and bl is not None and bl.plan is not None:
+            self._blends.append(BlendLoad(request.request_id, ids, a * bs, num_external_tokens, tuple(st.tokens),
+                                          bl.chunk_tokens, bl.plan, bl.policy, bl.options))
+            bl.claimed = num_external_tokens
+            st.saved_upto = len(st.tokens) // bs  # blended KV is never saved as exact prefix blocks
+            self.metrics.add(blend_requests=1, blend_claimed_tokens=num_external_tokens)
+        else:
+            self._loads.append(BlockLoad(request.request_id, ids, tuple(st.keys[a:b]), tuple(st.vids[a:b]),
+                                         num_external_tokens))
         self._loading[request.request_id] = (a, ids)
         if num_external_tokens < st.offer_count * bs:
             self.metrics.add(partial_accepts=1)

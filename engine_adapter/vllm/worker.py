@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from engine_adapter.vllm.blocks import BlockLoad, BlockSave, KVCraftMetadata
+from engine_adapter.vllm.blocks import BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta
 from engine_adapter.vllm.config import ConnectorSettings
 from engine_adapter.vllm.metrics import ConnectorMetrics
 from kvcraft.keys import ModelSpec
@@ -47,8 +47,11 @@ class WorkerSide:
     """Worker-role half of KVCraftConnector (see the module docstring)."""
 
     def __init__(self, settings: ConnectorSettings, spec: ModelSpec, model_id: str, block_size: int, client: Any,
-                 metrics: ConnectorMetrics) -> None:
+                 metrics: ConnectorMetrics, context: Any = None) -> None:
         self.settings = settings
+        self.context = context  # context.ContextBuilder when blending is on
+        self._blend_results: dict[str, dict[str, Any]] = {}
+        self._layer_names: list[str] = []
         self.spec = spec
         self.model_id = model_id
         self.block_size = block_size
@@ -84,6 +87,7 @@ class WorkerSide:
         names = sorted(kv_caches, key=index)
         self._layers = [self._kv_views(kv_caches[n]) for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
+        self._layer_names = names
 
     def _kv_views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) views of one layer's paged KV, each [num_blocks, kv_heads, block_size, head_dim]."""
@@ -106,6 +110,47 @@ class WorkerSide:
                 self._finish(ld, "shutting down")
             else:
                 self._loader.submit(self._load, ld)
+        for bl in meta.blends:
+            if self._closing or self.context is None:
+                self._finish_blend(bl, None, "shutting down" if self._closing else "blending is off here")
+            else:
+                self._loader.submit(self._blend, bl)
+
+    def _blend(self, bl: BlendLoad) -> None:
+        assert self.context is not None
+        t0 = time.monotonic()
+        try:
+            numbers, why = self.context.build(bl, self._layer_names), ""
+        except Exception as e:  # noqa: BLE001 - reported as a failed load: vLLM recomputes the request
+            numbers, why = None, f"{type(e).__name__}: {e}"[:300]
+        self.metrics.add(blend_s=time.monotonic() - t0)
+        self._finish_blend(bl, numbers, why)
+
+    def _finish_blend(self, bl: BlendLoad, numbers: dict[str, Any] | None, why: str) -> None:
+        n = len(bl.prompt)
+        if numbers is None:
+            numbers = {"blended": False, "policy": bl.policy, "prompt_tokens": n, "claimed_tokens": 0,
+                       "vllm_computed_tokens": n, "kvcraft_row_layers": 0, "num_layers": len(self._layers),
+                       "computed_share": 1.0, "reused_chunks": 0, "fresh_chunks": 0, "fallback": why}
+        with self._lock:
+            self._finished.add(bl.req_id)
+            self._blend_results[bl.req_id] = numbers
+            if why:
+                self._failed.setdefault(bl.req_id, set()).update(bl.block_ids)
+        if why:
+            self.metrics.add(blend_failed=1, blend_failed_tokens=bl.tokens)
+            log.warning("kvcraft: building the context of request %s by blending failed (%s); vLLM computes "
+                        "the request alone", bl.req_id, why)
+        else:
+            self.metrics.add(blend_built_tokens=bl.tokens, blend_row_layers=numbers["kvcraft_row_layers"])
+
+    def worker_meta(self) -> KVCraftWorkerMeta | None:
+        """Numbers of the blends that finished since the last call (for the scheduler side)."""
+        with self._lock:
+            if not self._blend_results:
+                return None
+            out, self._blend_results = self._blend_results, {}
+        return KVCraftWorkerMeta(blends=out)
 
     def _load(self, ld: BlockLoad) -> None:
         from kvclient.client import Ref

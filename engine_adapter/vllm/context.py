@@ -1,0 +1,149 @@
+"""Blending inside vLLM, worker side: build a RAG request's context KV and write it into vLLM's cache.
+
+For one `BlendLoad` (the scheduler side claimed the request's chunks, block-aligned,
+and vLLM allocated blocks for them), on a loader thread:
+
+  1. the reference engine over the model's own weights (`model.KVCraftLlamaForCausalLM`,
+     no copy) serves the prompt with `engine_adapter.service.RAGAdapter.serve`: the
+     Plan the scheduler side got, the planned variants read from the service's shared
+     memory (gRPC stream when not on this host), RoPE re-rotation, the policy's
+     selection (`engine_adapter.policy` / `driver`: the same code the reference engine
+     runs, so that engine is this path's oracle), fresh chunks stored back;
+  2. each layer's K (post-RoPE) / V rows of the claimed tokens go into vLLM's paged
+     cache through the attention backend's own `layer.impl.do_kv_cache_update(...)`,
+     the call vLLM's attention layers use, so any backend that has it works (CPU_ATTN,
+     flash-attention, ...), whatever its cache layout.
+
+Anything short of the planned KV (a fetch that missed the per-layer wait or the
+stream deadline, a variant evicted or corrupt after the Plan, the service gone) makes
+the driver compute that chunk itself; the connector then reports the whole load
+failed, so vLLM (kv_load_failure_policy "recompute") computes the request exactly as
+it would alone. The question rows are computed here too (Cache-Craft's focus needs
+their attention; the policies' KV equals the reference engine's only with them) and
+again by vLLM: that cost is counted in the numbers the request reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from engine_adapter.vllm.blocks import BlendLoad
+from engine_adapter.vllm.config import ConnectorSettings, blend_policy
+
+log = logging.getLogger("kvcraft.vllm")
+
+DEFAULT_LAYER_WAIT_S = 0.5  # per-layer wait for fetched KV unless blend options set layer_budget_s
+
+
+class BlendFailed(RuntimeError):
+    """The context could not be built as planned; vLLM recomputes the request."""
+
+
+class ContextBuilder:
+    """Builds blended context KV into vLLM's paged cache (see the module docstring)."""
+
+    def __init__(self, settings: ConnectorSettings, client: Any, vllm_config: Any, chunk_model_id: str,
+                 block_size: int) -> None:
+        self.settings = settings
+        self._client = client
+        self._vllm_config = vllm_config
+        self.chunk_model_id = chunk_model_id
+        self.block_size = block_size
+        self._lock = threading.Lock()
+        self._adapter: Any = None
+        self._attn: list[Any] | None = None
+
+    # -- the pieces vLLM gives us lazily --------------------------------------------------
+    def _rag_adapter(self) -> Any:
+        with self._lock:
+            if self._adapter is None:
+                from engine_adapter.policy import Policy
+                from engine_adapter.service import RAGAdapter
+                from engine_adapter.vllm.model import ARCHITECTURE, current_model
+
+                model = current_model()
+                if model is None:
+                    raise BlendFailed(f"no {ARCHITECTURE} model in this process: start vLLM with "
+                                      f"hf_overrides={{'architectures': ['{ARCHITECTURE}']}}")
+                engine = model.kvcraft_engine()
+                got = engine.model_spec().fingerprint()
+                if not self.settings.chunk_model_id and got != self.chunk_model_id:
+                    raise BlendFailed(f"the model's chunk namespace {got} is not the scheduler side's "
+                                      f"{self.chunk_model_id}")
+                self._adapter = RAGAdapter(engine, self._client, Policy("full"),
+                                           store_back=self.settings.blend_store_back, local=self.settings.blend_local)
+                self._adapter.model_id = self.chunk_model_id
+            return self._adapter
+
+    def attention_layers(self, layer_names: list[str]) -> list[Any]:
+        """vLLM's attention modules, in layer order (the forward context's static table)."""
+        if self._attn is None:
+            table = self._vllm_config.compilation_config.static_forward_context
+            missing = [n for n in layer_names if n not in table]
+            if missing:
+                raise BlendFailed(f"vLLM has no attention layer named {missing[0]!r}")
+            layers = [table[n] for n in layer_names]
+            for n, a in zip(layer_names, layers):
+                if not hasattr(getattr(a, "impl", None), "do_kv_cache_update"):
+                    raise BlendFailed(f"attention backend of {n} ({type(getattr(a, 'impl', None)).__name__}) "
+                                      "has no do_kv_cache_update")
+            self._attn = layers
+        return self._attn
+
+    # -- one request ----------------------------------------------------------------------
+    def build(self, ld: BlendLoad, layer_names: list[str]) -> dict[str, Any]:
+        """Blend the request's context and write its claimed blocks; the request's numbers.
+        Raises BlendFailed (or anything the blend raised) when vLLM must recompute."""
+        from kvcraft.v1 import kvcraft_pb2 as pb
+
+        adapter = self._rag_adapter()
+        attn = self.attention_layers(layer_names)
+        options = dict(ld.options)
+        options.setdefault("layer_budget_s", DEFAULT_LAYER_WAIT_S)
+        policy = blend_policy(ld.policy, options)
+        at, chunks = 0, []
+        for n in ld.chunk_tokens:
+            chunks.append(list(ld.prompt[at:at + n]))
+            at += n
+        question = list(ld.prompt[at:])
+        plan = pb.PlanResponse.FromString(ld.plan)
+        result, report = adapter.serve(plan, chunks, question, policy=policy)
+        adapter.take_timings()  # nobody sends them: the scheduler side plans
+        if result.fallbacks:
+            chunk, layer = result.fallbacks[0]
+            raise BlendFailed(f"stored KV of chunk {chunk} did not arrive intact by layer {layer} "
+                              f"({len(result.fallbacks)} chunk(s) short)")
+        self._write(result.kv, ld, attn)
+        n = len(ld.prompt)
+        L = len(result.kv)
+        row_layers = sum(result.computed_rows) if result.computed_rows else n * L
+        vllm_tokens = n - (ld.first_token + ld.tokens)
+        return {"blended": True, "policy": ld.policy, "prompt_tokens": n, "claimed_tokens": ld.tokens,
+                "vllm_computed_tokens": vllm_tokens, "kvcraft_row_layers": int(row_layers), "num_layers": L,
+                "computed_share": (row_layers / L + vllm_tokens) / n, "reused_chunks": report.reused_chunks,
+                "fresh_chunks": report.fresh_chunks, "fallback": ""}
+
+    def _write(self, kv: list[tuple[torch.Tensor, torch.Tensor]], ld: BlendLoad, attn: list[Any]) -> None:
+        """Rows [first_token, first_token + blocks * block size) of every layer into the blocks."""
+        bs = self.block_size
+        if len(kv) != len(attn):
+            raise BlendFailed(f"the blend computed {len(kv)} layers, vLLM has {len(attn)}")
+        start, stop = ld.first_token, ld.first_token + len(ld.block_ids) * bs
+        ids = torch.tensor(ld.block_ids, dtype=torch.long)
+        slots = (ids[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)  # [T] slot of each token
+        # vLLM's own K/V have the model's dtype before the cache update; the backend converts
+        # (and scales, for fp8 caches) exactly as it does for vLLM's rows.
+        dtype = self._vllm_config.model_config.dtype
+        for layer, ((k, v), a) in enumerate(zip(kv, attn)):
+            cache = a.kv_cache
+            if stop > k.shape[1]:
+                raise BlendFailed(f"claimed tokens up to {stop}, the blend has {k.shape[1]}")
+            # [Hkv, T, D] -> [T, Hkv, D], the layout vLLM's forward hands do_kv_cache_update
+            key = k[:, start:stop].transpose(0, 1).to(device=cache.device, dtype=dtype).contiguous()
+            value = v[:, start:stop].transpose(0, 1).to(device=cache.device, dtype=dtype).contiguous()
+            a.impl.do_kv_cache_update(a, key, value, cache, slots.to(cache.device))
+

