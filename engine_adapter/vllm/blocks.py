@@ -59,8 +59,9 @@ class BlockSave:
 
 @dataclass(frozen=True)
 class BlendLoad:
-    """Build the context KV of a RAG request (its chunks blended by `policy`) and write
-    tokens [first_token, first_token + len(block_ids) * block size) into these vLLM blocks."""
+    """Build the KV of a RAG request's prompt (its chunks blended by `policy`) and write
+    tokens [first_token, first_token + tokens) into these vLLM blocks (first_token is
+    block-aligned; the last block may be partly written)."""
 
     req_id: str
     block_ids: tuple[int, ...]

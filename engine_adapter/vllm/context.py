@@ -121,20 +121,23 @@ class ContextBuilder:
         n = len(ld.prompt)
         L = len(result.kv)
         row_layers = sum(result.computed_rows) if result.computed_rows else n * L
-        vllm_tokens = n - (ld.first_token + ld.tokens)
+        vllm_tokens = n - (ld.first_token + ld.tokens)  # 1 unless vLLM trimmed the offer
         return {"blended": True, "policy": ld.policy, "prompt_tokens": n, "claimed_tokens": ld.tokens,
                 "vllm_computed_tokens": vllm_tokens, "kvcraft_row_layers": int(row_layers), "num_layers": L,
                 "computed_share": (row_layers / L + vllm_tokens) / n, "reused_chunks": report.reused_chunks,
                 "fresh_chunks": report.fresh_chunks, "fallback": ""}
 
     def _write(self, kv: list[tuple[torch.Tensor, torch.Tensor]], ld: BlendLoad, attn: list[Any]) -> None:
-        """Rows [first_token, first_token + blocks * block size) of every layer into the blocks."""
+        """Rows [first_token, first_token + tokens) of every layer into the blocks (the last
+        block may be partly filled: vLLM computes the rest of it)."""
         bs = self.block_size
         if len(kv) != len(attn):
             raise BlendFailed(f"the blend computed {len(kv)} layers, vLLM has {len(attn)}")
-        start, stop = ld.first_token, ld.first_token + len(ld.block_ids) * bs
+        start, stop = ld.first_token, ld.first_token + ld.tokens
+        if not 0 < ld.tokens <= len(ld.block_ids) * bs:
+            raise BlendFailed(f"{ld.tokens} tokens do not fit {len(ld.block_ids)} blocks")
         ids = torch.tensor(ld.block_ids, dtype=torch.long)
-        slots = (ids[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)  # [T] slot of each token
+        slots = (ids[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:ld.tokens]  # [T] slot of each token
         # vLLM's own K/V have the model's dtype before the cache update; the backend converts
         # (and scales, for fp8 caches) exactly as it does for vLLM's rows.
         dtype = self._vllm_config.model_config.dtype

@@ -286,11 +286,12 @@ class SchedulerSide:
         return _Blend(tuple(chunks), name, tuple(sorted(options.items())))
 
     def _blend_matched(self, st: _Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens the blend offers: the whole prompt block-aligned, leaving >= 1 token to vLLM.
+        """Tokens the blend offers: every prompt token but the last, from vLLM's computed
+        prefix on (token-exact: vLLM v1 takes external tokens that end inside a block).
 
         Not only the chunks: the blend computes the question rows anyway (Cache-Craft's focus
         reads their attention, and the reference engine's blended KV includes them), so their
-        K/V are written too and vLLM computes only the last partial block (>= 1 token)."""
+        K/V are written too and vLLM computes only the last token (it needs its logits)."""
         b = st.blend
         assert b is not None
         bs = self.block_size
@@ -302,13 +303,13 @@ class SchedulerSide:
                 return None, False
             if not answer:
                 return 0, False
-        end = (len(st.tokens) - 1) // bs * bs
+        end = len(st.tokens) - 1
         if end <= num_computed_tokens:
             return 0, False
         if not b.reused_chunks and not self.settings.blend_store_back:
             b.declined = "no chunk is stored and blend_store_back is off"
             return 0, False
-        st.offer_first, st.offer_count = num_computed_tokens // bs, (end - num_computed_tokens) // bs
+        st.offer_first, st.offer_count = num_computed_tokens // bs, -(-(end - num_computed_tokens) // bs)
         st.offer_blend = True
         return end - num_computed_tokens, True
 

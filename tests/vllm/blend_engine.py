@@ -94,7 +94,7 @@ def _capture(worker, dumps: list) -> None:
     def build_and_read(ld, names):
         numbers = build(ld, names)
         layers = [(k[list(ld.block_ids)].clone(), v[list(ld.block_ids)].clone()) for k, v in worker._layers]
-        dumps.append({"first_token": ld.first_token, "blocks": len(ld.block_ids), "prompt": list(ld.prompt),
+        dumps.append({"first_token": ld.first_token, "tokens": ld.tokens, "prompt": list(ld.prompt),
                       "chunks": list(ld.chunk_tokens), "policy": ld.policy, "options": dict(ld.options),
                       "layers": layers})  # per layer [blocks, heads, block, head_dim]
         return numbers
