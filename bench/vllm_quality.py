@@ -20,7 +20,7 @@ that vLLM loads from its folder). The prompts are the held-out prompts of
 
 Exact match is the greedy first output token (the answer is one word), as in evaluate.
 Share of prompt tokens computed counts token-layers: vLLM's computed tokens (prompt -
-cached) x layers + kvcraft's recomputed token-layers, over prompt tokens x layers. The
+cached; for a blended request, the count the connector reports) x layers + kvcraft's recomputed token-layers, over prompt tokens x layers. The
 100% recompute policy ("full") must give outputs identical to vLLM alone.
 """
 
@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 from kvbench.quality import data
 from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
+from kvbench.vllm_rag import computed_tokens, report
 
 ENGINE_TIMEOUT_S = 1800
 OUTPUT_TOKENS = 2  # the answer word, then <eos>
@@ -105,11 +106,6 @@ def engine_run(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     return json.loads((tmp / f"{name}.out").read_text())
 
 
-def _report(o: dict[str, Any]) -> dict[str, Any]:
-    """The connector's per-request report (RequestOutput.kv_transfer_params["kvcraft"])."""
-    return (o.get("kv_transfer_params") or {}).get("kvcraft") or {}
-
-
 def score(enc: list[Any], exs: list[Any], outputs: list[dict[str, Any]], layers: int,
           reference_outputs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     n = correct = identical = blended = 0
@@ -123,8 +119,9 @@ def score(enc: list[Any], exs: list[Any], outputs: list[dict[str, Any]], layers:
         k = by_kind.setdefault(exs[i].kind, [0, 0])
         k[0] += ok
         k[1] += 1
-        rep = _report(o)
-        v = (o["prompt_len"] - min(o["cached"], o["prompt_len"])) * layers
+        rep = report(o)
+        vt, _ = computed_tokens(o)
+        v = vt * layers
         kv = int(rep.get("kvcraft_row_layers", 0))
         blended += bool(rep.get("blended"))
         if rep.get("fallback"):

@@ -224,7 +224,10 @@ def engine_main(argv: list[str]) -> int:
 
 
 MODES = ("vllm", "vllm+kvcraft", "vllm+kvcraft+craft", "vllm+kvcraft+blend")
-BLEND_POLICY = {"policy": "cacheblend", "options": {"budget": 0.15}}  # the blend mode's requests
+# The blend mode's requests: Cache-Craft, each reused chunk's recompute list as the plan sizes
+# it (the service's cfo_alpha, default 0.15); a CacheBlend budget of 15% is below layer 0 alone
+# on the trace's 2-layer model.
+BLEND_POLICY = {"policy": "cachecraft", "options": {}}
 
 
 def trace_requests(conversations: int, token_scale: float, seed: int = 0) -> list[dict[str, Any]]:
@@ -249,6 +252,22 @@ def trace_requests(conversations: int, token_scale: float, seed: int = 0) -> lis
     return out
 
 
+def report(o: dict[str, Any]) -> dict[str, Any]:
+    """The connector's per-request report of a blended request (RequestOutput.kv_transfer_params
+    ["kvcraft"]; empty for requests without one)."""
+    return (o.get("kv_transfer_params") or {}).get("kvcraft") or {}
+
+
+def computed_tokens(o: dict[str, Any]) -> tuple[int, float]:
+    """(tokens vLLM computed, kvcraft's recomputed row-layers / layers) of one request. A
+    blended request's report says how many tokens vLLM computed (a failed blend: all, and
+    vLLM's num_cached_tokens still counts the tokens it had accepted); else prompt - cached."""
+    rep = report(o)
+    if "vllm_computed_tokens" in rep:
+        return int(rep["vllm_computed_tokens"]), rep.get("kvcraft_row_layers", 0) / max(1, rep.get("num_layers", 1))
+    return o["prompt_len"] - min(o["cached"], o["prompt_len"]), 0.0
+
+
 def _pct(xs: list[float], f: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(f * len(xs)))] if xs else 0.0
@@ -258,11 +277,12 @@ def summarize(mode: str, reqs: list[dict[str, Any]], res: dict[str, Any]) -> dic
     outs = res["outputs"]
     retrieved = sum(len(c) for r in reqs for c in r["chunks"])
     prompt = sum(o["prompt_len"] for o in outs)
-    cached = sum(min(o["cached"], o["prompt_len"]) for o in outs)
     # blending: kvcraft recomputes some claimed tokens (row-layers / layers, question rows included)
-    reps = [(o.get("kv_transfer_params") or {}).get("kvcraft") or {} for o in outs]
-    recomputed = [r.get("kvcraft_row_layers", 0) / max(1, r.get("num_layers", 1)) for r in reps]
-    chunk_computed = round(sum(max(0, o["chunk_tokens"] - o["cached"]) + x for o, x in zip(outs, recomputed)))
+    reps = [report(o) for o in outs]
+    done = [computed_tokens(o) for o in outs]
+    cached = sum(o["prompt_len"] - v for o, (v, _) in zip(outs, done))
+    recomputed = [x for _, x in done]
+    chunk_computed = round(sum(max(0, o["chunk_tokens"] - (o["prompt_len"] - v)) + x for o, (v, x) in zip(outs, done)))
     ttft = [o["ttft_s"] * 1e3 for o in outs]
     return {"mode": mode, "requests": len(outs), "retrieved_chunk_tokens": retrieved, "prompt_tokens": prompt,
             "computed_share_of_prompt": (prompt - cached + sum(recomputed)) / prompt, "hit_tokens": cached,

@@ -104,15 +104,17 @@ TIMING_KEYS = ("plan_s", "fetch_wait_s", "rotate_s", "recompute_s", "kv_write_s"
 
 def summarize(label: str, outs: list[dict[str, Any]], layers: int) -> dict[str, Any]:
     ttft = [o["ttft_s"] for o in outs]
-    reps = [(o.get("kv_transfer_params") or {}).get("kvcraft") or {} for o in outs]
+    from kvbench.vllm_rag import computed_tokens, report
+
+    reps = [report(o) for o in outs]
     prompt = sum(o["prompt_len"] for o in outs)
-    vllm_tokens = sum(o["prompt_len"] - min(o["cached"], o["prompt_len"]) for o in outs)
+    vllm_tokens = sum(computed_tokens(o)[0] for o in outs)
     kv_rl = sum(int(r.get("kvcraft_row_layers", 0)) for r in reps)
     row: dict[str, Any] = {
         "mode": label, "requests": len(outs), "ttft_ms_p50": 1e3 * statistics.median(ttft),
         "ttft_ms_p99": 1e3 * _pct(ttft, 0.99), "ttft_ms_mean": 1e3 * statistics.fmean(ttft),
         "computed_share": (vllm_tokens * layers + kv_rl) / (prompt * layers),
-        "vllm_computed_tokens": vllm_tokens / len(outs), "claimed_tokens": sum(o["cached"] for o in outs) / len(outs),
+        "vllm_computed_tokens": vllm_tokens / len(outs), "claimed_tokens": sum(int(r.get("claimed_tokens", 0)) for r in reps) / len(outs),
         "kvcraft_row_layers": kv_rl / len(outs),
         "blended": sum(bool(r.get("blended")) for r in reps),
         "fallbacks": sorted({r["fallback"] for r in reps if r.get("fallback")}),
