@@ -42,6 +42,11 @@ class Config:
     max_layers: int = 512
     max_chunk_tokens: int = 65_536
     max_variant_bytes: int = 4 * GiB
+    # Memory open Store streams may hold, all together: layers go to the payload file as
+    # they arrive, so a stream holds about the layer it is receiving and is counted at
+    # three layers (at most its payload); a Store beyond this gets RESOURCE_EXHAUSTED
+    # (docs/operations.md).
+    max_inflight_store_bytes: int = 1 * GiB
     max_fetch_variants: int = 256
     lease_timeout_s: float = 30.0
     # Longest lease a request may ask for (Lease ttl_s, Locate / Plan lease_ttl_s).
@@ -83,7 +88,7 @@ class Config:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is outside 0..65535")
         for name in ("host_budget_bytes", "disk_budget_bytes", "max_message_bytes",
-                     "max_layers", "max_chunk_tokens", "max_variant_bytes",
+                     "max_layers", "max_chunk_tokens", "max_variant_bytes", "max_inflight_store_bytes",
                      "max_variants_per_chunk", "max_variants", "max_fetch_variants",
                      "max_conversation_chunks"):
             if getattr(self, name) < 1:

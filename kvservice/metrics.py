@@ -33,6 +33,9 @@ class _StoreCollector:
         yield CounterMetricFamily("kvcraft_moves", "Variants demoted one tier down", value=s.moves)
         yield GaugeMetricFamily("kvcraft_chunks", "Chunks stored", value=s.chunks)
         yield GaugeMetricFamily("kvcraft_leases", "Leases active", value=s.leases)
+        yield GaugeMetricFamily("kvcraft_inflight_store_bytes", "What open Store streams are counted at "
+                                "(max_inflight_store_bytes)", value=s.inflight_store_bytes)
+        yield GaugeMetricFamily("kvcraft_inflight_stores", "Store streams open now", value=s.inflight_stores)
 
 
 class Metrics:

@@ -98,6 +98,8 @@ class StoreStats:
     moves: int
     leases: int
     pinned: int
+    inflight_store_bytes: int = 0
+    inflight_stores: int = 0
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ def locate_response(r: Located) -> pb.LocateResponse:
 def stats_response(s: StoreStats) -> pb.StatsResponse:
     return pb.StatsResponse(
         chunks=s.chunks, variants=s.variants, evictions=s.evictions, moves=s.moves, leases=s.leases, pinned=s.pinned,
+        inflight_store_bytes=s.inflight_store_bytes, inflight_stores=s.inflight_stores,
         tiers=[pb.TierStats(name=t.name, bytes_used=t.bytes_used, bytes_budget=t.bytes_budget, variants=t.variants,
                             hits=t.hits, misses=t.misses) for t in s.tiers])
 

@@ -43,6 +43,7 @@ class DataServicer:
             async for req in request_iterator:
                 if isinstance(req, StoreLayer) and session is not None:  # the hot path: views of the message
                     await asyncio.to_thread(session.add_layer, req.layer, req.key, req.value)
+                    req = None  # the layer is in its payload file: do not hold it while the next arrives
                     continue
                 req = as_message(req)
                 check_parsed(req)
@@ -62,6 +63,7 @@ class DataServicer:
                 elif part == "layer":
                     layer = req.layer
                     await asyncio.to_thread(session.add_layer, layer.layer, layer.key, layer.value)
+                    req = layer = None
                 else:
                     raise InvalidArgument(f"unexpected {part or 'empty'} message after the header")
             if session is None:

@@ -104,6 +104,11 @@ async def start_server(cfg: Config) -> RunningServer:
     options = [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
+        # No BDP probing on what clients send: its growing receive windows let grpcio
+        # buffer far ahead of a Store stream the server is still writing (8 Stores of
+        # 8 MiB layers peaked at +1.2 GiB RSS with it, +0.2 GiB without; Store
+        # throughput unchanged). A stream then holds about the layer it is receiving.
+        ("grpc.http2.bdp_probe", 0),
     ]
     interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
     server = grpc.aio.server(options=options, interceptors=interceptors)

@@ -65,7 +65,7 @@ class ChunkStore:
 
     # -- Store ---------------------------------------------------------------------------
     def begin_store(self, header: StoreHeader) -> StoreSession:
-        return begin(self._s, self._placement, header)
+        return begin(self._s, self._placement, header, self._promotion.promote)
 
     # -- fetch ---------------------------------------------------------------------------
     def open_fetch(self, refs: Sequence[Ref]) -> list[Variant]:
@@ -223,7 +223,7 @@ class ChunkStore:
             tiers = [TierStats(t.name, t.usage(), t.budget_bytes, sum(1 for v in vs if v.variant_id in t),
                                c.hits[t.name], c.misses[t.name]) for t in self.tiers]
             return StoreStats(self.index.chunk_count(), len(vs), tiers, c.evictions, c.moves, len(self._leases),
-                              sum(1 for v in vs if v.pinned))
+                              sum(1 for v in vs if v.pinned), self._s.inflight_store_bytes, self._s.inflight_stores)
 
     def list_chunks(self, model_id: str, page_size: int, page_token: str) -> tuple[list[ChunkSummary], str]:
         """One page of chunks in key order after `page_token`; the next page's token."""

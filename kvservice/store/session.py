@@ -1,12 +1,13 @@
 """One Store stream, and the write order (the one place it is spelled out; docs/storage.md):
 
-  1. each layer, as it arrives, is checked against the header and written once, from
-     the same buffer, to the home tier's writer (a temporary file) and to the writer
-     of every cache tier above it that admitted the variant (the host slab);
+  1. each layer, as it arrives, is checked against the header and written to the home
+     tier's writer (a temporary file) only: an open stream holds about the layer in
+     hand in memory (`max_inflight_store_bytes` counts it at INFLIGHT_LAYERS layers);
   2. the home writer commits: fsync, rename into place, fsync the directory;
   3. one synced RocksDB WriteBatch with the variant's metadata;
-  4. the cache copies become readable, the index and listeners learn of the variant,
-     and only then is the write acknowledged.
+  4. the index and listeners learn of the variant; every cache tier above the home tier
+     that stores new variants (the host slab) gets its copy, read back from the home
+     tier (verified) if it admits the variant; only then is the write acknowledged.
 Deletes go payloads first, then metadata (synced) (`Placement.delete`).
 So after a crash at any point, recovery finds a complete variant or debris it deletes.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from array import array
+from typing import Callable, Iterable
 
 from kvcraft.keys import chunk_key, is_key, variant_id
 from kvservice import failpoints
@@ -27,9 +29,20 @@ from kvservice.store.state import StoreState
 from kvservice.wire import variant_message
 from kvservice.tiers.base import Buffer, PayloadShape, TierWriter
 
+# An open Store stream is counted at this many layers of its payload (at most all of
+# it) against max_inflight_store_bytes. Layers go to the payload file as they arrive,
+# but receiving one costs about three times its size for a moment (grpcio's buffer of
+# the message, the Python bytes it builds, the allocator's slack): measured 2.5-3.5
+# layers of RSS per open stream (docs/operations.md).
+INFLIGHT_LAYERS = 3
 
-def begin(s: StoreState, placement: Placement, h: StoreHeader) -> "StoreSession":
-    """Validate a Store header and open the tier writers; the session takes the layers."""
+FillCache = Callable[[Iterable[str], int], None]  # Promotion.promote(variant ids, to tier)
+
+
+def begin(s: StoreState, placement: Placement, h: StoreHeader, fill_cache: FillCache) -> "StoreSession":
+    """Validate a Store header, count it in flight and open the home tier's writer;
+    the session takes the layers. `fill_cache` copies a committed variant up into a
+    cache tier."""
     cfg = s.cfg
     if not h.model_id:
         raise InvalidArgument("header.model_id is empty")
@@ -65,24 +78,25 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader) -> "StoreSession"
                                 f"max_variant_bytes is {cfg.max_variant_bytes}")
     key = chunk_key(h.model_id, h.token_ids)
     vid = variant_id(key, h.prefix_keys)
-    writers: list[tuple[int, TierWriter]] = []
+    charge = min(shape.total_bytes, INFLIGHT_LAYERS * layout.layer_bytes)
     with s.lock:
-        if vid in s.index:
-            return StoreSession(s, h, key, vid, layout, writers=None)
-        placement.make_room_for_variant(key)
+        if s.inflight_store_bytes + charge > cfg.max_inflight_store_bytes:
+            raise ResourceExhausted(
+                f"{s.inflight_stores} Store streams in flight hold {s.inflight_store_bytes} bytes; this one "
+                f"(layers of {layout.layer_bytes} bytes, counted at {charge}) would pass max_inflight_store_bytes="
+                f"{cfg.max_inflight_store_bytes}; retry when others finish")
+        s.inflight_store_bytes += charge
+        s.inflight_stores += 1
         try:
-            writers.append((s.home, placement.open_writer(s.home, vid, shape)))
-            now = s.now_ms()
-            for i in range(s.home):
-                if s.tiers[i].cache_on_store:
-                    w = placement.open_cache_writer(i, vid, shape, (0.0, now, now, vid), protected=False)
-                    if w is not None:
-                        writers.append((i, w))
+            if vid in s.index:
+                return StoreSession(s, h, key, vid, layout, None, charge, fill_cache)
+            placement.make_room_for_variant(key)
+            home = placement.open_writer(s.home, vid, shape)
         except BaseException:
-            for _, w in writers:
-                w.abort()
+            s.inflight_store_bytes -= charge
+            s.inflight_stores -= 1
             raise
-    return StoreSession(s, h, key, vid, layout, writers)
+    return StoreSession(s, h, key, vid, layout, home, charge, fill_cache)
 
 
 def _claim_commit(s: StoreState, vid: str) -> bool:
@@ -102,15 +116,17 @@ class StoreSession:
     """One Store stream: validates each layer as it arrives and writes it to the tiers."""
 
     def __init__(self, s: StoreState, header: StoreHeader, key: str, vid: str, layout: LayerLayout,
-                 writers: list[tuple[int, TierWriter]] | None) -> None:
+                 home: TierWriter | None, charge: int, fill_cache: FillCache) -> None:
         self._s = s
         self.header = header
         self.chunk_key = key
         self.variant_id = vid
         self.layout = layout
-        self.writers = writers  # None: the variant is already stored, layers are only checked
+        self.home = home  # None: the variant is already stored, layers are only checked
         self.total_bytes = header.num_layers * layout.layer_bytes
         self.checksums = array("Q")
+        self._charge = charge  # counted in StoreState.inflight_store_bytes until the session ends
+        self._fill_cache = fill_cache
         self._done = False
         # A cancelled stream's abort may arrive while a worker thread writes a layer.
         self._lock = threading.Lock()
@@ -130,8 +146,8 @@ class StoreSession:
                 raise InvalidArgument(
                     f"layer {n}: value has {len(value)} bytes; value_spec needs {self.layout.value_bytes}")
             self.checksums.append(layer_checksum(key, value))
-            for _, w in self.writers or ():
-                w.write_layer(key, value)
+            if self.home is not None:
+                self.home.write_layer(key, value)
 
     def finish(self) -> StoreResult:
         with self._lock:
@@ -142,16 +158,22 @@ class StoreSession:
                                       f"header.num_layers={self.header.num_layers} layers")
             self._done = True
             s = self._s
-            if self.writers is None:
-                with s.lock:
-                    if self.variant_id in s.index:
-                        return self._already_present()
-                raise NotFound(f"variant {self.variant_id} was evicted while being stored again; store it once more")
             try:
-                return self._commit()
+                if self.home is None:
+                    with s.lock:
+                        if self.variant_id in s.index:
+                            return self._already_present()
+                    raise NotFound(f"variant {self.variant_id} was evicted while being stored again; "
+                                   "store it once more")
+                try:
+                    result = self._commit()
+                finally:
+                    self.home.abort()  # no-op once committed
             finally:
-                for _, w in self.writers:
-                    w.abort()  # no-op for the committed ones
+                self._uncharge()
+        if not result.already_present:
+            self._copy_up()
+        return result
 
     def _commit(self) -> StoreResult:
         """Steps 2-4 of the write order, for a session whose layers all arrived.
@@ -173,7 +195,8 @@ class StoreSession:
                     key_spec=idx.intern_spec(h.key_spec), value_spec=idx.intern_spec(h.value_spec),
                     layout=idx.intern_layout(self.layout), layer_checksums=self.checksums,
                     last_access_ms=now, created_ms=now)
-            home = next(w for i, w in self.writers if i == s.home)  # type: ignore[union-attr]
+            home = self.home
+            assert home is not None
             describe = getattr(home, "describe", None)
             if describe is not None:  # self-describing payload: `kvcraft repair` reads it
                 describe(variant_message(v).SerializeToString())
@@ -183,10 +206,6 @@ class StoreSession:
             s.meta.put_variants([v], sync=True)
             failpoints.reach("store:metadata-committed")
             with s.lock:
-                for i, w in self.writers:  # type: ignore[union-attr]
-                    if i != s.home:
-                        w.commit()
-                v.tier = s.tiers[min(i for i, _ in self.writers)].name  # type: ignore[union-attr]
                 idx.add(v)
                 for lst in s.listeners:
                     lst.on_put(v)
@@ -194,6 +213,22 @@ class StoreSession:
             with s.lock:
                 s.committing.pop(self.variant_id).set()
         return StoreResult(v.chunk_key, v.variant_id, v.size_bytes)
+
+    def _copy_up(self) -> None:
+        """Step 4's cache copies: into every cache tier above home that stores new
+        variants and admits this one (Placement.open_cache_writer), from the home tier."""
+        s = self._s
+        for i in range(s.home):
+            if s.tiers[i].cache_on_store:
+                self._fill_cache([self.variant_id], i)
+
+    def _uncharge(self) -> None:
+        s = self._s
+        with s.lock:
+            if self._charge:
+                s.inflight_store_bytes -= self._charge
+                s.inflight_stores -= 1
+                self._charge = 0
 
     def _already_present(self) -> StoreResult:
         v = self._s.index.get(self.variant_id)
@@ -204,5 +239,6 @@ class StoreSession:
         with self._lock:
             if not self._done:
                 self._done = True
-                for _, w in self.writers or ():
-                    w.abort()
+                if self.home is not None:
+                    self.home.abort()
+                self._uncharge()

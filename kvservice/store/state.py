@@ -61,6 +61,8 @@ class StoreState:
         self.lock = threading.RLock()
         self.access_write_failing = False  # logged once per episode (persist_access)
         self.committing: dict[str, threading.Event] = {}  # variant id -> set when its commit ends
+        self.inflight_store_bytes = 0  # what open Store sessions are counted at (max_inflight_store_bytes)
+        self.inflight_stores = 0
         self.listeners: list[StoreListener] = []
         self.counters = Counters(hits={n: 0 for n in names}, misses={n: 0 for n in names})
 

@@ -413,7 +413,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("chunks", "variants", "tiers", "evictions", "moves", "leases", "pinned")
+    __slots__ = ("chunks", "variants", "tiers", "evictions", "moves", "leases", "pinned", "inflight_store_bytes", "inflight_stores")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +421,8 @@ class StatsResponse(_message.Message):
     MOVES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_STORES_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     variants: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -428,7 +430,9 @@ class StatsResponse(_message.Message):
     moves: int
     leases: int
     pinned: int
-    def __init__(self, chunks: _Optional[int] = ..., variants: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., moves: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
+    inflight_store_bytes: int
+    inflight_stores: int
+    def __init__(self, chunks: _Optional[int] = ..., variants: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., moves: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ..., inflight_store_bytes: _Optional[int] = ..., inflight_stores: _Optional[int] = ...) -> None: ...
 
 class ListChunksRequest(_message.Message):
     __slots__ = ("model_id", "page_size", "page_token")
