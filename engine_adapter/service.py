@@ -199,9 +199,11 @@ class RAGAdapter:
             return ServiceLayerSource(self.client, refs, depth)
         segs = list(refs)
         mapped = {s: layers for s, layers in zip(segs, local.layers) if layers is not None}
+        tiers = {tier for s, tier, layers in zip(segs, local.tier, local.layers) if layers is not None}
         rest = {s: refs[s] for s in segs if s not in mapped}  # not in host memory: stream those
         return _MergedSource(InMemoryLayerSource(mapped),
-                             ServiceLayerSource(self.client, rest, depth) if rest else _NoSource())
+                             ServiceLayerSource(self.client, rest, depth) if rest else _NoSource(),
+                             tiers.pop() if len(tiers) == 1 else "")
 
     def _release(self, lease_id: str) -> None:
         try:
@@ -228,7 +230,14 @@ class RAGAdapter:
         self._pending.clear()
 
     def _learn(self, source: object, result: BlendResult) -> None:
-        """Timings for the loading controller (CacheBlend §5), sent with the next Plan."""
+        """Timings for the loading controller (CacheBlend §5), sent with the next Plan:
+        per layer, the bytes that came from one tier and the seconds they took."""
+        if isinstance(source, _MergedSource):  # same host: the mapped part, then the streamed rest
+            if source.tier:
+                for layer in sorted(source.mapped_seconds):
+                    self._timings.loads.add(tier=source.tier, bytes_per_layer=source.mapped_bytes[layer],
+                                            seconds=max(source.mapped_seconds[layer], 1e-9))
+            source = source.streamed
         tiers = {self._plan_tiers.get(s, "") for s in source.segments} if isinstance(
             source, ServiceLayerSource) else set()
         if len(tiers) == 1 and "" not in tiers:  # a stream from tiers of several speeds says nothing of one
@@ -255,13 +264,24 @@ class RAGAdapter:
 
 
 class _MergedSource:
-    """Layers from shared memory for some chunks and from a stream for the others."""
+    """Layers from shared memory for some chunks and from a stream for the others.
 
-    def __init__(self, mapped: InMemoryLayerSource, streamed: "ServiceLayerSource | _NoSource") -> None:
-        self.mapped, self.streamed = mapped, streamed
+    The mapped part's load per layer is what the engine waited for it: the tensors alias
+    the service's slab (or gpu pool), so no bytes move; `tier` names where they lie
+    ("" when they lie in several tiers: such a layer says nothing of one tier)."""
+
+    def __init__(self, mapped: InMemoryLayerSource, streamed: "ServiceLayerSource | _NoSource", tier: str) -> None:
+        self.mapped, self.streamed, self.tier = mapped, streamed, tier
+        self.mapped_seconds: dict[int, float] = {}  # layer -> seconds to have the mapped part
+        self.mapped_bytes: dict[int, int] = {}  # layer -> K+V bytes of the mapped part
 
     def wait_layer(self, layer: int, deadline: float) -> LayerKV:
-        return {**self.mapped.wait_layer(layer, deadline), **self.streamed.wait_layer(layer, deadline)}
+        t0 = time.perf_counter()
+        got = self.mapped.wait_layer(layer, deadline)
+        if got:
+            self.mapped_seconds[layer] = time.perf_counter() - t0
+            self.mapped_bytes[layer] = sum(k.nbytes + v.nbytes for k, v in got.values())
+        return {**got, **self.streamed.wait_layer(layer, deadline)}
 
     def close(self) -> None:
         self.streamed.close()

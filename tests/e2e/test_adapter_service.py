@@ -168,3 +168,27 @@ def test_load_timings_name_the_tier_the_plan_read_from(start_server, host_budget
         adapter.prefill([cs[1], cs[0], cs[3], cs[2]], QUESTION)
         loads = list(adapter._timings.loads)
         assert loads and {t.tier for t in loads} == {tier}
+
+
+def test_same_host_reads_report_their_load_timings(start_server):
+    """local=True: the layers the engine read from the service's shared memory are reported
+    to the loading controller, one report per layer, under the tier the slab is, with the
+    bytes of K and V of the reused chunks; the next Plan carries them to the service."""
+    server = start_server(host_budget_bytes=64 << 20)
+    cs = chunks(8)
+    with KVClient(server.address) as client:
+        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+        adapter = RAGAdapter(ENGINE, client, Policy("naive"), gate=ReuseGate(), store_back=False, local=True)
+        _, report = adapter.prefill(cs[::-1], QUESTION)
+        assert report.reused_chunks == len(cs)
+        loads = list(adapter._timings.loads)
+        spec = ENGINE.model_spec()
+        itemsize = torch.empty((), dtype=ENGINE.dtype).element_size()
+        per_layer = sum(len(c) for c in cs) * spec.num_kv_heads * spec.head_dim * itemsize * 2  # K and V
+        assert [t.tier for t in loads] == ["host"] * spec.num_layers
+        assert [t.bytes_per_layer for t in loads] == [per_layer] * spec.num_layers
+        assert all(0 < t.seconds < 1.0 for t in loads)
+        _, report = adapter.prefill(cs, QUESTION)  # its Plan carries them: the service takes them
+        assert report.plan_error == "" and report.reused_chunks == len(cs)
+        assert not adapter._timings.computes or len(adapter._timings.loads) == spec.num_layers
+        assert client.stats().leases == 0
