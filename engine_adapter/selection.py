@@ -1,35 +1,40 @@
-"""Which tokens of a reused chunk to recompute: per-variant scores and a prompt budget.
+"""Which tokens of a reused chunk to recompute: learned per-variant scores and a prompt budget.
 
 Pure functions on torch tensors (CPU reference; the CUDA path uses the same math).
 
 A *learned* recompute list (issue 19). A chunk's KV depends on what came before it only
 through some of its tokens (a pronoun's referent, the token the model keeps a binding
-on). When the same chunk has been computed in full behind two different prefixes, the
-tokens whose KV moved between the two computations are exactly those: CacheBlend's KV
-deviation (§4.1-4.2), measured once, offline, over every layer, instead of online on
-layer 1 of each request (§4.3, HKVD). The scores are stored with the variant, so the
-next reuse of it, behind any prefix, knows which tokens to recompute without computing
-a layer of the chunk first.
+on). When a request computes a chunk in full although a variant of it is stored (behind
+another prefix), both are at hand: `fresh_gain` measures, per token, how much of that
+request's answer the stored variant's stale KV of the token costs (the answer's KL
+divergence with the chunk stale, minus with only that token fresh). That is the
+quantity Cache-Craft §3.2 recomputes tokens to reduce, measured at the output instead
+of estimated from attention (eq. 14) or from KV deviation on layer 1 (CacheBlend §4.3,
+HKVD). The scores are stored with the variant it created (`VariantStats.recompute_scores`),
+merged over the requests that computed the chunk (`merge_scores`), so the next reuse,
+behind any prefix, knows which tokens to recompute without computing a layer first.
 
-`kv_deviation` scores the tokens; `allocate` spends one prompt-wide budget on the
-highest-scoring tokens of all reused chunks, so a chunk that does not depend on its
-prefix (a chain head, a distractor) gets nothing and one that does gets several
-(Cache-Craft §3.2 gives a per-chunk budget from CCI/CFO, eq. 12-13; here the measured
-deviation itself ranks tokens across chunks).
+`allocate` (from `kvcraft.recompute`, shared with the planner) spends one prompt-wide
+budget on the highest scores of all reused chunks, so a chunk that does not depend on
+its prefix (a chain head, a distractor) gets nothing and one that does gets its binding
+token(s).
+
+Also here, measured side by side in `kvbench.quality.selection` and kept as references:
+`kv_deviation` (CacheBlend §4.1 offline) and `learned_scores` = deviation x what the
+question read (`observe`, Cache-Craft eq. 15 per token).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-# Share of the reused chunk tokens a learned list recomputes by default (prompt-wide,
-# `allocate`): chosen on a validation draw of the quality task (docs/quality.md).
-DEFAULT_BUDGET = 0.15
+# The pure-Python part (budget, ranking, merging) lives in the contract package so the
+# planner, which never imports torch, spends budgets the same way.
+from kvcraft.recompute import DEFAULT_BUDGET, allocate, merge_scores, order, per_chunk
 
 KV = Sequence[tuple[Tensor, Tensor]]  # per layer (K RoPE-free [Hkv, T, D], V [Hkv, T, D])
 
@@ -66,6 +71,13 @@ class Observation:
 
     kv: list[tuple[Tensor, Tensor]]  # per layer (K RoPE-free [Hkv, T, D], V [Hkv, T, D]) of the chunk
     received: Tensor  # [T] attention the request's question put on each chunk token
+    # [L, T] the same per layer (zero rows for layers not counted); `received` is its sum
+    received_per_layer: Tensor | None = None
+    # with observe_many(context=True): the request as a `GainCase` against a stored variant
+    # (per layer K post-RoPE [Hkv, P, D], V of the rows before the question; the question)
+    context: list[tuple[Tensor, Tensor]] | None = None
+    span: tuple[int, int] | None = None
+    question: tuple[int, ...] | None = None
 
 
 @torch.no_grad()
@@ -88,7 +100,7 @@ def observe(engine, tokens: Sequence[int], span: tuple[int, int], readers: tuple
     g = c.num_heads // c.num_kv_heads
     use = set(range(1, c.num_layers) if layers is None else (l % c.num_layers for l in layers))
     causal = torch.ones(t, t, dtype=torch.bool).triu(1)
-    got = torch.zeros(span[1] - span[0])
+    got = torch.zeros(c.num_layers, span[1] - span[0])
     kv = []
     h = engine.embed(toks)  # [T, d]
     for layer in range(c.num_layers):
@@ -98,9 +110,61 @@ def observe(engine, tokens: Sequence[int], span: tuple[int, int], readers: tuple
         k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # [Hq, T, D]
         p = ((q @ k.transpose(1, 2)) * engine.scale).masked_fill(causal, float("-inf")).softmax(-1)  # [Hq, T, T]
         if layer in use:
-            got += p[:, readers[0]:readers[1], span[0]:span[1]].float().mean(0).sum(0)
+            got[layer] = p[:, readers[0]:readers[1], span[0]:span[1]].float().mean(0).sum(0)
         h = engine.mlp(layer, engine.attn_out(layer, h, p @ v))
-    return Observation(kv, got)
+    return Observation(kv, got.sum(0), got)
+
+
+Request = tuple[Sequence[int], tuple[int, int], tuple[int, int]]  # tokens, chunk span, reader rows
+
+
+@torch.no_grad()
+def observe_many(engine, requests: Sequence[Request], layers: Sequence[int] | None = None,
+                 batch: int = 256, context: bool = False) -> list[Observation]:
+    """`observe` for many (tokens, span, readers) at once: right-padded batches of full
+    causal prefills (a real row never sees a pad after it), the row-wise layers (norms,
+    projections, MLP) on all rows of a batch together. Empty `readers` give zero reads:
+    the chunk's KV alone (a variant computed behind `tokens[:span[0]]`). Same result as
+    `observe` per request (tested); what the quality benchmark and its CI test use to
+    build thousands of variants in seconds. `context=True` also keeps what `gain_case`
+    needs: the rows before the readers (the question, which must be the last rows).
+    """
+    from kvkernels import rope_tables, rotate
+
+    c = engine.cfg
+    g = c.num_heads // c.num_kv_heads
+    use = set(range(1, c.num_layers) if layers is None else (l % c.num_layers for l in layers))
+    out: list[Observation] = []
+    for start in range(0, len(requests), batch):
+        part = requests[start:start + batch]
+        b, t = len(part), max(len(r[0]) for r in part)
+        toks = torch.zeros(b, t, dtype=torch.long)
+        readers = torch.zeros(b, t)  # [B, T] 1 on reader rows
+        for i, (tokens, _, (r0, r1)) in enumerate(part):
+            toks[i, :len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.long)
+            readers[i, r0:r1] = 1.0
+        cos, sin = rope_tables(engine.rope, torch.arange(t))
+        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+        h = engine.embed(toks.reshape(-1))  # [B*T, d]
+        kvs, reads = [], torch.zeros(c.num_layers, b, t)
+        for layer in range(c.num_layers):
+            q, k, v = (x.reshape(x.shape[0], b, t, -1).transpose(0, 1) for x in engine.qkv(layer, h))  # [B, H, T, D]
+            kvs.append((k, v))
+            q, kr = rotate(q, cos, sin), rotate(k, cos, sin)
+            kr, vr = kr.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # [B, Hq, T, D]
+            p = ((q @ kr.transpose(2, 3)) * engine.scale).masked_fill(causal, float("-inf")).softmax(-1)  # [B, Hq, T, T]
+            if layer in use:
+                reads[layer] = (p.float().mean(1) * readers[:, :, None]).sum(1)  # [B, T] per key
+            o = (p @ vr).transpose(0, 1).reshape(c.num_heads, b * t, -1)  # [Hq, B*T, D]
+            h = engine.mlp(layer, engine.attn_out(layer, h, o))
+        for i, (tokens, (s0, s1), (r0, r1)) in enumerate(part):
+            per_layer = reads[:, i, s0:s1].clone()
+            ctx = ([(rotate(k[i, :, :r0], cos[:r0], sin[:r0]), v[i, :, :r0].clone()) for k, v in kvs]
+                   if context else None)
+            out.append(Observation([(k[i, :, s0:s1].clone(), v[i, :, s0:s1].clone()) for k, v in kvs],
+                                   per_layer.sum(0), per_layer, ctx, (s0, s1) if context else None,
+                                   tuple(int(x) for x in list(tokens)[r0:r1]) if context else None))
+    return out
 
 
 def learned_scores(stored: KV, seen: Observation) -> Tensor:
@@ -116,45 +180,127 @@ def learned_scores(stored: KV, seen: Observation) -> Tensor:
     return kv_deviation(stored, seen.kv) * seen.received
 
 
-def merge_scores(old: Sequence[float], new: Sequence[float]) -> tuple[float, ...]:
-    """Scores of a variant observed again: the elementwise maximum (a token that moved
-    behind any prefix seen so far stays on the list)."""
-    if old and len(old) != len(new):
-        raise ValueError(f"{len(old)} old scores vs {len(new)} new")
-    return tuple(max(a, b) for a, b in zip(old, new)) if old else tuple(float(x) for x in new)
+@dataclass(frozen=True)
+class GainCase:
+    """A chunk computed in full inside one request, and a stored variant of it.
 
-
-def order(scores: Sequence[float]) -> tuple[int, ...]:
-    """Token indices by descending score, ties by index (the variant's recompute order)."""
-    return tuple(sorted(range(len(scores)), key=lambda i: (-scores[i], i)))
-
-
-def allocate(scores: Mapping[int, Sequence[float]], budget: float) -> dict[int, tuple[int, ...]]:
-    """Spend a prompt-wide budget on the highest-scoring tokens of all reused chunks.
-
-    scores: chunk (segment index) -> per-token score; budget: share of all their tokens
-    to recompute, in [0, 1], an upper bound: floor(budget * total) tokens are chosen.
-    Returns chunk -> sorted token indices (every chunk present, possibly empty); ties by
-    chunk, then index.
+    context   per layer (K post-RoPE [Hkv, P, D], V [Hkv, P, D]): the request's cache of
+              every row before its question (what a blended prefill's `BlendResult.kv`
+              holds), the chunk's fresh KV among them at rows `span`
+    span      [start, end) rows of the chunk in `context`
+    question  the request's question tokens, at rows P.. right after `context`
+    stored    per layer (K RoPE-free [Hkv, T, D], V): the stored variant's KV of the chunk
     """
-    if not 0.0 <= budget <= 1.0:
-        raise ValueError(f"budget {budget} outside [0, 1]")
-    total = sum(len(s) for s in scores.values())
-    n = math.floor(budget * total + 1e-9)
-    ranked = sorted(((-float(x), c, i) for c, s in scores.items() for i, x in enumerate(s)))
-    out: dict[int, list[int]] = {c: [] for c in scores}
-    for _, c, i in ranked[:n]:
-        out[c].append(i)
-    return {c: tuple(sorted(v)) for c, v in out.items()}
+
+    context: KV
+    span: tuple[int, int]
+    question: tuple[int, ...]
+    stored: KV
 
 
-def per_chunk(scores: Mapping[int, Sequence[float]], fraction: float) -> dict[int, tuple[int, ...]]:
-    """The top ceil(fraction |C|) tokens of every chunk (Cache-Craft §3.2.1's N per chunk)."""
-    out = {}
-    for c, s in scores.items():
-        n = math.ceil(fraction * len(s) - 1e-9)
-        out[c] = tuple(sorted(order(s)[:n]))
+def gain_case(seen: Observation, stored: KV) -> GainCase:
+    """The `GainCase` of an observation kept with `observe_many(context=True)`."""
+    if seen.context is None:
+        raise ValueError("observation has no context: build it with observe_many(context=True)")
+    return GainCase(seen.context, seen.span, seen.question, stored)
+
+
+@torch.no_grad()
+def fresh_gain(engine, cases: Sequence[GainCase], max_elements: int = 1 << 24) -> list[Tensor]:
+    """Per token of each case's chunk [T]: how much of the request's answer that token's
+    stale KV costs, measured where it is known (issue 19's learned list).
+
+    The chunk in the request's cache is replaced by the stored variant's KV (rotated to the
+    chunk's rows): stale, as a reuse would serve it. Then for every token t alone the
+    fresh KV goes back, and the question's rows are run again through every layer over
+    that cache. gain(t) = KL(p || p_stale) - KL(p || p_stale, t fresh), floored at 0, where
+    p is the question's next-token distribution over the request's own cache. A token the
+    answer does not depend on gains nothing however far its KV moved (what CacheBlend's
+    deviation, §4.1, cannot tell); the binding token of a chunk that depends on its prefix
+    gains most. Cache-Craft §3.2 recomputes the tokens whose cache is most wrong for the
+    request; this measures that directly, on the one layer that matters, the output.
+
+    Costs the question's rows times (T + 2) cache variants per case, not a prefill: the
+    rows before the question are not recomputed. Cases run in batches of at most
+    `max_elements` cached key elements per layer.
+    """
+    from kvkernels import rope_tables, rotate
+
+    c = engine.cfg
+    g = c.num_heads // c.num_kv_heads
+    out: list[Tensor] = []
+    i = 0
+    while i < len(cases):
+        # as many cases as fit: cases x variants x Hkv x rows x D per layer
+        j, p_max, m_max = i, 0, 0
+        while j < len(cases):
+            p2 = max(p_max, cases[j].context[0][0].shape[1])
+            m2 = max(m_max, cases[j].span[1] - cases[j].span[0])
+            if j > i and (j - i + 1) * (m2 + 2) * c.num_kv_heads * p2 * c.head_dim > max_elements:
+                break
+            p_max, m_max, j = p2, m2, j + 1
+        out += _gain_batch(engine, cases[i:j], p_max, m_max, g, rope_tables, rotate)
+        i = j
     return out
 
 
-__all__ = ["DEFAULT_BUDGET", "Observation", "observe", "learned_scores", "kv_deviation", "merge_scores", "order", "allocate", "per_chunk"]
+def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_tables, rotate) -> list[Tensor]:
+    c = engine.cfg
+    C, NV = len(cases), M + 2  # variants: token t fresh (t < M), all stale (M), all fresh (M + 1)
+    Q = max(len(k.question) for k in cases)
+    if Q == 0:
+        raise ValueError("a case has no question rows")
+    valid = torch.zeros(C, P, dtype=torch.bool)  # [C, P] real context rows
+    fresh = torch.ones(C, NV, P, dtype=torch.bool)  # [C, V, P] row served from the request's own KV
+    qtok = torch.zeros(C, Q, dtype=torch.long)
+    qlen = torch.zeros(C, dtype=torch.long)
+    qpos = torch.zeros(C, Q, dtype=torch.long)
+    for n, k in enumerate(cases):
+        p, (s0, s1) = k.context[0][0].shape[1], k.span
+        if not (0 <= s0 < s1 <= p) or len(k.stored) != c.num_layers or k.stored[0][0].shape[1] != s1 - s0:
+            raise ValueError(f"case {n}: span {k.span} of {p} rows vs a stored chunk of "
+                             f"{k.stored[0][0].shape[1]} tokens")
+        valid[n, :p] = True
+        m = s1 - s0
+        fresh[n, :, s0:s1] = False
+        fresh[n, torch.arange(m), s0 + torch.arange(m)] = True
+        fresh[n, M + 1, s0:s1] = True
+        qtok[n, :len(k.question)] = torch.as_tensor(k.question)
+        qlen[n] = len(k.question)
+        qpos[n] = p + torch.arange(Q)
+    cos, sin = rope_tables(engine.rope, qpos.reshape(-1))
+    cos, sin = cos.view(C, 1, 1, Q, -1), sin.view(C, 1, 1, Q, -1)
+    h = engine.embed(qtok[:, None, :].expand(C, NV, Q).reshape(-1))  # [C*V*Q, d]
+    keys_ok = torch.cat([valid[:, None, :].expand(C, Q, P),
+                         torch.ones(Q, Q, dtype=torch.bool).tril()[None].expand(C, Q, Q)], dim=2)  # [C, Q, P+Q]
+    for layer in range(c.num_layers):
+        K = torch.zeros(C, c.num_kv_heads, P, c.head_dim)
+        V = torch.zeros_like(K)
+        Ks, Vs = torch.zeros_like(K), torch.zeros_like(K)
+        for n, k in enumerate(cases):
+            kc, vc = k.context[layer]
+            p, (s0, s1) = kc.shape[1], k.span
+            K[n, :, :p], V[n, :, :p] = kc, vc
+            Ks[n, :, :p], Vs[n, :, :p] = kc, vc
+            pos = torch.arange(s0, s1)
+            cs, sn = rope_tables(engine.rope, pos)
+            Ks[n, :, s0:s1], Vs[n, :, s0:s1] = rotate(k.stored[layer][0], cs, sn), k.stored[layer][1]
+        f = fresh[:, :, None, :, None]  # [C, V, 1, P, 1]
+        Kmix = torch.where(f, K[:, None], Ks[:, None])  # [C, V, Hkv, P, D]
+        Vmix = torch.where(f, V[:, None], Vs[:, None])
+        q, k, v = (x.reshape(x.shape[0], C, NV, Q, -1).permute(1, 2, 0, 3, 4) for x in engine.qkv(layer, h))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [C, V, H, Q, D]
+        Ka = torch.cat([Kmix, k], dim=3).repeat_interleave(g, 2)  # [C, V, Hq, P+Q, D]
+        Va = torch.cat([Vmix, v], dim=3).repeat_interleave(g, 2)
+        att = (q @ Ka.transpose(3, 4)) * engine.scale  # [C, V, Hq, Q, P+Q]
+        att = att.masked_fill(~keys_ok[:, None, None], float("-inf")).softmax(-1)
+        o = (att @ Va).permute(2, 0, 1, 3, 4).reshape(c.num_heads, C * NV * Q, -1)  # [Hq, C*V*Q, D]
+        h = engine.mlp(layer, engine.attn_out(layer, h, o))
+    last = h.view(C, NV, Q, -1)[torch.arange(C), :, qlen - 1]  # [C, V, d] each case's last question row
+    logp = engine.logits(last.reshape(C * NV, -1)).float().log_softmax(-1).view(C, NV, -1)
+    ref = logp[:, M + 1:]  # [C, 1, vocab] the request's own answer distribution
+    kl = (ref.exp() * (ref - logp)).sum(-1)  # [C, V]
+    return [(kl[n, M] - kl[n, :k.span[1] - k.span[0]]).clamp_min(0.0) for n, k in enumerate(cases)]
+
+
+__all__ = ["DEFAULT_BUDGET", "Observation", "observe", "observe_many", "GainCase", "gain_case", "fresh_gain", "learned_scores", "kv_deviation", "merge_scores", "order", "allocate", "per_chunk"]

@@ -11,15 +11,26 @@ layer l is consumed while l+1..l+Lp are in flight.
   measured per-layer timings for the next Plan (the loading controller learns from them).
 Whatever the service does — down, slow, a chunk dropped as corrupt — the request
 completes: a missing layer is computed by the driver, a failed Plan means full prefill.
+
+Learned recompute lists (issue 19, `engine_adapter.selection`): when a request computed
+a chunk in full although a variant of it is stored (the plan named one, or the service
+lists one behind another prefix), the store-back fetches that variant, measures per
+token how much of this request's answer its stale KV costs (`selection.fresh_gain`),
+merges that with the variant's own scores and sends the result as the new variant's
+`recompute_scores`. The planner then spends its recompute budget on them. All of it runs
+on the background store-back thread, after the request's first token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
+
+from engine_adapter import selection
 
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
 from engine_adapter.llama import LlamaEngine
@@ -30,6 +41,7 @@ from kvclient.client import KVClient, Ref
 from kvclient.errors import KVCraftError
 from kvclient.layer_stream import LayerStream
 from kvcraft.keys import chunk_key
+from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -97,10 +109,13 @@ class RAGAdapter:
     """An engine plus a kvcraft service: serves RAG prefills with stored chunk KV."""
 
     def __init__(self, engine: LlamaEngine, client: KVClient, policy: ReusePolicy, *,
-                 gate: Gate | None = None, store_back: bool = True, local: bool = False) -> None:
+                 gate: Gate | None = None, store_back: bool = True, local: bool = False,
+                 learn: bool = True) -> None:
         """local: the service runs on this host; read reused KV from its shared memory
-        (Locate) instead of streaming it over gRPC."""
+        (Locate) instead of streaming it over gRPC. learn: store-back sends learned
+        recompute scores for chunks computed in full while a variant of them is stored."""
         self.local = local
+        self.learn = learn
         self.engine = engine
         self.client = client
         self.policy = policy
@@ -111,6 +126,7 @@ class RAGAdapter:
         self._pending: list[Future] = []
         self._timings = pb.TimingReport()
         self._plan_tiers: dict[int, str] = {}  # segment -> tier its variant was in when planned
+        self._refs: dict[int, Ref] = {}  # segment -> the variant the last plan named
 
     def prefill(self, chunks: Sequence[Sequence[int]], question: Sequence[int],
                 conversation_id: str = "", reorder: bool = True) -> tuple[BlendResult, RequestReport]:
@@ -137,6 +153,7 @@ class RAGAdapter:
         policy = policy or self.policy
         by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
         segments, refs = self._segments(plan, by_key, chunks, question)
+        self._refs = refs
         local = None
         if refs and self.local:
             try:
@@ -212,16 +229,55 @@ class RAGAdapter:
             log.warning("kvcraft Release failed (%s); the lease will time out", e)
 
     def _store_back(self, segments: list[Segment], result: BlendResult) -> None:
+        question = segments[-1].tokens if segments[-1].question else ()
+        q0 = sum(len(seg.tokens) for seg in segments[:-1])
+        # The request's cache before its question (K rotated), for the learned scores.
+        context = [(k[:, :q0], v[:, :q0]) for k, v in result.kv] if self.learn and question else None
+        starts = [0]
+        for seg in segments:
+            starts.append(starts[-1] + len(seg.tokens))
         for s, fresh in result.fresh.items():
             tokens = segments[s].tokens
             kv = [(k.contiguous(), v.contiguous()) for k, v in fresh.kv]
-            self._pending.append(self._stores.submit(self._store_one, tokens, kv, fresh.prefix, fresh.stats))
+            learn = None
+            if context is not None:
+                known = self._refs.get(s)  # the plan named a variant this request did not reuse
+                learn = (context, (starts[s], starts[s + 1]), tuple(question), known.variant_id if known else "")
+            self._pending.append(self._stores.submit(self._store_one, tokens, kv, fresh.prefix, fresh.stats, learn))
 
-    def _store_one(self, tokens, kv, prefix, stats) -> None:  # noqa: ANN001 - background task
+    def _store_one(self, tokens, kv, prefix, stats, learn=None) -> None:  # noqa: ANN001 - background task
         try:
+            if learn is not None:
+                stats = self._learned(tokens, kv, prefix, stats, *learn)
             self.client.store(self.model_id, list(tokens), kv, prefix_keys=list(prefix), stats=stats)
         except KVCraftError as e:  # a failed store never fails a request
             log.warning("kvcraft store-back of a chunk failed: %s", e)
+
+    def _learned(self, tokens, kv, prefix, stats: VariantStats, context, span, question,  # noqa: ANN001
+                 variant_id: str) -> VariantStats:
+        """`stats` with the learned recompute scores of this fresh chunk against a stored
+        variant of it (the plan's, else the first the service lists behind another
+        prefix): the variant's own scores merged with this request's `fresh_gain`."""
+        key = chunk_key(self.model_id, tokens)
+        try:
+            infos = self.client.get_chunk(key)
+        except KVCraftError as e:
+            log.info("kvcraft: no learned scores for chunk %s (%s)", key[:12], e)
+            return stats
+        mine = tuple(prefix)
+        others = [v for v in infos if v.variant_id == variant_id] or [
+            v for v in infos if tuple(v.prefix_keys) != mine and v.token_count == len(tokens)]
+        if not others:
+            return stats  # the first computation of this chunk: nothing to compare with yet
+        info = others[0]
+        stored = self.client.fetch(key, info.variant_id)
+        if len(stored) != len(kv) or any(k.shape != fk.shape for (k, _), (fk, _) in zip(stored, kv)):
+            log.warning("kvcraft: variant %s of chunk %s has another shape; no learned scores",
+                        info.variant_id[:12], key[:12])
+            return stats
+        gain = selection.fresh_gain(self.engine, [selection.GainCase(context, span, question, stored)])[0]
+        scores = selection.merge_scores(tuple(info.stats.recompute_scores), gain.tolist())
+        return dataclasses.replace(stats, recompute_scores=scores)
 
     def flush(self) -> None:
         """Wait for background store-backs (tests, shutdown)."""

@@ -37,9 +37,8 @@ from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource
 from kvcraft.keys import chunk_key
 from kvcraft.records import VariantStats
-from kvkernels import apply_rope
-from kvbench.quality import data
-from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
+from kvbench.quality import data, longdata
+from kvbench.quality.modeling import LONG_MODEL_DIR, MODEL_DIR, build_tokenizer, encode
 
 
 @dataclass(frozen=True)
@@ -56,52 +55,110 @@ class Prompt:
     # that computed the chunk instead of reusing it saw): its KV and what its question read.
     observed: dict[int, sel.Observation] = field(default_factory=dict)
     alone: dict[int, FreshChunk] = field(default_factory=dict)  # the chunk computed alone
+    # chunk index -> the stored variant's learned list by fresh gain (`selection.fresh_gain`),
+    # merged (max) over the `observe` requests that computed the chunk in full
+    gains: dict[int, Tensor] = field(default_factory=dict)
 
 
-def _variant(engine: LlamaEngine, behind: list[int] | None, chunk: list[int], stats: bool = True) -> FreshChunk:
-    """The chunk's variant computed behind `behind`: through the adapter (with Cache-Craft
-    statistics), or with `stats=False` by the engine's full prefill (the same KV, faster)."""
-    segs = ([Segment(behind)] if behind else []) + [Segment(chunk)]
-    if stats:
-        r = blend_prefill(engine, segs, Policy("full"), InMemoryLayerSource({}), gate=TRUSTED)
-        return r.fresh[len(segs) - 1]
-    n = len(behind or ())
-    _, kv = engine.prefill(torch.tensor((behind or []) + chunk), all_logits=False)
-    pos = torch.arange(n, n + len(chunk))
-    kv = [(apply_rope(k[:, n:], pos, engine.rope, inverse=True), v[:, n:].clone()) for k, v in kv]
-    prefix = (chunk_key(engine.model_spec().fingerprint(), behind),) if behind else ()
-    return FreshChunk(prefix, kv, VariantStats())
+def _variant(engine: LlamaEngine, behind: list[int], chunk: list[int]) -> FreshChunk:
+    """The chunk's variant computed behind `behind` through the adapter, with Cache-Craft
+    statistics (eq. 14 reads them)."""
+    r = blend_prefill(engine, [Segment(behind), Segment(chunk)], Policy("full"), InMemoryLayerSource({}),
+                      gate=TRUSTED)
+    return r.fresh[1]
 
 
-def _observe(engine: LlamaEngine, tok, behind: list[int], chunk: list[int], text: str) -> sel.Observation:
-    """The chunk computed in full behind `behind`, then asked about: "who lives in <its city>"."""
-    q = tok.encode(data.question_about(data.city_of(text)), add_special_tokens=False)
-    n, m = len(behind), len(chunk)
-    return sel.observe(engine, behind + chunk + q, (n, n + m), (n + m, n + m + len(q)))
+def _question(tok, text: str) -> list[int]:
+    """"who lives in <the chunk's city>": what a request that retrieved this chunk asked."""
+    return tok.encode(data.question_about(data.city_of(text)), add_special_tokens=False)
+
+
+TASKS = {"short": data, "long": longdata}  # task name -> example module
 
 
 def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
-            observe: bool = False, compare_alone: bool = False, stats: bool = True) -> list[Prompt]:
-    """`n` held-out prompts (draw `seed`) with their chunks' variants computed behind another
-    prompt's chunk; with `observe`, each chunk also computed in a second request (learned
-    lists), and with `compare_alone` computed alone. `stats=False` skips the stored
-    variants' attention statistics (eq. 14 needs them; nothing else here does)."""
-    tok = build_tokenizer()
-    exs = data.examples("heldout", n + 2, seed=seed)
+            observe: int = 0, compare_alone: bool = False, stats: bool = True,
+            task: str = "short") -> list[Prompt]:
+    """`n` held-out prompts (draw `seed`) of `task` with their chunks' variants computed
+    behind another prompt's chunk; with `observe` = k >= 1, each chunk also computed in k
+    later requests, each behind a chunk of yet another prompt (learned lists: `observed`
+    is the first, `gains` merges all k), and with `compare_alone` computed alone. `stats=False` skips
+    the stored variants' attention statistics (eq. 14 needs them; nothing else here does)
+    and computes every variant in batches (`selection.observe_many`, seconds for hundreds
+    of prompts)."""
+    mod = TASKS[task]
+    tok = build_tokenizer(mod.vocabulary())
+    exs = mod.examples("heldout", n + 1 + max(1, int(observe)), seed=seed)
     enc = [encode(tok, e) for e in exs]
+    chunks = [[list(c) for c in e.chunk_ids] for e in enc]
+    # the chunk before position j, of another prompt (j = 0: that prompt's last chunk)
+    behind = [[chunks[i + 1][(j - 1) % len(chunks[i + 1])] for j in range(len(chunks[i]))] for i in range(n)]
+    # the k-th later request's chunk before position j: prompt i + 1 + k's
+    others = [[[chunks[i + 1 + k][(j - 1) % len(chunks[i + 1 + k])] for j in range(len(chunks[i]))]
+               for k in range(1, int(observe) + 1)] for i in range(n)]
+    todo: list[tuple[str, int, int, sel.Request]] = []  # (what, prompt, chunk, request)
+    for i in range(n):
+        for j, c in enumerate(chunks[i]):
+            b = behind[i][j]
+            if not stats:
+                todo.append(("stored", i, j, (b + c, (len(b), len(b) + len(c)), (0, 0))))
+            for k, other in enumerate(others[i]):
+                o, q = other[j], _question(tok, exs[i].chunks[j])
+                m = len(o) + len(c)
+                todo.append((f"observed{k}", i, j, (o + c + q, (len(o), m), (m, m + len(q)))))
+            if observe and compare_alone:
+                todo.append(("alone", i, j, (c, (0, len(c)), (0, 0))))
+    got = sel.observe_many(engine, [r for *_, r in todo], context=bool(observe))
+    found: dict[tuple[str, int, int], sel.Observation] = {(w, i, j): ob for (w, i, j, _), ob in zip(todo, got)}
+    fp = engine.model_spec().fingerprint()
     out = []
     for i in (track(range(n), description="variants") if progress else range(n)):
-        chunks = [list(c) for c in enc[i].chunk_ids]
-        strangers = [list(c) for c in enc[i + 1].chunk_ids]
-        others = [list(c) for c in enc[i + 2].chunk_ids]
-        # the chunk before position j, of another prompt
-        stored = {j: _variant(engine, strangers[j - 1], c, stats) for j, c in enumerate(chunks)}
-        observed = ({j: _observe(engine, tok, others[j - 1], c, exs[i].chunks[j]) for j, c in enumerate(chunks)}
-                    if observe else {})
-        alone = {j: _variant(engine, None, c) for j, c in enumerate(chunks)} if observe and compare_alone else {}
-        out.append(Prompt(chunks, list(enc[i].question_ids), enc[i].answer_ids[0], exs[i].kind, stored,
+        stored, observed, alone = {}, {}, {}
+        for j, c in enumerate(chunks[i]):
+            prefix = (chunk_key(fp, behind[i][j]),)
+            stored[j] = (_variant(engine, behind[i][j], c) if stats
+                         else FreshChunk(prefix, found["stored", i, j].kv, VariantStats()))
+            if observe:
+                observed[j] = found["observed0", i, j]
+            if observe and compare_alone:
+                alone[j] = FreshChunk((), found["alone", i, j].kv, VariantStats())
+        out.append(Prompt(chunks[i], list(enc[i].question_ids), enc[i].answer_ids[0], exs[i].kind, stored,
                           observed, alone))
+    if observe:
+        # every later request's fresh gains against the stored variant, merged per chunk
+        cases = [(i, j, sel.gain_case(found[f"observed{k}", i, j], p.stored[j].kv))
+                 for i, p in enumerate(out) for j in p.stored for k in range(int(observe))]
+        for (i, j, _), gain in zip(cases, sel.fresh_gain(engine, [c for *_, c in cases])):
+            old = out[i].gains.get(j)
+            out[i].gains[j] = gain if old is None else torch.maximum(old, gain)
+        for p in out:  # the contexts were needed for the gains only
+            for j, ob in p.observed.items():
+                p.observed[j] = sel.Observation(ob.kv, ob.received, ob.received_per_layer)
     return out
+
+
+def save_gains(ps: Sequence[Prompt], path: Path) -> None:
+    """The prompts' learned lists (`Prompt.gains`), for a test fixture: one float32 tensor
+    of every chunk's scores back to back, and the chunks' lengths per prompt."""
+    lengths = [[len(p.gains[j]) for j in sorted(p.gains)] for p in ps]
+    flat = torch.cat([p.gains[j].to(torch.float32) for p in ps for j in sorted(p.gains)])
+    torch.save({"lengths": lengths, "scores": flat}, path)
+
+
+def load_gains(ps: Sequence[Prompt], path: Path) -> None:
+    """Attach the learned lists saved by `save_gains` for the same prompts (same draw, same
+    count or fewer), checking every chunk's length."""
+    saved = torch.load(path)
+    lengths, flat = saved["lengths"], saved["scores"]
+    if len(lengths) < len(ps):
+        raise ValueError(f"{path} holds {len(lengths)} prompts, {len(ps)} asked")
+    at = 0
+    for p, lens in zip(ps, lengths):
+        if lens != [len(c) for c in p.chunks]:
+            raise ValueError(f"{path}: chunk lengths differ from the prompts' (another draw or task?)")
+        for j, n in enumerate(lens):
+            p.gains[j] = flat[at:at + n]
+            at += n
 
 
 Pick = Callable[[Prompt], Mapping[int, Sequence[int]]]  # prompt -> chunk index -> tokens to recompute
@@ -132,13 +189,17 @@ def learned(budget: float, score: str = "read x deviation", layers: Sequence[int
       "deviation"         the KV move alone (CacheBlend §4.1, measured offline)
       "deviation alone"   the move between the stored variant and the chunk computed alone
       "read"              what the question read alone
+      "gain"              the answer's loss from the token's stale KV (`fresh_gain`),
+                          merged over every later request that computed the chunk
 
     At reuse the budget goes to the top scores of the whole prompt (`spread="prompt"`) or
     to every chunk alike (`"chunk"`, Cache-Craft's per-chunk N)."""
-    if score not in ("read x deviation", "deviation", "deviation alone", "read"):
+    if score not in ("read x deviation", "deviation", "deviation alone", "read", "gain"):
         raise ValueError(f"unknown score {score!r}")
 
     def one(p: Prompt, j: int) -> Tensor:
+        if score == "gain":
+            return p.gains[j]
         stored, seen = p.stored[j].kv, p.observed[j]
         if score == "read":
             return seen.received
@@ -218,6 +279,9 @@ def methods(full: bool = True) -> list[tuple[str, ReusePolicy, Pick]]:
     for f in (0.15, 0.30, 0.50):
         rows.append((f"cachecraft top {f:.0%} by inter-attention (eq. 14)", cc, top_inter_attention(f)))
     for b in (0.05, 0.10, 0.15):
+        rows.append((f"learned: fresh gain, prompt budget {b:.0%}", cc, learned(b, "gain")))
+    rows.append(("learned: fresh gain, 1 token per chunk", cc, learned(0.1, "gain", spread="chunk")))
+    for b in (0.05, 0.10, 0.15):
         rows.append((f"learned: read x deviation, prompt budget {b:.0%}", cc, learned(b)))
     rows.append(("learned: read x deviation, 1 token per chunk", cc, learned(0.1, spread="chunk")))
     for b in (0.10, 0.15):
@@ -246,18 +310,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--examples", type=int, default=300)
     ap.add_argument("--seed", type=int, default=3,
                     help="held-out draw (2: the validation draw methods were chosen on; 3: the report)")
-    ap.add_argument("--model-dir", type=Path, default=MODEL_DIR)
+    ap.add_argument("--task", choices=sorted(TASKS), default="short",
+                    help="short: 6 chunks of 7-10 words; long: 5-8 chunks of 32-52 words (longdata)")
+    ap.add_argument("--observe", type=int, default=2,
+                    help="later requests that computed each chunk in full (learned lists learn from them)")
+    ap.add_argument("--model-dir", type=Path, default=None, help="default: the task's committed model")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", default="", help="measure only the methods whose name matches this regex")
+    ap.add_argument("--save-gains", type=Path, help="also save the learned lists (a test fixture)")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    engine = LlamaEngine.from_pretrained(a.model_dir)
+    engine = LlamaEngine.from_pretrained(a.model_dir or (MODEL_DIR if a.task == "short" else LONG_MODEL_DIR))
     chosen = [m for m in methods() if re.search(a.only, m[0])]
     # Compute only what the chosen methods read: eq. 14 needs the stored variants'
     # statistics, "vs alone" the chunks computed alone.
-    ps = prompts(engine, a.examples, seed=a.seed, progress=True, observe=True,
+    ps = prompts(engine, a.examples, seed=a.seed, progress=True, observe=a.observe, task=a.task,
                  compare_alone=any("vs alone" in m[0] for m in chosen),
                  stats=any("eq. 14" in m[0] for m in chosen))
+    if a.save_gains:
+        save_gains(ps, a.save_gains)
     rows = []
     print(HEADER)
     for name, policy, pick in chosen:
@@ -265,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append({"selection": name, **r})
         print(row(name, r), flush=True)
     if a.json:
-        a.json.write_text(json.dumps({"examples": a.examples, "seed": a.seed, "rows": rows}, indent=2))
+        a.json.write_text(json.dumps({"examples": a.examples, "seed": a.seed, "task": a.task,
+                                      "observe": a.observe, "rows": rows}, indent=2))
     return 0
 
 

@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         model = modeling.LlamaForCausalLM.from_pretrained(str(args.init_from), torch_dtype=torch.float32)
         # Words are only ever appended to the vocabulary, so old ids keep their rows.
         model.resize_token_embeddings(len(tok), mean_resizing=False)
+        # RoPE has no learned positions: a model of the short task serves longer prompts.
+        model.config.max_position_embeddings = max_positions
     else:
         model = modeling.LlamaForCausalLM(cfg)
     model.train()

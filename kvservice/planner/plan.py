@@ -6,7 +6,10 @@ Order (docs/planner.md, "Algorithms as built"):
                                                then a stable sort by CA-Table count
   3. CP-Tree longest prefix, first turn only   reuse prefix-exact KV, no recompute
   4. per remaining chunk: lowest-CFO variant   Cache-Craft §3.1-3.3, else fresh
-  5. recompute token lists                     Cache-Craft eq. 14
+  5. recompute token lists                     Cache-Craft eq. 14, N = ceil(CFO |C|) per chunk;
+                                               variants with learned scores (issue 19): the
+                                               controller's ratio spent prompt-wide on them
+                                               (`kvcraft.recompute.allocate`)
   6. loading controller                        CacheBlend §5 ratio, Cache-Craft eq. 16 Lp
 then the state update: the CA-Table counts the request (CRAFT §4.2, before the
 reorder: adding 1 to every chunk of the request does not change their order), the
@@ -22,8 +25,10 @@ call at a time under `kvservice.planning.PlanningService`'s lock (one planner pe
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
+
+from kvcraft.recompute import allocate
 
 from .ca_table import DEFAULT_WINDOW, CATable
 from .catalog import Variant, VariantCatalog
@@ -90,7 +95,8 @@ class ChunkPlan:
     token_span: [start, end) of the chunk's tokens among this turn's chunk tokens.
     cfo: 0 for PREFIX, the chosen variant's CFO for VARIANT, 1 for FRESH.
     recompute: VARIANT only: token indices (within the chunk) to recompute, most
-    contextualized first (Cache-Craft eq. 14); FRESH computes every token.
+    contextualized first (Cache-Craft eq. 14), or highest learned score first when the
+    variant has learned scores; FRESH computes every token.
     """
 
     chunk_key: str
@@ -246,6 +252,7 @@ class Planner:
         plans: list[ChunkPlan] = []
         by_tier: dict[str, int] = {}
         fresh_tokens = recompute_total = start = 0
+        learned: dict[int, tuple[float, ...]] = {}  # plans index -> the variant's learned scores
         for i, k in enumerate(order):
             n = tokens[k]
             span = (start, start + n)
@@ -265,7 +272,12 @@ class Planner:
                     fresh_tokens += n
                 else:
                     info = choice.info
-                    rc = tuple(info.recompute_order[: recompute_count(choice.cfo, n)])
+                    scores = info.stats.recompute_scores
+                    if len(scores) == n:  # learned: the budget is spent prompt-wide below
+                        learned[len(plans)] = scores
+                        rc = ()
+                    else:
+                        rc = tuple(info.recompute_order[: recompute_count(choice.cfo, n)])
                     plans.append(ChunkPlan(k, n, i, span, VARIANT, info.variant_id, info.tier,
                                            choice.cfo, rc))
                     recompute_total += len(rc)
@@ -279,7 +291,17 @@ class Planner:
         self.conversations.record(conv_id, order)
 
         # 6. loading controller
-        d = self.controller(model_id).decide(by_tier, fresh_tokens, question_tokens, recompute_total)
+        controller = self.controller(model_id)
+        d = controller.decide(by_tier, fresh_tokens, question_tokens, recompute_total)
+        if learned:
+            # The controller's ratio (recompute that hides behind loading, >= r_min) over
+            # the learned variants' tokens, to their highest scores across chunks.
+            lists = allocate(learned, d.ratio)
+            for j, toks in lists.items():
+                sc = learned[j]
+                plans[j] = replace(plans[j], recompute=tuple(sorted(toks, key=lambda t: (-sc[t], t))))
+                recompute_total += len(toks)
+            d = controller.decide(by_tier, fresh_tokens, question_tokens, recompute_total)
         return Plan(
             model_id=model_id,
             conv_id=conv_id,

@@ -14,22 +14,23 @@ from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 MODEL = ModelSpec("learned-test", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
-TIA = (0.1, 0.9, 0.2, 0.8, 0.0, 0.5)  # eq. 14 ranks 1, 3, 5, 2, 0, 4
-LEARNED = (0.0, 0.0, 0.3, 0.0, 2.0, 0.0)  # learned list ranks 4, 2, then by index
+T = 20  # tokens per chunk
+TIA = tuple(0.9 - 0.04 * t for t in range(T))  # eq. 14 ranks 0, 1, 2, ...
+LEARNED = tuple({4: 2.0, 2: 0.3, 11: 0.1}.get(t, 0.0) for t in range(T))  # learned: 4, 2, 11; the rest cost nothing
 
 
 def tokens(i: int) -> list[int]:
-    return [i * 10 + t for t in range(6)]
+    return [i * 100 + t for t in range(T)]
 
 
 def layers(seed: int):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(1, 6, 4, generator=g), torch.randn(1, 6, 4, generator=g)) for _ in range(2)]
+    return [(torch.randn(1, T, 4, generator=g), torch.randn(1, T, 4, generator=g)) for _ in range(2)]
 
 
-def recompute(c: KVClient, key: str) -> list[int]:
+def recompute(c: KVClient, key: str, *more: int) -> list[int]:
     """The plan's recompute list of chunk `key`, placed behind a chunk it was not stored behind."""
-    plan = c.plan(MODEL, [tokens(9), tokens(1)], question_tokens=4, first_turn=False)
+    plan = c.plan(MODEL, [tokens(9), tokens(1), *map(tokens, more)], question_tokens=4, first_turn=False)
     c.release(plan.lease_id)
     (cp,) = [cp for cp in plan.chunks if cp.chunk_key == key]
     assert cp.source == pb.ChunkPlan.VARIANT
@@ -44,7 +45,9 @@ def test_learned_scores_rank_recompute_survive_restart_and_go_with_the_variant(s
                              recompute_scores=LEARNED)
         v1 = c.store(MODEL, tokens(1), layers(1), prefix_keys=[k0], stats=stats)
         before = recompute(c, v1.chunk_key)
-        assert before and before == [4, 2, 0, 1, 3, 5][: len(before)]  # not eq. 14's 1, 3, 5, ...
+        # the controller's ratio (>= 15%: >= 3 of 20 tokens) on the learned scores, highest
+        # first, never a token scored 0; not eq. 14's 0, 1, 2, ...
+        assert before == [4, 2, 11]
     server.restart()
     with KVClient(server.address) as c:
         (info,) = c.get_chunk(v1.chunk_key)
@@ -58,10 +61,29 @@ def test_learned_scores_rank_recompute_survive_restart_and_go_with_the_variant(s
         (info,) = c.get_chunk(v1.chunk_key)
         assert list(info.stats.recompute_scores) == []
         again = recompute(c, v1.chunk_key)
-        assert again == [1, 3, 5, 2, 0, 4][: len(again)]
+        assert again and again == list(range(len(again)))  # eq. 14 order, sized by CFO
+
+
+def test_the_plan_spends_one_budget_on_the_highest_learned_scores_of_the_prompt(kvserver):
+    """Two learned variants in one prompt: the controller's ratio r of their 40 tokens
+    goes to the highest scores of both (a prompt-wide budget, not N per chunk)."""
+    with KVClient(kvserver.address) as c:
+        k0 = c.store(MODEL, tokens(0), layers(0)).chunk_key
+        strong = tuple(float(T - t) for t in range(T))  # every token of chunk 1 outranks chunk 3's
+        weak = tuple(0.5 if t < 3 else 0.0 for t in range(T))
+        for i, sc in ((1, strong), (3, weak)):
+            c.store(MODEL, tokens(i), layers(i), prefix_keys=[k0], stats=VariantStats(
+                a=0.5, b=0.1, prefix_attention=(0.5,), token_inter_attention=TIA, recompute_scores=sc))
+        plan = c.plan(MODEL, [tokens(9), tokens(1), tokens(3)], question_tokens=4, first_turn=False)
+        c.release(plan.lease_id)
+        lists = {cp.chunk_key: list(cp.recompute) for cp in plan.chunks}
+        k1, k3 = (c.lookup(MODEL, tokens(i)).chunk_key for i in (1, 3))
+        n = int(plan.ratio * 2 * T + 1e-6)  # floor(r x reused learned tokens)
+        assert 0 < n < T
+        assert lists[k1] == list(range(n)) and lists[k3] == []
 
 
 def test_recompute_scores_of_the_wrong_length_are_refused(kvserver):
     with KVClient(kvserver.address) as c:
-        with pytest.raises(InvalidArgumentError, match="recompute_scores has 2 values for 6 tokens"):
+        with pytest.raises(InvalidArgumentError, match="recompute_scores has 2 values for 20 tokens"):
             c.store(MODEL, tokens(2), layers(2), stats=VariantStats(recompute_scores=(1.0, 2.0)))
