@@ -126,7 +126,6 @@ class RAGAdapter:
         self._pending: list[Future] = []
         self._timings = pb.TimingReport()
         self._plan_tiers: dict[int, str] = {}  # segment -> tier its variant was in when planned
-        self._refs: dict[int, Ref] = {}  # segment -> the variant the last plan named
 
     def prefill(self, chunks: Sequence[Sequence[int]], question: Sequence[int],
                 conversation_id: str = "", reorder: bool = True) -> tuple[BlendResult, RequestReport]:
@@ -153,7 +152,6 @@ class RAGAdapter:
         policy = policy or self.policy
         by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
         segments, refs = self._segments(plan, by_key, chunks, question)
-        self._refs = refs
         local = None
         if refs and self.local:
             try:
@@ -172,7 +170,7 @@ class RAGAdapter:
                 self._release(plan.lease_id)
         ttft = time.perf_counter() - t0
         if self.store_back and result.fresh:
-            self._store_back(segments, result)
+            self._store_back(segments, result, refs)
         self._learn(source, result)
         report = RequestReport(
             policy=policy.name,
@@ -228,7 +226,8 @@ class RAGAdapter:
         except KVCraftError as e:  # the lease times out by itself
             log.warning("kvcraft Release failed (%s); the lease will time out", e)
 
-    def _store_back(self, segments: list[Segment], result: BlendResult) -> None:
+    def _store_back(self, segments: list[Segment], result: BlendResult, refs: Mapping[int, Ref]) -> None:
+        """Store the fresh chunks in the background; refs: segment -> the variant the plan named."""
         question = segments[-1].tokens if segments[-1].question else ()
         q0 = sum(len(seg.tokens) for seg in segments[:-1])
         # The request's cache before its question (K rotated), for the learned scores.
@@ -241,7 +240,7 @@ class RAGAdapter:
             kv = [(k.contiguous(), v.contiguous()) for k, v in fresh.kv]
             learn = None
             if context is not None:
-                known = self._refs.get(s)  # the plan named a variant this request did not reuse
+                known = refs.get(s)  # the plan named a variant this request did not reuse
                 learn = (context, (starts[s], starts[s + 1]), tuple(question), known.variant_id if known else "")
             self._pending.append(self._stores.submit(self._store_one, tokens, kv, fresh.prefix, fresh.stats, learn))
 
