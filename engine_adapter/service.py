@@ -255,8 +255,9 @@ class RAGAdapter:
     def _learned(self, tokens, kv, prefix, stats: VariantStats, context, span, question,  # noqa: ANN001
                  variant_id: str) -> VariantStats:
         """`stats` with the learned recompute scores of this fresh chunk against a stored
-        variant of it (the plan's, else the first the service lists behind another
-        prefix): the variant's own scores merged with this request's `fresh_gain`."""
+        variant of it behind another prefix (one with scores first, then the plan's, then
+        the first the service lists): that variant's scores merged with this request's
+        `fresh_gain`, so the lists accumulate over the requests that computed the chunk."""
         key = chunk_key(self.model_id, tokens)
         try:
             infos = self.client.get_chunk(key)
@@ -264,10 +265,11 @@ class RAGAdapter:
             log.info("kvcraft: no learned scores for chunk %s (%s)", key[:12], e)
             return stats
         mine = tuple(prefix)
-        others = [v for v in infos if v.variant_id == variant_id] or [
-            v for v in infos if tuple(v.prefix_keys) != mine and v.token_count == len(tokens)]
+        others = [v for v in infos if tuple(v.prefix_keys) != mine and v.token_count == len(tokens)]
         if not others:
             return stats  # the first computation of this chunk: nothing to compare with yet
+        # the plan's variant, else any; one with scores first, so that they accumulate
+        others.sort(key=lambda v: (not v.stats.recompute_scores, v.variant_id != variant_id))
         info = others[0]
         stored = self.client.fetch(key, info.variant_id)
         if len(stored) != len(kv) or any(k.shape != fk.shape for (k, _), (fk, _) in zip(stored, kv)):

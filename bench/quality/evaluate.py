@@ -5,6 +5,9 @@ For every held-out example:
   1. warm: a request with the example's chunks shuffled among a neighbour example's
      chunks is served by full prefill, and every chunk's KV is stored back with its
      attention statistics — so each stored variant was computed behind another prefix;
+     For the learned lists, two more warm passes (other shuffles) compute every chunk
+     again behind new prefixes: their store-backs send learned recompute scores
+     (`engine_adapter.selection.fresh_gain` against an earlier variant, merged);
   2. evaluate: the example in its retriever order, once per policy, through
      RAGAdapter (Plan -> fetch layer by layer -> blend), nothing stored back. Only
      the CRAFT setting lets the planner reorder the chunks (in this task chunk order
@@ -43,6 +46,7 @@ class Setting:
     policy: Policy
     reorder: bool = False  # CRAFT reorder of the first turn (changes the prompt)
     alpha: float = 1.0  # Cache-Craft eq. 12 alpha of the service
+    learn: int = 0  # warm passes after the first computing every chunk again: learned recompute scores
 
 
 SETTINGS = (
@@ -53,6 +57,7 @@ SETTINGS = (
     *(Setting(f"cacheblend r={int(r * 100)}%", Policy("cacheblend", ratio=r)) for r in (0.05, 0.10, 0.15, 0.30)),
     *(Setting(f"cachecraft alpha={a}", Policy("cachecraft"), alpha=a) for a in (0.25, 0.5, 1.0)),
     Setting("cachecraft alpha=1.0 + focus (w=2)", Policy("cachecraft", focus_window=2)),
+    Setting("cachecraft + learned lists (default)", Policy("cachecraft"), alpha=0.15, learn=2),
 )
 
 
@@ -66,16 +71,19 @@ def evaluate(n_examples: int, settings: Sequence[Setting] = SETTINGS, model_dir:
     rows = []
     # One service per (alpha, reorder): CRAFT's reorder changes which variants and
     # chunk-prefixes the warm requests leave behind, so it gets its own history.
-    groups: dict[tuple[float, bool], list[Setting]] = {}
+    groups: dict[tuple[float, bool, int], list[Setting]] = {}
     for s in settings:
-        groups.setdefault((s.alpha, s.reorder), []).append(s)
-    for (alpha, reorder), group in groups.items():
+        groups.setdefault((s.alpha, s.reorder, s.learn), []).append(s)
+    for (alpha, reorder, learn), group in groups.items():
         with tempfile.TemporaryDirectory(prefix="kvcraft-quality-") as tmp:
             with ServiceProcess(Path(tmp) / "data", cfo_alpha=alpha) as service, KVClient(service.address) as client:
-                _warm(engine, client, enc, seed, reorder)
+                _warm(engine, client, enc, seed, reorder, learn=False)
+                for k in range(learn):
+                    _warm(engine, client, enc, seed + 1 + k, reorder, learn=True)
                 stats = {s.label: _Tally() for s in group}
                 items = range(n_examples)
-                for i in (track(items, description=f"alpha={alpha} reorder={reorder}") if progress else items):
+                for i in (track(items, description=f"alpha={alpha} reorder={reorder} learn={learn}")
+                          if progress else items):
                     e = enc[i]
                     chunks = [list(c) for c in e.chunk_ids]
                     answer = e.answer_ids[0]
@@ -101,11 +109,14 @@ def evaluate(n_examples: int, settings: Sequence[Setting] = SETTINGS, model_dir:
 _GATE = ReuseGate()
 
 
-def _warm(engine: LlamaEngine, client: KVClient, enc: list, seed: int, reorder: bool) -> None:
+def _warm(engine: LlamaEngine, client: KVClient, enc: list, seed: int, reorder: bool, learn: bool = False) -> None:
     """Every example's chunks computed and stored behind other prefixes (and, with
-    reorder, in the order CRAFT gives those requests)."""
+    reorder, in the order CRAFT gives those requests). learn: store-back sends learned
+    recompute scores where a variant of the chunk is already stored (a second pass with
+    another shuffle: each chunk computed in full behind a new prefix, asked that
+    request's question)."""
     rng = random.Random(seed)
-    warm = RAGAdapter(engine, client, Policy("full"), gate=_GATE)
+    warm = RAGAdapter(engine, client, Policy("full"), gate=_GATE, learn=learn)
     for i in range(len(enc) - 1):
         mixed = [list(c) for c in enc[i].chunk_ids] + [list(c) for c in enc[i + 1].chunk_ids[:2]]
         rng.shuffle(mixed)

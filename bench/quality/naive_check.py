@@ -19,7 +19,7 @@ import time
 import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
-from . import data, modeling
+from . import data, longdata, modeling
 
 MAX_ANSWER_TOKENS = 4
 
@@ -123,16 +123,19 @@ def evaluate(model: LlamaForCausalLM, tok, examples: list[data.Example],
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(modeling.MODEL_DIR))
+    ap.add_argument("--task", choices=("short", "long"), default="short",
+                    help="short: the first task (data); long: the long task (longdata)")
+    ap.add_argument("--model", default=None, help="default: the task's committed model")
     ap.add_argument("--n", type=int, default=500, help="held-out examples")
     ap.add_argument("--seed", type=int, default=1,
                     help="held-out draw; 1 by default: training picks its checkpoint on the default draw")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tok = modeling.load(args.model)
+    task = data if args.task == "short" else longdata
+    model, tok = modeling.load(args.model or (modeling.MODEL_DIR if args.task == "short" else modeling.LONG_MODEL_DIR))
     t0 = time.time()
-    res = evaluate(model, tok, data.examples("heldout", args.n, seed=args.seed))
+    res = evaluate(model, tok, task.examples("heldout", args.n, seed=args.seed))
     res["n"] = args.n
     res["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(res, indent=1))

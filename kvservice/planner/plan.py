@@ -272,7 +272,10 @@ class Planner:
                     fresh_tokens += n
                 else:
                     info = choice.info
-                    scores = info.stats.recompute_scores
+                    # Learned scores describe the chunk's tokens, whichever variant a
+                    # request compared with: a variant without them borrows a sibling's.
+                    scores = info.stats.recompute_scores or next(
+                        (v.stats.recompute_scores for v in vs if len(v.stats.recompute_scores) == n), ())
                     if len(scores) == n:  # learned: the budget is spent prompt-wide below
                         learned[len(plans)] = scores
                         rc = ()

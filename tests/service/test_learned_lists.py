@@ -87,3 +87,21 @@ def test_recompute_scores_of_the_wrong_length_are_refused(kvserver):
     with KVClient(kvserver.address) as c:
         with pytest.raises(InvalidArgumentError, match="recompute_scores has 2 values for 20 tokens"):
             c.store(MODEL, tokens(2), layers(2), stats=VariantStats(recompute_scores=(1.0, 2.0)))
+
+
+def test_a_variant_without_scores_borrows_its_siblings(kvserver):
+    """Scores are learned on the variant a request stores; the chunk's older variant, chosen
+    by the planner for another prefix, recomputes by them too."""
+    with KVClient(kvserver.address) as c:
+        k0 = c.store(MODEL, tokens(0), layers(0)).chunk_key
+        plain = c.store(MODEL, tokens(1), layers(1), prefix_keys=[k0], stats=VariantStats(
+            a=0.2, b=0.5, prefix_attention=(0.2,), token_inter_attention=TIA))
+        k5 = c.store(MODEL, tokens(5), layers(5)).chunk_key
+        c.store(MODEL, tokens(1), layers(2), prefix_keys=[k5], stats=VariantStats(
+            a=0.9, b=0.01, prefix_attention=(0.9,), token_inter_attention=TIA, recompute_scores=LEARNED))
+        assert len(c.get_chunk(plain.chunk_key)) == 2
+        plan = c.plan(MODEL, [tokens(9), tokens(1)], question_tokens=4, first_turn=False)
+        c.release(plan.lease_id)
+        (cp,) = [cp for cp in plan.chunks if cp.chunk_key == plain.chunk_key]
+        assert cp.variant_id == plain.variant_id  # the lower-CFO variant, stored without scores
+        assert list(cp.recompute) == [4, 2, 11]  # ranked by its sibling's learned scores
