@@ -246,6 +246,7 @@ def fresh_gain(engine, cases: Sequence[GainCase], max_elements: int = 1 << 24) -
 
 def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_tables, rotate) -> list[Tensor]:
     c = engine.cfg
+    dev, dt = cases[0].context[0][0].device, cases[0].context[0][0].dtype  # the engine's cache
     C, NV = len(cases), M + 2  # variants: token t fresh (t < M), all stale (M), all fresh (M + 1)
     Q = max(len(k.question) for k in cases)
     if Q == 0:
@@ -268,13 +269,15 @@ def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_
         qtok[n, :len(k.question)] = torch.as_tensor(k.question)
         qlen[n] = len(k.question)
         qpos[n] = p + torch.arange(Q)
+    valid, fresh, qtok, qlen, qpos = (x.to(dev) for x in (valid, fresh, qtok, qlen, qpos))
     cos, sin = rope_tables(engine.rope, qpos.reshape(-1))
     cos, sin = cos.view(C, 1, 1, Q, -1), sin.view(C, 1, 1, Q, -1)
     h = engine.embed(qtok[:, None, :].expand(C, NV, Q).reshape(-1))  # [C*V*Q, d]
     keys_ok = torch.cat([valid[:, None, :].expand(C, Q, P),
-                         torch.ones(Q, Q, dtype=torch.bool).tril()[None].expand(C, Q, Q)], dim=2)  # [C, Q, P+Q]
+                         torch.ones(Q, Q, dtype=torch.bool, device=dev).tril()[None].expand(C, Q, Q)],
+                        dim=2)  # [C, Q, P+Q]
     for layer in range(c.num_layers):
-        K = torch.zeros(C, c.num_kv_heads, P, c.head_dim)
+        K = torch.zeros(C, c.num_kv_heads, P, c.head_dim, dtype=dt, device=dev)
         V = torch.zeros_like(K)
         Ks, Vs = torch.zeros_like(K), torch.zeros_like(K)
         for n, k in enumerate(cases):
@@ -282,9 +285,9 @@ def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_
             p, (s0, s1) = kc.shape[1], k.span
             K[n, :, :p], V[n, :, :p] = kc, vc
             Ks[n, :, :p], Vs[n, :, :p] = kc, vc
-            pos = torch.arange(s0, s1)
-            cs, sn = rope_tables(engine.rope, pos)
-            Ks[n, :, s0:s1], Vs[n, :, s0:s1] = rotate(k.stored[layer][0], cs, sn), k.stored[layer][1]
+            cs, sn = rope_tables(engine.rope, torch.arange(s0, s1, device=dev))
+            sk, sv = (x.to(device=dev, dtype=dt) for x in k.stored[layer])
+            Ks[n, :, s0:s1], Vs[n, :, s0:s1] = rotate(sk, cs, sn), sv
         f = fresh[:, :, None, :, None]  # [C, V, 1, P, 1]
         Kmix = torch.where(f, K[:, None], Ks[:, None])  # [C, V, Hkv, P, D]
         Vmix = torch.where(f, V[:, None], Vs[:, None])
@@ -296,11 +299,11 @@ def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_
         att = att.masked_fill(~keys_ok[:, None, None], float("-inf")).softmax(-1)
         o = (att @ Va).permute(2, 0, 1, 3, 4).reshape(c.num_heads, C * NV * Q, -1)  # [Hq, C*V*Q, D]
         h = engine.mlp(layer, engine.attn_out(layer, h, o))
-    last = h.view(C, NV, Q, -1)[torch.arange(C), :, qlen - 1]  # [C, V, d] each case's last question row
+    last = h.view(C, NV, Q, -1)[torch.arange(C, device=dev), :, qlen - 1]  # [C, V, d] each case's last question row
     logp = engine.logits(last.reshape(C * NV, -1)).float().log_softmax(-1).view(C, NV, -1)
     ref = logp[:, M + 1:]  # [C, 1, vocab] the request's own answer distribution
     kl = (ref.exp() * (ref - logp)).sum(-1)  # [C, V]
-    return [(kl[n, M] - kl[n, :k.span[1] - k.span[0]]).clamp_min(0.0) for n, k in enumerate(cases)]
+    return [(kl[n, M] - kl[n, :k.span[1] - k.span[0]]).clamp_min(0.0).cpu() for n, k in enumerate(cases)]
 
 
 __all__ = ["DEFAULT_BUDGET", "Observation", "observe", "observe_many", "GainCase", "gain_case", "fresh_gain", "learned_scores", "kv_deviation", "merge_scores", "order", "allocate", "per_chunk"]

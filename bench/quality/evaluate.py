@@ -21,6 +21,7 @@ runs the trained weights (`kvbench.quality.modeling.MODEL_DIR`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import tempfile
@@ -88,7 +89,10 @@ def evaluate(n_examples: int, settings: Sequence[Setting] = SETTINGS, model_dir:
                     chunks = [list(c) for c in e.chunk_ids]
                     answer = e.answer_ids[0]
                     for s in group:
-                        adapter = RAGAdapter(engine, client, s.policy, gate=_GATE, store_back=False)
+                        # Quality, not speed: a layer late on a loaded machine is waited for
+                        # (computing it instead would change what is measured).
+                        policy = dataclasses.replace(s.policy, layer_budget_s=LAYER_WAIT_S)
+                        adapter = RAGAdapter(engine, client, policy, gate=_GATE, store_back=False)
                         result, rep = adapter.prefill(chunks, list(e.question_ids), reorder=s.reorder)
                         ordered = _in_order(engine, chunks, rep.order)
                         ref = engine.prefill(torch.tensor([t for c in ordered for t in c] + list(e.question_ids)))[0][-1]
@@ -107,6 +111,7 @@ def evaluate(n_examples: int, settings: Sequence[Setting] = SETTINGS, model_dir:
 
 
 _GATE = ReuseGate()
+LAYER_WAIT_S = 30.0  # longest wait for a stored layer during evaluation
 
 
 def _warm(engine: LlamaEngine, client: KVClient, enc: list, seed: int, reorder: bool, learn: bool = False) -> None:

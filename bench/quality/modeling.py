@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from .data import EOS, PAD, UNK, Example, vocabulary
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
-LONG_MODEL_DIR = Path(__file__).resolve().parent / "model-long"  # the long task's (`longdata`), when trained
+LONG_MODEL_DIR = Path(__file__).resolve().parent / "model-long"  # the long task's (`longdata`)
 
 
 def build_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:

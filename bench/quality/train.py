@@ -1,7 +1,7 @@
 """Train the quality model on CPU with plain torch, one thread.
 
     OMP_NUM_THREADS=1 python -m kvbench.quality.train      # 44 min on one 2-core-VM thread
-    OMP_NUM_THREADS=1 python -m kvbench.quality.train --task long   # the long task (not trained yet)
+    OMP_NUM_THREADS=1 python -m kvbench.quality.train --task long --init-from bench/quality/model  # 55 min
 
 Each training context (up to 6 chunks) is followed by a question about every
 person in it, each question seeing the context and nothing else (`batch_loss`).
