@@ -16,7 +16,9 @@ that vLLM loads from its folder). The prompts are the held-out prompts of
    variant was computed behind other chunks; the chunk keys are the reference engine's,
    which the connector uses too), then every example once per policy (the policy in the
    request's kv_transfer_params), vLLM's own prefix cache reset before each request so
-   only kvcraft supplies KV.
+   only kvcraft supplies KV. Nothing is stored back while evaluating (as in evaluate: a
+   policy that computes a chunk in full would otherwise leave the exact variant behind
+   the prompt's own prefix, and every later policy would reuse that).
 
 Exact match is the greedy first output token (the answer is one word), as in evaluate.
 Share of prompt tokens computed counts token-layers: vLLM's computed tokens (prompt -
@@ -56,21 +58,35 @@ class Setting:
     policy: dict[str, Any]  # the blend policy the vLLM request carries (see blend_params)
     reference: Any = None  # kvbench.quality.evaluate.Setting, or None: no reference row
     alpha: float | None = None  # the service's cfo_alpha this policy needs (Cache-Craft)
+    learn: int = 0  # learning warm passes after the first (learned recompute lists; evaluate's Setting.learn)
+
+
+LAYER_WAIT_S = 0.5  # both paths wait this long for a stored layer before computing the chunk
 
 
 def settings() -> list[Setting]:
+    """The policies, each with the reference engine's Setting of the same name in
+    kvbench.quality.evaluate. Both paths get the same per-layer wait (the connector's
+    default, 0.5 s; evaluate's own default is 0.05 s, which a loaded machine misses, and a
+    missed layer computes its chunk, which changes the answer)."""
     from engine_adapter import Policy
     from kvbench.quality.evaluate import Setting as Ref
 
+    w = {"layer_budget_s": LAYER_WAIT_S}
     out = [Setting("full (100% recompute)", {"name": "full"}, Ref("full prefill", Policy("full"))),
-           Setting("naive (recompute none)", {"name": "naive"}, Ref("naive (reuse all, recompute none)",
-                                                                    Policy("naive")))]
+           Setting("naive (recompute none)", {"name": "naive", **w},
+                   Ref("naive (reuse all, recompute none)", Policy("naive", **w)))]
     for r in (0.05, 0.10, 0.15, 0.30):
-        out.append(Setting(f"cacheblend r={r:.0%}", {"name": "cacheblend", "ratio": r},
-                           Ref(f"cacheblend r={int(r * 100)}%", Policy("cacheblend", ratio=r))))
+        out.append(Setting(f"cacheblend r={r:.0%}", {"name": "cacheblend", "ratio": r, **w},
+                           Ref(f"cacheblend r={int(r * 100)}%", Policy("cacheblend", ratio=r, **w))))
     for a in (0.15, 1.0):
-        out.append(Setting(f"cachecraft alpha={a}", {"name": "cachecraft"},
-                           Ref(f"cachecraft alpha={a}", Policy("cachecraft"), alpha=a), alpha=a))
+        out.append(Setting(f"cachecraft alpha={a}", {"name": "cachecraft", **w},
+                           Ref(f"cachecraft alpha={a}", Policy("cachecraft", **w), alpha=a), alpha=a))
+    # the project's best selection (docs/quality.md): the plan's lists follow learned scores,
+    # which two more warm passes (other shuffles, computed in full) store with the variants
+    out.append(Setting("cachecraft + learned lists", {"name": "cachecraft", **w},
+                       Ref("cachecraft + learned lists (default)", Policy("cachecraft", **w), alpha=0.15, learn=2),
+                       alpha=0.15, learn=2))
     return out
 
 
@@ -137,7 +153,8 @@ def score(enc: list[Any], exs: list[Any], outputs: list[dict[str, Any]], layers:
            "computed_share": computed_tl / prompt_tl if prompt_tl else 0.0,
            "vllm_computed_share": vllm_tl / prompt_tl if prompt_tl else 0.0,
            "kvcraft_recomputed_share": kvcraft_tl / prompt_tl if prompt_tl else 0.0,
-           "blended_requests": blended, "fallbacks": fallbacks}
+           "blended_requests": blended, "fallbacks": fallbacks,
+           "prefix_cache_not_reset": sum(o.get("prefix_cache_reset") is False for o in outputs)}
     if reference_outputs is not None:
         row["identical_to_vllm_alone"] = identical / n if n else 0.0
     return row
@@ -166,7 +183,7 @@ def run(n_examples: int, seed: int = 1, only: Sequence[str] | None = None, refer
                               progress=progress):
                 ref_rows[r["setting"]] = r
         out["reference_s"] = time.perf_counter() - t
-    plain = [{"prompt": enc[i].prompt_ids} for i in range(n_examples)]
+    plain = [{"prompt": enc[i].prompt_ids, "cache_salt": f"alone-{i}"} for i in range(n_examples)]
     with tempfile.TemporaryDirectory(prefix="kvcraft-vllm-quality-") as td:
         tmp = Path(td)
         t = time.perf_counter()
@@ -199,24 +216,29 @@ def _blend_rows(tmp: Path, chosen: list[Setting], exs: list[Any], enc: list[Any]
 
     rows = []
     n = len(enc) - 1
-    groups: dict[float, list[Setting]] = {}
+    groups: dict[tuple[float, int], list[Setting]] = {}
     for s in chosen:
-        groups.setdefault(1.0 if s.alpha is None else s.alpha, []).append(s)
+        groups.setdefault((1.0 if s.alpha is None else s.alpha, s.learn), []).append(s)
     engine = LlamaEngine.from_pretrained(MODEL_DIR)
     t = time.perf_counter()
-    for alpha, group in groups.items():
-        with ServiceProcess(tmp / f"data-{alpha}", cfo_alpha=alpha) as service:
+    for (alpha, learn), group in groups.items():
+        with ServiceProcess(tmp / f"data-{alpha}-{learn}", cfo_alpha=alpha) as service:
             with KVClient(service.address) as client, torch.no_grad():
                 _warm(engine, client, enc, seed, reorder=False)
+                for k in range(learn):  # as evaluate does for its learned-lists setting
+                    _warm(engine, client, enc, seed + 1 + k, reorder=False, learn=True)
+            # vLLM's own prefix cache must not serve a prompt from an earlier request (another
+            # policy's blended blocks of the same prompt): emptied before, and a salt per request
             phases = [{"max_tokens": OUTPUT_TOKENS, "requests": [
-                {"prompt": enc[i].prompt_ids, "reset_prefix_cache": True,
+                {"prompt": enc[i].prompt_ids, "reset_prefix_cache": True, "cache_salt": f"{s.label}-{i}",
                  "kv_transfer_params": blend_params(s.policy, enc[i].chunk_ids)} for i in range(n)]}
                 for s in group]
-            res = engine_run(tmp, f"blend-{alpha}", {
+            res = engine_run(tmp, f"blend-{alpha}-{learn}", {
                 "model": str(MODEL_DIR), "max_model_len": 256, **BLEND_MODEL,
-                "kv": {"address": service.address, "blend_policy": "full"}, "phases": phases})
+                "kv": {"address": service.address, "blend_policy": "full", "blend_store_back": False},
+                "phases": phases})
         for s, ph in zip(group, res["phases"]):
-            rows.append({"setting": s.label, "policy": s.policy, "alpha": alpha,
+            rows.append({"setting": s.label, "policy": s.policy, "alpha": alpha, "learn": learn,
                          "vllm": score(enc, exs, ph["outputs"], layers, base),
                          "reference": ref_rows.get(s.reference.label) if s.reference else None,
                          "connector": ph["metrics"]})

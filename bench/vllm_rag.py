@@ -14,8 +14,10 @@ SPEC: {"model": dir, "block_size": 32, "kv": {"address": ..., <extra config>} | 
        "batch": bool, "reset_prefix_cache": bool, "signal": "SIGSTOP" | "SIGCONT" (sent to
        "service_pid" first), "drain_saves_s": s, "per_request_metrics": bool}], and "shutdown": true
        to time the engine's shutdown at the end. A request may also carry "kv_transfer_params"
-       (sent as SamplingParams.extra_args["kv_transfer_params"]) and "reset_prefix_cache" (vLLM's
-       own prefix cache emptied before it).
+       (sent as SamplingParams.extra_args["kv_transfer_params"]), "reset_prefix_cache" (vLLM's
+       own prefix cache emptied before it; whether vLLM did is in the output's
+       "prefix_cache_reset") and "cache_salt" (vLLM's prefix-cache salt: blocks of other salts
+       never match).
 OUT:  {"outputs": [{"prompt": [ids], "output": [ids], "cached": int, "ttft_s": float,
        "kv_transfer_params": the connector's per-request report, "metrics": this request's
        counter increments (per_request_metrics)}, ...],
@@ -166,8 +168,7 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
                          "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
                          "ttft_s": time.perf_counter() - t})
     for r in ([] if ph.get("batch") else ph["requests"]):
-        if r.get("reset_prefix_cache"):
-            llm.reset_prefix_cache()
+        reset = llm.reset_prefix_cache() if r.get("reset_prefix_cache") else None
         before = _counters(llm) if spec.get("kv") and ph.get("per_request_metrics") else None
         t = time.perf_counter()
         if "prompt" in r:
@@ -186,8 +187,11 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
         if r.get("kv_transfer_params") is not None:  # per-request connector parameters (blending)
             p = params.clone()
             p.extra_args = {**(p.extra_args or {}), "kv_transfer_params": r["kv_transfer_params"]}
-        (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], p, use_tqdm=False)
+        salt = {"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {}
+        (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, **salt)], p, use_tqdm=False)
         ttft = time.perf_counter() - t
+        if reset is not None:
+            extra["prefix_cache_reset"] = bool(reset)
         if before is not None:
             after = _counters(llm)
             extra["metrics"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}

@@ -22,8 +22,13 @@ requests:
   token recomputed by kvcraft: the path's overhead at 100%).
 
 Per request the connector reports what it did (RequestOutput.kv_transfer_params["kvcraft"]):
-tokens claimed, row-layers recomputed, and its time split; "vLLM rest" is the TTFT minus
-kvcraft's part (vLLM's scheduling, its own forward over the unclaimed tokens, sampling).
+tokens claimed, row-layers recomputed (and its time split when it reports one; the columns
+stay 0 otherwise). Where the time goes: the same prompts through kvcraft's own engine
+in this process (RAGAdapter with the headline policy, one thread, the work the
+connector's loader thread does minus the cache write), split into fetch wait, re-rotation,
+recompute, attention, logits and the rest (Plan, Locate, setup); the vLLM TTFT minus that
+is vLLM's side (scheduling, the wait for the asynchronous load, the write into the paged
+cache, vLLM's forward of the last token).
 """
 
 from __future__ import annotations
@@ -93,6 +98,43 @@ def warm_service(model: Path, address: str, pool_chunks: list[list[int]], seed: 
     return time.perf_counter() - t
 
 
+def engine_split(model: Path, address: str, reqs: list[dict[str, Any]], policy: dict[str, Any]) -> dict[str, Any]:
+    """The blend's own work, timed in this process: kvcraft's engine (RAGAdapter: Plan,
+    shared-memory fetch, re-rotation, the policy's recompute; nothing stored back) on the
+    same prompts, one thread as vLLM's CPU worker. What the connector's loader thread runs
+    for a request, minus the write into vLLM's cache; its split says where that time goes."""
+    import torch
+
+    from engine_adapter import LlamaEngine, Policy
+    from engine_adapter.service import RAGAdapter
+    from kvbench.ttft import _split
+    from kvclient.client import KVClient
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LlamaEngine.from_pretrained(model)
+        opts = {k: v for k, v in policy.items() if k != "name"}
+        samples = []
+        with KVClient(address) as client, torch.no_grad():
+            adapter = RAGAdapter(engine, client, Policy(policy["name"], **opts), store_back=False, local=True)
+            try:
+                for i, r in enumerate(reqs):
+                    result, rep = adapter.prefill(r["chunks"], r["question"], reorder=False)
+                    if i:  # the first one warms up
+                        samples.append({"ttft_s": rep.ttft_s, "computed_share": result.computed_share,
+                                        **_split(rep.ttft_s, result, rep.fetch_wait_s)})
+            finally:
+                adapter.close()
+    finally:
+        torch.set_num_threads(threads)
+    med = {k: statistics.median(x[k] for x in samples) for k in samples[0]}
+    return {"ttft_ms_p50": 1e3 * med["ttft_s"], "ttft_ms_p99": 1e3 * _pct([x["ttft_s"] for x in samples], 0.99),
+            "computed_share": med["computed_share"],
+            "split_ms_median": {k: 1e3 * med[k] for k in ("fetch_wait", "rotate", "recompute", "attention",
+                                                          "logits", "other")}}
+
+
 def _pct(xs: list[float], q: float) -> float:
     """Nearest-rank percentile (p99 of fewer than 100 samples is their maximum)."""
     xs = sorted(xs)
@@ -148,7 +190,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         tmp = Path(td)
         model = build_model(tmp / "model", a.layers, a.hidden, a.heads, a.kv_heads, a.mlp)
         prompts = [[t for c in r["chunks"] for t in c] + r["question"] for r in reqs]
-        plain = [{"prompt": p, "reset_prefix_cache": True} for p in prompts]
+        plain = [{"prompt": p, "reset_prefix_cache": True, "cache_salt": f"alone-{i}"} for i, p in enumerate(prompts)]
         t = time.perf_counter()
         alone = engine_run(tmp, "alone", {"model": str(model), "phases": [
             {"requests": plain[:a.warmup], "max_tokens": 1}, {"requests": plain[a.warmup:], "max_tokens": 1}]})
@@ -164,16 +206,20 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             timed = []  # request i once per policy, interleaved
             for i in range(a.warmup, len(reqs)):
                 for name in names:
-                    timed.append({"prompt": prompts[i], "reset_prefix_cache": True,
+                    timed.append({"prompt": prompts[i], "reset_prefix_cache": True, "cache_salt": f"{name}-{i}",
                                   "kv_transfer_params": blend_params(policies[name], reqs[i]["chunks"])})
-            warm = [{"prompt": prompts[i], "reset_prefix_cache": True,
+            warm = [{"prompt": prompts[i], "reset_prefix_cache": True, "cache_salt": f"{n}-{i}",
                      "kv_transfer_params": blend_params(policies[n], reqs[i]["chunks"])}
                     for i in range(a.warmup) for n in names]
             t = time.perf_counter()
             blend = engine_run(tmp, "blend", {
-                "model": str(model), **BLEND_MODEL, "kv": {"address": service.address, "blend_policy": "cacheblend"},
+                "model": str(model), **BLEND_MODEL, "kv": {"address": service.address, "blend_policy": "cacheblend",
+                                                       "blend_store_back": False},
                 "phases": [{"requests": warm, "max_tokens": 1}, {"requests": timed, "max_tokens": 1}]})
             out["vllm_blend_wall_s"] = time.perf_counter() - t
+            if HEADLINE in policies:
+                out["engine_split"] = {"policy": policies[HEADLINE], **engine_split(
+                    model, service.address, reqs[a.warmup - 1 if a.warmup else 0:], policies[HEADLINE])}
         out["load_average"]["end"] = os.getloadavg()
         outs = blend["phases"][1]["outputs"]
         for j, name in enumerate(names):
@@ -211,6 +257,13 @@ def print_table(out: dict[str, Any]) -> None:
               f"{r['speedup_p99']:>9.2f}x{r['computed_share']:>10.1%}{r['ideal_speedup']:>9.1f}x"
               + "".join(f"{s[k]:>10.0f}" for k in ("plan", "fetch_wait", "rotate", "recompute", "kv_write",
                                                   "vllm_rest")) + f"{same:>10}")
+    es = out.get("engine_split")
+    if es:
+        sp = es["split_ms_median"]
+        print(f"the blend's own work ({HEADLINE}), kvcraft's engine in-process, median ms: TTFT "
+              f"{es['ttft_ms_p50']:.0f} = fetch wait {sp['fetch_wait']:.0f} + rotate {sp['rotate']:.0f} + recompute "
+              f"{sp['recompute']:.0f} + attention {sp['attention']:.0f} + logits {sp['logits']:.0f} + other (Plan, "
+              f"Locate, setup) {sp['other']:.0f}; computed {es['computed_share']:.1%}")
     head = next((r for r in out["rows"] if r["mode"].endswith(HEADLINE)), None)
     if head:
         print(f"{HEADLINE}: {head['speedup_p50']:.2f}x lower TTFT p50, {head['speedup_p99']:.2f}x p99 than vLLM alone "
