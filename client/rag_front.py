@@ -40,6 +40,18 @@ class FrontPrompt:
     chunk_tokens: int          # tokens of the chunks in the prompt
     dropped_tokens: int        # tokens of the dropped chunks
     planned: bool              # False: the service did not answer, retriever order kept
+    chunk_lengths: tuple[int, ...] = ()  # token count of each chunk in prompt order (the preamble first)
+
+    def blend_params(self, policy: str | None = None, options: dict | None = None) -> dict:
+        """`kv_transfer_params` asking the vLLM connector to blend this prompt's chunks
+        (docs/vllm.md "Blending"); policy/options override its `blend_policy` for this request:
+
+            SamplingParams(..., extra_args={"kv_transfer_params": p.blend_params()})"""
+        ask: dict = {"chunks": list(self.chunk_lengths)}
+        if policy is not None:
+            ask["policy"] = policy
+            ask["options"] = dict(options or {})
+        return {"kvcraft": ask}
 
 
 class RAGFront:
@@ -76,7 +88,9 @@ class RAGFront:
         order, dropped, planned = self._plan(conversation_id, keys, toks, len(q))
         body = [t for k in order for t in by_key[k]]
         dropped_tokens = sum(len(by_key[k]) for k in dropped if k in by_key)
-        return FrontPrompt(self.preamble + body + q, order, dropped, len(body), dropped_tokens, planned)
+        lengths = ([len(self.preamble)] if self.preamble else []) + [len(by_key[k]) for k in order]
+        return FrontPrompt(self.preamble + body + q, order, dropped, len(body), dropped_tokens, planned,
+                           tuple(lengths))
 
     def chunk_tokens(self, key: str) -> list[int] | None:
         """Token ids of a chunk this front has seen (e.g. PlanResponse.history)."""

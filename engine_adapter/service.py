@@ -228,6 +228,7 @@ class RAGAdapter:
 
     def _store_back(self, segments: list[Segment], result: BlendResult, refs: Mapping[int, Ref]) -> None:
         """Store the fresh chunks in the background; refs: segment -> the variant the plan named."""
+        self._pending = [f for f in self._pending if not f.done()]  # a long-lived adapter keeps only live ones
         question = segments[-1].tokens if segments[-1].question else ()
         q0 = sum(len(seg.tokens) for seg in segments[:-1])
         # The request's cache before its question (K rotated), for the learned scores.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ class ContextBuilder:
         self.chunk_model_id = chunk_model_id
         self.block_size = block_size
         self._lock = threading.Lock()
+        self._serving = threading.Lock()  # one blend at a time: the adapter keeps per-request state
         self._adapter: Any = None
         self._attn: list[Any] | None = None
 
@@ -111,13 +113,24 @@ class ContextBuilder:
             at += n
         question = list(ld.prompt[at:])
         plan = pb.PlanResponse.FromString(ld.plan)
-        result, report = adapter.serve(plan, chunks, question, policy=policy)
-        adapter.take_timings()  # nobody sends them: the scheduler side plans
+        t0 = time.perf_counter()
+        with self._serving:
+            t1 = time.perf_counter()
+            result, report = adapter.serve(plan, chunks, question, policy=policy)
+            adapter.take_timings()  # nobody sends them: the scheduler side plans
+        t2 = time.perf_counter()
         if result.fallbacks:
             chunk, layer = result.fallbacks[0]
             raise BlendFailed(f"stored KV of chunk {chunk} did not arrive intact by layer {layer} "
                               f"({len(result.fallbacks)} chunk(s) short)")
         self._write(result.kv, ld, attn)
+        t3 = time.perf_counter()
+        rotate = sum(t.rotate_s for t in result.timings)
+        attend = sum(t.attend_s for t in result.timings)
+        timings = {"serve_wait_s": t1 - t0, "blend_s": t2 - t1, "fetch_wait_s": report.fetch_wait_s,
+                   "rotate_s": rotate, "attention_s": attend,
+                   "recompute_s": sum(t.compute_s for t in result.timings) - rotate - attend,
+                   "logits_s": result.logits_s, "kv_write_s": t3 - t2}
         n = len(ld.prompt)
         L = len(result.kv)
         row_layers = sum(result.computed_rows) if result.computed_rows else n * L
@@ -125,7 +138,7 @@ class ContextBuilder:
         return {"blended": True, "policy": ld.policy, "prompt_tokens": n, "claimed_tokens": ld.tokens,
                 "vllm_computed_tokens": vllm_tokens, "kvcraft_row_layers": int(row_layers), "num_layers": L,
                 "computed_share": (row_layers / L + vllm_tokens) / n, "reused_chunks": report.reused_chunks,
-                "fresh_chunks": report.fresh_chunks, "fallback": ""}
+                "fresh_chunks": report.fresh_chunks, "fallback": "", "timings": timings}
 
     def _write(self, kv: list[tuple[torch.Tensor, torch.Tensor]], ld: BlendLoad, attn: list[Any]) -> None:
         """Rows [first_token, first_token + tokens) of every layer into the blocks (the last

@@ -20,7 +20,7 @@ SCHEDULER_COUNTERS = (
     "lookup_timeouts",         # no answer within lookup_timeout_s
     "lookup_errors",           # the service answered with an error / could not be reached
     "lookups_skipped",         # requests not looked up while lookups were switched off
-    "promised_tokens",         # tokens vLLM accepted from kvcraft (num_external_tokens)
+    "promised_tokens",         # tokens vLLM accepted from kvcraft's prefix blocks (num_external_tokens)
     "promised_blocks",
     "partial_accepts",         # vLLM accepted fewer tokens than offered (the covering blocks are loaded)
     "resumed_requests",        # asked about again after a preemption (answered without a new lookup)

@@ -88,6 +88,7 @@ class _Request:
     service_blocks: int | None = None   # leading blocks the service holds (known answer)
     offer_first: int = 0                # blocks offered by the last get_num_new_matched_tokens
     offer_count: int = 0
+    offer_tokens: int = 0               # tokens offered (blocks * block size, or token-exact for a blend)
     saved_upto: int = 0                 # blocks [0, saved_upto) were planned for save
     preemptions: int = 0                # vLLM's num_preemptions when last asked
     offer_blend: bool = False           # the last offer was the blend's (else service blocks)
@@ -108,6 +109,7 @@ class _Blend:
     declined: str = ""                 # why kvcraft does not build this request's context
     claimed: int = 0                   # tokens vLLM accepted from the blend (last admission)
     result: dict[str, Any] | None = None  # RequestOutput.kv_transfer_params["kvcraft"]
+    plan_s: float | None = None        # Plan RPC sent -> answered (or failed)
 
 
 class SchedulerSide:
@@ -200,6 +202,8 @@ class SchedulerSide:
         if b.future is not None and not b.future.done():
             b.future.cancel()
         if b.result is not None:
+            if b.plan_s is not None:
+                b.result.setdefault("timings", {})["plan_s"] = b.plan_s
             return {"kvcraft": b.result}
         n = len(st.tokens)
         return {"kvcraft": {"blended": False, "policy": b.policy, "prompt_tokens": n, "claimed_tokens": 0,
@@ -241,7 +245,8 @@ class SchedulerSide:
         if usable <= first:
             return 0, False
         st.offer_first, st.offer_count = first, usable - first
-        return st.offer_count * bs, True
+        st.offer_tokens = st.offer_count * bs
+        return st.offer_tokens, True
 
     def _new_request(self, request: "Request") -> _Request:
         tokens = list(request.prompt_token_ids or [])
@@ -310,7 +315,7 @@ class SchedulerSide:
             b.declined = "no chunk is stored and blend_store_back is off"
             return 0, False
         st.offer_first, st.offer_count = num_computed_tokens // bs, -(-(end - num_computed_tokens) // bs)
-        st.offer_blend = True
+        st.offer_tokens, st.offer_blend = end - num_computed_tokens, True
         return end - num_computed_tokens, True
 
     def _plan(self, st: _Request, b: _Blend) -> bool | None:
@@ -330,9 +335,11 @@ class SchedulerSide:
                 return False
             self.metrics.add(blend_plans=1)
             b.deadline = now + self.settings.plan_timeout_s
+            sent = time.perf_counter()
             try:
                 b.future = self._client.plan_future(self.chunk_model_id, chunks, len(st.tokens) - at,
                                                     first_turn=False, timeout=self.settings.plan_timeout_s)
+                b.future.add_done_callback(lambda _f: setattr(b, "plan_s", time.perf_counter() - sent))
             except Exception as e:  # noqa: BLE001 - vLLM computes the request alone
                 self.metrics.add(blend_plan_errors=1)
                 self._failed("error", f"{type(e).__name__}: {e}")
@@ -417,9 +424,9 @@ class SchedulerSide:
             return
         bs = self.block_size
         n_blocks = -(-num_external_tokens // bs)  # a partly accepted block is loaded whole; vLLM overwrites the rest
-        if n_blocks > st.offer_count:
+        if num_external_tokens > st.offer_tokens:
             raise RuntimeError(f"vLLM accepted {num_external_tokens} tokens of request {request.request_id}, "
-                               f"more than the {st.offer_count * bs} kvcraft offered")
+                               f"more than the {st.offer_tokens} kvcraft offered")
         a, b = st.offer_first, st.offer_first + n_blocks
         ids = tuple(blocks.get_block_ids()[0][a:b])
         bl = st.blend
@@ -432,11 +439,11 @@ class SchedulerSide:
         else:
             self._loads.append(BlockLoad(request.request_id, ids, tuple(st.keys[a:b]), tuple(st.vids[a:b]),
                                          num_external_tokens))
+            self.metrics.add(promised_tokens=num_external_tokens, promised_blocks=n_blocks)
         self._loading[request.request_id] = (a, ids)
-        if num_external_tokens < st.offer_count * bs:
+        if num_external_tokens < st.offer_tokens:
             self.metrics.add(partial_accepts=1)
         st.offer_count = 0
-        self.metrics.add(promised_tokens=num_external_tokens, promised_blocks=n_blocks)
 
     def _plan_saves(self, req_id: str, computed_end: int, meta: KVCraftMetadata) -> None:
         """Full prompt blocks whose KV exists after this step and the service lacks. Each is

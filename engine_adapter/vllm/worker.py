@@ -114,16 +114,19 @@ class WorkerSide:
             if self._closing or self.context is None:
                 self._finish_blend(bl, None, "shutting down" if self._closing else "blending is off here")
             else:
-                self._loader.submit(self._blend, bl)
+                self._loader.submit(self._blend, bl, time.perf_counter())
 
-    def _blend(self, bl: BlendLoad) -> None:
+    def _blend(self, bl: BlendLoad, queued: float) -> None:
         assert self.context is not None
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         try:
             numbers, why = self.context.build(bl, self._layer_names), ""
         except Exception as e:  # noqa: BLE001 - reported as a failed load: vLLM recomputes the request
             numbers, why = None, f"{type(e).__name__}: {e}"[:300]
-        self.metrics.add(blend_s=time.monotonic() - t0)
+        t1 = time.perf_counter()
+        self.metrics.add(blend_s=t1 - t0)
+        if numbers is not None:
+            numbers["timings"] = {"queue_s": t0 - queued, "build_s": t1 - t0, **numbers.get("timings", {})}
         self._finish_blend(bl, numbers, why)
 
     def _finish_blend(self, bl: BlendLoad, numbers: dict[str, Any] | None, why: str) -> None:

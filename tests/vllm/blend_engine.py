@@ -4,12 +4,13 @@
 
 spec: {"model", "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
 (hf_overrides to KVCraftLlamaForCausalLM), "num_blocks", "max_model_len", "service_pid",
-"phases": [{"requests": [{"prompt": [...], "chunks": [...], "policy", "options"}],
-"max_tokens", "signal": "SIGSTOP"|"SIGCONT" (to the service, before the phase),
-"fault": "evict" (every planned variant evicted from the service after the Plan, before
-the fetch, their lease released first as if it had expired: the real service then lacks
-them mid-load)}], "dump": path (torch.save of the
-claimed blocks' K/V as vLLM's cache holds them after each blended request)}.
+"phases": [{"requests": [{"prompt": [...], "chunks": [...], "policy", "options", "salt"}],
+"max_tokens", "signal": "SIGSTOP"|"SIGCONT"|"SIGKILL" (to the service, before the phase),
+"stored": [chunk token lists] (variants of each in the service after the phase's
+store-backs), "fault": "evict" (every planned variant evicted from the service after the
+Plan, before the fetch, its lease released first as if it had expired: the real service
+then lacks them mid-load)}], "dump": path (torch.save of the claimed blocks' K/V as
+vLLM's cache holds them after each blended request, and the backend's block layout)}.
 out: per phase the greedy outputs, each request's kv_transfer_params and the counters.
 """
 
@@ -33,9 +34,12 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     kw = {}
     if spec.get("blend_model"):
+        from importlib.metadata import entry_points
+
         from engine_adapter.vllm.model import ARCHITECTURE, register
 
-        register()  # the entry point does this when kvcraft is installed; a source tree needs the call
+        if not any(e.name == "kvcraft" for e in entry_points(group="vllm.general_plugins")):
+            register()  # a source tree without installed metadata; installed, vLLM's plugin loader does it
         kw["hf_overrides"] = {"architectures": [ARCHITECTURE]}
     if spec.get("kv"):
         from engine_adapter.vllm import kv_transfer_config
@@ -75,6 +79,20 @@ def main(spec_path: str, out_path: str) -> None:
             o = llm.generate([prompt], params, use_tqdm=False)[0]
             res.append({"output": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params})
         done = {"outputs": res, "seconds": time.monotonic() - t0}
+        if phase.get("stored"):  # variants the service holds of these chunks once store-backs are done
+            from kvclient.client import KVClient
+            from kvcraft.keys import chunk_key
+
+            worker.context._rag_adapter().flush()
+            from kvclient.errors import NotFoundError
+
+            done["stored"] = []
+            with KVClient(spec["kv"]["address"]) as c:
+                for t in phase["stored"]:
+                    try:
+                        done["stored"].append(len(c.get_chunk(chunk_key(worker.context.chunk_model_id, t))))
+                    except NotFoundError:
+                        done["stored"].append(0)
         if worker is not None:
             done["metrics"] = connector_metrics(llm)
         out["phases"].append(done)

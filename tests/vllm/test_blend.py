@@ -64,7 +64,9 @@ def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-blend")
     engine = LlamaEngine.from_pretrained(MODEL_DIR)
     tok = build_tokenizer()
-    exs = [encode(tok, e) for e in data.examples("heldout", EXAMPLES + 1, seed=1)]
+    # EXAMPLES warmed, one neighbour (its first two chunks warmed), one never stored
+    # (store-back), one stored damaged (faults)
+    exs = [encode(tok, e) for e in data.examples("heldout", EXAMPLES + 3, seed=1)]
     server = ServiceProcess(tmp / "data").start()
     rng = random.Random(1)
     with KVClient(server.address) as client:
@@ -74,11 +76,13 @@ def world(tmp_path_factory):
             rng.shuffle(mixed)
             warm.prefill(mixed, list(exs[i].question_ids), reorder=False)
         warm.close()
-    requests = [{"prompt": e.prompt_ids, "chunks": [len(c) for c in e.chunk_ids]} for e in exs[:EXAMPLES]]
+    requests = [{"prompt": e.prompt_ids, "chunks": [len(c) for c in e.chunk_ids]} for e in exs]
     alone, _ = run_engine(tmp, "alone", {"model": str(MODEL_DIR), "kv": None,
                                          "phases": [{"requests": requests, "max_tokens": MAX_TOKENS}]})
-    w = {"tmp": tmp, "server": server, "engine": engine, "exs": exs[:EXAMPLES], "requests": requests,
-         "alone": outputs(alone["phases"][0]), "model": str(MODEL_DIR)}
+    w = {"tmp": tmp, "server": server, "engine": engine, "exs": exs[:EXAMPLES], "requests": requests[:EXAMPLES],
+         "alone": outputs(alone["phases"][0])[:EXAMPLES], "model": str(MODEL_DIR),
+         "fresh": (exs[-2], requests[-2], outputs(alone["phases"][0])[-2]),
+         "damaged": (exs[-1], requests[-1], outputs(alone["phases"][0])[-1])}
     yield w
     server.close()
 
@@ -154,22 +158,51 @@ def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
                 torch.testing.assert_close(got_v, V[:, a:a + n], rtol=0, atol=1e-5, msg=f"V layer {layer}")
             assert o["output"][0] == int(result.logits.argmax())  # vLLM's question over the blended KV
             assert k["computed_share"] < 1.0, k
+            t = k["timings"]  # where the time went (docs/vllm.md)
+            assert t["plan_s"] > 0 and 0 < t["blend_s"] + t["kv_write_s"] <= t["build_s"], t
+            assert t["rotate_s"] + t["attention_s"] + t["fetch_wait_s"] <= t["blend_s"], t
         ref.close()
     assert reused >= EXAMPLES
 
 
-def test_faults_answer_as_vllm_alone(world):
-    """Variants evicted after the Plan; the service stalled (SIGSTOP) mid-run; then killed
-    (this test runs last: the module's service is gone after it)."""
+def test_fresh_chunks_stored_back_and_faults_answer_as_vllm_alone(world):
+    """A prompt of chunks the service lacks: computed in full by kvcraft, answered as vLLM
+    alone, every chunk stored back. Faults: a prompt whose stored variants are damaged
+    (wrong head size); bad kv_transfer_params; variants evicted after the Plan; the service stalled (SIGSTOP)
+    mid-run; then killed (this test runs last: the module's service is gone after it)."""
+    from kvclient.client import KVClient
+
+    fresh_ex, fresh, fresh_alone = world["fresh"]
+    bad_ex, damaged, damaged_alone = world["damaged"]
+    spec_model = world["engine"].model_spec()
+    with KVClient(world["server"].address) as c:
+        for chunk in bad_ex.chunk_ids:
+            t = len(chunk)
+            bad = torch.zeros(spec_model.num_kv_heads, t, spec_model.head_dim // 2)
+            c.store(spec_model.fingerprint(), list(chunk), [(bad, bad)] * spec_model.num_layers)
     reqs = world["requests"]
     phases = [
+        {"requests": [fresh], "max_tokens": MAX_TOKENS, "stored": [list(x) for x in fresh_ex.chunk_ids]},
+        {"requests": [damaged], "max_tokens": MAX_TOKENS},
+        {"requests": [{**reqs[0], "chunks": [len(reqs[0]["prompt"])], "salt": "bad"},
+                      {**reqs[1], "policy": "cacheblnd", "salt": "bad"}], "max_tokens": MAX_TOKENS},
         {"requests": reqs, "max_tokens": MAX_TOKENS, "fault": "evict"},
         {"requests": [{**r, "salt": "stall"} for r in reqs[:2]], "max_tokens": MAX_TOKENS, "signal": "SIGSTOP"},
         {"requests": [{**r, "salt": "down"} for r in reqs[2:4]], "max_tokens": MAX_TOKENS, "signal": "SIGKILL"},
     ]
     spec = _blend_spec(world, phases, plan_timeout_s=0.5, lookup_timeout_s=0.5, breaker_failures=100)
     out, log = run_engine(world["tmp"], "faults", spec)
-    evicted, stalled, down = out["phases"]
+    new, bad, refused, evicted, stalled, down = out["phases"]
+    k = new["outputs"][0]["kv"]["kvcraft"]
+    assert outputs(new) == [fresh_alone]
+    assert k["blended"] and k["fresh_chunks"] >= 1, k
+    assert all(n >= 1 for n in new["stored"]), new["stored"]
+    assert outputs(bad) == [damaged_alone]
+    k = bad["outputs"][0]["kv"]["kvcraft"]
+    assert not k["blended"] and "did not arrive intact" in k["fallback"], k
+    assert outputs(refused) == world["alone"][:2]  # bad kv_transfer_params: vLLM alone, named in the report
+    reasons = [o["kv"]["kvcraft"]["fallback"] for o in refused["outputs"]]
+    assert "the question needs at least one" in reasons[0] and "'cacheblnd' unknown" in reasons[1], reasons
     assert outputs(evicted) == world["alone"]
     for o in evicted["outputs"]:
         k = o["kv"]["kvcraft"]
