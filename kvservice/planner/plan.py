@@ -273,9 +273,11 @@ class Planner:
                 else:
                     info = choice.info
                     # Learned scores describe the chunk's tokens, whichever variant a
-                    # request compared with: a variant without them borrows a sibling's.
-                    scores = info.stats.recompute_scores or next(
-                        (v.stats.recompute_scores for v in vs if len(v.stats.recompute_scores) == n), ())
+                    # request stored them with: every variant's count (elementwise max,
+                    # as `kvcraft.recompute.merge_scores`), a variant without any included.
+                    learned_lists = [v.stats.recompute_scores for v in vs if len(v.stats.recompute_scores) == n]
+                    scores = (learned_lists[0] if len(learned_lists) == 1
+                              else tuple(map(max, zip(*learned_lists))) if learned_lists else ())
                     if len(scores) == n:  # learned: the budget is spent prompt-wide below
                         learned[len(plans)] = scores
                         rc = ()

@@ -105,3 +105,24 @@ def test_a_variant_without_scores_borrows_its_siblings(kvserver):
         (cp,) = [cp for cp in plan.chunks if cp.chunk_key == plain.chunk_key]
         assert cp.variant_id == plain.variant_id  # the lower-CFO variant, stored without scores
         assert list(cp.recompute) == [4, 2, 11]  # ranked by its sibling's learned scores
+
+
+def test_the_plan_merges_the_scores_of_every_variant_of_the_chunk(kvserver):
+    """Each variant holds what the request that stored it learned (often about another
+    question); the plan ranks by their elementwise maximum."""
+    with KVClient(kvserver.address) as c:
+        k0 = c.store(MODEL, tokens(0), layers(0)).chunk_key
+        k5 = c.store(MODEL, tokens(5), layers(5)).chunk_key
+        k6 = c.store(MODEL, tokens(6), layers(6)).chunk_key
+        first = tuple({4: 2.0}.get(t, 0.0) for t in range(T))
+        second = tuple({2: 0.3, 11: 0.1}.get(t, 0.0) for t in range(T))
+        chosen = c.store(MODEL, tokens(1), layers(1), prefix_keys=[k0], stats=VariantStats(
+            a=0.2, b=0.5, prefix_attention=(0.2,), token_inter_attention=TIA, recompute_scores=first))
+        for k, sc in ((k5, second), (k6, ())):
+            c.store(MODEL, tokens(1), layers(k == k5 and 2 or 3), prefix_keys=[k], stats=VariantStats(
+                a=0.9, b=0.01, prefix_attention=(0.9,), token_inter_attention=TIA, recompute_scores=sc))
+        plan = c.plan(MODEL, [tokens(9), tokens(1)], question_tokens=4, first_turn=False)
+        c.release(plan.lease_id)
+        (cp,) = [cp for cp in plan.chunks if cp.chunk_key == chosen.chunk_key]
+        assert cp.variant_id == chosen.variant_id
+        assert list(cp.recompute) == [4, 2, 11]  # its own 4, then its siblings' 2 and 11
