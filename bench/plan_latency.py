@@ -1,6 +1,6 @@
 """Plan latency, in process and over gRPC on loopback, with N variants stored.
 
-The server runs in its own process (its own GIL, as operators run it). Variants are
+The server runs in its own process (its own GIL, uvloop, as `kvcraft serve` runs it). Variants are
 metadata only (issue 6 allows it): that process puts records straight into the store's
 index, the one the planner reads, so a million of them need no payload files.
 Everything a Plan touches is real: the planner, the lease on the reused variants, the
@@ -8,6 +8,13 @@ gRPC round trip. The server process also times the planner in process, and repor
 peak RSS (the index's memory) and the time to fill it. In-process latency is also given
 as the planning thread's CPU time, which a busy shared machine does not inflate with
 waits for a core (the wall-clock p99 there is mostly scheduling).
+
+Columns: "planner" is `Planner.plan` alone; "service" is the whole Plan RPC's core in
+process (`PlanningService.plan`: request checks, planner, lease, PlanResponse built);
+"gRPC" is `KVClient.plan` over loopback from the benchmark's process. "floor" is a
+loopback unary call that does nothing (the gRPC health check on the same server and
+channel, interleaved with the Plans): what grpcio itself costs here, the limit the
+Plan RPC is compared with in the same run.
 
     kvcraft bench plan-latency --sizes 10000 100000 1000000 --requests 2000
 """
@@ -28,7 +35,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from kvclient.client import KVClient
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvclient.client import KVClient, plan_request
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.layout import layer_layout
 from kvcraft.records import VariantStats
@@ -103,13 +112,24 @@ def _serve(n_variants: int, n_requests: int, seed: int, conn) -> None:  # noqa: 
                 planner.plan(MODEL, "", [ChunkRef(k, TOKENS) for k in r], 64)
                 in_proc_cpu.append(time.thread_time() - c)
                 in_proc.append(time.perf_counter() - s)
+            service = running.store.listeners[0]
+            svc_cpu = []
+            for r in reqs:
+                req = plan_request(MODEL, [(k, TOKENS) for k in r], 64)
+                c = time.thread_time()
+                resp = service.plan(req)
+                svc_cpu.append(time.thread_time() - c)
+                if resp.lease_id:
+                    running.store.release(resp.lease_id)
             rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             conn.send({"port": running.port, "keys": [k for r in reqs for k in r], "fill_s": fill_s,
-                       "in_proc": in_proc, "in_proc_cpu": in_proc_cpu, "rss_gb": rss_gb})
+                       "in_proc": in_proc, "in_proc_cpu": in_proc_cpu, "service_cpu": svc_cpu, "rss_gb": rss_gb})
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
             await running.stop(0)
 
-    asyncio.run(run())
+    import uvloop
+
+    uvloop.run(run())
 
 
 def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
@@ -121,16 +141,22 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
         got = here.recv()
         flat = got["keys"]
         reqs = [flat[i : i + 5] for i in range(0, len(flat), 5)]
-        grpc_lat = []
+        grpc_lat, floor_lat = [], []
         with KVClient(f"127.0.0.1:{got['port']}") as c:
+            check = health_pb2_grpc.HealthStub(c._channel).Check
+            ping = health_pb2.HealthCheckRequest()
             for r in reqs[:50]:  # warm the channel
                 c.release(c.plan(MODEL, [(k, TOKENS) for k in r], 64).lease_id or "-")
+                check(ping)
             for r in reqs:
                 s = time.perf_counter()
                 resp = c.plan(MODEL, [(k, TOKENS) for k in r], 64)
                 grpc_lat.append(time.perf_counter() - s)
                 if resp.lease_id:
                     c.release(resp.lease_id)
+                s = time.perf_counter()
+                check(ping)
+                floor_lat.append(time.perf_counter() - s)
         here.send("stop")
         proc.join(60)
     finally:
@@ -138,12 +164,17 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
             proc.kill()
     p50, p99 = _pcts(got["in_proc"])
     c50, c99 = _pcts(got["in_proc_cpu"])
+    s50, s99 = _pcts(got["service_cpu"])
     g50, g99 = _pcts(grpc_lat)
+    f50, f99 = _pcts(floor_lat)
     return {"variants": n_variants, "requests": n_requests, "fill_s": round(got["fill_s"], 1),
             "server_peak_rss_gb": round(got["rss_gb"], 2),
             "in_process_p50_us": round(p50, 1), "in_process_p99_us": round(p99, 1),
             "in_process_cpu_p50_us": round(c50, 1), "in_process_cpu_p99_us": round(c99, 1),
-            "grpc_p50_us": round(g50, 1), "grpc_p99_us": round(g99, 1)}
+            "service_cpu_p50_us": round(s50, 1), "service_cpu_p99_us": round(s99, 1),
+            "grpc_p50_us": round(g50, 1), "grpc_p99_us": round(g99, 1),
+            "floor_p50_us": round(f50, 1), "floor_p99_us": round(f99, 1),
+            "load_avg": round(os.getloadavg()[0], 1)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,14 +184,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default="bench-plan-latency.json")
     a = p.parse_args(argv)
     rows = []
-    print(f"{'variants':>10} {'fill s':>7} {'RSS GB':>7} {'in-proc p50 us':>15} {'p99 us':>8} "
-          f"{'CPU p50 us':>11} {'p99 us':>8} {'gRPC p50 us':>12} {'p99 us':>8}  (load {os.getloadavg()[0]:.1f})")
+    cols = [("variants", "variants", 10), ("fill s", "fill_s", 7), ("RSS GB", "server_peak_rss_gb", 7),
+            ("planner p50", "in_process_p50_us", 12), ("p99", "in_process_p99_us", 8),
+            ("CPU p50", "in_process_cpu_p50_us", 8), ("p99", "in_process_cpu_p99_us", 8),
+            ("service CPU p50", "service_cpu_p50_us", 16), ("p99", "service_cpu_p99_us", 8),
+            ("gRPC p50", "grpc_p50_us", 9), ("p99", "grpc_p99_us", 8),
+            ("floor p50", "floor_p50_us", 10), ("p99", "floor_p99_us", 8), ("load", "load_avg", 5)]
+    print("µs; planner = Planner.plan in the server process (wall, then thread CPU time); service = "
+          "PlanningService.plan (CPU); gRPC = KVClient.plan; floor = a no-op unary call (health check), interleaved")
+    print(" ".join(f"{h:>{w}}" for h, _, w in cols), flush=True)
     for n in a.sizes:
         row = measure(n, a.requests)
         rows.append(row)
-        print(f"{n:>10} {row['fill_s']:>7} {row['server_peak_rss_gb']:>7} {row['in_process_p50_us']:>15} "
-              f"{row['in_process_p99_us']:>8} {row['in_process_cpu_p50_us']:>11} {row['in_process_cpu_p99_us']:>8} "
-              f"{row['grpc_p50_us']:>12} {row['grpc_p99_us']:>8}", flush=True)
+        print(" ".join(f"{row[k]:>{w}}" for _, k, w in cols), flush=True)
     Path(a.json).write_text(json.dumps(rows, indent=2))
     return 0
 

@@ -16,7 +16,7 @@ from kvcraft.keys import chunk_key, is_key
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.errors import InvalidArgument, NotFound, Unavailable
 from kvservice.index import Variant
-from kvservice.planner import ChunkRef, Planner, PlannerConfig
+from kvservice.planner import ChunkPlan, ChunkRef, Planner, PlannerConfig
 from kvservice.planner.plan import FRESH, PREFIX, PlanError
 from kvservice.records import Ref
 from kvservice.store import ChunkStore
@@ -75,14 +75,16 @@ class PlanningService:
         if self.store.cluster is not None:  # variants other nodes stored (docs/scale-out.md)
             self.store.cluster.discover([r.key for r in refs])
         first = req.first_turn if req.HasField("first_turn") else None
-        tiers = [t.name for t in self.store.tiers]
-        for i, t in enumerate(req.timings.loads):
-            if t.tier not in tiers:
-                raise InvalidArgument(f"timings.loads[{i}].tier is {t.tier!r}; this service's tiers are {tiers}")
+        loads, computes = req.timings.loads, req.timings.computes
+        if loads:
+            tiers = [t.name for t in self.store.tiers]
+            for i, t in enumerate(loads):
+                if t.tier not in tiers:
+                    raise InvalidArgument(f"timings.loads[{i}].tier is {t.tier!r}; this service's tiers are {tiers}")
         with self._lock:
-            for t in req.timings.loads:
+            for t in loads:
                 self.planner.observe_load(req.model_id, t.tier, t.bytes_per_layer, t.seconds)
-            for t in req.timings.computes:
+            for t in computes:
                 self.planner.observe_compute(req.model_id, t.tokens_per_layer, t.seconds)
             try:
                 plan = self.planner.plan(req.model_id, req.conversation_id, refs, req.question_tokens, first)
@@ -100,29 +102,36 @@ class PlanningService:
                     raise Unavailable("variants keep disappearing while planning; retry the request") from None
                 return self.plan(req, preload, _retried=True)
             if preload is not None:
-                preload.submit(self.store.promote, [r.variant_id for r in reused])
-        return pb.PlanResponse(
-            order=plan.order,
-            dropped=plan.dropped,
-            history=plan.history,
-            chunks=[pb.ChunkPlan(chunk_key=c.chunk_key, position=c.position, token_start=c.token_span[0],
-                                 token_count=c.token_count, source=_SOURCE[c.source],
-                                 variant_id=c.variant_id or "", tier=c.tier or "", cfo=c.cfo,
-                                 recompute=c.recompute, prefix_keys=plan.prefix_of(c.position),
-                                 variant_prefix_keys=self._variant_prefix(c.variant_id))
-                    for c in plan.chunks],
-            ratio=plan.ratio,
-            preload_depth=plan.preload_depth,
-            load_s_per_layer=plan.load_s_per_layer,
-            compute_s_per_layer=plan.compute_s_per_layer,
-            lease_id=lease_id,
-            lease_expires_unix_ms=int(expires * 1000),
-            computed_tokens=plan.computed_tokens,
-        )
+                todo = self._to_preload(plan.chunks)
+                if todo:
+                    preload.submit(self.store.promote, todo)
+        history, order = plan.history, plan.order
+        resp = pb.PlanResponse(order=order, dropped=plan.dropped, history=history, ratio=plan.ratio,
+                               preload_depth=plan.preload_depth, load_s_per_layer=plan.load_s_per_layer,
+                               compute_s_per_layer=plan.compute_s_per_layer, lease_id=lease_id,
+                               lease_expires_unix_ms=int(expires * 1000), computed_tokens=plan.computed_tokens)
+        add = resp.chunks.add  # add(**fields) builds each ChunkPlan in place: the cheapest way with upb
+        get = self.catalog.get
+        for c in plan.chunks:
+            vid = c.variant_id
+            info = get(vid) if vid else None
+            add(chunk_key=c.chunk_key, position=c.position, token_start=c.token_span[0], token_count=c.token_count,
+                source=_SOURCE[c.source], variant_id=vid or "", tier=c.tier or "", cfo=c.cfo, recompute=c.recompute,
+                prefix_keys=history + order[:c.position],
+                variant_prefix_keys=info.prefix_keys if info is not None else ())
+        return resp
 
-    def _variant_prefix(self, vid: str | None) -> tuple[str, ...]:
-        info = self.catalog.get(vid) if vid else None
-        return info.prefix_keys if info is not None else ()
+    def _to_preload(self, chunks: tuple[ChunkPlan, ...]) -> list[str]:
+        """Reused variants worth copying into the fastest tier: not there yet, and not
+        larger than that tier's whole budget (those could never be admitted)."""
+        fast = self.store.tiers[0]
+        out = []
+        for c in chunks:
+            if c.variant_id is not None and c.tier != fast.name:
+                info = self.catalog.get(c.variant_id)
+                if info is not None and info.size_bytes <= fast.budget_bytes:
+                    out.append(c.variant_id)
+        return out
 
     @staticmethod
     def _chunk_ref(model_id: str, i: int, c: pb.PlanChunk) -> ChunkRef:

@@ -27,11 +27,11 @@ class CATable:
         self._requests: deque[tuple[str, ...]] = deque()
         self._counts: dict[str, int] = {}
 
-    def observe(self, keys: Iterable[str]) -> None:
+    def observe(self, keys: Iterable[str], distinct: bool = False) -> None:
         """Record one request's retrieved chunk keys (CRAFT: "increment the access
         count of each retrieved chunk by one"), evicting the oldest request if the
-        window is full."""
-        distinct = tuple(dict.fromkeys(keys))
+        window is full. distinct: the caller knows `keys` holds no key twice."""
+        distinct = tuple(keys) if distinct else tuple(dict.fromkeys(keys))
         counts = self._counts
         for k in distinct:
             counts[k] = counts.get(k, 0) + 1
@@ -43,6 +43,11 @@ class CATable:
                     counts[k] = c
                 else:
                     del counts[k]
+
+    def counts_of(self, keys: Iterable[str]) -> dict[str, int]:
+        """key -> count for each of `keys` (one lookup each, for sorting)."""
+        get = self._counts.get
+        return {k: get(k, 0) for k in keys}
 
     def count(self, key: str) -> int:
         """Number of requests in the window that retrieved `key`."""

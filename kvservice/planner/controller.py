@@ -28,8 +28,8 @@ the defaults below, from measurements made on a GPU host (Llama-3-8B on H100:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Sequence
 
 from .catalog import TIERS
 
@@ -110,8 +110,7 @@ class LinearEstimator:
         return (y - self.c0) / self.c1
 
 
-@dataclass(frozen=True, slots=True)
-class LoadingDecision:
+class LoadingDecision(NamedTuple):
     ratio: float               # recompute ratio r of reused tokens (CacheBlend §5)
     preload_depth: int         # Lp layers (Cache-Craft eq. 16)
     load_s_per_layer: float    # estimated T_load of the reused KV
@@ -187,13 +186,22 @@ class LoadingController:
         fresh_chunk_tokens: chunk tokens computed from scratch; recompute_tokens: the
         plan's per-chunk recompute (Cache-Craft top-N)."""
         base_tokens = fresh_chunk_tokens + question_tokens
-        reused = sum(tokens_by_tier.values())
-        t_load = self.load_time(tokens_by_tier)
-        ratio = self.recompute_ratio(reused, base_tokens, t_load)
-        t_prefill = self.compute_time(base_tokens + recompute_tokens)
-        return LoadingDecision(
-            ratio=ratio,
-            preload_depth=self.preload_depth(t_prefill, t_load),
-            load_s_per_layer=t_load,
-            compute_s_per_layer=t_prefill,
-        )
+        # load_time, recompute_ratio, compute_time and preload_depth, inlined (once per Plan)
+        bpt = self.model.kv_bytes_per_token_layer
+        load = self.load
+        reused = 0
+        t_load = 0.0
+        for tier, n in tokens_by_tier.items():
+            if n:
+                reused += n
+                est = load[tier]
+                t_load += est.c0 + est.c1 * (n * bpt)
+        comp = self.compute
+        if reused > 0:
+            r = ((t_load - comp.c0) / comp.c1 - base_tokens) / reused
+            ratio = 1.0 if r > 1.0 else r if r > self.r_min else self.r_min
+        else:
+            ratio = self.r_min
+        computed = base_tokens + recompute_tokens
+        t_prefill = comp.c0 + comp.c1 * computed if computed > 0 else 0.0
+        return LoadingDecision(ratio, self.preload_depth(t_prefill, t_load), t_load, t_prefill)

@@ -94,7 +94,10 @@ class CPTree:
         same chunk set gets the order it had). Among equally long paths: the one with
         more live nodes, then the one whose chunks come first in `keys` (the caller passes
         its count-sorted order). Only nodes whose chunk is in `keys` are visited."""
+        roots = self._root.children
         want = {k: i for i, k in enumerate(keys)}
+        if not any(k in roots for k in want):
+            return []  # most requests: no promoted path starts with any of their chunks
 
         def best(node: CPNode, used: frozenset[str]) -> tuple[tuple[int, int, tuple[int, ...]], list[str]]:
             top: tuple[tuple[int, int, tuple[int, ...]], list[str]] = ((0, 0, ()), [])

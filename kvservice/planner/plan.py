@@ -25,8 +25,8 @@ call at a time under `kvservice.planning.PlanningService`'s lock (one planner pe
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from kvcraft.recompute import allocate
 
@@ -36,7 +36,7 @@ from .controller import R_MIN, LoadingController, ModelProfile, TierProfile
 from .conversation import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_CONVERSATIONS, DEFAULT_TTL_S, ChunkMap, dedup
 from .cp_tree import DEFAULT_PROMOTION_THRESHOLD, CPTree
 from .reorder import reorder_by_count
-from .variants import DEFAULT_ALPHA, choose_variant, recompute_count
+from .variants import DEFAULT_ALPHA, cci, recompute_count, tie_key, variant_cfo
 
 # ChunkPlan.source
 PREFIX = "prefix"    # CP-Tree prefix: the variant is exact, nothing to recompute
@@ -88,9 +88,9 @@ class PlannerConfig:
             raise ValueError(f"max_cfo must be in (0, 1], got {self.max_cfo}")
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkPlan:
-    """What to do with one chunk of the final order.
+class ChunkPlan(NamedTuple):
+    """What to do with one chunk of the final order (an immutable record; a NamedTuple
+    because the planner builds one per chunk of every request).
 
     token_span: [start, end) of the chunk's tokens among this turn's chunk tokens.
     cfo: 0 for PREFIX, the chosen variant's CFO for VARIANT, 1 for FRESH.
@@ -115,9 +115,8 @@ class ChunkPlan:
         return self.token_count if self.source == FRESH else len(self.recompute)
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """The planner's answer for one request.
+class Plan(NamedTuple):
+    """The planner's answer for one request (an immutable record).
 
     order: final chunk order of this turn (after dedup and reorder).
     dropped: chunk keys removed as conversation (or same-request) duplicates.
@@ -209,44 +208,48 @@ class Planner:
         keys: list[str] = []
         retrieved_tokens = 0
         for c in chunks:
-            if c.token_count < 1:
-                raise PlanError(f"chunk {c.key!r} has token_count {c.token_count} < 1")
+            n = c.token_count
+            if n < 1:
+                raise PlanError(f"chunk {c.key!r} has token_count {n} < 1")
             keys.append(c.key)
-            tokens[c.key] = c.token_count
-            retrieved_tokens += c.token_count
+            tokens[c.key] = n
+            retrieved_tokens += n
 
         history = self.conversations.history(conv_id)
         first = (history is None) if first_turn is None else first_turn
 
         # 1. conversation dedup (CRAFT §4.3)
-        if cfg.dedup:
-            order, dropped = dedup(keys, history or ())
+        if not cfg.dedup or (not history and len(tokens) == len(keys)):
+            order, dropped = keys, []  # nothing sent before, no key twice: nothing to drop
         else:
-            order, dropped = keys, []
+            order, dropped = dedup(keys, history or ())
 
         # CA-Table counts every retrieved chunk (CRAFT §4.2, "Table Update").
         ca = self.ca_table
-        ca.observe(keys)
+        ca.observe(keys if len(tokens) == len(keys) else tokens, distinct=True)
         count = ca.count
 
         # 2. reorder a first turn (CRAFT §4.2 "Chunk Reordering")
+        tree = self.cp_tree
+        use_tree = first and cfg.prefix_tree
         if first and cfg.reorder and len(order) > 1:
-            order = reorder_by_count(order, count)
-            if cfg.prefix_tree and cfg.follow_prefix:
+            order = reorder_by_count(order, ca.counts_of(order))
+            if use_tree and cfg.follow_prefix:
                 # an existing chunk-prefix path first, the rest by count (CRAFT §4.2)
-                head = self.cp_tree.follow(order)
+                head = tree.follow(order)
                 if head:
                     taken = set(head)
                     order = head + [k for k in order if k not in taken]
 
         # 3. CP-Tree longest prefix
-        nodes = self.cp_tree.lookup(order) if first and cfg.prefix_tree else []
+        nodes = tree.lookup(order) if use_tree else []
         p = len(nodes)
 
-        # 4-5. variants for the rest
+        # 4-5. variants for the rest: the lowest-CFO variant of each chunk (Cache-Craft
+        # §3.3, `variants.choose_variant` inlined: this loop is the planner's hot path)
         hist_len = len(history) if history else 0
         s_new: dict[str, int] = dict(history) if history else {}
-        catalog = self.catalog
+        variants_of = self.catalog.variants_of
         alpha, max_cfo = cfg.alpha, cfg.max_cfo
         use_variants = cfg.variants
         plans: list[ChunkPlan] = []
@@ -262,38 +265,56 @@ class Planner:
                 plans.append(ChunkPlan(k, n, i, span, PREFIX, node.variant_id, node.tier, 0.0, ()))
                 by_tier[node.tier] = by_tier.get(node.tier, 0) + n
             else:
-                choice = None
+                best = None
+                best_cfo = 2.0
                 if use_variants:
-                    vs = catalog.variants_of(k)
-                    if vs:
-                        choice = choose_variant(vs, s_new, alpha, max_cfo)
-                if choice is None:
+                    for v in variants_of(k):
+                        pk = v.prefix_keys
+                        if len(pk) > 1:
+                            c = variant_cfo(v, s_new, alpha)
+                        else:
+                            # No prefix, or one chunk: beta' is 1 when that chunk is in S_new
+                            # (or both are empty), else 0 (eq. 6-8 with one key); CFO =
+                            # alpha * CCI * (1 - beta'), clamped (eq. 12).
+                            if (pk[0] in s_new) if pk else not s_new:
+                                c = 0.0
+                            else:
+                                c = v.cci
+                                if c < 0.0:
+                                    st = v.stats
+                                    c = v.cci = cci(st.a, st.b)
+                                c *= alpha
+                                if c > 1.0:
+                                    c = 1.0
+                        if c < best_cfo or (c == best_cfo and tie_key(v) < tie_key(best)):
+                            best, best_cfo = v, c
+                if best is None or best_cfo >= max_cfo:
                     plans.append(ChunkPlan(k, n, i, span, FRESH, None, None, 1.0, ()))
                     fresh_tokens += n
                 else:
-                    info = choice.info
                     # Learned scores describe the chunk's tokens, whichever variant a
                     # request stored them with: every variant's count (elementwise max,
                     # as `kvcraft.recompute.merge_scores`), a variant without any included.
-                    learned_lists = [v.stats.recompute_scores for v in vs if len(v.stats.recompute_scores) == n]
+                    learned_lists = [v.stats.recompute_scores for v in variants_of(k)
+                                     if len(v.stats.recompute_scores) == n]
                     scores = (learned_lists[0] if len(learned_lists) == 1
                               else tuple(map(max, zip(*learned_lists))) if learned_lists else ())
                     if len(scores) == n:  # learned: the budget is spent prompt-wide below
                         learned[len(plans)] = scores
                         rc = ()
                     else:
-                        rc = tuple(info.recompute_order[: recompute_count(choice.cfo, n)])
-                    plans.append(ChunkPlan(k, n, i, span, VARIANT, info.variant_id, info.tier,
-                                           choice.cfo, rc))
+                        rc = tuple(best.recompute_order[: recompute_count(best_cfo, n)])
+                    plans.append(ChunkPlan(k, n, i, span, VARIANT, best.variant_id, best.tier, best_cfo, rc))
                     recompute_total += len(rc)
-                    by_tier[info.tier] = by_tier.get(info.tier, 0) + n
+                    by_tier[best.tier] = by_tier.get(best.tier, 0) + n
             s_new[k] = hist_len + i
 
-        hist_keys = tuple(history) if history else ()
+        hist_keys = tuple(history) if history else ()  # before record() extends it
         # State update (CRAFT §4.2 promotion / extension; §4.3 ChunkMap).
-        if first and cfg.prefix_tree and order:
-            self.cp_tree.update(order, [tokens[k] for k in order], count, p)
-        self.conversations.record(conv_id, order)
+        if use_tree and order:
+            tree.update(order, [tokens[k] for k in order], count, p)
+        if conv_id:
+            self.conversations.record(conv_id, order)
 
         # 6. loading controller
         controller = self.controller(model_id)
@@ -304,24 +325,12 @@ class Planner:
             lists = allocate(learned, d.ratio)
             for j, toks in lists.items():
                 sc = learned[j]
-                plans[j] = replace(plans[j], recompute=tuple(sorted(toks, key=lambda t: (-sc[t], t))))
+                plans[j] = plans[j]._replace(recompute=tuple(sorted(toks, key=lambda t: (-sc[t], t))))
                 recompute_total += len(toks)
             d = controller.decide(by_tier, fresh_tokens, question_tokens, recompute_total)
-        return Plan(
-            model_id=model_id,
-            conv_id=conv_id,
-            first_turn=first,
-            order=tuple(order),
-            dropped=tuple(dropped),
-            prefix=tuple(nd.variant_id for nd in nodes),
-            chunks=tuple(plans),
-            ratio=d.ratio,
-            preload_depth=d.preload_depth,
-            load_s_per_layer=d.load_s_per_layer,
-            compute_s_per_layer=d.compute_s_per_layer,
-            history=hist_keys,
-            retrieved_tokens=retrieved_tokens,
-        )
+        return Plan(model_id, conv_id, first, tuple(order), tuple(dropped),
+                    tuple([nd.variant_id for nd in nodes]), tuple(plans), d.ratio, d.preload_depth,
+                    d.load_s_per_layer, d.compute_s_per_layer, hist_keys, retrieved_tokens)
 
     # ------------------------------------------------------------------ store hooks
     def on_put(self, info: Variant) -> None:

@@ -15,8 +15,12 @@ from typing import Callable, Sequence, TypeVar
 T = TypeVar("T")
 
 
-def reorder_by_count(items: Sequence[T], count: Callable[[T], int]) -> list[T]:
-    """Stable sort of `items` by descending `count(item)`."""
+def reorder_by_count(items: Sequence[T], count: Callable[[T], int] | dict[T, int]) -> list[T]:
+    """Stable sort of `items` by descending count (a function, or a map holding every item)."""
     # sorted() is stable; negating the count sorts descending without reverse=True,
     # which would keep ties stable too but reads less obviously.
+    if isinstance(count, dict):
+        if len(set(count.values())) == 1:
+            return list(items)  # all counts equal: the stable sort keeps the order
+        return sorted(items, key=lambda it: -count[it])
     return sorted(items, key=lambda it: -count(it))

@@ -165,7 +165,7 @@ def choose_variant(variants: Sequence[Variant], s_new_pos: Mapping[str, int],
     best_cfo = 2.0
     for v in variants:
         c = variant_cfo(v, s_new_pos, alpha)
-        if c < best_cfo or (c == best_cfo and best is not None and _tie_key(v) < _tie_key(best)):
+        if c < best_cfo or (c == best_cfo and tie_key(v) < tie_key(best)):
             best, best_cfo = v, c
     if best is None or best_cfo >= max_cfo:
         return None
@@ -178,5 +178,8 @@ def fr_increment(cfo_value: float, floor: float = 0.01) -> float:
     return 1.0 / max(cfo_value, floor)
 
 
-def _tie_key(v: Variant) -> tuple[int, str]:
+def tie_key(v: Variant | None) -> tuple[int, str]:
+    """Order of equally good variants: faster tier first, then smaller id."""
+    if v is None:
+        return (len(TIER_RANK) + 1, "")
     return (TIER_RANK.get(v.tier, len(TIER_RANK)), v.variant_id)

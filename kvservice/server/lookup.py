@@ -27,7 +27,11 @@ class LookupServicer:
     @rpc
     async def Plan(self, request: pb.PlanRequest, context: Any) -> pb.PlanResponse:
         check_plan_request(request, self.store.cfg)
-        return await asyncio.to_thread(self.planning.plan, request, self._preload)
+        if self.store.cluster is None:
+            # CPU only, tens of µs (the lease takes the store lock, as Lookup and Release
+            # do here): a worker-thread hop would cost more than the plan itself.
+            return self.planning.plan(request, self._preload)
+        return await asyncio.to_thread(self.planning.plan, request, self._preload)  # asks the cluster: I/O
 
     @rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:

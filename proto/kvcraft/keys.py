@@ -15,6 +15,7 @@ imports neither torch nor grpc.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
@@ -69,8 +70,12 @@ def variant_id(key: str, prefix_keys: Iterable[str]) -> str:
     return h.hexdigest()
 
 
+_HEX_KEY = re.compile(f"[0-9a-f]{{{KEY_HEX_LEN}}}")
+
+
 def is_key(s: str) -> bool:
-    return len(s) == KEY_HEX_LEN and all(c in "0123456789abcdef" for c in s)
+    """32 lowercase hex chars (a chunk key, variant id or model fingerprint)."""
+    return len(s) == KEY_HEX_LEN and _HEX_KEY.fullmatch(s) is not None
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:

@@ -130,3 +130,39 @@ def test_a_chunk_set_seen_before_keeps_its_order_after_counts_change():
             assert again == first[1] == (key("a"), key("b"), key("c"))
         else:
             assert again[0] == key("c")  # the control: without following, the order changes
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_plan_chooses_what_choose_variant_chooses(data):
+    """The planner's inlined variant choice (fast paths for 0 and 1 prefix chunks) picks
+    the variant and CFO that `choose_variant` (composed eq. 6-12) picks, behind any
+    history, for variants with 0-3 prefix chunks, equal CFOs and tier ties included."""
+    from kvservice.planner.variants import choose_variant
+
+    alpha = data.draw(st.sampled_from([0.15, 0.5, 1.0, 3.0]))
+    max_cfo = data.draw(st.sampled_from([1.0, 0.3]))
+    catalog, planner = make(alpha=alpha, max_cfo=max_cfo, reorder=False, prefix_tree=False, dedup=False)
+    names = [f"c{i}" for i in range(6)]
+    for chunk in names:
+        for _ in range(data.draw(st.integers(0, 3))):
+            prefix = data.draw(st.lists(st.sampled_from([n for n in names if n != chunk]), max_size=3, unique=True))
+            pa = data.draw(st.sampled_from([None, [0.0] * len(prefix), [1.0 + i for i in range(len(prefix))]]))
+            v = variant(key(chunk), [key(p) for p in prefix], tier=data.draw(st.sampled_from(["host", "disk"])),
+                        a=data.draw(st.sampled_from([0.0, 0.4, 2.0])), b=data.draw(st.sampled_from([0.0, 1.0])),
+                        prefix_attention=pa)
+            catalog.put(v)
+    history = data.draw(st.lists(st.sampled_from(names), max_size=3, unique=True))
+    if history:
+        planner.plan("m", "conv", refs(*history), 4)
+    asked = data.draw(st.lists(st.sampled_from([n for n in names if n not in history]), min_size=1, max_size=4,
+                               unique=True))
+    p = planner.plan("m", "conv" if history else "", refs(*asked), 4)
+    s_new = {k: i for i, k in enumerate(p.history)}
+    for c in p.chunks:
+        want = choose_variant(catalog.variants_of(c.chunk_key), s_new, alpha, max_cfo)
+        if want is None:
+            assert c.source == FRESH and c.variant_id is None
+        else:
+            assert (c.source, c.variant_id, c.cfo) == (VARIANT, want.info.variant_id, want.cfo)
+        s_new[c.chunk_key] = len(s_new)
