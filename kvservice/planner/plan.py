@@ -18,8 +18,9 @@ CP-Tree promotes / extends, and the ChunkMap records the chunks sent.
 The CP-Tree applies only to a first turn: a later turn's chunks follow the
 conversation's history in the prompt, so they are never at a chunk-prefix.
 
-Not thread-safe: the service calls it from worker threads (`asyncio.to_thread`), one
-call at a time under `kvservice.planning.PlanningService`'s lock (one planner per process).
+Not thread-safe: one call at a time under `kvservice.planning.PlanningService`'s lock
+(one planner per process; the server calls it on its event loop, or from a worker thread
+when a cluster is configured).
 """
 
 from __future__ import annotations
