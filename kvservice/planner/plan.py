@@ -49,8 +49,7 @@ class PlanError(ValueError):
     """A Plan request that cannot be planned (maps to INVALID_ARGUMENT)."""
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkRef:
+class ChunkRef(NamedTuple):
     """One retrieved chunk as the request names it."""
 
     key: str
