@@ -267,8 +267,12 @@ class Planner:
             else:
                 best = None
                 best_cfo = 2.0
+                learned_lists = []  # every variant's learned scores (see below)
                 if use_variants:
                     for v in variants_of(k):
+                        st = v.stats
+                        if len(st.recompute_scores) == n:
+                            learned_lists.append(st.recompute_scores)
                         pk = v.prefix_keys
                         if len(pk) > 1:
                             c = variant_cfo(v, s_new, alpha)
@@ -281,7 +285,6 @@ class Planner:
                             else:
                                 c = v.cci
                                 if c < 0.0:
-                                    st = v.stats
                                     c = v.cci = cci(st.a, st.b)
                                 c *= alpha
                                 if c > 1.0:
@@ -295,8 +298,6 @@ class Planner:
                     # Learned scores describe the chunk's tokens, whichever variant a
                     # request stored them with: every variant's count (elementwise max,
                     # as `kvcraft.recompute.merge_scores`), a variant without any included.
-                    learned_lists = [v.stats.recompute_scores for v in variants_of(k)
-                                     if len(v.stats.recompute_scores) == n]
                     scores = (learned_lists[0] if len(learned_lists) == 1
                               else tuple(map(max, zip(*learned_lists))) if learned_lists else ())
                     if len(scores) == n:  # learned: the budget is spent prompt-wide below
