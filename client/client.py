@@ -291,6 +291,10 @@ class KVClient:
     def release(self, lease_id: str) -> bool:
         return self._call(self._kv.Release, pb.ReleaseRequest(lease_id=lease_id)).released
 
+    def release_future(self, lease_id: str) -> grpc.Future:
+        """Release without waiting (a grpc.Future; a lease not released expires by its TTL)."""
+        return self._kv.Release.future(pb.ReleaseRequest(lease_id=lease_id), metadata=self._md, timeout=self.timeout)
+
     # -- Admin ------------------------------------------------------------------------
     def stats(self) -> pb.StatsResponse:
         return self._call(self._admin.Stats, pb.StatsRequest(), admin=True)

@@ -110,6 +110,7 @@ class _Blend:
     claimed: int = 0                   # tokens vLLM accepted from the blend (last admission)
     result: dict[str, Any] | None = None  # RequestOutput.kv_transfer_params["kvcraft"]
     plan_s: float | None = None        # Plan RPC sent -> answered (or failed)
+    lease_id: str = ""                 # the Plan's lease, until a blend load takes it over
 
 
 class SchedulerSide:
@@ -201,6 +202,7 @@ class SchedulerSide:
             return None
         if b.future is not None and not b.future.done():
             b.future.cancel()
+        self._release(b)
         if b.result is not None:
             if b.plan_s is not None:
                 b.result.setdefault("timings", {})["plan_s"] = b.plan_s
@@ -313,10 +315,20 @@ class SchedulerSide:
             return 0, False
         if not b.reused_chunks and not self.settings.blend_store_back:
             b.declined = "no chunk is stored and blend_store_back is off"
+            self._release(b)
             return 0, False
         st.offer_first, st.offer_count = num_computed_tokens // bs, -(-(end - num_computed_tokens) // bs)
         st.offer_tokens, st.offer_blend = end - num_computed_tokens, True
         return end - num_computed_tokens, True
+
+    def _release(self, b: _Blend) -> None:
+        """Free the Plan's lease unless a blend load took it (the worker side releases that one)."""
+        if b.lease_id and not b.claimed:
+            try:
+                self._client.release_future(b.lease_id)
+            except Exception:  # noqa: BLE001 - the lease expires by its TTL
+                pass
+        b.lease_id = ""
 
     def _plan(self, st: _Request, b: _Blend) -> bool | None:
         """Ask the service for the chunks' Plan (a gRPC future, never waited on): None while
@@ -364,10 +376,12 @@ class SchedulerSide:
             b.declined = f"Plan failed ({type(err).__name__})"
             return False
         self._failures = 0
+        b.lease_id = plan.lease_id
         keys = [chunk_key(self.chunk_model_id, c) for c in chunks]
         if list(plan.order) != keys or plan.dropped:
             b.declined = "the Plan changed the chunk order or dropped chunks (duplicates in the prompt?)"
             self.metrics.add(blend_declined=1)
+            self._release(b)
             return False
         b.reused_chunks = sum(1 for cp in plan.chunks if cp.source in (pb.ChunkPlan.PREFIX, pb.ChunkPlan.VARIANT))
         b.plan = plan.SerializeToString()
