@@ -246,9 +246,12 @@ class RAGAdapter:
             self._pending.append(self._stores.submit(self._store_one, tokens, kv, fresh.prefix, fresh.stats, learn))
 
     def _store_one(self, tokens, kv, prefix, stats, learn=None) -> None:  # noqa: ANN001 - background task
-        try:
-            if learn is not None:
+        if learn is not None:
+            try:
                 stats = self._learned(tokens, kv, prefix, stats, *learn)
+            except Exception as e:  # noqa: BLE001 - learning never costs the store
+                log.warning("kvcraft: learning recompute scores for a chunk failed (%s); storing it without", e)
+        try:
             self.client.store(self.model_id, list(tokens), kv, prefix_keys=list(prefix), stats=stats)
         except KVCraftError as e:  # a failed store never fails a request
             log.warning("kvcraft store-back of a chunk failed: %s", e)

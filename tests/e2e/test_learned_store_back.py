@@ -69,3 +69,23 @@ def test_store_back_without_learning_sends_no_scores(kvserver):
         for c in cs:
             infos = client.get_chunk(chunk_key(fp, c))
             assert len(infos) == 2 and all(list(v.stats.recompute_scores) == [] for v in infos)
+
+
+def test_a_failure_while_learning_stores_the_chunk_without_scores(kvserver, monkeypatch, caplog):
+    def broken(*a, **k):
+        raise RuntimeError("gain exploded")
+
+    cs = chunks(7)
+    fp = ENGINE.model_spec().fingerprint()
+    with KVClient(kvserver.address) as client:
+        first = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate())
+        first.prefill(cs, QUESTION, reorder=False)
+        first.close()
+        monkeypatch.setattr(sel, "fresh_gain", broken)
+        second = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate())
+        second.prefill(cs[::-1], QUESTION, reorder=False)
+        second.close()
+        for c in cs:
+            infos = client.get_chunk(chunk_key(fp, c))
+            assert len(infos) == 2 and all(list(v.stats.recompute_scores) == [] for v in infos)
+    assert "gain exploded" in caplog.text
