@@ -141,7 +141,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, int(round(q * len(xs) + 0.5)) - 1))] if xs else float("nan")
 
 
-TIMING_KEYS = ("plan_s", "fetch_wait_s", "rotate_s", "recompute_s", "kv_write_s")
+TIMING_KEYS = ("plan_s", "queue_s", "fetch_wait_s", "rotate_s", "recompute_s", "attention_s", "kv_write_s")
 
 
 def summarize(label: str, outs: list[dict[str, Any]], layers: int) -> dict[str, Any]:
@@ -247,16 +247,16 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"TTFT through vLLM, {sh['layers']}-layer random Llama (hidden {sh['hidden']}), {sh['chunks']} x "
           f"{sh['chunk_len']} + {sh['question_len']} tokens, {out['requests']} requests per mode; "
           f"load average {out['load_average']}")
-    cols = ("mode", "p50 ms", "p99 ms", "x p50", "x p99", "computed", "ideal", "plan", "fetch", "rotate",
-            "recomp", "kv write", "vLLM rest", "same tok")
+    cols = ("mode", "p50 ms", "p99 ms", "x p50", "x p99", "computed", "ideal", "plan", "queue", "fetch", "rotate",
+            "recomp", "attn", "kv write", "vLLM rest", "same tok")
     print(f"{cols[0]:<44}" + "".join(f"{c:>10}" for c in cols[1:]))
     for r in out["rows"]:
         s = r["split_ms_median"]
         same = f"{r['same_first_token_as_alone']:.0%}" if "same_first_token_as_alone" in r else "-"
         print(f"{r['mode']:<44}{r['ttft_ms_p50']:>10.0f}{r['ttft_ms_p99']:>10.0f}{r['speedup_p50']:>9.2f}x"
               f"{r['speedup_p99']:>9.2f}x{r['computed_share']:>10.1%}{r['ideal_speedup']:>9.1f}x"
-              + "".join(f"{s[k]:>10.0f}" for k in ("plan", "fetch_wait", "rotate", "recompute", "kv_write",
-                                                  "vllm_rest")) + f"{same:>10}")
+              + "".join(f"{s[k]:>10.0f}" for k in ("plan", "queue", "fetch_wait", "rotate", "recompute", "attention",
+                                                  "kv_write", "vllm_rest")) + f"{same:>10}")
     es = out.get("engine_split")
     if es:
         sp = es["split_ms_median"]
