@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Callable, Iterable
@@ -74,11 +73,10 @@ class MetadataDB:
         """One batch. After a failed write (a full disk) RocksDB refuses every later one
         until the database is reopened: reopen once and retry, so the service recovers
         by itself when space frees. If it still fails, the first error is raised."""
+        opts = self._sync if sync else self._nosync
         generation = self._generation
         try:
-            self._db.write(build(), self._nosync)
-            if sync:
-                self._sync_wal()
+            self._db.write(build(), opts)
             return
         except Exception as first:  # rocksdict raises plain Exception for RocksDB statuses
             error = first
@@ -91,31 +89,9 @@ class MetadataDB:
                     raise error from None
                 self._generation += 1
         try:
-            self._db.write(build(), self._nosync)
-            if sync:
-                self._sync_wal()
+            self._db.write(build(), opts)
         except Exception:
             raise error from None
-
-    def _sync_wal(self) -> None:
-        """Make every write so far durable: fsync the write-ahead log files.
-
-        The same guarantee as a RocksDB write with sync=True, which rocksdict performs
-        holding the GIL: every other thread of the server, the event loop included,
-        stopped for the disk's sync time (2-60 ms here) on each Store. os.fsync lets them
-        run. A write without sync is in the current log file (RocksDB hands each write to
-        the OS before returning); a log file that vanishes meanwhile was retired after its
-        contents reached a synced table file, so there is nothing left to sync in it."""
-        for entry in os.scandir(self.path):
-            if entry.name.endswith(".log"):
-                try:
-                    fd = os.open(entry.path, os.O_RDONLY)
-                except FileNotFoundError:
-                    continue
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
 
     def load_variants(self) -> list[pb.VariantInfo]:
         """Every stored record, read completely, checksums verified; recovery validates
