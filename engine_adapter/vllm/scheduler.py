@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcraft.vllm")
 
 MAX_IDS_PER_LOOKUP = 256  # the service's max_fetch_variants
-IDLE_STEP_PAUSE_S = 0.002  # an engine step with nothing scheduled while loads run yields this long
 
 
 class _Lookup:
@@ -166,11 +165,6 @@ class SchedulerSide:
         self.metrics.add(planned_saves=len(meta.saves))
         self.metrics.step(self._step_s + time.perf_counter() - t0)
         self._step_s = 0.0
-        if self._loading and not scheduler_output.total_num_scheduled_tokens:
-            # Nothing to compute but loads/blends in flight: without a pause vLLM's engine loop
-            # spins (thousands of empty steps a second) and takes the core and the GIL from the
-            # loader thread building the KV it waits for.
-            time.sleep(IDLE_STEP_PAUSE_S)
         return meta
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
