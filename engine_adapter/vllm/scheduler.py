@@ -22,7 +22,6 @@ Bounds (docs/vllm.md "What the connector guarantees"):
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -30,10 +29,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import grpc
 
 from engine_adapter.vllm.blocks import BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta, block_chain
-from engine_adapter.vllm.config import ConnectorSettings, blend_policy
+from engine_adapter.vllm.blend_request import Blend, parse_blend
+from engine_adapter.vllm.config import ConnectorSettings
+from engine_adapter.vllm.lookup import Breaker, PrefixLookup
 from engine_adapter.vllm.metrics import ConnectorMetrics
-from kvclient.errors import from_rpc_error
-from kvcraft.keys import chunk_key
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -41,50 +40,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvcraft.vllm")
-
-MAX_IDS_PER_LOOKUP = 256  # the service's max_fetch_variants
-
-
-class _Lookup:
-    """One request's MatchPrefix, possibly over several RPCs of <= MAX_IDS_PER_LOOKUP ids."""
-
-    def __init__(self, client: Any, vids: list[str], deadline: float) -> None:
-        self._client = client
-        self._vids = vids
-        self.deadline = deadline
-        self.matched = 0
-        self._future = self._send()
-
-    def _send(self) -> Any:
-        part = self._vids[self.matched:self.matched + MAX_IDS_PER_LOOKUP]
-        return self._client.match_prefix_future(part, timeout=max(0.001, self.deadline - time.monotonic()))
-
-    def poll(self) -> int | None:
-        """Blocks matched, or None while the answer is pending. Raises what the RPC raised."""
-        if not self._future.done():
-            return None
-        try:
-            got = self._future.result().matched
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        asked = min(MAX_IDS_PER_LOOKUP, len(self._vids) - self.matched)
-        self.matched += got
-        if got == asked and self.matched < len(self._vids) and time.monotonic() < self.deadline:
-            self._future = self._send()
-            return None
-        return self.matched
-
-    def cancel(self) -> None:
-        self._future.cancel()
-
 
 @dataclass
 class _Request:
     tokens: list[int]
     keys: list[str]
     vids: list[str]
-    lookup: _Lookup | None = None
+    lookup: PrefixLookup | None = None
     service_blocks: int | None = None   # leading blocks the service holds (known answer)
     offer_first: int = 0                # blocks offered by the last get_num_new_matched_tokens
     offer_count: int = 0
@@ -92,25 +54,7 @@ class _Request:
     saved_upto: int = 0                 # blocks [0, saved_upto) were planned for save
     preemptions: int = 0                # vLLM's num_preemptions when last asked
     offer_blend: bool = False           # the last offer was the blend's (else service blocks)
-    blend: "_Blend | None" = None       # the request carries chunk boundaries and blending is on
-
-
-@dataclass
-class _Blend:
-    """One request's blend: its chunks, policy, Plan and what came of it."""
-
-    chunk_tokens: tuple[int, ...]
-    policy: str
-    options: tuple[tuple[str, Any], ...]
-    future: Any = None
-    deadline: float = 0.0
-    plan: bytes | None = None          # a usable PlanResponse (serialized)
-    reused_chunks: int = 0
-    declined: str = ""                 # why kvcraft does not build this request's context
-    claimed: int = 0                   # tokens vLLM accepted from the blend (last admission)
-    result: dict[str, Any] | None = None  # RequestOutput.kv_transfer_params["kvcraft"]
-    plan_s: float | None = None        # Plan RPC sent -> answered (or failed)
-    lease_id: str = ""                 # the Plan's lease, until a blend load takes it over
+    blend: Blend | None = None          # the request carries chunk boundaries and blending is on
 
 
 class SchedulerSide:
@@ -131,9 +75,7 @@ class SchedulerSide:
         self._loads: list[BlockLoad] = []
         self._blends: list[BlendLoad] = []
         self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}  # req -> (first block, vLLM block ids)
-        self._failures = 0
-        self._off_until = 0.0
-        self._off_logged = False
+        self._breaker = Breaker(settings, metrics)
         self._step_s = 0.0
 
     # -- vLLM's scheduler calls --------------------------------------------------------------
@@ -202,7 +144,7 @@ class SchedulerSide:
             return None
         if b.future is not None and not b.future.done():
             b.future.cancel()
-        self._release(b)
+        b.release(self._client)
         if b.result is not None:
             if b.plan_s is not None:
                 b.result.setdefault("timings", {})["plan_s"] = b.plan_s
@@ -257,41 +199,9 @@ class SchedulerSide:
         if unsupported:  # neither loaded nor saved
             return _Request(tokens, [], [], service_blocks=0, saved_upto=len(tokens) // self.block_size)
         keys, vids = block_chain(self.model_id, tokens, self.block_size)
-        return _Request(tokens, keys, vids, blend=self._new_blend(request, tokens))
+        return _Request(tokens, keys, vids, blend=parse_blend(request, tokens, self.settings, self.metrics))
 
     # -- blending ----------------------------------------------------------------------------
-    def _new_blend(self, request: "Request", tokens: list[int]) -> _Blend | None:
-        """The request's blend, if it carries kv_transfer_params {"kvcraft": {"chunks": [...]}}.
-        Bad parameters are logged and the request is served by vLLM alone."""
-        params = getattr(request, "kv_transfer_params", None)
-        ask = params.get("kvcraft") if isinstance(params, dict) else None
-        if ask is None:
-            return None
-        try:
-            if not isinstance(ask, dict):
-                raise ValueError("kv_transfer_params['kvcraft'] must be a mapping")
-            unknown = set(ask) - {"chunks", "policy", "options"}
-            if unknown:
-                raise ValueError(f"unknown keys {sorted(unknown)}; known: chunks, policy, options")
-            chunks = ask.get("chunks")
-            if (not isinstance(chunks, (list, tuple)) or not chunks
-                    or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in chunks)):
-                raise ValueError(f"chunks must be a non-empty list of token counts > 0, got {chunks!r}")
-            if sum(chunks) >= len(tokens):
-                raise ValueError(f"chunks cover {sum(chunks)} tokens of a {len(tokens)}-token prompt; "
-                                 "the question needs at least one")
-            name = ask.get("policy", self.settings.blend_policy)
-            options = ask.get("options", self.settings.blend_options if "policy" not in ask else {})
-            blend_policy(name, options)
-        except ValueError as e:
-            log.warning("kvcraft: request %s: bad kv_transfer_params['kvcraft'] (%s); vLLM computes it alone",
-                        request.request_id, e)
-            self.metrics.add(blend_bad_params=1)
-            return _Blend((), "", (), declined=f"bad kv_transfer_params: {e}")
-        if self.settings.blend_policy == "off":
-            return _Blend(tuple(chunks), name, (), declined="blending is off (blend_policy)")
-        return _Blend(tuple(chunks), name, tuple(sorted(options.items())))
-
     def _blend_matched(self, st: _Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens the blend offers: every prompt token but the last, from vLLM's computed
         prefix on (token-exact: vLLM v1 takes external tokens that end inside a block).
@@ -305,7 +215,8 @@ class SchedulerSide:
         if num_computed_tokens % bs:
             return 0, False
         if b.plan is None:
-            answer = self._plan(st, b)
+            answer = b.ask_plan(st.tokens, self._client, self.chunk_model_id, self.settings, self.metrics,
+                                    self._breaker)
             if answer is None:
                 return None, False
             if not answer:
@@ -315,119 +226,38 @@ class SchedulerSide:
             return 0, False
         if not b.reused_chunks and not self.settings.blend_store_back:
             b.declined = "no chunk is stored and blend_store_back is off"
-            self._release(b)
+            b.release(self._client)
             return 0, False
         st.offer_first, st.offer_count = num_computed_tokens // bs, -(-(end - num_computed_tokens) // bs)
         st.offer_tokens, st.offer_blend = end - num_computed_tokens, True
         return end - num_computed_tokens, True
 
-    def _release(self, b: _Blend) -> None:
-        """Free the Plan's lease unless a blend load took it (the worker side releases that one)."""
-        if b.lease_id and not b.claimed:
-            try:
-                self._client.release_future(b.lease_id)
-            except Exception:  # noqa: BLE001 - the lease expires by its TTL
-                pass
-        b.lease_id = ""
-
-    def _plan(self, st: _Request, b: _Blend) -> bool | None:
-        """Ask the service for the chunks' Plan (a gRPC future, never waited on): None while
-        pending, False when the blend is off for this request (b.declined says why)."""
-        from kvcraft.v1 import kvcraft_pb2 as pb
-
-        now = time.monotonic()
-        chunks, at = [], 0
-        for n in b.chunk_tokens:
-            chunks.append(st.tokens[at:at + n])
-            at += n
-        if b.future is None:
-            if now < self._off_until:
-                self.metrics.add(lookups_skipped=1)
-                b.declined = "the service is switched off after failures"
-                return False
-            self.metrics.add(blend_plans=1)
-            b.deadline = now + self.settings.plan_timeout_s
-            sent = time.perf_counter()
-            try:
-                b.future = self._client.plan_future(self.chunk_model_id, chunks, len(st.tokens) - at,
-                                                    first_turn=False, timeout=self.settings.plan_timeout_s)
-                b.future.add_done_callback(lambda _f: setattr(b, "plan_s", time.perf_counter() - sent))
-            except Exception as e:  # noqa: BLE001 - vLLM computes the request alone
-                self.metrics.add(blend_plan_errors=1)
-                self._failed("error", f"{type(e).__name__}: {e}")
-                b.declined = f"Plan could not be sent ({type(e).__name__})"
-                return False
-        if not b.future.done():
-            if now < b.deadline:
-                return None
-            b.future.cancel()
-            self.metrics.add(blend_plan_timeouts=1)
-            self._failed("timeout", f"no Plan within {self.settings.plan_timeout_s:.2f}s")
-            b.declined = f"no Plan within plan_timeout_s={self.settings.plan_timeout_s}"
-            return False
-        try:
-            plan = b.future.result()
-        except Exception as e:  # noqa: BLE001 - timeouts, errors, cancellation: vLLM alone
-            err = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
-            timeout = getattr(e, "code", lambda: None)() == grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(
-                e, grpc.RpcError) else False
-            self.metrics.add(**{"blend_plan_timeouts" if timeout else "blend_plan_errors": 1})
-            self._failed("timeout" if timeout else "error", str(err))
-            b.declined = f"Plan failed ({type(err).__name__})"
-            return False
-        self._failures = 0
-        b.lease_id = plan.lease_id
-        keys = [chunk_key(self.chunk_model_id, c) for c in chunks]
-        if list(plan.order) != keys or plan.dropped:
-            b.declined = "the Plan changed the chunk order or dropped chunks (duplicates in the prompt?)"
-            self.metrics.add(blend_declined=1)
-            self._release(b)
-            return False
-        b.reused_chunks = sum(1 for cp in plan.chunks if cp.source in (pb.ChunkPlan.PREFIX, pb.ChunkPlan.VARIANT))
-        b.plan = plan.SerializeToString()
-        return True
-
     def _answer(self, st: _Request) -> int | None:
         now = time.monotonic()
         if st.lookup is None:
-            if now < self._off_until:
+            if self._breaker.is_off():
                 self.metrics.add(lookups_skipped=1)
                 return 0
             self.metrics.add(lookups=1)
             try:
-                st.lookup = _Lookup(self._client, st.vids, now + self.settings.lookup_timeout_s)
+                st.lookup = PrefixLookup(self._client, st.vids, now + self.settings.lookup_timeout_s)
             except Exception as e:  # noqa: BLE001 - a lookup that cannot start is a miss
-                self._failed("error", f"{type(e).__name__}: {e}")
+                self._breaker.failed("error", f"{type(e).__name__}: {e}")
                 return 0
         try:
             n = st.lookup.poll()
         except Exception as e:  # noqa: BLE001 - any failure means "no hit", never a crash
             timeout = getattr(e, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
-            self._failed("timeout" if timeout else "error", str(e))
+            self._breaker.failed("timeout" if timeout else "error", str(e))
             return st.lookup.matched
         if n is None:
             if now < st.lookup.deadline:
                 return None
             st.lookup.cancel()
-            self._failed("timeout", f"no answer within {self.settings.lookup_timeout_s:.2f}s")
+            self._breaker.failed("timeout", f"no answer within {self.settings.lookup_timeout_s:.2f}s")
             return st.lookup.matched
-        self._failures = 0
-        if self._off_logged:
-            log.warning("kvcraft: service at %s answers prefix lookups again", self.settings.address)
-            self._off_logged = False
+        self._breaker.answered()
         return n
-
-    def _failed(self, kind: str, why: str) -> None:
-        self.metrics.add(**{"lookup_timeouts" if kind == "timeout" else "lookup_errors": 1})
-        self._failures += 1
-        if self._failures >= self.settings.breaker_failures and time.monotonic() >= self._off_until:
-            self._off_until = time.monotonic() + self.settings.retry_after_s
-            if not self._off_logged:
-                what = "did not answer a prefix lookup in time" if kind == "timeout" else "failed a prefix lookup"
-                log.warning("kvcraft: service at %s %s (%s: %s), %d times in a row; vLLM computes these "
-                            "prompts itself, lookups off for %.1fs", self.settings.address, what, kind,
-                            why[:200], self._failures, self.settings.retry_after_s)
-                self._off_logged = True
 
     # -- loads and saves ---------------------------------------------------------------------
     def _after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:

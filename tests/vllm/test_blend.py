@@ -87,6 +87,12 @@ def world(tmp_path_factory):
     server.close()
 
 
+# The KV comparison needs both sides to use every planned variant: a layer that misses its
+# wait makes that side compute the chunk itself (right, but another KV), which a loaded CI
+# machine did with the 0.05 s default. So both wait up to 30 s per layer here.
+BLEND_OPTIONS = {"ratio": 0.3, "layer_budget_s": 30.0}
+
+
 def _blend_spec(w: dict, phases: list[dict], **kv) -> dict:
     return {"model": w["model"], "blend_model": True, "service_pid": w["server"].proc.pid,
             "kv": {"address": w["server"].address, "blend_policy": "cacheblend", "blend_options": {"ratio": 0.3},
@@ -100,7 +106,7 @@ def blended(world):
     blend = [{**r, "salt": "cacheblend"} for r in world["requests"]]
     spec = _blend_spec(world, [{"requests": full, "max_tokens": MAX_TOKENS},
                                {"requests": blend, "max_tokens": MAX_TOKENS}],
-                       blend_store_back=False)
+                       blend_store_back=False, blend_options=BLEND_OPTIONS)
     spec["dump"] = str(world["tmp"] / "blend-kv.pt")
     out, log = run_engine(world["tmp"], "blend", spec)
     return out, log, torch.load(spec["dump"])
@@ -141,7 +147,7 @@ def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
     engine = world["engine"]
     reused = 0
     with KVClient(world["server"].address) as client:
-        ref = RAGAdapter(engine, client, Policy("cacheblend", ratio=0.3), store_back=False)
+        ref = RAGAdapter(engine, client, Policy("cacheblend", **BLEND_OPTIONS), store_back=False)
         for d, o, e in zip(blends, phase["outputs"], world["exs"]):
             k = o["kv"]["kvcraft"]
             assert k["blended"] and k["reused_chunks"] >= 1, k

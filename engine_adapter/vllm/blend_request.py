@@ -1,0 +1,141 @@
+"""A request's blend on the scheduler side: the chunk boundaries, policy and options it
+asked for in kv_transfer_params["kvcraft"] (docs/vllm.md "Blending"), and what came of it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from engine_adapter.vllm.config import ConnectorSettings, blend_policy
+from engine_adapter.vllm.lookup import Breaker
+from engine_adapter.vllm.metrics import ConnectorMetrics
+from kvclient.errors import from_rpc_error
+from kvcraft.keys import chunk_key
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvcraft.vllm")
+
+
+@dataclass
+class Blend:
+    """One request's blend: its chunks, policy, Plan and what came of it."""
+
+    chunk_tokens: tuple[int, ...]
+    policy: str
+    options: tuple[tuple[str, Any], ...]
+    future: Any = None
+    deadline: float = 0.0
+    plan: bytes | None = None          # a usable PlanResponse (serialized)
+    reused_chunks: int = 0
+    declined: str = ""                 # why kvcraft does not build this request's context
+    claimed: int = 0                   # tokens vLLM accepted from the blend (last admission)
+    result: dict[str, Any] | None = None  # RequestOutput.kv_transfer_params["kvcraft"]
+    plan_s: float | None = None        # Plan RPC sent -> answered (or failed)
+    lease_id: str = ""                 # the Plan's lease, until a blend load takes it over
+
+    def release(self, client: Any) -> None:
+        """Free the Plan's lease unless a blend load took it (the worker side releases that one)."""
+        if self.lease_id and not self.claimed:
+            try:
+                client.release_future(self.lease_id)
+            except Exception:  # noqa: BLE001 - the lease expires by its TTL
+                pass
+        self.lease_id = ""
+
+    def ask_plan(self, tokens: list[int], client: Any, chunk_model_id: str, settings: ConnectorSettings,
+                 metrics: ConnectorMetrics, breaker: Breaker) -> bool | None:
+        """Ask the service for the chunks' Plan (a gRPC future, never waited on): None while
+        pending, False when the blend is off for this request (self.declined says why)."""
+        from kvcraft.v1 import kvcraft_pb2 as pb
+
+        now = time.monotonic()
+        chunks, at = [], 0
+        for n in self.chunk_tokens:
+            chunks.append(tokens[at:at + n])
+            at += n
+        if self.future is None:
+            if breaker.is_off():
+                metrics.add(lookups_skipped=1)
+                self.declined = "the service is switched off after failures"
+                return False
+            metrics.add(blend_plans=1)
+            self.deadline = now + settings.plan_timeout_s
+            sent = time.perf_counter()
+            try:
+                self.future = client.plan_future(chunk_model_id, chunks, len(tokens) - at,
+                                                 first_turn=False, timeout=settings.plan_timeout_s)
+                self.future.add_done_callback(lambda _f: setattr(self, "plan_s", time.perf_counter() - sent))
+            except Exception as e:  # noqa: BLE001 - vLLM computes the request alone
+                metrics.add(blend_plan_errors=1)
+                breaker.failed("error", f"{type(e).__name__}: {e}")
+                self.declined = f"Plan could not be sent ({type(e).__name__})"
+                return False
+        if not self.future.done():
+            if now < self.deadline:
+                return None
+            self.future.cancel()
+            metrics.add(blend_plan_timeouts=1)
+            breaker.failed("timeout", f"no Plan within {settings.plan_timeout_s:.2f}s")
+            self.declined = f"no Plan within plan_timeout_s={settings.plan_timeout_s}"
+            return False
+        try:
+            plan = self.future.result()
+        except Exception as e:  # noqa: BLE001 - timeouts, errors, cancellation: vLLM alone
+            err = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
+            timeout = getattr(e, "code", lambda: None)() == grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(
+                e, grpc.RpcError) else False
+            metrics.add(**{"blend_plan_timeouts" if timeout else "blend_plan_errors": 1})
+            breaker.failed("timeout" if timeout else "error", str(err))
+            self.declined = f"Plan failed ({type(err).__name__})"
+            return False
+        breaker.failures = 0
+        self.lease_id = plan.lease_id
+        keys = [chunk_key(chunk_model_id, c) for c in chunks]
+        if list(plan.order) != keys or plan.dropped:
+            self.declined = "the Plan changed the chunk order or dropped chunks (duplicates in the prompt?)"
+            metrics.add(blend_declined=1)
+            self.release(client)
+            return False
+        self.reused_chunks = sum(1 for cp in plan.chunks if cp.source in (pb.ChunkPlan.PREFIX, pb.ChunkPlan.VARIANT))
+        self.plan = plan.SerializeToString()
+        return True
+
+
+def parse_blend(request: "Request", tokens: list[int], settings: ConnectorSettings,
+                metrics: ConnectorMetrics) -> Blend | None:
+    """The request's blend, if it carries kv_transfer_params {"kvcraft": {"chunks": [...]}}.
+    Bad parameters are logged and the request is served by vLLM alone."""
+    params = getattr(request, "kv_transfer_params", None)
+    ask = params.get("kvcraft") if isinstance(params, dict) else None
+    if ask is None:
+        return None
+    try:
+        if not isinstance(ask, dict):
+            raise ValueError("kv_transfer_params['kvcraft'] must be a mapping")
+        unknown = set(ask) - {"chunks", "policy", "options"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}; known: chunks, policy, options")
+        chunks = ask.get("chunks")
+        if (not isinstance(chunks, (list, tuple)) or not chunks
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in chunks)):
+            raise ValueError(f"chunks must be a non-empty list of token counts > 0, got {chunks!r}")
+        if sum(chunks) >= len(tokens):
+            raise ValueError(f"chunks cover {sum(chunks)} tokens of a {len(tokens)}-token prompt; "
+                             "the question needs at least one")
+        name = ask.get("policy", settings.blend_policy)
+        options = ask.get("options", settings.blend_options if "policy" not in ask else {})
+        blend_policy(name, options)
+    except ValueError as e:
+        log.warning("kvcraft: request %s: bad kv_transfer_params['kvcraft'] (%s); vLLM computes it alone",
+                    request.request_id, e)
+        metrics.add(blend_bad_params=1)
+        return Blend((), "", (), declined=f"bad kv_transfer_params: {e}")
+    if settings.blend_policy == "off":
+        return Blend(tuple(chunks), name, (), declined="blending is off (blend_policy)")
+    return Blend(tuple(chunks), name, tuple(sorted(options.items())))
