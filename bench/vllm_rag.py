@@ -75,7 +75,8 @@ def front_model_id(model: str) -> str:
 
 
 def engine_env() -> dict[str, str]:
-    """Environment for a vLLM CPU process (../shared/ENV.md)."""
+    """Environment for a vLLM CPU process: engine in this process, 1 GiB of KV cache, no
+    OpenMP thread pinning, offline (no model hub), Triton not interpreted (docs/vllm.md)."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the test suite's; vLLM must not run Triton interpreted
     env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -44,7 +44,7 @@ def dot_in_fp32(kernel: object, dtype: torch.dtype) -> bool:
     """Whether a kernel's tl.dot should upcast its operands to fp32.
 
     fp32 inputs always (with IEEE precision, so the GPU does not silently use TF32).
-    In the interpreter always, because bf16 arithmetic is broken there (ENV.md).
+    In the interpreter always, because bf16 arithmetic is broken there (docs/kernels.md).
     On the GPU fp16/bf16 operands go to the tensor cores as they are, accumulating
     in fp32, like the Triton fused-attention tutorial.
     """

@@ -1,6 +1,6 @@
 """Gather and scatter of token rows of a per-layer KV tensor.
 
-Blended prefill (DESIGN.md, adapter step 4) reads the rows to recompute out of the
+Blended prefill (docs/adapter.md, "Per-layer timeline") reads the rows to recompute out of the
 merged cache and writes the recomputed K/V back into it. torch's ``index_select`` and
 ``index_copy_`` are the reference; the Triton kernel does the same in one launch that
 reads and writes through the tensors' strides (a layer view of a larger buffer needs
