@@ -14,6 +14,13 @@ HKVD). The scores are stored with the variant it created (`VariantStats.recomput
 merged over the requests that computed the chunk (`merge_scores`), so the next reuse,
 behind any prefix, knows which tokens to recompute without computing a layer first.
 
+`learn` (measured side by side, kvbench.quality.selection) starts from the top fresh-gain token and adds, greedily, the
+tokens whose RECOMPUTE repairs the answer most (`recompute_gain`): a recomputed token
+attends to the chunk's other, stale rows, so a binding that reaches the token the answer
+reads through other tokens of the chunk (on long chunks, the filler before the profile
+sentence) is repaired only when those are recomputed too, which a one-token fresh gain
+cannot see (docs/quality.md, the long task).
+
 `allocate` (from `kvcraft.recompute`, shared with the planner) spends one prompt-wide
 budget on the highest scores of all reused chunks, so a chunk that does not depend on
 its prefix (a chain head, a distractor) gets nothing and one that does gets its binding
@@ -78,6 +85,7 @@ class Observation:
     context: list[tuple[Tensor, Tensor]] | None = None
     span: tuple[int, int] | None = None
     question: tuple[int, ...] | None = None
+    chunk: tuple[int, ...] | None = None  # the chunk's token ids (with context=True)
 
 
 @torch.no_grad()
@@ -163,7 +171,8 @@ def observe_many(engine, requests: Sequence[Request], layers: Sequence[int] | No
                    if context else None)
             out.append(Observation([(k[i, :, s0:s1].clone(), v[i, :, s0:s1].clone()) for k, v in kvs],
                                    per_layer.sum(0), per_layer, ctx, (s0, s1) if context else None,
-                                   tuple(int(x) for x in list(tokens)[r0:r1]) if context else None))
+                                   tuple(int(x) for x in list(tokens)[r0:r1]) if context else None,
+                                   tuple(int(x) for x in list(tokens)[s0:s1]) if context else None))
     return out
 
 
@@ -190,23 +199,25 @@ class GainCase:
     span      [start, end) rows of the chunk in `context`
     question  the request's question tokens, at rows P.. right after `context`
     stored    per layer (K RoPE-free [Hkv, T, D], V): the stored variant's KV of the chunk
+    tokens    the chunk's token ids (`recompute_gain` recomputes rows from them)
     """
 
     context: KV
     span: tuple[int, int]
     question: tuple[int, ...]
     stored: KV
+    tokens: tuple[int, ...] = ()
 
 
 def gain_case(seen: Observation, stored: KV) -> GainCase:
     """The `GainCase` of an observation kept with `observe_many(context=True)`."""
     if seen.context is None:
         raise ValueError("observation has no context: build it with observe_many(context=True)")
-    return GainCase(seen.context, seen.span, seen.question, stored)
+    return GainCase(seen.context, seen.span, seen.question, stored, seen.chunk or ())
 
 
 @torch.no_grad()
-def fresh_gain(engine, cases: Sequence[GainCase], max_elements: int = 1 << 24) -> list[Tensor]:
+def fresh_gain(engine, cases: Sequence[GainCase], max_elements: int = 1 << 24, stale: bool = False) -> list[Tensor]:
     """Per token of each case's chunk [T]: how much of the request's answer that token's
     stale KV costs, measured where it is known (issue 19's learned list).
 
@@ -219,6 +230,12 @@ def fresh_gain(engine, cases: Sequence[GainCase], max_elements: int = 1 << 24) -
     deviation, §4.1, cannot tell); the binding token of a chunk that depends on its prefix
     gains most. Cache-Craft §3.2 recomputes the tokens whose cache is most wrong for the
     request; this measures that directly, on the one layer that matters, the output.
+
+    `stale=True` measures the other side instead, the loss of leaving token t stale in an
+    otherwise fresh chunk: loss(t) = KL(p || p_fresh, t stale) (floored at 0). Where the
+    answer needs several tokens of a chunk together (each alone repairs nothing), the
+    gain of each is small but the loss of each is large; where the chunk holds the
+    binding redundantly on several tokens, the reverse.
 
     Costs the question's rows times (T + 2) cache variants per case, not a prefill: the
     rows before the question are not recomputed. Cases run in batches of at most
@@ -239,15 +256,17 @@ def fresh_gain(engine, cases: Sequence[GainCase], max_elements: int = 1 << 24) -
             if j > i and (j - i + 1) * (m2 + 2) * c.num_kv_heads * p2 * c.head_dim > max_elements:
                 break
             p_max, m_max, j = p2, m2, j + 1
-        out += _gain_batch(engine, cases[i:j], p_max, m_max, g, rope_tables, rotate)
+        out += _gain_batch(engine, cases[i:j], p_max, m_max, g, rope_tables, rotate, stale)
         i = j
     return out
 
 
-def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_tables, rotate) -> list[Tensor]:
+def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_tables, rotate,
+                stale: bool = False) -> list[Tensor]:
     c = engine.cfg
     dev, dt = cases[0].context[0][0].device, cases[0].context[0][0].dtype  # the engine's cache
-    C, NV = len(cases), M + 2  # variants: token t fresh (t < M), all stale (M), all fresh (M + 1)
+    # variants: token t fresh (t < M; with `stale`: every token but t fresh), all stale (M), all fresh (M + 1)
+    C, NV = len(cases), M + 2
     Q = max(len(k.question) for k in cases)
     if Q == 0:
         raise ValueError("a case has no question rows")
@@ -263,8 +282,9 @@ def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_
                              f"{k.stored[0][0].shape[1]} tokens")
         valid[n, :p] = True
         m = s1 - s0
-        fresh[n, :, s0:s1] = False
-        fresh[n, torch.arange(m), s0 + torch.arange(m)] = True
+        fresh[n, :, s0:s1] = stale
+        fresh[n, torch.arange(m), s0 + torch.arange(m)] = not stale
+        fresh[n, M, s0:s1] = False
         fresh[n, M + 1, s0:s1] = True
         qtok[n, :len(k.question)] = torch.as_tensor(k.question)
         qlen[n] = len(k.question)
@@ -303,7 +323,179 @@ def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_
     logp = engine.logits(last.reshape(C * NV, -1)).float().log_softmax(-1).view(C, NV, -1)
     ref = logp[:, M + 1:]  # [C, 1, vocab] the request's own answer distribution
     kl = (ref.exp() * (ref - logp)).sum(-1)  # [C, V]
+    if stale:
+        return [kl[n, :k.span[1] - k.span[0]].clamp_min(0.0).cpu() for n, k in enumerate(cases)]
     return [(kl[n, M] - kl[n, :k.span[1] - k.span[0]]).clamp_min(0.0).cpu() for n, k in enumerate(cases)]
 
 
-__all__ = ["DEFAULT_BUDGET", "Observation", "observe", "observe_many", "GainCase", "gain_case", "fresh_gain", "learned_scores", "kv_deviation", "merge_scores", "order", "allocate", "per_chunk"]
+# Greedy rounds of the default learned list (`learn`): tokens recorded per request and chunk.
+DEFAULT_ROUNDS = 4
+
+
+@torch.no_grad()
+def learn(engine, cases: Sequence[GainCase], rounds: int = DEFAULT_ROUNDS, max_elements: int = 1 << 24) -> list[Tensor]:
+    """The default learned recompute scores of each case's chunk (what store-back sends as
+    `recompute_scores`): `recompute_gain` greedy from the top `fresh_gain` token."""
+    return recompute_gain(engine, cases, rounds, max_elements=max_elements)
+
+
+@torch.no_grad()
+def recompute_gain(engine, cases: Sequence[GainCase], rounds: int = 4, first: Sequence[int | None] | None = None,
+                   max_elements: int = 1 << 24, min_kl: float = 1e-3, paths: list | None = None) -> list[Tensor]:
+    """Per token of each case's chunk [T]: a learned list built greedily by what
+    RECOMPUTING tokens repairs (issue 19, the long task).
+
+    `fresh_gain` puts a token's fresh KV back, as if it had been recomputed over a fresh
+    chunk. A reuse recomputes it over the chunk's stale rows instead: if the token's
+    binding comes through another token of the chunk (the companion of a "they" chunk
+    reads who "they" is from the "they" token, which reads the chunk before), the
+    recomputed token reads the stale one and repairs nothing. Here the chunk is served
+    stale, as a reuse would, and the chosen rows are recomputed from layer 0 over it (the
+    blend's arithmetic: Cache-Craft §3.2's recompute of selected tokens, CacheBlend §4.3's
+    selected rows attending to the reused KV); the question's rows then give the
+    answer. Greedy: start from `first` (default: each case's top `fresh_gain` token, the
+    token the answer reads), then `rounds - 1` times add the token whose recompute
+    lowers KL(p || answer) most given the tokens chosen so far. The i-th chosen token
+    scores KL_(i-1) - min(KL_j, j >= i) (what recomputing it and the tokens chosen after
+    it still repairs; KL_0 = every token stale), every other token 0. A case whose stale
+    chunk costs less than `min_kl` scores all 0.
+
+    Costs per round the chunk's T + 2 variants x (chosen + 1 + question) rows through
+    every layer, over caches of the request's rows. `paths`, if given, receives each
+    case's greedy path (chosen tokens, KL_0..KL_k): the path of fewer rounds is its prefix
+    (`path_scores`).
+    """
+    if any(not k.tokens or len(k.tokens) != k.span[1] - k.span[0] for k in cases):
+        raise ValueError("recompute_gain needs each case's chunk tokens (GainCase.tokens)")
+    if first is None:
+        first = [int(g.argmax()) if len(g) and float(g.max()) > 0 else None
+                 for g in fresh_gain(engine, cases, max_elements)]
+    chosen: list[list[int]] = [[] for _ in cases]
+    kls: list[list[float]] = [[] for _ in cases]  # KL after recomputing the first i chosen tokens
+    live = list(range(len(cases)))
+    for r in range(rounds):
+        if not live:
+            break
+        got = _recompute_rounds(engine, [cases[n] for n in live], [chosen[n] for n in live], max_elements)
+        still = []
+        for n, (base, each) in zip(live, got):
+            if r == 0:
+                kls[n].append(base)
+                if base < min_kl:
+                    continue
+            m = len(each)
+            if r == 0 and first[n] is not None:
+                u = int(first[n])
+            else:
+                each = each.clone()
+                each[chosen[n]] = float("inf")
+                u = int(each.argmin())
+            chosen[n].append(u)
+            kls[n].append(float(each[u]))
+            if len(chosen[n]) < m:
+                still.append(n)
+        live = still
+    if paths is not None:
+        paths.extend(zip(chosen, kls))
+    return [path_scores(chosen[n], kls[n], k.span[1] - k.span[0], rounds) for n, k in enumerate(cases)]
+
+
+def path_scores(chosen: Sequence[int], kls: Sequence[float], tokens: int, rounds: int) -> Tensor:
+    """The scores of `recompute_gain` with `rounds` from a greedy path of at least as many."""
+    chosen, kls = list(chosen)[:rounds], list(kls)[:rounds + 1]
+    sc = torch.zeros(tokens)
+    for i, u in enumerate(chosen):
+        sc[u] = max(kls[i] - min(kls[i + 1:]), 0.0)
+    return sc
+
+
+def _recompute_rounds(engine, cases: Sequence[GainCase], chosen: Sequence[Sequence[int]],
+                      max_elements: int) -> list[tuple[float, Tensor]]:
+    """(KL with `chosen` recomputed, [T] KL with `chosen` + token t recomputed) per case,
+    in batches of at most `max_elements` cache elements per layer."""
+    c = engine.cfg
+    out: list[tuple[float, Tensor]] = []
+    i = 0
+    while i < len(cases):
+        j, p_max, m_max = i, 0, 0
+        while j < len(cases):
+            p2 = max(p_max, cases[j].context[0][0].shape[1] + len(cases[j].question))
+            m2 = max(m_max, cases[j].span[1] - cases[j].span[0])
+            if j > i and (j - i + 1) * (m2 + 2) * c.num_heads * p2 * c.head_dim > max_elements:
+                break
+            p_max, m_max, j = p2, m2, j + 1
+        out += _recompute_batch(engine, cases[i:j], chosen[i:j])
+        i = j
+    return out
+
+
+def _recompute_batch(engine, cases: Sequence[GainCase], chosen: Sequence[Sequence[int]]) -> list[tuple[float, Tensor]]:
+    from kvkernels import rope_tables, rotate
+
+    c = engine.cfg
+    g = c.num_heads // c.num_kv_heads
+    dev, dt = cases[0].context[0][0].device, cases[0].context[0][0].dtype
+    C = len(cases)
+    M = max(k.span[1] - k.span[0] for k in cases)
+    Q = max(len(k.question) for k in cases)
+    R = max(len(s) for s in chosen) + 1  # recomputed chunk rows per variant: the chosen, then the candidate
+    NV = M + 2  # variants: chosen + token t (t < M), chosen alone (M), the request's own cache (M + 1)
+    P = max(k.context[0][0].shape[1] for k in cases) + Q  # cache rows: the context, then the question
+    rows = R + Q
+    pos = torch.zeros(C, NV, rows, dtype=torch.long)  # each computed row's position (its cache row)
+    write = torch.zeros(C, NV, rows, dtype=torch.bool)  # the row's K/V goes into the variant's cache
+    toks = torch.zeros(C, NV, rows, dtype=torch.long)
+    limit = torch.zeros(C, dtype=torch.long)  # cache rows < limit are real
+    last = torch.zeros(C, dtype=torch.long)
+    for n, (k, sel) in enumerate(zip(cases, chosen)):
+        p, (s0, s1), m = k.context[0][0].shape[1], k.span, k.span[1] - k.span[0]
+        q = len(k.question)
+        limit[n] = p + q
+        last[n] = R + q - 1
+        qt = torch.as_tensor(k.question, dtype=torch.long)
+        ct = torch.as_tensor(k.tokens, dtype=torch.long)
+        toks[n, :, R:R + q] = qt
+        pos[n, :, R:] = p + torch.arange(Q)
+        write[n, :, R:R + q] = True
+        for v in range(M + 1):
+            slots = list(sel) + ([v] if v < m and v not in sel else [])
+            for r_, t in enumerate(slots):
+                toks[n, v, r_], pos[n, v, r_], write[n, v, r_] = ct[t], s0 + t, True
+    is_ref = torch.zeros(NV, dtype=torch.bool)
+    is_ref[M + 1] = True
+    cos, sin = rope_tables(engine.rope, pos.reshape(-1).to(dev))
+    keyp = torch.arange(P, device=dev)
+    allowed = (keyp[None, None, None, :] <= pos.to(dev)[..., None]) & (keyp[None, None, None, :] < limit.to(dev)[:, None, None, None])
+    h = engine.embed(toks.reshape(-1).to(dev))  # [C*NV*rows, d]
+    ci, vi, ri = write.nonzero(as_tuple=True)
+    pi = pos[ci, vi, ri]
+    for layer in range(c.num_layers):
+        Kc = torch.zeros(C, NV, P, c.num_kv_heads, c.head_dim, dtype=dt, device=dev)
+        Vc = torch.zeros_like(Kc)
+        for n, k in enumerate(cases):
+            kc, vc = k.context[layer]  # [Hkv, p, D]
+            p, (s0, s1) = kc.shape[1], k.span
+            Kc[n, :, :p], Vc[n, :, :p] = kc.transpose(0, 1), vc.transpose(0, 1)
+            cs, sn = rope_tables(engine.rope, torch.arange(s0, s1, device=dev))
+            sk, sv = (x.to(device=dev, dtype=dt) for x in k.stored[layer])
+            Kc[n, :M + 1, s0:s1], Vc[n, :M + 1, s0:s1] = rotate(sk, cs, sn).transpose(0, 1), sv.transpose(0, 1)
+        q, kk, vv = engine.qkv(layer, h)  # [H, N, D]
+        q, kk = rotate(q, cos, sin), rotate(kk, cos, sin)
+        kk = kk.transpose(0, 1).reshape(C, NV, rows, c.num_kv_heads, c.head_dim)
+        vv = vv.transpose(0, 1).reshape(C, NV, rows, c.num_kv_heads, c.head_dim)
+        Kc[ci, vi, pi], Vc[ci, vi, pi] = kk[ci, vi, ri], vv[ci, vi, ri]
+        Ka = Kc.permute(0, 1, 3, 2, 4).repeat_interleave(g, 2)  # [C, NV, Hq, P, D]
+        Va = Vc.permute(0, 1, 3, 2, 4).repeat_interleave(g, 2)
+        qh = q.reshape(c.num_heads, C, NV, rows, c.head_dim).permute(1, 2, 0, 3, 4)  # [C, NV, Hq, rows, D]
+        att = (qh @ Ka.transpose(3, 4)) * engine.scale
+        att = att.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1)
+        o = (att @ Va).permute(2, 0, 1, 3, 4).reshape(c.num_heads, C * NV * rows, c.head_dim)
+        h = engine.mlp(layer, engine.attn_out(layer, h, o))
+    hl = h.view(C, NV, rows, -1)[torch.arange(C, device=dev), :, last.to(dev)]  # [C, NV, d]
+    logp = engine.logits(hl.reshape(C * NV, -1)).float().log_softmax(-1).view(C, NV, -1)
+    ref = logp[:, M + 1:]
+    kl = (ref.exp() * (ref - logp)).sum(-1).cpu()  # [C, NV]
+    return [(float(kl[n, M]), kl[n, :k.span[1] - k.span[0]].clamp_min(0.0)) for n, k in enumerate(cases)]
+
+
+__all__ = ["DEFAULT_BUDGET", "Observation", "observe", "observe_many", "GainCase", "gain_case", "DEFAULT_ROUNDS", "learn", "fresh_gain", "recompute_gain", "path_scores", "learned_scores", "kv_deviation", "merge_scores", "order", "allocate", "per_chunk"]

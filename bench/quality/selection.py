@@ -58,6 +58,14 @@ class Prompt:
     # chunk index -> the stored variant's learned list by fresh gain (`selection.fresh_gain`),
     # merged (max) over the `observe` requests that computed the chunk in full
     gains: dict[int, Tensor] = field(default_factory=dict)
+    # the same with the stale loss (`fresh_gain(stale=True)`), with `prompts(losses=True)`
+    losses: dict[int, Tensor] = field(default_factory=dict)
+    # the greedy paths of `recompute_gain` (chosen tokens, KLs), one per observing request,
+    # with `prompts(recompute=rounds)`
+    paths: dict[int, list[tuple[list[int], list[float]]]] = field(default_factory=dict)
+    # chunk index -> the stored variant's default learned list (`selection.learn`: the greedy
+    # recompute gain at DEFAULT_ROUNDS), merged (max) over the observing requests
+    lists: dict[int, Tensor] = field(default_factory=dict)
 
 
 def _variant(engine: LlamaEngine, behind: list[int], chunk: list[int]) -> FreshChunk:
@@ -78,7 +86,7 @@ TASKS = {"short": data, "long": longdata}  # task name -> example module
 
 def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
             observe: int = 0, compare_alone: bool = False, stats: bool = True,
-            task: str = "short") -> list[Prompt]:
+            task: str = "short", losses: bool = False, recompute: int = 0) -> list[Prompt]:
     """`n` held-out prompts (draw `seed`) of `task` with their chunks' variants computed
     behind another prompt's chunk; with `observe` = k >= 1, each chunk also computed in k
     later requests, each behind a chunk of yet another prompt (learned lists: `observed`
@@ -128,13 +136,55 @@ def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
         # every later request's fresh gains against the stored variant, merged per chunk
         cases = [(i, j, sel.gain_case(found[f"observed{k}", i, j], p.stored[j].kv))
                  for i, p in enumerate(out) for j in p.stored for k in range(int(observe))]
-        for (i, j, _), gain in zip(cases, sel.fresh_gain(engine, [c for *_, c in cases])):
+        case_gains = sel.fresh_gain(engine, [c for *_, c in cases])
+        for (i, j, _), gain in zip(cases, case_gains):
             old = out[i].gains.get(j)
             out[i].gains[j] = gain if old is None else torch.maximum(old, gain)
+        # the greedy recompute paths (the default list is their first DEFAULT_ROUNDS)
+        first = [int(g.argmax()) if float(g.max()) > 0 else None for g in case_gains]
+        got: list = []
+        sel.recompute_gain(engine, [c for *_, c in cases], max(recompute, sel.DEFAULT_ROUNDS), first, paths=got)
+        for (i, j, _), path in zip(cases, got):
+            out[i].paths.setdefault(j, []).append(path)
+        for p in out:
+            for j, ps_ in p.paths.items():
+                p.lists[j] = torch.stack([sel.path_scores(c, k, len(p.chunks[j]), sel.DEFAULT_ROUNDS)
+                                          for c, k in ps_]).amax(0)
+        if losses:
+            for (i, j, _), loss in zip(cases, sel.fresh_gain(engine, [c for *_, c in cases], stale=True)):
+                old = out[i].losses.get(j)
+                out[i].losses[j] = loss if old is None else torch.maximum(old, loss)
         for p in out:  # the contexts were needed for the gains only
             for j, ob in p.observed.items():
                 p.observed[j] = sel.Observation(ob.kv, ob.received, ob.received_per_layer)
     return out
+
+
+def save_lists(ps: Sequence[Prompt], path: Path) -> None:
+    """The prompts' default learned lists (`Prompt.lists`), for a test fixture: the chunks'
+    lengths per prompt and the nonzero scores (flat index into all chunks back to back, value)."""
+    lengths = [[len(p.lists[j]) for j in sorted(p.lists)] for p in ps]
+    flat = torch.cat([p.lists[j].to(torch.float32) for p in ps for j in sorted(p.lists)])
+    at = flat.nonzero().flatten()
+    torch.save({"lengths": lengths, "index": at.to(torch.int32), "scores": flat[at]}, path)
+
+
+def load_lists(ps: Sequence[Prompt], path: Path) -> None:
+    """Attach the lists saved by `save_lists` for the same prompts (same draw and task, the
+    same count or fewer), checking every chunk's length."""
+    saved = torch.load(path)
+    lengths = saved["lengths"]
+    if len(lengths) < len(ps):
+        raise ValueError(f"{path} holds {len(lengths)} prompts, {len(ps)} asked")
+    flat = torch.zeros(sum(map(sum, lengths)))
+    flat[saved["index"].long()] = saved["scores"]
+    at = 0
+    for p, lens in zip(ps, lengths):
+        if lens != [len(c) for c in p.chunks]:
+            raise ValueError(f"{path}: chunk lengths differ from the prompts' (another draw or task?)")
+        for j, n in enumerate(lens):
+            p.lists[j] = flat[at:at + n]
+            at += n
 
 
 def save_gains(ps: Sequence[Prompt], path: Path) -> None:
@@ -179,8 +229,78 @@ def fixed(positions: Sequence[int]) -> Pick:
     return lambda p: {j: sorted({i % len(c) for i in positions}) for j, c in enumerate(p.chunks)}
 
 
+_IDS = {w: i for i, w in enumerate(longdata.vocabulary())}  # shared words have the same ids in both tasks
+
+
+def profile(chunk: Sequence[int]) -> tuple[str, int, int]:
+    """(kind, start, end) of a chunk's profile sentence: "they" ("they live in C with Y ."),
+    "meet" ("meet X . she lives in C with Y .") or "weather" ("the weather in C was cold .")."""
+    c = list(chunk)
+    if _IDS["they"] in c:
+        s = c.index(_IDS["they"])
+        return "they", s, s + 7
+    if _IDS["meet"] in c:
+        s = c.index(_IDS["meet"])
+        return "meet", s, s + 10
+    s = c.index(_IDS["weather"]) - 1
+    return "weather", s, s + 7
+
+
+ORACLES = ("they token", "companion", "they + companion", "they + city", "they sentence", "they sentence and after", "they sentence and before",
+           "whole they chunk", "previous chunk's profile", "they sentence + previous profile")
+
+
+def oracle(what: str) -> Pick:
+    """Token sets chosen knowing the task (a diagnosis, not a method): per "they" chunk
+    (the chunks whose KV depends on the chunk before them), its "they" token, its profile
+    sentence, the sentence and every token after / before it, the whole chunk, or the
+    profile sentence of the chunk before it."""
+    if what not in ORACLES:
+        raise ValueError(f"unknown oracle {what!r}")
+
+    def pick(p: Prompt) -> dict[int, list[int]]:
+        out: dict[int, set[int]] = {}
+        for j, c in enumerate(p.chunks):
+            kind, s, e = profile(c)
+            if kind != "they":
+                continue
+            mine = out.setdefault(j, set())
+            if what == "they token":
+                mine.add(s)
+            elif what == "companion":
+                mine.add(s + 5)
+            elif what == "they + companion":
+                mine.update((s, s + 5))
+            elif what == "they + city":
+                mine.update((s, s + 3))
+            elif what in ("they sentence", "they sentence + previous profile"):
+                mine.update(range(s, e))
+            elif what == "they sentence and after":
+                mine.update(range(s, len(c)))
+            elif what == "they sentence and before":
+                mine.update(range(0, e))
+            elif what == "whole they chunk":
+                mine.update(range(len(c)))
+            if what in ("previous chunk's profile", "they sentence + previous profile") and j > 0:
+                _, ps, pe = profile(p.chunks[j - 1])
+                out.setdefault(j - 1, set()).update(range(ps, pe))
+        return {j: sorted(v) for j, v in out.items()}
+    return pick
+
+
+def before(scores: Tensor, window: int) -> Tensor:
+    """Each token's score also given, decayed, to the `window` tokens before it:
+    s'(t) = max over u in [t, t + window] of s(u) (1 - (u - t) / (window + 1)), so a
+    selected token brings the tokens its binding may come through (they precede it:
+    attention is causal), after itself."""
+    out = scores.clone()
+    for d in range(1, window + 1):
+        out[:-d] = torch.maximum(out[:-d], scores[d:] * (1 - d / (window + 1)))
+    return out
+
+
 def learned(budget: float, score: str = "read x deviation", layers: Sequence[int] | None = None,
-            spread: str = "prompt") -> Pick:
+            spread: str = "prompt", window: int = 0, rounds: int = 4) -> Pick:
     """A learned per-variant list (`engine_adapter.selection`): each stored variant's tokens
     scored from the second request that computed the chunk in full (`Prompt.observed`):
 
@@ -194,12 +314,20 @@ def learned(budget: float, score: str = "read x deviation", layers: Sequence[int
 
     At reuse the budget goes to the top scores of the whole prompt (`spread="prompt"`) or
     to every chunk alike (`"chunk"`, Cache-Craft's per-chunk N)."""
-    if score not in ("read x deviation", "deviation", "deviation alone", "read", "gain"):
+    if score not in ("read x deviation", "deviation", "deviation alone", "read", "gain", "loss", "gain or loss", "recompute gain", "default"):
         raise ValueError(f"unknown score {score!r}")
 
     def one(p: Prompt, j: int) -> Tensor:
         if score == "gain":
             return p.gains[j]
+        if score == "loss":
+            return p.losses[j]
+        if score == "default":  # what store-back learns (`selection.learn`)
+            return p.lists[j]
+        if score == "recompute gain":  # greedy paths of `rounds`, merged (max) over the observing requests
+            return torch.stack([sel.path_scores(c, k, len(p.chunks[j]), rounds) for c, k in p.paths[j]]).amax(0)
+        if score == "gain or loss":
+            return torch.maximum(p.gains[j], p.losses[j])
         stored, seen = p.stored[j].kv, p.observed[j]
         if score == "read":
             return seen.received
@@ -209,7 +337,7 @@ def learned(budget: float, score: str = "read x deviation", layers: Sequence[int
         return dev * seen.received if score == "read x deviation" else dev
 
     def pick(p: Prompt) -> Mapping[int, Sequence[int]]:
-        scores = {j: one(p, j).tolist() for j in p.stored}
+        scores = {j: (before(one(p, j), window) if window else one(p, j)).tolist() for j in p.stored}
         return sel.allocate(scores, budget) if spread == "prompt" else sel.per_chunk(scores, budget)
     return pick
 
@@ -281,6 +409,15 @@ def methods(full: bool = True) -> list[tuple[str, ReusePolicy, Pick]]:
     for b in (0.05, 0.10, 0.15):
         rows.append((f"learned: fresh gain, prompt budget {b:.0%}", cc, learned(b, "gain")))
     rows.append(("learned: fresh gain, 1 token per chunk", cc, learned(0.1, "gain", spread="chunk")))
+    rows.append((f"learned: default (greedy recompute gain, {sel.DEFAULT_ROUNDS} rounds), prompt budget "
+                 f"{sel.DEFAULT_BUDGET:.0%}", cc, learned(sel.DEFAULT_BUDGET, "default")))
+    for k in (2, 3, 4, 6):
+        for b in (0.05, 0.10, 0.15):
+            rows.append((f"learned: greedy recompute gain, {k} rounds, prompt budget {b:.0%}", cc,
+                         learned(b, "recompute gain", rounds=k)))
+    for b in (0.10, 0.15):
+        rows.append((f"learned: stale loss, prompt budget {b:.0%}", cc, learned(b, "loss")))
+        rows.append((f"learned: fresh gain or stale loss, prompt budget {b:.0%}", cc, learned(b, "gain or loss")))
     for b in (0.05, 0.10, 0.15):
         rows.append((f"learned: read x deviation, prompt budget {b:.0%}", cc, learned(b)))
     rows.append(("learned: read x deviation, 1 token per chunk", cc, learned(0.1, spread="chunk")))
@@ -288,6 +425,8 @@ def methods(full: bool = True) -> list[tuple[str, ReusePolicy, Pick]]:
         rows.append((f"learned: deviation, prompt budget {b:.0%}", cc, learned(b, "deviation")))
     for b in (0.10, 0.15):
         rows.append((f"learned: read, prompt budget {b:.0%}", cc, learned(b, "read")))
+    for what in ORACLES:
+        rows.append((f"oracle: {what}", cc, oracle(what)))
     if full:
         rows.append(("learned: deviation vs alone, prompt budget 15%", cc, learned(0.15, "deviation alone")))
         for name, pos in (("first token", (0,)), ("companion (2nd to last)", (-2,)), ("last", (-1,))):
@@ -314,10 +453,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="short: 6 chunks of 7-10 words; long: 5-8 chunks of 32-52 words (longdata)")
     ap.add_argument("--observe", type=int, default=2,
                     help="later requests that computed each chunk in full (learned lists learn from them)")
+    ap.add_argument("--rounds", type=int, default=6, help="greedy rounds of the recompute gain (at most)")
     ap.add_argument("--model-dir", type=Path, default=None, help="default: the task's committed model")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", default="", help="measure only the methods whose name matches this regex")
-    ap.add_argument("--save-gains", type=Path, help="also save the learned lists (a test fixture)")
+    ap.add_argument("--save-lists", type=Path, help="also save the default learned lists (a test fixture)")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     engine = LlamaEngine.from_pretrained(a.model_dir or (MODEL_DIR if a.task == "short" else LONG_MODEL_DIR))
@@ -325,10 +465,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Compute only what the chosen methods read: eq. 14 needs the stored variants'
     # statistics, "vs alone" the chunks computed alone.
     ps = prompts(engine, a.examples, seed=a.seed, progress=True, observe=a.observe, task=a.task,
+                 losses=any("stale loss" in m[0] for m in chosen),
+                 recompute=a.rounds,
                  compare_alone=any("vs alone" in m[0] for m in chosen),
                  stats=any("eq. 14" in m[0] for m in chosen))
-    if a.save_gains:
-        save_gains(ps, a.save_gains)
+    if a.save_lists:
+        save_lists(ps, a.save_lists)
     rows = []
     print(HEADER)
     for name, policy, pick in chosen:

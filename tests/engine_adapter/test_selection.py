@@ -155,3 +155,67 @@ def test_fresh_gain_matches_transformers_over_the_same_caches(tmp_path):
                         [(apply_rope(k[:, 4:9], torch.arange(4, 9), engine.rope, inverse=True), v[:, 4:9])
                          for k, v in cases[0].context])
     assert float(sel.fresh_gain(engine, [same])[0].max()) < 1e-5
+
+
+def _blend_kl(engine, case, recompute):
+    """KL(request's answer || answer with the chunk stale but `recompute` recomputed), by the
+    adapter's own blended prefill (an implementation independent of `recompute_gain`)."""
+    from engine_adapter import Policy
+    from engine_adapter.blend import blend_prefill
+    from engine_adapter.probe import TRUSTED
+    from engine_adapter.prompt import Segment
+    from engine_adapter.source import InMemoryLayerSource
+
+    s0, s1 = case.span
+    before, after = case.full[:s0], case.full[s1:]
+    segs = [Segment(tuple(before)), Segment(tuple(case.tokens), cached=True, recompute=tuple(sorted(recompute)))]
+    source = {1: case.stored}
+    if after:  # rows after the chunk keep the request's own KV (reused as they were, not recomputed)
+        segs.append(Segment(tuple(after), cached=True))
+        source[2] = sel.observe_many(engine, [(case.full, (s1, len(case.full)), (0, 0))])[0].kv
+    segs.append(Segment(tuple(case.question), question=True))
+    got = blend_prefill(engine, segs, Policy("cachecraft"), InMemoryLayerSource(source), gate=TRUSTED)
+    ref = blend_prefill(engine, [Segment(tuple(case.full)), segs[-1]], Policy("full"),
+                        InMemoryLayerSource({}), gate=TRUSTED)
+    p, q = ref.logits.float().log_softmax(-1), got.logits.float().log_softmax(-1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def test_recompute_gain_is_the_greedy_repair_of_a_blended_prefill(tmp_path):
+    from types import SimpleNamespace
+
+    engine = _tiny(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for n, m, after, q in ((4, 5, 0, 3), (6, 4, 3, 2)):
+        toks = torch.randint(0, 256, (n + m + after + q,), generator=g).tolist()
+        other = torch.randint(0, 256, (6,), generator=g).tolist()
+        stored = sel.observe_many(engine, [(other + toks[n:n + m], (6, 6 + m), (0, 0))])[0].kv
+        seen = sel.observe_many(engine, [(toks, (n, n + m), (n + m + after, len(toks)))], context=True)[0]
+        case = sel.gain_case(seen, stored)
+        assert case.tokens == tuple(toks[n:n + m])
+        cases.append((case, toks[:n + m + after]))
+    for case, full in cases:
+        ref = SimpleNamespace(span=case.span, tokens=case.tokens, question=case.question, stored=case.stored, full=full)
+        # one round: KL with nothing and with each single token recomputed, as the blend computes it
+        base, each = sel._recompute_rounds(engine, [case], [[]], 1 << 24)[0]
+        assert abs(base - _blend_kl(engine, ref, [])) < 1e-4 * max(1.0, base)
+        for t in range(len(case.tokens)):
+            want = _blend_kl(engine, ref, [t])
+            assert abs(float(each[t]) - want) < 1e-4 * max(1.0, want), (t, float(each[t]), want)
+        # greedy from a given first token, 3 rounds, against the same greedy over blend KLs
+        first = 1
+        chosen, kls = [first], [base, _blend_kl(engine, ref, [first])]
+        for _ in range(2):
+            rest = [t for t in range(len(case.tokens)) if t not in chosen]
+            best = min(rest, key=lambda t: _blend_kl(engine, ref, chosen + [t]))
+            chosen.append(best)
+            kls.append(_blend_kl(engine, ref, chosen))
+        want = torch.zeros(len(case.tokens))
+        for i, u in enumerate(chosen):
+            want[u] = max(kls[i] - min(kls[i + 1:]), 0.0)
+        got = sel.recompute_gain(engine, [case], rounds=3, first=[first], min_kl=0.0)[0]
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-3), (got, want)
+        assert float(want.max()) > 1e-4  # not vacuous
+    with pytest.raises(ValueError, match="tokens"):
+        sel.recompute_gain(engine, [sel.GainCase(case.context, case.span, case.question, case.stored)])
