@@ -23,6 +23,7 @@ request without `conversation_id` is a conversation of its own.
 """
 
 import argparse
+import contextlib
 import threading
 import time
 import uuid
@@ -86,7 +87,16 @@ def build_app(model: str, kvcraft: str, block_size: int = 32, max_conversations:
                      encode=lambda s: tok.encode(s + "\n\n", add_special_tokens=False), preamble=preamble)
     conversations = Conversations(max_conversations)
     front_lock = threading.Lock()  # RAGFront is not thread-safe
-    app = FastAPI()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):  # noqa: ANN202
+        yield
+        # On SIGTERM / Ctrl-C: stop vLLM's engine process too (else it outlives this
+        # server, holding its memory), and close the front's channel.
+        engine.shutdown()
+        front.close()
+
+    app = FastAPI(lifespan=lifespan)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest) -> dict:

@@ -61,14 +61,37 @@ def example(tmp_path_factory):
                 proc.kill()
                 raise AssertionError((tmp / "example.log").read_text()[-4000:])
             time.sleep(0.5)  # polling for readiness, not timing a result
-    yield {"base": base, "model": model}
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    yield {"base": base, "model": model, "proc": proc}
+    _stop(proc)
     log.close()
     server.close()
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _stop(proc: subprocess.Popen) -> list:
+    """SIGTERM the example as a user's Ctrl-C / supervisor would; return the processes it
+    started that are still alive 30 s later (and kill them, so no test leaves them behind)."""
+    import psutil
+
+    children = _descendants(proc.pid)
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    for c in alive:
+        c.kill()
+    return alive
 
 
 def test_openapi_schema_is_served(example):
@@ -108,3 +131,12 @@ def test_second_turn_still_sees_the_documents_of_the_first(example):
     # vLLM's own prefix cache matched the whole first prompt (documents included) as the
     # start of the second one: the second turn's prompt holds the first turn's documents.
     assert two["usage"]["prompt_tokens_details"]["cached_tokens"] >= one["usage"]["prompt_tokens"] // BLOCK * BLOCK
+
+
+def test_sigterm_stops_the_server_and_its_engine_process(example):
+    """Last in this module (it stops the server): vLLM runs its engine in a child process
+    that holds the model and the KV cache; it must not outlive the server."""
+    proc = example["proc"]
+    assert _descendants(proc.pid), "the example started no engine process (vLLM's layout changed?)"
+    left = _stop(proc)
+    assert proc.returncode is not None and not left, [c.pid for c in left]
