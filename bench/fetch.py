@@ -18,7 +18,12 @@ Rows:
 "x of its limit": grpc-stream / grpc-raw, store-client / write-fsync and shm-local /
 memcpy-limit, as throughput ratios of the same run.
 
+Several servers can be compared in one run (`--server NAME=TREE`, a checkout of this
+repository each, as in bench/load.py): every row is measured for each in turn, the
+client is this checkout's.
+
     kvcraft bench fetch --chunks 4 --tokens 512 --repeat 3
+    python -m kvbench.fetch --server before=/tmp/kvcraft-before --server after=.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Sequence
 
 import torch
 
+from kvbench.load import server_env
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import ModelSpec
 from kvservice.launcher import ServiceProcess
@@ -115,7 +121,8 @@ def _write_fsync(root: Path, chunks: list[list[tuple[torch.Tensor, torch.Tensor]
             os.close(fd)
 
 
-def run(chunks: int, tokens: int, repeat: int) -> list[dict]:
+def run(chunks: int, tokens: int, repeat: int, tree: Path | None = None) -> list[dict]:
+    """The rows for one server (run from checkout `tree`; None: this one)."""
     # One copy stream, for our path and the limit alike: with torch's default two
     # threads, each of the 256 per-layer copies opens an OpenMP region that stalls
     # whenever the other core is busy (this machine is shared).
@@ -127,9 +134,10 @@ def run(chunks: int, tokens: int, repeat: int) -> list[dict]:
     big = 256 << 20
     rows = []
     data = [_layers(tokens, i) for i in range(chunks)]
+    where = {} if tree is None else {"env": server_env(tree), "cwd": str(tree)}
     with tempfile.TemporaryDirectory(prefix="kvcraft-fetch-") as tmp:
         server = ServiceProcess(Path(tmp) / "data", host_budget_bytes=2 * total + (1 << 20),
-                                max_message_bytes=big)
+                                max_message_bytes=big, **where)
         server.start()
         try:
             with KVClient(server.address, max_message_bytes=big) as c:
@@ -166,7 +174,7 @@ def run(chunks: int, tokens: int, repeat: int) -> list[dict]:
             server.close()
             # The same data dir with a 1-byte host budget: every read comes from the disk
             # tier (page cache after the first), checksums verified, nothing promoted.
-            server = ServiceProcess(Path(tmp) / "data", host_budget_bytes=1, max_message_bytes=big)
+            server = ServiceProcess(Path(tmp) / "data", host_budget_bytes=1, max_message_bytes=big, **where)
             server.start()
             with KVClient(server.address, max_message_bytes=big) as c:
                 refs = [Ref(k) for k in keys]
@@ -186,12 +194,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--server", action="append", default=[], metavar="NAME=TREE",
+                   help="a checkout to run the service from (repeat to compare); default: this one")
     p.add_argument("--json", default="bench-fetch.json")
     a = p.parse_args(argv)
-    rows = run(a.chunks, a.tokens, a.repeat)
-    print(f"{a.chunks} chunks x {a.tokens} tokens, Llama-3-8B KV (bf16): {rows[0]['bytes'] / 2**20:.0f} MiB")
-    print(f"{'path':<14} {'seconds':>8} {'GB/s':>6} {'x of its limit':>15}")
-    for r in rows:
-        print(f"{r['path']:<14} {r['seconds']:>8} {r['GB_per_s']:>6} {r.get('vs_limit', ''):>15}")
-    Path(a.json).write_text(json.dumps(rows, indent=2))
+    servers = [(n, Path(t).resolve()) for n, t in (s.split("=", 1) for s in a.server)] or [("current", None)]
+    results = {name: run(a.chunks, a.tokens, a.repeat, tree) for name, tree in servers}
+    first = next(iter(results.values()))
+    print(f"{a.chunks} chunks x {a.tokens} tokens, Llama-3-8B KV (bf16): {first[0]['bytes'] / 2**20:.0f} MiB; "
+          "GB/s (x of its limit in the same run)")
+    print(f"{'path':<14} " + " ".join(f"{name:>18}" for name in results))
+    for i, r in enumerate(first):
+        cells = []
+        for rows in results.values():
+            x = rows[i]
+            cells.append(f"{x['GB_per_s']:>9}" + (f" ({x['vs_limit']:.2f}x)" if "vs_limit" in x else " " * 8))
+        print(f"{r['path']:<14} " + " ".join(f"{c:>18}" for c in cells))
+    out = next(iter(results.values())) if a.server == [] else {"servers": results}
+    Path(a.json).write_text(json.dumps(out, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -130,7 +130,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def _server_env(tree: Path) -> dict[str, str]:
+def server_env(tree: Path) -> dict[str, str]:
     """PYTHONPATH that imports this tree's packages under their import names."""
     pkgs = tree / ".pkgs"
     pkgs.mkdir(exist_ok=True)
@@ -146,7 +146,7 @@ def run_level(server_name: str, tree: Path, clients: int, seconds: float, max_op
     from kvservice.launcher import ServiceProcess
 
     with tempfile.TemporaryDirectory(prefix="kvcraft-load-") as tmp:
-        server = ServiceProcess(Path(tmp) / "data", env=_server_env(tree), host_budget_bytes=256 << 20,
+        server = ServiceProcess(Path(tmp) / "data", env=server_env(tree), host_budget_bytes=256 << 20,
                                 disk_budget_bytes=4 << 30, cwd=str(tree))
         server.start()
         try:

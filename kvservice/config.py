@@ -43,8 +43,8 @@ class Config:
     max_chunk_tokens: int = 65_536
     max_variant_bytes: int = 4 * GiB
     # Memory open Store streams may hold, all together: layers go to the payload file as
-    # they arrive, so a stream holds about the layer it is receiving and is counted at
-    # three layers (at most its payload); a Store beyond this gets RESOURCE_EXHAUSTED
+    # they arrive, so a stream holds about the layer it is receiving and the one read
+    # ahead, and is counted at four layers (at most its payload); a Store beyond this gets RESOURCE_EXHAUSTED
     # (docs/operations.md).
     max_inflight_store_bytes: int = 1 * GiB
     max_fetch_variants: int = 256

@@ -2,15 +2,25 @@
 
 Column family "variants": variant id (ascii) -> serialized kvcraft.v1.VariantInfo (the
 protobuf message is the on-disk format only: records in memory are `index.Variant`).
-Column family "meta": format version. Writes that make or drop a variant are one
-WriteBatch with sync=True; fr / last-access updates are unsynced (losing the last
-few on a crash only makes eviction slightly less informed).
+Column family "meta": format version. Writes that make or drop a variant are durable
+before they return; fr / last-access updates are unsynced (losing the last few on a
+crash only makes eviction slightly less informed).
+
+Durable writes are group-committed, off the GIL: rocksdict holds the GIL through a
+RocksDB write with sync=True, so each Store's metadata commit used to stop every thread
+of the server, the event loop included, for the disk's sync time (docs/benchmarks.md,
+load). Instead, the first writer to arrive becomes the leader: it takes every write
+waiting, writes them as one WriteBatch without RocksDB's sync, then fsyncs the
+write-ahead log files with os.fsync (which releases the GIL); writers that arrive
+meanwhile queue for the next group. No write returns before an fsync that began after
+it reached the log: the same guarantee as sync=True, one disk sync per group.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Callable, Iterable
@@ -26,6 +36,19 @@ from kvservice.wire import variant_message
 FORMAT_VERSION = b"1"
 _CFS = ("variants", "meta")
 log = logging.getLogger("kvcraft.metadata")
+
+Ops = Callable[[WriteBatch], None]  # adds one write's puts / deletes to a batch
+
+
+class _Waiter:
+    """One durable write waiting for its group's commit."""
+
+    __slots__ = ("ops", "done", "error")
+
+    def __init__(self, ops: Ops) -> None:
+        self.ops = ops
+        self.done = False
+        self.error: BaseException | None = None
 
 
 class MetadataDamaged(Exception):
@@ -50,6 +73,10 @@ class MetadataDB:
             raise MetadataDamaged(self.path, f"RocksDB cannot open it ({e})") from None
         self._generation = 0
         self._reopen_lock = threading.Lock()
+        self._group = threading.Condition()  # guards _queue and _leading
+        self._queue: list[_Waiter] = []  # durable writes waiting for the next group
+        self._leading = False  # a leader is committing a group now
+        self._wal: dict[str, int] = {}  # write-ahead log file name -> open fd (for fsync)
         self._sync = WriteOptions()
         self._sync.sync = True
         self._nosync = WriteOptions()
@@ -69,14 +96,27 @@ class MetadataDB:
         self._meta = self._db.get_column_family("meta")
         self._variants_h = self._db.get_column_family_handle("variants")
 
-    def _write(self, build: Callable[[], WriteBatch], sync: bool) -> None:
-        """One batch. After a failed write (a full disk) RocksDB refuses every later one
-        until the database is reopened: reopen once and retry, so the service recovers
-        by itself when space frees. If it still fails, the first error is raised."""
-        opts = self._sync if sync else self._nosync
+    def _write(self, ops: Ops, sync: bool) -> None:
+        """One batch of `ops`; with `sync`, durable before returning (group commit)."""
+        if sync:
+            self._write_durable(ops)
+        else:
+            self._write_batch([ops])
+
+    def _write_batch(self, group: list[Ops]) -> None:
+        """One WriteBatch of every `ops`, without RocksDB's sync. After a failed write (a
+        full disk) RocksDB refuses every later one until the database is reopened: reopen
+        once and retry, so the service recovers by itself when space frees. If it still
+        fails, the first error is raised."""
+        def build() -> WriteBatch:
+            wb = WriteBatch(raw_mode=True)
+            for ops in group:
+                ops(wb)
+            return wb
+
         generation = self._generation
         try:
-            self._db.write(build(), opts)
+            self._db.write(build(), self._nosync)
             return
         except Exception as first:  # rocksdict raises plain Exception for RocksDB statuses
             error = first
@@ -89,9 +129,61 @@ class MetadataDB:
                     raise error from None
                 self._generation += 1
         try:
-            self._db.write(build(), opts)
+            self._db.write(build(), self._nosync)
         except Exception:
             raise error from None
+
+    def _write_durable(self, ops: Ops) -> None:
+        """Queue `ops`; the first writer that finds no group committing leads the next:
+        one batch of every queued write, one fsync of the log, then all of them return."""
+        me = _Waiter(ops)
+        with self._group:
+            self._queue.append(me)
+            while self._leading and not me.done:
+                self._group.wait()
+            if not me.done:  # lead: take every write queued so far (this one included)
+                self._leading = True
+                group, self._queue = self._queue, []
+        if not me.done:
+            error: BaseException | None = None
+            try:
+                self._write_batch([w.ops for w in group])
+                self._sync_wal()
+            except BaseException as e:  # every writer of the group gets it
+                error = e
+            with self._group:
+                for w in group:
+                    w.done, w.error = True, error
+                self._leading = False
+                self._group.notify_all()
+        if me.error is not None:
+            raise me.error
+
+    def _sync_wal(self) -> None:
+        """fsync the write-ahead log files (and the directory when a new one appeared).
+
+        A write without RocksDB's sync is in the current log file when it returns
+        (RocksDB hands each write to the OS unless manual_wal_flush is set); a log file
+        that vanished meanwhile was retired after its contents reached synced table
+        files. os.fsync releases the GIL, rocksdict's synced write does not."""
+        names = {e.name for e in os.scandir(self.path) if e.name.endswith(".log")}
+        for gone in set(self._wal) - names:
+            os.close(self._wal.pop(gone))
+        new = False
+        for name in sorted(names - set(self._wal)):
+            try:
+                self._wal[name] = os.open(self.path / name, os.O_RDONLY)
+            except FileNotFoundError:  # retired between the scan and the open
+                continue
+            new = True
+        for fd in self._wal.values():
+            os.fsync(fd)
+        if new:  # the new log file's directory entry
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def load_variants(self) -> list[pb.VariantInfo]:
         """Every stored record, read completely, checksums verified; recovery validates
@@ -124,24 +216,20 @@ class MetadataDB:
     def put_variants(self, variants: Iterable[Variant], *, sync: bool) -> None:
         records = [(v.variant_id.encode(), variant_message(v).SerializeToString()) for v in variants]
 
-        def build() -> WriteBatch:
-            wb = WriteBatch(raw_mode=True)
+        def ops(wb: WriteBatch) -> None:
             for key, raw in records:
                 wb.put(key, raw, self._variants_h)
-            return wb
 
-        self._write(build, sync)
+        self._write(ops, sync)
 
     def delete_variants(self, variant_ids: Iterable[str]) -> None:
         keys = [vid.encode() for vid in variant_ids]
 
-        def build() -> WriteBatch:
-            wb = WriteBatch(raw_mode=True)
+        def ops(wb: WriteBatch) -> None:
             for key in keys:
                 wb.delete(key, self._variants_h)
-            return wb
 
-        self._write(build, True)
+        self._write(ops, True)
 
     def _drop_handles(self) -> None:
         """Let go of a database in an error state: its close() raises, and RocksDB's
@@ -160,6 +248,9 @@ class MetadataDB:
         self._db.close()
 
     def close(self) -> None:
+        for fd in self._wal.values():
+            os.close(fd)
+        self._wal.clear()
         try:
             self._close_handles()
         except Exception as e:  # a full disk cannot take the flush at close

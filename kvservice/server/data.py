@@ -39,8 +39,18 @@ class DataServicer:
     @rpc
     async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest], context: Any) -> pb.StoreResponse:
         session = None
+        # One message read ahead: grpcio receives layer n+1 while a worker thread writes
+        # layer n (a read is what lets the client send the next message; without it the
+        # stream alternates between the network and the disk).
+        messages = aiter(request_iterator)
+        ahead: asyncio.Future | None = asyncio.ensure_future(anext(messages, None))
         try:
-            async for req in request_iterator:
+            while True:
+                req = await ahead
+                ahead = None
+                if req is None:
+                    break
+                ahead = asyncio.ensure_future(anext(messages, None))
                 if isinstance(req, StoreLayer) and session is not None:  # the hot path: views of the message
                     await asyncio.to_thread(session.add_layer, req.layer, req.key, req.value)
                     req = None  # the layer is in its payload file: do not hold it while the next arrives
@@ -77,9 +87,12 @@ class DataServicer:
                 raise
             if session is not None:
                 session.abort()
-            await _discard_rest(request_iterator)
+            await _discard_rest(messages, ahead)
+            ahead = None
             raise refusal from None
         finally:
+            if ahead is not None:  # cancelled, or a bug: nobody will read what was ahead
+                ahead.cancel()
             if session is not None:
                 session.abort()  # no-op once finished
 
@@ -137,9 +150,14 @@ class DataServicer:
         return codec.encode_layer_chunk(head, k, v)
 
 
-async def _discard_rest(request_iterator: AsyncIterator[Any]) -> None:
+async def _discard_rest(request_iterator: AsyncIterator[Any], ahead: asyncio.Future | None) -> None:
     async def discard() -> None:
         seen = 0
+        if ahead is not None:  # the message being read ahead, if the stream had not ended
+            req = await ahead
+            if req is None:
+                return
+            seen += message_bytes(req)
         async for req in request_iterator:
             seen += message_bytes(req)
             if seen > STORE_DISCARD_BYTES:

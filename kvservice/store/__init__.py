@@ -65,7 +65,7 @@ class ChunkStore:
 
     # -- Store ---------------------------------------------------------------------------
     def begin_store(self, header: StoreHeader) -> StoreSession:
-        return begin(self._s, self._placement, header, self._promotion.promote)
+        return begin(self._s, self._placement, header)
 
     # -- fetch ---------------------------------------------------------------------------
     def open_fetch(self, refs: Sequence[Ref]) -> list[Variant]:

@@ -102,9 +102,19 @@ class Promotion:
                 if not tier.shared:
                     self.placement.drop(v.variant_id, f"{tier.name} tier read failed: {e}")
                 return False
+        # In place where both sides allow it: the disk tier reads straight into the host
+        # slab's room (one copy, no buffer in between), then the room is verified.
+        read_into = getattr(tier, "read_into", None)
+        fill_layer = getattr(writer, "fill_layer", None) if read_into is not None else None
         for layer in range(v.num_layers):
             try:
-                data = tier.get_layer(v.variant_id, layer, shape)
+                data = None
+                if fill_layer is not None:
+                    off = shape.offset(layer)
+                    data = fill_layer(lambda room: read_into(v.variant_id, off, room))
+                copy = data is None
+                if copy:
+                    data = tier.get_layer(v.variant_id, layer, shape)
             except (KeyError, OSError) as e:
                 if not tier.shared:
                     self.placement.drop(v.variant_id, f"{tier.name} tier read failed: {e}")
@@ -114,5 +124,6 @@ class Promotion:
                     self._verify(v, layer, data)
                 except NotFound:
                     return False
-            writer.write_layer(data)
+            if copy:
+                writer.write_layer(data)
         return True

@@ -3,25 +3,29 @@
   1. each layer, as it arrives, is checked against the header and written to the home
      tier's writer (a temporary file) only: an open stream holds about the layer in
      hand in memory (`max_inflight_store_bytes` counts it at INFLIGHT_LAYERS layers);
-  2. the home writer commits: fsync, rename into place, fsync the directory;
-  3. one synced RocksDB WriteBatch with the variant's metadata;
-  4. the index and listeners learn of the variant; every cache tier above the home tier
-     that stores new variants (the host slab) gets its copy, read back from the home
-     tier (verified) if it admits the variant; only then is the write acknowledged.
+  2. the home writer commits: fsync, rename into place, fsync the directory. Meanwhile
+     another thread fills the copy of every cache tier above home that stores new
+     variants (the host slab) and admits this one: each layer read back from the file
+     (page cache) straight into the copy's room and checked against the checksum of
+     the layer as it arrived (a mismatch: the file is deleted, the Store fails);
+  3. one synced RocksDB WriteBatch with the variant's metadata (group-committed with
+     other Stores', `MetadataDB`);
+  4. the copies are published, the index and listeners learn of the variant; only
+     then is the write acknowledged.
 Deletes go payloads first, then metadata (synced) (`Placement.delete`).
 So after a crash at any point, recovery finds a complete variant or debris it deletes.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from array import array
-from typing import Callable, Iterable
 
 from kvcraft.keys import chunk_key, is_key, variant_id
 from kvservice import failpoints
-from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvservice.index import Variant
+from kvservice.errors import InvalidArgument, KVCraftError, NotFound, ResourceExhausted
+from kvservice.index import Variant, eviction_key
 from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layout
 from kvservice.records import StoreHeader, StoreResult
 from kvservice.store.placement import Placement
@@ -32,17 +36,17 @@ from kvservice.tiers.base import Buffer, PayloadShape, TierWriter
 # An open Store stream is counted at this many layers of its payload (at most all of
 # it) against max_inflight_store_bytes. Layers go to the payload file as they arrive,
 # but receiving one costs about three times its size for a moment (grpcio's buffer of
-# the message, the Python bytes it builds, the allocator's slack): measured 2.5-3.5
-# layers of RSS per open stream (docs/operations.md).
-INFLIGHT_LAYERS = 3
+# the message, the Python bytes it builds, the allocator's slack), and the server reads
+# one message ahead of the layer being written: measured 2-2.5 layers of RSS per stalled
+# stream, about 4 at the peak (tests/service/test_inflight_memory.py; docs/operations.md).
+INFLIGHT_LAYERS = 4
+log = logging.getLogger("kvcraft.store")
 
-FillCache = Callable[[Iterable[str], int], None]  # Promotion.promote(variant ids, to tier)
 
 
-def begin(s: StoreState, placement: Placement, h: StoreHeader, fill_cache: FillCache) -> "StoreSession":
+def begin(s: StoreState, placement: Placement, h: StoreHeader) -> "StoreSession":
     """Validate a Store header, count it in flight and open the home tier's writer;
-    the session takes the layers. `fill_cache` copies a committed variant up into a
-    cache tier."""
+    the session takes the layers."""
     cfg = s.cfg
     if not h.model_id:
         raise InvalidArgument("header.model_id is empty")
@@ -89,14 +93,14 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader, fill_cache: FillC
         s.inflight_stores += 1
         try:
             if vid in s.index:
-                return StoreSession(s, h, key, vid, layout, None, charge, fill_cache)
+                return StoreSession(s, placement, h, key, vid, layout, None, charge)
             placement.make_room_for_variant(key)
             home = placement.open_writer(s.home, vid, shape)
         except BaseException:
             s.inflight_store_bytes -= charge
             s.inflight_stores -= 1
             raise
-    return StoreSession(s, h, key, vid, layout, home, charge, fill_cache)
+    return StoreSession(s, placement, h, key, vid, layout, home, charge)
 
 
 def _claim_commit(s: StoreState, vid: str) -> bool:
@@ -115,9 +119,10 @@ def _claim_commit(s: StoreState, vid: str) -> bool:
 class StoreSession:
     """One Store stream: validates each layer as it arrives and writes it to the tiers."""
 
-    def __init__(self, s: StoreState, header: StoreHeader, key: str, vid: str, layout: LayerLayout,
-                 home: TierWriter | None, charge: int, fill_cache: FillCache) -> None:
+    def __init__(self, s: StoreState, placement: Placement, header: StoreHeader, key: str, vid: str,
+                 layout: LayerLayout, home: TierWriter | None, charge: int) -> None:
         self._s = s
+        self._placement = placement
         self.header = header
         self.chunk_key = key
         self.variant_id = vid
@@ -126,7 +131,6 @@ class StoreSession:
         self.total_bytes = header.num_layers * layout.layer_bytes
         self.checksums = array("Q")
         self._charge = charge  # counted in StoreState.inflight_store_bytes until the session ends
-        self._fill_cache = fill_cache
         self._done = False
         # A cancelled stream's abort may arrive while a worker thread writes a layer.
         self._lock = threading.Lock()
@@ -171,8 +175,6 @@ class StoreSession:
                     self.home.abort()  # no-op once committed
             finally:
                 self._uncharge()
-        if not result.already_present:
-            self._copy_up()
         return result
 
     def _commit(self) -> StoreResult:
@@ -180,12 +182,15 @@ class StoreSession:
 
         The fsyncs and the synced batch run outside the store lock, so fetches,
         lookups and other stores go on meanwhile (bench/load.py); an identical store
-        committing at the same time is waited for (both would rename onto one file)."""
+        committing at the same time is waited for (both would rename onto one file).
+        The cache tiers' copies are read back from the payload file (page cache) in
+        another thread while this one waits for the file's fsync."""
         s, h = self._s, self.header
         now = s.now_ms()
         idx = s.index
         if not _claim_commit(s, self.variant_id):  # a concurrent identical store won
             return self._already_present()
+        copies: list[TierWriter] = []
         try:
             with s.lock:
                 v = Variant.build(
@@ -195,32 +200,53 @@ class StoreSession:
                     key_spec=idx.intern_spec(h.key_spec), value_spec=idx.intern_spec(h.value_spec),
                     layout=idx.intern_layout(self.layout), layer_checksums=self.checksums,
                     last_access_ms=now, created_ms=now)
+                copies = self._open_copies(v)
             home = self.home
             assert home is not None
             describe = getattr(home, "describe", None)
             if describe is not None:  # self-describing payload: `kvcraft repair` reads it
                 describe(variant_message(v).SerializeToString())
             failpoints.reach("store:payload-written")
-            home.commit()
+            filler = _Filler(self, copies) if copies else None
+            try:
+                home.commit()
+            finally:
+                filled = filler.join() if filler is not None else []
             failpoints.reach("store:payload-committed")
+            if filler is not None and filler.error is not None:
+                # The file does not read back as the layers that arrived: never acknowledge it.
+                with s.lock:
+                    s.tiers[s.home].delete(self.variant_id)
+                raise KVCraftError(str(filler.error))
             s.meta.put_variants([v], sync=True)
             failpoints.reach("store:metadata-committed")
             with s.lock:
+                for w in filled:
+                    w.commit()
+                held = s.holders(v)
+                if held:
+                    v.tier = s.tiers[held[0]].name
                 idx.add(v)
                 for lst in s.listeners:
                     lst.on_put(v)
         finally:
             with s.lock:
+                for w in copies:
+                    w.abort()  # no-op for the committed ones
                 s.committing.pop(self.variant_id).set()
         return StoreResult(v.chunk_key, v.variant_id, v.size_bytes)
 
-    def _copy_up(self) -> None:
-        """Step 4's cache copies: into every cache tier above home that stores new
-        variants and admits this one (Placement.open_cache_writer), from the home tier."""
+    def _open_copies(self, v: Variant) -> list[TierWriter]:
+        """Writers on every cache tier above home that stores new variants and admits
+        this one (`Placement.open_cache_writer`; store lock held)."""
         s = self._s
+        out = []
         for i in range(s.home):
             if s.tiers[i].cache_on_store:
-                self._fill_cache([self.variant_id], i)
+                w = self._placement.open_cache_writer(i, v.variant_id, s.shape(v), eviction_key(v), False)
+                if w is not None:
+                    out.append(w)
+        return out
 
     def _uncharge(self) -> None:
         s = self._s
@@ -242,3 +268,52 @@ class StoreSession:
                 if self.home is not None:
                     self.home.abort()
                 self._uncharge()
+
+
+class _Filler(threading.Thread):
+    """Fills a committing Store's cache-tier copies from its payload file while the
+    committing thread waits for the file's fsync: each layer is read straight into the
+    copy's room (page cache -> slab, one copy; `SlabWriter.fill_layer`) and checked
+    against the checksum of the layer as it arrived. `error` is set (OSError) if the
+    file does not read back as it was written; a copy that cannot be filled in place
+    is left out (aborted by the session)."""
+
+    def __init__(self, session: StoreSession, copies: list[TierWriter]) -> None:
+        super().__init__(name="kvcraft-store-fill", daemon=True)
+        self._session = session
+        self._copies = copies
+        self.filled: list[TierWriter] = []
+        self.error: OSError | None = None
+        self.start()
+
+    def run(self) -> None:
+        sess = self._session
+        home, layout = sess.home, sess.layout
+        read_into = getattr(home, "read_into", None)
+        try:
+            for w in self._copies:
+                fill_layer = getattr(w, "fill_layer", None)
+                if read_into is None or fill_layer is None:
+                    continue
+                for layer, expected in enumerate(sess.checksums):
+                    off = layer * layout.layer_bytes
+                    room = fill_layer(lambda into, off=off: read_into(off, into))
+                    if room is None:
+                        break
+                    if layer_checksum(room[:layout.key_bytes], room[layout.key_bytes:]) != expected:
+                        raise OSError(f"variant {sess.variant_id}: layer {layer} of its payload file does not "
+                                      "read back as it arrived (disk or memory fault); not stored")
+                else:
+                    self.filled.append(w)
+        except OSError as e:
+            self.error = e
+        except Exception:  # a bug: the Store still commits, without the copy
+            log.exception("filling the cache copies of variant %s failed", sess.variant_id)
+        finally:
+            close = getattr(home, "close_reader", None)
+            if close is not None:
+                close()
+
+    def join(self, timeout: float | None = None) -> list[TierWriter]:  # type: ignore[override]
+        super().join(timeout)
+        return self.filled

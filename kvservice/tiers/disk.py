@@ -15,6 +15,7 @@ straight into GPU memory; that backend is not built yet (no GPU in this environm
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import struct
@@ -29,6 +30,23 @@ SUFFIX = ".kv"
 TMP_SUFFIX = ".kv.tmp"
 RECORD_MAGIC = b"KVCRREC1"
 _TRAILER = struct.Struct("<I8s")  # record length, magic
+# A writer asks the kernel to start writing its file back every this many bytes, so
+# the disk works while the stream goes on and commit's fsync waits only for the tail.
+WRITEBACK_BYTES = 4 << 20
+
+
+def _sync_file_range():  # noqa: ANN202 - libc's sync_file_range, or None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux: commit's fsync does all the work
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
 
 
 class DiskWriter(TierWriter):
@@ -44,6 +62,8 @@ class DiskWriter(TierWriter):
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._reserved = shape.total_bytes
         self.written = 0
+        self._written_back = 0  # bytes handed to the kernel's writeback (sync_file_range)
+        self._read_fd = -1  # read_into's descriptor (of the temporary file; survives the rename)
         self.record = b""  # appended after the layers at commit (self-describing file)
 
     def describe(self, record: bytes) -> None:
@@ -61,6 +81,23 @@ class DiskWriter(TierWriter):
             if views and done:
                 views[0] = views[0][done:]
         self.written += n
+        if _SYNC_FILE_RANGE is not None and self.written - self._written_back >= WRITEBACK_BYTES:
+            # ctypes releases the GIL; a failure here only leaves the work to commit's fsync
+            _SYNC_FILE_RANGE(self._fd, self._written_back, self.written - self._written_back, _SYNC_FILE_RANGE_WRITE)
+            self._written_back = self.written
+
+    def read_into(self, offset: int, into: memoryview) -> None:
+        """Read back bytes written so far, from `offset`, straight into `into` (the
+        page cache holds them: no disk read). Callable while `commit` runs in another
+        thread, until `close_reader`."""
+        if self._read_fd < 0:
+            self._read_fd = os.open(self.tmp, os.O_RDONLY)
+        _pread_into(self._read_fd, into, offset, self.final.name)
+
+    def close_reader(self) -> None:
+        if self._read_fd >= 0:
+            os.close(self._read_fd)
+            self._read_fd = -1
 
     def commit(self) -> None:
         """fsync the file, rename it into place, fsync the directory."""
@@ -79,6 +116,7 @@ class DiskWriter(TierWriter):
         self._reserved = 0
 
     def abort(self) -> None:
+        self.close_reader()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -125,19 +163,19 @@ class DiskTier(Tier):
         return self._read(variant_id, shape.offset(first), count * shape.layer_bytes)
 
     def _read(self, variant_id: str, offset: int, length: int) -> memoryview:
+        view = memoryview(bytearray(length))
+        self.read_into(variant_id, offset, view)
+        return view
+
+    def read_into(self, variant_id: str, offset: int, into: memoryview) -> None:
+        """Bytes [offset, offset + len(into)) of the payload, straight into `into` (one
+        copy: a promotion reads into the faster tier's memory). KeyError if absent."""
         try:
             fd = os.open(self.path_of(variant_id), os.O_RDONLY)
         except FileNotFoundError:
             raise KeyError(variant_id) from None
         try:
-            view = memoryview(bytearray(length))
-            got = 0
-            while got < length:
-                n = os.preadv(fd, [view[got:]], offset + got)
-                if n == 0:
-                    raise OSError(f"{variant_id}: payload file ends at {offset + got}, expected {offset + length}")
-                got += n
-            return view
+            _pread_into(fd, into, offset, variant_id)
         finally:
             os.close(fd)
 
@@ -212,6 +250,16 @@ def _payload_size(path: Path) -> int:
         size = os.fstat(fh.fileno()).st_size
         n = _record_length(fh, size)
     return size if n is None else size - _TRAILER.size - n
+
+
+def _pread_into(fd: int, into: memoryview, offset: int, what: str) -> None:
+    into = into.cast("B")
+    got, length = 0, into.nbytes
+    while got < length:
+        n = os.preadv(fd, [into[got:]], offset + got)
+        if n == 0:
+            raise OSError(f"{what}: payload file ends at {offset + got}, expected {offset + length}")
+        got += n
 
 
 def _write_all(fd: int, data: bytes) -> None:

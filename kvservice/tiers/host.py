@@ -5,8 +5,9 @@ host can map it and read a leased variant's layers with no copy through gRPC
 (`Locate` RPC, `kvclient.local`). The segment is named after the data directory, so a
 restart after a crash replaces the stale segment instead of leaking it.
 
-A writer allocates the variant's extent when it opens and copies each layer straight
-into it, so a Store fills the slab from the same buffer it writes to disk.
+A writer allocates the variant's extent when it opens; layers are copied into it, or
+read straight into it from the payload file (`SlabWriter.fill_layer`: a Store's copy at
+commit, promotions from disk).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class HostTier(SlabTier):
 
     def _copy_in(self, offset: int, part: memoryview) -> None:
         self.shm.buf[offset : offset + part.nbytes] = part
+
+    def _room(self, offset: int, n: int) -> memoryview:
+        return self.shm.buf[offset : offset + n]
 
     def get_layers(self, variant_id: str, first: int, count: int, shape: PayloadShape) -> memoryview:
         start, length = self._span(variant_id, first, count, shape)

@@ -72,6 +72,11 @@ class SlabTier(Tier):
         """Copy `part` (bytes, 1-D) into the slab at `offset`."""
         raise NotImplementedError
 
+    def _room(self, offset: int, n: int) -> memoryview | None:
+        """Slab bytes [offset, offset + n) as writable host memory, or None where the
+        slab is not host memory (the gpu pool)."""
+        return None
+
     def open_writer(self, variant_id: str, shape: PayloadShape) -> "SlabWriter":
         return SlabWriter(self, variant_id, self._reserve(shape), shape)
 
@@ -140,6 +145,20 @@ class SlabWriter(TierWriter):
                 raise ValueError(f"{self._vid}: write past the payload's {self._shape.total_bytes} bytes")
             self._tier._copy_in(self._off + self._pos, view)
             self._pos += view.nbytes
+
+    def fill_layer(self, read: Callable[[memoryview], None]) -> memoryview | None:
+        """Fill the next layer in place: `read(room)` puts its bytes straight into the
+        slab (one copy, e.g. a pread from the payload file). Returns the filled room
+        (to verify), or None, having done nothing, where the slab is not host memory."""
+        n = self._shape.layer_bytes
+        if self._pos + n > self._shape.total_bytes:
+            raise ValueError(f"{self._vid}: write past the payload's {self._shape.total_bytes} bytes")
+        room = self._tier._room(self._off + self._pos, n)
+        if room is None:
+            return None
+        read(room)
+        self._pos += n
+        return room
 
     def commit(self) -> None:
         if self._pos != self._shape.total_bytes:

@@ -1,0 +1,122 @@
+"""A Store's commit (kvservice/store/session.py): the host slab's copy is read back from
+the payload file while the file is fsynced, straight into the slab, and checked against
+the layers as they arrived; a payload file that does not read back is never
+acknowledged. The disk writer hands written ranges to the kernel's writeback as the
+stream goes on. ChunkStore in process, real files, real RocksDB, real shared memory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvcraft.keys import ModelSpec
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.config import load_config
+from kvservice.errors import KVCraftError
+from kvservice.index import Spec
+from kvservice.store import ChunkStore
+from kvservice.records import StoreHeader
+from kvservice.tiers import disk
+
+LAYERS, HEADS, TOKENS, DIM = 6, 2, 64, 32
+MODEL = ModelSpec("commit", LAYERS, HEADS, DIM, "float32").fingerprint()
+HALF = HEADS * TOKENS * DIM * 4  # bytes of K (or V) of one layer
+TOTAL = LAYERS * 2 * HALF
+
+
+def _layers(seed: int) -> list[tuple[bytes, bytes]]:
+    rnd = __import__("random").Random(seed)
+    return [(rnd.randbytes(HALF), rnd.randbytes(HALF)) for _ in range(LAYERS)]
+
+
+def _store(tmp_path, host_budget: int) -> ChunkStore:
+    cfg = load_config(env={}, overrides={"data_dir": str(tmp_path / "data"), "host_budget_bytes": host_budget})
+    return ChunkStore(cfg)
+
+
+def _begin(store: ChunkStore, seed: int):
+    spec = Spec(pb.FLOAT32, (HEADS, TOKENS, DIM))
+    session = store.begin_store(StoreHeader(MODEL, [seed * 1000 + t for t in range(TOKENS)], (), LAYERS, spec, spec))
+    for i, (k, v) in enumerate(_layers(seed)):
+        session.add_layer(i, k, v)
+    return session
+
+
+def test_the_host_copy_made_at_commit_holds_the_layers_as_they_arrived(tmp_path):
+    store = _store(tmp_path, host_budget=4 * TOTAL)
+    try:
+        result = _begin(store, 1).finish()
+        host, home = store.tiers[0], store.tiers[-1]
+        assert (host.name, home.name) == ("host", "disk")
+        v = store.index.get(result.variant_id)
+        assert v is not None and v.tier == "host"
+        assert result.variant_id in host and result.variant_id in home
+        expected = b"".join(k + v for k, v in _layers(1))
+        shape = store._s.shape(v)
+        assert bytes(host.get_layers(result.variant_id, 0, LAYERS, shape)) == expected
+        assert bytes(home.get_layers(result.variant_id, 0, LAYERS, shape)) == expected
+        assert host.usage() >= TOTAL
+    finally:
+        store.close()
+
+
+def test_a_variant_the_host_does_not_admit_is_stored_on_disk_only(tmp_path):
+    store = _store(tmp_path, host_budget=TOTAL // 2)
+    try:
+        result = _begin(store, 2).finish()
+        v = store.index.get(result.variant_id)
+        assert v is not None and v.tier == "disk"
+        assert result.variant_id not in store.tiers[0] and store.tiers[0].usage() == 0
+    finally:
+        store.close()
+
+
+def test_a_payload_file_that_does_not_read_back_is_never_acknowledged(tmp_path):
+    store = _store(tmp_path, host_budget=4 * TOTAL)
+    try:
+        session = _begin(store, 3)
+        # The file on disk now differs from what arrived (a disk or memory fault):
+        # layer 4's value bytes are damaged before the commit reads it back.
+        fd = os.open(session.home.tmp, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\xff" * 16, 4 * 2 * HALF + HALF + 100)
+        finally:
+            os.close(fd)
+        with pytest.raises(KVCraftError, match="layer 4 of its payload file does not read back"):
+            session.finish()
+        assert store.index.get(session.variant_id) is None
+        assert session.variant_id not in store.tiers[0] and session.variant_id not in store.tiers[-1]
+        assert store.tiers[0].usage() == 0 and store.tiers[-1].usage() == 0
+        payloads = tmp_path / "data" / "payloads"
+        assert [p.name for p in payloads.rglob("*") if p.is_file()] == [], "payload or temporary file left"
+        assert store._s.meta.load_variants() == [], "metadata committed for an unacknowledged Store"
+        again = _begin(store, 3).finish()  # the same Store once more goes through
+        assert store.index.get(again.variant_id) is not None
+    finally:
+        store.close()
+
+
+def test_the_disk_writer_hands_written_ranges_to_writeback_as_the_stream_goes(tmp_path, monkeypatch):
+    calls: list[tuple[int, int, int]] = []
+    real = disk._SYNC_FILE_RANGE
+    if real is None:
+        pytest.skip("no sync_file_range on this platform")
+
+    def record(fd: int, offset: int, n: int, flags: int) -> int:
+        calls.append((offset, n, flags))
+        return real(fd, offset, n, flags)
+
+    monkeypatch.setattr(disk, "_SYNC_FILE_RANGE", record)
+    monkeypatch.setattr(disk, "WRITEBACK_BYTES", 3 * HALF)  # every second layer (2 halves each)
+    store = _store(tmp_path, host_budget=1)
+    try:
+        result = _begin(store, 4).finish()
+        assert calls, "no writeback was started while the layers arrived"
+        assert [c[0] for c in calls] == [sum(n for _, n, _ in calls[:i]) for i in range(len(calls))], \
+            "ranges are not consecutive from the file's start"
+        assert sum(n for _, n, _ in calls) == TOTAL  # every layer (the commit's fsync does the rest)
+        assert {c[2] for c in calls} == {disk._SYNC_FILE_RANGE_WRITE}
+        assert store.index.get(result.variant_id).tier == "disk"
+    finally:
+        store.close()
