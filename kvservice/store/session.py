@@ -200,7 +200,7 @@ class StoreSession:
                     key_spec=idx.intern_spec(h.key_spec), value_spec=idx.intern_spec(h.value_spec),
                     layout=idx.intern_layout(self.layout), layer_checksums=self.checksums,
                     last_access_ms=now, created_ms=now)
-                copies = self._open_copies(v)
+                self._open_copies(v, copies)
             home = self.home
             assert home is not None
             describe = getattr(home, "describe", None)
@@ -236,17 +236,16 @@ class StoreSession:
                 s.committing.pop(self.variant_id).set()
         return StoreResult(v.chunk_key, v.variant_id, v.size_bytes)
 
-    def _open_copies(self, v: Variant) -> list[TierWriter]:
+    def _open_copies(self, v: Variant, into: list[TierWriter]) -> None:
         """Writers on every cache tier above home that stores new variants and admits
-        this one (`Placement.open_cache_writer`; store lock held)."""
+        this one (`Placement.open_cache_writer`; store lock held), appended to `into`
+        as they open (the caller aborts them on any failure)."""
         s = self._s
-        out = []
         for i in range(s.home):
             if s.tiers[i].cache_on_store:
                 w = self._placement.open_cache_writer(i, v.variant_id, s.shape(v), eviction_key(v), False)
                 if w is not None:
-                    out.append(w)
-        return out
+                    into.append(w)
 
     def _uncharge(self) -> None:
         s = self._s
@@ -306,7 +305,7 @@ class _Filler(threading.Thread):
                 else:
                     self.filled.append(w)
         except OSError as e:
-            self.error = e
+            self.error = e.with_traceback(None)  # its frames would keep views of the slab alive
         except Exception:  # a bug: the Store still commits, without the copy
             log.exception("filling the cache copies of variant %s failed", sess.variant_id)
         finally:
