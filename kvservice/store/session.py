@@ -283,6 +283,9 @@ class _Filler(threading.Thread):
         self._copies = copies
         self.filled: list[TierWriter] = []
         self.error: OSError | None = None
+        open_reader = getattr(session.home, "open_reader", None)
+        if open_reader is not None:  # here, before the commit renames the file
+            open_reader()
         self.start()
 
     def run(self) -> None:

@@ -86,12 +86,16 @@ class DiskWriter(TierWriter):
             _SYNC_FILE_RANGE(self._fd, self._written_back, self.written - self._written_back, _SYNC_FILE_RANGE_WRITE)
             self._written_back = self.written
 
-    def read_into(self, offset: int, into: memoryview) -> None:
-        """Read back bytes written so far, from `offset`, straight into `into` (the
-        page cache holds them: no disk read). Callable while `commit` runs in another
-        thread, until `close_reader`."""
+    def open_reader(self) -> None:
+        """Open the file for `read_into` (before `commit` renames it: the descriptor
+        follows the file)."""
         if self._read_fd < 0:
             self._read_fd = os.open(self.tmp, os.O_RDONLY)
+
+    def read_into(self, offset: int, into: memoryview) -> None:
+        """Read back bytes written so far, from `offset`, straight into `into` (the
+        page cache holds them: no disk read). After `open_reader`; callable while
+        `commit` runs in another thread, until `close_reader`."""
         _pread_into(self._read_fd, into, offset, self.final.name)
 
     def close_reader(self) -> None:

@@ -120,3 +120,37 @@ def test_the_disk_writer_hands_written_ranges_to_writeback_as_the_stream_goes(tm
         assert store.index.get(result.variant_id).tier == "disk"
     finally:
         store.close()
+
+
+def test_the_fill_reads_the_payload_even_when_the_commit_renamed_it_first(tmp_path, monkeypatch):
+    """The fill thread may start its first read after the commit's rename (small
+    payloads, a busy machine): the file it reads must still be the payload."""
+    from kvservice.tiers.slab import SlabWriter
+
+    real = SlabWriter.fill_layer
+
+    def late(self, read):  # noqa: ANN001 - SlabWriter.fill_layer's signature
+        if self._pos == 0:  # first layer: wait until the payload sits under its final name
+            final = tmp_path / "data" / "payloads" / self._vid[:2] / f"{self._vid}.kv"
+            _wait_until(final.exists)
+        return real(self, read)
+
+    monkeypatch.setattr(SlabWriter, "fill_layer", late)
+    store = _store(tmp_path, host_budget=4 * TOTAL)
+    try:
+        result = _begin(store, 5).finish()
+        v = store.index.get(result.variant_id)
+        assert v is not None and v.tier == "host"
+        expected = b"".join(k + v for k, v in _layers(5))
+        assert bytes(store.tiers[0].get_layers(result.variant_id, 0, LAYERS, store._s.shape(v))) == expected
+    finally:
+        store.close()
+
+
+def _wait_until(cond, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
