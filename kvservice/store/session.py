@@ -272,10 +272,11 @@ class StoreSession:
 class _Filler(threading.Thread):
     """Fills a committing Store's cache-tier copies from its payload file while the
     committing thread waits for the file's fsync: each layer is read straight into the
-    copy's room (page cache -> slab, one copy; `SlabWriter.fill_layer`) and checked
-    against the checksum of the layer as it arrived. `error` is set (OSError) if the
-    file does not read back as it was written; a copy that cannot be filled in place
-    is left out (aborted by the session)."""
+    copy's room (page cache -> slab, one copy; `SlabWriter.fill_layer`). Bytes that come
+    from the page cache are the ones this Store wrote; a layer any of whose bytes had
+    to be read from the disk is checked against the checksum of the layer as it
+    arrived. `error` is set (OSError) if the file does not read back as it was written;
+    a copy that cannot be filled in place is left out (aborted by the session)."""
 
     def __init__(self, session: StoreSession, copies: list[TierWriter]) -> None:
         super().__init__(name="kvcraft-store-fill", daemon=True)
@@ -297,12 +298,16 @@ class _Filler(threading.Thread):
                 fill_layer = getattr(w, "fill_layer", None)
                 if read_into is None or fill_layer is None:
                     continue
+                cached = [True]
+
+                def read(into: memoryview, off: int) -> None:
+                    cached[0] = read_into(off, into) is True
+
                 for layer, expected in enumerate(sess.checksums):
-                    off = layer * layout.layer_bytes
-                    room = fill_layer(lambda into, off=off: read_into(off, into))
+                    room = fill_layer(lambda into, off=layer * layout.layer_bytes: read(into, off))
                     if room is None:
                         break
-                    if layer_checksum(room[:layout.key_bytes], room[layout.key_bytes:]) != expected:
+                    if not cached[0] and layer_checksum(room[:layout.key_bytes], room[layout.key_bytes:]) != expected:
                         raise OSError(f"variant {sess.variant_id}: layer {layer} of its payload file does not "
                                       "read back as it arrived (disk or memory fault); not stored")
                 else:

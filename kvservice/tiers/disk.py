@@ -47,6 +47,7 @@ def _sync_file_range():  # noqa: ANN202 - libc's sync_file_range, or None
 
 _SYNC_FILE_RANGE = _sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # a read that answers only from the page cache
 
 
 class DiskWriter(TierWriter):
@@ -92,11 +93,23 @@ class DiskWriter(TierWriter):
         if self._read_fd < 0:
             self._read_fd = os.open(self.tmp, os.O_RDONLY)
 
-    def read_into(self, offset: int, into: memoryview) -> None:
-        """Read back bytes written so far, from `offset`, straight into `into` (the
-        page cache holds them: no disk read). After `open_reader`; callable while
-        `commit` runs in another thread, until `close_reader`."""
-        _pread_into(self._read_fd, into, offset, self.final.name)
+    def read_into(self, offset: int, into: memoryview) -> bool:
+        """Read back bytes written so far, from `offset`, straight into `into`. After
+        `open_reader`; callable while `commit` runs in another thread, until
+        `close_reader`. True if every byte came from the page cache (no disk read:
+        they are the bytes this writer wrote), False if some were read from the disk
+        (evicted meanwhile: the caller verifies them)."""
+        into = into.cast("B")
+        got = 0
+        if _RWF_NOWAIT:
+            try:
+                got = os.preadv(self._read_fd, [into], offset, _RWF_NOWAIT)
+            except BlockingIOError:  # not (all) in the page cache
+                got = 0
+            if got == into.nbytes:
+                return True
+        _pread_into(self._read_fd, into[got:], offset + got, self.final.name)
+        return False
 
     def close_reader(self) -> None:
         if self._read_fd >= 0:

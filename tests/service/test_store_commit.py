@@ -1,11 +1,12 @@
 """A Store's commit (kvservice/store/session.py): the host slab's copy is read back from
-the payload file while the file is fsynced, straight into the slab, and checked against
-the layers as they arrived; a payload file that does not read back is never
-acknowledged. The disk writer hands written ranges to the kernel's writeback as the
+the payload file while the file is fsynced, straight into the slab; bytes the page cache
+no longer held are checked against the layers as they arrived, and a payload file that
+does not read back is never acknowledged. The disk writer hands written ranges to the kernel's writeback as the
 stream goes on. ChunkStore in process, real files, real RocksDB, real shared memory."""
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -76,11 +77,14 @@ def test_a_payload_file_that_does_not_read_back_is_never_acknowledged(tmp_path):
     store = _store(tmp_path, host_budget=4 * TOTAL)
     try:
         session = _begin(store, 3)
-        # The file on disk now differs from what arrived (a disk or memory fault):
-        # layer 4's value bytes are damaged before the commit reads it back.
-        fd = os.open(session.home.tmp, os.O_WRONLY)
+        # The disk now holds other bytes than arrived in one block of layer 4's value
+        # (a disk fault): written around the page cache (O_DIRECT), which drops the
+        # cached pages of that range, so the commit's read-back comes from the disk.
+        block = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT wants
+        block.write(b"\xff" * 4096)
+        fd = os.open(session.home.tmp, os.O_WRONLY | os.O_DIRECT)
         try:
-            os.pwrite(fd, b"\xff" * 16, 4 * 2 * HALF + HALF + 100)
+            assert os.pwrite(fd, block, 4 * 2 * HALF + HALF + 4096) == 4096
         finally:
             os.close(fd)
         with pytest.raises(KVCraftError, match="layer 4 of its payload file does not read back"):
