@@ -40,6 +40,10 @@ from kvservice.tiers.base import Buffer, PayloadShape, TierWriter
 # one message ahead of the layer being written: measured 2-2.5 layers of RSS per stalled
 # stream, about 4 at the peak (tests/service/test_inflight_memory.py; docs/operations.md).
 INFLIGHT_LAYERS = 4
+# A payload at least this big gets its cache copies filled by another thread while the
+# commit fsyncs it; a smaller one after the fsync, in the committing thread (starting a
+# thread would cost more than the overlap saves).
+FILL_THREAD_BYTES = 1 << 20
 log = logging.getLogger("kvcraft.store")
 
 
@@ -287,7 +291,9 @@ class _Filler(threading.Thread):
         open_reader = getattr(session.home, "open_reader", None)
         if open_reader is not None:  # here, before the commit renames the file
             open_reader()
-        self.start()
+        self._background = session.total_bytes >= FILL_THREAD_BYTES
+        if self._background:
+            self.start()
 
     def run(self) -> None:
         sess = self._session
@@ -322,5 +328,8 @@ class _Filler(threading.Thread):
                 close()
 
     def join(self, timeout: float | None = None) -> list[TierWriter]:  # type: ignore[override]
-        super().join(timeout)
+        if self._background:
+            super().join(timeout)
+        else:  # a small payload: filled here, after the commit's fsync
+            self.run()
         return self.filled

@@ -18,6 +18,7 @@ from kvservice.errors import KVCraftError
 from kvservice.index import Spec
 from kvservice.store import ChunkStore
 from kvservice.records import StoreHeader
+from kvservice.store import session as store_session
 from kvservice.tiers import disk
 
 LAYERS, HEADS, TOKENS, DIM = 6, 2, 64, 32
@@ -29,6 +30,14 @@ TOTAL = LAYERS * 2 * HALF
 def _layers(seed: int) -> list[tuple[bytes, bytes]]:
     rnd = __import__("random").Random(seed)
     return [(rnd.randbytes(HALF), rnd.randbytes(HALF)) for _ in range(LAYERS)]
+
+
+@pytest.fixture(params=["thread", "inline"])
+def fill_mode(request, monkeypatch):
+    """The host copy filled by another thread during the fsync (big payloads), or after
+    it in the committing thread (small ones): both ways for every test that takes it."""
+    monkeypatch.setattr(store_session, "FILL_THREAD_BYTES", 0 if request.param == "thread" else 1 << 40)
+    return request.param
 
 
 def _store(tmp_path, host_budget: int) -> ChunkStore:
@@ -44,7 +53,7 @@ def _begin(store: ChunkStore, seed: int):
     return session
 
 
-def test_the_host_copy_made_at_commit_holds_the_layers_as_they_arrived(tmp_path):
+def test_the_host_copy_made_at_commit_holds_the_layers_as_they_arrived(tmp_path, fill_mode):
     store = _store(tmp_path, host_budget=4 * TOTAL)
     try:
         result = _begin(store, 1).finish()
@@ -73,7 +82,7 @@ def test_a_variant_the_host_does_not_admit_is_stored_on_disk_only(tmp_path):
         store.close()
 
 
-def test_a_payload_file_that_does_not_read_back_is_never_acknowledged(tmp_path):
+def test_a_payload_file_that_does_not_read_back_is_never_acknowledged(tmp_path, fill_mode):
     store = _store(tmp_path, host_budget=4 * TOTAL)
     try:
         session = _begin(store, 3)
@@ -126,7 +135,7 @@ def test_the_disk_writer_hands_written_ranges_to_writeback_as_the_stream_goes(tm
         store.close()
 
 
-def test_the_fill_reads_the_payload_even_when_the_commit_renamed_it_first(tmp_path, monkeypatch):
+def test_the_fill_reads_the_payload_even_when_the_commit_renamed_it_first(tmp_path, monkeypatch, fill_mode):
     """The fill thread may start its first read after the commit's rename (small
     payloads, a busy machine): the file it reads must still be the payload."""
     from kvservice.tiers.slab import SlabWriter
