@@ -24,7 +24,7 @@ from array import array
 
 from kvcraft.keys import chunk_key, is_key, variant_id
 from kvservice import failpoints
-from kvservice.errors import InvalidArgument, KVCraftError, NotFound, ResourceExhausted
+from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvservice.index import Variant, eviction_key
 from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layout
 from kvservice.records import StoreHeader, StoreResult
@@ -221,7 +221,7 @@ class StoreSession:
                 # The file does not read back as the layers that arrived: never acknowledge it.
                 with s.lock:
                     s.tiers[s.home].delete(self.variant_id)
-                raise KVCraftError(str(filler.error))
+                raise Unavailable(f"{filler.error}; retry the Store (if it repeats, check the disk)")
             s.meta.put_variants([v], sync=True)
             failpoints.reach("store:metadata-committed")
             with s.lock:

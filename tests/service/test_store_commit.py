@@ -14,7 +14,7 @@ import pytest
 from kvcraft.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
-from kvservice.errors import KVCraftError
+from kvservice.errors import Unavailable
 from kvservice.index import Spec
 from kvservice.store import ChunkStore
 from kvservice.records import StoreHeader
@@ -96,7 +96,7 @@ def test_a_payload_file_that_does_not_read_back_is_never_acknowledged(tmp_path, 
             assert os.pwrite(fd, block, 4 * 2 * HALF + HALF + 4096) == 4096
         finally:
             os.close(fd)
-        with pytest.raises(KVCraftError, match="layer 4 of its payload file does not read back"):
+        with pytest.raises(Unavailable, match="layer 4 of its payload file does not read back.*retry"):
             session.finish()
         assert store.index.get(session.variant_id) is None
         assert session.variant_id not in store.tiers[0] and session.variant_id not in store.tiers[-1]
