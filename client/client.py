@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from kvclient.errors import from_rpc_error
-from kvclient.tensors import byte_view, from_bytes, spec_of, to_bytes
+from kvclient.tensors import byte_view, from_message, spec_of, to_bytes
 from kvcraft import codec
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
@@ -134,8 +134,9 @@ def _ref(r: RefLike) -> pb.VariantRef:
 
 
 def _layer(msg: codec.LayerChunkView | pb.LayerChunk, device: str | torch.device) -> FetchedLayer:
+    """K and V as tensors over the received message's bytes (no copy; see from_message)."""
     return FetchedLayer(msg.layer, msg.index, msg.variant_id,
-                        from_bytes(msg.key_spec, msg.key, device), from_bytes(msg.value_spec, msg.value, device))
+                        from_message(msg.key_spec, msg.key, device), from_message(msg.value_spec, msg.value, device))
 
 
 def _lookup_request(model_id: str | None, token_ids: Sequence[int] | None, chunk_key: str | None) -> pb.LookupRequest:

@@ -6,6 +6,9 @@ this module only maps each to its torch dtype.
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import torch
 
 from kvcraft.layout import BY_WIRE, DTYPES
@@ -42,5 +45,26 @@ def from_bytes(spec: pb.TensorSpec, data: bytes | memoryview, device: str | torc
     if spec.dtype not in BY_WIRE:
         raise ValueError(f"unknown dtype {spec.dtype} in a LayerChunk")
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    t = flat.view(TORCH_DTYPE[spec.dtype]).reshape(tuple(spec.shape))
+    return t.to(device) if str(device) != "cpu" else t
+
+
+def from_message(spec: pb.TensorSpec, data: bytes | memoryview, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A tensor over `data` without a copy, for the bytes of a received message that
+    nothing else holds (a FetchLayers LayerChunk): the tensor keeps the message alive
+    and may be written (nobody else reads that buffer). Bytes not aligned for the dtype
+    are copied once (typed loads need natural alignment)."""
+    if spec.dtype not in BY_WIRE:
+        raise ValueError(f"unknown dtype {spec.dtype} in a LayerChunk")
+    n = len(data)
+    address = np.frombuffer(data, dtype=np.uint8).ctypes.data if n else 0
+    if n and address % BY_WIRE[spec.dtype].itemsize == 0:
+        # torch takes only writable buffers without a warning: a ctypes array over the
+        # same memory, holding the message
+        buf = (ctypes.c_ubyte * n).from_address(address)
+        buf.message = data  # type: ignore[attr-defined]
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    else:
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
     t = flat.view(TORCH_DTYPE[spec.dtype]).reshape(tuple(spec.shape))
     return t.to(device) if str(device) != "cpu" else t

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 
-# glibc raises its mmap threshold as big blocks are freed and then keeps freed layer
-# buffers (MiBs each, a heap per worker thread): in-flight Stores would leave RSS behind.
-# A fixed 1 MiB threshold returns them to the OS (docs/operations.md; deploy/ sets it too).
-SERVER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+# glibc: layer-sized buffers (up to 32 MiB) come from the heap and up to 64 MiB of free
+# heap top is kept, so streams reuse memory instead of an mmap + page faults + munmap per
+# message; one arena, so that the server's malloc_trim once idle reaches every freed
+# page (kvservice/server/heap.py, docs/operations.md; deploy/ sets the same).
+SERVER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20), "MALLOC_ARENA_MAX": "1"}
 
 
 class ChildProcess:

@@ -112,26 +112,27 @@ class DataServicer:
         timer = self.metrics.fetch_seconds.time()
         timer.__enter__()
         closed = False
+        reading: asyncio.Future | None = None  # the next message, built on a worker thread
         try:
             last = min(i.num_layers for i in infos)
-            specs = [(wire.spec_message(i.key_spec).SerializeToString(),
-                      wire.spec_message(i.value_spec).SerializeToString()) for i in infos]
             first = request.first_layer
             end = last if request.num_layers == 0 else first + request.num_layers
             if first >= last or end > last:
                 raise InvalidArgument(
                     f"layers [{first}, {end}) requested; the variants have {last} layers")
-            for layer in range(first, end):
-                if layer == first + 1:
+            messages = _LayerMessages(self.store, infos, first, end)
+            # One message ahead: message n+1 is read and encoded while grpcio sends message n.
+            reading = loop.run_in_executor(None, messages.build, 0)
+            for n in range(len(messages)):
+                msg = await asyncio.shield(reading)  # a cancel never orphans a running read
+                reading = loop.run_in_executor(None, messages.build, n + 1) if n + 1 < len(messages) else None
+                if n == len(infos):  # every variant's first layer went out
                     failpoints.reach("fetch:after-first-layer")
-                for idx, info in enumerate(infos):
-                    head = codec.layer_chunk_head(layer, idx, info.variant_id, *specs[idx])
-                    msg = await asyncio.to_thread(self._layer_chunk, info, layer, head)
-                    self.metrics.fetch_bytes.inc(info.layout.layer_bytes)
-                    yield msg
+                self.metrics.fetch_bytes.inc(infos[n % len(infos)].layout.layer_bytes)
+                yield msg
         except KVCraftError as e:
             closed = True
-            loop.run_in_executor(None, self.store.close_fetch, infos)
+            _release_after(loop, reading, self.store.close_fetch, infos)
             await context.abort(e.code, str(e))
         else:
             # Before the status goes out, so a client that saw the stream end also
@@ -141,13 +142,48 @@ class DataServicer:
         finally:
             timer.__exit__(None, None, None)
             if not closed:  # cancelled by the client: release without awaiting
-                loop.run_in_executor(None, self.store.close_fetch, infos)
+                _release_after(loop, reading, self.store.close_fetch, infos)
 
-    def _layer_chunk(self, info: Variant, layer: int, head: bytes) -> bytes:
-        """A serialized LayerChunk: the layer's bytes copied once, from the tier's buffer
-        into the message (FetchLayers' response serializer passes bytes through)."""
+
+class _LayerMessages:
+    """The serialized LayerChunks of one FetchLayers stream, layer-major (every
+    variant's layer l, then l+1, ...). Each is built with one copy of the layer's bytes,
+    from the tier's buffer into the message (the response serializer passes bytes
+    through); reads from a verifying tier check the layer's checksum (ChunkStore.read_layer)."""
+
+    def __init__(self, store: ChunkStore, infos: list[Variant], first: int, end: int) -> None:
+        self.store = store
+        self.infos = infos
+        self.first = first
+        self.count = (end - first) * len(infos)
+        self.specs = [(wire.spec_message(i.key_spec).SerializeToString(),
+                       wire.spec_message(i.value_spec).SerializeToString()) for i in infos]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def build(self, n: int) -> bytes:
+        layer, idx = divmod(n, len(self.infos))
+        layer += self.first
+        info = self.infos[idx]
+        head = codec.layer_chunk_head(layer, idx, info.variant_id, *self.specs[idx])
         k, v = self.store.read_layer(info, layer)
         return codec.encode_layer_chunk(head, k, v)
+
+
+def _release_after(loop: asyncio.AbstractEventLoop, reading: asyncio.Future | None,
+                   close: Any, infos: list[Variant]) -> None:
+    """Release a fetch's hold on its variants once no read of them runs any more (a
+    read-ahead that failed or was left behind is retrieved, so it is not logged)."""
+    def release(f: asyncio.Future | None = None) -> None:
+        if f is not None and not f.cancelled():
+            f.exception()
+        loop.run_in_executor(None, close, infos)
+
+    if reading is None:
+        release()
+    else:
+        reading.add_done_callback(release)
 
 
 async def _discard_rest(request_iterator: AsyncIterator[Any], ahead: asyncio.Future | None) -> None:

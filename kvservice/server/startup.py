@@ -23,6 +23,7 @@ from kvservice.planning import PlanningService
 from kvservice.server.admin import AdminServicer
 from kvservice.server.codecs import add_service
 from kvservice.server.data import DataServicer
+from kvservice.server.heap import IdleTrim
 from kvservice.server.lookup import LookupServicer
 from kvservice.server.status import InFlight
 from kvservice.store import ChunkStore
@@ -113,6 +114,7 @@ async def start_server(cfg: Config) -> RunningServer:
     interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     inflight = InFlight()
+    inflight.on_idle = IdleTrim(inflight)  # freed layer buffers back to the OS when idle
     planning = PlanningService(store, PlannerConfig(alpha=cfg.cfo_alpha,
                                                     max_conversation_chunks=cfg.max_conversation_chunks))
     add_service(server, "KVCache", DataServicer(store, metrics, inflight), LookupServicer(store, planning, inflight))

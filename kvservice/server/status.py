@@ -24,6 +24,7 @@ class InFlight:
         self.active = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.on_idle: Callable[[], None] | None = None  # called (on the loop) when the last running RPC ends
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
@@ -35,6 +36,8 @@ class InFlight:
             self.active -= 1
             if self.active == 0:
                 self._idle.set()
+                if self.on_idle is not None:
+                    self.on_idle()
 
     async def wait_idle(self, timeout: float) -> bool:
         try:

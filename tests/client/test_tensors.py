@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import struct
 
+import numpy as np
 import pytest
 import torch
 
-from kvclient.tensors import TORCH_DTYPE, from_bytes, spec_of, to_bytes
+from kvclient.tensors import TORCH_DTYPE, from_bytes, from_message, spec_of, to_bytes
 from kvcraft.layout import DTYPES, spec_bytes
 
 
@@ -48,3 +50,38 @@ def test_unstorable_tensors_are_refused_by_name():
         spec_of(torch.zeros(1, 2, 3, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"\[kv_heads, tokens, head_dim\]"):
         spec_of(torch.zeros(2, 3))
+
+
+def _address(buf) -> int:
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_received_message_becomes_tensors_without_a_copy_when_aligned(dtype):
+    """FetchLayers K and V alias the received message (the client's decode copies
+    nothing); bytes misaligned for the dtype are copied once, never viewed misaligned."""
+    t = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1)).to(dtype)
+    spec, data = spec_of(t), to_bytes(t)
+    itemsize = t.element_size()
+    for pad in range(8):
+        message = bytes(pad) + data + b"tail"  # a message: fields before and after the tensor
+        view = memoryview(message)[pad : pad + len(data)]
+        got = from_message(spec, view)
+        assert got.dtype == dtype and got.shape == t.shape
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+        assert got.data_ptr() % itemsize == 0
+        aligned = (_address(message) + pad) % itemsize == 0
+        assert (got.data_ptr() == _address(message) + pad) == aligned  # aliased exactly when aligned
+        got.view(torch.uint8).reshape(-1)[0] = 7  # writable, and only this tensor's bytes change
+        assert message[-4:] == b"tail" and message[:pad] == bytes(pad)
+        del view, message
+        gc.collect()  # the tensor holds the message
+        assert torch.equal(got.view(torch.uint8).reshape(-1)[1:], t.view(torch.uint8).reshape(-1)[1:])
+
+
+def test_a_message_of_the_wrong_size_is_refused():
+    spec = spec_of(torch.zeros(2, 5, 3))
+    with pytest.raises(RuntimeError):
+        from_message(spec, memoryview(bytes(2 * 5 * 3 * 4 - 4)))
+    with pytest.raises(RuntimeError):
+        from_message(spec, memoryview(b""))
