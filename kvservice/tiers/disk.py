@@ -104,8 +104,8 @@ class DiskWriter(TierWriter):
         if _RWF_NOWAIT:
             try:
                 got = os.preadv(self._read_fd, [into], offset, _RWF_NOWAIT)
-            except BlockingIOError:  # not (all) in the page cache
-                got = 0
+            except OSError:  # not (all) in the page cache (EAGAIN), or a filesystem without
+                got = 0  # RWF_NOWAIT (EOPNOTSUPP: tmpfs): the plain read below says what is wrong
             if got == into.nbytes:
                 return True
         _pread_into(self._read_fd, into[got:], offset + got, self.final.name)
