@@ -14,7 +14,7 @@ HKVD). The scores are stored with the variant it created (`VariantStats.recomput
 merged over the requests that computed the chunk (`merge_scores`), so the next reuse,
 behind any prefix, knows which tokens to recompute without computing a layer first.
 
-`learn` (measured side by side, kvbench.quality.selection) starts from the top fresh-gain token and adds, greedily, the
+The default list (`learn`) starts from the top fresh-gain token and adds, greedily, the
 tokens whose RECOMPUTE repairs the answer most (`recompute_gain`): a recomputed token
 attends to the chunk's other, stale rows, so a binding that reaches the token the answer
 reads through other tokens of the chunk (on long chunks, the filler before the profile
@@ -358,7 +358,10 @@ def recompute_gain(engine, cases: Sequence[GainCase], rounds: int = 4, first: Se
     lowers KL(p || answer) most given the tokens chosen so far. The i-th chosen token
     scores KL_(i-1) - min(KL_j, j >= i) (what recomputing it and the tokens chosen after
     it still repairs; KL_0 = every token stale), every other token 0. A case whose stale
-    chunk costs less than `min_kl` scores all 0.
+    chunk costs less than `min_kl` scores all 0. The greedy runs every round even once
+    the answer is repaired here: the tokens it adds then score little (they rank after
+    every token that repaired something) but help where the rest of the prompt is stale
+    too (a variant that stopped at 1e-3 nats recomputed half as much; docs/quality.md).
 
     Costs per round the chunk's T + 2 variants x (chosen + 1 + question) rows through
     every layer, over caches of the request's rows. `paths`, if given, receives each

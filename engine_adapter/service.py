@@ -15,8 +15,10 @@ completes: a missing layer is computed by the driver, a failed Plan means full p
 Learned recompute lists (issue 19, `engine_adapter.selection`): when a request computed
 a chunk in full although a variant of it is stored (the plan named one, or the service
 lists one behind another prefix), the store-back fetches that variant, measures per
-token how much of this request's answer its stale KV costs (`selection.fresh_gain`),
-merges that with the variant's own scores and sends the result as the new variant's
+token what recomputing it repairs of this request's answer (`selection.learn`: greedy
+from the token whose stale KV costs the answer most, `fresh_gain`, adding the tokens whose
+recompute repairs most, `recompute_gain`), merges that with the variant's own scores and
+sends the result as the new variant's
 `recompute_scores`. The planner then spends its recompute budget on them. All of it runs
 on the background store-back thread, after the request's first token.
 """
@@ -261,7 +263,8 @@ class RAGAdapter:
         """`stats` with the learned recompute scores of this fresh chunk against a stored
         variant of it behind another prefix (one with scores first, then the plan's, then
         the first the service lists): that variant's scores merged with this request's
-        `fresh_gain`, so the lists accumulate over the requests that computed the chunk."""
+        learned scores (`selection.learn`), so the lists accumulate over the requests that
+        computed the chunk."""
         key = chunk_key(self.model_id, tokens)
         try:
             infos = self.client.get_chunk(key)
@@ -280,7 +283,7 @@ class RAGAdapter:
             log.warning("kvcraft: variant %s of chunk %s has another shape; no learned scores",
                         info.variant_id[:12], key[:12])
             return stats
-        gain = selection.fresh_gain(self.engine, [selection.GainCase(context, span, question, stored)])[0]
+        gain = selection.learn(self.engine, [selection.GainCase(context, span, question, stored, tuple(tokens))])[0]
         scores = selection.merge_scores(tuple(info.stats.recompute_scores), gain.tolist())
         return dataclasses.replace(stats, recompute_scores=scores)
 

@@ -7,7 +7,7 @@ For every held-out example:
      attention statistics — so each stored variant was computed behind another prefix;
      For the learned lists, two more warm passes (other shuffles) compute every chunk
      again behind new prefixes: their store-backs send learned recompute scores
-     (`engine_adapter.selection.fresh_gain` against an earlier variant, merged);
+     (`engine_adapter.selection.learn` against an earlier variant, merged);
   2. evaluate: the example in its retriever order, once per policy, through
      RAGAdapter (Plan -> fetch layer by layer -> blend), nothing stored back. Only
      the CRAFT setting lets the planner reorder the chunks (in this task chunk order

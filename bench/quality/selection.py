@@ -187,30 +187,6 @@ def load_lists(ps: Sequence[Prompt], path: Path) -> None:
             at += n
 
 
-def save_gains(ps: Sequence[Prompt], path: Path) -> None:
-    """The prompts' learned lists (`Prompt.gains`), for a test fixture: one float32 tensor
-    of every chunk's scores back to back, and the chunks' lengths per prompt."""
-    lengths = [[len(p.gains[j]) for j in sorted(p.gains)] for p in ps]
-    flat = torch.cat([p.gains[j].to(torch.float32) for p in ps for j in sorted(p.gains)])
-    torch.save({"lengths": lengths, "scores": flat}, path)
-
-
-def load_gains(ps: Sequence[Prompt], path: Path) -> None:
-    """Attach the learned lists saved by `save_gains` for the same prompts (same draw, same
-    count or fewer), checking every chunk's length."""
-    saved = torch.load(path)
-    lengths, flat = saved["lengths"], saved["scores"]
-    if len(lengths) < len(ps):
-        raise ValueError(f"{path} holds {len(lengths)} prompts, {len(ps)} asked")
-    at = 0
-    for p, lens in zip(ps, lengths):
-        if lens != [len(c) for c in p.chunks]:
-            raise ValueError(f"{path}: chunk lengths differ from the prompts' (another draw or task?)")
-        for j, n in enumerate(lens):
-            p.gains[j] = flat[at:at + n]
-            at += n
-
-
 Pick = Callable[[Prompt], Mapping[int, Sequence[int]]]  # prompt -> chunk index -> tokens to recompute
 
 

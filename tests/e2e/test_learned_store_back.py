@@ -1,6 +1,7 @@
 """Learned recompute lists from the engine side (issue 19): a request that computes a
 chunk in full while a variant of it is stored sends, on store-back, the new variant's
-`recompute_scores` = this request's `selection.fresh_gain` against that stored variant.
+`recompute_scores` = this request's learned scores against that stored variant
+(`selection.learn`: greedy recompute gain from the top `fresh_gain` token).
 Real server on loopback, tiny random-weight Llama; the reference recomputes the gains
 from the engine's own full prefill and the stored variant fetched back."""
 
@@ -24,7 +25,7 @@ def chunks(seed: int, n: int = 3, length: int = 8) -> list[list[int]]:
     return [torch.randint(0, 256, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def test_store_back_sends_the_fresh_gain_against_the_stored_variant(kvserver):
+def test_store_back_sends_the_learned_scores_against_the_stored_variant(kvserver):
     cs = chunks(5)
     fp = ENGINE.model_spec().fingerprint()
     keys = [chunk_key(fp, c) for c in cs]
@@ -51,7 +52,7 @@ def test_store_back_sends_the_fresh_gain_against_the_stored_variant(kvserver):
             prefix = [chunk_key(fp, d) for d in order[:i]]
             (new,) = [v for v in client.get_chunk(key) if list(v.prefix_keys) == prefix]
             span = (sum(map(len, order[:i])), sum(map(len, order[:i + 1])))
-            want = sel.fresh_gain(ENGINE, [sel.GainCase(context, span, tuple(QUESTION), stored[key])])[0]
+            want = sel.learn(ENGINE, [sel.GainCase(context, span, tuple(QUESTION), stored[key], tuple(c))])[0]
             got = torch.tensor(list(new.stats.recompute_scores))
             assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-3, atol=1e-6), (i, got, want)
             ok += int(float(want.max()) > 0)
@@ -81,7 +82,7 @@ def test_a_failure_while_learning_stores_the_chunk_without_scores(kvserver, monk
         first = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate())
         first.prefill(cs, QUESTION, reorder=False)
         first.close()
-        monkeypatch.setattr(sel, "fresh_gain", broken)
+        monkeypatch.setattr(sel, "learn", broken)
         second = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate())
         second.prefill(cs[::-1], QUESTION, reorder=False)
         second.close()
