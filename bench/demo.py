@@ -206,8 +206,8 @@ def _learning_requests(engine, client, prompts, gate) -> None:  # noqa: ANN001
     """Two later requests per prompt, served by full prefill: each puts the prompt's chunks
     behind chunks of two other prompts (another order each time) and asks the prompt's
     question. Their store-backs find the variant stored earlier and send, with the new
-    variant, which tokens' stale KV cost that answer most (`RAGAdapter(learn=True)`, the
-    default); the planner spends its budget on those tokens."""
+    variant, which tokens' recompute repairs that answer most (`RAGAdapter(learn=True)`,
+    the default: `selection.learn`); the planner spends its budget on those tokens."""
     import random
 
     from engine_adapter import Policy
