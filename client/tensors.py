@@ -44,9 +44,7 @@ def from_bytes(spec: pb.TensorSpec, data: bytes | memoryview, device: str | torc
     """A writable tensor of the bytes (one copy)."""
     if spec.dtype not in BY_WIRE:
         raise ValueError(f"unknown dtype {spec.dtype} in a LayerChunk")
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    t = flat.view(TORCH_DTYPE[spec.dtype]).reshape(tuple(spec.shape))
-    return t.to(device) if str(device) != "cpu" else t
+    return _typed(torch.frombuffer(bytearray(data), dtype=torch.uint8), spec, device)
 
 
 def from_message(spec: pb.TensorSpec, data: bytes | memoryview, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -57,14 +55,19 @@ def from_message(spec: pb.TensorSpec, data: bytes | memoryview, device: str | to
     if spec.dtype not in BY_WIRE:
         raise ValueError(f"unknown dtype {spec.dtype} in a LayerChunk")
     n = len(data)
-    address = np.frombuffer(data, dtype=np.uint8).ctypes.data if n else 0
-    if n and address % BY_WIRE[spec.dtype].itemsize == 0:
-        # torch takes only writable buffers without a warning: a ctypes array over the
-        # same memory, holding the message
-        buf = (ctypes.c_ubyte * n).from_address(address)
-        buf.message = data  # type: ignore[attr-defined]
-        flat = torch.frombuffer(buf, dtype=torch.uint8)
-    else:
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    if not n:  # reshaping nothing to the spec's shape raises, as for any wrong size
+        return _typed(torch.empty(0, dtype=torch.uint8), spec, device)
+    address = np.frombuffer(data, dtype=np.uint8).ctypes.data
+    if address % BY_WIRE[spec.dtype].itemsize:
+        return from_bytes(spec, data, device)  # misaligned: one copy
+    # torch takes only writable buffers without a warning: a ctypes array over the same
+    # memory, holding the message
+    buf = (ctypes.c_ubyte * n).from_address(address)
+    buf.message = data  # type: ignore[attr-defined]
+    return _typed(torch.frombuffer(buf, dtype=torch.uint8), spec, device)
+
+
+def _typed(flat: torch.Tensor, spec: pb.TensorSpec, device: str | torch.device) -> torch.Tensor:
+    """The bytes `flat` as the spec's dtype and shape, on `device` (a copy only off the CPU)."""
     t = flat.view(TORCH_DTYPE[spec.dtype]).reshape(tuple(spec.shape))
     return t.to(device) if str(device) != "cpu" else t
