@@ -203,9 +203,9 @@ DEFAULT_COLUMN = "default (learned)"
 
 
 def _learning_requests(engine, client, prompts, gate) -> None:  # noqa: ANN001
-    """Two later requests per prompt, served by full prefill: each puts the prompt's chunks
-    behind chunks of two other prompts (another order each time) and asks the prompt's
-    question. Their store-backs find the variant stored earlier and send, with the new
+    """Two later requests per prompt, served by full prefill: each shuffles the prompt's
+    chunks together with two chunks of another prompt (a different one each time) and asks
+    the prompt's question, as kvbench.quality.evaluate's learning passes do. Their store-backs find the variant stored earlier and send, with the new
     variant, which tokens' recompute repairs that answer most (`RAGAdapter(learn=True)`,
     the default: `selection.learn`); the planner spends its budget on those tokens."""
     import random
