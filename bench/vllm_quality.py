@@ -154,7 +154,8 @@ def score(enc: list[Any], exs: list[Any], outputs: list[dict[str, Any]], layers:
            "vllm_computed_share": vllm_tl / prompt_tl if prompt_tl else 0.0,
            "kvcraft_recomputed_share": kvcraft_tl / prompt_tl if prompt_tl else 0.0,
            "blended_requests": blended, "fallbacks": fallbacks,
-           "prefix_cache_not_reset": sum(o.get("prefix_cache_reset") is False for o in outputs)}
+           "prefix_cache_not_reset": sum(o.get("prefix_cache_reset") is False for o in outputs),
+           "seconds": sum(o.get("ttft_s", 0.0) for o in outputs)}  # in vLLM's generate calls
     if reference_outputs is not None:
         row["identical_to_vllm_alone"] = identical / n if n else 0.0
     return row

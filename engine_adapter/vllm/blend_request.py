@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 
@@ -49,9 +49,11 @@ class Blend:
         self.lease_id = ""
 
     def ask_plan(self, tokens: list[int], client: Any, chunk_model_id: str, settings: ConnectorSettings,
-                 metrics: ConnectorMetrics, breaker: Breaker) -> bool | None:
+                 metrics: ConnectorMetrics, breaker: Breaker,
+                 on_done: Callable[[], None] | None = None) -> bool | None:
         """Ask the service for the chunks' Plan (a gRPC future, never waited on): None while
-        pending, False when the blend is off for this request (self.declined says why)."""
+        pending, False when the blend is off for this request (self.declined says why).
+        on_done is called (on gRPC's thread) when the Plan RPC ends."""
         from kvcraft.v1 import kvcraft_pb2 as pb
 
         now = time.monotonic()
@@ -70,7 +72,12 @@ class Blend:
             try:
                 self.future = client.plan_future(chunk_model_id, chunks, len(tokens) - at,
                                                  first_turn=False, timeout=settings.plan_timeout_s)
-                self.future.add_done_callback(lambda _f: setattr(self, "plan_s", time.perf_counter() - sent))
+                def answered(_f: Any) -> None:
+                    self.plan_s = time.perf_counter() - sent
+                    if on_done is not None:
+                        on_done()
+
+                self.future.add_done_callback(answered)
             except Exception as e:  # noqa: BLE001 - vLLM computes the request alone
                 metrics.add(blend_plan_errors=1)
                 breaker.failed("error", f"{type(e).__name__}: {e}")

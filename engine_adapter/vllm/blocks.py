@@ -79,6 +79,7 @@ class KVCraftMetadata(KVConnectorMetadata):
     loads: list[BlockLoad] = field(default_factory=list)
     saves: list[BlockSave] = field(default_factory=list)
     blends: list[BlendLoad] = field(default_factory=list)
+    idle: bool = False  # vLLM scheduled no tokens this step (the worker may wait for its loads)
 
 
 @dataclass

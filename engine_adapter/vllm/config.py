@@ -43,6 +43,7 @@ class ConnectorSettings:
     save_concurrency: int = 4        # Store RPCs in flight at once
     max_pending_saves: int = 4096    # blocks waiting for Store; more are dropped (a later miss)
     shutdown_drain_s: float = 5.0    # shutdown waits at most this for queued saves
+    idle_wait_s: float = 0.01        # a step with nothing to compute waits at most this for a load to end
     token: str | None = None
     # Blending (docs/vllm.md "Blending"): requests whose kv_transfer_params carry chunk
     # boundaries get their context KV built by kvcraft with this reuse policy.
@@ -72,8 +73,9 @@ class ConnectorSettings:
             blend_policy(s.blend_policy, s.blend_options)  # raises naming the problem
         elif s.blend_options:
             raise ValueError("kv_connector_extra_config blend_options given but blend_policy is 'off'")
-        if s.shutdown_drain_s < 0:
-            raise ValueError(f"kv_connector_extra_config shutdown_drain_s must be >= 0, got {s.shutdown_drain_s!r}")
+        for name in ("shutdown_drain_s", "idle_wait_s"):
+            if not getattr(s, name) >= 0:
+                raise ValueError(f"kv_connector_extra_config {name} must be >= 0, got {getattr(s, name)!r}")
         return s
 
 

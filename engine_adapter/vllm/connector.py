@@ -154,8 +154,13 @@ class KVCraftConnector(KVConnectorBase_V1):
         self.worker.submit_saves()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Loads that ended. In a step where vLLM computes nothing this first waits (at most
+        `idle_wait_s`) for one of the running loads to end: vLLM's engine loop would
+        otherwise spin through empty steps, holding the GIL the loader threads need."""
         assert self.worker is not None
-        return None, self.worker.finished_loads() or None
+        meta = self._connector_metadata
+        idle = isinstance(meta, KVCraftMetadata) and meta.idle
+        return None, self.worker.finished_loads(wait=idle) or None
 
     def build_connector_worker_meta(self) -> "KVConnectorWorkerMetadata | None":
         """What each blend that finished this step computed (the request's output reports it)."""

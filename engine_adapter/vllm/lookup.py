@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 
@@ -22,16 +22,26 @@ MAX_IDS_PER_LOOKUP = 256  # the service's max_fetch_variants
 class PrefixLookup:
     """One request's MatchPrefix, possibly over several RPCs of <= MAX_IDS_PER_LOOKUP ids."""
 
-    def __init__(self, client: Any, vids: list[str], deadline: float) -> None:
+    def __init__(self, client: Any, vids: list[str], deadline: float,
+                 on_done: Callable[[], None] | None = None) -> None:
         self._client = client
         self._vids = vids
         self.deadline = deadline
         self.matched = 0
+        self._on_done = on_done  # called (on gRPC's thread) when an RPC of this lookup ends
         self._future = self._send()
 
     def _send(self) -> Any:
         part = self._vids[self.matched:self.matched + MAX_IDS_PER_LOOKUP]
-        return self._client.match_prefix_future(part, timeout=max(0.001, self.deadline - time.monotonic()))
+        f = self._client.match_prefix_future(part, timeout=max(0.001, self.deadline - time.monotonic()))
+        if self._on_done is not None:
+            done = self._on_done
+            f.add_done_callback(lambda _f: done())
+        return f
+
+    def pending(self) -> bool:
+        """An RPC of this lookup is still unanswered."""
+        return not self._future.done()
 
     def poll(self) -> int | None:
         """Blocks matched, or None while the answer is pending. Raises what the RPC raised."""

@@ -22,6 +22,7 @@ Bounds (docs/vllm.md "What the connector guarantees"):
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -77,6 +78,7 @@ class SchedulerSide:
         self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}  # req -> (first block, vLLM block ids)
         self._breaker = Breaker(settings, metrics)
         self._step_s = 0.0
+        self._answered = threading.Event()  # set when a lookup or Plan RPC ends (idle steps wait on it)
 
     # -- vLLM's scheduler calls --------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -95,7 +97,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVCraftMetadata:
         t0 = time.perf_counter()
-        meta = KVCraftMetadata(loads=self._loads, blends=self._blends)
+        meta = KVCraftMetadata(loads=self._loads, blends=self._blends,
+                               idle=not scheduler_output.total_num_scheduled_tokens)
         self._loads, self._blends = [], []
         for new in scheduler_output.scheduled_new_reqs:
             self._plan_saves(new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id],
@@ -107,7 +110,20 @@ class SchedulerSide:
         self.metrics.add(planned_saves=len(meta.saves))
         self.metrics.step(self._step_s + time.perf_counter() - t0)
         self._step_s = 0.0
+        if meta.idle and not self._loading and self.settings.idle_wait_s > 0:
+            self._idle_wait()
         return meta
+
+    def _idle_wait(self) -> None:
+        """vLLM computes nothing this step and no load runs (the worker side waits for
+        those): wait at most `idle_wait_s` for a pending lookup or Plan to be answered,
+        instead of letting vLLM's loop spin (it would hold the GIL gRPC's thread needs
+        to deliver that answer). Not counted in the scheduler step time: idle time."""
+        self._answered.clear()
+        if any((st.lookup is not None and st.lookup.pending())
+               or (st.blend is not None and st.blend.plan is None and st.blend.future is not None
+                   and not st.blend.future.done()) for st in self._reqs.values()):
+            self._answered.wait(self.settings.idle_wait_s)
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """A load that failed lowers the request's kept answer to the blocks before the first
@@ -216,7 +232,7 @@ class SchedulerSide:
             return 0, False
         if b.plan is None:
             answer = b.ask_plan(st.tokens, self._client, self.chunk_model_id, self.settings, self.metrics,
-                                    self._breaker)
+                                self._breaker, on_done=self._answered.set)
             if answer is None:
                 return None, False
             if not answer:
@@ -240,7 +256,8 @@ class SchedulerSide:
                 return 0
             self.metrics.add(lookups=1)
             try:
-                st.lookup = PrefixLookup(self._client, st.vids, now + self.settings.lookup_timeout_s)
+                st.lookup = PrefixLookup(self._client, st.vids, now + self.settings.lookup_timeout_s,
+                                         on_done=self._answered.set)
             except Exception as e:  # noqa: BLE001 - a lookup that cannot start is a miss
                 self._breaker.failed("error", f"{type(e).__name__}: {e}")
                 return 0

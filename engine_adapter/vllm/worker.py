@@ -8,6 +8,10 @@ missed `load_timeout_s`, the same step reports its blocks through
 `get_block_ids_with_load_errors` and vLLM (policy "recompute") recomputes them. The
 request's blocks stay allocated until that report, so a late write never lands in a
 block vLLM gave to another request (an aborted request's blocks are freed only then).
+A step in which vLLM computes nothing while loads run first waits (at most
+`idle_wait_s`, ending as soon as one finishes) before answering which ended: vLLM's
+engine loop otherwise spins through thousands of empty steps a second, and with the
+engine in the loaders' process it holds the GIL they need (a blend took ~3x as long).
 
 Saves: at layer 0 of a step the worker takes the step's planned blocks that are not
 already stored or in flight here; each layer's rows of those blocks are copied out
@@ -66,6 +70,8 @@ class WorkerSide:
         self._failed: dict[str, set[int]] = {}
         self._report_failed: set[int] = set()
         self._closing = False
+        self._running = 0  # loads and blends handed to the loader threads and not ended
+        self._progress = threading.Condition(self._lock)  # notified when one ends
         # saves
         self._inflight: set[str] = set()
         self._stored: OrderedDict[str, None] = OrderedDict()
@@ -109,12 +115,25 @@ class WorkerSide:
             if self._closing:
                 self._finish(ld, "shutting down")
             else:
-                self._loader.submit(self._load, ld)
+                self._start(self._load, ld)
         for bl in meta.blends:
             if self._closing or self.context is None:
                 self._finish_blend(bl, None, "shutting down" if self._closing else "blending is off here")
             else:
-                self._loader.submit(self._blend, bl, time.perf_counter())
+                self._start(self._blend, bl, time.perf_counter())
+
+    def _start(self, fn: Any, *args: Any) -> None:
+        with self._lock:
+            self._running += 1
+        self._loader.submit(self._ran, fn, *args)
+
+    def _ran(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        finally:
+            with self._lock:
+                self._running -= 1
+                self._progress.notify_all()
 
     def _blend(self, bl: BlendLoad, queued: float) -> None:
         assert self.context is not None
@@ -200,10 +219,13 @@ class WorkerSide:
         else:
             self.metrics.add(loaded_tokens=ld.tokens)
 
-    def finished_loads(self) -> set[str]:
+    def finished_loads(self, wait: bool = False) -> set[str]:
         """Requests whose load ended (ok or failed) since the last call; their failed blocks
-        become what `failed_blocks` returns next (vLLM asks right after, same step)."""
+        become what `failed_blocks` returns next (vLLM asks right after, same step).
+        wait: none ended yet but loads run: wait at most `idle_wait_s` for one to end."""
         with self._lock:
+            if wait and not self._finished and self._running and self.settings.idle_wait_s > 0:
+                self._progress.wait(self.settings.idle_wait_s)
             done, self._finished = self._finished, set()
             for r in done:
                 self._report_failed |= self._failed.pop(r, set())

