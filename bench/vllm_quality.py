@@ -162,7 +162,9 @@ def score(enc: list[Any], exs: list[Any], outputs: list[dict[str, Any]], layers:
 
 
 def run(n_examples: int, seed: int = 1, only: Sequence[str] | None = None, reference: bool = True,
-        blend: bool = True, progress: bool = True) -> dict[str, Any]:
+        blend: bool = True, progress: bool = True, eager: bool = False) -> dict[str, Any]:
+    """eager: both vLLM instances without torch.compile (quicker to start, same outputs on
+    both sides; the tests use it)."""
     exs, enc = prompts(n_examples, seed)
     cfg = json.loads((MODEL_DIR / "config.json").read_text())
     layers = int(cfg["num_hidden_layers"])
@@ -188,14 +190,14 @@ def run(n_examples: int, seed: int = 1, only: Sequence[str] | None = None, refer
     with tempfile.TemporaryDirectory(prefix="kvcraft-vllm-quality-") as td:
         tmp = Path(td)
         t = time.perf_counter()
-        alone = engine_run(tmp, "alone", {"model": str(MODEL_DIR), "max_model_len": 256,
+        alone = engine_run(tmp, "alone", {"model": str(MODEL_DIR), "max_model_len": 256, "enforce_eager": eager,
                                           "phases": [{"requests": plain, "max_tokens": OUTPUT_TOKENS}]})
         out["vllm_alone_s"] = time.perf_counter() - t
         base = alone["phases"][0]["outputs"]
         out["rows"].append({"setting": "vLLM alone", "vllm": score(enc, exs, base, layers),
                             "reference": ref_rows.get("full prefill")})
         if blend:
-            out["rows"] += _blend_rows(tmp, chosen, exs, enc, base, layers, seed, ref_rows, out)
+            out["rows"] += _blend_rows(tmp, chosen, exs, enc, base, layers, seed, ref_rows, out, eager)
         else:
             for s in chosen:
                 out["rows"].append({"setting": s.label, "vllm": None,
@@ -204,7 +206,8 @@ def run(n_examples: int, seed: int = 1, only: Sequence[str] | None = None, refer
 
 
 def _blend_rows(tmp: Path, chosen: list[Setting], exs: list[Any], enc: list[Any], base: list[dict[str, Any]],
-                layers: int, seed: int, ref_rows: dict[str, dict[str, Any]], out: dict[str, Any]) -> list[dict]:
+                layers: int, seed: int, ref_rows: dict[str, dict[str, Any]], out: dict[str, Any],
+                eager: bool = False) -> list[dict]:
     """One kvcraft service + one vLLM per service alpha; the service warmed as evaluate
     warms its own (the reference engine computes every example's chunks behind other
     chunks and stores them), so both paths reuse the same stored variants."""
@@ -235,7 +238,7 @@ def _blend_rows(tmp: Path, chosen: list[Setting], exs: list[Any], enc: list[Any]
                  "kv_transfer_params": blend_params(s.policy, enc[i].chunk_ids)} for i in range(n)]}
                 for s in group]
             res = engine_run(tmp, f"blend-{alpha}-{learn}", {
-                "model": str(MODEL_DIR), "max_model_len": 256, **BLEND_MODEL,
+                "model": str(MODEL_DIR), "max_model_len": 256, "enforce_eager": eager, **BLEND_MODEL,
                 "kv": {"address": service.address, "blend_policy": "full", "blend_store_back": False},
                 "phases": phases})
         for s, ph in zip(group, res["phases"]):
@@ -269,9 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="settings whose label contains one of these")
     ap.add_argument("--no-reference", action="store_true", help="skip the reference engine's rows")
     ap.add_argument("--no-blend", action="store_true", help="vLLM alone + reference engine only")
+    ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile (starts ~15 s sooner)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    out = run(a.examples, a.seed, a.only, reference=not a.no_reference, blend=not a.no_blend)
+    out = run(a.examples, a.seed, a.only, reference=not a.no_reference, blend=not a.no_blend, eager=a.eager)
     print_table(out)
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

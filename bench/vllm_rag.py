@@ -9,7 +9,10 @@ SPEC: {"model": dir, "block_size": 32, "kv": {"address": ..., <extra config>} | 
        "model_id": ...} | null, "connector": {"module": ..., "name": ...} (a KVCraftConnector subclass),
        "plugins": ["module:function", ...] (called before the engine starts, e.g. the blend model
        class's registration), "hf_overrides": {...}, "blend": {"policy": ..., "options": {...}}
-       (chunk/question requests carry their chunk boundaries + this policy to kvcraft)}
+       (chunk/question requests carry their chunk boundaries + this policy to kvcraft),
+       "enforce_eager": bool (vLLM runs the model eagerly: no torch.compile, which costs
+       ~15-20 s of every start on a 2-core CPU; the tests use it where the compiled forward
+       is not what they check)}
       or, for several phases on one instance, "phases": [{"requests": [...], "max_tokens": n,
        "batch": bool, "reset_prefix_cache": bool, "signal": "SIGSTOP" | "SIGCONT" (sent to
        "service_pid" first), "drain_saves_s": s, "per_request_metrics": bool}], and "shutdown": true
@@ -112,6 +115,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         getattr(importlib.import_module(mod), fn)()
     if spec.get("hf_overrides"):
         kw["hf_overrides"] = spec["hf_overrides"]
+    if spec.get("enforce_eager"):
+        kw["enforce_eager"] = True
     llm = LLM(model=spec["model"], block_size=spec.get("block_size", 32), dtype="float32", seed=0,
               enable_prefix_caching=True, max_model_len=spec.get("max_model_len", 4096),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", spec.get("max_model_len", 4096)),

@@ -192,7 +192,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         prompts = [[t for c in r["chunks"] for t in c] + r["question"] for r in reqs]
         plain = [{"prompt": p, "reset_prefix_cache": True, "cache_salt": f"alone-{i}"} for i, p in enumerate(prompts)]
         t = time.perf_counter()
-        alone = engine_run(tmp, "alone", {"model": str(model), "phases": [
+        alone = engine_run(tmp, "alone", {"model": str(model), "enforce_eager": a.eager, "phases": [
             {"requests": plain[:a.warmup], "max_tokens": 1}, {"requests": plain[a.warmup:], "max_tokens": 1}]})
         out["vllm_alone_wall_s"] = time.perf_counter() - t
         out["load_average"]["after_alone"] = os.getloadavg()
@@ -213,8 +213,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     for i in range(a.warmup) for n in names]
             t = time.perf_counter()
             blend = engine_run(tmp, "blend", {
-                "model": str(model), **BLEND_MODEL, "kv": {"address": service.address, "blend_policy": "cacheblend",
-                                                       "blend_store_back": False},
+                "model": str(model), "enforce_eager": a.eager, **BLEND_MODEL,
+                "kv": {"address": service.address, "blend_policy": "cacheblend", "blend_store_back": False},
                 "phases": [{"requests": warm, "max_tokens": 1}, {"requests": timed, "max_tokens": 1}]})
             out["vllm_blend_wall_s"] = time.perf_counter() - t
             if HEADLINE in policies:
@@ -286,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", nargs="*", help="blend policies whose label contains one of these")
     ap.add_argument("--no-blend", action="store_true", help="vLLM alone only (no kvcraft)")
+    ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile in both modes (starts ~15 s "
+                    "sooner; slower per token)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     out = run(a)

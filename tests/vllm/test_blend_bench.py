@@ -27,7 +27,7 @@ def out(tmp_path_factory):
     assert main(["--layers", str(LAYERS), "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--mlp", "256",
                  "--chunks", str(CHUNKS), "--chunk-len", str(CHUNK_LEN), "--question-len", str(QUESTION),
                  "--pool", "5", "--requests", str(REQUESTS), "--warmup", "1",
-                 "--policies", HEADLINE, "full", "--json", str(path)]) == 0
+                 "--policies", HEADLINE, "full", "--eager", "--json", str(path)]) == 0  # eager: see test_blend_quality
     return json.loads(path.read_text())
 
 

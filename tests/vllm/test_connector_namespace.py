@@ -36,6 +36,9 @@ def test_weights_fingerprint_changes_with_the_weights_not_with_the_path(tmp_path
 def run_engine(tmp: Path, name: str, spec: dict) -> tuple[dict, str]:
     from kvbench.vllm_rag import engine_env
 
+    # eager (no torch.compile): ~15 s less per vLLM start; every engine here runs the same way,
+    # and the compiled forward with the connector is covered by test_docs_commands / test_blend
+    spec = {"enforce_eager": True, **spec}
     (tmp / f"{name}.json").write_text(json.dumps(spec))
     r = subprocess.run([sys.executable, "-m", "kvbench.vllm_rag", "engine", str(tmp / f"{name}.json"),
                         str(tmp / f"{name}.out")], env=engine_env(), capture_output=True, text=True, timeout=600)
