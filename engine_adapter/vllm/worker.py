@@ -11,7 +11,8 @@ block vLLM gave to another request (an aborted request's blocks are freed only t
 A step in which vLLM computes nothing while loads run first waits (at most
 `idle_wait_s`, ending as soon as one finishes) before answering which ended: vLLM's
 engine loop otherwise spins through thousands of empty steps a second, and with the
-engine in the loaders' process it holds the GIL they need (a blend took ~3x as long).
+engine in the loaders' process it holds the GIL they need (docs/vllm.md "Idle steps":
+40 blends took 177 s of loader time with 1.4 million empty steps, 0.7 s with the wait).
 
 Saves: at layer 0 of a step the worker takes the step's planned blocks that are not
 already stored or in flight here; each layer's rows of those blocks are copied out
