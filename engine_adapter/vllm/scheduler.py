@@ -18,6 +18,9 @@ Bounds (docs/vllm.md "What the connector guarantees"):
   tokens are loaded). A load reported failed lowers the request's kept answer to the
   blocks before the first failed one: vLLM recomputes from there and is not offered the
   failed blocks again (no load-fail-retry loop).
+- A step in which vLLM scheduled no token and no load runs waits at most `idle_wait_s`
+  for a pending lookup or Plan to be answered (docs/vllm.md "Idle steps"): there is
+  nothing to schedule, and vLLM's loop would otherwise spin; not counted as step time.
 """
 
 from __future__ import annotations
