@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from kvclient.errors import from_rpc_error
-from kvclient.tensors import byte_view, from_message, spec_of, to_bytes
+from kvclient.tensors import byte_view, from_message, message_tensors, spec_of, to_bytes
 from kvcraft import codec
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
@@ -135,6 +135,10 @@ def _ref(r: RefLike) -> pb.VariantRef:
 
 def _layer(msg: codec.LayerChunkView | pb.LayerChunk, device: str | torch.device) -> FetchedLayer:
     """K and V as tensors over the received message's bytes (no copy; see from_message)."""
+    if isinstance(msg, codec.LayerChunkView) and msg.message is not None:
+        k, v = message_tensors(msg.message, ((msg.key_spec, msg.key_offset, msg.key.nbytes),
+                                             (msg.value_spec, msg.value_offset, msg.value.nbytes)), device)
+        return FetchedLayer(msg.layer, msg.index, msg.variant_id, k, v)
     return FetchedLayer(msg.layer, msg.index, msg.variant_id,
                         from_message(msg.key_spec, msg.key, device), from_message(msg.value_spec, msg.value, device))
 

@@ -7,6 +7,7 @@ this module only maps each to its torch dtype.
 from __future__ import annotations
 
 import ctypes
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -65,6 +66,31 @@ def from_message(spec: pb.TensorSpec, data: bytes | memoryview, device: str | to
     buf = (ctypes.c_ubyte * n).from_address(address)
     buf.message = data  # type: ignore[attr-defined]
     return _typed(torch.frombuffer(buf, dtype=torch.uint8), spec, device)
+
+
+def message_tensors(message: bytes, parts: Sequence[tuple[pb.TensorSpec, int, int]],
+                    device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Tensors over byte ranges (spec, offset, nbytes) of one received message, as
+    `from_message` makes them (no copy when aligned, one copy of a misaligned range;
+    every tensor holds the message), with one buffer over the message for all ranges."""
+    address = ctypes.cast(ctypes.c_char_p(message), ctypes.c_void_p).value or 0
+    buf = None
+    out = []
+    for spec, offset, n in parts:
+        wire = BY_WIRE.get(spec.dtype)
+        if wire is None:
+            raise ValueError(f"unknown dtype {spec.dtype} in a LayerChunk")
+        if not n or (address + offset) % wire.itemsize or n % wire.itemsize:
+            # empty, misaligned or not whole values: the general path (copy, or its error)
+            out.append(from_message(spec, memoryview(message)[offset : offset + n], device))
+            continue
+        if buf is None:
+            buf = (ctypes.c_ubyte * len(message)).from_address(address)
+            buf.message = message  # type: ignore[attr-defined]
+        t = torch.frombuffer(buf, dtype=TORCH_DTYPE[spec.dtype], count=n // wire.itemsize, offset=offset)
+        t = t.view(tuple(spec.shape))
+        out.append(t.to(device) if str(device) != "cpu" else t)
+    return out
 
 
 def _typed(flat: torch.Tensor, spec: pb.TensorSpec, device: str | torch.device) -> torch.Tensor:

@@ -46,6 +46,48 @@ def test_layer_chunk_is_protobufs_own_encoding():
             == (msg.layer, msg.index, msg.variant_id, ks, vs, msg.key, msg.value)
 
 
+def test_layer_chunk_decodes_from_any_buffer_with_offsets_into_the_bytes():
+    ks = pb.TensorSpec(dtype=pb.BFLOAT16, shape=[1, 3, 2])
+    msg = pb.LayerChunk(layer=300, index=2, variant_id="v" * 40, key_spec=ks, value_spec=ks, key=b"k" * 12,
+                        value=b"w" * 12).SerializeToString()
+    got = codec.decode_layer_chunk(msg)
+    assert got.message is msg
+    assert msg[got.key_offset : got.key_offset + 12] == b"k" * 12
+    assert msg[got.value_offset : got.value_offset + 12] == b"w" * 12
+    for buf in (bytearray(msg), memoryview(msg)):
+        other = codec.decode_layer_chunk(buf)
+        assert other.message is None
+        assert (other.layer, other.index, other.variant_id, other.key_spec, bytes(other.key), bytes(other.value)) \
+            == (300, 2, "v" * 40, ks, b"k" * 12, b"w" * 12)
+
+
+_CHUNK = pb.LayerChunk(layer=3, index=1, variant_id="ab", key_spec=pb.TensorSpec(dtype=pb.FLOAT16, shape=[1]),
+                       key=b"kk", value=b"vv").SerializeToString()
+
+
+@pytest.mark.parametrize("data", [
+    b"\x10\x01\x08\x03",  # index before layer: valid protobuf, not canonical
+    b"\x08\x03\x08\x04",  # layer twice
+    b"\x08\x03\x40\x01",  # unknown field 8
+    b"\x80\x01\x01",  # field 16
+    b"\x0a\x01\x03",  # layer as a length-delimited field
+    b"\x1a\x01",  # variant id truncated
+    b"\x32\x05kk",  # key shorter than its length
+    b"\x08\xff",  # truncated varint
+    b"\x1a\x02\xff\xfe",  # a variant id that is not UTF-8
+    b"\x22\x02\xff\xff",  # a key spec protobuf refuses
+    _CHUNK[:-1],  # the last byte missing
+])
+def test_non_canonical_layer_chunks_are_left_to_protobuf(data):
+    assert codec.decode_layer_chunk(data) is None
+
+
+def test_a_canonical_layer_chunk_decodes():
+    got = codec.decode_layer_chunk(_CHUNK)
+    assert (got.layer, got.index, got.variant_id, got.key_spec.shape[:], bytes(got.key), bytes(got.value)) \
+        == (3, 1, "ab", [1], b"kk", b"vv")
+
+
 @pytest.mark.parametrize("data", [
     pb.StoreRequest(header=pb.StoreHeader(model_id="m")).SerializeToString(),  # a header, not a layer
     b"\x12\x04\x1a\x02ab" + b"\x12\x00",  # field 2 twice

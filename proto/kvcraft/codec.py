@@ -134,6 +134,11 @@ def encode_layer_chunk(head: bytes, key: Buffer, value: Buffer) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class LayerChunkView:
+    """A decoded LayerChunk: K and V as views of the received bytes. When those were a
+    bytes object, `message` is it and `key_offset` / `value_offset` say where K and V
+    start in it. The specs are shared between messages that carry the same spec bytes:
+    read them, do not modify them."""
+
     layer: int
     index: int
     variant_id: str
@@ -141,21 +146,66 @@ class LayerChunkView:
     value_spec: pb.TensorSpec
     key: memoryview
     value: memoryview
+    message: bytes | None = None
+    key_offset: int = 0
+    value_offset: int = 0
+
+
+# The TensorSpecs of recent messages by their bytes: a stream repeats the same few.
+_SPECS: dict[bytes, pb.TensorSpec] = {}
+_SPECS_MAX = 256
+
+
+def _spec(raw: bytes) -> pb.TensorSpec:
+    spec = _SPECS.get(raw)
+    if spec is None:
+        spec = pb.TensorSpec.FromString(raw)
+        if len(_SPECS) >= _SPECS_MAX:
+            _SPECS.clear()
+        _SPECS[raw] = spec
+    return spec
 
 
 def decode_layer_chunk(data: Buffer) -> LayerChunkView | None:
-    """A LayerChunk with K and V as views of `data`; None if it is not canonical."""
-    f = _fields(data)
-    if f is None or not set(f) <= set(range(1, 8)):
-        return None
-    empty = memoryview(b"")
-    layer, index = f.get(1, 0), f.get(2, 0)
-    vid, ks, vs, key, value = (f.get(i, empty) for i in (3, 4, 5, 6, 7))
-    if not (isinstance(layer, int) and isinstance(index, int)) or not all(
-            isinstance(x, memoryview) for x in (vid, ks, vs, key, value)):
-        return None
+    """A LayerChunk with K and V as views of `data`; None if it is not canonical.
+
+    One pass over the field keys (K and V are skipped, not read); a field that repeats,
+    comes out of order or has another wire type makes it None (protobuf decides)."""
+    buf = data if type(data) is bytes else memoryview(data).cast("B")  # bytes: indexing is cheapest
+    end = len(buf)
+    pos = last = 0
+    ints = [0, 0, 0]  # fields 1, 2 (index 0 unused)
+    spans = [(0, 0)] * 8  # fields 3..7: (start, stop)
     try:
-        return LayerChunkView(layer, index, bytes(vid).decode(), pb.TensorSpec.FromString(bytes(ks)),
-                              pb.TensorSpec.FromString(bytes(vs)), key, value)  # type: ignore[arg-type]
+        while pos < end:
+            key = buf[pos]
+            pos += 1
+            if key > 0x7F:
+                return None  # a field number > 15: not a LayerChunk field
+            field, wt = key >> 3, key & 7
+            if field <= last or field > 7:
+                return None
+            last = field
+            n = buf[pos]
+            pos += 1
+            if n > 0x7F:
+                n, pos = _read_varint(buf, pos - 1)  # type: ignore[arg-type]
+            if field <= 2:
+                if wt != _VARINT:
+                    return None
+                ints[field] = n
+            else:
+                if wt != _LEN or pos + n > end:
+                    return None
+                spans[field] = (pos, pos + n)
+                pos += n
+    except (IndexError, ValueError):  # truncated
+        return None
+    (vs, ve), (ks0, ks1), (vs0, vs1), (k0, k1), (v0, v1) = spans[3:]
+    whole = buf if type(buf) is bytes else None
+    view = memoryview(buf) if whole is not None else buf
+    try:
+        return LayerChunkView(ints[1], ints[2], bytes(buf[vs:ve]).decode(), _spec(bytes(buf[ks0:ks1])),
+                              _spec(bytes(buf[vs0:vs1])), view[k0:k1], view[v0:v1], whole, k0, v0)
     except Exception:  # a malformed spec or id: protobuf's parser says what is wrong
         return None

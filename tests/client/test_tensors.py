@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvclient.tensors import TORCH_DTYPE, from_bytes, from_message, spec_of, to_bytes
+from kvclient.tensors import TORCH_DTYPE, from_bytes, from_message, message_tensors, spec_of, to_bytes
 from kvcraft.layout import DTYPES, spec_bytes
 
 
@@ -85,3 +85,44 @@ def test_a_message_of_the_wrong_size_is_refused():
         from_message(spec, memoryview(bytes(2 * 5 * 3 * 4 - 4)))
     with pytest.raises(RuntimeError):
         from_message(spec, memoryview(b""))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_ranges_of_one_message_become_tensors_aliased_exactly_when_aligned(dtype):
+    """message_tensors (the FetchLayers client's K and V): each range as from_message
+    makes it: equal to the reference bytes, aliasing the message when aligned, one copy
+    otherwise, writable without touching anything outside its range, holding the message."""
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, 5, 3, generator=g).to(dtype), torch.randn(2, 5, 3, generator=g).to(dtype)
+    kb, vb = reference_bytes(k), reference_bytes(v)
+    itemsize = k.element_size()
+    for pad in range(8):
+        for gap in range(4):
+            message = bytes(pad) + kb + bytes(gap) + vb + b"tail"
+            parts = ((spec_of(k), pad, len(kb)), (spec_of(v), pad + len(kb) + gap, len(vb)))
+            got = message_tensors(message, parts)
+            for t, want, (_, offset, _) in zip(got, (k, v), parts):
+                assert t.dtype == dtype and t.shape == want.shape
+                assert torch.equal(t.view(torch.uint8), want.view(torch.uint8))
+                assert t.data_ptr() % itemsize == 0
+                aligned = (_address(message) + offset) % itemsize == 0
+                assert (t.data_ptr() == _address(message) + offset) == aligned
+            got[0].view(torch.uint8).reshape(-1)[0] ^= 0xFF  # only K's first byte changes
+            assert message[:pad] == bytes(pad) and message[-4:] == b"tail"
+            assert torch.equal(got[1].view(torch.uint8), v.view(torch.uint8))
+            del message
+            gc.collect()  # the tensors hold the message
+            assert torch.equal(got[0].view(torch.uint8).reshape(-1)[1:], k.view(torch.uint8).reshape(-1)[1:])
+            assert torch.equal(got[1].view(torch.uint8), v.view(torch.uint8))
+
+
+def test_ranges_of_the_wrong_size_or_dtype_are_refused():
+    spec = spec_of(torch.zeros(2, 5, 3))  # float32, 120 bytes
+    message = bytes(256)
+    for n in (116, 118, 124, 0):  # fewer or more whole values, not whole values, nothing
+        with pytest.raises(RuntimeError):
+            message_tensors(message, [(spec, 8, n)])
+    bad = spec_of(torch.zeros(2, 5, 3))
+    bad.dtype = 99
+    with pytest.raises(ValueError, match="unknown dtype 99"):
+        message_tensors(message, [(bad, 8, 120)])
