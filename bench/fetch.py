@@ -12,11 +12,14 @@ Rows:
   disk-stream   FetchLayers with no host tier: read from disk files (page cache after the
                 first read; no GDS here), every layer's checksum verified
   store-client  KVClient.store of the N chunks (new chunks each repeat): durable on disk,
-                copied into the host slab, metadata committed
+                copied into the host slab, metadata committed; the client is co-located,
+                so this is the shared-memory path (StoreLocal) when the service has it
+  store-grpc    the same through the gRPC Store stream (KVClient(local_store=False)):
+                what a client on another host gets
   write-fsync   a plain write + fsync of the same bytes (one file per chunk, in the same
                 data directory): the disk's limit for the Store path
-"x of its limit": grpc-stream / grpc-raw, store-client / write-fsync and shm-local /
-memcpy-limit, as throughput ratios of the same run.
+"x of its limit": grpc-stream / grpc-raw, store-client and store-grpc / write-fsync and
+shm-local / memcpy-limit, as throughput ratios of the same run.
 
 Several servers can be compared in one run (`--server NAME=TREE`, a checkout of this
 repository each, as in bench/load.py): every row is measured for each in turn, the
@@ -160,16 +163,25 @@ def run(chunks: int, tokens: int, repeat: int, tree: Path | None = None) -> list
                                     dst[off : off + n].copy_(t.view(torch.uint8).reshape(-1))
                                     off += n
 
-                def store_client(i: int) -> None:
-                    for n, layers in enumerate(data):  # new chunks: token ids of repeat i
-                        c.store(model_id, [(i + 1) * 10**7 + n * 100000 + t for t in range(tokens)], layers)
+                paths = set()
+
+                def store_with(client: KVClient, base: int):  # noqa: ANN202
+                    def store(i: int) -> None:
+                        for n, layers in enumerate(data):  # new chunks: token ids of repeat i
+                            r = client.store(model_id, [base + i * 10**7 + n * 100000 + t for t in range(tokens)],
+                                             layers)
+                            paths.add((client is c, r.local))
+                    return store
 
                 src = torch.empty(total, dtype=torch.uint8).random_(0, 255)
                 rows.append(("grpc-stream", _best(grpc_stream, repeat)))
                 rows.append(("grpc-raw", _raw_grpc(layer_bytes + 200, chunks * SPEC.num_layers, repeat, big)))
                 rows.append(("shm-local", _best(shm_local, repeat)))
                 rows.append(("memcpy-limit", _best(lambda _: dst.copy_(src), repeat)))
-                rows.append(("store-client", _best(store_client, repeat)))
+                rows.append(("store-client", _best(store_with(c, 10**7), repeat)))
+                with KVClient(server.address, max_message_bytes=big, local_store=False) as remote:
+                    rows.append(("store-grpc", _best(store_with(remote, 10**9), repeat)))
+                local_used = (True, True) in paths
                 rows.append(("write-fsync", _best(lambda i: _write_fsync(Path(tmp), data, i), repeat)))
             server.close()
             # The same data dir with a 1-byte host budget: every read comes from the disk
@@ -184,7 +196,9 @@ def run(chunks: int, tokens: int, repeat: int, tree: Path | None = None) -> list
     out = [{"path": name, "bytes": total, "seconds": round(s, 4), "GB_per_s": round(total / s / 1e9, 2)}
            for name, s in rows]
     by = {r["path"]: r for r in out}
-    for path, limit in (("grpc-stream", "grpc-raw"), ("store-client", "write-fsync"), ("shm-local", "memcpy-limit")):
+    by["store-client"]["shared_memory"] = local_used  # False: the service has no StoreLocal
+    for path, limit in (("grpc-stream", "grpc-raw"), ("store-client", "write-fsync"), ("store-grpc", "write-fsync"),
+                        ("shm-local", "memcpy-limit")):
         by[path]["vs_limit"] = round(by[limit]["seconds"] / by[path]["seconds"], 2)  # throughput ratio
     return out
 

@@ -13,6 +13,7 @@ from typing import AsyncIterator, Iterable, Iterator, Sequence, Union
 import grpc
 import torch
 
+from kvclient import local_store as _colocated
 from kvclient.errors import from_rpc_error
 from kvclient.tensors import byte_view, from_message, message_tensors, spec_of, to_bytes
 from kvcraft import codec
@@ -44,6 +45,7 @@ class StoreResult:
     variant_id: str
     bytes_stored: int
     already_present: bool
+    local: bool = False  # went through shared memory (StoreLocal), not the gRPC byte stream
 
 
 @dataclass(frozen=True)
@@ -193,13 +195,19 @@ class KVClient:
     def __init__(self, address: str = DEFAULT_ADDRESS, *, token: str | None = None,
                  admin_token: str | None = None, timeout: float = 30.0,
                  credentials: grpc.ChannelCredentials | None = None,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, local_store: bool = True) -> None:
+        """local_store: `store` tries the co-located path first (kvclient.local_store;
+        the gRPC stream where it is not available); False: always the gRPC stream."""
         opts = _options(max_message_bytes)
         self._channel = (grpc.secure_channel(address, credentials, options=opts) if credentials
                          else grpc.insecure_channel(address, options=opts))
         self._kv = pb_grpc.KVCacheStub(self._channel)
         self._admin = pb_grpc.AdminStub(self._channel)
         self._store = self._channel.stream_unary(_STORE, response_deserializer=pb.StoreResponse.FromString)
+        self._store_local = self._channel.stream_stream(
+            _colocated.STORE_LOCAL, request_serializer=pb.StoreLocalRequest.SerializeToString,
+            response_deserializer=pb.StoreLocalResponse.FromString)
+        self._local_store = local_store  # turned off for good when the service or host has no such path
         self._fetch = self._channel.unary_stream(_FETCH, request_serializer=pb.FetchRequest.SerializeToString,
                                                  response_deserializer=_layer_chunk)
         self._md = _metadata(token)
@@ -235,6 +243,14 @@ class KVClient:
     # -- KVCache ----------------------------------------------------------------------
     def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
               prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
+        """Store one variant: through shared memory when this process is co-located with
+        the service (kvclient.local_store), else over the gRPC Store stream."""
+        if self._local_store:
+            header = store_header(model_id, token_ids, layers, prefix_keys, stats)
+            if _colocated.uniform(layers):
+                r = _colocated.store(self, header, layers)
+                if r is not None:
+                    return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present, local=True)
         r = self._call(self._store, store_messages(model_id, token_ids, layers, prefix_keys, stats))
         return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
 
@@ -335,13 +351,19 @@ class AsyncKVClient:
     def __init__(self, address: str = DEFAULT_ADDRESS, *, token: str | None = None,
                  admin_token: str | None = None, timeout: float = 30.0,
                  credentials: grpc.ChannelCredentials | None = None,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, local_store: bool = True) -> None:
+        """local_store: `store` tries the co-located path first (kvclient.local_store;
+        the gRPC stream where it is not available); False: always the gRPC stream."""
         opts = _options(max_message_bytes)
         self._channel = (grpc.aio.secure_channel(address, credentials, options=opts) if credentials
                          else grpc.aio.insecure_channel(address, options=opts))
         self._kv = pb_grpc.KVCacheStub(self._channel)
         self._admin = pb_grpc.AdminStub(self._channel)
         self._store = self._channel.stream_unary(_STORE, response_deserializer=pb.StoreResponse.FromString)
+        self._store_local = self._channel.stream_stream(
+            _colocated.STORE_LOCAL, request_serializer=pb.StoreLocalRequest.SerializeToString,
+            response_deserializer=pb.StoreLocalResponse.FromString)
+        self._local_store = local_store  # turned off for good when the service or host has no such path
         self._fetch = self._channel.unary_stream(_FETCH, request_serializer=pb.FetchRequest.SerializeToString,
                                                  response_deserializer=_layer_chunk)
         self._md = _metadata(token)
@@ -378,6 +400,13 @@ class AsyncKVClient:
     # -- KVCache ----------------------------------------------------------------------
     async def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
                     prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
+        """As KVClient.store: shared memory when co-located, else the gRPC stream."""
+        if self._local_store:
+            header = store_header(model_id, token_ids, layers, prefix_keys, stats)
+            if _colocated.uniform(layers):
+                r = await _colocated.store_async(self, header, layers)
+                if r is not None:
+                    return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present, local=True)
         r = await self._call(self._store, _aiter(store_messages(model_id, token_ids, layers, prefix_keys, stats)))
         return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
 

@@ -29,5 +29,9 @@ class ResourceExhausted(KVCraftError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class FailedPrecondition(KVCraftError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Unavailable(KVCraftError):
     code = grpc.StatusCode.UNAVAILABLE

@@ -1,10 +1,12 @@
-"""The byte paths of the KVCache service: Store (client stream of layers) and
+"""The byte paths of the KVCache service: Store (client stream of layers), StoreLocal
+(a co-located client's layers through a staging area of shared memory) and
 FetchLayers (server stream of layers)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any, AsyncIterator
 
 import grpc
@@ -14,12 +16,14 @@ from kvcraft.codec import StoreLayer
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice import failpoints, wire
 from kvservice.config import MiB
-from kvservice.errors import InvalidArgument, KVCraftError
+from kvservice.errors import FailedPrecondition, InvalidArgument, KVCraftError
 from kvservice.index import Variant
 from kvservice.metrics import Metrics
 from kvservice.server.codecs import as_message, check_parsed, message_bytes
 from kvservice.server.status import InFlight, rpc, storage_error
-from kvservice.store import ChunkStore
+from kvservice.store import ChunkStore, staging
+
+log = logging.getLogger("kvcraft.server")
 
 # A refused Store reads (and drops) up to this much of what the client still sends
 # before it answers: a status sent while the client is still writing can reach a grpcio
@@ -95,6 +99,68 @@ class DataServicer:
                 ahead.cancel()
             if session is not None:
                 session.abort()  # no-op once finished
+
+    async def StoreLocal(self, request_iterator: AsyncIterator[pb.StoreLocalRequest], context: Any) -> None:
+        """Header -> StagingArea; StagedLayers(n) -> layers up to n written (checksums
+        computed here from the staged bytes); end of the client's stream -> commit as
+        Store does -> the result. Any failure, or the client leaving, aborts the session:
+        its temporary file, disk reservation and staging area go with it."""
+        with self.inflight.track():
+            session = None
+            try:
+                session = await self._store_local(request_iterator, context)
+            except grpc.aio.AbortError:
+                raise
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                refusal = e if isinstance(e, KVCraftError) else storage_error(e)
+                if refusal is None:
+                    log.exception("StoreLocal failed")
+                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in StoreLocal: {type(e).__name__}")
+                await context.abort(refusal.code, str(refusal))
+            finally:
+                if session is not None:
+                    session.abort()  # no-op once finished
+
+    async def _store_local(self, request_iterator: AsyncIterator[pb.StoreLocalRequest], context: Any) -> Any:
+        if not self.store.cfg.local_store:
+            raise FailedPrecondition("co-located Stores are off on this service (local_store = false): "
+                                     "use the Store stream")
+        if not staging.supported():
+            raise FailedPrecondition("co-located Stores need Linux (memfd, /proc): use the Store stream")
+        messages = aiter(request_iterator)
+        req = await anext(messages, None)
+        check_parsed(req)
+        if req is None or req.WhichOneof("part") != "header":
+            raise InvalidArgument("the first message of a StoreLocal stream must be a header")
+        begin = asyncio.ensure_future(asyncio.to_thread(self.store.begin_store, wire.store_header(req.header), True))
+        try:
+            session = await asyncio.shield(begin)
+        except asyncio.CancelledError:
+            begin.add_done_callback(_abort_when_done)  # the client left while begin_store ran on
+            raise
+        try:
+            area = session.staging
+            await context.write(pb.StoreLocalResponse(staging=pb.StagingArea(
+                staging_id=area.staging_id, path=area.path, length=area.length,
+                layer_bytes=session.layout.layer_bytes, key_bytes=session.layout.key_bytes)))
+            async for req in messages:
+                check_parsed(req)
+                part = req.WhichOneof("part")
+                if part != "staged":
+                    raise InvalidArgument(f"unexpected {part or 'empty'} message after the header")
+                if req.staged.staging_id != area.staging_id:
+                    raise InvalidArgument(f"staging id {req.staged.staging_id[:40]!r} is not this Store's "
+                                          f"({area.staging_id})")
+                await asyncio.to_thread(session.add_staged, req.staged.layers)
+            result = await asyncio.to_thread(session.finish)
+        except BaseException:
+            session.abort()
+            raise
+        self.metrics.store_bytes.inc(result.bytes_stored if not result.already_present else 0)
+        await context.write(pb.StoreLocalResponse(result=wire.store_response(result)))
+        return session
 
     async def FetchLayers(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.LayerChunk]:
         with self.inflight.track():

@@ -64,8 +64,9 @@ class ChunkStore:
                 tier.close()
 
     # -- Store ---------------------------------------------------------------------------
-    def begin_store(self, header: StoreHeader) -> StoreSession:
-        return begin(self._s, self._placement, header)
+    def begin_store(self, header: StoreHeader, staged: bool = False) -> StoreSession:
+        """staged: a co-located Store (StoreLocal): the session has a staging area."""
+        return begin(self._s, self._placement, header, staged)
 
     # -- fetch ---------------------------------------------------------------------------
     def open_fetch(self, refs: Sequence[Ref]) -> list[Variant]:

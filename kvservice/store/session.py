@@ -12,6 +12,10 @@
      other Stores', `MetadataDB`);
   4. the copies are published, the index and listeners learn of the variant; only
      then is the write acknowledged.
+A co-located Store (StoreLocal) follows the same order; its layers come from a staging
+area (kvservice.store.staging) instead of gRPC messages, and step 2 copies the cache
+tiers' copies from that same staged memory (checked against the checksums computed at
+step 1, as the client could have written the area again meanwhile).
 Deletes go payloads first, then metadata (synced) (`Placement.delete`).
 So after a crash at any point, recovery finds a complete variant or debris it deletes.
 """
@@ -29,6 +33,7 @@ from kvservice.index import Variant, eviction_key
 from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layout
 from kvservice.records import StoreHeader, StoreResult
 from kvservice.store.placement import Placement
+from kvservice.store.staging import StagingArea
 from kvservice.store.state import StoreState
 from kvservice.wire import variant_message
 from kvservice.tiers.base import Buffer, PayloadShape, TierWriter
@@ -48,9 +53,10 @@ log = logging.getLogger("kvcraft.store")
 
 
 
-def begin(s: StoreState, placement: Placement, h: StoreHeader) -> "StoreSession":
+def begin(s: StoreState, placement: Placement, h: StoreHeader, staged: bool = False) -> "StoreSession":
     """Validate a Store header, count it in flight and open the home tier's writer;
-    the session takes the layers."""
+    the session takes the layers. staged: a co-located Store (StoreLocal): the session
+    gets a staging area of the whole payload, counted in flight at its full size."""
     cfg = s.cfg
     if not h.model_id:
         raise InvalidArgument("header.model_id is empty")
@@ -86,25 +92,35 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader) -> "StoreSession"
                                 f"max_variant_bytes is {cfg.max_variant_bytes}")
     key = chunk_key(h.model_id, h.token_ids)
     vid = variant_id(key, h.prefix_keys)
-    charge = min(shape.total_bytes, INFLIGHT_LAYERS * layout.layer_bytes)
+    charge = shape.total_bytes if staged else min(shape.total_bytes, INFLIGHT_LAYERS * layout.layer_bytes)
     with s.lock:
         if s.inflight_store_bytes + charge > cfg.max_inflight_store_bytes:
+            counted = f"a staging area of {charge} bytes" if staged else \
+                f"layers of {layout.layer_bytes} bytes, counted at {charge}"
             raise ResourceExhausted(
                 f"{s.inflight_stores} Store streams in flight hold {s.inflight_store_bytes} bytes; this one "
-                f"(layers of {layout.layer_bytes} bytes, counted at {charge}) would pass max_inflight_store_bytes="
+                f"({counted}) would pass max_inflight_store_bytes="
                 f"{cfg.max_inflight_store_bytes}; retry when others finish")
         s.inflight_store_bytes += charge
         s.inflight_stores += 1
         try:
             if vid in s.index:
-                return StoreSession(s, placement, h, key, vid, layout, None, charge)
-            placement.make_room_for_variant(key)
-            home = placement.open_writer(s.home, vid, shape)
+                home = None
+            else:
+                placement.make_room_for_variant(key)
+                home = placement.open_writer(s.home, vid, shape)
         except BaseException:
             s.inflight_store_bytes -= charge
             s.inflight_stores -= 1
             raise
-    return StoreSession(s, placement, h, key, vid, layout, home, charge)
+    session = StoreSession(s, placement, h, key, vid, layout, home, charge)
+    if staged:
+        try:
+            session.staging = StagingArea(shape.total_bytes)
+        except BaseException:
+            session.abort()
+            raise
+    return session
 
 
 def _claim_commit(s: StoreState, vid: str) -> bool:
@@ -135,6 +151,7 @@ class StoreSession:
         self.total_bytes = header.num_layers * layout.layer_bytes
         self.checksums = array("Q")
         self._charge = charge  # counted in StoreState.inflight_store_bytes until the session ends
+        self.staging: StagingArea | None = None  # a co-located Store's layers (StoreLocal)
         self._done = False
         # A cancelled stream's abort may arrive while a worker thread writes a layer.
         self._lock = threading.Lock()
@@ -156,6 +173,21 @@ class StoreSession:
             self.checksums.append(layer_checksum(key, value))
             if self.home is not None:
                 self.home.write_layer(key, value)
+
+    def add_staged(self, count: int) -> None:
+        """Layers up to `count` (exclusive) are in the staging area: check and write
+        each one not written yet (a co-located Store's add_layer)."""
+        staging = self.staging
+        if staging is None:
+            raise InvalidArgument("this Store has no staging area")
+        n, lay = len(self.checksums), self.layout
+        if not n < count <= self.header.num_layers:
+            raise InvalidArgument(f"staged layers {count}: expected {n + 1}..{self.header.num_layers} "
+                                  f"({n} staged before, header.num_layers={self.header.num_layers})")
+        view = staging.view
+        for layer in range(n, count):
+            base = layer * lay.layer_bytes
+            self.add_layer(layer, view[base : base + lay.key_bytes], view[base + lay.key_bytes : base + lay.layer_bytes])
 
     def finish(self) -> StoreResult:
         with self._lock:
@@ -179,6 +211,7 @@ class StoreSession:
                     self.home.abort()  # no-op once committed
             finally:
                 self._uncharge()
+                self._close_staging()
         return result
 
     def _commit(self) -> StoreResult:
@@ -221,6 +254,8 @@ class StoreSession:
                 # The file does not read back as the layers that arrived: never acknowledge it.
                 with s.lock:
                     s.tiers[s.home].delete(self.variant_id)
+                if self.staging is not None:
+                    raise InvalidArgument(str(filler.error))
                 raise Unavailable(f"{filler.error}; retry the Store (if it repeats, check the disk)")
             s.meta.put_variants([v], sync=True)
             failpoints.reach("store:metadata-committed")
@@ -271,6 +306,11 @@ class StoreSession:
                 if self.home is not None:
                     self.home.abort()
                 self._uncharge()
+                self._close_staging()
+
+    def _close_staging(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
 
 
 class _Filler(threading.Thread):
@@ -289,13 +329,50 @@ class _Filler(threading.Thread):
         self.filled: list[TierWriter] = []
         self.error: OSError | None = None
         open_reader = getattr(session.home, "open_reader", None)
-        if open_reader is not None:  # here, before the commit renames the file
+        if open_reader is not None and session.staging is None:  # here, before the commit renames the file
             open_reader()
         self._background = session.total_bytes >= FILL_THREAD_BYTES
         if self._background:
             self.start()
 
     def run(self) -> None:
+        if self._session.staging is not None:
+            self._fill_from_staging()
+        else:
+            self._fill_from_file()
+
+    def _fill_from_staging(self) -> None:
+        """A co-located Store: each copy filled from the staged bytes (the buffer the
+        payload file was written from) and checked against the layer's checksum: the
+        client can write its staging area at any time, so the copy is served only if it
+        holds the bytes the checksums (and the file) were computed from."""
+        sess = self._session
+        layout, staged = sess.layout, sess.staging.view
+        try:
+            for w in self._copies:
+                fill_layer = getattr(w, "fill_layer", None)
+                if fill_layer is None:
+                    continue
+                for layer, expected in enumerate(sess.checksums):
+                    base = layer * layout.layer_bytes
+
+                    def copy(into: memoryview, base: int = base) -> None:
+                        into[:] = staged[base : base + layout.layer_bytes]
+
+                    room = fill_layer(copy)
+                    if room is None:
+                        break
+                    if layer_checksum(room[:layout.key_bytes], room[layout.key_bytes:]) != expected:
+                        raise OSError(f"variant {sess.variant_id}: layer {layer} of the staging area changed after "
+                                      "it was staged (the client wrote it again); not stored")
+                else:
+                    self.filled.append(w)
+        except OSError as e:
+            self.error = e.with_traceback(None)
+        except Exception:  # a bug: the Store still commits, without the copy
+            log.exception("filling the cache copies of variant %s failed", sess.variant_id)
+
+    def _fill_from_file(self) -> None:
         sess = self._session
         home, layout = sess.home, sess.layout
         read_into = getattr(home, "read_into", None)

@@ -84,3 +84,8 @@ def layer_checksum(key: bytes | memoryview, value: bytes | memoryview) -> int:
     h.update(key)
     h.update(value)
     return h.intdigest()
+
+
+STAGING_NAME_PREFIX = "kvcraft-stage-"
+"""A co-located Store's staging area (StoreLocal) is a memfd named this + its staging
+id; it holds the payload in the layout above (per layer K bytes then V bytes)."""

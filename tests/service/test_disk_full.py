@@ -57,16 +57,19 @@ def _fill(path: Path) -> None:
         os.close(fd)
 
 
-def test_full_disk_refuses_stores_keeps_reads_recovers_and_stops_cleanly(small_disk):
+@pytest.mark.parametrize("local_store", [True, False], ids=["shared-memory", "grpc-stream"])
+def test_full_disk_refuses_stores_keeps_reads_recovers_and_stops_cleanly(small_disk, local_store):
     data = small_disk / "data"
     server = ServiceProcess(data, disk_budget_bytes=1 << 30, host_budget_bytes=1 << 20)
     server.log_path = small_disk.parent / "full-server.log"  # the log must not need the full disk
     server.start()
     try:
         stored = {}
-        with KVClient(server.address, timeout=30) as c:
+        with KVClient(server.address, timeout=30, local_store=local_store) as c:
             for i in range(8):
-                stored[i] = c.store(MODEL, _tokens(i), _layers(i)).chunk_key
+                r = c.store(MODEL, _tokens(i), _layers(i))
+                assert r.local == local_store  # the path under test (StoreLocal or the Store stream)
+                stored[i] = r.chunk_key
             filler = small_disk / "filler"
             _fill(filler)
             with pytest.raises(ResourceExhaustedError, match="disk .* is full") as e:

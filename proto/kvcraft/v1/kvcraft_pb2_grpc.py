@@ -44,6 +44,11 @@ class KVCacheStub:
                 request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.StoreRequest.SerializeToString,
                 response_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.StoreResponse.FromString,
                 _registered_method=True)
+        self.StoreLocal = channel.stream_stream(
+                '/kvcraft.v1.KVCache/StoreLocal',
+                request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.StoreLocalRequest.SerializeToString,
+                response_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.StoreLocalResponse.FromString,
+                _registered_method=True)
         self.FetchLayers = channel.unary_stream(
                 '/kvcraft.v1.KVCache/FetchLayers',
                 request_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.FetchRequest.SerializeToString,
@@ -91,6 +96,16 @@ class KVCacheServicer:
     def Store(self, request_iterator, context):
         """Store one variant, layer by layer (client stream). Acknowledged only after the
         payload is durable on disk and its metadata committed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreLocal(self, request_iterator, context):
+        """Store one variant through shared memory (same host only): header, then the
+        service answers with a staging area; the client copies layers into it and says how
+        many are staged; the service writes them as they come and answers with the result
+        after the same durability as Store. FAILED_PRECONDITION when the service has it off.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,6 +166,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Store,
                     request_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.StoreRequest.FromString,
                     response_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.StoreResponse.SerializeToString,
+            ),
+            'StoreLocal': grpc.stream_stream_rpc_method_handler(
+                    servicer.StoreLocal,
+                    request_deserializer=kvcraft_dot_v1_dot_kvcraft__pb2.StoreLocalRequest.FromString,
+                    response_serializer=kvcraft_dot_v1_dot_kvcraft__pb2.StoreLocalResponse.SerializeToString,
             ),
             'FetchLayers': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchLayers,
@@ -237,6 +257,33 @@ class KVCache:
             '/kvcraft.v1.KVCache/Store',
             kvcraft_dot_v1_dot_kvcraft__pb2.StoreRequest.SerializeToString,
             kvcraft_dot_v1_dot_kvcraft__pb2.StoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreLocal(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvcraft.v1.KVCache/StoreLocal',
+            kvcraft_dot_v1_dot_kvcraft__pb2.StoreLocalRequest.SerializeToString,
+            kvcraft_dot_v1_dot_kvcraft__pb2.StoreLocalResponse.FromString,
             options,
             channel_credentials,
             insecure,
