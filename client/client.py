@@ -208,6 +208,7 @@ class KVClient:
             _colocated.STORE_LOCAL, request_serializer=pb.StoreLocalRequest.SerializeToString,
             response_deserializer=pb.StoreLocalResponse.FromString)
         self._local_store = local_store  # turned off for good when the service or host has no such path
+        self._staging = _colocated.StagingPool()  # this client's staging areas (StoreLocal)
         self._fetch = self._channel.unary_stream(_FETCH, request_serializer=pb.FetchRequest.SerializeToString,
                                                  response_deserializer=_layer_chunk)
         self._md = _metadata(token)
@@ -224,6 +225,7 @@ class KVClient:
     def close(self) -> None:
         if self._mappings is not None:
             self._mappings.close()
+        self._staging.close()
         self._channel.close()
 
     def _local(self) -> "LocalMappings":
@@ -364,6 +366,7 @@ class AsyncKVClient:
             _colocated.STORE_LOCAL, request_serializer=pb.StoreLocalRequest.SerializeToString,
             response_deserializer=pb.StoreLocalResponse.FromString)
         self._local_store = local_store  # turned off for good when the service or host has no such path
+        self._staging = _colocated.StagingPool()  # this client's staging areas (StoreLocal)
         self._fetch = self._channel.unary_stream(_FETCH, request_serializer=pb.FetchRequest.SerializeToString,
                                                  response_deserializer=_layer_chunk)
         self._md = _metadata(token)
@@ -380,6 +383,7 @@ class AsyncKVClient:
     async def close(self) -> None:
         if self._mappings is not None:
             self._mappings.close()
+        self._staging.close()
         await self._channel.close()
 
     def _local(self) -> "LocalMappings":

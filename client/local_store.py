@@ -2,36 +2,42 @@
 
 `KVClient.store` (and `AsyncKVClient.store`) try this path first and fall back to the
 gRPC Store stream when it is not available:
-- the service answers the header with a staging area made for this one Store (a sealed
-  memfd, docs/storage.md "Co-located Store"); this process opens it as
-  /proc/<service pid>/fd/<fd>, which works only on the same host, in the same pid
-  namespace and as a user allowed to (a sidecar with a shared process namespace);
-- each layer's K and V are copied once into the area, and a small StagedLayers message
-  says so: the service writes layer n to its payload file while this process copies
-  layer n+1; the service computes the checksums from the staged bytes;
+- the client keeps staging areas of its own (`StagingPool`): anonymous memfds named
+  kvcraft-stage-<random id>, sealed against shrinking and growing, reused Store after
+  Store (fresh shared memory costs a page fault and a zeroed page per 4 KiB: ~6x the
+  copy itself on the machine of docs/benchmarks.md);
+- it sends the header and names the area (its pid, the fd, the id); the service opens
+  /proc/<pid>/fd/<fd> read-only, which works only on the same host, in the same pid
+  namespace and as a user allowed to (a sidecar with a shared process namespace), checks
+  it is that sealed memfd, maps it and accepts;
+- each layer's K and V are copied once into the area (the payload layout,
+  `kvcraft.layout`), and a small StagedLayers message says so: the service writes layer n
+  to its payload file while this process copies layer n+1; the service computes the
+  checksums from the staged bytes;
 - after the last layer the client ends its stream; the answer comes once the payload is
-  durable and its metadata committed, as for Store.
+  durable and its metadata committed, as for Store. Only then is the area reused.
 
-Fallback: a service without StoreLocal (UNIMPLEMENTED) or with it off
-(FAILED_PRECONDITION), or a staging area this process cannot open (another host or pid
-namespace), switches the client to the gRPC stream for good; a staging area refused for
-room (RESOURCE_EXHAUSTED: it counts the whole payload in flight) sends this one Store
-the gRPC way (counted at 4 layers). `KVClient(..., local_store=False)` always uses gRPC.
+Fallback: a service without StoreLocal (UNIMPLEMENTED), with it off, or that cannot
+open the area (FAILED_PRECONDITION: another host, pid namespace or user) switches the
+client to the gRPC stream for good. `KVClient(..., local_store=False)` always uses gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import mmap
 import os
 import queue
+import secrets
+import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
 import grpc
 
 from kvclient.errors import KVCraftError, from_rpc_error
 from kvclient.tensors import byte_view
-from kvcraft.layout import STAGING_NAME_PREFIX
+from kvcraft.layout import STAGING_NAME_PREFIX, layer_layout
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 if TYPE_CHECKING:
@@ -40,49 +46,76 @@ if TYPE_CHECKING:
 STORE_LOCAL = "/kvcraft.v1.KVCache/StoreLocal"
 # The service has no co-located path for this client: use gRPC from now on.
 _OFF = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION)
+IDLE_AREAS = 2  # staging areas a client keeps between Stores (more are closed)
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-class NotColocated(Exception):
-    """The staging area cannot be opened from this process."""
+class StagingBuffer:
+    """One staging area: a sealed memfd of `capacity` bytes, mapped read-write here."""
 
-
-class StagingMap:
-    """A Store's staging area, mapped read-write into this process."""
-
-    def __init__(self, area: pb.StagingArea) -> None:
-        self.area = area
-        expected = f"/memfd:{STAGING_NAME_PREFIX}{area.staging_id} (deleted)"
-        if not area.staging_id or not area.path.startswith("/proc/"):
-            raise NotColocated(f"staging path {area.path!r} is not a /proc fd path")
+    def __init__(self, capacity: int) -> None:
+        self.staging_id = secrets.token_hex(16)
+        self.capacity = capacity
+        self.fd = os.memfd_create(STAGING_NAME_PREFIX + self.staging_id, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            if os.readlink(area.path) != expected:  # another host's pid, or not this Store's area
-                raise NotColocated(f"{area.path} is not staging area {area.staging_id} here")
-            fd = os.open(area.path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as e:
-            raise NotColocated(f"cannot open {area.path}: {e.strerror}") from None
-        try:
-            # what was opened (the fd may have been reused between the two looks)
-            if os.readlink(f"/proc/self/fd/{fd}") != expected or os.fstat(fd).st_size != area.length:
-                raise NotColocated(f"{area.path} changed while it was opened")
-            self._map = mmap.mmap(fd, area.length)
-        finally:
-            os.close(fd)
+            os.ftruncate(self.fd, capacity)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+            self._map = mmap.mmap(self.fd, capacity)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.view = memoryview(self._map)
 
-    def put(self, layer: int, k: "torch.Tensor", v: "torch.Tensor") -> None:
-        """Copy one layer's K then V into its place (the payload layout)."""
-        a = self.area
-        base = layer * a.layer_bytes
+    def message(self) -> pb.StagingArea:
+        return pb.StagingArea(staging_id=self.staging_id, pid=os.getpid(), fd=self.fd)
+
+    def put(self, base: int, k: "torch.Tensor", v: "torch.Tensor") -> None:
+        """Copy one layer's K then V to `base`."""
         kv, vv = byte_view(k), byte_view(v)
-        if kv.nbytes != a.key_bytes or kv.nbytes + vv.nbytes != a.layer_bytes:
-            raise ValueError(f"layer {layer}: K/V have {kv.nbytes}/{vv.nbytes} bytes; the header's specs need "
-                             f"{a.key_bytes}/{a.layer_bytes - a.key_bytes}")
-        self.view[base : base + a.key_bytes] = kv
-        self.view[base + a.key_bytes : base + a.layer_bytes] = vv
+        self.view[base : base + kv.nbytes] = kv
+        self.view[base + kv.nbytes : base + kv.nbytes + vv.nbytes] = vv
 
     def close(self) -> None:
         self.view.release()
         self._map.close()
+        os.close(self.fd)
+
+
+class StagingPool:
+    """A client's staging areas: one per Store in flight, at most IDLE_AREAS kept idle."""
+
+    def __init__(self) -> None:
+        self._idle: list[StagingBuffer] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self, nbytes: int) -> StagingBuffer:
+        with self._lock:
+            fits = [b for b in self._idle if b.capacity >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.capacity)
+                self._idle.remove(best)
+                return best
+        return StagingBuffer(nbytes)
+
+    def give(self, buf: StagingBuffer) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(buf)
+                self._idle.sort(key=lambda b: -b.capacity)  # keep the largest
+                buf, extra = None, self._idle[IDLE_AREAS:]
+                del self._idle[IDLE_AREAS:]
+            else:
+                extra = [buf]
+        for b in extra:
+            b.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for b in idle:
+            b.close()
 
 
 def uniform(layers: Sequence[tuple["torch.Tensor", "torch.Tensor"]]) -> bool:
@@ -93,50 +126,52 @@ def uniform(layers: Sequence[tuple["torch.Tensor", "torch.Tensor"]]) -> bool:
                for k, v in layers)
 
 
-def _staged(area: pb.StagingArea, count: int) -> pb.StoreLocalRequest:
-    return pb.StoreLocalRequest(staged=pb.StagedLayers(staging_id=area.staging_id, layers=count))
+def _staged(count: int) -> pb.StoreLocalRequest:
+    return pb.StoreLocalRequest(staged=pb.StagedLayers(layers=count))
 
 
 def _declined(client: Any, e: grpc.RpcError) -> bool:
-    """True: this Store goes the gRPC way (and, for a service without the path, every
-    later one); False: a real error of the Store."""
+    """True: the service has no co-located path for this client: this Store and every
+    later one go the gRPC way. False: a real error of the Store."""
     if e.code() in _OFF:
         client._local_store = False  # noqa: SLF001 - the client's own switch
         return True
-    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    return False
 
 
 def _no_result() -> KVCraftError:
     return KVCraftError(grpc.StatusCode.INTERNAL, "StoreLocal ended without a result")
 
 
+def _layer_bytes(header: pb.StoreHeader) -> int:
+    return layer_layout(header.key_spec, header.value_spec, len(header.token_ids)).layer_bytes
+
+
 def store(client: Any, header: pb.StoreHeader, layers: Sequence[tuple["torch.Tensor", "torch.Tensor"]],
           ) -> pb.StoreResponse | None:
     """One co-located Store by a KVClient; None: not available, use the gRPC stream."""
+    layer_bytes = _layer_bytes(header)
+    buf = client._staging.take(layer_bytes * len(layers))  # noqa: SLF001
     requests: queue.SimpleQueue = queue.SimpleQueue()
-    requests.put(pb.StoreLocalRequest(header=header))
+    requests.put(pb.StoreLocalRequest(start=pb.StoreLocalStart(header=header, staging=buf.message())))
 
     def stream():  # noqa: ANN202 - grpcio's request iterator, fed as layers are staged
         while (m := requests.get()) is not None:
             yield m
 
     call = client._store_local(stream(), metadata=client._md, timeout=client.timeout)  # noqa: SLF001
-    staging = None
+    reuse = False  # the area is reused only once the service is known to be done with it
     try:
         try:
-            first = next(call)
+            next(call)  # accepted: the service mapped the area
         except grpc.RpcError as e:
             if _declined(client, e):
+                reuse = True  # refused before it was mapped
                 return None
             raise from_rpc_error(e) from None
-        try:
-            staging = StagingMap(first.staging)
-        except NotColocated:
-            client._local_store = False  # noqa: SLF001
-            return None
         for i, (k, v) in enumerate(layers):
-            staging.put(i, k, v)
-            requests.put(_staged(first.staging, i + 1))
+            buf.put(i * layer_bytes, k, v)
+            requests.put(_staged(i + 1))
         requests.put(None)
         try:
             last = next(call, None)
@@ -144,44 +179,38 @@ def store(client: Any, header: pb.StoreHeader, layers: Sequence[tuple["torch.Ten
             raise from_rpc_error(e) from None
         if last is None or last.WhichOneof("part") != "result":
             raise _no_result()
+        reuse = True
         return last.result
     finally:
         requests.put(None)
         call.cancel()  # no-op once the call ended
-        if staging is not None:
-            staging.close()
+        _release(client, buf, reuse)
 
 
 async def store_async(client: Any, header: pb.StoreHeader,
                       layers: Sequence[tuple["torch.Tensor", "torch.Tensor"]]) -> pb.StoreResponse | None:
     """One co-located Store by an AsyncKVClient; None: use the gRPC stream. Layers are
     copied on a worker thread (the event loop goes on meanwhile)."""
+    layer_bytes = _layer_bytes(header)
+    buf = client._staging.take(layer_bytes * len(layers))  # noqa: SLF001
     call = client._store_local(metadata=client._md, timeout=client.timeout)  # noqa: SLF001
-    staging = None
+    reuse = False  # the area is reused only once the service is known to be done with it
     try:
         try:
-            await call.write(pb.StoreLocalRequest(header=header))
-            first = await call.read()
-            if first is grpc.aio.EOF:
+            await call.write(pb.StoreLocalRequest(start=pb.StoreLocalStart(header=header, staging=buf.message())))
+            if await call.read() is grpc.aio.EOF:
                 raise _no_result()
-        except grpc.RpcError as e:
-            if _declined(client, e):
+        except (grpc.RpcError, asyncio.InvalidStateError) as e:
+            # InvalidStateError: the call ended while writing; its status says why
+            status = e if isinstance(e, grpc.RpcError) else await _status(call)
+            if _declined(client, status):
+                reuse = True  # refused before it was mapped
                 return None
-            raise from_rpc_error(e) from None
-        except asyncio.InvalidStateError:  # the call ended while writing: its status says why
-            e = await _status(call)
-            if _declined(client, e):
-                return None
-            raise from_rpc_error(e) from None
-        try:
-            staging = StagingMap(first.staging)
-        except NotColocated:
-            client._local_store = False  # noqa: SLF001
-            return None
+            raise from_rpc_error(status) from None
         try:
             for i, (k, v) in enumerate(layers):
-                await asyncio.to_thread(staging.put, i, k, v)
-                await call.write(_staged(first.staging, i + 1))
+                await asyncio.to_thread(buf.put, i * layer_bytes, k, v)
+                await call.write(_staged(i + 1))
             await call.done_writing()
             last = await call.read()
         except grpc.RpcError as e:
@@ -190,11 +219,21 @@ async def store_async(client: Any, header: pb.StoreHeader,
             raise from_rpc_error(await _status(call)) from None
         if last is grpc.aio.EOF or last.WhichOneof("part") != "result":
             raise _no_result()
+        reuse = True
         return last.result
     finally:
         call.cancel()  # no-op once the call ended
-        if staging is not None:
-            staging.close()
+        _release(client, buf, reuse)
+
+
+def _release(client: Any, buf: StagingBuffer, reuse: bool) -> None:
+    """Back to the client's pool after a Store the service finished with; else closed
+    (a Store that failed midway may still be read by the service for a moment: its next
+    Store must not share the memory)."""
+    if reuse:
+        client._staging.give(buf)  # noqa: SLF001
+    else:
+        buf.close()
 
 
 class _Status(grpc.RpcError):

@@ -101,9 +101,9 @@ class DataServicer:
                 session.abort()  # no-op once finished
 
     async def StoreLocal(self, request_iterator: AsyncIterator[pb.StoreLocalRequest], context: Any) -> None:
-        """Header -> StagingArea; StagedLayers(n) -> layers up to n written (checksums
-        computed here from the staged bytes); end of the client's stream -> commit as
-        Store does -> the result. Any failure, or the client leaving, aborts the session:
+        """Start (header + the client's staging area) -> mapped, accepted;
+        StagedLayers(n) -> layers up to n written (checksums computed here from the
+        staged bytes); end of the client's stream -> commit as Store does -> the result. Any failure, or the client leaving, aborts the session:
         its temporary file, disk reservation and staging area go with it."""
         with self.inflight.track():
             session = None
@@ -132,27 +132,23 @@ class DataServicer:
         messages = aiter(request_iterator)
         req = await anext(messages, None)
         check_parsed(req)
-        if req is None or req.WhichOneof("part") != "header":
-            raise InvalidArgument("the first message of a StoreLocal stream must be a header")
-        begin = asyncio.ensure_future(asyncio.to_thread(self.store.begin_store, wire.store_header(req.header), True))
+        if req is None or req.WhichOneof("part") != "start":
+            raise InvalidArgument("the first message of a StoreLocal stream must be a start (header + staging area)")
+        area = req.start.staging
+        begin = asyncio.ensure_future(asyncio.to_thread(
+            self.store.begin_store, wire.store_header(req.start.header), (area.staging_id, area.pid, area.fd)))
         try:
             session = await asyncio.shield(begin)
         except asyncio.CancelledError:
             begin.add_done_callback(_abort_when_done)  # the client left while begin_store ran on
             raise
         try:
-            area = session.staging
-            await context.write(pb.StoreLocalResponse(staging=pb.StagingArea(
-                staging_id=area.staging_id, path=area.path, length=area.length,
-                layer_bytes=session.layout.layer_bytes, key_bytes=session.layout.key_bytes)))
+            await context.write(pb.StoreLocalResponse(accepted=pb.StagingAccepted()))
             async for req in messages:
                 check_parsed(req)
                 part = req.WhichOneof("part")
                 if part != "staged":
-                    raise InvalidArgument(f"unexpected {part or 'empty'} message after the header")
-                if req.staged.staging_id != area.staging_id:
-                    raise InvalidArgument(f"staging id {req.staged.staging_id[:40]!r} is not this Store's "
-                                          f"({area.staging_id})")
+                    raise InvalidArgument(f"unexpected {part or 'empty'} message after the start")
                 await asyncio.to_thread(session.add_staged, req.staged.layers)
             result = await asyncio.to_thread(session.finish)
         except BaseException:

@@ -64,9 +64,9 @@ class ChunkStore:
                 tier.close()
 
     # -- Store ---------------------------------------------------------------------------
-    def begin_store(self, header: StoreHeader, staged: bool = False) -> StoreSession:
-        """staged: a co-located Store (StoreLocal): the session has a staging area."""
-        return begin(self._s, self._placement, header, staged)
+    def begin_store(self, header: StoreHeader, staging: tuple[str, int, int] | None = None) -> StoreSession:
+        """staging: a co-located Store's (StoreLocal) staging area: (staging id, client pid, fd)."""
+        return begin(self._s, self._placement, header, staging)
 
     # -- fetch ---------------------------------------------------------------------------
     def open_fetch(self, refs: Sequence[Ref]) -> list[Variant]:

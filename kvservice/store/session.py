@@ -53,10 +53,11 @@ log = logging.getLogger("kvcraft.store")
 
 
 
-def begin(s: StoreState, placement: Placement, h: StoreHeader, staged: bool = False) -> "StoreSession":
+def begin(s: StoreState, placement: Placement, h: StoreHeader,
+          staging: tuple[str, int, int] | None = None) -> "StoreSession":
     """Validate a Store header, count it in flight and open the home tier's writer;
-    the session takes the layers. staged: a co-located Store (StoreLocal): the session
-    gets a staging area of the whole payload, counted in flight at its full size."""
+    the session takes the layers. staging: a co-located Store (StoreLocal): the client's
+    staging area (staging id, pid, fd), mapped read-only into the session."""
     cfg = s.cfg
     if not h.model_id:
         raise InvalidArgument("header.model_id is empty")
@@ -92,14 +93,12 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader, staged: bool = Fa
                                 f"max_variant_bytes is {cfg.max_variant_bytes}")
     key = chunk_key(h.model_id, h.token_ids)
     vid = variant_id(key, h.prefix_keys)
-    charge = shape.total_bytes if staged else min(shape.total_bytes, INFLIGHT_LAYERS * layout.layer_bytes)
+    charge = min(shape.total_bytes, INFLIGHT_LAYERS * layout.layer_bytes)
     with s.lock:
         if s.inflight_store_bytes + charge > cfg.max_inflight_store_bytes:
-            counted = f"a staging area of {charge} bytes" if staged else \
-                f"layers of {layout.layer_bytes} bytes, counted at {charge}"
             raise ResourceExhausted(
                 f"{s.inflight_stores} Store streams in flight hold {s.inflight_store_bytes} bytes; this one "
-                f"({counted}) would pass max_inflight_store_bytes="
+                f"(layers of {layout.layer_bytes} bytes, counted at {charge}) would pass max_inflight_store_bytes="
                 f"{cfg.max_inflight_store_bytes}; retry when others finish")
         s.inflight_store_bytes += charge
         s.inflight_stores += 1
@@ -114,9 +113,9 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader, staged: bool = Fa
             s.inflight_stores -= 1
             raise
     session = StoreSession(s, placement, h, key, vid, layout, home, charge)
-    if staged:
+    if staging is not None:
         try:
-            session.staging = StagingArea(shape.total_bytes)
+            session.staging = StagingArea(*staging, shape.total_bytes)
         except BaseException:
             session.abort()
             raise

@@ -1,19 +1,24 @@
 """Staging areas of co-located Stores (StoreLocal, docs/storage.md "Co-located Store").
 
-A staging area is shared memory the service makes for ONE Store: an anonymous memfd
-(no name in any filesystem), sized to the payload and sealed against shrinking and
-growing, so the client can write into it but can never truncate it under the
-service's mapping (a truncated mapping would fault the service). The client opens it
-as /proc/<service pid>/fd/<fd>, which only a process of the same host, pid namespace
-and user can; the memfd's name carries the staging id, so a client checks it opened
-this Store's area and not some other file. The area lives as long as the Store: closed
-when the Store commits or fails, and with the process if the service dies (nothing is
-left behind on disk or in /dev/shm to clean up).
+A co-located client keeps its own staging area: an anonymous memfd (in no filesystem)
+named kvcraft-stage-<random id>, sealed against shrinking. For each Store it copies the
+layers in and names the area (its pid, the fd, the id); the service opens it as
+/proc/<pid>/fd/<fd>, which works only on the same host, in the same pid namespace and
+with the right to read that process's descriptors (the same user), and maps it
+READ-ONLY for the Store's life. Before mapping it checks that what it opened is that
+memfd (the name with the id, so a client cannot make the service read any other file),
+that it is sealed against shrinking (a truncated mapping would fault the service) and
+long enough. Anything else: FAILED_PRECONDITION, and the client uses the gRPC stream.
+
+The memory is the client's: the service allocates nothing for it, and unmaps it when the
+Store commits or fails; if the service dies, nothing of it is left anywhere (the
+client's area lives in the client; the Store's temporary payload file is deleted by
+start-up recovery as for any Store).
 
 The service reads the staged layers only after the client said they are staged, and
 trusts nothing else the client says about them: checksums are computed here, from the
-staged bytes (see session.StoreSession.add_layer), and the host-tier copy made from the
-same bytes at commit is checked against them.
+staged bytes (session.StoreSession.add_layer), and the host-tier copy made from the same
+bytes at commit is checked against them.
 """
 
 from __future__ import annotations
@@ -21,44 +26,60 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import secrets
+import re
 
 from kvcraft.layout import STAGING_NAME_PREFIX
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+from kvservice.errors import FailedPrecondition, InvalidArgument
+
+_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def supported() -> bool:
-    """memfd with seals, and /proc to reach it: Linux."""
-    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")
+    """memfd seals and /proc to reach a client's descriptors: Linux."""
+    return hasattr(fcntl, "F_GET_SEALS") and os.path.isdir("/proc/self/fd")
 
 
 class StagingArea:
-    """One Store's staging memory, mapped here; `close()` (idempotent) releases it."""
+    """A client's staging area, mapped read-only here; `close()` (idempotent) unmaps it."""
 
-    def __init__(self, length: int) -> None:
-        self.staging_id = secrets.token_hex(16)
+    def __init__(self, staging_id: str, pid: int, fd: int, length: int) -> None:
+        if not _ID.fullmatch(staging_id):
+            raise InvalidArgument(f"staging.staging_id {staging_id[:40]!r} is not 32 lowercase hex chars")
+        if pid < 1 or fd < 0:
+            raise InvalidArgument(f"staging.pid {pid} / staging.fd {fd}: not a process's descriptor")
+        self.staging_id = staging_id
         self.length = length
-        self._fd = os.memfd_create(STAGING_NAME_PREFIX + self.staging_id, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        path = f"/proc/{pid}/fd/{fd}"
+        expected = f"/memfd:{STAGING_NAME_PREFIX}{staging_id} (deleted)"
         try:
-            os.ftruncate(self._fd, length)
-            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
-            self._map = mmap.mmap(self._fd, length)
-        except BaseException:
-            os.close(self._fd)
-            raise
+            own = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise FailedPrecondition(f"cannot open the staging area {path}: {e.strerror} (not the same host, pid "
+                                     "namespace or user: use the Store stream)") from None
+        try:
+            if os.readlink(f"/proc/self/fd/{own}") != expected:
+                raise FailedPrecondition(f"{path} is not staging area {staging_id} (not the same host or pid "
+                                         "namespace: use the Store stream)")
+            try:
+                seals = fcntl.fcntl(own, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise InvalidArgument(f"staging area {staging_id} is not sealed against shrinking (F_SEAL_SHRINK)")
+            size = os.fstat(own).st_size
+            if size < length:
+                raise InvalidArgument(f"staging area {staging_id} has {size} bytes; the payload needs {length}")
+            self._map = mmap.mmap(own, length, prot=mmap.PROT_READ)
+        finally:
+            os.close(own)
         self.view = memoryview(self._map)
 
-    @property
-    def path(self) -> str:
-        return f"/proc/{os.getpid()}/fd/{self._fd}"
-
     def close(self) -> None:
-        if self._fd < 0:
+        if self._map is None:
             return
         self.view.release()
         try:
             self._map.close()
         except BufferError:  # a layer view is still held somewhere: the mapping goes with it
             pass
-        os.close(self._fd)
-        self._fd = -1
+        self._map = None

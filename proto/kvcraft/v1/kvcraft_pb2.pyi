@@ -241,42 +241,48 @@ class StoreResponse(_message.Message):
     def __init__(self, chunk_key: _Optional[str] = ..., variant_id: _Optional[str] = ..., bytes_stored: _Optional[int] = ..., already_present: _Optional[bool] = ...) -> None: ...
 
 class StoreLocalRequest(_message.Message):
-    __slots__ = ("header", "staged")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("start", "staged")
+    START_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
-    header: StoreHeader
+    start: StoreLocalStart
     staged: StagedLayers
-    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., staged: _Optional[_Union[StagedLayers, _Mapping]] = ...) -> None: ...
+    def __init__(self, start: _Optional[_Union[StoreLocalStart, _Mapping]] = ..., staged: _Optional[_Union[StagedLayers, _Mapping]] = ...) -> None: ...
 
-class StagedLayers(_message.Message):
-    __slots__ = ("staging_id", "layers")
-    STAGING_ID_FIELD_NUMBER: _ClassVar[int]
-    LAYERS_FIELD_NUMBER: _ClassVar[int]
-    staging_id: str
-    layers: int
-    def __init__(self, staging_id: _Optional[str] = ..., layers: _Optional[int] = ...) -> None: ...
+class StoreLocalStart(_message.Message):
+    __slots__ = ("header", "staging")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
+    header: StoreHeader
+    staging: StagingArea
+    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., staging: _Optional[_Union[StagingArea, _Mapping]] = ...) -> None: ...
 
 class StagingArea(_message.Message):
-    __slots__ = ("staging_id", "path", "length", "layer_bytes", "key_bytes")
+    __slots__ = ("staging_id", "pid", "fd")
     STAGING_ID_FIELD_NUMBER: _ClassVar[int]
-    PATH_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
-    KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
     staging_id: str
-    path: str
-    length: int
-    layer_bytes: int
-    key_bytes: int
-    def __init__(self, staging_id: _Optional[str] = ..., path: _Optional[str] = ..., length: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., key_bytes: _Optional[int] = ...) -> None: ...
+    pid: int
+    fd: int
+    def __init__(self, staging_id: _Optional[str] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
+
+class StagedLayers(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: int
+    def __init__(self, layers: _Optional[int] = ...) -> None: ...
 
 class StoreLocalResponse(_message.Message):
-    __slots__ = ("staging", "result")
-    STAGING_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("accepted", "result")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
-    staging: StagingArea
+    accepted: StagingAccepted
     result: StoreResponse
-    def __init__(self, staging: _Optional[_Union[StagingArea, _Mapping]] = ..., result: _Optional[_Union[StoreResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, accepted: _Optional[_Union[StagingAccepted, _Mapping]] = ..., result: _Optional[_Union[StoreResponse, _Mapping]] = ...) -> None: ...
+
+class StagingAccepted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class VariantRef(_message.Message):
     __slots__ = ("chunk_key", "variant_id", "cfo")

@@ -102,10 +102,11 @@ class KVCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StoreLocal(self, request_iterator, context):
-        """Store one variant through shared memory (same host only): header, then the
-        service answers with a staging area; the client copies layers into it and says how
-        many are staged; the service writes them as they come and answers with the result
-        after the same durability as Store. FAILED_PRECONDITION when the service has it off.
+        """Store one variant through the client's shared memory (same host, pid namespace and
+        user only): header + staging area; the service maps the area and accepts; the client
+        copies layers into it and says how many are staged; the service writes them as they
+        come and answers with the result after the same durability as Store.
+        FAILED_PRECONDITION when the service has it off or cannot open the area.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
