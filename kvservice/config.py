@@ -48,10 +48,9 @@ class Config:
     # (docs/operations.md).
     max_inflight_store_bytes: int = 1 * GiB
     # Co-located Stores (StoreLocal): a client on this host, in this pid namespace and
-    # user, writes layers into a staging area of shared memory instead of sending them
-    # over gRPC (docs/storage.md). Each one counts its whole payload against
-    # max_inflight_store_bytes. Off: StoreLocal answers FAILED_PRECONDITION and
-    # clients use the gRPC Store stream.
+    # user, writes layers into a staging area of its own shared memory, which the service
+    # maps read-only, instead of sending them over gRPC (docs/storage.md). Off: StoreLocal
+    # answers FAILED_PRECONDITION and clients use the gRPC Store stream.
     local_store: bool = True
     max_fetch_variants: int = 256
     lease_timeout_s: float = 30.0
