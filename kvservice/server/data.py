@@ -22,6 +22,7 @@ from kvservice.metrics import Metrics
 from kvservice.server.codecs import as_message, check_parsed, message_bytes
 from kvservice.server.status import InFlight, rpc, storage_error
 from kvservice.store import ChunkStore, staging
+from kvservice.store.session import StagedWriter
 
 log = logging.getLogger("kvcraft.server")
 
@@ -102,9 +103,10 @@ class DataServicer:
 
     async def StoreLocal(self, request_iterator: AsyncIterator[pb.StoreLocalRequest], context: Any) -> None:
         """Start (header + the client's staging area) -> mapped, accepted;
-        StagedLayers(n) -> layers up to n written (checksums computed here from the
-        staged bytes); end of the client's stream -> commit as Store does -> the result. Any failure, or the client leaving, aborts the session:
-        its temporary file, disk reservation and staging area go with it."""
+        StagedLayers(n) -> layers up to n written by the Store's StagedWriter thread
+        (checksums computed here from the staged bytes); end of the client's stream ->
+        commit as Store does -> the result. Any failure, or the client leaving, aborts
+        the session: its temporary file, disk reservation and mapping go with it."""
         with self.inflight.track():
             session = None
             try:
@@ -142,16 +144,26 @@ class DataServicer:
         except asyncio.CancelledError:
             begin.add_done_callback(_abort_when_done)  # the client left while begin_store ran on
             raise
+        writer = None
         try:
+            writer = StagedWriter(session)  # writes layer n while the client copies layer n+1
+            done = asyncio.wrap_future(writer.done)
             await context.write(pb.StoreLocalResponse(accepted=pb.StagingAccepted()))
             async for req in messages:
                 check_parsed(req)
                 part = req.WhichOneof("part")
                 if part != "staged":
                     raise InvalidArgument(f"unexpected {part or 'empty'} message after the start")
-                await asyncio.to_thread(session.add_staged, req.staged.layers)
+                if done.done():  # the writer stopped on an error: raised below
+                    break
+                writer.stage(req.staged.layers)
+            writer.end()
+            await done
             result = await asyncio.to_thread(session.finish)
         except BaseException:
+            if writer is not None:
+                writer.end()
+                writer.done.add_done_callback(lambda f: f.exception())  # retrieved: not logged
             session.abort()
             raise
         self.metrics.store_bytes.inc(result.bytes_stored if not result.already_present else 0)

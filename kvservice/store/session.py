@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from array import array
+from concurrent.futures import Future
 
 from kvcraft.keys import chunk_key, is_key, variant_id
 from kvservice import failpoints
@@ -310,6 +311,56 @@ class StoreSession:
     def _close_staging(self) -> None:
         if self.staging is not None:
             self.staging.close()
+
+
+class StagedWriter(threading.Thread):
+    """Writes a co-located Store's layers as the client stages them: one thread for the
+    whole Store, woken by `stage` (cheap, from the event loop), instead of a worker
+    thread hop per StagedLayers message. `done` (a concurrent Future) resolves once every
+    layer staged before `end()` is written, or with the error that stopped it."""
+
+    def __init__(self, session: StoreSession) -> None:
+        super().__init__(name="kvcraft-store-staged", daemon=True)
+        self._session = session
+        self._cond = threading.Condition()
+        self._staged = 0
+        self._ended = False
+        self.done: Future = Future()
+        self.start()
+
+    def stage(self, count: int) -> None:
+        """Layers [0, count) are staged; count must grow, up to num_layers."""
+        n = self._session.header.num_layers
+        with self._cond:
+            if not self._staged < count <= n:
+                raise InvalidArgument(f"staged layers {count}: expected {self._staged + 1}..{n} "
+                                      f"({self._staged} staged before, header.num_layers={n})")
+            self._staged = count
+            self._cond.notify()
+
+    def end(self) -> None:
+        """No more layers will be staged (the stream ended, or the Store is aborted)."""
+        with self._cond:
+            self._ended = True
+            self._cond.notify()
+
+    def run(self) -> None:
+        written = 0
+        try:
+            while True:
+                with self._cond:
+                    while self._staged == written and not self._ended:
+                        self._cond.wait()
+                    target, ended = self._staged, self._ended
+                if target > written:
+                    self._session.add_staged(target)
+                    written = target
+                elif ended:
+                    break
+        except BaseException as e:  # noqa: BLE001 - handed to the handler through `done`
+            self.done.set_exception(e.with_traceback(None))
+        else:
+            self.done.set_result(written)
 
 
 class _Filler(threading.Thread):
