@@ -144,7 +144,7 @@ class DataServicer:
         except asyncio.CancelledError:
             begin.add_done_callback(_abort_when_done)  # the client left while begin_store ran on
             raise
-        writer = None
+        writer = done = None
         try:
             writer = StagedWriter(session)  # writes layer n while the client copies layer n+1
             done = asyncio.wrap_future(writer.done)
@@ -163,7 +163,8 @@ class DataServicer:
         except BaseException:
             if writer is not None:
                 writer.end()
-                writer.done.add_done_callback(lambda f: f.exception())  # retrieved: not logged
+            if done is not None:  # its error, if any, is retrieved (not logged as lost)
+                done.add_done_callback(lambda f: f.cancelled() or f.exception())
             session.abort()
             raise
         self.metrics.store_bytes.inc(result.bytes_stored if not result.already_present else 0)
