@@ -28,6 +28,7 @@ from kvservice.store.placement import Placement
 from kvservice.store.promotion import Promotion
 from kvservice.store.recovery import RecoveryReport, recover
 from kvservice.store.session import StoreSession, begin
+from kvservice.store.staging import StagingMaps
 from kvservice.store.state import StoreListener, StoreState
 from kvservice.store.sync import attach_cluster
 from kvservice.tiers import Tier, build_tiers
@@ -50,11 +51,13 @@ class ChunkStore:
         self._leases = Leases(self._s)
         self._placement = Placement(self._s, self._leases.expire)
         self._promotion = Promotion(self._s, self._placement)
+        self._staging_maps = StagingMaps()  # clients' staging areas (co-located Stores)
         self.recovery = recover(self._s, repair=repair)
         # Scale-out (docs/scale-out.md): adopt other nodes' variants, write-through.
         self.cluster = attach_cluster(self._s)
 
     def close(self) -> None:
+        self._staging_maps.close()
         if self.cluster is not None:
             self.cluster.close()
         with self._s.lock:
@@ -66,7 +69,7 @@ class ChunkStore:
     # -- Store ---------------------------------------------------------------------------
     def begin_store(self, header: StoreHeader, staging: tuple[str, int, int] | None = None) -> StoreSession:
         """staging: a co-located Store's (StoreLocal) staging area: (staging id, client pid, fd)."""
-        return begin(self._s, self._placement, header, staging)
+        return begin(self._s, self._placement, header, staging, self._staging_maps)
 
     # -- fetch ---------------------------------------------------------------------------
     def open_fetch(self, refs: Sequence[Ref]) -> list[Variant]:

@@ -34,7 +34,7 @@ from kvservice.index import Variant, eviction_key
 from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layout
 from kvservice.records import StoreHeader, StoreResult
 from kvservice.store.placement import Placement
-from kvservice.store.staging import StagingArea
+from kvservice.store.staging import StagingArea, StagingMaps
 from kvservice.store.state import StoreState
 from kvservice.wire import variant_message
 from kvservice.tiers.base import Buffer, PayloadShape, TierWriter
@@ -55,10 +55,10 @@ log = logging.getLogger("kvcraft.store")
 
 
 def begin(s: StoreState, placement: Placement, h: StoreHeader,
-          staging: tuple[str, int, int] | None = None) -> "StoreSession":
+          staging: tuple[str, int, int] | None = None, maps: StagingMaps | None = None) -> "StoreSession":
     """Validate a Store header, count it in flight and open the home tier's writer;
     the session takes the layers. staging: a co-located Store (StoreLocal): the client's
-    staging area (staging id, pid, fd), mapped read-only into the session."""
+    staging area (staging id, pid, fd), mapped read-only through `maps`."""
     cfg = s.cfg
     if not h.model_id:
         raise InvalidArgument("header.model_id is empty")
@@ -115,8 +115,10 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader,
             raise
     session = StoreSession(s, placement, h, key, vid, layout, home, charge)
     if staging is not None:
+        assert maps is not None
         try:
-            session.staging = StagingArea(*staging, shape.total_bytes)
+            session.staging = maps.open(*staging, shape.total_bytes)
+            session.staging_maps = maps
         except BaseException:
             session.abort()
             raise
@@ -152,6 +154,7 @@ class StoreSession:
         self.checksums = array("Q")
         self._charge = charge  # counted in StoreState.inflight_store_bytes until the session ends
         self.staging: StagingArea | None = None  # a co-located Store's layers (StoreLocal)
+        self.staging_maps: StagingMaps | None = None
         self._done = False
         # A cancelled stream's abort may arrive while a worker thread writes a layer.
         self._lock = threading.Lock()
@@ -198,20 +201,24 @@ class StoreSession:
                                       f"header.num_layers={self.header.num_layers} layers")
             self._done = True
             s = self._s
+            ok = False
             try:
                 if self.home is None:
                     with s.lock:
-                        if self.variant_id in s.index:
-                            return self._already_present()
-                    raise NotFound(f"variant {self.variant_id} was evicted while being stored again; "
-                                   "store it once more")
-                try:
-                    result = self._commit()
-                finally:
-                    self.home.abort()  # no-op once committed
+                        present = self.variant_id in s.index
+                    if not present:
+                        raise NotFound(f"variant {self.variant_id} was evicted while being stored again; "
+                                       "store it once more")
+                    result = self._already_present()
+                else:
+                    try:
+                        result = self._commit()
+                    finally:
+                        self.home.abort()  # no-op once committed
+                ok = True
             finally:
                 self._uncharge()
-                self._close_staging()
+                self._close_staging(keep=ok)
         return result
 
     def _commit(self) -> StoreResult:
@@ -308,9 +315,12 @@ class StoreSession:
                 self._uncharge()
                 self._close_staging()
 
-    def _close_staging(self) -> None:
-        if self.staging is not None:
-            self.staging.close()
+    def _close_staging(self, keep: bool = False) -> None:
+        """Hand the staging area back: kept mapped for the client's next Store after a
+        commit, unmapped after a failure."""
+        area, self.staging = self.staging, None
+        if area is not None:
+            self.staging_maps.release(area, keep)
 
 
 class StagedWriter(threading.Thread):

@@ -150,7 +150,11 @@ def test_local_store_round_trips_bit_for_bit_through_both_fetch_paths_and_the_di
         assert len(files) == 3
         blobs = {f.read_bytes()[: 4 * want[0][0][0].numel() * want[0][0][0].element_size() * 2] for f in files}
         assert blobs == {_payload_bytes(layers) for layers in want.values()}
-        assert _staging_fds(server.proc.pid) == [] and c.stats().inflight_store_bytes == 0
+        assert c.stats().inflight_store_bytes == 0
+        # the service keeps the client's one area mapped for its next Store, nothing else
+        assert set(_staging_fds(server.proc.pid)) <= set(_staging_fds(os.getpid()))
+        assert len(set(_staging_fds(server.proc.pid))) == 1
+    _wait(lambda: not _staging_fds(server.proc.pid), "the service to drop the closed client's area")
     server.restart()  # the host tier is gone: every layer comes from disk, checksums verified
     with KVClient(server.address) as c:
         for i, layers in want.items():
@@ -317,9 +321,10 @@ def test_a_client_keeps_few_staging_areas_and_closes_them(start_server):
     for i in range(5):
         assert c.store(MODEL, _tokens(i), _layers(i)).local
     assert len(set(_staging_fds(os.getpid()))) <= local_store.IDLE_AREAS  # reused, not one per Store
-    assert not _staging_fds(server.proc.pid)  # the service maps an area only during its Store
+    assert set(_staging_fds(server.proc.pid)) <= set(_staging_fds(os.getpid()))  # only this client's areas
     c.close()
     assert not _staging_fds(os.getpid())
+    _wait(lambda: not _staging_fds(server.proc.pid), "the service to drop the areas it kept mapped")
 
 
 # -- bad input, abandoned and crashed Stores ----------------------------------------------
