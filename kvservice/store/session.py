@@ -12,10 +12,10 @@
      other Stores', `MetadataDB`);
   4. the copies are published, the index and listeners learn of the variant; only
      then is the write acknowledged.
-A co-located Store (StoreLocal) follows the same order; its layers come from a staging
-area (kvservice.store.staging) instead of gRPC messages, and step 2 copies the cache
-tiers' copies from that same staged memory (checked against the checksums computed at
-step 1, as the client could have written the area again meanwhile).
+A co-located Store (StoreLocal) follows the same order; each layer is copied once from
+the client's staging area (kvservice.store.staging) into the session's own buffer
+instead of arriving in a gRPC message, and everything after (checksum, payload file,
+host copy read back from the file) comes from that copy.
 Deletes go payloads first, then metadata (synced) (`Placement.delete`).
 So after a crash at any point, recovery finds a complete variant or debris it deletes.
 """
@@ -155,6 +155,7 @@ class StoreSession:
         self._charge = charge  # counted in StoreState.inflight_store_bytes until the session ends
         self.staging: StagingArea | None = None  # a co-located Store's layers (StoreLocal)
         self.staging_maps: StagingMaps | None = None
+        self._bounce: memoryview | None = None  # add_staged's copy of the layer in hand
         self._done = False
         # A cancelled stream's abort may arrive while a worker thread writes a layer.
         self._lock = threading.Lock()
@@ -178,8 +179,11 @@ class StoreSession:
                 self.home.write_layer(key, value)
 
     def add_staged(self, count: int) -> None:
-        """Layers up to `count` (exclusive) are in the staging area: check and write
-        each one not written yet (a co-located Store's add_layer)."""
+        """Layers up to `count` (exclusive) are in the staging area: copy each one not
+        written yet ONCE into this session's own layer buffer, then check, hash and write
+        it from there (a co-located Store's add_layer). The client can write its area at
+        any time; what is hashed, written and later copied to the host slab (read back
+        from the file) is the copy, so they always agree."""
         staging = self.staging
         if staging is None:
             raise InvalidArgument("this Store has no staging area")
@@ -187,10 +191,13 @@ class StoreSession:
         if not n < count <= self.header.num_layers:
             raise InvalidArgument(f"staged layers {count}: expected {n + 1}..{self.header.num_layers} "
                                   f"({n} staged before, header.num_layers={self.header.num_layers})")
-        view = staging.view
+        if self._bounce is None:
+            self._bounce = memoryview(bytearray(lay.layer_bytes))
+        own, view = self._bounce, staging.view
         for layer in range(n, count):
             base = layer * lay.layer_bytes
-            self.add_layer(layer, view[base : base + lay.key_bytes], view[base + lay.key_bytes : base + lay.layer_bytes])
+            own[:] = view[base : base + lay.layer_bytes]
+            self.add_layer(layer, own[: lay.key_bytes], own[lay.key_bytes :])
 
     def finish(self) -> StoreResult:
         with self._lock:
@@ -261,8 +268,6 @@ class StoreSession:
                 # The file does not read back as the layers that arrived: never acknowledge it.
                 with s.lock:
                     s.tiers[s.home].delete(self.variant_id)
-                if self.staging is not None:
-                    raise InvalidArgument(str(filler.error))
                 raise Unavailable(f"{filler.error}; retry the Store (if it repeats, check the disk)")
             s.meta.put_variants([v], sync=True)
             failpoints.reach("store:metadata-committed")
@@ -389,50 +394,13 @@ class _Filler(threading.Thread):
         self.filled: list[TierWriter] = []
         self.error: OSError | None = None
         open_reader = getattr(session.home, "open_reader", None)
-        if open_reader is not None and session.staging is None:  # here, before the commit renames the file
+        if open_reader is not None:  # here, before the commit renames the file
             open_reader()
         self._background = session.total_bytes >= FILL_THREAD_BYTES
         if self._background:
             self.start()
 
     def run(self) -> None:
-        if self._session.staging is not None:
-            self._fill_from_staging()
-        else:
-            self._fill_from_file()
-
-    def _fill_from_staging(self) -> None:
-        """A co-located Store: each copy filled from the staged bytes (the buffer the
-        payload file was written from) and checked against the layer's checksum: the
-        client can write its staging area at any time, so the copy is served only if it
-        holds the bytes the checksums (and the file) were computed from."""
-        sess = self._session
-        layout, staged = sess.layout, sess.staging.view
-        try:
-            for w in self._copies:
-                fill_layer = getattr(w, "fill_layer", None)
-                if fill_layer is None:
-                    continue
-                for layer, expected in enumerate(sess.checksums):
-                    base = layer * layout.layer_bytes
-
-                    def copy(into: memoryview, base: int = base) -> None:
-                        into[:] = staged[base : base + layout.layer_bytes]
-
-                    room = fill_layer(copy)
-                    if room is None:
-                        break
-                    if layer_checksum(room[:layout.key_bytes], room[layout.key_bytes:]) != expected:
-                        raise OSError(f"variant {sess.variant_id}: layer {layer} of the staging area changed after "
-                                      "it was staged (the client wrote it again); not stored")
-                else:
-                    self.filled.append(w)
-        except OSError as e:
-            self.error = e.with_traceback(None)
-        except Exception:  # a bug: the Store still commits, without the copy
-            log.exception("filling the cache copies of variant %s failed", sess.variant_id)
-
-    def _fill_from_file(self) -> None:
         sess = self._session
         home, layout = sess.home, sess.layout
         read_into = getattr(home, "read_into", None)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -380,29 +381,70 @@ def _file_has(server, nbytes: int) -> bool:
     return any(p.stat().st_size >= nbytes for p in _tmp_files(server))
 
 
-def test_staging_rewritten_after_it_was_staged_is_not_stored(start_server):
-    """The client writes layer 0 again after the service wrote it to the payload file:
-    the host copy made from the staging area at commit no longer matches the checksum
-    the service computed, so the Store fails and nothing is served."""
+def _tiers_agree(server, c: KVClient, key: str):
+    """The variant as the host slab (shared memory), FetchLayers and, after a restart,
+    the disk (every layer's checksum verified) serve it: returned once all three agree."""
+    with c.fetch_local([key]) as lf:
+        assert lf.tier == ["host"]
+        host = [(k.clone(), v.clone()) for k, v in lf.layers[0]]
+    assert _equal(c.fetch(key), host)
+    server.restart()
+    with KVClient(server.address) as again:
+        assert _equal(again.fetch(key), host)  # from disk: checksums verified, no error
+    return host
+
+
+def test_staging_rewritten_after_it_was_staged_changes_nothing(start_server):
+    """The client writes layer 0 again after the service took it: the service hashed and
+    wrote its own copy, so the payload file, its checksums and the host copy all hold the
+    layer as it was staged."""
     server = start_server(host_budget_bytes=8 << 20)
     layers = _layers(4)
+    raw = RawStoreLocal(server.address)
+    try:
+        raw.start(_tokens(4), layers)
+        raw.put_all(layers)
+        raw.staged(1)
+        _wait(lambda: _file_has(server, LAYER_BYTES), "layer 0 in the file")
+        raw.staging.put(0, layers[0][0] + 1, layers[0][1])  # written again, after it was staged
+        raw.staged(4)
+        result = raw.end().result
+    finally:
+        raw.close()
     with KVClient(server.address) as c:
-        raw = RawStoreLocal(server.address)
+        assert _equal(_tiers_agree(server, c, result.chunk_key), layers)
+
+
+def test_staging_scribbled_on_during_the_store_is_stored_consistently(start_server):
+    """A client that keeps writing its area while the Store runs gets one version of
+    each layer stored, the same in the payload file, its checksums and the host copy."""
+    server = start_server(host_budget_bytes=8 << 20)
+    layers = _layers(4)
+    raw = RawStoreLocal(server.address)
+    stop = threading.Event()
+
+    def scribble() -> None:
+        g = torch.Generator().manual_seed(99)
+        while not stop.is_set():
+            for i in range(4):
+                raw.staging.put(i * LAYER_BYTES, torch.randn(2, 64, 64, generator=g), torch.randn(2, 64, 64, generator=g))
+
+    try:
+        raw.start(_tokens(4), layers)
+        raw.put_all(layers)
+        t = threading.Thread(target=scribble)
+        t.start()
         try:
-            raw.start(_tokens(4), layers)
-            raw.put_all(layers)
-            raw.staged(1)
-            _wait(lambda: _file_has(server, LAYER_BYTES), "layer 0 in the file")
-            raw.staging.put(0, layers[0][0] + 1, layers[0][1])  # written again, after it was staged
-            raw.staged(4)
-            with pytest.raises(grpc.RpcError) as e:
-                raw.end()
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "layer 0 of the staging area changed after it was staged" in e.value.details()
+            for n in range(1, 5):
+                raw.staged(n)
+            result = raw.end().result
         finally:
-            raw.close()
-        _nothing_left(server, c, _tokens(4))
-        assert list((server.data_dir / "payloads").rglob("*.kv")) == []
+            stop.set()
+            t.join()
+    finally:
+        raw.close()
+    with KVClient(server.address) as c:
+        _tiers_agree(server, c, result.chunk_key)
 
 
 def test_abandoned_store_leaves_nothing(start_server):
