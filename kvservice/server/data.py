@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from typing import Any, AsyncIterator
 
 import grpc
@@ -23,8 +22,6 @@ from kvservice.server.codecs import as_message, check_parsed, message_bytes
 from kvservice.server.status import InFlight, rpc, storage_error
 from kvservice.store import ChunkStore, staging
 from kvservice.store.session import StagedWriter
-
-log = logging.getLogger("kvcraft.server")
 
 # A refused Store reads (and drops) up to this much of what the client still sends
 # before it answers: a status sent while the client is still writing can reach a grpcio
@@ -101,31 +98,13 @@ class DataServicer:
             if session is not None:
                 session.abort()  # no-op once finished
 
+    @rpc
     async def StoreLocal(self, request_iterator: AsyncIterator[pb.StoreLocalRequest], context: Any) -> None:
         """Start (header + the client's staging area) -> mapped, accepted;
         StagedLayers(n) -> layers up to n written by the Store's StagedWriter thread
         (checksums computed here from the staged bytes); end of the client's stream ->
         commit as Store does -> the result. Any failure, or the client leaving, aborts
         the session: its temporary file, disk reservation and mapping go with it."""
-        with self.inflight.track():
-            session = None
-            try:
-                session = await self._store_local(request_iterator, context)
-            except grpc.aio.AbortError:
-                raise
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                refusal = e if isinstance(e, KVCraftError) else storage_error(e)
-                if refusal is None:
-                    log.exception("StoreLocal failed")
-                    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in StoreLocal: {type(e).__name__}")
-                await context.abort(refusal.code, str(refusal))
-            finally:
-                if session is not None:
-                    session.abort()  # no-op once finished
-
-    async def _store_local(self, request_iterator: AsyncIterator[pb.StoreLocalRequest], context: Any) -> Any:
         if not self.store.cfg.local_store:
             raise FailedPrecondition("co-located Stores are off on this service (local_store = false): "
                                      "use the Store stream")
@@ -169,7 +148,6 @@ class DataServicer:
             raise
         self.metrics.store_bytes.inc(result.bytes_stored if not result.already_present else 0)
         await context.write(pb.StoreLocalResponse(result=wire.store_response(result)))
-        return session
 
     async def FetchLayers(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.LayerChunk]:
         with self.inflight.track():

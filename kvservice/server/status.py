@@ -49,7 +49,8 @@ class InFlight:
 
 def rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Map domain errors to status codes; never leak a stack trace to the client.
-    For unary-response methods of a servicer with an `inflight` (InFlight)."""
+    For methods of a servicer with an `inflight` (InFlight) that return their response
+    or write it with `context.write` (StoreLocal); not for async generators."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
