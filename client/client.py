@@ -247,12 +247,11 @@ class KVClient:
               prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
         """Store one variant: through shared memory when this process is co-located with
         the service (kvclient.local_store), else over the gRPC Store stream."""
-        if self._local_store:
+        if self._local_store and _colocated.uniform(layers):
             header = store_header(model_id, token_ids, layers, prefix_keys, stats)
-            if _colocated.uniform(layers):
-                r = _colocated.store(self, header, layers)
-                if r is not None:
-                    return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present, local=True)
+            r = _colocated.store(self, header, layers)
+            if r is not None:
+                return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present, local=True)
         r = self._call(self._store, store_messages(model_id, token_ids, layers, prefix_keys, stats))
         return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
 
@@ -405,12 +404,11 @@ class AsyncKVClient:
     async def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
                     prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
         """As KVClient.store: shared memory when co-located, else the gRPC stream."""
-        if self._local_store:
+        if self._local_store and _colocated.uniform(layers):
             header = store_header(model_id, token_ids, layers, prefix_keys, stats)
-            if _colocated.uniform(layers):
-                r = await _colocated.store_async(self, header, layers)
-                if r is not None:
-                    return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present, local=True)
+            r = await _colocated.store_async(self, header, layers)
+            if r is not None:
+                return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present, local=True)
         r = await self._call(self._store, _aiter(store_messages(model_id, token_ids, layers, prefix_keys, stats)))
         return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
 
