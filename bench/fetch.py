@@ -19,7 +19,11 @@ Rows:
   write-fsync   a plain write + fsync of the same bytes (one file per chunk, in the same
                 data directory): the disk's limit for the Store path
 "x of its limit": grpc-stream / grpc-raw, store-client and store-grpc / write-fsync and
-shm-local / memcpy-limit, as throughput ratios of the same run.
+shm-local / memcpy-limit, as throughput ratios of the same run. A path and its limit are
+measured in turn, repeat after repeat (the order flipped every other repeat): the ratio
+given is the median of the repeats' own ratios. This machine's speed drifts by 1.5x
+within a minute (other jobs, its disk's and memory's state); measured in blocks, one
+after the other, the two sides of a ratio saw different machines. GB/s is the best repeat.
 
 Several servers can be compared in one run (`--server NAME=TREE`, a checkout of this
 repository each, as in bench/load.py): every row is measured for each in turn, the
@@ -33,13 +37,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -50,6 +56,10 @@ from kvservice.launcher import ServiceProcess
 
 SPEC = ModelSpec("llama3-8b", 32, 8, 128, "bfloat16", 500000.0)
 _RAW = "/bench.Raw/Stream"
+ROWS = ("grpc-stream", "grpc-raw", "shm-local", "memcpy-limit", "store-client", "store-grpc", "write-fsync",
+        "disk-stream")
+LIMITS = {"grpc-stream": "grpc-raw", "store-client": "write-fsync", "store-grpc": "write-fsync",
+          "shm-local": "memcpy-limit"}
 
 
 def _layers(tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -59,13 +69,17 @@ def _layers(tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(SPEC.num_layers)]
 
 
-def _best(fn, repeat: int) -> float:
-    times = []
+def _paired(paths: dict[str, Callable[[int], object]], repeat: int) -> dict[str, list[float]]:
+    """Seconds of every repeat of each path, the paths taking turns within a repeat
+    (in reverse order every other repeat, so a drifting machine favours none)."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    order = list(paths)
     for i in range(repeat):
-        t0 = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for name in order if i % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            paths[name](i)
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def _raw_server(message_bytes: int, messages: int, max_message_bytes: int, conn) -> None:  # noqa: ANN001
@@ -91,7 +105,9 @@ def _raw_server(message_bytes: int, messages: int, max_message_bytes: int, conn)
     asyncio.run(run())
 
 
-def _raw_grpc(message_bytes: int, messages: int, repeat: int, max_message_bytes: int) -> float:
+@contextlib.contextmanager
+def _raw_grpc(message_bytes: int, messages: int, max_message_bytes: int) -> Iterator[Callable[[int], int]]:
+    """A fetch of every message from the raw server (started here, in its own process)."""
     import grpc
 
     ctx = mp.get_context("spawn")
@@ -103,10 +119,9 @@ def _raw_grpc(message_bytes: int, messages: int, repeat: int, max_message_bytes:
         opts = [("grpc.max_receive_message_length", max_message_bytes)]
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
             call = ch.unary_stream(_RAW)
-            got = _best(lambda _: sum(len(m) for m in call(b"")), repeat)
+            yield lambda _: sum(len(m) for m in call(b""))
         here.send("stop")
         proc.join(30)
-        return got
     finally:
         if proc.is_alive():
             proc.kill()
@@ -135,7 +150,7 @@ def run(chunks: int, tokens: int, repeat: int, tree: Path | None = None) -> list
     per_chunk = SPEC.num_layers * layer_bytes
     total = chunks * per_chunk
     big = 256 << 20
-    rows = []
+    times: dict[str, list[float]] = {}
     data = [_layers(tokens, i) for i in range(chunks)]
     where = {} if tree is None else {"env": server_env(tree), "cwd": str(tree)}
     with tempfile.TemporaryDirectory(prefix="kvcraft-fetch-") as tmp:
@@ -174,15 +189,13 @@ def run(chunks: int, tokens: int, repeat: int, tree: Path | None = None) -> list
                     return store
 
                 src = torch.empty(total, dtype=torch.uint8).random_(0, 255)
-                rows.append(("grpc-stream", _best(grpc_stream, repeat)))
-                rows.append(("grpc-raw", _raw_grpc(layer_bytes + 200, chunks * SPEC.num_layers, repeat, big)))
-                rows.append(("shm-local", _best(shm_local, repeat)))
-                rows.append(("memcpy-limit", _best(lambda _: dst.copy_(src), repeat)))
-                rows.append(("store-client", _best(store_with(c, 10**7), repeat)))
+                with _raw_grpc(layer_bytes + 200, chunks * SPEC.num_layers, big) as grpc_raw:
+                    times.update(_paired({"grpc-stream": grpc_stream, "grpc-raw": grpc_raw}, repeat))
+                times.update(_paired({"shm-local": shm_local, "memcpy-limit": lambda _: dst.copy_(src)}, repeat))
                 with KVClient(server.address, max_message_bytes=big, local_store=False) as remote:
-                    rows.append(("store-grpc", _best(store_with(remote, 10**9), repeat)))
+                    times.update(_paired({"store-client": store_with(c, 10**7), "store-grpc": store_with(remote, 10**9),
+                                          "write-fsync": lambda i: _write_fsync(Path(tmp), data, i)}, repeat))
                 local_used = (True, True) in paths
-                rows.append(("write-fsync", _best(lambda i: _write_fsync(Path(tmp), data, i), repeat)))
             server.close()
             # The same data dir with a 1-byte host budget: every read comes from the disk
             # tier (page cache after the first), checksums verified, nothing promoted.
@@ -190,16 +203,17 @@ def run(chunks: int, tokens: int, repeat: int, tree: Path | None = None) -> list
             server.start()
             with KVClient(server.address, max_message_bytes=big) as c:
                 refs = [Ref(k) for k in keys]
-                rows.append(("disk-stream", _best(lambda _: [None for _ in c.fetch_layers(refs)], repeat)))
+                times["disk-stream"] = _paired({"": lambda _: [None for _ in c.fetch_layers(refs)]}, repeat)[""]
         finally:
             server.close()
-    out = [{"path": name, "bytes": total, "seconds": round(s, 4), "GB_per_s": round(total / s / 1e9, 2)}
-           for name, s in rows]
+    out = [{"path": name, "bytes": total, "seconds": round(min(t), 4), "GB_per_s": round(total / min(t) / 1e9, 2)}
+           for name, t in ((name, times[name]) for name in ROWS)]
     by = {r["path"]: r for r in out}
     by["store-client"]["shared_memory"] = local_used  # False: the service has no StoreLocal
-    for path, limit in (("grpc-stream", "grpc-raw"), ("store-client", "write-fsync"), ("store-grpc", "write-fsync"),
-                        ("shm-local", "memcpy-limit")):
-        by[path]["vs_limit"] = round(by[limit]["seconds"] / by[path]["seconds"], 2)  # throughput ratio
+    for path, limit in LIMITS.items():
+        ratios = [lim / ours for ours, lim in zip(times[path], times[limit])]  # throughput, repeat by repeat
+        by[path]["vs_limit"] = round(statistics.median(ratios), 2)
+        by[path]["vs_limit_range"] = [round(min(ratios), 2), round(max(ratios), 2)]
     return out
 
 
@@ -216,14 +230,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {name: run(a.chunks, a.tokens, a.repeat, tree) for name, tree in servers}
     first = next(iter(results.values()))
     print(f"{a.chunks} chunks x {a.tokens} tokens, Llama-3-8B KV (bf16): {first[0]['bytes'] / 2**20:.0f} MiB; "
-          "GB/s (x of its limit in the same run)")
-    print(f"{'path':<14} " + " ".join(f"{name:>18}" for name in results))
+          f"GB/s of the best of {a.repeat} repeats; x of its limit: median (min-max) of the repeats' own ratios")
+    print(f"{'path':<14} " + " ".join(f"{name:>28}" for name in results))
     for i, r in enumerate(first):
         cells = []
         for rows in results.values():
             x = rows[i]
-            cells.append(f"{x['GB_per_s']:>9}" + (f" ({x['vs_limit']:.2f}x)" if "vs_limit" in x else " " * 8))
-        print(f"{r['path']:<14} " + " ".join(f"{c:>18}" for c in cells))
+            lo, hi = x.get("vs_limit_range", (0, 0))
+            cells.append(f"{x['GB_per_s']:>9}" + (f" {x['vs_limit']:.2f}x ({lo:.2f}-{hi:.2f})" if "vs_limit" in x
+                                                  else " " * 18))
+        print(f"{r['path']:<14} " + " ".join(f"{c:>28}" for c in cells))
     out = next(iter(results.values())) if a.server == [] else {"servers": results}
     Path(a.json).write_text(json.dumps(out, indent=2))
     return 0

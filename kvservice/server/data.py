@@ -105,13 +105,15 @@ class DataServicer:
         (checksums computed here from the staged bytes); end of the client's stream ->
         commit as Store does -> the result. Any failure, or the client leaving, aborts
         the session: its temporary file, disk reservation and mapping go with it."""
+        messages = aiter(request_iterator)
+        # The start is read before any refusal: the client is then waiting for the answer,
+        # not writing, so grpcio's asyncio client gets this status (grpc/grpc#36066).
+        req = await anext(messages, None)
         if not self.store.cfg.local_store:
             raise FailedPrecondition("co-located Stores are off on this service (local_store = false): "
                                      "use the Store stream")
         if not staging.supported():
             raise FailedPrecondition("co-located Stores need Linux (memfd, /proc): use the Store stream")
-        messages = aiter(request_iterator)
-        req = await anext(messages, None)
         check_parsed(req)
         if req is None or req.WhichOneof("part") != "start":
             raise InvalidArgument("the first message of a StoreLocal stream must be a start (header + staging area)")

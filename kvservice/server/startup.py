@@ -23,7 +23,7 @@ from kvservice.planning import PlanningService
 from kvservice.server.admin import AdminServicer
 from kvservice.server.codecs import add_service
 from kvservice.server.data import DataServicer
-from kvservice.server.heap import IdleTrim
+from kvservice.server.heap import IdleTrim, freeze_startup_heap
 from kvservice.server.lookup import LookupServicer
 from kvservice.server.status import InFlight
 from kvservice.store import ChunkStore
@@ -149,8 +149,9 @@ async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = 
     """Run until SIGTERM/SIGINT, then drain in-flight RPCs for up to cfg.drain_s."""
     running = await start_server(cfg)
     rep = running.store.recovery
-    log.info("recovered %d variants (%d dropped, %d adopted from their payload files, %d set aside in lost+found)",
-             rep.variants, rep.dropped_metadata, rep.adopted_payloads, rep.orphan_payloads)
+    log.info("recovered %d variants (%d dropped, %d adopted from their payload files, %d set aside in lost+found); "
+             "%d start-up objects frozen out of the garbage collector's scans", rep.variants, rep.dropped_metadata,
+             rep.adopted_payloads, rep.orphan_payloads, freeze_startup_heap())
     if on_ready:
         on_ready(running)
     stop = asyncio.Event()
