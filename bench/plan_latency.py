@@ -46,7 +46,6 @@ from kvservice.config import load_config
 from kvservice.index import Spec, Variant
 from kvservice.planner import ChunkRef
 from kvservice.server import RunningServer, start_server
-from kvservice.server.heap import freeze_startup_heap
 
 MODEL = ModelSpec("llama3-8b", 32, 8, 128, "bfloat16", 500000.0).fingerprint()
 TOKENS = 512
@@ -105,7 +104,7 @@ def _serve(n_variants: int, n_requests: int, seed: int, conn) -> None:  # noqa: 
             fill_s = time.perf_counter() - t0
             reqs = _requests(keys, n_requests, seed + 1)
             planner = running.store.listeners[0].planner
-            freeze_startup_heap()  # as `kvcraft serve` does once its index is recovered
+            running.heap.freeze()  # as `kvcraft serve` does once its index is recovered
             in_proc, in_proc_cpu = [], []
             for r in reqs:
                 s, c = time.perf_counter(), time.thread_time()

@@ -19,25 +19,49 @@ import asyncio
 import ctypes
 import ctypes.util
 import gc
+import logging
 from typing import Callable
 
 from kvservice.server.status import InFlight
 
 IDLE_TRIM_S = 1.0
+log = logging.getLogger("kvcraft.server")
 
 
-def freeze_startup_heap() -> int:
-    """Collect once, then move every object alive now out of the collector's reach
-    (`gc.freeze`); returns how many. Called once the index is recovered: it is most of
-    the heap (about 3 tracked objects per variant) and lives as long as the server.
-    Python's full collection walks every tracked object while holding the GIL: at a
-    million variants one took 0.81 s on the benchmark machine (docs/benchmarks.md), a
-    stall of every RPC, and Python starts one each time the objects that survived
-    collections grow by a quarter. Frozen objects are still freed by reference counting
-    when the index drops them; only a reference cycle among them would stay."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
+REFREEZE_MIN_VARIANTS = 1000  # an index that grew by fewer since the last freeze is not worth a collection
+
+
+class Freezer:
+    """Keeps the index out of the cyclic garbage collector's scans. Python's full
+    collection walks every tracked object while holding the GIL: at a million variants
+    (about 3 tracked objects each) one took 0.81 s on the benchmark machine
+    (docs/benchmarks.md), a stall of every RPC, and Python starts one each time the
+    objects that survived collections grow by a quarter.
+
+    `freeze` collects once, then moves every object alive now out of the collector's
+    reach (`gc.freeze`); `kvcraft serve` calls it once the index is recovered.
+    `IdleTrim` calls `freeze` again while no RPC runs, once the index has grown by a
+    quarter (and by REFREEZE_MIN_VARIANTS) since: the collection then scans only what
+    came since, and when nothing is in flight, so no Store's buffers or stream state,
+    alive now and garbage in a cycle later, are frozen with it. Frozen objects are still
+    freed by reference counting when the index drops them; only a reference cycle among
+    them would stay. A server whose `freeze` was never called (tests, embedded use) is
+    left alone."""
+
+    def __init__(self, index_size: Callable[[], int]) -> None:
+        self._index_size = index_size
+        self.frozen_at: int | None = None  # index size at the last freeze
+
+    def freeze(self) -> int:
+        """Collect, freeze; returns how many objects are frozen in all."""
+        gc.collect()
+        gc.freeze()
+        self.frozen_at = self._index_size()
+        return gc.get_freeze_count()
+
+    def due(self) -> bool:
+        at = self.frozen_at
+        return at is not None and self._index_size() >= at + max(REFREEZE_MIN_VARIANTS, at // 4)
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -51,12 +75,16 @@ def _malloc_trim() -> Callable[[], None]:
 
 class IdleTrim:
     """`InFlight.on_idle`: trim the heap `idle_s` after the last RPC ended, unless one
-    is running by then (on the event loop; the trim itself on a worker thread)."""
+    is running by then (on the event loop; the trim itself on a worker thread), and
+    freeze the grown index then if `freezer` says it is due (on the event loop: an RPC
+    that arrives meanwhile waits for the collection instead of running beside it)."""
 
-    def __init__(self, inflight: InFlight, idle_s: float = IDLE_TRIM_S) -> None:
+    def __init__(self, inflight: InFlight, freezer: Freezer | None = None, idle_s: float = IDLE_TRIM_S) -> None:
         self.inflight = inflight
+        self.freezer = freezer
         self.idle_s = idle_s
         self.trims = 0
+        self.refreezes = 0
         self._trim = _malloc_trim()
         self._later: asyncio.TimerHandle | None = None
 
@@ -68,5 +96,10 @@ class IdleTrim:
     def _run(self) -> None:
         self._later = None
         if self.inflight.active == 0:
+            if self.freezer is not None and self.freezer.due():
+                self.refreezes += 1
+                frozen = self.freezer.freeze()
+                log.info("the index grew to %d variants: %d objects now frozen out of the garbage collector's scans",
+                         self.freezer.frozen_at, frozen)
             self.trims += 1
             asyncio.get_running_loop().run_in_executor(None, self._trim)

@@ -23,7 +23,7 @@ from kvservice.planning import PlanningService
 from kvservice.server.admin import AdminServicer
 from kvservice.server.codecs import add_service
 from kvservice.server.data import DataServicer
-from kvservice.server.heap import IdleTrim, freeze_startup_heap
+from kvservice.server.heap import Freezer, IdleTrim
 from kvservice.server.lookup import LookupServicer
 from kvservice.server.status import InFlight
 from kvservice.store import ChunkStore
@@ -74,6 +74,7 @@ class RunningServer:
     health: health.aio.HealthServicer
     metrics: Metrics
     inflight: InFlight
+    heap: Freezer  # `kvcraft serve` freezes the recovered index (kvservice.server.heap)
 
     async def drain(self, drain_s: float) -> None:
         """SIGTERM: report NOT_SERVING at once while still accepting connections (so a
@@ -114,7 +115,8 @@ async def start_server(cfg: Config) -> RunningServer:
     interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     inflight = InFlight()
-    inflight.on_idle = IdleTrim(inflight)  # freed layer buffers back to the OS when idle
+    heap = Freezer(lambda: len(store.index))
+    inflight.on_idle = IdleTrim(inflight, heap)  # freed layer buffers back to the OS when idle
     planning = PlanningService(store, PlannerConfig(alpha=cfg.cfo_alpha,
                                                     max_conversation_chunks=cfg.max_conversation_chunks))
     add_service(server, "KVCache", DataServicer(store, metrics, inflight), LookupServicer(store, planning, inflight))
@@ -142,7 +144,7 @@ async def start_server(cfg: Config) -> RunningServer:
     if store.cluster is not None and not cfg.remote_advertise:
         store.cluster.view.holder = f"{cfg.host}:{port}"  # the bound port, for the cluster view
     await server.start()
-    return RunningServer(server, store, port, health_servicer, metrics, inflight)
+    return RunningServer(server, store, port, health_servicer, metrics, inflight, heap)
 
 
 async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = None) -> None:
@@ -151,7 +153,7 @@ async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = 
     rep = running.store.recovery
     log.info("recovered %d variants (%d dropped, %d adopted from their payload files, %d set aside in lost+found); "
              "%d start-up objects frozen out of the garbage collector's scans", rep.variants, rep.dropped_metadata,
-             rep.adopted_payloads, rep.orphan_payloads, freeze_startup_heap())
+             rep.adopted_payloads, rep.orphan_payloads, running.heap.freeze())
     if on_ready:
         on_ready(running)
     stop = asyncio.Event()
