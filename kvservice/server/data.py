@@ -141,13 +141,19 @@ class DataServicer:
             writer.end()
             await done
             result = await asyncio.to_thread(session.finish)
-        except BaseException:
+        except BaseException as e:
             if writer is not None:
                 writer.end()
             if done is not None:  # its error, if any, is retrieved (not logged as lost)
                 done.add_done_callback(lambda f: f.cancelled() or f.exception())
             session.abort()
-            raise
+            refusal = e if isinstance(e, KVCraftError) else storage_error(e)
+            if refusal is None:
+                raise
+            # As for Store: the client may still be sending StagedLayers; read them first,
+            # or grpcio's asyncio client loses this status (grpc/grpc#36066).
+            await _discard_rest(messages, None)
+            raise refusal from None
         self.metrics.store_bytes.inc(result.bytes_stored if not result.already_present else 0)
         await context.write(pb.StoreLocalResponse(result=wire.store_response(result)))
 
