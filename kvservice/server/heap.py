@@ -76,15 +76,13 @@ def _malloc_trim() -> Callable[[], None]:
 class IdleTrim:
     """`InFlight.on_idle`: trim the heap `idle_s` after the last RPC ended, unless one
     is running by then (on the event loop; the trim itself on a worker thread), and
-    freeze the grown index then if `freezer` says it is due (on the event loop: an RPC
+    freeze the grown index then when `freezer` says it is due (on the event loop: an RPC
     that arrives meanwhile waits for the collection instead of running beside it)."""
 
-    def __init__(self, inflight: InFlight, freezer: Freezer | None = None, idle_s: float = IDLE_TRIM_S) -> None:
+    def __init__(self, inflight: InFlight, freezer: Freezer, idle_s: float = IDLE_TRIM_S) -> None:
         self.inflight = inflight
         self.freezer = freezer
         self.idle_s = idle_s
-        self.trims = 0
-        self.refreezes = 0
         self._trim = _malloc_trim()
         self._later: asyncio.TimerHandle | None = None
 
@@ -96,10 +94,8 @@ class IdleTrim:
     def _run(self) -> None:
         self._later = None
         if self.inflight.active == 0:
-            if self.freezer is not None and self.freezer.due():
-                self.refreezes += 1
+            if self.freezer.due():
                 frozen = self.freezer.freeze()
                 log.info("the index grew to %d variants: %d objects now frozen out of the garbage collector's scans",
                          self.freezer.frozen_at, frozen)
-            self.trims += 1
             asyncio.get_running_loop().run_in_executor(None, self._trim)
