@@ -84,13 +84,12 @@ class DataServicer:
             self.metrics.store_bytes.inc(result.bytes_stored if not result.already_present else 0)
             return wire.store_response(result)
         except Exception as e:
-            refusal = e if isinstance(e, KVCraftError) else storage_error(e)
-            if refusal is None:
-                raise
             if session is not None:
                 session.abort()
-            await _discard_rest(messages, ahead)
-            ahead = None
+            refusal = await _refusal(e, messages, ahead)
+            if refusal is None:
+                raise
+            ahead = None  # read by _refusal
             raise refusal from None
         finally:
             if ahead is not None:  # cancelled, or a bug: nobody will read what was ahead
@@ -147,12 +146,9 @@ class DataServicer:
             if done is not None:  # its error, if any, is retrieved (not logged as lost)
                 done.add_done_callback(lambda f: f.cancelled() or f.exception())
             session.abort()
-            refusal = e if isinstance(e, KVCraftError) else storage_error(e)
+            refusal = await _refusal(e, messages, None)  # the client may still be sending StagedLayers
             if refusal is None:
                 raise
-            # As for Store: the client may still be sending StagedLayers; read them first,
-            # or grpcio's asyncio client loses this status (grpc/grpc#36066).
-            await _discard_rest(messages, None)
             raise refusal from None
         self.metrics.store_bytes.inc(result.bytes_stored if not result.already_present else 0)
         await context.write(pb.StoreLocalResponse(result=wire.store_response(result)))
@@ -263,6 +259,17 @@ def _release_after(loop: asyncio.AbstractEventLoop, reading: asyncio.Future | No
         release()
     else:
         reading.add_done_callback(release)
+
+
+async def _refusal(e: BaseException, request_iterator: AsyncIterator[Any],
+                   ahead: asyncio.Future | None) -> KVCraftError | None:
+    """The status a failed client stream (Store, StoreLocal) answers with, once the rest
+    of what the client still sends is read and dropped (STORE_DISCARD_BYTES / _S); None
+    if `e` is no refusal (a bug, or the client left): nothing is read then."""
+    refusal = e if isinstance(e, KVCraftError) else storage_error(e)
+    if refusal is not None:
+        await _discard_rest(request_iterator, ahead)
+    return refusal
 
 
 async def _discard_rest(request_iterator: AsyncIterator[Any], ahead: asyncio.Future | None) -> None:
