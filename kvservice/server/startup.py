@@ -151,9 +151,10 @@ async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = 
     """Run until SIGTERM/SIGINT, then drain in-flight RPCs for up to cfg.drain_s."""
     running = await start_server(cfg)
     rep = running.store.recovery
+    frozen = running.heap.freeze()
     log.info("recovered %d variants (%d dropped, %d adopted from their payload files, %d set aside in lost+found); "
              "%d start-up objects frozen out of the garbage collector's scans", rep.variants, rep.dropped_metadata,
-             rep.adopted_payloads, rep.orphan_payloads, running.heap.freeze())
+             rep.adopted_payloads, rep.orphan_payloads, frozen)
     if on_ready:
         on_ready(running)
     stop = asyncio.Event()
