@@ -33,6 +33,14 @@ _TRAILER = struct.Struct("<I8s")  # record length, magic
 # A writer asks the kernel to start writing its file back every this many bytes, so
 # the disk works while the stream goes on and commit's fsync waits only for the tail.
 WRITEBACK_BYTES = 4 << 20
+# Page-cache writes of at most this many bytes each. Linux (6.x, large folios) sizes the
+# page-cache folios of a write by the write's length: a 2 MiB write gets 2 MiB folios. On
+# a VM that hands free memory back to its host (virtio-balloon free page reporting, in
+# 2 MiB blocks: page_reporting_order 9), such a folio is memory the host took back and
+# must fault in again page by page. On the project's CPU VM (kernel 6.18), 64 MiB written
+# in 2 MiB writes took 116-149 ms, in 1 MiB writes 22-27 ms (docs/benchmarks.md, "Store
+# and the page cache"). Elsewhere smaller writes cost one more syscall per MiB.
+WRITE_BYTES = 1 << 20
 
 
 def _sync_file_range():  # noqa: ANN202 - libc's sync_file_range, or None
@@ -72,16 +80,11 @@ class DiskWriter(TierWriter):
         self.record = record
 
     def write_layer(self, *parts: Buffer) -> None:
-        views = [memoryview(p).cast("B") for p in parts]
-        n = sum(len(v) for v in views)
-        while views:  # one writev per layer: K and V go out without being joined
-            done = os.writev(self._fd, views)
-            while views and done >= len(views[0]):
-                done -= len(views[0])
-                views.pop(0)
-            if views and done:
-                views[0] = views[0][done:]
-        self.written += n
+        for part in parts:  # K and V go out as they are, without being joined
+            view = memoryview(part).cast("B")
+            for start in range(0, len(view), WRITE_BYTES):
+                _write_all(self._fd, view[start : start + WRITE_BYTES])
+            self.written += len(view)
         if _SYNC_FILE_RANGE is not None and self.written - self._written_back >= WRITEBACK_BYTES:
             # ctypes releases the GIL; a failure here only leaves the work to commit's fsync
             _SYNC_FILE_RANGE(self._fd, self._written_back, self.written - self._written_back, _SYNC_FILE_RANGE_WRITE)
@@ -279,8 +282,8 @@ def _pread_into(fd: int, into: memoryview, offset: int, what: str) -> None:
         got += n
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
+def _write_all(fd: int, data: Buffer) -> None:
+    view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view):]
 
