@@ -53,7 +53,7 @@ from kvbench.load import server_env
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import ModelSpec
 from kvservice.launcher import ServiceProcess
-from kvservice.tiers.disk import WRITE_BYTES
+from kvservice.tiers.disk import write_all
 
 SPEC = ModelSpec("llama3-8b", 32, 8, 128, "bfloat16", 500000.0)
 _RAW = "/bench.Raw/Stream"
@@ -129,18 +129,14 @@ def _raw_grpc(message_bytes: int, messages: int, max_message_bytes: int) -> Iter
 
 
 def _write_fsync(root: Path, chunks: list[list[tuple[torch.Tensor, torch.Tensor]]], i: int) -> None:
-    """In writes of at most WRITE_BYTES, as the disk tier writes: larger ones are slower on
-    VMs with free page reporting (kvservice/tiers/disk.py), and this row is the limit."""
+    """Written as the disk tier writes (`write_all`: at most 1 MiB per write; larger ones are
+    slower on VMs with free page reporting, kvservice/tiers/disk.py): this row is the limit."""
     for c, layers in enumerate(chunks):
         fd = os.open(root / f"plain-{i}-{c}.kv", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for k, v in layers:
                 for t in (k, v):
-                    view = memoryview(t.view(torch.uint8).numpy())
-                    for start in range(0, len(view), WRITE_BYTES):
-                        piece = view[start : start + WRITE_BYTES]
-                        while piece:
-                            piece = piece[os.write(fd, piece) :]
+                    write_all(fd, t.view(torch.uint8).numpy())
             os.fsync(fd)
         finally:
             os.close(fd)

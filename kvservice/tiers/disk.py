@@ -81,10 +81,7 @@ class DiskWriter(TierWriter):
 
     def write_layer(self, *parts: Buffer) -> None:
         for part in parts:  # K and V go out as they are, without being joined
-            view = memoryview(part).cast("B")
-            for start in range(0, len(view), WRITE_BYTES):
-                _write_all(self._fd, view[start : start + WRITE_BYTES])
-            self.written += len(view)
+            self.written += write_all(self._fd, part)
         if _SYNC_FILE_RANGE is not None and self.written - self._written_back >= WRITEBACK_BYTES:
             # ctypes releases the GIL; a failure here only leaves the work to commit's fsync
             _SYNC_FILE_RANGE(self._fd, self._written_back, self.written - self._written_back, _SYNC_FILE_RANGE_WRITE)
@@ -125,7 +122,7 @@ class DiskWriter(TierWriter):
             raise ValueError(f"{self.final.name}: {self.written} bytes written, {self._shape.total_bytes} expected")
         try:
             if self.record:
-                _write_all(self._fd, self.record + _TRAILER.pack(len(self.record), RECORD_MAGIC))
+                write_all(self._fd, self.record + _TRAILER.pack(len(self.record), RECORD_MAGIC))
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
@@ -282,10 +279,15 @@ def _pread_into(fd: int, into: memoryview, offset: int, what: str) -> None:
         got += n
 
 
-def _write_all(fd: int, data: Buffer) -> None:
+def write_all(fd: int, data: Buffer) -> int:
+    """Write every byte of `data` at the descriptor's offset, in writes of at most
+    WRITE_BYTES (a short write is resumed); returns the byte count."""
     view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view):]
+    for start in range(0, len(view), WRITE_BYTES):
+        piece = view[start : start + WRITE_BYTES]
+        while piece:
+            piece = piece[os.write(fd, piece) :]
+    return len(view)
 
 
 def _fsync_dir(path: Path) -> None:
