@@ -60,3 +60,73 @@ def test_settings_precedence_defaults_file_env_flags(tmp_path):
         load_config(f, env={})
     with pytest.raises(ValueError, match="KVCRAFT|port"):
         load_config(env={"KVCRAFT_PORT": "many"})
+
+
+def test_leases_match_a_brute_force_reference(tmp_path):
+    """Random takes, releases and clock steps: which variants are leased, their holds and
+    the lease count always equal a reference that checks every lease it ever made."""
+    import random
+
+    clock = Clock()
+    cfg = load_config(env={}, overrides={"data_dir": str(tmp_path), "lease_timeout_s": 30.0})
+    store = ChunkStore(cfg, clock=clock)
+    keys = [put(store, [i, i + 1]) for i in range(0, 12, 2)]
+    vids = {k: store.lookup(k)[0].variant_id for k in keys}
+    rng = random.Random(5)
+    made: list[tuple[str, list[str], float]] = []  # every lease: id, variant ids, expiry
+    released: set[str] = set()
+
+    def alive(now: float) -> list[tuple[str, list[str], float]]:
+        return [m for m in made if m[0] not in released and m[2] > now]
+
+    for step in range(5000):
+        op = rng.random()
+        if op < 0.45:
+            chosen = rng.sample(keys, rng.randint(1, 3))
+            ttl = rng.choice([0.0, 1.0, 4.0, 60.0])
+            lease_id, _, expires = store.take_lease([Ref(k) for k in chosen], ttl)
+            assert expires == clock.now + (ttl or 30.0)
+            made.append((lease_id, [vids[k] for k in chosen], expires))
+        elif op < 0.9 and made:
+            lease_id = rng.choice(made)[0]
+            expect = any(m[0] == lease_id for m in alive(clock.now))
+            assert store.release(lease_id) is expect
+            released.add(lease_id)
+        else:
+            clock.now += rng.choice([0.0, 0.5, 1.0, 3.0])
+        if step % 7 == 0:
+            live = alive(clock.now)
+            assert store.stats().leases == len(live)  # (Stats ends the leases due first)
+            for k in keys:
+                want = sum(m[1].count(vids[k]) for m in live)
+                assert store.index.get(vids[k]).holds == want, (step, k)
+                assert store.leased(vids[k]) is (want > 0)
+    store.close()
+
+
+class _NoScan(dict):
+    """A lease table that fails any walk over all of its leases."""
+
+    def _walk(self, *a):
+        raise AssertionError("walked every lease")
+
+    items = values = keys = __iter__ = _walk
+
+
+def test_lease_calls_do_not_walk_every_lease(tmp_path):
+    """With many leases held (engines that died holding them), a Plan's lease, a release
+    and a placement cost the same as with none: no call walks all leases."""
+    clock = Clock()
+    cfg = load_config(env={}, overrides={"data_dir": str(tmp_path), "lease_timeout_s": 30.0})
+    store = ChunkStore(cfg, clock=clock)
+    a, b = put(store, [1, 2]), put(store, [3, 4])
+    held = [store.take_lease([Ref(a)])[0] for _ in range(2000)]
+    store._leases._leases = _NoScan(store._leases._leases)
+    lease_id = store.take_lease([Ref(a), Ref(b)])[0]
+    assert store.release(lease_id) and store.release(held[0]) and not store.release(lease_id)
+    assert store.leased(store.lookup(b)[0].variant_id) is False
+    put(store, [5, 6])
+    clock.now += 31.0  # every lease ends; each is visited once, by its own expiry
+    assert store.leased(store.lookup(a)[0].variant_id) is False
+    assert store.stats().leases == 0
+    store.close()
