@@ -14,8 +14,9 @@ Every method runs with the store's lock held.
 
 from __future__ import annotations
 
+import heapq
 import logging
-from typing import Iterable
+from typing import Container, Iterable
 
 from kvservice import failpoints
 from kvservice.errors import ResourceExhausted
@@ -36,9 +37,30 @@ class Placement:
     def victims(self, pool: Iterable[Variant]) -> list[Variant]:
         return sorted((v for v in pool if not v.protected), key=eviction_key)
 
-    def in_tier(self, i: int) -> list[Variant]:
-        tier = self.s.tiers[i]
-        return [v for v in self.s.index if v.variant_id in tier]
+    def lowest(self, i: int, skip: Container[str] = ()) -> Variant | None:
+        """Tier i's unprotected variant with the lowest eviction key, not in `skip`;
+        None if there is none (tier i's eviction order, `StoreState.placed`)."""
+        heap, tier, get = self.s.eviction_order[i], self.s.tiers[i], self.s.index.get
+        aside = []  # protected or skipped: back in once the victim is found
+        found = None
+        while heap:
+            key, vid = heap[0]
+            v = get(vid)
+            if v is None or vid not in tier:
+                heapq.heappop(heap)  # no longer here
+                continue
+            now = eviction_key(v)
+            if now != key:
+                heapq.heapreplace(heap, (now, vid))  # reused since: in again at its place
+                continue
+            if v.protected or vid in skip:
+                aside.append(heapq.heappop(heap))
+                continue
+            found = v
+            break
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return found
 
     # -- room for a new variant --------------------------------------------------------
     def make_room_for_variant(self, chunk_key: str) -> None:
@@ -56,10 +78,14 @@ class Placement:
             self.s.counters.evictions += 1
         if len(index) >= cfg.max_variants:
             self._expire_leases()
-            victims = self.victims(index)
-            if not victims:
+            # Every variant is in some tier (one with the same key in each tier holding
+            # it): the lowest of the tiers' lowest is the lowest of all.
+            lows = [v for i in range(len(self.s.tiers)) if (v := self.lowest(i)) is not None]
+            if not lows:
+                lows = self.victims(index)  # before refusing: every variant, sorted
+            if not lows:
                 raise ResourceExhausted(f"store holds max_variants={cfg.max_variants} variants, all leased or pinned")
-            self.delete(victims[0].variant_id)
+            self.delete(min(lows, key=eviction_key).variant_id)
             self.s.counters.evictions += 1
 
     def open_writer(self, i: int, vid: str, shape: PayloadShape) -> TierWriter:
@@ -72,11 +98,16 @@ class Placement:
             try:
                 return tier.open_writer(vid, shape)
             except TierFull as full:
-                victims = [v for v in self.victims(self.in_tier(i)) if v.variant_id not in tried]
-                if not victims:
+                victim = self.lowest(i, tried)
+                if victim is None:
+                    # Before refusing a Store, the order is rebuilt from the whole index:
+                    # a variant that arrived without an entry costs time, never room.
+                    self.s.rebuild_eviction_order((i,))
+                    victim = self.lowest(i, tried)
+                if victim is None:
                     raise ResourceExhausted(f"{full}, and every variant stored there is leased or pinned") from None
-                tried.add(victims[0].variant_id)
-                self.demote(victims[0], i)
+                tried.add(victim.variant_id)
+                self.demote(victim, i)
 
     def open_cache_writer(self, i: int, vid: str, shape: PayloadShape, key: EvictionKey,
                           protected: bool) -> TierWriter | None:
@@ -90,13 +121,13 @@ class Placement:
             try:
                 return tier.open_writer(vid, shape)
             except TierFull:
-                victims = self.victims(v for v in self.in_tier(i) if v.variant_id != vid)
-                if not victims:
+                victim = self.lowest(i, (vid,))
+                if victim is None:
                     return None
-                if not protected and key < eviction_key(victims[0]):
+                if not protected and key < eviction_key(victim):
                     self.s.counters.moves += 1  # the newcomer is the one that goes down
                     return None
-                self.demote(victims[0], i)
+                self.demote(victim, i)
 
     # -- moving down and out -----------------------------------------------------------
     def demote(self, v: Variant, i: int) -> None:
@@ -147,6 +178,7 @@ class Placement:
             log.warning("could not move variant %s from %s to %s: %s", v.variant_id, s.tiers[src].name,
                         s.tiers[dst].name, e)
             return False
+        s.placed(v, dst)
         return True
 
     def delete(self, vid: str) -> None:

@@ -82,6 +82,7 @@ class Promotion:
             with s.lock:
                 if ok and v.variant_id in s.index:
                     writer.commit()
+                    s.placed(v, to)
                     s.retier(v)
                 else:
                     writer.abort()

@@ -110,6 +110,7 @@ def _recover(s: StoreState, repair: bool) -> RecoveryReport:
             used[t.name] += v.size_bytes
     for t in persistent:
         t.reset_usage(used[t.name])
+    s.rebuild_eviction_order()
     report = RecoveryReport(len(keep), len(drop), lost, len(adopted))
     if drop or lost or adopted:
         log.warning("recovery: kept %d variants, dropped %d without a valid payload, adopted %d payloads whose "

@@ -278,6 +278,7 @@ class StoreSession:
                 if held:
                     v.tier = s.tiers[held[0]].name
                 idx.add(v)
+                s.placed(v)
                 for lst in s.listeners:
                     lst.on_put(v)
         finally:

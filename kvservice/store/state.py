@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from kvservice.config import Config
-from kvservice.index import Variant, VariantIndex
+from kvservice.index import Variant, VariantIndex, eviction_key
 from kvservice.metadata import MetadataDB
 from kvservice.tiers.base import PayloadShape, Tier
 
@@ -65,6 +66,12 @@ class StoreState:
         self.inflight_stores = 0
         self.listeners: list[StoreListener] = []
         self.counters = Counters(hits={n: 0 for n in names}, misses={n: 0 for n in names})
+        # Per tier, a min-heap of (eviction key, variant id), which `Placement.lowest`
+        # reads: an entry for every variant the tier holds, pushed when it arrives
+        # (`placed`). Keys only grow (fr and last access), so an entry's key is at most
+        # its variant's; entries of variants that left the tier, or whose key grew, are
+        # put right when they come up. Finding a victim is O(log n), not a scan.
+        self.eviction_order: list[list[tuple[tuple[float, int, int, str], str]]] = [[] for _ in tiers]
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -77,6 +84,30 @@ class StoreState:
     def holders(self, v: Variant) -> list[int]:
         """Indices of the tiers holding a copy of `v`, fastest first."""
         return [i for i, t in enumerate(self.tiers) if v.variant_id in t]
+
+    def placed(self, v: Variant, tier: int | None = None) -> None:
+        """`v` (in the index) arrived in tier `tier` (None: every tier holding it):
+        enter it in that tier's eviction order."""
+        key = eviction_key(v)
+        for i in self.holders(v) if tier is None else (tier,):
+            heap = self.eviction_order[i]
+            heapq.heappush(heap, (key, v.variant_id))
+            if len(heap) > 2 * len(self.index) + 1024:  # mostly entries of variants gone
+                self._compact(i)
+
+    def _compact(self, i: int) -> None:
+        heap, tier, get = self.eviction_order[i], self.tiers[i], self.index.get
+        held = {vid: v for _, vid in heap if (v := get(vid)) is not None and vid in tier}
+        heap[:] = [(eviction_key(v), vid) for vid, v in held.items()]
+        heapq.heapify(heap)
+
+    def rebuild_eviction_order(self, tiers: Iterable[int] | None = None) -> None:
+        """Each tier's eviction order from the whole index (after recovery; O(n))."""
+        for i in range(len(self.tiers)) if tiers is None else tiers:
+            tier = self.tiers[i]
+            heap = self.eviction_order[i]
+            heap[:] = [(eviction_key(v), v.variant_id) for v in self.index if v.variant_id in tier]
+            heapq.heapify(heap)
 
     def retier(self, v: Variant) -> None:
         """Set `v.tier` to its fastest holder and tell the listeners if it changed."""

@@ -66,6 +66,7 @@ class ClusterSync:
                 if vid in s.index:
                     if vid not in self.remote:
                         self.remote.adopt(e)  # a local variant another node also listed
+                        s.placed(s.index.get(vid), self.remote_index)
                     continue
                 if len(s.index.variants_of(e.info.chunk_key)) >= cfg.max_variants_per_chunk \
                         or len(s.index) >= cfg.max_variants:
@@ -78,6 +79,7 @@ class ClusterSync:
                 v.tier, v.created_ms, v.last_access_ms = self.remote.name, now, now
                 self.remote.adopt(e)
                 s.index.add(v)
+                s.placed(v)
                 for lst in s.listeners:
                     lst.on_put(v)
                 n += 1
@@ -127,6 +129,7 @@ class ClusterSync:
                             writer.abort()
                             return
                         writer.commit()
+                        s.placed(v, self.remote_index)
                     return
                 except (KeyError, OSError) as e:  # the local copy went away: nothing to copy
                     writer.abort()

@@ -130,3 +130,57 @@ def test_lease_calls_do_not_walk_every_lease(tmp_path):
     assert store.leased(store.lookup(a)[0].variant_id) is False
     assert store.stats().leases == 0
     store.close()
+
+
+@pytest.mark.parametrize("bound", ["disk", "max_variants"])
+def test_eviction_follows_the_brute_force_order(tmp_path, bound):
+    """A full disk (or max_variants) evicts the unprotected variant with the lowest
+    (fr, last access, created, id), under reuses that raise fr and leases that protect:
+    the same victim, every time, as a model that sorts every variant it holds."""
+    import random
+
+    clock = Clock()
+    room = 5
+    limits = ({"disk_budget_bytes": room * LAYER_BYTES} if bound == "disk"
+              else {"max_variants": room, "disk_budget_bytes": 100 * LAYER_BYTES})
+    cfg = load_config(env={}, overrides={"data_dir": str(tmp_path), "host_budget_bytes": 1, **limits})
+    store = ChunkStore(cfg, clock=clock)
+    rng = random.Random(11)
+    model: dict[str, list] = {}  # chunk key -> [fr, last access ms, created ms, variant id]
+    leases: dict[str, str] = {}  # lease id -> chunk key
+    refused = evicted = 0
+    for step in range(400):
+        clock.now += rng.choice([0.0, 0.0005, 0.002, 0.01])  # some in the same ms: ties
+        now_ms = int(clock.now * 1000)
+        op = rng.random()
+        if op < 0.35:
+            tokens = [10 * step, 10 * step + 1]
+            held = {leases[lid] for lid in leases}
+            free = [k for k in model if k not in held]
+            if len(model) >= room and not free:
+                with pytest.raises(ResourceExhausted):
+                    put(store, tokens)
+                refused += 1
+                continue
+            if len(model) >= room:
+                victim = min(free, key=lambda k: tuple(model[k]))
+                del model[victim]
+                evicted += 1
+            key = put(store, tokens)
+            model[key] = [0.0, now_ms, now_ms, store.lookup(key)[0].variant_id]
+        elif op < 0.65 and model:
+            key = rng.choice(sorted(model))
+            cfo = rng.choice([None, 0.0, 0.05, 0.3, 1.0])
+            store.close_fetch(store.open_fetch([Ref(key, cfo=cfo)]), promote=False)
+            model[key][0] += 1.0 if cfo is None else 1.0 / max(cfo, 0.01)
+            model[key][1] = now_ms
+        elif op < 0.87 and model:
+            key = rng.choice(sorted(model))
+            leases[store.take_lease([Ref(key)], 3600.0)[0]] = key
+        elif leases:
+            lid = rng.choice(list(leases))  # in the order taken: lease ids are random
+            assert store.release(lid)
+            del leases[lid]
+        assert {c.chunk_key for c in store.list_chunks("", 100, "")[0]} == set(model), step
+    assert evicted > 30 and refused > 0  # the trace really exercised both
+    store.close()
