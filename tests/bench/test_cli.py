@@ -49,3 +49,12 @@ def test_bench_runs_the_named_benchmark(tmp_path, capsys):
     assert timed and all(r["bytes"] > 0 and r["seconds"] > 0 for r in timed)
     printed = capsys.readouterr().out
     assert all(r["path"] in printed for r in rows)
+
+
+def test_bench_eviction_chooses_the_scans_victims(tmp_path):
+    """`kvcraft bench eviction` checks each of its first victims against a scan and sort
+    of every variant (it raises on a difference) while reuses leave entries stale."""
+    out = tmp_path / "eviction.json"
+    assert cli.main(["bench", "eviction", "--sizes", "2000", "--victims", "200", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["variants"] == 2000 and row["victims"] == 200
