@@ -125,6 +125,11 @@ class Tier(ABC):
     @abstractmethod
     def __contains__(self, variant_id: object) -> bool: ...
 
+    @abstractmethod
+    def __len__(self) -> int:
+        """Variants the tier holds a committed copy of (O(1): the store's stats read it
+        on every metrics scrape)."""
+
     def scan(self) -> Iterator[tuple[str, int]]:
         """(variant id, payload bytes) of every complete payload held, deleting the
         debris of interrupted writes. Persistent tiers only; run once, at start-up."""

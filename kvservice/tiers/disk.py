@@ -212,6 +212,9 @@ class DiskTier(Tier):
     def __contains__(self, variant_id: object) -> bool:
         return variant_id in self._held
 
+    def __len__(self) -> int:
+        return len(self._held)
+
     def _settle(self, reserved: int, used: int, add: str = "", drop: str = "") -> None:
         with self._lock:
             self._reserved -= reserved

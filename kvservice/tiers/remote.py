@@ -245,5 +245,8 @@ class RemoteTier(Tier):
     def __contains__(self, variant_id: object) -> bool:
         return variant_id in self._known
 
+    def __len__(self) -> int:
+        return len(self._known)
+
     def close(self) -> None:
         self.client.close()

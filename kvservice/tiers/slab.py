@@ -125,6 +125,9 @@ class SlabTier(Tier):
     def __contains__(self, variant_id: object) -> bool:
         return variant_id in self._where
 
+    def __len__(self) -> int:
+        return len(self._where)
+
 
 class SlabWriter(TierWriter):
     """Copies layers into an extent reserved when the writer opens; `commit` makes it

@@ -182,5 +182,8 @@ def test_eviction_follows_the_brute_force_order(tmp_path, bound):
             assert store.release(lid)
             del leases[lid]
         assert {c.chunk_key for c in store.list_chunks("", 100, "")[0]} == set(model), step
+        st = store.stats()
+        assert (st.variants, st.leases) == (len(model), len(leases))
+        assert {t.name: t.variants for t in st.tiers} == {"host": 0, "disk": len(model)}
     assert evicted > 30 and refused > 0  # the trace really exercised both
     store.close()
