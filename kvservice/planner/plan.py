@@ -181,7 +181,7 @@ class Planner:
         self.config = config
         self.tiers = tuple(tiers) if tiers is not None else None
         self.ca_table = CATable(config.ca_window)
-        self.cp_tree = CPTree(self._tier_of, config.promotion_threshold)
+        self.cp_tree = CPTree(self._tier_of, config.promotion_threshold, pending_window=config.ca_window)
         self.conversations = ChunkMap(config.conversation_ttl_s, clock, config.max_conversations,
                                       config.max_conversation_chunks)
         self._controllers: dict[str, LoadingController] = {}

@@ -174,3 +174,47 @@ def test_follow_takes_an_existing_path_of_the_requests_chunks_live_first():
     assert tree.follow(["b", "c", "a"]) == ["a", "c"]          # live child before a pending one
     assert tree.follow(["b", "a"]) == ["a", "b"]               # a pending path still fixes the order
     assert tree.follow(["x", "b"]) == []                       # no path starts with these chunks
+
+
+def _named(k, ks):
+    return "/".join(["p", *ks, k])
+
+
+def test_a_node_still_pending_after_the_window_goes_with_its_subtree():
+    """A promoted path whose KV never arrives leaves the tree `pending_window` requests
+    after its insertion; one stored within the window stays."""
+    stored: set[str] = set()
+    tree = CPTree(lambda vid: "host" if vid in stored else None, variant_id_fn=_named, pending_window=3)
+    always = lambda k: 2  # noqa: E731 (every chunk at the threshold)
+    assert [n.variant_id for n in tree.update(["a", "b"], [1, 1], always, 0)] == ["p/a", "p/a/b"]  # update 1
+    tree.update(["x", "y"], [1, 1], always, 0)  # update 2: another pending path
+    tree.on_put("p/x", "host")                  # ... whose first node gets stored
+    stored.add("p/a/b/c")
+    tree.insert(["a", "b", "c"], [1, 1, 1])     # a live node below the pending ones (not tracked)
+    tree.update(["q"], [1], lambda k: 0, 0)     # update 3: nothing promoted
+    assert len(tree) == 5
+    tree.update(["q"], [1], lambda k: 0, 0)     # update 4: a and a/b were inserted 3 updates ago
+    assert tree.node_of("p/a") is None and tree.node_of("p/a/b/c") is None
+    assert sorted(tree.paths(live_only=False)) == [("x",), ("x", "y")]
+    tree.update(["q"], [1], lambda k: 0, 0)     # update 5: x is live and stays; x/y goes
+    assert tree.paths(live_only=False) == [("x",)] and tree.lookup(["x", "y"])[0].variant_id == "p/x"
+
+
+def test_the_tree_stays_bounded_when_nothing_is_ever_stored():
+    """Every request inserts at most len(keys) nodes and a pending node lives at most
+    `window` requests: with no variant ever stored, the tree never holds more than
+    window x len(keys) nodes (it grew without bound before)."""
+    import random
+
+    rng = random.Random(3)
+    catalog = InMemoryCatalog()
+    window = 50
+    planner = Planner(catalog, PlannerConfig(ca_window=window))
+    catalog.listeners.append(planner)
+    chunks = [key(f"c{i}") for i in range(300)]
+    most = 0
+    for _ in range(3000):
+        keys = rng.sample(chunks[:20], 3) + rng.sample(chunks, 2)
+        planner.plan("model", "", [ChunkRef(k, 10) for k in keys], question_tokens=8)
+        most = max(most, len(planner.cp_tree))
+    assert 0 < most <= window * 5
