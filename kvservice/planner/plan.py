@@ -26,6 +26,7 @@ when a cluster is configured).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple, Sequence
 
@@ -38,6 +39,8 @@ from .conversation import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_CONVERSATIONS, DEFAULT
 from .cp_tree import DEFAULT_PROMOTION_THRESHOLD, CPTree
 from .reorder import reorder_by_count
 from .variants import DEFAULT_ALPHA, cci, recompute_count, tie_key, variant_cfo
+
+MAX_MODELS = 256  # loading controllers kept (one per model planned)
 
 # ChunkPlan.source
 PREFIX = "prefix"    # CP-Tree prefix: the variant is exact, nothing to recompute
@@ -184,7 +187,7 @@ class Planner:
         self.cp_tree = CPTree(self._tier_of, config.promotion_threshold, pending_window=config.ca_window)
         self.conversations = ChunkMap(config.conversation_ttl_s, clock, config.max_conversations,
                                       config.max_conversation_chunks)
-        self._controllers: dict[str, LoadingController] = {}
+        self._controllers: OrderedDict[str, LoadingController] = OrderedDict()  # least recently planned first
 
     # ------------------------------------------------------------------ plan
     def plan(self, model_id: str, conv_id: str, chunks: Sequence[ChunkRef],
@@ -353,11 +356,19 @@ class Planner:
 
     # ------------------------------------------------------------------ engine timings
     def controller(self, model_id: str) -> LoadingController:
-        c = self._controllers.get(model_id)
+        """The model's loading controller; the MAX_MODELS most recently planned models keep
+        theirs (a client naming ever new model ids cannot grow the planner without bound;
+        a model dropped starts again from its profile)."""
+        controllers = self._controllers
+        c = controllers.get(model_id)
         if c is None:
             cfg = self.config
             c = LoadingController(cfg.models.get(model_id, cfg.default_model), cfg.tiers, cfg.r_min, self.tiers)
-            self._controllers[model_id] = c
+            controllers[model_id] = c
+            if len(controllers) > MAX_MODELS:
+                controllers.popitem(last=False)
+        else:
+            controllers.move_to_end(model_id)
         return c
 
     def observe_load(self, model_id: str, tier: str, nbytes_per_layer: float, seconds: float) -> None:

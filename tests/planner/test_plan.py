@@ -166,3 +166,23 @@ def test_plan_chooses_what_choose_variant_chooses(data):
         else:
             assert (c.source, c.variant_id, c.cfo) == (VARIANT, want.info.variant_id, want.cfo)
         s_new[c.chunk_key] = len(s_new)
+
+
+def test_controllers_stay_bounded_and_the_busy_model_keeps_its_estimates():
+    """A client naming ever new model ids cannot grow the planner without bound; a model
+    planned all along keeps what its engine's timings taught its controller."""
+    from kvservice.planner.plan import MAX_MODELS
+
+    planner = Planner(InMemoryCatalog())
+    busy = "b" * 32
+    for tokens in (50.0, 100.0, 200.0, 400.0):  # 50 ms per token: far slower than the default profile
+        planner.observe_compute(busy, tokens, tokens * 0.05)
+    taught = planner.controller(busy).compute.predict(100.0)
+    fresh = Planner(InMemoryCatalog()).controller(busy).compute.predict(100.0)
+    assert taught != fresh
+    for i in range(4 * MAX_MODELS):
+        planner.plan(f"{i:032x}", "", [ChunkRef(key("c"), 10)], 8)
+        if i % 50 == 0:
+            planner.plan(busy, "", [ChunkRef(key("c"), 10)], 8)
+    assert len(planner._controllers) == MAX_MODELS
+    assert planner.controller(busy).compute.predict(100.0) == taught
