@@ -12,6 +12,7 @@ protobuf: `kvservice.server` converts at the edge.
 
 from __future__ import annotations
 
+import heapq
 import operator
 import time
 from typing import Callable, Iterable, Sequence
@@ -236,18 +237,25 @@ class ChunkStore:
                               len(self._leases), pinned, self._s.inflight_store_bytes, self._s.inflight_stores)
 
     def list_chunks(self, model_id: str, page_size: int, page_token: str) -> tuple[list[ChunkSummary], str]:
-        """One page of chunks in key order after `page_token`; the next page's token."""
+        """One page of chunks in key order after `page_token`; the next page's token ("":
+        the last page). Each page takes the smallest keys after the token, not a sort of
+        every key (at 1M chunks 1.6 s per page, sorted)."""
         page_size = page_size or 100
         if page_size > 1000:
             raise InvalidArgument(f"page_size is {page_size}; at most 1000")
-        keys = sorted(k for k in self.index.chunk_keys() if k > page_token)
+        variants_of = self.index.variants_of
         out: list[ChunkSummary] = []
-        for k in keys:
-            vs = self.index.variants_of(k)
-            if not vs or (model_id and vs[0].model_id != model_id):
-                continue
-            out.append(ChunkSummary(k, vs[0].model_id, vs[0].token_count, len(vs), sum(v.size_bytes for v in vs)))
-            if len(out) == page_size:
-                break
-        more = bool(out) and out[-1].chunk_key != (keys[-1] if keys else "")
-        return out, out[-1].chunk_key if more else ""
+        after = page_token
+        while True:
+            batch = heapq.nsmallest(page_size + 1, filter(after.__lt__, self.index.chunk_keys()))
+            for i, k in enumerate(batch):
+                vs = variants_of(k)
+                if not vs or (model_id and vs[0].model_id != model_id):
+                    continue
+                out.append(ChunkSummary(k, vs[0].model_id, vs[0].token_count, len(vs), sum(v.size_bytes for v in vs)))
+                if len(out) == page_size:
+                    more = i + 1 < len(batch) or len(batch) > page_size
+                    return out, k if more else ""
+            if len(batch) <= page_size:  # no key after this batch
+                return out, ""
+            after = batch[-1]

@@ -187,3 +187,32 @@ def test_eviction_follows_the_brute_force_order(tmp_path, bound):
         assert {t.name: t.variants for t in st.tiers} == {"host": 0, "disk": len(model)}
     assert evicted > 30 and refused > 0  # the trace really exercised both
     store.close()
+
+
+def test_listing_pages_through_every_chunk_in_key_order(tmp_path):
+    """Pages of every size, with and without a model filter, put together are the sorted
+    keys of the chunks stored (of that model), each once; the last page says so."""
+    other = ModelSpec("unit-b", 1, 1, 2, "float32").fingerprint()
+    cfg = load_config(env={}, overrides={"data_dir": str(tmp_path)})
+    store = ChunkStore(cfg)
+    keys = {MODEL: [], other: []}
+    for i in range(23):
+        model = other if i % 3 == 0 else MODEL
+        spec = Spec(pb.FLOAT32, (1, 2, 2))
+        s = store.begin_store(StoreHeader(model, [i, 99], (), 1, spec, spec))
+        s.add_layer(0, bytes(16), bytes(16))
+        keys[model].append(s.finish().chunk_key)
+    for model_id, want in (("", sorted(keys[MODEL] + keys[other])), (MODEL, sorted(keys[MODEL])),
+                           (other, sorted(keys[other]))):
+        for size in (1, 2, 5, 7, 8, 23, 100):
+            got, token, pages = [], "", 0
+            while True:
+                page, token = store.list_chunks(model_id, size, token)
+                assert len(page) <= size
+                got += [c.chunk_key for c in page]
+                pages += 1
+                if not token:
+                    break
+                assert pages <= len(want) + 1
+            assert got == want, (model_id, size)
+    store.close()
