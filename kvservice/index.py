@@ -68,6 +68,7 @@ class Variant:
     created_ms: int = 0
     pinned: bool = False
     holds: int = 0  # fetch streams, promotions and leases holding it now (not persisted)
+    leases: int = 0  # of those, leases (Lookup's `leased`)
     cci: float = -1.0  # Cache-Craft eq. 11 CCI = sigmoid(a / b), filled in by the planner's first use
 
     @staticmethod

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 import secrets
-from collections import Counter
 from dataclasses import dataclass
 from kvservice.errors import InvalidArgument
 from kvservice.index import Variant
@@ -18,7 +17,7 @@ from kvservice.store.state import StoreState
 
 @dataclass
 class Lease:
-    variant_ids: list[str]
+    variants: list[Variant]  # the records it holds (a variant dropped and stored again is a new one)
     expires: float  # clock() seconds
 
 
@@ -33,7 +32,6 @@ class Leases:
         # (expires, lease id) of every lease, soonest first; a released lease's entry
         # stays until it comes up (skipped then) or the heap is rebuilt.
         self._by_expiry: list[tuple[float, str]] = []
-        self._leased: Counter[str] = Counter()  # variant id -> leases naming it
 
     def take(self, variants: list[Variant], ttl_s: float) -> tuple[str, float]:
         """Hold `variants` for `ttl_s` seconds (0: the configured lease timeout)."""
@@ -42,16 +40,15 @@ class Leases:
         self.expire()
         lease_id = secrets.token_hex(16)
         expires = self.s.clock() + (ttl_s or self.s.cfg.lease_timeout_s)
-        vids = [v.variant_id for v in variants]
-        self._leases[lease_id] = Lease(vids, expires)
+        self._leases[lease_id] = Lease(variants, expires)
         heap = self._by_expiry
         if len(heap) > 2 * len(self._leases) + 1024:  # mostly released leases' entries
             heap[:] = [(lease.expires, lid) for lid, lease in self._leases.items()]
             heapq.heapify(heap)
         heapq.heappush(heap, (expires, lease_id))
-        self._leased.update(vids)
         for v in variants:
             v.holds += 1
+            v.leases += 1
         return lease_id, expires
 
     def release(self, lease_id: str) -> bool:
@@ -63,28 +60,22 @@ class Leases:
         return True
 
     def expire(self) -> None:
-        now = self.s.clock()
-        heap = self._by_expiry
+        heap, now = self._by_expiry, self.s.clock()
         while heap and heap[0][0] <= now:
             lease = self._leases.pop(heapq.heappop(heap)[1], None)
             if lease is not None:
                 self._end(lease)
 
-    def _end(self, lease: Lease) -> None:
-        leased, get = self._leased, self.s.index.get
-        for vid in lease.variant_ids:
-            n = leased[vid] - 1
-            if n:
-                leased[vid] = n
-            else:
-                del leased[vid]
-            v = get(vid)
-            if v is not None:
-                v.holds -= 1
+    @staticmethod
+    def _end(lease: Lease) -> None:
+        for v in lease.variants:
+            v.holds -= 1
+            v.leases -= 1
 
     def leased(self, vid: str) -> bool:
         self.expire()
-        return vid in self._leased
+        v = self.s.index.get(vid)
+        return v is not None and v.leases > 0
 
     def __len__(self) -> int:
         return len(self._leases)

@@ -216,3 +216,24 @@ def test_listing_pages_through_every_chunk_in_key_order(tmp_path):
                 assert pages <= len(want) + 1
             assert got == want, (model_id, size)
     store.close()
+
+
+def test_a_lease_ends_on_the_record_it_held(tmp_path):
+    """A leased variant dropped (its payload failed a read) and stored again is a new
+    record: the old lease's end must not take a hold off the new one (it went to -1,
+    and the next fetch's hold left the new record unprotected while read)."""
+    cfg = load_config(env={}, overrides={"data_dir": str(tmp_path)})
+    store = ChunkStore(cfg)
+    key = put(store, [1, 2])
+    (old,) = store.lookup(key)
+    lease_id = store.take_lease([Ref(key)])[0]
+    store._placement.drop(old.variant_id, "test: its payload failed a read")
+    assert put(store, [1, 2]) == key
+    (new,) = store.lookup(key)
+    assert new is not old and new.variant_id == old.variant_id
+    assert store.release(lease_id)
+    assert (new.holds, store.leased(new.variant_id)) == (0, False)
+    held = store.open_fetch([Ref(key)])
+    assert new.protected
+    store.close_fetch(held, promote=False)
+    store.close()
