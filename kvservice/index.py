@@ -107,7 +107,10 @@ class Variant:
         return self.holds > 0 or self.pinned
 
 
-def eviction_key(v: Variant) -> tuple[float, int, int, str]:
+EvictionKey = tuple[float, int, int, str]  # (fr, last access ms, created ms, variant id)
+
+
+def eviction_key(v: Variant) -> EvictionKey:
     """Which variant goes first when a tier is over budget (Cache-Craft §3.3): lowest fr
     (each reuse adds 1/CFO), then least recently accessed, then oldest, then id, so the
     order is total and a brute-force model reproduces it exactly."""

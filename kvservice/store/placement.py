@@ -20,13 +20,11 @@ from typing import Container, Iterable
 
 from kvservice import failpoints
 from kvservice.errors import ResourceExhausted
-from kvservice.index import Variant, eviction_key
+from kvservice.index import EvictionKey, Variant, eviction_key
 from kvservice.store.state import StoreState
 from kvservice.tiers.base import PayloadShape, TierFull, TierWriter
 
 log = logging.getLogger("kvcraft.store")
-
-EvictionKey = tuple[float, int, int, str]
 
 
 class Placement:
@@ -44,14 +42,15 @@ class Placement:
         aside = []  # protected or skipped: back in once the victim is found
         found = None
         while heap:
-            key, vid = heap[0]
+            key = heap[0]
+            vid = key[3]
             v = get(vid)
             if v is None or vid not in tier:
                 heapq.heappop(heap)  # no longer here
                 continue
             now = eviction_key(v)
             if now != key:
-                heapq.heapreplace(heap, (now, vid))  # reused since: in again at its place
+                heapq.heapreplace(heap, now)  # reused since: in again at its place
                 continue
             if v.protected or vid in skip:
                 aside.append(heapq.heappop(heap))

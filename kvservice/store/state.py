@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 from kvservice.config import Config
-from kvservice.index import Variant, VariantIndex, eviction_key
+from kvservice.index import EvictionKey, Variant, VariantIndex, eviction_key
 from kvservice.metadata import MetadataDB
 from kvservice.tiers.base import PayloadShape, Tier
 
@@ -66,12 +66,13 @@ class StoreState:
         self.inflight_stores = 0
         self.listeners: list[StoreListener] = []
         self.counters = Counters(hits={n: 0 for n in names}, misses={n: 0 for n in names})
-        # Per tier, a min-heap of (eviction key, variant id), which `Placement.lowest`
-        # reads: an entry for every variant the tier holds, pushed when it arrives
-        # (`placed`). Keys only grow (fr and last access), so an entry's key is at most
-        # its variant's; entries of variants that left the tier, or whose key grew, are
-        # put right when they come up. Finding a victim is O(log n), not a scan.
-        self.eviction_order: list[list[tuple[tuple[float, int, int, str], str]]] = [[] for _ in tiers]
+        # Per tier, a min-heap of eviction keys (fr, last access, created, variant id),
+        # which `Placement.lowest` reads: one for every variant the tier holds, pushed
+        # when it arrives (`placed`). Keys only grow (fr and last access), so an entry is
+        # at most its variant's key; entries of variants that left the tier, or whose
+        # key grew, are put right when they come up. Finding a victim is O(log n), not
+        # a scan.
+        self.eviction_order: list[list[EvictionKey]] = [[] for _ in tiers]
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -91,14 +92,14 @@ class StoreState:
         key = eviction_key(v)
         for i in self.holders(v) if tier is None else (tier,):
             heap = self.eviction_order[i]
-            heapq.heappush(heap, (key, v.variant_id))
+            heapq.heappush(heap, key)
             if len(heap) > 2 * len(self.index) + 1024:  # mostly entries of variants gone
                 self._compact(i)
 
     def _compact(self, i: int) -> None:
         heap, tier, get = self.eviction_order[i], self.tiers[i], self.index.get
-        held = {vid: v for _, vid in heap if (v := get(vid)) is not None and vid in tier}
-        heap[:] = [(eviction_key(v), vid) for vid, v in held.items()]
+        held = {vid: v for *_, vid in heap if (v := get(vid)) is not None and vid in tier}
+        heap[:] = [eviction_key(v) for v in held.values()]
         heapq.heapify(heap)
 
     def rebuild_eviction_order(self, tiers: Iterable[int] | None = None) -> None:
@@ -106,7 +107,7 @@ class StoreState:
         for i in range(len(self.tiers)) if tiers is None else tiers:
             tier = self.tiers[i]
             heap = self.eviction_order[i]
-            heap[:] = [(eviction_key(v), v.variant_id) for v in self.index if v.variant_id in tier]
+            heap[:] = [eviction_key(v) for v in self.index if v.variant_id in tier]
             heapq.heapify(heap)
 
     def retier(self, v: Variant) -> None:
