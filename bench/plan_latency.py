@@ -12,7 +12,8 @@ waits for a core (the wall-clock p99 there is mostly scheduling).
 Columns: "planner" is `Planner.plan` alone; "service" is the whole Plan RPC's core in
 process (`PlanningService.plan`: request checks, planner, lease, PlanResponse built),
 also timed with 10,000 leases held (as engines that died holding them leave behind);
-"gRPC" is `KVClient.plan` over loopback from the benchmark's process. "floor" is a
+"gRPC" is `KVClient.plan` over loopback from the benchmark's process (the unary Plan);
+"stream" is `AsyncKVClient.plan` (one long-lived PlanStream call). "floor" is a
 loopback unary call that does nothing (the gRPC health check on the same server and
 channel, interleaved with the Plans): what grpcio itself costs here, the limit the
 Plan RPC is compared with in the same run.
@@ -38,7 +39,7 @@ from typing import Sequence
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvclient.client import KVClient, plan_request
+from kvclient.client import AsyncKVClient, KVClient, plan_request
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.layout import layer_layout
 from kvcraft.records import VariantStats
@@ -157,22 +158,36 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
         got = here.recv()
         flat = got["keys"]
         reqs = [flat[i : i + 5] for i in range(0, len(flat), 5)]
-        grpc_lat, floor_lat = [], []
-        with KVClient(f"127.0.0.1:{got['port']}") as c:
-            check = health_pb2_grpc.HealthStub(c._channel).Check
-            ping = health_pb2.HealthCheckRequest()
-            for r in reqs[:50]:  # warm the channel
-                c.release(c.plan(MODEL, [(k, TOKENS) for k in r], 64).lease_id or "-")
-                check(ping)
-            for r in reqs:
-                s = time.perf_counter()
-                resp = c.plan(MODEL, [(k, TOKENS) for k in r], 64)
-                grpc_lat.append(time.perf_counter() - s)
-                if resp.lease_id:
-                    c.release(resp.lease_id)
-                s = time.perf_counter()
-                check(ping)
-                floor_lat.append(time.perf_counter() - s)
+        grpc_lat, floor_lat, stream_lat = [], [], []
+        address = f"127.0.0.1:{got['port']}"
+
+        async def client() -> None:
+            async with AsyncKVClient(address) as ac:
+                with KVClient(address) as c:
+                    check = health_pb2_grpc.HealthStub(c._channel).Check
+                    ping = health_pb2.HealthCheckRequest()
+                    for r in reqs[:50]:  # warm the channels
+                        c.release(c.plan(MODEL, [(k, TOKENS) for k in r], 64).lease_id or "-")
+                        c.release((await ac.plan(MODEL, [(k, TOKENS) for k in r], 64)).lease_id or "-")
+                        check(ping)
+                    for r in reqs:
+                        s = time.perf_counter()
+                        resp = c.plan(MODEL, [(k, TOKENS) for k in r], 64)
+                        grpc_lat.append(time.perf_counter() - s)
+                        if resp.lease_id:
+                            c.release(resp.lease_id)
+                        s = time.perf_counter()
+                        check(ping)
+                        floor_lat.append(time.perf_counter() - s)
+                        s = time.perf_counter()
+                        resp = await ac.plan(MODEL, [(k, TOKENS) for k in r], 64)
+                        stream_lat.append(time.perf_counter() - s)
+                        if resp.lease_id:
+                            c.release(resp.lease_id)
+
+        import uvloop
+
+        uvloop.run(client())
         here.send("stop")
         proc.join(60)
     finally:
@@ -184,6 +199,7 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
     h50, h99 = _pcts(got["service_held_cpu"])
     g50, g99 = _pcts(grpc_lat)
     f50, f99 = _pcts(floor_lat)
+    t50, t99 = _pcts(stream_lat)
     return {"variants": n_variants, "requests": n_requests, "fill_s": round(got["fill_s"], 1),
             "server_peak_rss_gb": round(got["rss_gb"], 2),
             "in_process_p50_us": round(p50, 1), "in_process_p99_us": round(p99, 1),
@@ -191,6 +207,7 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
             "service_cpu_p50_us": round(s50, 1), "service_cpu_p99_us": round(s99, 1),
             "service_cpu_held_leases_p50_us": round(h50, 1), "service_cpu_held_leases_p99_us": round(h99, 1),
             "grpc_p50_us": round(g50, 1), "grpc_p99_us": round(g99, 1),
+            "stream_p50_us": round(t50, 1), "stream_p99_us": round(t99, 1),
             "floor_p50_us": round(f50, 1), "floor_p99_us": round(f99, 1),
             "load_avg": round(os.getloadavg()[0], 1)}
 
@@ -208,9 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("service CPU p50", "service_cpu_p50_us", 16), ("p99", "service_cpu_p99_us", 8),
             ("10k leases p50", "service_cpu_held_leases_p50_us", 15), ("p99", "service_cpu_held_leases_p99_us", 8),
             ("gRPC p50", "grpc_p50_us", 9), ("p99", "grpc_p99_us", 8),
+            ("stream p50", "stream_p50_us", 11), ("p99", "stream_p99_us", 8),
             ("floor p50", "floor_p50_us", 10), ("p99", "floor_p99_us", 8), ("load", "load_avg", 5)]
     print("µs; planner = Planner.plan in the server process (wall, then thread CPU time); service = "
-          "PlanningService.plan (CPU), also with 10k leases held; gRPC = KVClient.plan; floor = a no-op unary call (health check), interleaved")
+          "PlanningService.plan (CPU), also with 10k leases held; gRPC = KVClient.plan (unary Plan); stream = AsyncKVClient.plan (PlanStream); floor = a no-op unary call (health check), interleaved")
     print(" ".join(f"{h:>{w}}" for h, _, w in cols), flush=True)
     for n in a.sizes:
         row = measure(n, a.requests)

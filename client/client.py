@@ -15,6 +15,7 @@ import torch
 
 from kvclient import local_store as _colocated
 from kvclient.errors import from_rpc_error
+from kvclient.plan_stream import PlanStream
 from kvclient.tensors import byte_view, from_message, message_tensors, spec_of, to_bytes
 from kvcraft import codec
 from kvcraft.records import VariantStats
@@ -372,6 +373,7 @@ class AsyncKVClient:
         self._admin_md = _metadata(admin_token)
         self.timeout = timeout
         self._mappings = None  # kvclient.local.LocalMappings, on the first fetch_local
+        self._plans = PlanStream(lambda: self._kv.PlanStream(metadata=self._md), self.release)
 
     async def __aenter__(self) -> "AsyncKVClient":
         return self
@@ -380,6 +382,7 @@ class AsyncKVClient:
         await self.close()
 
     async def close(self) -> None:
+        await self._plans.close()
         if self._mappings is not None:
             self._mappings.close()
         self._staging.close()
@@ -416,8 +419,8 @@ class AsyncKVClient:
                    conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
                    timings: pb.TimingReport | None = None) -> pb.PlanResponse:
         """Plan a RAG request (chunks in retriever order); Release the returned lease."""
-        return await self._call(self._kv.Plan, plan_request(model_id, chunks, question_tokens, conversation_id,
-                                                            first_turn, lease_ttl_s, timings))
+        return await self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
+                                                   lease_ttl_s, timings), self.timeout)
 
     async def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                            device: str | torch.device = "cpu",

@@ -55,3 +55,12 @@ def from_rpc_error(e: grpc.RpcError) -> KVCraftError:
                     "reads up to 256 MiB of a refused Store before answering, so this only happens past "
                     "that; the server log names the reason)")
     return _BY_CODE.get(code, KVCraftError)(code, details or "")
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def from_status(code: int, message: str) -> KVCraftError:
+    """The error a stream answers one of its requests with (kvcraft.v1.CallError)."""
+    status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(status, KVCraftError)(status, message)

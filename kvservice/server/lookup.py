@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, AsyncIterator
 
 from kvcraft.keys import chunk_key, is_key
 from kvcraft.v1 import kvcraft_pb2 as pb
@@ -13,7 +13,8 @@ from kvservice import wire
 from kvservice.errors import InvalidArgument, ResourceExhausted
 from kvservice.planning import PlanningService
 from kvservice.server.checks import check_plan_request, check_ttl
-from kvservice.server.status import InFlight, rpc
+from kvservice.server.codecs import check_parsed
+from kvservice.server.status import InFlight, rpc, status_of
 from kvservice.store import ChunkStore
 
 
@@ -26,6 +27,25 @@ class LookupServicer:
 
     @rpc
     async def Plan(self, request: pb.PlanRequest, context: Any) -> pb.PlanResponse:
+        return await self._plan(request)
+
+    async def PlanStream(self, request_iterator: AsyncIterator[pb.PlanRequest],
+                         context: Any) -> AsyncIterator[pb.PlanStreamResponse]:
+        """Plan each request of a long-lived stream, answers in order. A refused request
+        is answered with its status in `error` (what Plan would end with) and the stream
+        goes on; only a message between requests counts as running (a SIGTERM drain
+        does not wait for an idle stream)."""
+        async for request in request_iterator:
+            with self.inflight.track():
+                try:
+                    check_parsed(request)
+                    answer = pb.PlanStreamResponse(plan=await self._plan(request))
+                except Exception as e:
+                    code, message = status_of(e, "PlanStream")
+                    answer = pb.PlanStreamResponse(error=pb.CallError(code=code.value[0], message=message))
+            yield answer
+
+    async def _plan(self, request: pb.PlanRequest) -> pb.PlanResponse:
         check_plan_request(request, self.store.cfg)
         if self.store.cluster is None:
             # CPU only, tens of µs (the lease takes the store lock, as Lookup and Release

@@ -66,6 +66,9 @@ def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(abort)
 
 
+IDLE_GRACE_S = 1.0  # the drain's last grace once no RPC runs (RunningServer.drain)
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -82,8 +85,12 @@ class RunningServer:
         to `drain_s`, then stop."""
         deadline = time.monotonic() + drain_s
         await self.health.enter_graceful_shutdown()
-        await self.inflight.wait_idle(drain_s)
-        await self.stop(max(0.0, deadline - time.monotonic()))
+        idle = await self.inflight.wait_idle(drain_s)
+        left = max(0.0, deadline - time.monotonic())
+        # Once nothing runs, what is still open is streams between requests (PlanStream
+        # calls live as long as their clients): a second's grace for RPCs that arrive
+        # meanwhile, not the rest of drain_s.
+        await self.stop(min(IDLE_GRACE_S, left) if idle else left)
 
     async def stop(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()

@@ -60,18 +60,23 @@ def rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
                 return await fn(self, request, context)
         except grpc.aio.AbortError:
             raise
-        except KVCraftError as e:
-            await context.abort(e.code, str(e))
-        except asyncio.CancelledError:
-            raise
         except Exception as e:
-            known = storage_error(e)
-            if known is not None:
-                await context.abort(known.code, str(known))
-            log.exception("%s failed", fn.__name__)  # a bug: log it whole, tell the client what kind
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}: {type(e).__name__}")
+            await context.abort(*status_of(e, fn.__name__))
 
     return wrapper
+
+
+def status_of(e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status a call that raised `e` ends with: a domain error's own, a full disk's
+    (`storage_error`), else INTERNAL naming only the kind (a bug: logged whole here, so
+    call it inside the `except`)."""
+    if isinstance(e, KVCraftError):
+        return e.code, str(e)
+    known = storage_error(e)
+    if known is not None:
+        return known.code, str(known)
+    log.exception("%s failed", method)
+    return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}"
 
 
 def storage_error(e: BaseException) -> KVCraftError | None:

@@ -72,3 +72,25 @@ def test_sigterm_reports_not_serving_and_lets_a_running_store_finish(start_serve
     with KVClient(server.address) as c:
         fetched = c.fetch(result["ok"].chunk_key)
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(fetched, LAYERS))
+
+
+def test_an_idle_plan_stream_does_not_hold_up_the_drain(start_server):
+    """A PlanStream call lives as long as its client: only a request being planned counts
+    as running, so SIGTERM stops a server whose streams are idle well before drain_s."""
+    import asyncio
+
+    from kvclient.client import AsyncKVClient
+
+    server = start_server(drain_s=60)
+
+    async def run() -> float:
+        async with AsyncKVClient(server.address) as c:
+            plan = await c.plan(MODEL, [[1, 2, 3]], question_tokens=2)  # the stream is open now
+            assert list(plan.order)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(server.proc.wait, 60)
+            return time.monotonic() - t0
+
+    assert asyncio.run(run()) < 30  # far below drain_s: the idle stream was not waited for
+    assert server.proc.returncode == 0

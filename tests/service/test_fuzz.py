@@ -98,6 +98,8 @@ class Fuzzer:
             return req
         if method == "Store":
             return self.store()
+        if method == "PlanStream":
+            return [self.valid("Plan") for _ in range(r.randint(1, 4))]
         if method == "FetchLayers":
             return pb.FetchRequest(variants=[self.ref() for _ in range(r.randint(1, 3))],
                                    first_layer=r.choice([0, 0, 1]), num_layers=r.choice([0, 1]))
@@ -221,7 +223,7 @@ class Fuzzer:
 
 
 METHODS = {  # method -> (service path, streaming kind), weighted by how often it is sent
-    "Plan": (KV, "uu", 3), "Store": (KV, "su", 3), "FetchLayers": (KV, "us", 3), "Lookup": (KV, "uu", 2),
+    "Plan": (KV, "uu", 3), "PlanStream": (KV, "ss", 2), "Store": (KV, "su", 3), "FetchLayers": (KV, "us", 3), "Lookup": (KV, "uu", 2),
     "MatchPrefix": (KV, "uu", 1), "Locate": (KV, "uu", 2), "Lease": (KV, "uu", 2), "Release": (KV, "uu", 2),
     "Stats": (ADMIN, "uu", 1), "ListChunks": (ADMIN, "uu", 1), "GetChunk": (ADMIN, "uu", 1),
     "Evict": (ADMIN, "uu", 1), "Pin": (ADMIN, "uu", 1), "Unpin": (ADMIN, "uu", 1), "Flush": (ADMIN, "uu", 0.1),
@@ -261,6 +263,19 @@ def test_fuzzed_requests_never_crash_leak_or_answer_internal(start_server):
                     out = ch.unary_unary(path)(data[0], timeout=30)
                 elif kind == "su":
                     out = ch.stream_unary(path)(iter(data), timeout=30)
+                elif kind == "ss":  # one answer per request, a refusal inside the stream
+                    answers = [pb.PlanStreamResponse.FromString(a) for a in ch.stream_stream(path)(iter(data), timeout=30)]
+                    if len(answers) != len(data):
+                        bad.append(f"#{n} {method}: {len(answers)} answers to {len(data)} requests")
+                    for a in answers:
+                        if a.WhichOneof("result") == "error":
+                            status = next(c for c in grpc.StatusCode if c.value[0] == a.error.code)
+                            if status not in ALLOWED:
+                                bad.append(f"#{n} {method}: {status.name} {a.error.message!r}")
+                            counts[f"{method} {status.name}"] = counts.get(f"{method} {status.name}", 0) + 1
+                        elif a.plan.lease_id:
+                            fz.lease_ids.append(a.plan.lease_id)
+                    out = None
                 else:
                     out = b"".join(list(ch.unary_stream(path)(data[0], timeout=30))[:1])
                 code = grpc.StatusCode.OK

@@ -424,6 +424,22 @@ class LocateResponse(_message.Message):
     gpu_device: int
     def __init__(self, segment: _Optional[str] = ..., variants: _Optional[_Iterable[_Union[VariantLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_device: _Optional[int] = ...) -> None: ...
 
+class PlanStreamResponse(_message.Message):
+    __slots__ = ("plan", "error")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    plan: PlanResponse
+    error: CallError
+    def __init__(self, plan: _Optional[_Union[PlanResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
