@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import secrets
 from dataclasses import dataclass
+
 from kvservice.errors import InvalidArgument
 from kvservice.index import Variant
 from kvservice.store.state import StoreState
