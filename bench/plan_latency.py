@@ -92,6 +92,20 @@ def _pcts(samples: list[float]) -> tuple[float, float]:
     return statistics.median(s) * 1e6, s[int(0.99 * (len(s) - 1))] * 1e6
 
 
+def _service_cpu(running: RunningServer, reqs: list[list[str]]) -> list[float]:
+    """Thread CPU time of `PlanningService.plan` per request (each lease released after)."""
+    service = running.store.listeners[0]
+    out = []
+    for r in reqs:
+        req = plan_request(MODEL, [(k, TOKENS) for k in r], 64)
+        c = time.thread_time()
+        resp = service.plan(req)
+        out.append(time.thread_time() - c)
+        if resp.lease_id:
+            running.store.release(resp.lease_id)
+    return out
+
+
 def _serve(n_variants: int, n_requests: int, seed: int, conn) -> None:  # noqa: ANN001 (a Connection)
     """The server process: fill, time the planner in process, serve until told to stop."""
 
@@ -115,26 +129,11 @@ def _serve(n_variants: int, n_requests: int, seed: int, conn) -> None:  # noqa: 
                 planner.plan(MODEL, "", [ChunkRef(k, TOKENS) for k in r], 64)
                 in_proc_cpu.append(time.thread_time() - c)
                 in_proc.append(time.perf_counter() - s)
-            service = running.store.listeners[0]
-            svc_cpu = []
-            for r in reqs:
-                req = plan_request(MODEL, [(k, TOKENS) for k in r], 64)
-                c = time.thread_time()
-                resp = service.plan(req)
-                svc_cpu.append(time.thread_time() - c)
-                if resp.lease_id:
-                    running.store.release(resp.lease_id)
+            svc_cpu = _service_cpu(running, reqs)
             # The same again with HELD_LEASES leases outstanding, as engines that died
             # holding them leave behind until their ttl.
             held = [running.store.take_lease([Ref(keys[i % len(keys)])])[0] for i in range(HELD_LEASES)]
-            svc_held_cpu = []
-            for r in reqs:
-                req = plan_request(MODEL, [(k, TOKENS) for k in r], 64)
-                c = time.thread_time()
-                resp = service.plan(req)
-                svc_held_cpu.append(time.thread_time() - c)
-                if resp.lease_id:
-                    running.store.release(resp.lease_id)
+            svc_held_cpu = _service_cpu(running, reqs)
             for lease_id in held:
                 running.store.release(lease_id)
             rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

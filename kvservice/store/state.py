@@ -94,13 +94,7 @@ class StoreState:
             heap = self.eviction_order[i]
             heapq.heappush(heap, key)
             if len(heap) > 2 * len(self.index) + 1024:  # mostly entries of variants gone
-                self._compact(i)
-
-    def _compact(self, i: int) -> None:
-        heap, tier, get = self.eviction_order[i], self.tiers[i], self.index.get
-        held = {vid: v for *_, vid in heap if (v := get(vid)) is not None and vid in tier}
-        heap[:] = [eviction_key(v) for v in held.values()]
-        heapq.heapify(heap)
+                self.rebuild_eviction_order((i,))  # the index is under half the heap's size
 
     def rebuild_eviction_order(self, tiers: Iterable[int] | None = None) -> None:
         """Each tier's eviction order from the whole index (after recovery; O(n))."""
