@@ -56,6 +56,10 @@ class Config:
     lease_timeout_s: float = 30.0
     # Longest lease a request may ask for (Lease ttl_s, Locate / Plan lease_ttl_s).
     max_lease_ttl_s: float = 3600.0
+    # Leases outstanding at once (Lease, Locate, Plan): beyond it a new one is
+    # RESOURCE_EXHAUSTED. Bounds the memory and the pinned variants of clients that take
+    # leases and never release them (they end only by their ttl).
+    max_leases: int = 100_000
     # A conversation remembers its last this-many chunks (CRAFT §4.3 dedup); bounds
     # the Plan response (history and per-chunk prefix keys), however long the talk.
     max_conversation_chunks: int = 512
@@ -95,7 +99,7 @@ class Config:
         for name in ("host_budget_bytes", "disk_budget_bytes", "max_message_bytes",
                      "max_layers", "max_chunk_tokens", "max_variant_bytes", "max_inflight_store_bytes",
                      "max_variants_per_chunk", "max_variants", "max_fetch_variants",
-                     "max_conversation_chunks"):
+                     "max_leases", "max_conversation_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.gpu_budget_bytes < 0 or self.gpu_device < 0:

@@ -11,7 +11,7 @@ import heapq
 import secrets
 from dataclasses import dataclass
 
-from kvservice.errors import InvalidArgument
+from kvservice.errors import InvalidArgument, ResourceExhausted
 from kvservice.index import Variant
 from kvservice.store.state import StoreState
 
@@ -39,6 +39,10 @@ class Leases:
         if not ttl_s >= 0:
             raise InvalidArgument(f"ttl_s is {ttl_s}; expected >= 0")
         self.expire()
+        if len(self._leases) >= self.s.cfg.max_leases:
+            raise ResourceExhausted(
+                f"{len(self._leases)} leases are outstanding; max_leases is {self.s.cfg.max_leases}: "
+                "release leases when done with them (Release), or wait for their ttl")
         lease_id = secrets.token_hex(16)
         expires = self.s.clock() + (ttl_s or self.s.cfg.lease_timeout_s)
         self._leases[lease_id] = Lease(variants, expires)

@@ -46,6 +46,30 @@ def test_non_finite_or_huge_lease_ttl_is_refused_and_holds_nothing(kvserver, ttl
     assert "Traceback" not in kvserver.log()
 
 
+def test_leases_past_max_leases_are_refused_until_one_ends(start_server):
+    """A client that takes leases and never releases them cannot pin the whole cache
+    or grow the service's memory without bound: past max_leases, every way to take a
+    lease (Lease, Locate, a Plan that reuses a variant) is RESOURCE_EXHAUSTED naming the
+    limit; Stores and reads go on; a Release makes room again."""
+    server = start_server(max_leases=3)
+    with KVClient(server.address, timeout=10) as c:
+        key = c.store(MODEL, tokens(1), layers()).chunk_key
+        held = [c.lease([key]).lease_id for _ in range(3)]
+        with pytest.raises(ResourceExhaustedError, match="3 leases are outstanding; max_leases is 3"):
+            c.lease([key])
+        with pytest.raises(ResourceExhaustedError, match="max_leases"):
+            c.fetch_local([key]).release()
+        with pytest.raises(ResourceExhaustedError, match="max_leases"):
+            c.plan(MODEL, [tokens(1)], question_tokens=3)
+        other = c.store(MODEL, tokens(2), layers()).chunk_key
+        assert torch.equal(c.fetch(other)[1][0], layers()[1][0])
+        assert c.stats().leases == 3
+        assert c.release(held[0])
+        plan = c.plan(MODEL, [tokens(1)], question_tokens=3)
+        assert plan.lease_id and plan.chunks[0].variant_id  # it reuses the stored variant again
+    assert "Traceback" not in server.log()
+
+
 # -- item 2: Plan timings ----------------------------------------------------------------
 def test_plan_timing_for_an_unknown_tier_is_invalid_argument(kvserver):
     timings = pb.TimingReport(loads=[pb.TimingReport.Load(tier="tape", bytes_per_layer=1e6, seconds=0.01)])
