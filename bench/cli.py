@@ -15,7 +15,7 @@ from typing import Sequence
 
 from kvservice import cli as service_cli
 
-BENCHMARKS = ("planner", "plan-latency", "eviction", "crash", "fetch", "load", "ttft", "remote")
+BENCHMARKS = ("planner", "plan-latency", "eviction", "reuse-writes", "crash", "fetch", "load", "ttft", "remote")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

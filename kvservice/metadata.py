@@ -2,9 +2,13 @@
 
 Column family "variants": variant id (ascii) -> serialized kvcraft.v1.VariantInfo (the
 protobuf message is the on-disk format only: records in memory are `index.Variant`).
-Column family "meta": format version. Writes that make or drop a variant are durable
-before they return; fr / last-access updates are unsynced (losing the last few on a
-crash only makes eviction slightly less informed).
+Column family "access": variant id -> the variant's latest fr and last access (16 bytes,
+`ACCESS`), written on every reuse instead of the whole VariantInfo (hundreds of bytes to
+kilobytes: its per-token statistics). Both only grow, so recovery takes the larger of
+the two records' values. Column family "meta": format version. Writes that make or drop
+a variant are durable before they return, and a variant's delete drops its access
+record in the same batch; access updates are unsynced (losing the last few on a crash
+only makes eviction slightly less informed).
 
 Durable writes are group-committed, off the GIL: rocksdict holds the GIL through a
 RocksDB write with sync=True, so each Store's metadata commit used to stop every thread
@@ -21,6 +25,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import struct
 import threading
 from pathlib import Path
 from typing import Callable, Iterable
@@ -33,8 +38,9 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.index import Variant
 from kvservice.wire import variant_message
 
-FORMAT_VERSION = b"1"
-_CFS = ("variants", "meta")
+FORMAT_VERSION = b"1"  # "access" came later: a database without it has no access records yet
+_CFS = ("variants", "access", "meta")
+ACCESS = struct.Struct("<dq")  # fr, last access (unix ms)
 log = logging.getLogger("kvcraft.metadata")
 
 Ops = Callable[[WriteBatch], None]  # adds one write's puts / deletes to a batch
@@ -94,7 +100,9 @@ class MetadataDB:
         self._db = Rdict(str(self.path), opts, column_families={cf: Options(raw_mode=True) for cf in _CFS})
         self._variants = self._db.get_column_family("variants")
         self._meta = self._db.get_column_family("meta")
+        self._access = self._db.get_column_family("access")
         self._variants_h = self._db.get_column_family_handle("variants")
+        self._access_h = self._db.get_column_family_handle("access")
 
     def _write(self, ops: Ops, sync: bool) -> None:
         """One batch of `ops`; with `sync`, durable before returning (group commit)."""
@@ -213,6 +221,29 @@ class MetadataDB:
             del it
         return out
 
+    def load_access(self) -> dict[str, tuple[float, int]]:
+        """Every access record: variant id -> (fr, last access ms). Hints only: a record
+        that does not unpack is skipped, and an unreadable column family reads as empty
+        (with a warning) rather than stopping the start."""
+        ro = ReadOptions()
+        ro.set_verify_checksums(True)
+        it = self._access.iter(ro)
+        out: dict[str, tuple[float, int]] = {}
+        try:
+            it.seek_to_first()
+            while it.valid():
+                raw = it.value()
+                if len(raw) == ACCESS.size:
+                    out[it.key().decode("ascii", "replace")] = ACCESS.unpack(raw)
+                it.next()
+            it.status()
+        except Exception as e:  # the iterator's status: Corruption, IOError
+            log.warning("access records in %s are unreadable after %d (%s): fr scores of the rest start "
+                        "from their variant records", self.path, len(out), e)
+        finally:
+            del it
+        return out
+
     def put_variants(self, variants: Iterable[Variant], *, sync: bool) -> None:
         records = [(v.variant_id.encode(), variant_message(v).SerializeToString()) for v in variants]
 
@@ -222,39 +253,56 @@ class MetadataDB:
 
         self._write(ops, sync)
 
+    def put_access(self, variants: Iterable[Variant]) -> None:
+        """The variants' fr and last access, unsynced."""
+        records = [(v.variant_id.encode(), ACCESS.pack(v.fr, v.last_access_ms)) for v in variants]
+
+        def ops(wb: WriteBatch) -> None:
+            for key, raw in records:
+                wb.put(key, raw, self._access_h)
+
+        self._write(ops, False)
+
     def delete_variants(self, variant_ids: Iterable[str]) -> None:
         keys = [vid.encode() for vid in variant_ids]
 
         def ops(wb: WriteBatch) -> None:
             for key in keys:
                 wb.delete(key, self._variants_h)
+                wb.delete(key, self._access_h)
 
         self._write(ops, True)
 
+    def delete_access(self, variant_ids: Iterable[str]) -> None:
+        """Access records of variants no record describes (recovery), unsynced."""
+        keys = [vid.encode() for vid in variant_ids]
+
+        def ops(wb: WriteBatch) -> None:
+            for key in keys:
+                wb.delete(key, self._access_h)
+
+        self._write(ops, False)
+
     def _drop_handles(self) -> None:
-        """Let go of a database in an error state: its close() raises, and RocksDB's
-        lock is released only once no handle is left."""
-        for handle in (self._variants, self._meta, self._db):
+        """Let go of the database: RocksDB's lock is released only once no handle is
+        left (close() alone keeps it, and raises on a database in an error state)."""
+        for handle in (self._variants, self._access, self._meta, self._db):
             try:
                 handle.close()
             except Exception:  # "Writer has previous error": expected here
                 pass
-        self._variants = self._meta = self._db = self._variants_h = None
+        self._variants = self._access = self._meta = self._db = self._variants_h = self._access_h = None
         gc.collect()
 
-    def _close_handles(self) -> None:
-        self._variants.close()
-        self._meta.close()
-        self._db.close()
-
     def close(self) -> None:
+        """Flush and close; afterwards the same process can open the database again."""
         for fd in self._wal.values():
             os.close(fd)
         self._wal.clear()
         try:
-            self._close_handles()
+            for handle in (self._variants, self._access, self._meta, self._db):
+                handle.close()
         except Exception as e:  # a full disk cannot take the flush at close
             log.warning("metadata in %s not flushed at close (%s): every acknowledged record is in its "
                         "write-ahead log and is replayed at the next start", self.path, e)
-            self._drop_handles()
-
+        self._drop_handles()

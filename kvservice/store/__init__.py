@@ -65,7 +65,8 @@ class ChunkStore:
         if self.cluster is not None:
             self.cluster.close()
         with self._s.lock:
-            self._s.persist_access(list(self.index))
+            if self._s.access_writes_lost:
+                self._s.persist_access(list(self.index))
             self._s.meta.close()
             for tier in self.tiers:
                 tier.close()

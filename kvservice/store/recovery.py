@@ -68,6 +68,7 @@ def _collector_paused() -> Iterator[None]:
 def _recover(s: StoreState, repair: bool) -> RecoveryReport:
     persistent = [t for t in s.tiers if t.persistent]
     infos = s.meta.load_variants()  # complete, or MetadataDamaged before any delete
+    access = s.meta.load_access()  # later fr / last access than the records hold
     files = {t.name: dict(t.scan()) for t in persistent}
     if s.meta.created and not repair and any(files.values()):
         n = sum(len(f) for f in files.values())
@@ -102,6 +103,12 @@ def _recover(s: StoreState, repair: bool) -> RecoveryReport:
                 lost += 1
     if adopted:
         s.meta.put_variants(adopted, sync=True)
+    for v, _ in keep:
+        seen = access.pop(v.variant_id, None)
+        if seen is not None:  # both only grow: the larger is the later
+            v.fr, v.last_access_ms = max(v.fr, seen[0]), max(v.last_access_ms, seen[1])
+    if access:  # of variants no record describes (metadata lost, payload gone)
+        s.meta.delete_access(access)
     used = {t.name: 0 for t in persistent}
     for v, held in keep:
         v.tier = held[0].name

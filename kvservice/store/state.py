@@ -61,6 +61,7 @@ class StoreState:
         self.index = VariantIndex()
         self.lock = threading.RLock()
         self.access_write_failing = False  # logged once per episode (persist_access)
+        self.access_writes_lost = False  # some failed since the start: close writes every variant's
         self.committing: dict[str, threading.Event] = {}  # variant id -> set when its commit ends
         self.inflight_store_bytes = 0  # what open Store sessions are counted at (max_inflight_store_bytes)
         self.inflight_stores = 0
@@ -114,16 +115,17 @@ class StoreState:
                 lst.on_move(v.variant_id, name)
 
     def persist_access(self, vs: list[Variant]) -> None:
-        """fr / last access updates: unsynced (a crash loses only eviction hints), and
-        best effort: a read must never fail, nor leak its holds, because a metadata
-        write did (a full disk); the in-memory scores stay right meanwhile."""
+        """fr / last access updates, as access records (`MetadataDB.put_access`): unsynced
+        (a crash loses only eviction hints), and best effort: a read must never fail,
+        nor leak its holds, because a metadata write did (a full disk); the in-memory
+        scores stay right meanwhile, and the store writes them all at close."""
         if not vs:
             return
         try:
-            self.meta.put_variants(vs, sync=False)
+            self.meta.put_access(vs)
         except Exception as e:  # rocksdict raises plain Exception for RocksDB statuses
             if not self.access_write_failing:
                 log.warning("access-time updates are not persisted (%s); reads go on", e)
-            self.access_write_failing = True
+            self.access_write_failing = self.access_writes_lost = True
         else:
             self.access_write_failing = False

@@ -58,3 +58,13 @@ def test_bench_eviction_chooses_the_scans_victims(tmp_path):
     assert cli.main(["bench", "eviction", "--sizes", "2000", "--victims", "200", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["variants"] == 2000 and row["victims"] == 200
+
+
+def test_bench_reuse_writes_reads_back_the_scores_it_wrote(tmp_path):
+    """`kvcraft bench reuse-writes` checks, after each round, that what each way wrote to
+    RocksDB reads back as the scores the store holds (it raises on a difference)."""
+    out = tmp_path / "reuse.json"
+    assert cli.main(["bench", "reuse-writes", "--tokens", "16", "--fetches", "20", "--rounds", "2",
+                     "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["tokens"] == 16 and row["fetches"] == 40 and row["record_bytes"] > 16

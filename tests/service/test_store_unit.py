@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from kvcraft.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
 from kvservice.errors import ResourceExhausted
-from kvservice.index import Spec
-from kvservice.records import Ref, StoreHeader
+from kvservice.index import Spec, Variant
+from kvservice.records import Ref, Selector, StoreHeader
 from kvservice.store import ChunkStore
 
 MODEL = ModelSpec("unit", 1, 1, 2, "float32").fingerprint()
@@ -253,4 +255,81 @@ def test_an_eviction_order_full_of_stale_entries_is_rebuilt_from_the_index(tmp_p
         s.placed(store.lookup(keys[1])[0], s.home)
     assert len(s.eviction_order[s.home]) <= 2 * len(store.index) + 1024 + 1
     assert store._placement.lowest(s.home) is low
+    store.close()
+
+
+def _scores(store: ChunkStore) -> dict[str, tuple[float, int]]:
+    return {v.variant_id: (v.fr, v.last_access_ms) for v in store.index}
+
+
+def _scores_after_restart(path, clock=None) -> dict[str, tuple[float, int]]:
+    """The scores a store opened on `path` recovers (and closed again)."""
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(path)}), clock=clock or Clock())
+    try:
+        return _scores(store)
+    finally:
+        store.close()
+
+
+def test_reuse_scores_survive_a_crash_and_a_restart_and_die_with_their_variant(tmp_path):
+    """fr and last access are written as small access records on every reuse: a copy of
+    the data directory taken while the store runs (a crash: nothing closed) and a clean
+    restart both come back with the scores the store had. A variant deleted and stored
+    again under the same id starts from 0, not from its predecessor's access record."""
+    clock = Clock()
+    data = tmp_path / "data"
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(data)}), clock=clock)
+    a, b, c = (put(store, [i, i + 1]) for i in range(0, 6, 2))
+    for step, (key, cfo) in enumerate([(a, 0.5), (b, None), (a, 0.25), (c, 1.0), (a, None)]):
+        clock.now += 1 + step
+        store.close_fetch(store.open_fetch([Ref(key, cfo=cfo)]), promote=False)
+    store.set_pinned(Selector(chunk_key=b), True)  # a whole record, written between reuses
+    clock.now += 10
+    store.locate([Ref(b)])  # counts a reuse too
+    want = _scores(store)
+    assert len({s[0] for s in want.values()}) == 3 and all(s[1] > 1_000_000 for s in want.values())
+    shutil.copytree(data, tmp_path / "crashed")
+    store.close()
+    assert _scores_after_restart(tmp_path / "crashed") == want
+    assert _scores_after_restart(data) == want
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(data)}), clock=clock)
+    assert store.evict(Selector(chunk_key=a))[0] == 1
+    assert put(store, [0, 1]) == a
+    (fresh,) = store.lookup(a)
+    store.close()
+    assert _scores_after_restart(data)[fresh.variant_id] == (0.0, fresh.last_access_ms)
+
+
+def test_reuse_scores_whose_writes_failed_are_written_at_close(tmp_path, monkeypatch):
+    """Access records that could not be written (a full disk) are not lost for good:
+    the store writes every variant's scores when it closes."""
+    clock = Clock()
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}), clock=clock)
+    keys = [put(store, [i, i + 1]) for i in range(0, 6, 2)]
+    put_access = store._s.meta.put_access
+
+    def full(variants):
+        raise Exception("IO error: No space left on device")
+    monkeypatch.setattr(store._s.meta, "put_access", full)
+    for k in keys:
+        clock.now += 1
+        store.close_fetch(store.open_fetch([Ref(k)]), promote=False)  # the read goes on
+    monkeypatch.setattr(store._s.meta, "put_access", put_access)  # space again
+    clock.now += 1
+    store.close_fetch(store.open_fetch([Ref(keys[0])]), promote=False)
+    want = _scores(store)
+    assert sorted(s[0] for s in want.values()) == [1.0, 1.0, 2.0]
+    store.close()
+    assert _scores_after_restart(tmp_path) == want
+
+
+def test_access_records_no_variant_record_describes_are_dropped_at_recovery(tmp_path):
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
+    key = put(store, [1, 2])
+    (v,) = store.lookup(key)
+    ghost = Variant.build("f" * 32, v.chunk_key, (), 2, "", v.stats, fr=7.0, last_access_ms=5)
+    store._s.meta.put_access([v, ghost])
+    store.close()
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
+    assert set(store._s.meta.load_access()) == {v.variant_id}
     store.close()
