@@ -18,7 +18,6 @@ from kvservice.errors import InvalidArgument, NotFound, Unavailable
 from kvservice.index import Variant
 from kvservice.planner import ChunkPlan, ChunkRef, Planner, PlannerConfig
 from kvservice.planner.plan import FRESH, PREFIX, PlanError
-from kvservice.records import Ref
 from kvservice.store import ChunkStore
 
 _SOURCE = {FRESH: pb.ChunkPlan.FRESH, PREFIX: pb.ChunkPlan.PREFIX, "variant": pb.ChunkPlan.VARIANT}
@@ -90,11 +89,11 @@ class PlanningService:
                 plan = self.planner.plan(req.model_id, req.conversation_id, refs, req.question_tokens, first)
             except PlanError as e:
                 raise InvalidArgument(str(e)) from None
-        reused = [Ref(c.chunk_key, c.variant_id) for c in plan.chunks if c.variant_id is not None]
+        reused = [c.variant_id for c in plan.chunks if c.variant_id is not None]
         lease_id, expires = "", 0.0
         if reused:
             try:
-                lease_id, _, expires = self.store.take_lease(reused, req.lease_ttl_s)
+                lease_id, expires = self.store.lease_variants(reused, req.lease_ttl_s)
             except NotFound:
                 # Evicted between planning and leasing (the hooks have already removed it
                 # from the catalog): plan once more; a second miss is a real inconsistency.

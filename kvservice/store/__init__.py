@@ -161,6 +161,16 @@ class ChunkStore:
             lease_id, expires = self._leases.take(variants, ttl_s)
         return lease_id, [v.variant_id for v in variants], expires
 
+    def lease_variants(self, variant_ids: Sequence[str], ttl_s: float = 0.0) -> tuple[str, float]:
+        """Lease variants by id (a plan's choice, already checked): NotFound if one is gone."""
+        get = self.index.get
+        with self._s.lock:
+            variants = [get(vid) for vid in variant_ids]
+            if None in variants:
+                gone = variant_ids[variants.index(None)]
+                raise NotFound(f"variant {gone} is no longer stored")
+            return self._leases.take(variants, ttl_s)  # type: ignore[arg-type]
+
     def release(self, lease_id: str) -> bool:
         with self._s.lock:
             return self._leases.release(lease_id)

@@ -333,3 +333,37 @@ def test_access_records_no_variant_record_describes_are_dropped_at_recovery(tmp_
     store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
     assert set(store._s.meta.load_access()) == {v.variant_id}
     store.close()
+
+
+def test_a_variant_evicted_between_planning_and_leasing_is_planned_again(tmp_path, monkeypatch):
+    """Plan chooses a variant, then leases it; an eviction can land in between (another
+    thread's Store). The Plan is made again without it, not answered with a lease on
+    nothing; if variants keep vanishing, UNAVAILABLE says to retry."""
+    from kvservice.errors import Unavailable
+    from kvservice.planning import PlanningService
+    from kvclient.client import plan_request
+
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
+    planning = PlanningService(store)
+    key = put(store, [1, 2])
+    (v,) = store.lookup(key)
+    first = planning.plan(plan_request(MODEL, [[1, 2]], 3))
+    assert first.chunks[0].variant_id == v.variant_id and store.release(first.lease_id)
+    lease = store.lease_variants
+    calls = []
+
+    def evicted_first(ids, ttl_s=0.0):
+        calls.append(list(ids))
+        if len(calls) == 1:
+            assert store.evict(Selector(chunk_key=key))[0] == 1
+        return lease(ids, ttl_s)
+    monkeypatch.setattr(store, "lease_variants", evicted_first)
+    resp = planning.plan(plan_request(MODEL, [[1, 2]], 3))
+    assert calls == [[v.variant_id]] and not resp.lease_id
+    assert resp.chunks[0].source == pb.ChunkPlan.FRESH and not resp.chunks[0].variant_id
+
+    put(store, [1, 2])
+    monkeypatch.setattr(store, "lease_variants", lambda ids, ttl_s=0.0: lease(["0" * 32], ttl_s))
+    with pytest.raises(Unavailable, match="retry"):
+        planning.plan(plan_request(MODEL, [[1, 2]], 3))
+    store.close()
