@@ -223,8 +223,9 @@ class MetadataDB:
 
     def load_access(self) -> dict[str, tuple[float, int]]:
         """Every access record: variant id -> (fr, last access ms). Hints only: a record
-        that does not unpack is skipped, and an unreadable column family reads as empty
-        (with a warning) rather than stopping the start."""
+        that does not unpack is skipped, and damage (a table file failing its checksum)
+        does not stop the start: the access records are dropped, with a warning, and the
+        scores start from the variant records."""
         ro = ReadOptions()
         ro.set_verify_checksums(True)
         it = self._access.iter(ro)
@@ -238,11 +239,22 @@ class MetadataDB:
                 it.next()
             it.status()
         except Exception as e:  # the iterator's status: Corruption, IOError
-            log.warning("access records in %s are unreadable after %d (%s): fr scores of the rest start "
-                        "from their variant records", self.path, len(out), e)
-        finally:
+            log.warning("access records in %s are damaged after %d (%s): they are dropped, and fr scores "
+                        "start from the variant records", self.path, len(out), e)
             del it
+            self._reset_access()
+            return {}
+        del it
         return out
+
+    def _reset_access(self) -> None:
+        """Drop the access column family and make it anew: a damaged table file left in
+        it would fail a later compaction, and RocksDB then refuses every write."""
+        self._access.close()
+        self._access = self._access_h = None
+        self._db.drop_column_family("access")
+        self._access = self._db.create_column_family("access", Options(raw_mode=True))
+        self._access_h = self._db.get_column_family_handle("access")
 
     def put_variants(self, variants: Iterable[Variant], *, sync: bool) -> None:
         records = [(v.variant_id.encode(), variant_message(v).SerializeToString()) for v in variants]

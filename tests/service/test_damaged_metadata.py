@@ -1,7 +1,8 @@
 """Damaged metadata never costs a payload (issue 18, item 8): a copied data dir with a
 damaged SST, a truncated WAL or no metadata at all; the server refuses to start naming
 the damage and `kvcraft repair`, or adopts what the payload files describe; after the
-repair every intact variant is back, bit for bit."""
+repair every intact variant is back, bit for bit. Damaged access records (hints) are
+dropped and the start goes on."""
 
 from __future__ import annotations
 
@@ -14,9 +15,15 @@ import torch
 
 from kvclient.client import KVClient
 from kvcraft.keys import ModelSpec
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.config import load_config
+from kvservice.index import Spec
 from kvservice.launcher import ServiceProcess
+from kvservice.records import Ref, StoreHeader
+from kvservice.store import ChunkStore
 
 MODEL = ModelSpec("damage", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32").fingerprint()
+SPEC = Spec(pb.FLOAT32, (1, 4, 8))
 N = 24
 
 
@@ -106,3 +113,43 @@ def test_missing_metadata_refuses_start_and_repair_brings_every_variant_back(tmp
     assert len(_payloads(data)) == N
     assert f"{N} variants rebuilt" in _repair(data)
     _all_back(data)
+
+
+def test_damaged_access_records_are_dropped_and_the_start_goes_on(tmp_path, caplog):
+    """Access records (fr, last access) are hints: a damaged table file among them does
+    not stop the start nor cost a variant. They are dropped with a warning, the scores
+    start from the variant records, and the damage is gone for good (a later compaction
+    reading it would put RocksDB in an error state that refuses every write)."""
+    def open_store():
+        return ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path / "data")}))
+
+    store = open_store()
+    stored = []
+    for i in range(N * 8):
+        s = store.begin_store(StoreHeader(MODEL, _tokens(i), (), 2, SPEC, SPEC))
+        for layer, (k, v) in enumerate(_layers(i)):
+            s.add_layer(layer, k.numpy().tobytes(), v.numpy().tobytes())
+        stored.append(s.finish().chunk_key)
+    for key in stored:
+        store.close_fetch(store.open_fetch([Ref(key)]), promote=False)
+    store.close()  # flushes the access records into a table file of their own
+    access_sst = [p for p in (tmp_path / "data" / "metadata").glob("*.sst")
+                  if b"access" in p.read_bytes() and b"variants" not in p.read_bytes()]
+    assert len(access_sst) == 1
+    raw = bytearray(access_sst[0].read_bytes())
+    raw[len(raw) // 3] ^= 0xFF
+    access_sst[0].write_bytes(bytes(raw))
+
+    with caplog.at_level("WARNING", logger="kvcraft.metadata"):
+        store = open_store()
+    assert "access records" in caplog.text and "damaged" in caplog.text
+    assert len(store.index) == N * 8 and {v.fr for v in store.index} == {0.0}  # from the records
+    for key in stored[:N]:
+        store.close_fetch(store.open_fetch([Ref(key)]), promote=False)
+    store.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvcraft.metadata"):
+        store = open_store()
+    assert "damaged" not in caplog.text
+    assert sorted(v.fr for v in store.index) == [0.0] * (N * 7) + [1.0] * N
+    store.close()
