@@ -9,7 +9,12 @@ Between two victims, 5 random chunks are reused (fr += 1), which leaves entries 
 their variant's key: the order must put those right as it goes. Each victim is checked
 against the scan's choice for the first victims, then dropped from the tier.
 
-    kvcraft bench eviction --sizes 16000 100000 1000000
+A second table times deleting a victim once chosen (its payload file, then its metadata,
+with the store's lock held), on real payload files in the data directory's filesystem:
+with the metadata delete synced (as until 2026-11-24) and unsynced (as evictions do
+now), alternating victims.
+
+    kvcraft bench eviction --sizes 16000 100000 1000000 --data-dir /var/tmp
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
 from kvservice.index import Spec, Variant, eviction_key
+from kvservice.records import StoreHeader
 from kvservice.store import ChunkStore
 
 MODEL = ModelSpec("llama3-8b", 32, 8, 128, "bfloat16", 500000.0).fingerprint()
@@ -96,10 +102,37 @@ def measure(n: int, victims: int, seed: int = 0) -> dict:
             "ours_max_us": round(max(ours_s) * 1e6, 1), "victims": victims}
 
 
+def measure_delete(victims: int, parent: str | None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvcraft-delete-", dir=parent) as tmp:
+        store = ChunkStore(load_config(env={}, overrides={"data_dir": tmp}))
+        spec = Spec(pb.FLOAT16, (8, 16, 128))
+        vids = []
+        for i in range(victims):
+            s = store.begin_store(StoreHeader(MODEL, [i, 1, 2] + [0] * 13, (), 2, spec, spec))
+            for layer in range(2):
+                s.add_layer(layer, bytes(8 * 16 * 128 * 2), bytes(8 * 16 * 128 * 2))
+            vids.append(s.finish().variant_id)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for i, vid in enumerate(vids):
+            sync = i % 2 == 0
+            t = time.perf_counter()
+            with store._s.lock:
+                store._placement.delete_many([vid], sync=sync)
+            times[sync].append(time.perf_counter() - t)
+        if len(store.index):
+            raise AssertionError(f"{len(store.index)} variants left after deleting every one")
+        store.close()
+    return {"victims": victims, "synced_p50_ms": round(statistics.median(times[True]) * 1e3, 3),
+            "unsynced_p50_ms": round(statistics.median(times[False]) * 1e3, 3),
+            "synced_max_ms": round(max(times[True]) * 1e3, 3), "unsynced_max_ms": round(max(times[False]) * 1e3, 3)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvcraft bench eviction")
     p.add_argument("--sizes", type=int, nargs="+", default=[16_000, 100_000, 1_000_000])
     p.add_argument("--victims", type=int, default=1000)
+    p.add_argument("--deletes", type=int, default=400, help="victims deleted for the second table")
+    p.add_argument("--data-dir", help="where the second table's payload files go (default: the temp dir)")
     p.add_argument("--json", default="bench-eviction.json")
     a = p.parse_args(argv)
     print(f"{'variants':>10} {'fill s':>7} {'scan + sort ms':>15} {'ours p50 µs':>12} {'ours max µs':>12}", flush=True)
@@ -109,7 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(r)
         print(f"{r['variants']:>10} {r['fill_s']:>7} {r['scan_ms']:>15} {r['ours_p50_us']:>12} {r['ours_max_us']:>12}",
               flush=True)
-    Path(a.json).write_text(json.dumps(rows, indent=2))
+    d = measure_delete(a.deletes, a.data_dir)
+    print(f"\ndeleting a victim (payload + metadata), {d['victims']} alternating:")
+    print(f"{'metadata':>10} {'p50 ms':>8} {'max ms':>8}")
+    print(f"{'synced':>10} {d['synced_p50_ms']:>8} {d['synced_max_ms']:>8}")
+    print(f"{'unsynced':>10} {d['unsynced_p50_ms']:>8} {d['unsynced_max_ms']:>8}", flush=True)
+    Path(a.json).write_text(json.dumps({"victims": rows, "delete": d}, indent=2))
     return 0
 
 

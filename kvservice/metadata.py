@@ -5,9 +5,10 @@ protobuf message is the on-disk format only: records in memory are `index.Varian
 Column family "access": variant id -> the variant's latest fr and last access (16 bytes,
 `ACCESS`), written on every reuse instead of the whole VariantInfo (hundreds of bytes to
 kilobytes: its per-token statistics). Both only grow, so recovery takes the larger of
-the two records' values. Column family "meta": format version. Writes that make or drop
-a variant are durable before they return, and a variant's delete drops its access
-record in the same batch; access updates are unsynced (losing the last few on a crash
+the two records' values. Column family "meta": format version. Writes that make a variant
+are durable before they return; deletes need not be (recovery drops a record whose
+payload is gone, docs/storage.md), and a variant's delete drops its access record in
+the same batch; access updates are unsynced (losing the last few on a crash
 only makes eviction slightly less informed).
 
 Durable writes are group-committed, off the GIL: rocksdict holds the GIL through a
@@ -275,7 +276,7 @@ class MetadataDB:
 
         self._write(ops, False)
 
-    def delete_variants(self, variant_ids: Iterable[str]) -> None:
+    def delete_variants(self, variant_ids: Iterable[str], *, sync: bool) -> None:
         keys = [vid.encode() for vid in variant_ids]
 
         def ops(wb: WriteBatch) -> None:
@@ -283,7 +284,7 @@ class MetadataDB:
                 wb.delete(key, self._variants_h)
                 wb.delete(key, self._access_h)
 
-        self._write(ops, True)
+        self._write(ops, sync)
 
     def delete_access(self, variant_ids: Iterable[str]) -> None:
         """Access records of variants no record describes (recovery), unsynced."""

@@ -38,6 +38,7 @@ from kvservice.tiers import Tier, build_tiers
 __all__ = ["ChunkStore", "RecoveryReport", "StoreListener", "StoreSession"]
 
 _PINNED = operator.attrgetter("pinned")
+FLUSH_BATCH = 1024
 
 
 class ChunkStore:
@@ -207,9 +208,17 @@ class ChunkStore:
             return self._placement.evict_many(self._select(selector))
 
     def flush(self) -> tuple[int, int]:
-        with self._s.lock:
-            self._leases.expire()
-            return self._placement.evict_many(list(self.index))
+        """Every unprotected variant, in batches of FLUSH_BATCH, each one synced metadata
+        write: between two, the store's lock is free for Plans, fetches and Stores."""
+        evicted = skipped = 0
+        stored = list(self.index)
+        for i in range(0, len(stored), FLUSH_BATCH):
+            with self._s.lock:
+                self._leases.expire()
+                batch = [v for v in stored[i:i + FLUSH_BATCH] if self.index.get(v.variant_id) is v]
+                e, k = self._placement.evict_many(batch)
+            evicted, skipped = evicted + e, skipped + k
+        return evicted, skipped
 
     # -- queries ---------------------------------------------------------------------------
     def lookup(self, key: str) -> list[Variant]:

@@ -181,18 +181,27 @@ class Placement:
         return True
 
     def delete(self, vid: str) -> None:
-        """Payloads first, then metadata (synced): a crash between leaves a record
-        without a payload, which recovery drops. A payload without a record is thus
-        never debris of a delete, and recovery can adopt it (damaged metadata never
-        costs a payload)."""
+        self.delete_many([vid], sync=False)
+
+    def delete_many(self, vids: list[str], *, sync: bool) -> None:
+        """Payloads first, then the metadata, in one batch. A crash between leaves
+        records without a payload, which recovery drops. The metadata write need not be
+        synced (an eviction runs with the store's lock held, and a synced write would
+        hold it through a disk flush): if the machine loses it, the records come back
+        and recovery drops them, or, where the payload's unlink was lost too, the whole
+        variant comes back intact (a payload is verified before it is adopted)."""
+        if not vids:
+            return
         s = self.s
-        s.index.remove(vid)
-        for tier in s.tiers:
-            tier.delete(vid)
+        for vid in vids:
+            s.index.remove(vid)
+            for tier in s.tiers:
+                tier.delete(vid)
         failpoints.reach("delete:payload-deleted")
-        s.meta.delete_variants([vid])
-        for lst in s.listeners:
-            lst.on_evict(vid)
+        s.meta.delete_variants(vids, sync=sync)
+        for vid in vids:
+            for lst in s.listeners:
+                lst.on_evict(vid)
 
     def drop(self, vid: str, why: str) -> None:
         """Delete a variant whose payload cannot be served (unreadable or corrupt)."""
@@ -202,9 +211,9 @@ class Placement:
                 self.delete(vid)
 
     def evict_many(self, vs: list[Variant]) -> tuple[int, int]:
-        """Admin Evict / Flush: delete the unprotected ones; (evicted, skipped)."""
-        victims = [v for v in vs if not v.protected]
-        for v in victims:
-            self.delete(v.variant_id)
+        """Admin Evict / Flush: delete the unprotected ones, durably (an operator's
+        command); (evicted, skipped)."""
+        victims = [v.variant_id for v in vs if not v.protected]
+        self.delete_many(victims, sync=True)
         self.s.counters.evictions += len(victims)
         return len(victims), len(vs) - len(victims)

@@ -11,7 +11,8 @@ Keep exactly the variants whose metadata and full, verified payload agree:
      the exact size and every layer matching its checksum; otherwise the record and
      the payloads are dropped;
   3. a payload that has no record (a crash between its rename and the metadata
-     commit, or metadata lost undetected, e.g. a damaged WAL) is adopted if the record
+     commit, metadata lost undetected, e.g. a damaged WAL, or an eviction's unlink
+     lost by the machine while its unsynced delete was not) is adopted if the record
      it carries (docs/storage.md, "Disk format") matches it and every layer verifies;
      one that cannot be adopted is moved to <data_dir>/lost+found, never deleted;
   4. the index is rebuilt; faster (non-persistent) tiers start empty.
@@ -89,7 +90,7 @@ def _recover(s: StoreState, repair: bool) -> RecoveryReport:
             continue
         keep.append((v, held))
     if drop:
-        s.meta.delete_variants(drop)
+        s.meta.delete_variants(drop, sync=True)
     adopted: list[Variant] = []
     lost = 0
     for t in persistent:

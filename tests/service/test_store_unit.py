@@ -367,3 +367,53 @@ def test_a_variant_evicted_between_planning_and_leasing_is_planned_again(tmp_pat
     with pytest.raises(Unavailable, match="retry"):
         planning.plan(plan_request(MODEL, [[1, 2]], 3))
     store.close()
+
+
+def test_an_eviction_holds_the_lock_through_no_disk_flush_and_admin_evictions_are_durable(tmp_path, monkeypatch):
+    """A Store on a full disk evicts with the store's lock held: its metadata delete is
+    unsynced (no fsync; recovery copes, docs/storage.md). Admin Evict / Flush answer an
+    operator, so theirs reach the disk before they return."""
+    import os
+
+    cfg = load_config(env={}, overrides={"data_dir": str(tmp_path), "disk_budget_bytes": 2 * LAYER_BYTES})
+    store = ChunkStore(cfg)
+    a, b = put(store, [1, 2]), put(store, [3, 4])
+    fsyncs: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real(fd))[1])
+    with store._s.lock:
+        store._placement.delete(store.lookup(a)[0].variant_id)
+    assert fsyncs == [] and not store.lookup(a)
+    assert store.evict(Selector(chunk_key=b)) == (1, 0)
+    assert fsyncs, "Admin Evict returned before its delete was on disk"
+    store.close()
+
+
+def test_flush_deletes_in_batches_and_spares_what_it_must(tmp_path, monkeypatch):
+    """Flush frees the store's lock between batches: a variant stored meanwhile stays, a
+    pinned or leased one is skipped, every other one is gone (and counted once)."""
+    import kvservice.store as store_module
+
+    monkeypatch.setattr(store_module, "FLUSH_BATCH", 3)
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
+    keys = [put(store, [i, i + 1]) for i in range(0, 20, 2)]
+    store.set_pinned(Selector(chunk_key=keys[4]), True)
+    store.take_lease([Ref(keys[8])])
+    batches = []
+    evict_many = store._placement.evict_many
+
+    def watched(vs):
+        batches.append(len(vs))
+        if len(batches) == 1:  # between batches, another thread stores and evicts
+            store._s.lock.release()
+            try:
+                keys.append(put(store, [100, 101]))
+                store.evict(Selector(chunk_key=keys[9]))
+            finally:
+                store._s.lock.acquire()
+        return evict_many(vs)
+    monkeypatch.setattr(store._placement, "evict_many", watched)
+    assert store.flush() == (7, 2)
+    assert batches == [3, 1, 3, 3, 0]  # the 1: the other thread's Evict; the 0: its variant gone
+    assert sorted(k for k in keys if store.lookup(k)) == sorted([keys[4], keys[8], keys[10]])
+    store.close()
