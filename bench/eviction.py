@@ -10,9 +10,10 @@ their variant's key: the order must put those right as it goes. Each victim is c
 against the scan's choice for the first victims, then dropped from the tier.
 
 A second table times deleting a victim once chosen (its payload file, then its metadata,
-with the store's lock held), on real payload files in the data directory's filesystem:
-with the metadata delete synced (as until 2026-11-24) and unsynced (as evictions do
-now), alternating victims.
+with the store's lock held), on real payload files just written (as a full disk's
+newest variants are): the way the store did until 2026-11-24 (unlink the file, synced
+metadata delete) beside the store's own (rename the file aside for a reaper thread,
+unsynced metadata delete), alternating victims.
 
     kvcraft bench eviction --sizes 16000 100000 1000000 --data-dir /var/tmp
 """
@@ -102,36 +103,49 @@ def measure(n: int, victims: int, seed: int = 0) -> dict:
             "ours_max_us": round(max(ours_s) * 1e6, 1), "victims": victims}
 
 
-def measure_delete(victims: int, parent: str | None) -> dict:
+def measure_delete(victims: int, mib: int, parent: str | None) -> dict:
+    """Delete `victims` real variants of `mib` MiB each, one by one with the store's lock
+    held, alternating the way the store deleted until 2026-11-24 (unlink in place,
+    synced metadata delete) with the store's own (`Placement.delete`)."""
+    layers = max(1, mib // 2)
+    spec = Spec(pb.FLOAT16, (8, 512, 128))  # K or V of one layer: 1 MiB
     with tempfile.TemporaryDirectory(prefix="kvcraft-delete-", dir=parent) as tmp:
-        store = ChunkStore(load_config(env={}, overrides={"data_dir": tmp}))
-        spec = Spec(pb.FLOAT16, (8, 16, 128))
+        store = ChunkStore(load_config(env={}, overrides={"data_dir": tmp, "host_budget_bytes": 1 << 20}))
+        layer = bytes(8 * 512 * 128 * 2)
         vids = []
         for i in range(victims):
-            s = store.begin_store(StoreHeader(MODEL, [i, 1, 2] + [0] * 13, (), 2, spec, spec))
-            for layer in range(2):
-                s.add_layer(layer, bytes(8 * 16 * 128 * 2), bytes(8 * 16 * 128 * 2))
+            s = store.begin_store(StoreHeader(MODEL, [i, 1, 2] + [0] * 509, (), layers, spec, spec))
+            for n in range(layers):
+                s.add_layer(n, layer, layer)
             vids.append(s.finish().variant_id)
-        times: dict[bool, list[float]] = {True: [], False: []}
+        disk = store.tiers[store._s.home]
+        times: dict[str, list[float]] = {"before": [], "now": []}
         for i, vid in enumerate(vids):
-            sync = i % 2 == 0
             t = time.perf_counter()
             with store._s.lock:
-                store._placement.delete_many([vid], sync=sync)
-            times[sync].append(time.perf_counter() - t)
+                if i % 2 == 0:
+                    disk.path_of(vid).unlink()
+                    store._placement.delete_many([vid], sync=True)
+                else:
+                    store._placement.delete(vid)
+            times["before" if i % 2 == 0 else "now"].append(time.perf_counter() - t)
         if len(store.index):
             raise AssertionError(f"{len(store.index)} variants left after deleting every one")
-        store.close()
-    return {"victims": victims, "synced_p50_ms": round(statistics.median(times[True]) * 1e3, 3),
-            "unsynced_p50_ms": round(statistics.median(times[False]) * 1e3, 3),
-            "synced_max_ms": round(max(times[True]) * 1e3, 3), "unsynced_max_ms": round(max(times[False]) * 1e3, 3)}
+        store.close()  # the reaper unlinks what is left
+        left = list(Path(tmp, "payloads").rglob("*.kv*"))
+        if left:
+            raise AssertionError(f"{len(left)} payload files left behind, e.g. {left[0]}")
+    return {"victims": victims, "mib": layers * 2} | {
+        f"{k}_{stat}_ms": round(f(v) * 1e3, 3) for k, v in times.items()
+        for stat, f in (("p50", statistics.median), ("max", max))}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvcraft bench eviction")
     p.add_argument("--sizes", type=int, nargs="+", default=[16_000, 100_000, 1_000_000])
     p.add_argument("--victims", type=int, default=1000)
-    p.add_argument("--deletes", type=int, default=400, help="victims deleted for the second table")
+    p.add_argument("--deletes", type=int, default=100, help="victims deleted for the second table")
+    p.add_argument("--delete-mib", type=int, default=8, help="payload size of those victims")
     p.add_argument("--data-dir", help="where the second table's payload files go (default: the temp dir)")
     p.add_argument("--json", default="bench-eviction.json")
     a = p.parse_args(argv)
@@ -142,11 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(r)
         print(f"{r['variants']:>10} {r['fill_s']:>7} {r['scan_ms']:>15} {r['ours_p50_us']:>12} {r['ours_max_us']:>12}",
               flush=True)
-    d = measure_delete(a.deletes, a.data_dir)
-    print(f"\ndeleting a victim (payload + metadata), {d['victims']} alternating:")
-    print(f"{'metadata':>10} {'p50 ms':>8} {'max ms':>8}")
-    print(f"{'synced':>10} {d['synced_p50_ms']:>8} {d['synced_max_ms']:>8}")
-    print(f"{'unsynced':>10} {d['unsynced_p50_ms']:>8} {d['unsynced_max_ms']:>8}", flush=True)
+    d = measure_delete(a.deletes, a.delete_mib, a.data_dir)
+    print(f"\ndeleting a victim of {d['mib']} MiB with the store's lock held, {d['victims']} alternating:")
+    print(f"{'way':>40} {'p50 ms':>8} {'max ms':>8}")
+    print(f"{'unlink + synced metadata (until 11-24)':>40} {d['before_p50_ms']:>8} {d['before_max_ms']:>8}")
+    print(f"{'rename aside + unsynced metadata (now)':>40} {d['now_p50_ms']:>8} {d['now_max_ms']:>8}", flush=True)
     Path(a.json).write_text(json.dumps({"victims": rows, "delete": d}, indent=2))
     return 0
 

@@ -55,12 +55,12 @@ def test_bench_eviction_chooses_the_scans_victims(tmp_path):
     """`kvcraft bench eviction` checks each of its first victims against a scan and sort
     of every variant (it raises on a difference) while reuses leave entries stale."""
     out = tmp_path / "eviction.json"
-    assert cli.main(["bench", "eviction", "--sizes", "2000", "--victims", "200", "--deletes", "20",
+    assert cli.main(["bench", "eviction", "--sizes", "2000", "--victims", "200", "--deletes", "6", "--delete-mib", "2",
                      "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     (row,) = result["victims"]
     assert row["variants"] == 2000 and row["victims"] == 200
-    assert result["delete"]["victims"] == 20  # it raises if a variant was left behind
+    assert result["delete"]["victims"] == 6  # it raises if a variant or a file was left behind
 
 
 def test_bench_reuse_writes_reads_back_the_scores_it_wrote(tmp_path):

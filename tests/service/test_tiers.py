@@ -180,3 +180,35 @@ def test_same_host_fast_path_reads_the_slab_without_copies(start_server):
         big = c.store(MODEL, list(range(1000, 1100)), [(torch.zeros(2, 100, 8), torch.zeros(2, 100, 8))] * 2)
         with c.fetch_local([Ref(big.chunk_key)]) as got:
             assert got.layers == [None]
+
+
+def test_disk_delete_frees_at_once_and_a_variant_stored_again_meanwhile_is_kept(tmp_path):
+    """A deleted payload leaves the tier and its usage at once; its file is unlinked
+    later, off the caller's thread. A variant stored again under the same id before
+    that must keep its new file, and closing the tier leaves no file behind."""
+    from kvservice.tiers.base import PayloadShape
+    from kvservice.tiers.disk import DiskTier
+
+    tier = DiskTier(tmp_path / "payloads", 1 << 20)
+    shape = PayloadShape(2, 4096)
+    vids = [f"{i:02x}" + "a" * 30 for i in range(8)]
+
+    def write(vid: str, fill: int) -> None:
+        w = tier.open_writer(vid, shape)
+        for _ in range(2):
+            w.write_layer(bytes([fill]) * 4096)
+        w.commit()
+
+    for vid in vids:
+        write(vid, 1)
+    assert tier.usage() == 8 * 2 * 4096
+    for vid in vids:
+        tier.delete(vid)
+        assert vid not in tier and not tier.path_of(vid).exists()
+        write(vid, 2)  # stored again at once, while the old file may wait for the reaper
+    assert tier.usage() == 8 * 2 * 4096
+    tier.close()  # the reaper has unlinked every old file by now
+    files = sorted(p.name for p in (tmp_path / "payloads").rglob("*") if p.is_file())
+    assert files == sorted(v + ".kv" for v in vids)
+    for vid in vids:
+        assert tier.path_of(vid).read_bytes()[:8192] == bytes([2]) * 8192
