@@ -99,7 +99,7 @@ class Placement:
             except TierFull as full:
                 victim = self.lowest(i, tried)
                 if victim is None:
-                    # Before refusing a Store, the order is rebuilt from the whole index:
+                    # Before refusing a Store, the order is rebuilt from what the tier holds:
                     # a variant that arrived without an entry costs time, never room.
                     self.s.rebuild_eviction_order((i,))
                     victim = self.lowest(i, tried)

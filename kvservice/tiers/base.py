@@ -130,6 +130,11 @@ class Tier(ABC):
         """Variants the tier holds a committed copy of (O(1): the store's stats read it
         on every metrics scrape)."""
 
+    @abstractmethod
+    def variant_ids(self) -> list[str]:
+        """The ids of the variants it holds a committed copy of, a snapshot (the store
+        rebuilds the tier's eviction order from it)."""
+
     def scan(self) -> Iterator[tuple[str, int]]:
         """(variant id, payload bytes) of every complete payload held, deleting the
         debris of interrupted writes. Persistent tiers only; run once, at start-up."""

@@ -240,6 +240,10 @@ class DiskTier(Tier):
     def __len__(self) -> int:
         return len(self._held)
 
+    def variant_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._held)
+
     def _settle(self, reserved: int, used: int, add: str = "", drop: str = "") -> None:
         with self._lock:
             self._reserved -= reserved

@@ -248,5 +248,9 @@ class RemoteTier(Tier):
     def __len__(self) -> int:
         return len(self._known)
 
+    def variant_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._known)
+
     def close(self) -> None:
         self.client.close()

@@ -128,6 +128,10 @@ class SlabTier(Tier):
     def __len__(self) -> int:
         return len(self._where)
 
+    def variant_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._where)
+
 
 class SlabWriter(TierWriter):
     """Copies layers into an extent reserved when the writer opens; `commit` makes it
