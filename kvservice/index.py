@@ -138,6 +138,7 @@ class VariantIndex:
         self._by_chunk: dict[str, tuple[Variant, ...]] = {}
         self._specs: dict[Spec, Spec] = {}
         self._layouts: dict[LayerLayout, LayerLayout] = {}
+        self.pinned = 0  # variants with pinned set (Admin/Stats, every metrics scrape: no walk)
 
     # -- read side (the planner's VariantCatalog) --------------------------------------
     def variants_of(self, chunk_key: str) -> tuple[Variant, ...]:
@@ -172,9 +173,16 @@ class VariantIndex:
             v.chunk_key = chunk[0].chunk_key  # one string object per chunk key
         self._by_id[v.variant_id] = v
         self._by_chunk[v.chunk_key] = (*chunk, v)
+        self.pinned += v.pinned
+
+    def set_pinned(self, v: Variant, pinned: bool) -> None:
+        """Pin or unpin a variant of the index."""
+        self.pinned += pinned - v.pinned
+        v.pinned = pinned
 
     def remove(self, variant_id: str) -> Variant:
         v = self._by_id.pop(variant_id)
+        self.pinned -= v.pinned
         rest = tuple(x for x in self._by_chunk[v.chunk_key] if x is not v)
         if rest:
             self._by_chunk[v.chunk_key] = rest
