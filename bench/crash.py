@@ -150,3 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(json.dumps(asdict(rep), indent=2))
     Path(a.json).write_text(json.dumps(asdict(rep), indent=2))
     return 0 if not rep.violations else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
