@@ -102,8 +102,9 @@ class MetadataDB:
         self._variants = self._db.get_column_family("variants")
         self._meta = self._db.get_column_family("meta")
         self._access = self._db.get_column_family("access")
-        self._variants_h = self._db.get_column_family_handle("variants")
-        self._access_h = self._db.get_column_family_handle("access")
+        # Write handles by column family, looked up when a batch is built (after a
+        # reopen, or the access family made anew, they are new ones).
+        self._handles = {cf: self._db.get_column_family_handle(cf) for cf in ("variants", "access")}
 
     def _write(self, ops: Ops, sync: bool) -> None:
         """One batch of `ops`; with `sync`, durable before returning (group commit)."""
@@ -252,49 +253,44 @@ class MetadataDB:
         """Drop the access column family and make it anew: a damaged table file left in
         it would fail a later compaction, and RocksDB then refuses every write."""
         self._access.close()
-        self._access = self._access_h = None
+        self._access = self._handles["access"] = None
         self._db.drop_column_family("access")
         self._access = self._db.create_column_family("access", Options(raw_mode=True))
-        self._access_h = self._db.get_column_family_handle("access")
+        self._handles["access"] = self._db.get_column_family_handle("access")
 
     def put_variants(self, variants: Iterable[Variant], *, sync: bool) -> None:
-        records = [(v.variant_id.encode(), variant_message(v).SerializeToString()) for v in variants]
-
-        def ops(wb: WriteBatch) -> None:
-            for key, raw in records:
-                wb.put(key, raw, self._variants_h)
-
-        self._write(ops, sync)
+        self._put("variants", [(v.variant_id.encode(), variant_message(v).SerializeToString()) for v in variants],
+                  sync)
 
     def put_access(self, variants: Iterable[Variant]) -> None:
         """The variants' fr and last access, unsynced."""
-        records = [(v.variant_id.encode(), ACCESS.pack(v.fr, v.last_access_ms)) for v in variants]
-
-        def ops(wb: WriteBatch) -> None:
-            for key, raw in records:
-                wb.put(key, raw, self._access_h)
-
-        self._write(ops, False)
+        self._put("access", [(v.variant_id.encode(), ACCESS.pack(v.fr, v.last_access_ms)) for v in variants], False)
 
     def delete_variants(self, variant_ids: Iterable[str], *, sync: bool) -> None:
-        keys = [vid.encode() for vid in variant_ids]
-
-        def ops(wb: WriteBatch) -> None:
-            for key in keys:
-                wb.delete(key, self._variants_h)
-                wb.delete(key, self._access_h)
-
-        self._write(ops, sync)
+        self._delete(("variants", "access"), variant_ids, sync)
 
     def delete_access(self, variant_ids: Iterable[str]) -> None:
         """Access records of variants no record describes (recovery), unsynced."""
+        self._delete(("access",), variant_ids, False)
+
+    def _put(self, cf: str, records: list[tuple[bytes, bytes]], sync: bool) -> None:
+        def ops(wb: WriteBatch) -> None:
+            handle = self._handles[cf]
+            for key, raw in records:
+                wb.put(key, raw, handle)
+
+        self._write(ops, sync)
+
+    def _delete(self, cfs: tuple[str, ...], variant_ids: Iterable[str], sync: bool) -> None:
         keys = [vid.encode() for vid in variant_ids]
 
         def ops(wb: WriteBatch) -> None:
+            handles = [self._handles[cf] for cf in cfs]
             for key in keys:
-                wb.delete(key, self._access_h)
+                for handle in handles:
+                    wb.delete(key, handle)
 
-        self._write(ops, False)
+        self._write(ops, sync)
 
     def _drop_handles(self) -> None:
         """Let go of the database: RocksDB's lock is released only once no handle is
@@ -304,7 +300,8 @@ class MetadataDB:
                 handle.close()
             except Exception:  # "Writer has previous error": expected here
                 pass
-        self._variants = self._access = self._meta = self._db = self._variants_h = self._access_h = None
+        self._variants = self._access = self._meta = self._db = None
+        self._handles = {}
         gc.collect()
 
     def close(self) -> None:
