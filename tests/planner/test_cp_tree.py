@@ -1,3 +1,5 @@
+import gc
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -218,3 +220,29 @@ def test_the_tree_stays_bounded_when_nothing_is_ever_stored():
         planner.plan("model", "", [ChunkRef(k, 10) for k in keys], question_tokens=8)
         most = max(most, len(planner.cp_tree))
     assert 0 < most <= window * 5
+
+
+def test_planning_leaves_no_reference_cycles():
+    """Garbage in a reference cycle waits for the cyclic collector, whose pauses land in
+    whatever Plan happens to allocate next (~250 µs each at a million variants): a Plan,
+    with its CP-Tree follow, promotion, extension and pending expiry, frees all it
+    made by reference counting."""
+    catalog = InMemoryCatalog()
+    planner = Planner(catalog, PlannerConfig(promotion_threshold=2, ca_window=20))
+    catalog.listeners.append(planner)
+    keys = [key(f"C{i}") for i in range(12)]
+    requests = [[keys[(i * 7 + j * 5) % 12] for j in range(4)] for i in range(60)]
+    for r in requests[:30]:  # promoted paths (live and pending) for `follow` to find
+        plan = planner.plan("model", "", [ChunkRef(k, 10) for k in r], question_tokens=8)
+        if len(plan.order) % 2:
+            _engine_stores(catalog, plan)
+    assert len(planner.cp_tree) > 0
+    gc.collect()
+    gc.disable()
+    try:
+        for r in requests[30:]:
+            plan = planner.plan("model", "", [ChunkRef(k, 10) for k in r], question_tokens=8)
+        unreachable = gc.collect()
+    finally:
+        gc.enable()
+    assert unreachable == 0
