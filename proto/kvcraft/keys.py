@@ -14,8 +14,10 @@ imports neither torch nor grpc.
 
 from __future__ import annotations
 
+import array
 import json
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
@@ -62,12 +64,7 @@ def chunk_key(model_id: str, token_ids: Sequence[int]) -> str:
 
 def variant_id(key: str, prefix_keys: Iterable[str]) -> str:
     """Id of the variant of chunk `key` computed behind `prefix_keys` (in order)."""
-    h = xxhash.xxh3_128()
-    h.update(key.encode())
-    for p in prefix_keys:
-        h.update(b"/")
-        h.update(p.encode())
-    return h.hexdigest()
+    return xxhash.xxh3_128_hexdigest("/".join([key, *prefix_keys]).encode())
 
 
 _HEX_KEY = re.compile(f"[0-9a-f]{{{KEY_HEX_LEN}}}")
@@ -79,9 +76,24 @@ def is_key(s: str) -> bool:
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """The ids as uint32 little-endian: one C loop (`array`) for ids that are ints in
+    range (7.5 µs for 512 ids; the Python loop below took 215 µs), the loop for anything
+    else, which converts what `int` takes and names an id out of range."""
+    if _UINT32_ITEMSIZE == 4 and not isinstance(token_ids, (bytes, bytearray)):  # array() takes those as raw bytes
+        try:
+            packed = array.array("I", token_ids)
+        except (OverflowError, TypeError, ValueError):
+            pass
+        else:
+            if sys.byteorder == "big":
+                packed.byteswap()
+            return packed.tobytes()
     out = bytearray()
     for t in token_ids:
         if not 0 <= int(t) < 2**32:
             raise ValueError(f"token id {t} is outside [0, 2^32)")
         out += int(t).to_bytes(4, "little")
     return bytes(out)
+
+
+_UINT32_ITEMSIZE = array.array("I").itemsize

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import struct
 
+import numpy
 import pytest
+import torch
 import xxhash
 
 from kvcraft.keys import ModelSpec, chunk_key, is_key, variant_id
@@ -22,6 +24,18 @@ def test_keys_are_the_documented_hashes():
     a, b = chunk_key(model_id, [1]), chunk_key(model_id, [2])
     assert variant_id(want, [a, b]) == xxhash.xxh3_128_hexdigest(f"{want}/{a}/{b}".encode())
     assert variant_id(want, []) == xxhash.xxh3_128_hexdigest(want.encode())
+
+
+@pytest.mark.parametrize("tokens", [
+    list(range(70_000, 70_600)), (0, 2**32 - 1), range(3, 9), numpy.arange(5, 12, dtype=numpy.int64),
+    numpy.arange(4, dtype=numpy.uint32), torch.arange(6), [True, 7], [3.0, 4], ["5", 6], b"\x01\x02", [],
+])
+def test_a_chunk_key_is_the_same_whatever_sequence_holds_the_ids(tokens):
+    """Token ids come as lists, tuples, ranges, numpy and torch values (a connector's
+    block, a tokenizer's output): each gives the key of the same ints."""
+    ids = [int(t) for t in tokens]
+    want = xxhash.xxh3_128_hexdigest(SPEC.fingerprint().encode() + b"\x00" + struct.pack(f"<{len(ids)}I", *ids))
+    assert chunk_key(SPEC.fingerprint(), tokens) == want
 
 
 def test_keys_do_not_change_between_versions():
@@ -54,5 +68,7 @@ def test_bad_input_is_named():
         chunk_key("", [1])
     with pytest.raises(ValueError, match=r"token id -1 is outside \[0, 2\^32\)"):
         chunk_key(SPEC.fingerprint(), [1, -1])
+    with pytest.raises(ValueError, match=r"token id 4294967296 is outside \[0, 2\^32\)"):
+        chunk_key(SPEC.fingerprint(), numpy.array([1, 2**32]))
     assert is_key(SPEC.fingerprint())
     assert not is_key(SPEC.fingerprint().upper()) and not is_key("abc") and not is_key("g" * 32)
