@@ -125,7 +125,8 @@ def measure_delete(victims: int, mib: int, parent: str | None) -> dict:
             with store._s.lock:
                 if i % 2 == 0:
                     disk.path_of(vid).unlink()
-                    store._placement.delete_many([vid], sync=True)
+                    store._placement.delete_many([vid])
+                    store._s.meta.sync()
                 else:
                     store._placement.delete(vid)
             times["before" if i % 2 == 0 else "now"].append(time.perf_counter() - t)

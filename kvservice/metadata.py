@@ -70,6 +70,10 @@ class MetadataDamaged(Exception):
         self.path = path
 
 
+def _nothing(wb: WriteBatch) -> None:
+    pass
+
+
 class MetadataDB:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -257,6 +261,13 @@ class MetadataDB:
         self._db.drop_column_family("access")
         self._access = self._db.create_column_family("access", Options(raw_mode=True))
         self._handles["access"] = self._db.get_column_family_handle("access")
+
+    def sync(self) -> None:
+        """Make every write that returned before this call durable: one group commit
+        (an empty batch and the log's fsync, shared with the synced writes queued
+        beside it). A caller that writes with the store's lock held writes unsynced and
+        calls this once the lock is free, so Plans and fetches do not wait for the disk."""
+        self._write_durable(_nothing)
 
     def put_variants(self, variants: Iterable[Variant], *, sync: bool) -> None:
         self._put("variants", [(v.variant_id.encode(), variant_message(v).SerializeToString()) for v in variants],

@@ -183,8 +183,9 @@ class ChunkStore:
             vs = self._select(selector)
             for v in vs:
                 self.index.set_pinned(v, pinned)
-            self._s.meta.put_variants(vs, sync=True)
-            return len(vs)
+            self._s.meta.put_variants(vs, sync=False)
+        self._s.meta.sync()  # durable before Admin answers; Plans need not wait for the disk
+        return len(vs)
 
     def _select(self, selector: Selector) -> list[Variant]:
         if selector.chunk_key:
@@ -203,11 +204,14 @@ class ChunkStore:
     def evict(self, selector: Selector) -> tuple[int, int]:
         with self._s.lock:
             self._leases.expire()
-            return self._placement.evict_many(self._select(selector))
+            done = self._placement.evict_many(self._select(selector))
+        self._s.meta.sync()  # durable before Admin answers, the lock already free
+        return done
 
     def flush(self) -> tuple[int, int]:
-        """Every unprotected variant, in batches of FLUSH_BATCH, each one synced metadata
-        write: between two, the store's lock is free for Plans, fetches and Stores."""
+        """Every unprotected variant, in batches of FLUSH_BATCH, each one metadata write
+        synced once the lock is free: between two, the store's lock is free for Plans,
+        fetches and Stores."""
         evicted = skipped = 0
         stored = list(self.index)
         for i in range(0, len(stored), FLUSH_BATCH):
@@ -215,6 +219,7 @@ class ChunkStore:
                 self._leases.expire()
                 batch = [v for v in stored[i:i + FLUSH_BATCH] if self.index.get(v.variant_id) is v]
                 e, k = self._placement.evict_many(batch)
+            self._s.meta.sync()
             evicted, skipped = evicted + e, skipped + k
         return evicted, skipped
 

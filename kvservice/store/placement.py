@@ -181,15 +181,16 @@ class Placement:
         return True
 
     def delete(self, vid: str) -> None:
-        self.delete_many([vid], sync=False)
+        self.delete_many([vid])
 
-    def delete_many(self, vids: list[str], *, sync: bool) -> None:
+    def delete_many(self, vids: list[str]) -> None:
         """Payloads first, then the metadata, in one batch. A crash between leaves
-        records without a payload, which recovery drops. The metadata write need not be
-        synced (an eviction runs with the store's lock held, and a synced write would
-        hold it through a disk flush): if the machine loses it, the records come back
-        and recovery drops them, or, where the payload's unlink was lost too, the whole
-        variant comes back intact (a payload is verified before it is adopted)."""
+        records without a payload, which recovery drops. The metadata write is not
+        synced (this runs with the store's lock held, and a synced write would hold it
+        through a disk flush; Admin's deletes sync once the lock is free): if the machine
+        loses it, the records come back and recovery drops them, or, where the payload's
+        unlink was lost too, the whole variant comes back intact (a payload is verified
+        before it is adopted)."""
         if not vids:
             return
         s = self.s
@@ -198,7 +199,7 @@ class Placement:
             for tier in s.tiers:
                 tier.delete(vid)
         failpoints.reach("delete:payload-deleted")
-        s.meta.delete_variants(vids, sync=sync)
+        s.meta.delete_variants(vids, sync=False)
         for vid in vids:
             for lst in s.listeners:
                 lst.on_evict(vid)
@@ -211,9 +212,9 @@ class Placement:
                 self.delete(vid)
 
     def evict_many(self, vs: list[Variant]) -> tuple[int, int]:
-        """Admin Evict / Flush: delete the unprotected ones, durably (an operator's
-        command); (evicted, skipped)."""
+        """Admin Evict / Flush: delete the unprotected ones; (evicted, skipped). The
+        caller makes it durable (`MetadataDB.sync`) once the store's lock is free."""
         victims = [v.variant_id for v in vs if not v.protected]
-        self.delete_many(victims, sync=True)
+        self.delete_many(victims)
         self.s.counters.evictions += len(victims)
         return len(victims), len(vs) - len(victims)

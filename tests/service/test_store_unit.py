@@ -453,3 +453,47 @@ def test_the_pinned_count_matches_the_variants_through_pins_drops_and_restarts(t
     store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
     assert store.stats().pinned == want == sum(v.pinned for v in store.index)
     store.close()
+
+
+def test_admin_pin_evict_and_flush_sync_their_writes_with_the_store_lock_free(tmp_path, monkeypatch):
+    """Pin, Evict and Flush are durable before they answer, yet the log's fsync (a disk
+    flush, milliseconds) runs with the store's lock free: Plans, Lookups and fetch
+    starts, which take it, do not wait for the disk. What they did survives a restart."""
+    import os
+    import threading
+
+    from kvservice import metadata
+
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
+    keys = [put(store, [i, i + 1]) for i in range(0, 12, 2)]
+    lock_free_at_fsync: list[bool] = []
+    real_fsync = metadata.os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".log"):
+            got: list[bool] = []
+
+            def try_lock() -> None:  # another thread, as the event loop's Plan would be
+                got.append(store._s.lock.acquire(timeout=2))
+                if got[0]:
+                    store._s.lock.release()
+            t = threading.Thread(target=try_lock)
+            t.start()
+            t.join()
+            lock_free_at_fsync.append(got[0])
+        real_fsync(fd)
+
+    monkeypatch.setattr(metadata.os, "fsync", fsync)
+    store.take_lease([Ref(keys[5])])
+    for call in (lambda: store.set_pinned(Selector(chunk_key=keys[0]), True),
+                 lambda: store.evict(Selector(chunk_key=keys[1])),
+                 store.flush):
+        lock_free_at_fsync.clear()
+        call()
+        assert lock_free_at_fsync and all(lock_free_at_fsync), lock_free_at_fsync
+    store.close()
+    monkeypatch.undo()
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
+    assert sorted(k for k in keys if store.lookup(k)) == sorted([keys[0], keys[5]])  # pinned, leased: kept
+    assert store.lookup(keys[0])[0].pinned
+    store.close()
