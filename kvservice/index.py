@@ -23,6 +23,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from sortedcontainers import SortedList
+
 from kvcraft.layout import LayerLayout
 from kvcraft.records import VariantStats
 
@@ -136,6 +138,9 @@ class VariantIndex:
     def __init__(self) -> None:
         self._by_id: dict[str, Variant] = {}
         self._by_chunk: dict[str, tuple[Variant, ...]] = {}
+        # Chunk keys in order, for Admin/ListChunks pages (O(log n) per new or removed
+        # chunk; a page is a range of it instead of a pass over every key).
+        self._chunk_order: SortedList = SortedList()
         self._specs: dict[Spec, Spec] = {}
         self._layouts: dict[LayerLayout, LayerLayout] = {}
         self.pinned = 0  # variants with pinned set (Admin/Stats, every metrics scrape: no walk)
@@ -162,6 +167,11 @@ class VariantIndex:
     def chunk_keys(self) -> list[str]:
         return list(self._by_chunk)
 
+    def chunk_keys_after(self, after: str) -> Iterator[str]:
+        """Chunk keys greater than `after`, in order (lazily: do not add or remove
+        variants while iterating)."""
+        return self._chunk_order.irange(minimum=after, inclusive=(False, False))
+
     # -- write side ----------------------------------------------------------------------
     def add(self, v: Variant) -> None:
         """Add a variant, or replace the one with its id."""
@@ -171,6 +181,8 @@ class VariantIndex:
         chunk = self._by_chunk.get(v.chunk_key, ())
         if chunk:
             v.chunk_key = chunk[0].chunk_key  # one string object per chunk key
+        else:
+            self._chunk_order.add(v.chunk_key)
         self._by_id[v.variant_id] = v
         self._by_chunk[v.chunk_key] = (*chunk, v)
         self.pinned += v.pinned
@@ -188,6 +200,7 @@ class VariantIndex:
             self._by_chunk[v.chunk_key] = rest
         else:
             del self._by_chunk[v.chunk_key]
+            self._chunk_order.remove(v.chunk_key)
         return v
 
     def intern_spec(self, spec: Spec) -> Spec:

