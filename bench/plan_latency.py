@@ -16,7 +16,10 @@ also timed with 10,000 leases held (as engines that died holding them leave behi
 "stream" is `AsyncKVClient.plan` (one long-lived PlanStream call). "floor" is a
 loopback unary call that does nothing (the gRPC health check on the same server and
 channel, interleaved with the Plans): what grpcio itself costs here, the limit the
-Plan RPC is compared with in the same run.
+Plan RPC is compared with in the same run. "calib" is the CPU time of a fixed loop of
+plain Python (2M additions; median of 5, in the server process just before the planner
+is timed): how fast this machine runs Python at that moment. On the shared 2-core VM it
+varies by ~2x over hours, and every column above moves with it.
 
     kvcraft bench plan-latency --sizes 10000 100000 1000000 --requests 2000
 """
@@ -92,6 +95,18 @@ def _pcts(samples: list[float]) -> tuple[float, float]:
     return statistics.median(s) * 1e6, s[int(0.99 * (len(s) - 1))] * 1e6
 
 
+def _calibration_ms() -> float:
+    """CPU ms of a fixed loop of plain Python (median of 5): the machine's speed now."""
+    times = []
+    for _ in range(5):
+        c = time.thread_time()
+        total = 0
+        for i in range(2_000_000):
+            total += i
+        times.append(time.thread_time() - c)
+    return statistics.median(times) * 1e3
+
+
 def _service_cpu(running: RunningServer, reqs: list[list[str]]) -> list[float]:
     """Thread CPU time of `PlanningService.plan` per request (each lease released after)."""
     service = running.store.listeners[0]
@@ -123,6 +138,7 @@ def _serve(n_variants: int, n_requests: int, seed: int, conn) -> None:  # noqa: 
             reqs = _requests(keys, n_requests, seed + 1)
             planner = running.store.listeners[0].planner
             running.heap.freeze()  # as `kvcraft serve` does once its index is recovered
+            calib_ms = _calibration_ms()
             in_proc, in_proc_cpu = [], []
             for r in reqs:
                 s, c = time.perf_counter(), time.thread_time()
@@ -139,7 +155,7 @@ def _serve(n_variants: int, n_requests: int, seed: int, conn) -> None:  # noqa: 
             rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             conn.send({"port": running.port, "keys": [k for r in reqs for k in r], "fill_s": fill_s,
                        "in_proc": in_proc, "in_proc_cpu": in_proc_cpu, "service_cpu": svc_cpu,
-                       "service_held_cpu": svc_held_cpu, "rss_gb": rss_gb})
+                       "service_held_cpu": svc_held_cpu, "rss_gb": rss_gb, "calib_ms": calib_ms})
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
             await running.stop(0)
 
@@ -208,7 +224,7 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
             "grpc_p50_us": round(g50, 1), "grpc_p99_us": round(g99, 1),
             "stream_p50_us": round(t50, 1), "stream_p99_us": round(t99, 1),
             "floor_p50_us": round(f50, 1), "floor_p99_us": round(f99, 1),
-            "load_avg": round(os.getloadavg()[0], 1)}
+            "load_avg": round(os.getloadavg()[0], 1), "calib_ms": round(got["calib_ms"], 1)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,9 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("10k leases p50", "service_cpu_held_leases_p50_us", 15), ("p99", "service_cpu_held_leases_p99_us", 8),
             ("gRPC p50", "grpc_p50_us", 9), ("p99", "grpc_p99_us", 8),
             ("stream p50", "stream_p50_us", 11), ("p99", "stream_p99_us", 8),
-            ("floor p50", "floor_p50_us", 10), ("p99", "floor_p99_us", 8), ("load", "load_avg", 5)]
+            ("floor p50", "floor_p50_us", 10), ("p99", "floor_p99_us", 8), ("load", "load_avg", 5),
+            ("calib ms", "calib_ms", 9)]
     print("µs; planner = Planner.plan in the server process (wall, then thread CPU time); service = "
-          "PlanningService.plan (CPU), also with 10k leases held; gRPC = KVClient.plan (unary Plan); stream = AsyncKVClient.plan (PlanStream); floor = a no-op unary call (health check), interleaved")
+          "PlanningService.plan (CPU), also with 10k leases held; gRPC = KVClient.plan (unary Plan); stream = AsyncKVClient.plan (PlanStream); floor = a no-op unary call (health check), interleaved; "
+          "calib = CPU ms of a fixed Python loop in the server process (the machine's speed now)")
     print(" ".join(f"{h:>{w}}" for h, _, w in cols), flush=True)
     for n in a.sizes:
         row = measure(n, a.requests)
