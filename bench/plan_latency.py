@@ -16,10 +16,11 @@ also timed with 10,000 leases held (as engines that died holding them leave behi
 "stream" is `AsyncKVClient.plan` (one long-lived PlanStream call). "floor" is a
 loopback unary call that does nothing (the gRPC health check on the same server and
 channel, interleaved with the Plans): what grpcio itself costs here, the limit the
-Plan RPC is compared with in the same run. "calib" is the CPU time of a fixed loop of
-plain Python (2M additions; median of 5, in the server process just before the planner
-is timed): how fast this machine runs Python at that moment. On the shared 2-core VM it
-varies by ~2x over hours, and every column above moves with it.
+Plan RPC is compared with in the same run. "calib" is how fast this machine ran plain
+Python meanwhile: the CPU time of a fixed loop (scaled to 2M additions), sampled after
+every 250 planner calls in the server process; the median, and the slowest sample over
+the fastest ("spread"). On the shared 2-core VM it swings by up to 2x within seconds, and
+the latency columns with it.
 
     kvcraft bench plan-latency --sizes 10000 100000 1000000 --requests 2000
 """
@@ -95,16 +96,16 @@ def _pcts(samples: list[float]) -> tuple[float, float]:
     return statistics.median(s) * 1e6, s[int(0.99 * (len(s) - 1))] * 1e6
 
 
-def _calibration_ms() -> float:
-    """CPU ms of a fixed loop of plain Python (median of 5): the machine's speed now."""
-    times = []
-    for _ in range(5):
-        c = time.thread_time()
-        total = 0
-        for i in range(2_000_000):
-            total += i
-        times.append(time.thread_time() - c)
-    return statistics.median(times) * 1e3
+CALIB_EVERY = 250  # planner calls between two calibration samples (0.4% of them follow one)
+
+
+def _calibration_sample_ms() -> float:
+    """CPU ms of a fixed loop of plain Python (100k additions), scaled to 2M."""
+    c = time.thread_time()
+    total = 0
+    for i in range(100_000):
+        total += i
+    return (time.thread_time() - c) * 20e3
 
 
 def _service_cpu(running: RunningServer, reqs: list[list[str]]) -> list[float]:
@@ -138,9 +139,10 @@ def _serve(n_variants: int, n_requests: int, seed: int, conn) -> None:  # noqa: 
             reqs = _requests(keys, n_requests, seed + 1)
             planner = running.store.listeners[0].planner
             running.heap.freeze()  # as `kvcraft serve` does once its index is recovered
-            calib_ms = _calibration_ms()
-            in_proc, in_proc_cpu = [], []
-            for r in reqs:
+            in_proc, in_proc_cpu, calib = [], [], []
+            for i, r in enumerate(reqs):
+                if i % CALIB_EVERY == 0:
+                    calib.append(_calibration_sample_ms())
                 s, c = time.perf_counter(), time.thread_time()
                 planner.plan(MODEL, "", [ChunkRef(k, TOKENS) for k in r], 64)
                 in_proc_cpu.append(time.thread_time() - c)
@@ -155,7 +157,7 @@ def _serve(n_variants: int, n_requests: int, seed: int, conn) -> None:  # noqa: 
             rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             conn.send({"port": running.port, "keys": [k for r in reqs for k in r], "fill_s": fill_s,
                        "in_proc": in_proc, "in_proc_cpu": in_proc_cpu, "service_cpu": svc_cpu,
-                       "service_held_cpu": svc_held_cpu, "rss_gb": rss_gb, "calib_ms": calib_ms})
+                       "service_held_cpu": svc_held_cpu, "rss_gb": rss_gb, "calib": calib})
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
             await running.stop(0)
 
@@ -224,7 +226,8 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
             "grpc_p50_us": round(g50, 1), "grpc_p99_us": round(g99, 1),
             "stream_p50_us": round(t50, 1), "stream_p99_us": round(t99, 1),
             "floor_p50_us": round(f50, 1), "floor_p99_us": round(f99, 1),
-            "load_avg": round(os.getloadavg()[0], 1), "calib_ms": round(got["calib_ms"], 1)}
+            "load_avg": round(os.getloadavg()[0], 1), "calib_ms": round(statistics.median(got["calib"]), 1),
+            "calib_spread": round(max(got["calib"]) / min(got["calib"]), 2)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -242,10 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("gRPC p50", "grpc_p50_us", 9), ("p99", "grpc_p99_us", 8),
             ("stream p50", "stream_p50_us", 11), ("p99", "stream_p99_us", 8),
             ("floor p50", "floor_p50_us", 10), ("p99", "floor_p99_us", 8), ("load", "load_avg", 5),
-            ("calib ms", "calib_ms", 9)]
+            ("calib ms", "calib_ms", 9), ("spread", "calib_spread", 7)]
     print("µs; planner = Planner.plan in the server process (wall, then thread CPU time); service = "
           "PlanningService.plan (CPU), also with 10k leases held; gRPC = KVClient.plan (unary Plan); stream = AsyncKVClient.plan (PlanStream); floor = a no-op unary call (health check), interleaved; "
-          "calib = CPU ms of a fixed Python loop in the server process (the machine's speed now)")
+          "calib = CPU ms of a fixed Python loop sampled in the server process during the planner's run (median; spread = slowest / fastest)")
     print(" ".join(f"{h:>{w}}" for h, _, w in cols), flush=True)
     for n in a.sizes:
         row = measure(n, a.requests)
