@@ -9,7 +9,7 @@ ordered list of chunk keys); its id hashes the chunk key and that prefix. The
 variant with an empty prefix is the chunk computed alone.
 
 This module is shared by the client, the service and the engine adapter; it
-imports neither torch nor grpc.
+imports neither torch nor grpc (numpy, for packing token ids, is a dependency of all).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
+import numpy
 import xxhash
 
 KEY_HEX_LEN = 32  # xxh3-128 as lowercase hex
@@ -76,18 +77,31 @@ def is_key(s: str) -> bool:
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    """The ids as uint32 little-endian: one C loop (`array`) for ids that are ints in
-    range (7.5 µs for 512 ids; the Python loop below took 215 µs), the loop for anything
-    else, which converts what `int` takes and names an id out of range."""
-    if _UINT32_ITEMSIZE == 4 and not isinstance(token_ids, (bytes, bytearray)):  # array() takes those as raw bytes
+    """The ids as uint32 little-endian, in one C pass where one applies: `array` for
+    lists, tuples and ranges (7.5 µs for 512 ids; the Python loop below took 215 µs),
+    numpy for protobuf repeated fields (6-20 µs where `array` took 51), numpy and torch
+    arrays. The loop for anything else, or ids out of range: it converts what `int`
+    takes and names an id out of range."""
+    if isinstance(token_ids, (list, tuple, range)):
+        if _UINT32_ITEMSIZE == 4:
+            try:
+                packed = array.array("I", token_ids)
+            except (OverflowError, TypeError, ValueError):
+                pass
+            else:
+                if sys.byteorder == "big":
+                    packed.byteswap()
+                return packed.tobytes()
+    elif not isinstance(token_ids, (bytes, bytearray, str)):
         try:
-            packed = array.array("I", token_ids)
-        except (OverflowError, TypeError, ValueError):
-            pass
-        else:
-            if sys.byteorder == "big":
-                packed.byteswap()
-            return packed.tobytes()
+            ids = numpy.asarray(token_ids)
+        except (TypeError, ValueError, RuntimeError):  # e.g. a tensor on a GPU
+            ids = None
+        if ids is not None and ids.ndim == 1:
+            if ids.dtype == numpy.uint32:  # a protobuf uint32 field: in range by its type
+                return ids.astype("<u4", copy=False).tobytes()
+            if ids.dtype.kind in "iu" and (ids.size == 0 or (ids.min() >= 0 and ids.max() < 2**32)):
+                return ids.astype("<u4").tobytes()
     out = bytearray()
     for t in token_ids:
         if not 0 <= int(t) < 2**32:

@@ -10,6 +10,7 @@ import torch
 import xxhash
 
 from kvcraft.keys import ModelSpec, chunk_key, is_key, variant_id
+from kvcraft.v1 import kvcraft_pb2 as pb
 
 SPEC = ModelSpec("golden", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16")
 
@@ -29,11 +30,16 @@ def test_keys_are_the_documented_hashes():
 @pytest.mark.parametrize("tokens", [
     list(range(70_000, 70_600)), (0, 2**32 - 1), range(3, 9), numpy.arange(5, 12, dtype=numpy.int64),
     numpy.arange(4, dtype=numpy.uint32), torch.arange(6), [True, 7], [3.0, 4], ["5", 6], b"\x01\x02", [],
+    pb.ChunkTokens(token_ids=range(2**32 - 600, 2**32)).token_ids, pb.ChunkTokens().token_ids,
+    numpy.array([3.0, 9.0]), numpy.array([True, False]), memoryview(b"\x07\x08"), torch.tensor([[1, 2]])[0],
+    lambda: (t for t in [4, 5.0, 6]),
 ])
 def test_a_chunk_key_is_the_same_whatever_sequence_holds_the_ids(tokens):
     """Token ids come as lists, tuples, ranges, numpy and torch values (a connector's
-    block, a tokenizer's output): each gives the key of the same ints."""
-    ids = [int(t) for t in tokens]
+    block, a tokenizer's output), protobuf repeated fields (a Plan's or Store's ids):
+    each gives the key of the same ints."""
+    ids = [int(t) for t in (tokens() if callable(tokens) else tokens)]
+    tokens = tokens() if callable(tokens) else tokens
     want = xxhash.xxh3_128_hexdigest(SPEC.fingerprint().encode() + b"\x00" + struct.pack(f"<{len(ids)}I", *ids))
     assert chunk_key(SPEC.fingerprint(), tokens) == want
 
@@ -70,5 +76,7 @@ def test_bad_input_is_named():
         chunk_key(SPEC.fingerprint(), [1, -1])
     with pytest.raises(ValueError, match=r"token id 4294967296 is outside \[0, 2\^32\)"):
         chunk_key(SPEC.fingerprint(), numpy.array([1, 2**32]))
+    with pytest.raises(ValueError, match=r"token id -3 is outside \[0, 2\^32\)"):
+        chunk_key(SPEC.fingerprint(), torch.tensor([5, -3]))
     assert is_key(SPEC.fingerprint())
     assert not is_key(SPEC.fingerprint().upper()) and not is_key("abc") and not is_key("g" * 32)
