@@ -1,0 +1,32 @@
+"""Requests name chunks by token ids however the caller holds them (a list, numpy, torch,
+floats a tokenizer returned): the ids on the wire are the same ints, and an id outside
+uint32 is refused with a ValueError that names it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvclient.client import _lookup_request, plan_request, store_header
+from kvcraft.keys import ModelSpec
+
+MODEL = ModelSpec("req", 1, 1, 2, "float32").fingerprint()
+LAYERS = [(torch.zeros(1, 3, 2), torch.zeros(1, 3, 2))]
+
+
+@pytest.mark.parametrize("ids", [[7, 8, 2**32 - 1], (7, 8, 2**32 - 1), np.array([7, 8, 2**32 - 1]),
+                                 torch.tensor([7, 8, 2**32 - 1]), [7.0, 8, 4294967295.0], ["7", "8", 2**32 - 1]])
+def test_token_ids_reach_the_wire_as_the_same_ints(ids):
+    want = [7, 8, 2**32 - 1]
+    assert list(plan_request(MODEL, [ids, ("a" * 32, 4)], 5).chunks[0].token_ids) == want
+    assert list(store_header(MODEL, ids, LAYERS).token_ids) == want
+    assert list(_lookup_request(MODEL, ids, None).tokens.token_ids) == want
+
+
+@pytest.mark.parametrize("bad", [[1, -1], [2**32], np.array([3, -5])])
+def test_an_id_outside_uint32_is_refused(bad):
+    for build in (lambda: plan_request(MODEL, [bad], 5), lambda: store_header(MODEL, bad, LAYERS),
+                  lambda: _lookup_request(MODEL, bad, None)):
+        with pytest.raises(ValueError, match="out of range"):
+            build()
