@@ -164,9 +164,6 @@ class VariantIndex:
     def chunk_count(self) -> int:
         return len(self._by_chunk)
 
-    def chunk_keys(self) -> list[str]:
-        return list(self._by_chunk)
-
     def chunk_keys_after(self, after: str) -> Iterator[str]:
         """Chunk keys greater than `after`, in order (lazily: do not add or remove
         variants while iterating)."""
