@@ -228,6 +228,7 @@ class KVClient:
         self._admin_md = _metadata(admin_token)
         self.timeout = timeout
         self._mappings = None  # kvclient.local.LocalMappings, on the first fetch_local
+        self._releasing: set[grpc.Future] = set()  # release_future calls still running
 
     def __enter__(self) -> "KVClient":
         return self
@@ -327,8 +328,13 @@ class KVClient:
         return self._call(self._kv.Release, pb.ReleaseRequest(lease_id=lease_id)).released
 
     def release_future(self, lease_id: str) -> grpc.Future:
-        """Release without waiting (a grpc.Future; a lease not released expires by its TTL)."""
-        return self._kv.Release.future(pb.ReleaseRequest(lease_id=lease_id), metadata=self._md, timeout=self.timeout)
+        """Release without waiting (a grpc.Future; a lease not released expires by its TTL).
+        The client keeps the call until it ends: grpcio cancels a call whose future is
+        garbage collected, so a release sent and forgotten would otherwise not happen."""
+        f = self._kv.Release.future(pb.ReleaseRequest(lease_id=lease_id), metadata=self._md, timeout=self.timeout)
+        self._releasing.add(f)
+        f.add_done_callback(self._releasing.discard)
+        return f
 
     # -- Admin ------------------------------------------------------------------------
     def stats(self) -> pb.StatsResponse:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -129,3 +131,18 @@ def test_chunk_prefixes_survive_a_restart(start_server):
     assert [cp.source for cp in plan.chunks][:2] == [pb.ChunkPlan.PREFIX, pb.ChunkPlan.PREFIX]
     assert plan.chunks[1].variant_id == vb.variant_id and not plan.chunks[1].recompute
     assert plan.chunks[2].source != pb.ChunkPlan.PREFIX
+
+
+def test_a_release_future_nobody_keeps_still_releases(kvserver):
+    """grpcio cancels a call whose future is garbage collected before it ends; a release
+    sent and forgotten (the vLLM connector's, and the PlanStream's for abandoned answers)
+    must still end its lease."""
+    with KVClient(kvserver.address) as c:
+        c.store(MODEL, chunk_tokens(0), layers(seed=0))
+        for _ in range(20):
+            c.release_future(c.plan(MODEL, [chunk_tokens(0)], question_tokens=2).lease_id)  # dropped at once
+        for _ in range(200):
+            if c.stats().leases == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{c.stats().leases} of 20 leases left")
