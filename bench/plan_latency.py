@@ -12,15 +12,18 @@ waits for a core (the wall-clock p99 there is mostly scheduling).
 Columns: "planner" is `Planner.plan` alone; "service" is the whole Plan RPC's core in
 process (`PlanningService.plan`: request checks, planner, lease, PlanResponse built),
 also timed with 10,000 leases held (as engines that died holding them leave behind);
-"gRPC" is `KVClient.plan` over loopback from the benchmark's process (the unary Plan);
-"stream" is `AsyncKVClient.plan` (one long-lived PlanStream call). "floor" is a
-loopback unary call that does nothing (the gRPC health check on the same server and
-channel, interleaved with the Plans): what grpcio itself costs here, the limit the
-Plan RPC is compared with in the same run. "calib" is how fast this machine ran plain
-Python meanwhile: the CPU time of a fixed loop (scaled to 2M additions), sampled after
-every 250 planner calls in the server process; the median, and the slowest sample over
-the fastest ("spread"). On the shared 2-core VM it swings by up to 2x within seconds, and
-the latency columns with it.
+over loopback from the benchmark's process: "unary" is the Plan RPC (a stub call),
+"KVClient" is `KVClient.plan` and "AsyncKVClient" `AsyncKVClient.plan`, each over its
+one long-lived PlanStream call; "floor" is a loopback unary call that does nothing (the
+gRPC health check on the same server and channel): what grpcio itself costs here, the
+limit the unary Plan is compared with in the same run. The four take turns in blocks of
+BLOCK requests (the leases released after each block, as an engine releases once its
+request is done), so each meets the others' traffic only at block edges, not between two
+of its calls, and all of them the machine's slow and fast moments. "calib" is how fast
+this machine ran plain Python meanwhile: the CPU time of a fixed loop (scaled to 2M
+additions), sampled after every 250 planner calls in the server process; the median, and
+the slowest sample over the fastest ("spread"). On the shared 2-core VM it swings by up
+to 2x within seconds, and the latency columns with it.
 
     kvcraft bench plan-latency --sizes 10000 100000 1000000 --requests 2000
 """
@@ -48,6 +51,7 @@ from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.layout import layer_layout
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
+from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 from kvservice.config import load_config
 from kvservice.index import Spec, Variant
 from kvservice.planner import ChunkRef
@@ -58,6 +62,7 @@ MODEL = ModelSpec("llama3-8b", 32, 8, 128, "bfloat16", 500000.0).fingerprint()
 TOKENS = 512
 LAYERS = 32
 HELD_LEASES = 10_000
+BLOCK = 100  # client calls of one kind in a row (the kinds take turns, in rotating order)
 
 
 def _fill(running: RunningServer, n_variants: int, seed: int) -> list[str]:
@@ -175,7 +180,7 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
         got = here.recv()
         flat = got["keys"]
         reqs = [flat[i : i + 5] for i in range(0, len(flat), 5)]
-        grpc_lat, floor_lat, stream_lat = [], [], []
+        grpc_lat, blocking_lat, floor_lat, stream_lat = [], [], [], []
         address = f"127.0.0.1:{got['port']}"
 
         async def client() -> None:
@@ -183,24 +188,41 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
                 with KVClient(address) as c:
                     check = health_pb2_grpc.HealthStub(c._channel).Check
                     ping = health_pb2.HealthCheckRequest()
-                    for r in reqs[:50]:  # warm the channels
-                        c.release(c.plan(MODEL, [(k, TOKENS) for k in r], 64).lease_id or "-")
-                        c.release((await ac.plan(MODEL, [(k, TOKENS) for k in r], 64)).lease_id or "-")
+                    plan_rpc = pb_grpc.KVCacheStub(c._channel).Plan
+
+                    async def unary(r: list[str]) -> str:
+                        return plan_rpc(plan_request(MODEL, [(k, TOKENS) for k in r], 64)).lease_id
+
+                    async def blocking(r: list[str]) -> str:
+                        return c.plan(MODEL, [(k, TOKENS) for k in r], 64).lease_id
+
+                    async def stream(r: list[str]) -> str:
+                        return (await ac.plan(MODEL, [(k, TOKENS) for k in r], 64)).lease_id
+
+                    async def floor(r: list[str]) -> str:
                         check(ping)
-                    for r in reqs:
-                        s = time.perf_counter()
-                        resp = c.plan(MODEL, [(k, TOKENS) for k in r], 64)
-                        grpc_lat.append(time.perf_counter() - s)
-                        if resp.lease_id:
-                            c.release(resp.lease_id)
-                        s = time.perf_counter()
-                        check(ping)
-                        floor_lat.append(time.perf_counter() - s)
-                        s = time.perf_counter()
-                        resp = await ac.plan(MODEL, [(k, TOKENS) for k in r], 64)
-                        stream_lat.append(time.perf_counter() - s)
-                        if resp.lease_id:
-                            c.release(resp.lease_id)
+                        return ""
+
+                    async def release_sync(lease_id: str) -> None:
+                        c.release(lease_id)
+
+                    kinds = [(unary, grpc_lat, release_sync), (blocking, blocking_lat, release_sync),
+                             (floor, floor_lat, None), (stream, stream_lat, ac.release)]
+
+                    async def run_block(call, block, out, release) -> None:  # noqa: ANN001
+                        leases = []
+                        for r in block:
+                            s = time.perf_counter()
+                            leases.append(await call(r))
+                            out.append(time.perf_counter() - s)
+                        for lease_id in filter(None, leases):  # as an engine does once its request is done
+                            await release(lease_id)
+
+                    for call, _, release in kinds:  # warm the channels
+                        await run_block(call, reqs[:50], [], release)
+                    for b, i in enumerate(range(0, len(reqs), BLOCK)):
+                        for call, out, release in kinds[b % len(kinds) :] + kinds[: b % len(kinds)]:
+                            await run_block(call, reqs[i : i + BLOCK], out, release)
 
         import uvloop
 
@@ -215,6 +237,7 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
     s50, s99 = _pcts(got["service_cpu"])
     h50, h99 = _pcts(got["service_held_cpu"])
     g50, g99 = _pcts(grpc_lat)
+    b50, b99 = _pcts(blocking_lat)
     f50, f99 = _pcts(floor_lat)
     t50, t99 = _pcts(stream_lat)
     return {"variants": n_variants, "requests": n_requests, "fill_s": round(got["fill_s"], 1),
@@ -224,6 +247,7 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
             "service_cpu_p50_us": round(s50, 1), "service_cpu_p99_us": round(s99, 1),
             "service_cpu_held_leases_p50_us": round(h50, 1), "service_cpu_held_leases_p99_us": round(h99, 1),
             "grpc_p50_us": round(g50, 1), "grpc_p99_us": round(g99, 1),
+            "blocking_p50_us": round(b50, 1), "blocking_p99_us": round(b99, 1),
             "stream_p50_us": round(t50, 1), "stream_p99_us": round(t99, 1),
             "floor_p50_us": round(f50, 1), "floor_p99_us": round(f99, 1),
             "load_avg": round(os.getloadavg()[0], 1), "calib_ms": round(statistics.median(got["calib"]), 1),
@@ -242,12 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("CPU p50", "in_process_cpu_p50_us", 8), ("p99", "in_process_cpu_p99_us", 8),
             ("service CPU p50", "service_cpu_p50_us", 16), ("p99", "service_cpu_p99_us", 8),
             ("10k leases p50", "service_cpu_held_leases_p50_us", 15), ("p99", "service_cpu_held_leases_p99_us", 8),
-            ("gRPC p50", "grpc_p50_us", 9), ("p99", "grpc_p99_us", 8),
-            ("stream p50", "stream_p50_us", 11), ("p99", "stream_p99_us", 8),
+            ("unary p50", "grpc_p50_us", 10), ("p99", "grpc_p99_us", 8),
+            ("KVClient p50", "blocking_p50_us", 13), ("p99", "blocking_p99_us", 8),
+            ("AsyncKVClient p50", "stream_p50_us", 18), ("p99", "stream_p99_us", 8),
             ("floor p50", "floor_p50_us", 10), ("p99", "floor_p99_us", 8), ("load", "load_avg", 5),
             ("calib ms", "calib_ms", 9), ("spread", "calib_spread", 7)]
     print("µs; planner = Planner.plan in the server process (wall, then thread CPU time); service = "
-          "PlanningService.plan (CPU), also with 10k leases held; gRPC = KVClient.plan (unary Plan); stream = AsyncKVClient.plan (PlanStream); floor = a no-op unary call (health check), interleaved; "
+          "PlanningService.plan (CPU), also with 10k leases held; unary = the Plan RPC; KVClient = KVClient.plan, "
+          "AsyncKVClient = AsyncKVClient.plan (both over PlanStream); floor = a no-op unary call (health check); "
           "calib = CPU ms of a fixed Python loop sampled in the server process during the planner's run (median; spread = slowest / fastest)")
     print(" ".join(f"{h:>{w}}" for h, _, w in cols), flush=True)
     for n in a.sizes:

@@ -7,6 +7,7 @@ Errors arrive as kvclient.errors types (NotFoundError means: recompute).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterable, Iterator, Sequence, TypeVar, Union
 
@@ -15,7 +16,7 @@ import torch
 
 from kvclient import local_store as _colocated
 from kvclient.errors import from_rpc_error
-from kvclient.plan_stream import PlanStream
+from kvclient.plan_stream import BlockingPlanStream, PlanStream
 from kvclient.tensors import byte_view, from_message, message_tensors, spec_of, to_bytes
 from kvcraft import codec
 from kvcraft.records import VariantStats
@@ -229,6 +230,8 @@ class KVClient:
         self.timeout = timeout
         self._mappings = None  # kvclient.local.LocalMappings, on the first fetch_local
         self._releasing: set[grpc.Future] = set()  # release_future calls still running
+        self._plans = BlockingPlanStream(lambda requests: self._kv.PlanStream(requests, metadata=self._md),
+                                         self.release_future)
 
     def __enter__(self) -> "KVClient":
         return self
@@ -237,6 +240,7 @@ class KVClient:
         self.close()
 
     def close(self) -> None:
+        self._plans.close()
         if self._mappings is not None:
             self._mappings.close()
         self._staging.close()
@@ -272,17 +276,20 @@ class KVClient:
     def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
              conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
              timings: pb.TimingReport | None = None) -> pb.PlanResponse:
-        """Plan a RAG request (chunks in retriever order); Release the returned lease."""
-        return self._call(self._kv.Plan, plan_request(model_id, chunks, question_tokens, conversation_id,
-                                                      first_turn, lease_ttl_s, timings))
+        """Plan a RAG request (chunks in retriever order); Release the returned lease.
+        Sent over one long-lived PlanStream call (kvclient.plan_stream), like AsyncKVClient.plan."""
+        return self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
+                                             lease_ttl_s, timings), self.timeout)
 
     def plan_future(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                     conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
-                    timeout: float | None = None) -> grpc.Future:
-        """Plan without blocking: a grpc.Future of the PlanResponse (the vLLM connector's
-        scheduler side; convert its exception with kvclient.errors.from_rpc_error)."""
-        return self._kv.Plan.future(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
-                                                 lease_ttl_s), metadata=self._md, timeout=timeout or self.timeout)
+                    timeout: float | None = None) -> Future:
+        """Plan without blocking (the vLLM connector's scheduler side): a
+        concurrent.futures.Future of the PlanResponse, whose exception is a KVCraftError
+        (DeadlineExceededError past the timeout). Cancelling it releases the lease its
+        answer holds."""
+        return self._plans.plan_future(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
+                                                    lease_ttl_s), timeout or self.timeout)
 
     def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                      device: str | torch.device = "cpu", timeout: float | None = None) -> "FetchStream":

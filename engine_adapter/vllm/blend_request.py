@@ -8,12 +8,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-import grpc
-
 from engine_adapter.vllm.config import ConnectorSettings, blend_policy
 from engine_adapter.vllm.lookup import Breaker
 from engine_adapter.vllm.metrics import ConnectorMetrics
-from kvclient.errors import from_rpc_error
+from kvclient.errors import DeadlineExceededError
 from kvcraft.keys import chunk_key
 
 if TYPE_CHECKING:
@@ -51,9 +49,9 @@ class Blend:
     def ask_plan(self, tokens: list[int], client: Any, chunk_model_id: str, settings: ConnectorSettings,
                  metrics: ConnectorMetrics, breaker: Breaker,
                  on_done: Callable[[], None] | None = None) -> bool | None:
-        """Ask the service for the chunks' Plan (a gRPC future, never waited on): None while
+        """Ask the service for the chunks' Plan (a future, never waited on): None while
         pending, False when the blend is off for this request (self.declined says why).
-        on_done is called (on gRPC's thread) when the Plan RPC ends."""
+        on_done is called (on one of the client's threads) when the Plan is answered or fails."""
         from kvcraft.v1 import kvcraft_pb2 as pb
 
         now = time.monotonic()
@@ -94,12 +92,10 @@ class Blend:
         try:
             plan = self.future.result()
         except Exception as e:  # noqa: BLE001 - timeouts, errors, cancellation: vLLM alone
-            err = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
-            timeout = getattr(e, "code", lambda: None)() == grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(
-                e, grpc.RpcError) else False
+            timeout = isinstance(e, DeadlineExceededError)
             metrics.add(**{"blend_plan_timeouts" if timeout else "blend_plan_errors": 1})
-            breaker.failed("timeout" if timeout else "error", str(err))
-            self.declined = f"Plan failed ({type(err).__name__})"
+            breaker.failed("timeout" if timeout else "error", str(e))
+            self.declined = f"Plan failed ({type(e).__name__})"
             return False
         breaker.failures = 0
         self.lease_id = plan.lease_id

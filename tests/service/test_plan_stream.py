@@ -1,20 +1,26 @@
-"""PlanStream (AsyncKVClient.plan) against a real server: the same plans as the unary
-Plan, a refused request answered in the stream while the stream goes on, a caller that
-gives up leaving no lease behind, a restarted service, and the auth token."""
+"""PlanStream (AsyncKVClient.plan and KVClient.plan) against a real server: the same
+plans as the unary Plan, a refused request answered in the stream while the stream goes
+on, a caller that gives up leaving no lease behind, a restarted service, the auth token;
+for the blocking client also callers on many threads, timeouts against a service that
+never answers, and close."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+import time
+from concurrent import futures
 
 import grpc
 import pytest
 import torch
 
-from kvclient.client import AsyncKVClient, KVClient
-from kvclient.errors import DeadlineExceededError, InvalidArgumentError, KVCraftError
-from kvcraft.keys import ModelSpec
+from kvclient.client import AsyncKVClient, KVClient, plan_request
+from kvclient.errors import DeadlineExceededError, InvalidArgumentError, KVCraftError, UnavailableError
+from kvcraft.keys import ModelSpec, chunk_key
 from kvcraft.v1 import kvcraft_pb2 as pb
+from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 
 MODEL = ModelSpec("plan-stream", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
 
@@ -41,36 +47,85 @@ def _fields(p: pb.PlanResponse) -> tuple:
     return p.SerializeToString(deterministic=True)
 
 
+def _unary_plans(address: str, requests: list) -> list[pb.PlanResponse]:
+    """The requests through the unary Plan RPC (a bare stub: no kvcraft client code)."""
+    with grpc.insecure_channel(address) as ch:
+        plan = pb_grpc.KVCacheStub(ch).Plan
+        return [plan(plan_request(MODEL, r, 4, "conv" if i == 3 else "")) for i, r in enumerate(requests)]
+
+
+REQUESTS = [[tokens(1), tokens(0)], [tokens(0), tokens(1), tokens(2)], [tokens(2)], [tokens(1), tokens(0)],
+            [tokens(3), tokens(0)]]
+
+
 def test_stream_plans_equal_unary_plans_and_a_refusal_does_not_end_the_stream(start_server):
-    """Two services with the same variants get the same request sequence, one over the
-    unary Plan, one over PlanStream: every answer is the same plan. A request the
-    service refuses (a bad model id, too many tokens) fails alone."""
-    a, b = start_server("a"), start_server("b")
-    for s in (a, b):
-        with KVClient(s.address) as c:
-            _store_some(c)
-    requests = [[tokens(1), tokens(0)], [tokens(0), tokens(1), tokens(2)], [tokens(2)], [tokens(1), tokens(0)],
-                [tokens(3), tokens(0)]]
+    """Three services with the same variants get the same request sequence: one over the
+    unary Plan, one through AsyncKVClient and one through KVClient (both PlanStream):
+    every answer is the same plan. A request the service refuses fails alone."""
+    a, b, c = start_server("a"), start_server("b"), start_server("c")
+    for s in (a, b, c):
+        with KVClient(s.address) as client:
+            _store_some(client)
 
     async def run() -> list[pb.PlanResponse]:
         out = []
-        async with AsyncKVClient(b.address) as c:
-            for i, r in enumerate(requests):
-                out.append(await c.plan(MODEL, r, question_tokens=4, conversation_id="conv" if i == 3 else ""))
+        async with AsyncKVClient(b.address) as client:
+            for i, r in enumerate(REQUESTS):
+                out.append(await client.plan(MODEL, r, question_tokens=4, conversation_id="conv" if i == 3 else ""))
                 if i == 1:
                     with pytest.raises(InvalidArgumentError, match="model_id"):
-                        await c.plan("not-a-model", r, question_tokens=4)
+                        await client.plan("not-a-model", r, question_tokens=4)
                     with pytest.raises(KVCraftError, match="max_chunk_tokens") as e:
-                        await c.plan(MODEL, [list(range(100_000))], question_tokens=4)
+                        await client.plan(MODEL, [list(range(100_000))], question_tokens=4)
                     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         return out
 
     streamed = asyncio.run(run())
-    with KVClient(a.address) as c:
-        unary = [c.plan(MODEL, r, question_tokens=4, conversation_id="conv" if i == 3 else "")
-                 for i, r in enumerate(requests)]
+    blocking = []
+    with KVClient(c.address) as client:
+        for i, r in enumerate(REQUESTS):
+            blocking.append(client.plan(MODEL, r, question_tokens=4, conversation_id="conv" if i == 3 else ""))
+            if i == 1:
+                with pytest.raises(InvalidArgumentError, match="model_id"):
+                    client.plan("not-a-model", r, question_tokens=4)
+                with pytest.raises(KVCraftError, match="max_chunk_tokens") as e:
+                    client.plan(MODEL, [list(range(100_000))], question_tokens=4)
+                assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    unary = _unary_plans(a.address, REQUESTS)
     assert [_fields(p) for p in streamed] == [_fields(p) for p in unary]
-    assert all(p.lease_id for p in streamed[:2])
+    assert [_fields(p) for p in blocking] == [_fields(p) for p in unary]
+    assert all(p.lease_id for p in streamed[:2]) and all(p.lease_id for p in blocking[:2])
+
+
+def test_blocking_callers_on_many_threads_each_get_their_own_plan(kvserver):
+    """One KVClient, 8 threads planning different requests at once over its one stream:
+    each answer is the plan of its own request (answers keep the order requests went out)."""
+    with KVClient(kvserver.address) as client:
+        _store_some(client)
+        requests = [[tokens(i % 4), tokens((i + 1) % 4)] if i % 2 else [tokens(i % 4)] for i in range(8)]
+        got: dict[int, list[tuple[list[str], int]]] = {}
+        start = threading.Barrier(8)
+
+        def worker(i: int) -> None:
+            start.wait()
+            out = []
+            for _ in range(25):
+                p = client.plan(MODEL, requests[i], question_tokens=4)
+                if p.lease_id:  # tokens(3) is not stored: a fresh chunk holds nothing
+                    client.release(p.lease_id)
+                out.append((sorted(p.order), sum(c.token_count for c in p.chunks)))
+            got[i] = out
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert client.stats().leases == 0
+    assert sorted(got) == list(range(8))
+    for i, r in enumerate(requests):
+        own = (sorted(chunk_key(MODEL, t) for t in r), 6 * len(r))
+        assert got[i] == [own] * 25, i
 
 
 def test_bytes_that_are_no_request_are_refused_in_the_stream(kvserver):
@@ -121,6 +176,67 @@ def test_a_caller_that_gives_up_leaves_no_lease(kvserver):
     asyncio.run(run())
 
 
+def test_a_blocking_caller_that_gives_up_leaves_no_lease(kvserver):
+    with KVClient(kvserver.address) as c:
+        _store_some(c)
+        waiting = c.plan_future(MODEL, [tokens(1), tokens(0)], question_tokens=4)
+        cancelled = waiting.cancel()  # False only when the answer came already
+        c.timeout = 1e-6  # no answer comes that fast
+        with pytest.raises(DeadlineExceededError):
+            c.plan(MODEL, [tokens(0)], question_tokens=4)
+        c.timeout = 30.0
+        later = c.plan(MODEL, [tokens(2)], question_tokens=4)  # the stream goes on
+        assert later.lease_id and c.release(later.lease_id)
+        if not cancelled:
+            c.release(waiting.result().lease_id)
+        for _ in range(200):  # the abandoned answers' leases are released as they arrive
+            if c.stats().leases == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{c.stats().leases} leases left")
+
+
+def _silent_service() -> tuple[grpc.Server, str]:
+    """A real gRPC server whose PlanStream reads requests and never answers."""
+
+    def plan_stream(requests, context):  # noqa: ANN001
+        for _ in requests:
+            pass
+        return iter(())
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("kvcraft.v1.KVCache", {
+        "PlanStream": grpc.stream_stream_rpc_method_handler(plan_stream)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_blocking_plans_time_out_in_deadline_order_and_close_ends_the_threads():
+    """A later Plan with a shorter timeout fails at its own deadline, not behind the
+    earlier one's; close fails what still waits and ends the client's threads."""
+    server, address = _silent_service()
+    try:
+        before = set(threading.enumerate())
+        c = KVClient(address)
+        slow = c.plan_future(MODEL, [tokens(0)], 4, timeout=60.0)
+        t0 = time.monotonic()
+        c.timeout = 0.3
+        with pytest.raises(DeadlineExceededError, match="within 0.3 s"):
+            c.plan(MODEL, [tokens(1)], question_tokens=4)
+        assert time.monotonic() - t0 < 20  # its own 0.3 s, not the first Plan's 60
+        assert not slow.done()
+        c.close()
+        with pytest.raises(UnavailableError):
+            slow.result(30)
+        with pytest.raises(UnavailableError, match="closed"):
+            c.plan(MODEL, [tokens(0)], question_tokens=4)
+        left = [t for t in set(threading.enumerate()) - before if t.name.startswith("kvcraft-plan")]
+        assert left == []
+    finally:
+        server.stop(0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -161,3 +277,25 @@ def test_the_stream_needs_the_token(start_server):
         asyncio.run(run("wrong"))
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
     assert asyncio.run(run("engine-secret")).chunks
+
+
+def test_the_blocking_stream_opens_again_after_the_service_restarts_and_needs_the_token(start_server):
+    server = start_server(port=_free_port(), auth_token="engine-secret")
+    with KVClient(server.address, token="engine-secret") as c:
+        _store_some(c)
+        assert c.plan(MODEL, [tokens(0)], question_tokens=4).chunks
+        server.restart()
+        for _ in range(100):  # the first call after the restart may see the old call end
+            try:
+                plan = c.plan(MODEL, [tokens(0)], question_tokens=4)
+                break
+            except KVCraftError as e:
+                assert e.code == grpc.StatusCode.UNAVAILABLE, e
+                time.sleep(0.05)
+        else:
+            raise AssertionError("no plan after the restart")
+        assert plan.chunks[0].source != pb.ChunkPlan.FRESH and plan.chunks[0].variant_id  # recovered
+    with KVClient(server.address, token="wrong") as c:
+        with pytest.raises(KVCraftError) as e:
+            c.plan(MODEL, [tokens(0)], question_tokens=4)
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
