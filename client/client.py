@@ -230,14 +230,22 @@ class KVClient:
         self.timeout = timeout
         self._mappings = None  # kvclient.local.LocalMappings, on the first fetch_local
         self._releasing: set[grpc.Future] = set()  # release_future calls still running
-        self._plans = BlockingPlanStream(lambda requests: self._kv.PlanStream(requests, metadata=self._md),
-                                         self.release_future)
+        plan_stream, release, md = self._kv.PlanStream, self._kv.Release, self._md  # not self: see BlockingPlanStream
+        self._plans = BlockingPlanStream(
+            lambda requests: plan_stream(requests, metadata=md),
+            lambda lease_id: release.future(pb.ReleaseRequest(lease_id=lease_id), metadata=md, timeout=timeout))
 
     def __enter__(self) -> "KVClient":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        # Dropped without close(): end the PlanStream's threads, which hold the channel (not this client).
+        plans = getattr(self, "_plans", None)
+        if plans is not None:
+            plans.close(wait=False)
 
     def close(self) -> None:
         self._plans.close()

@@ -198,11 +198,15 @@ def _settle(answer: Future, error: Exception) -> None:
 
 
 class BlockingPlanStream:
-    def __init__(self, open_call: Callable[[Iterator[pb.PlanRequest]], Any], release: Callable[[str], Any]) -> None:
+    def __init__(self, open_call: Callable[[Iterator[pb.PlanRequest]], Any],
+                 release: Callable[[str], grpc.Future]) -> None:
         """open_call: starts a PlanStream call that sends what the iterator yields;
-        release: ends a lease without waiting, for the answers nobody waits for any more."""
+        release: starts a Release call (a grpc.Future), for the answers nobody waits for
+        any more. Neither may refer to the client: its threads would keep it alive (a
+        client dropped without close() ends them through `close(wait=False)`)."""
         self._open_call = open_call
         self._release = release
+        self._releasing: set[grpc.Future] = set()  # grpcio cancels a call whose future is collected
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._current: _BlockingCall | None = None
@@ -221,7 +225,7 @@ class BlockingPlanStream:
         callbacks run on the client's reader or watchdog thread: they must not wait for a Plan."""
         with self._lock:
             if self._closed:
-                raise UnavailableError(grpc.StatusCode.CANCELLED, "the client is closed")
+                raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the client is closed")
             if self._current is None or self._current.ended:
                 self._current = _BlockingCall(self._open_call, self._forget, self._lock)
             answer = self._current.send(request)
@@ -266,17 +270,21 @@ class BlockingPlanStream:
 
     def _forget(self, lease_id: str) -> None:
         try:
-            self._release(lease_id)
+            f = self._release(lease_id)
         except Exception:  # noqa: BLE001 - the client is closing, or the service gone: the lease expires by its ttl
-            pass
+            return
+        self._releasing.add(f)
+        f.add_done_callback(self._releasing.discard)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Fail what still waits and end the threads (wait: until they have ended)."""
         with self._lock:
             self._closed = True
             current, watchdog = self._current, self._watchdog
             self._wake.notify()
         if current is not None:
             current.call.cancel()
-            current.reader.join(5)
-        if watchdog is not None:
-            watchdog.join(5)
+        if wait:
+            for t in (current.reader if current is not None else None, watchdog):
+                if t is not None and t is not threading.current_thread():
+                    t.join(5)

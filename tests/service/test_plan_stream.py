@@ -243,6 +243,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _plan_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvcraft-plan")]
+
+
+def test_a_blocking_client_dropped_without_close_ends_its_stream(kvserver):
+    """Its threads hold the channel, not the client: once the client is collected its
+    stream ends and the threads with it (before, each forgotten client kept them for good)."""
+    import gc
+
+    before = set(_plan_threads())
+    c = KVClient(kvserver.address)
+    assert c.plan(MODEL, [tokens(0)], question_tokens=4).order
+    assert len(set(_plan_threads()) - before) == 2  # reader and watchdog
+    del c
+    gc.collect()
+    for _ in range(200):
+        if not set(_plan_threads()) - before:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"threads left: {set(_plan_threads()) - before}")
+
+
 def test_the_stream_opens_again_after_the_service_restarts(start_server):
     server = start_server(port=_free_port())
     with KVClient(server.address) as c:
