@@ -67,6 +67,14 @@ class Lease:
     expires_unix_ms: int
 
 
+def _kept(running: set[grpc.Future], call: grpc.Future) -> grpc.Future:
+    """`call`, held in `running` until it ends: grpcio cancels a call whose future is
+    garbage collected, so a call sent and forgotten would otherwise not happen."""
+    running.add(call)
+    call.add_done_callback(running.discard)
+    return call
+
+
 # -- request builders shared by both clients --------------------------------------------
 def _with_token_ids(make: Callable[[Sequence[int]], M], token_ids: Sequence[int]) -> M:
     """make(ids) with the ids as given: protobuf reads a list of ints in one C pass (512
@@ -230,10 +238,12 @@ class KVClient:
         self.timeout = timeout
         self._mappings = None  # kvclient.local.LocalMappings, on the first fetch_local
         self._releasing: set[grpc.Future] = set()  # release_future calls still running
-        plan_stream, release, md = self._kv.PlanStream, self._kv.Release, self._md  # not self: see BlockingPlanStream
+        # Not self in these (see BlockingPlanStream): the stream's threads must not keep the client alive.
+        plan_stream, release, md, releasing = self._kv.PlanStream, self._kv.Release, self._md, self._releasing
         self._plans = BlockingPlanStream(
             lambda requests: plan_stream(requests, metadata=md),
-            lambda lease_id: release.future(pb.ReleaseRequest(lease_id=lease_id), metadata=md, timeout=timeout))
+            lambda lease_id: _kept(releasing, release.future(pb.ReleaseRequest(lease_id=lease_id), metadata=md,
+                                                             timeout=timeout)))
 
     def __enter__(self) -> "KVClient":
         return self
@@ -346,10 +356,8 @@ class KVClient:
         """Release without waiting (a grpc.Future; a lease not released expires by its TTL).
         The client keeps the call until it ends: grpcio cancels a call whose future is
         garbage collected, so a release sent and forgotten would otherwise not happen."""
-        f = self._kv.Release.future(pb.ReleaseRequest(lease_id=lease_id), metadata=self._md, timeout=self.timeout)
-        self._releasing.add(f)
-        f.add_done_callback(self._releasing.discard)
-        return f
+        return _kept(self._releasing, self._kv.Release.future(pb.ReleaseRequest(lease_id=lease_id),
+                                                             metadata=self._md, timeout=self.timeout))
 
     # -- Admin ------------------------------------------------------------------------
     def stats(self) -> pb.StatsResponse:

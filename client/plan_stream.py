@@ -199,14 +199,14 @@ def _settle(answer: Future, error: Exception) -> None:
 
 class BlockingPlanStream:
     def __init__(self, open_call: Callable[[Iterator[pb.PlanRequest]], Any],
-                 release: Callable[[str], grpc.Future]) -> None:
+                 release: Callable[[str], Any]) -> None:
         """open_call: starts a PlanStream call that sends what the iterator yields;
-        release: starts a Release call (a grpc.Future), for the answers nobody waits for
-        any more. Neither may refer to the client: its threads would keep it alive (a
-        client dropped without close() ends them through `close(wait=False)`)."""
+        release: starts a Release call without waiting (and keeps it until it ends), for
+        the answers nobody waits for any more. Neither may refer to the client: its
+        threads would keep it alive (a client dropped without close() ends them through
+        `close(wait=False)`)."""
         self._open_call = open_call
         self._release = release
-        self._releasing: set[grpc.Future] = set()  # grpcio cancels a call whose future is collected
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._current: _BlockingCall | None = None
@@ -238,7 +238,7 @@ class BlockingPlanStream:
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._expire, name="kvcraft-plan-deadlines", daemon=True)
                 self._watchdog.start()
-            elif self._deadlines[0] is entry:
+            elif heap[0] is entry:
                 self._wake.notify()
         return answer
 
@@ -270,11 +270,9 @@ class BlockingPlanStream:
 
     def _forget(self, lease_id: str) -> None:
         try:
-            f = self._release(lease_id)
+            self._release(lease_id)
         except Exception:  # noqa: BLE001 - the client is closing, or the service gone: the lease expires by its ttl
-            return
-        self._releasing.add(f)
-        f.add_done_callback(self._releasing.discard)
+            pass
 
     def close(self, wait: bool = True) -> None:
         """Fail what still waits and end the threads (wait: until they have ended)."""

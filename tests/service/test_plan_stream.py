@@ -196,6 +196,10 @@ def test_a_blocking_caller_that_gives_up_leaves_no_lease(kvserver):
         raise AssertionError(f"{c.stats().leases} leases left")
 
 
+def _plan_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvcraft-plan")]
+
+
 def _silent_service() -> tuple[grpc.Server, str]:
     """A real gRPC server whose PlanStream reads requests and never answers."""
 
@@ -217,7 +221,7 @@ def test_blocking_plans_time_out_in_deadline_order_and_close_ends_the_threads():
     earlier one's; close fails what still waits and ends the client's threads."""
     server, address = _silent_service()
     try:
-        before = set(threading.enumerate())
+        before = set(_plan_threads())
         c = KVClient(address)
         slow = c.plan_future(MODEL, [tokens(0)], 4, timeout=60.0)
         t0 = time.monotonic()
@@ -231,8 +235,7 @@ def test_blocking_plans_time_out_in_deadline_order_and_close_ends_the_threads():
             slow.result(30)
         with pytest.raises(UnavailableError, match="closed"):
             c.plan(MODEL, [tokens(0)], question_tokens=4)
-        left = [t for t in set(threading.enumerate()) - before if t.name.startswith("kvcraft-plan")]
-        assert left == []
+        assert set(_plan_threads()) - before == set()
     finally:
         server.stop(0)
 
@@ -241,10 +244,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _plan_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("kvcraft-plan")]
 
 
 def test_a_blocking_client_dropped_without_close_ends_its_stream(kvserver):
