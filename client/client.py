@@ -342,8 +342,7 @@ class KVClient:
         from kvclient.local import LocalFetch
 
         r = self._call(self._kv.Locate, pb.LocateRequest(variants=[_ref(x) for x in refs], lease_ttl_s=ttl_s))
-        local = self._local()
-        return LocalFetch(self, r, local.slab(r.segment), local.gpu_pool(r))
+        return LocalFetch(self, r, *self._local().of(r))
 
     def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
         r = self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))
@@ -496,8 +495,7 @@ class AsyncKVClient:
         from kvclient.local import AsyncLocalFetch
 
         r = await self._call(self._kv.Locate, pb.LocateRequest(variants=[_ref(x) for x in refs], lease_ttl_s=ttl_s))
-        local = self._local()
-        return AsyncLocalFetch(self, r, local.slab(r.segment), local.gpu_pool(r))
+        return AsyncLocalFetch(self, r, *self._local().of(r))
 
     async def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
         r = await self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))

@@ -12,6 +12,7 @@ protobuf: `kvservice.server` converts at the edge.
 
 from __future__ import annotations
 
+import secrets
 import time
 from itertools import islice
 from typing import Callable, Iterable, Sequence
@@ -46,8 +47,18 @@ class ChunkStore:
         """repair: rebuild missing metadata from the payload files (`kvcraft repair`)."""
         cfg.data_path.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
-        self._s = StoreState(cfg, tiers if tiers is not None else build_tiers(cfg),
-                             MetadataDB(cfg.data_path / "metadata"), clock)
+        # This run of the service: what clients map (shared memory, gpu pool) is tied to
+        # it, so a client never reads a restarted service's memory through an old mapping.
+        self.instance_id = secrets.token_hex(8)
+        # The metadata first: RocksDB's lock makes this process the data dir's one owner
+        # before build_tiers removes what earlier runs left in shared memory.
+        meta = MetadataDB(cfg.data_path / "metadata")
+        try:
+            tiers = tiers if tiers is not None else build_tiers(cfg, self.instance_id)
+        except BaseException:
+            meta.close()
+            raise
+        self._s = StoreState(cfg, tiers, meta, clock)
         self.index = self._s.index
         self.tiers = self._s.tiers
         self.listeners: list[StoreListener] = self._s.listeners
@@ -121,7 +132,7 @@ class ChunkStore:
                 g = gpu.location(vid) if gpu is not None and vid in gpu else (0, 0)
                 out.append(Location(v, m.offset if m else 0, m.length if m else 0, *g))  # type: ignore[arg-type]
         pool = GpuPool(gpu.ipc_handle(), gpu.pool_bytes, gpu.driver.device) if gpu is not None else None
-        return Located(mappable.segment if mappable else "", lease_id, expires, out, pool)
+        return Located(self.instance_id, mappable.segment if mappable else "", lease_id, expires, out, pool)
 
     def _count_reuse(self, refs: Sequence[Ref], variants: Sequence[Variant]) -> None:
         now = self._s.now_ms()
