@@ -58,13 +58,7 @@ def test_live_clients_local_reads_after_a_restart_equal_a_fresh_clients(tmp_path
             reused_prefill(adapter, [cs[2], cs[0], cs[3], cs[1]])  # maps the service's memory
             before, report = reused_prefill(adapter, order)
             assert report.reused_chunks == 4
-            port = int(server.address.rsplit(":", 1)[1])
-            if how == "SIGKILL":
-                server.kill()
-            else:
-                assert server.stop() == 0
-            server.close()
-            server = ServiceProcess(tmp_path / "data", port=port).start()
+            server.restart(crash=how == "SIGKILL")
             # another order first: the new service places the variants at other offsets
             reused_prefill(adapter, [cs[3], cs[2], cs[1], cs[0]])
             after, report = reused_prefill(adapter, order)

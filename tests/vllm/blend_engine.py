@@ -6,6 +6,8 @@ spec: {"model", "kv": kv_connector_extra_config or null (vLLM alone), "blend_mod
 (hf_overrides to KVCraftLlamaForCausalLM), "num_blocks", "max_model_len", "service_pid",
 "phases": [{"requests": [{"prompt": [...], "chunks": [...], "policy", "options", "salt"}],
 "max_tokens", "signal": "SIGSTOP"|"SIGCONT"|"SIGKILL" (to the service, before the phase),
+"pause": path (before the phase: create path.waiting, then wait up to 120 s for path.go,
+while the test restarts the service),
 "stored": [chunk token lists] (variants of each in the service after the phase's
 store-backs), "fault": "evict" (every planned variant evicted from the service after the
 Plan, before the fetch, its lease released first as if it had expired: the real service
@@ -59,6 +61,8 @@ def main(spec_path: str, out_path: str) -> None:
         _capture(worker, dumps)
     out = {"phases": []}
     for phase in spec["phases"]:
+        if phase.get("pause"):
+            _pause(phase["pause"])
         if phase.get("signal"):
             os.kill(spec["service_pid"], getattr(signal, phase["signal"]))
         if phase.get("fault") == "evict":
@@ -102,6 +106,15 @@ def main(spec_path: str, out_path: str) -> None:
         torch.save({"blends": dumps, "layout": _layout(worker, spec.get("num_blocks", 64) - 1)}, spec["dump"])
     with open(out_path, "w") as f:
         json.dump(out, f)
+
+
+def _pause(path: str) -> None:
+    open(path + ".waiting", "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path + ".go"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path}.go within 120 s")
+        time.sleep(0.05)
 
 
 def _capture(worker, dumps: list) -> None:
