@@ -152,17 +152,21 @@ def spec_from_vllm(vllm_config: "VllmConfig", settings: ConnectorSettings) -> Mo
 
 
 
-def chunk_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> str:
-    """The model id chunk variants are keyed by when blending (`chunk_model_id`, else the
-    ModelSpec fingerprint `engine_adapter.llama.LlamaEngine.from_pretrained(model dir)`
-    gives: folder name, shape, dtype, RoPE), so chunks stored by the reference engine
-    (RAGAdapter) and by this connector serve each other."""
-    if settings.chunk_model_id:
-        return settings.chunk_model_id
+def chunk_spec(vllm_config: "VllmConfig") -> ModelSpec:
+    """The ModelSpec chunk variants are keyed by when blending: the one
+    `engine_adapter.llama.LlamaEngine.from_pretrained(model dir)` gives (folder name,
+    shape, dtype, RoPE), so chunks stored by the reference engine (RAGAdapter) and by
+    this connector serve each other."""
     from engine_adapter.llama import LlamaConfig
 
     mc = vllm_config.model_config
     c = LlamaConfig.from_hf(mc.hf_config.to_dict(), name=Path(str(mc.model)).name)
     return ModelSpec(name=c.name, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      dtype=str(mc.dtype).removeprefix("torch."), rope_theta=c.rope_theta,
-                     rope_scaling=c.rope_scaling).fingerprint()
+                     rope_scaling=c.rope_scaling)
+
+
+def chunk_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> str:
+    """The model id chunk variants are keyed by when blending: `chunk_model_id`, else
+    `chunk_spec`'s fingerprint."""
+    return settings.chunk_model_id or chunk_spec(vllm_config).fingerprint()
