@@ -78,8 +78,9 @@ def _kept(running: set[grpc.Future], call: grpc.Future) -> grpc.Future:
 # -- request builders shared by both clients --------------------------------------------
 def _with_token_ids(make: Callable[[Sequence[int]], M], token_ids: Sequence[int]) -> M:
     """make(ids) with the ids as given: protobuf reads a list of ints in one C pass (512
-    ids: 25 µs, where converting each with int() first took 91). Ids it refuses but int()
-    takes (floats, numeric strings) are converted one by one, as before."""
+    ids: 25 µs, against 91 µs when each is converted with int() first). Ids it refuses
+    but int() takes (floats, numeric strings) are then converted one by one, so callers
+    may pass either."""
     try:
         return make(token_ids)
     except TypeError:

@@ -101,4 +101,5 @@ class KVCraftStats(KVConnectorStats):
         return dict(self.data)
 
     def is_empty(self) -> bool:
+        """vLLM's scheduler calls this and skips stats that are empty (the base raises)."""
         return not any(self.data.values())

@@ -260,8 +260,8 @@ class ChunkStore:
 
     def stats(self) -> StoreStats:
         """Counts for Admin/Stats and every metrics scrape: O(tiers), nothing walks the
-        variants (a walk for the pinned count took ~0.1 s at 1M variants, holding the
-        GIL, so every RPC waited it out on each scrape)."""
+        variants (a walk for the pinned count takes ~0.1 s at 1M variants, holding the
+        GIL, so every RPC would wait it out on each scrape)."""
         with self._s.lock:
             self._leases.expire()
             c = self.counters
@@ -274,8 +274,8 @@ class ChunkStore:
         """One page of chunks in key order after `page_token`; the next page's token ("":
         the last page). Ranges of the index's ordered chunk keys, at most LIST_SCAN at a
         time with the store's lock held (a model filter that matches few chunks reads
-        many): at 1M variants a page of 100 takes ~1 ms, where a pass over every key
-        took 0.15-0.2 s per page, and a sort 1.6 s."""
+        many): at 1M variants a page of 100 takes ~1 ms, against 0.15-0.2 s for a pass
+        over every key and 1.6 s for a sort."""
         page_size = page_size or 100
         if page_size > 1000:
             raise InvalidArgument(f"page_size is {page_size}; at most 1000")
