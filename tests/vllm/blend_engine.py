@@ -2,7 +2,7 @@
 
     python tests/vllm/blend_engine.py spec.json out.json
 
-spec: {"model", "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
+spec: {"model", "dtype" (default float32), "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
 (hf_overrides to KVCraftLlamaForCausalLM), "num_blocks", "max_model_len", "service_pid",
 "phases": [{"requests": [{"prompt": [...], "chunks": [...], "policy", "options", "salt"}],
 "max_tokens", "signal": "SIGSTOP"|"SIGCONT"|"SIGKILL" (to the service, before the phase),
@@ -48,7 +48,7 @@ def main(spec_path: str, out_path: str) -> None:
 
         kv = dict(spec["kv"])
         kw["kv_transfer_config"] = kv_transfer_config(kv.pop("address"), **kv)
-    llm = LLM(model=spec["model"], block_size=32, dtype="float32", seed=0, enable_prefix_caching=True,
+    llm = LLM(model=spec["model"], block_size=32, dtype=spec.get("dtype", "float32"), seed=0, enable_prefix_caching=True,
               max_model_len=spec.get("max_model_len", 256), max_num_batched_tokens=spec.get("max_model_len", 256),
               num_gpu_blocks_override=spec.get("num_blocks", 64), **kw)
     worker = None
@@ -98,6 +98,9 @@ def main(spec_path: str, out_path: str) -> None:
                     except NotFoundError:
                         done["stored"].append(0)
         if worker is not None:
+            watch = connectors_of(llm)[0].scheduler.namespaces
+            if watch is not None:
+                watch.close()  # its background look-ups counted before the counters are read
             done["metrics"] = connector_metrics(llm)
         out["phases"].append(done)
         if phase.get("signal") == "SIGSTOP":

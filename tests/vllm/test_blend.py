@@ -212,6 +212,23 @@ def test_a_restarted_service_under_a_live_vllm_blends_as_before(world):
         assert sum(o["kv"]["kvcraft"]["blended"] for o in phase["outputs"]) >= len(reqs) - 1  # one may meet the restart
 
 
+def test_a_vllm_in_another_dtype_says_why_it_reuses_nothing(world):
+    """The chunks were stored by the float32 reference engine; a vLLM left at bfloat16 has
+    another chunk namespace and reuses none of them (by design): it says so at start-up,
+    with the fix, and counts each blend that reused nothing because of it."""
+    reqs = [{**r, "salt": "bf16"} for r in world["requests"][:3]]
+    spec = _blend_spec(world, [{"requests": reqs, "max_tokens": MAX_TOKENS}], blend_store_back=False)
+    spec["dtype"] = "bfloat16"
+    out, log = run_engine(world["tmp"], "bf16", spec)
+    phase = out["phases"][0]
+    said = [line for line in log.splitlines() if "stored as float32 KV" in line]
+    assert said and "--dtype float32" in said[0], log[-4000:]
+    assert phase["metrics"]["blend_namespace_misses"] >= 1, phase["metrics"]
+    for o in phase["outputs"]:
+        k = o["kv"]["kvcraft"]
+        assert not k["blended"] and k["reused_chunks"] == 0, k
+
+
 def test_fresh_chunks_stored_back_and_faults_answer_as_vllm_alone(world):
     """A prompt of chunks the service lacks: computed in full by kvcraft, answered as vLLM
     alone, every chunk stored back. Faults: a prompt whose stored variants are damaged
