@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from kvclient.client import FetchedLayer, RefLike
+from kvclient.messages import FetchedLayer, RefLike
 from kvclient.errors import KVCraftError
 
 log = logging.getLogger(__name__)

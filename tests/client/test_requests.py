@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvclient.client import _lookup_request, plan_request, store_header
+from kvclient.messages import lookup_request, plan_request, store_header
 from kvcraft.keys import ModelSpec
 
 MODEL = ModelSpec("req", 1, 1, 2, "float32").fingerprint()
@@ -21,12 +21,12 @@ def test_token_ids_reach_the_wire_as_the_same_ints(ids):
     want = [7, 8, 2**32 - 1]
     assert list(plan_request(MODEL, [ids, ("a" * 32, 4)], 5).chunks[0].token_ids) == want
     assert list(store_header(MODEL, ids, LAYERS).token_ids) == want
-    assert list(_lookup_request(MODEL, ids, None).tokens.token_ids) == want
+    assert list(lookup_request(MODEL, ids, None).tokens.token_ids) == want
 
 
 @pytest.mark.parametrize("bad", [[1, -1], [2**32], np.array([3, -5])])
 def test_an_id_outside_uint32_is_refused(bad):
     for build in (lambda: plan_request(MODEL, [bad], 5), lambda: store_header(MODEL, bad, LAYERS),
-                  lambda: _lookup_request(MODEL, bad, None)):
+                  lambda: lookup_request(MODEL, bad, None)):
         with pytest.raises(ValueError, match="out of range"):
             build()
