@@ -186,9 +186,9 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
         async def client() -> None:
             async with AsyncKVClient(address) as ac:
                 with KVClient(address) as c:
-                    check = health_pb2_grpc.HealthStub(c._channel).Check
+                    check = health_pb2_grpc.HealthStub(c.core.channel).Check
                     ping = health_pb2.HealthCheckRequest()
-                    plan_rpc = pb_grpc.KVCacheStub(c._channel).Plan
+                    plan_rpc = pb_grpc.KVCacheStub(c.core.channel).Plan
 
                     async def unary(r: list[str]) -> str:
                         return plan_rpc(plan_request(MODEL, [(k, TOKENS) for k in r], 64)).lease_id

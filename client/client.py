@@ -1,37 +1,41 @@
-"""Sync and asyncio clients of a kvcraft service.
+"""Sync and asyncio clients of a kvcraft service: two faces of one core.
 
-Both speak the same wire contract (proto/kvcraft/v1/kvcraft.proto) and build their
-requests with the same helpers (kvclient.messages); they differ only in how a call is awaited.
+Both speak the same wire contract (proto/kvcraft/v1/kvcraft.proto) through a
+kvclient.core.ClientCore, which builds every request, converts every answer, maps errors
+and resolves timeouts. They have the same methods with the same parameters and
+timeouts, and differ only where blocking or awaiting forces it:
+
+- `fetch_layers`: a FetchStream to iterate (`cancel()` from any thread) / an async iterator;
+- `fetch_local`: a LocalFetch (`with`) / an AsyncLocalFetch (`async with`);
+- `plan_future`, `match_prefix_future`, `release_future`: the blocking client's only
+  (`asyncio.ensure_future(c.plan(...))` is the asyncio equivalent).
+
 Errors arrive as kvclient.errors types (NotFoundError means: recompute).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import AsyncIterator, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Iterator, Sequence
 
 import grpc
 import torch
 
-from kvclient import local_store as _colocated
+from kvclient import local_store as colocated
+from kvclient.core import DEFAULT_ADDRESS, MAX_MESSAGE_BYTES, ClientCore, Face, awaited, blocking
 from kvclient.errors import from_rpc_error
 from kvclient.messages import (ChunkLike, FetchedLayer, Layer, Lease, Ref, RefLike, StoreResult, fetch_request,
-                               fetched_layer, layer_chunk, lookup_request, plan_request, selector, store_header,
-                               store_messages, store_requests, variant_ref)
+                               fetched_layer, plan_request, store_header, store_messages, store_requests)
 from kvclient.plan_stream import BlockingPlanStream, PlanStream
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from kvclient.local import AsyncLocalFetch, LocalFetch
 
 __all__ = ["DEFAULT_ADDRESS", "MAX_MESSAGE_BYTES", "AsyncKVClient", "ChunkLike", "FetchStream", "FetchedLayer",
            "KVClient", "Layer", "Lease", "Ref", "RefLike", "StoreResult", "fetch_request", "plan_request",
            "store_header", "store_messages", "store_requests"]
-
-DEFAULT_ADDRESS = "127.0.0.1:50051"
-MAX_MESSAGE_BYTES = 64 << 20
-
-_STORE = "/kvcraft.v1.KVCache/Store"
-_FETCH = "/kvcraft.v1.KVCache/FetchLayers"
 
 
 def _kept(running: set[grpc.Future], call: grpc.Future) -> grpc.Future:
@@ -40,15 +44,6 @@ def _kept(running: set[grpc.Future], call: grpc.Future) -> grpc.Future:
     running.add(call)
     call.add_done_callback(running.discard)
     return call
-
-
-def _options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)]
-
-
-def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 class FetchStream:
@@ -72,7 +67,7 @@ class FetchStream:
         self._call.cancel()
 
 
-class KVClient:
+class KVClient(Face):
     """Blocking client. Use as a context manager or call close()."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, token: str | None = None,
@@ -81,26 +76,12 @@ class KVClient:
                  max_message_bytes: int = MAX_MESSAGE_BYTES, local_store: bool = True) -> None:
         """local_store: `store` tries the co-located path first (kvclient.local_store;
         the gRPC stream where it is not available); False: always the gRPC stream."""
-        opts = _options(max_message_bytes)
-        self._channel = (grpc.secure_channel(address, credentials, options=opts) if credentials
-                         else grpc.insecure_channel(address, options=opts))
-        self._kv = pb_grpc.KVCacheStub(self._channel)
-        self._admin = pb_grpc.AdminStub(self._channel)
-        self._store = self._channel.stream_unary(_STORE, response_deserializer=pb.StoreResponse.FromString)
-        self._store_local = self._channel.stream_stream(
-            _colocated.STORE_LOCAL, request_serializer=pb.StoreLocalRequest.SerializeToString,
-            response_deserializer=pb.StoreLocalResponse.FromString)
-        self._local_store = local_store  # turned off for good when the service or host has no such path
-        self._staging = _colocated.StagingPool()  # this client's staging areas (StoreLocal)
-        self._fetch = self._channel.unary_stream(_FETCH, request_serializer=pb.FetchRequest.SerializeToString,
-                                                 response_deserializer=layer_chunk)
-        self._md = _metadata(token)
-        self._admin_md = _metadata(admin_token)
-        self.timeout = timeout
-        self._mappings = None  # kvclient.local.LocalMappings, on the first fetch_local
+        self.core = ClientCore(grpc, address, token=token, admin_token=admin_token, timeout=timeout,
+                               credentials=credentials, max_message_bytes=max_message_bytes, local_store=local_store)
         self._releasing: set[grpc.Future] = set()  # release_future calls still running
         # Not self in these (see BlockingPlanStream): the stream's threads must not keep the client alive.
-        plan_stream, release, md, releasing = self._kv.PlanStream, self._kv.Release, self._md, self._releasing
+        plan_stream, release, md, releasing = self.core.kv.PlanStream, self.core.kv.Release, self.core.metadata, \
+            self._releasing
         self._plans = BlockingPlanStream(
             lambda requests: plan_stream(requests, metadata=md),
             lambda lease_id: _kept(releasing, release.future(pb.ReleaseRequest(lease_id=lease_id), metadata=md,
@@ -120,45 +101,26 @@ class KVClient:
 
     def close(self) -> None:
         self._plans.close()
-        if self._mappings is not None:
-            self._mappings.close()
-        self._staging.close()
-        self._channel.close()
-
-    def _local(self) -> "LocalMappings":
-        """This client's mappings of the service's shared memory, made on the first fetch_local."""
-        if self._mappings is None:
-            from kvclient.local import LocalMappings
-
-            self._mappings = LocalMappings()
-        return self._mappings
-
-    def _call(self, method, request, admin: bool = False, timeout: float | None = None):
-        try:
-            return method(request, metadata=self._admin_md if admin else self._md, timeout=timeout or self.timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        self.core.close()
+        self.core.channel.close()
 
     # -- KVCache ----------------------------------------------------------------------
     def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
               prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
         """Store one variant: through shared memory when this process is co-located with
         the service (kvclient.local_store), else over the gRPC Store stream."""
-        if self._local_store and _colocated.uniform(layers):
-            header = store_header(model_id, token_ids, layers, prefix_keys, stats)
-            r = _colocated.store(self, header, layers)
-            if r is not None:
-                return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present, local=True)
-        r = self._call(self._store, store_messages(model_id, token_ids, layers, prefix_keys, stats))
-        return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
+        header = self.core.colocated_header(model_id, token_ids, layers, prefix_keys, stats)
+        if header is not None and (r := colocated.store(self.core, header, layers)) is not None:
+            return StoreResult.of(r, local=True)
+        return self.core.store(model_id, token_ids, layers, prefix_keys, stats).call()
 
     def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
              conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
              timings: pb.TimingReport | None = None) -> pb.PlanResponse:
         """Plan a RAG request (chunks in retriever order); Release the returned lease.
-        Sent over one long-lived PlanStream call (kvclient.plan_stream), like AsyncKVClient.plan."""
+        Sent over one long-lived PlanStream call (kvclient.plan_stream)."""
         return self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
-                                             lease_ttl_s, timings), self.timeout)
+                                             lease_ttl_s, timings), self.core.deadline())
 
     def plan_future(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                     conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
@@ -168,88 +130,57 @@ class KVClient:
         (DeadlineExceededError past the timeout). Cancelling it releases the lease its
         answer holds."""
         return self._plans.plan_future(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
-                                                    lease_ttl_s), timeout or self.timeout)
+                                                    lease_ttl_s), self.core.deadline(timeout))
 
     def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
-                     device: str | torch.device = "cpu", timeout: float | None = None) -> "FetchStream":
+                     device: str | torch.device = "cpu", timeout: float | None = None) -> FetchStream:
         """Layers of the variants, layer-major, as they arrive (iterate; `cancel()` from
         any thread ends the stream)."""
-        call = self._fetch(fetch_request(refs, first_layer, num_layers), metadata=self._md,
-                           timeout=timeout or self.timeout)
-        return FetchStream(call, device)
+        return FetchStream(self.core.open_fetch(refs, first_layer, num_layers, timeout), device)
 
     def fetch(self, chunk_key: str, variant_id: str = "", device: str | torch.device = "cpu") -> list[Layer]:
         """All layers of one variant as [(K, V), ...]."""
         return [(f.key, f.value) for f in self.fetch_layers([Ref(chunk_key, variant_id)], device=device)]
 
-    def lookup(self, model_id: str | None = None, token_ids: Sequence[int] | None = None, *,
-               chunk_key: str | None = None) -> pb.LookupResponse:
-        return self._call(self._kv.Lookup, lookup_request(model_id, token_ids, chunk_key))
-
-    def match_prefix(self, variant_ids: Sequence[str], timeout: float | None = None) -> int:
-        """How many leading variants of a chain are stored."""
-        return self._call(self._kv.MatchPrefix, pb.MatchPrefixRequest(variant_ids=list(variant_ids)),
-                          timeout=timeout).matched
+    lookup = blocking(ClientCore.lookup)
+    match_prefix = blocking(ClientCore.match_prefix)
 
     def match_prefix_future(self, variant_ids: Sequence[str], timeout: float | None = None) -> grpc.Future:
         """MatchPrefix without blocking: a grpc.Future of the MatchPrefixResponse (`.done()`,
         `.cancel()`; convert its exception with kvclient.errors.from_rpc_error)."""
-        return self._kv.MatchPrefix.future(pb.MatchPrefixRequest(variant_ids=list(variant_ids)), metadata=self._md,
-                                           timeout=timeout or self.timeout)
+        return self.core.match_prefix(variant_ids, timeout).future()
 
     def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> "LocalFetch":
         """Same-host fast path: tensors aliasing the service's shared memory, valid until
         the returned LocalFetch is released (use it as a context manager)."""
         from kvclient.local import LocalFetch
 
-        r = self._call(self._kv.Locate, pb.LocateRequest(variants=[variant_ref(x) for x in refs], lease_ttl_s=ttl_s))
-        return LocalFetch(self, r, *self._local().of(r))
+        return LocalFetch(self, *self.core.locate(refs, ttl_s).call())
 
-    def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
-        r = self._call(self._kv.Lease, pb.LeaseRequest(variants=[variant_ref(x) for x in refs], ttl_s=ttl_s))
-        return Lease(r.lease_id, list(r.variant_ids), r.expires_unix_ms)
-
-    def release(self, lease_id: str) -> bool:
-        return self._call(self._kv.Release, pb.ReleaseRequest(lease_id=lease_id)).released
+    lease = blocking(ClientCore.lease)
+    release = blocking(ClientCore.release)
 
     def release_future(self, lease_id: str) -> grpc.Future:
-        """Release without waiting (a grpc.Future; a lease not released expires by its TTL).
-        The client keeps the call until it ends: grpcio cancels a call whose future is
-        garbage collected, so a release sent and forgotten would otherwise not happen."""
-        return _kept(self._releasing, self._kv.Release.future(pb.ReleaseRequest(lease_id=lease_id),
-                                                             metadata=self._md, timeout=self.timeout))
+        """Release without waiting (a grpc.Future of the ReleaseResponse; a lease not
+        released expires by its TTL). The client keeps the call until it ends: grpcio
+        cancels a call whose future is garbage collected, so a release sent and forgotten
+        would otherwise not happen."""
+        return _kept(self._releasing, self.core.release(lease_id).future())
 
     # -- Admin ------------------------------------------------------------------------
-    def stats(self) -> pb.StatsResponse:
-        return self._call(self._admin.Stats, pb.StatsRequest(), admin=True)
-
-    def list_chunks(self, model_id: str = "", page_size: int = 0, page_token: str = "") -> pb.ListChunksResponse:
-        return self._call(self._admin.ListChunks, pb.ListChunksRequest(
-            model_id=model_id, page_size=page_size, page_token=page_token), admin=True)
-
-    def get_chunk(self, chunk_key: str) -> list[pb.VariantInfo]:
-        return list(self._call(self._admin.GetChunk, pb.GetChunkRequest(chunk_key=chunk_key), admin=True).variants)
-
-    def evict(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> pb.EvictResponse:
-        return self._call(self._admin.Evict, selector(chunk_key, variant_id), admin=True)
-
-    def pin(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> int:
-        return self._call(self._admin.Pin, selector(chunk_key, variant_id), admin=True).variants
-
-    def unpin(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> int:
-        return self._call(self._admin.Unpin, selector(chunk_key, variant_id), admin=True).variants
-
-    def flush(self) -> pb.FlushResponse:
-        return self._call(self._admin.Flush, pb.FlushRequest(), admin=True)
-
-    def config(self) -> str:
-        return self._call(self._admin.Config, pb.ConfigRequest(), admin=True).toml
+    stats = blocking(ClientCore.stats)
+    list_chunks = blocking(ClientCore.list_chunks)
+    get_chunk = blocking(ClientCore.get_chunk)
+    evict = blocking(ClientCore.evict)
+    pin = blocking(ClientCore.pin)
+    unpin = blocking(ClientCore.unpin)
+    flush = blocking(ClientCore.flush)
+    config = blocking(ClientCore.config)
 
 
-class AsyncKVClient:
-    """asyncio client with the same methods as KVClient, awaited (`fetch_layers` is an
-    async iterator; `fetch_local` returns an `AsyncLocalFetch`, used with `async with`).
-    KVClient.match_prefix_future has no twin: `asyncio.ensure_future(c.match_prefix(...))`."""
+class AsyncKVClient(Face):
+    """asyncio client: KVClient's methods, awaited (see the module docstring for where
+    they differ). Use with `async with` or `await close()`."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, token: str | None = None,
                  admin_token: str | None = None, timeout: float = 30.0,
@@ -257,24 +188,9 @@ class AsyncKVClient:
                  max_message_bytes: int = MAX_MESSAGE_BYTES, local_store: bool = True) -> None:
         """local_store: `store` tries the co-located path first (kvclient.local_store;
         the gRPC stream where it is not available); False: always the gRPC stream."""
-        opts = _options(max_message_bytes)
-        self._channel = (grpc.aio.secure_channel(address, credentials, options=opts) if credentials
-                         else grpc.aio.insecure_channel(address, options=opts))
-        self._kv = pb_grpc.KVCacheStub(self._channel)
-        self._admin = pb_grpc.AdminStub(self._channel)
-        self._store = self._channel.stream_unary(_STORE, response_deserializer=pb.StoreResponse.FromString)
-        self._store_local = self._channel.stream_stream(
-            _colocated.STORE_LOCAL, request_serializer=pb.StoreLocalRequest.SerializeToString,
-            response_deserializer=pb.StoreLocalResponse.FromString)
-        self._local_store = local_store  # turned off for good when the service or host has no such path
-        self._staging = _colocated.StagingPool()  # this client's staging areas (StoreLocal)
-        self._fetch = self._channel.unary_stream(_FETCH, request_serializer=pb.FetchRequest.SerializeToString,
-                                                 response_deserializer=layer_chunk)
-        self._md = _metadata(token)
-        self._admin_md = _metadata(admin_token)
-        self.timeout = timeout
-        self._mappings = None  # kvclient.local.LocalMappings, on the first fetch_local
-        self._plans = PlanStream(lambda: self._kv.PlanStream(metadata=self._md), self.release)
+        self.core = ClientCore(grpc.aio, address, token=token, admin_token=admin_token, timeout=timeout,
+                               credentials=credentials, max_message_bytes=max_message_bytes, local_store=local_store)
+        self._plans = PlanStream(lambda: self.core.kv.PlanStream(metadata=self.core.metadata), self.release)
 
     async def __aenter__(self) -> "AsyncKVClient":
         return self
@@ -284,51 +200,30 @@ class AsyncKVClient:
 
     async def close(self) -> None:
         await self._plans.close()
-        if self._mappings is not None:
-            self._mappings.close()
-        self._staging.close()
-        await self._channel.close()
-
-    def _local(self) -> "LocalMappings":
-        """This client's mappings of the service's shared memory, made on the first fetch_local."""
-        if self._mappings is None:
-            from kvclient.local import LocalMappings
-
-            self._mappings = LocalMappings()
-        return self._mappings
-
-    async def _call(self, method, request, admin: bool = False, timeout: float | None = None):
-        try:
-            return await method(request, metadata=self._admin_md if admin else self._md,
-                                timeout=timeout or self.timeout)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        self.core.close()
+        await self.core.channel.close()
 
     # -- KVCache ----------------------------------------------------------------------
     async def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
                     prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> StoreResult:
         """As KVClient.store: shared memory when co-located, else the gRPC stream."""
-        if self._local_store and _colocated.uniform(layers):
-            header = store_header(model_id, token_ids, layers, prefix_keys, stats)
-            r = await _colocated.store_async(self, header, layers)
-            if r is not None:
-                return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present, local=True)
-        r = await self._call(self._store, _aiter(store_messages(model_id, token_ids, layers, prefix_keys, stats)))
-        return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present)
+        header = self.core.colocated_header(model_id, token_ids, layers, prefix_keys, stats)
+        if header is not None and (r := await colocated.store_async(self.core, header, layers)) is not None:
+            return StoreResult.of(r, local=True)
+        return await self.core.store(model_id, token_ids, layers, prefix_keys, stats).call_async()
 
     async def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                    conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
                    timings: pb.TimingReport | None = None) -> pb.PlanResponse:
         """Plan a RAG request (chunks in retriever order); Release the returned lease."""
         return await self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
-                                                   lease_ttl_s, timings), self.timeout)
+                                                   lease_ttl_s, timings), self.core.deadline())
 
     async def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                            device: str | torch.device = "cpu",
                            timeout: float | None = None) -> AsyncIterator[FetchedLayer]:
         """Layers of the variants, layer-major, as they arrive (`async for`)."""
-        call = self._fetch(fetch_request(refs, first_layer, num_layers), metadata=self._md,
-                           timeout=timeout or self.timeout)
+        call = self.core.open_fetch(refs, first_layer, num_layers, timeout)
         try:
             async for msg in call:
                 yield fetched_layer(msg, device)
@@ -341,59 +236,25 @@ class AsyncKVClient:
         """All layers of one variant as [(K, V), ...]."""
         return [(f.key, f.value) async for f in self.fetch_layers([Ref(chunk_key, variant_id)], device=device)]
 
-    async def lookup(self, model_id: str | None = None, token_ids: Sequence[int] | None = None, *,
-                     chunk_key: str | None = None) -> pb.LookupResponse:
-        return await self._call(self._kv.Lookup, lookup_request(model_id, token_ids, chunk_key))
-
-    async def match_prefix(self, variant_ids: Sequence[str], timeout: float | None = None) -> int:
-        """How many leading variants of a chain are stored."""
-        return (await self._call(self._kv.MatchPrefix, pb.MatchPrefixRequest(variant_ids=list(variant_ids)),
-                                 timeout=timeout)).matched
+    lookup = awaited(ClientCore.lookup)
+    match_prefix = awaited(ClientCore.match_prefix)
 
     async def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> "AsyncLocalFetch":
         """Same-host fast path: tensors aliasing the service's shared memory, valid until
         the returned AsyncLocalFetch is released (use it with `async with`)."""
         from kvclient.local import AsyncLocalFetch
 
-        r = await self._call(self._kv.Locate, pb.LocateRequest(variants=[variant_ref(x) for x in refs],
-                                                               lease_ttl_s=ttl_s))
-        return AsyncLocalFetch(self, r, *self._local().of(r))
+        return AsyncLocalFetch(self, *await self.core.locate(refs, ttl_s).call_async())
 
-    async def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
-        r = await self._call(self._kv.Lease, pb.LeaseRequest(variants=[variant_ref(x) for x in refs], ttl_s=ttl_s))
-        return Lease(r.lease_id, list(r.variant_ids), r.expires_unix_ms)
-
-    async def release(self, lease_id: str) -> bool:
-        return (await self._call(self._kv.Release, pb.ReleaseRequest(lease_id=lease_id))).released
+    lease = awaited(ClientCore.lease)
+    release = awaited(ClientCore.release)
 
     # -- Admin ------------------------------------------------------------------------
-    async def stats(self) -> pb.StatsResponse:
-        return await self._call(self._admin.Stats, pb.StatsRequest(), admin=True)
-
-    async def list_chunks(self, model_id: str = "", page_size: int = 0, page_token: str = "") -> pb.ListChunksResponse:
-        return await self._call(self._admin.ListChunks, pb.ListChunksRequest(
-            model_id=model_id, page_size=page_size, page_token=page_token), admin=True)
-
-    async def get_chunk(self, chunk_key: str) -> list[pb.VariantInfo]:
-        r = await self._call(self._admin.GetChunk, pb.GetChunkRequest(chunk_key=chunk_key), admin=True)
-        return list(r.variants)
-
-    async def evict(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> pb.EvictResponse:
-        return await self._call(self._admin.Evict, selector(chunk_key, variant_id), admin=True)
-
-    async def pin(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> int:
-        return (await self._call(self._admin.Pin, selector(chunk_key, variant_id), admin=True)).variants
-
-    async def unpin(self, *, chunk_key: str | None = None, variant_id: str | None = None) -> int:
-        return (await self._call(self._admin.Unpin, selector(chunk_key, variant_id), admin=True)).variants
-
-    async def flush(self) -> pb.FlushResponse:
-        return await self._call(self._admin.Flush, pb.FlushRequest(), admin=True)
-
-    async def config(self) -> str:
-        return (await self._call(self._admin.Config, pb.ConfigRequest(), admin=True)).toml
-
-
-async def _aiter(it: Iterable[bytes]) -> AsyncIterator[bytes]:
-    for x in it:
-        yield x
+    stats = awaited(ClientCore.stats)
+    list_chunks = awaited(ClientCore.list_chunks)
+    get_chunk = awaited(ClientCore.get_chunk)
+    evict = awaited(ClientCore.evict)
+    pin = awaited(ClientCore.pin)
+    unpin = awaited(ClientCore.unpin)
+    flush = awaited(ClientCore.flush)
+    config = awaited(ClientCore.config)

@@ -1,7 +1,9 @@
 """Co-located Store: the layers go through shared memory, not gRPC (StoreLocal RPC).
 
 `KVClient.store` (and `AsyncKVClient.store`) try this path first and fall back to the
-gRPC Store stream when it is not available:
+gRPC Store stream when it is not available. It runs on the client core's public parts
+(kvclient.core.ClientCore: `store_local`, `metadata`, `timeout`, `staging` and the
+`local_store` switch):
 - the client keeps staging areas of its own (`StagingPool`): anonymous memfds named
   kvcraft-stage-<random id>, sealed against shrinking and growing, reused Store after
   Store (fresh shared memory costs a page fault and a zeroed page per 4 KiB: ~6x the
@@ -130,11 +132,11 @@ def _staged(count: int) -> pb.StoreLocalRequest:
     return pb.StoreLocalRequest(staged=pb.StagedLayers(layers=count))
 
 
-def _declined(client: Any, e: grpc.RpcError) -> bool:
+def _declined(core: Any, e: grpc.RpcError) -> bool:
     """True: the service has no co-located path for this client: this Store and every
     later one go the gRPC way. False: a real error of the Store."""
     if e.code() in _OFF:
-        client._local_store = False  # noqa: SLF001 - the client's own switch
+        core.local_store = False
         return True
     return False
 
@@ -147,11 +149,11 @@ def _layer_bytes(header: pb.StoreHeader) -> int:
     return layer_layout(header.key_spec, header.value_spec, len(header.token_ids)).layer_bytes
 
 
-def store(client: Any, header: pb.StoreHeader, layers: Sequence[tuple["torch.Tensor", "torch.Tensor"]],
+def store(core: Any, header: pb.StoreHeader, layers: Sequence[tuple["torch.Tensor", "torch.Tensor"]],
           ) -> pb.StoreResponse | None:
-    """One co-located Store by a KVClient; None: not available, use the gRPC stream."""
+    """One co-located Store by a KVClient's core; None: not available, use the gRPC stream."""
     layer_bytes = _layer_bytes(header)
-    buf = client._staging.take(layer_bytes * len(layers))  # noqa: SLF001
+    buf = core.staging.take(layer_bytes * len(layers))
     requests: queue.SimpleQueue = queue.SimpleQueue()
     requests.put(pb.StoreLocalRequest(start=pb.StoreLocalStart(header=header, staging=buf.message())))
 
@@ -159,13 +161,13 @@ def store(client: Any, header: pb.StoreHeader, layers: Sequence[tuple["torch.Ten
         while (m := requests.get()) is not None:
             yield m
 
-    call = client._store_local(stream(), metadata=client._md, timeout=client.timeout)  # noqa: SLF001
+    call = core.store_local(stream(), metadata=core.metadata, timeout=core.timeout)
     reuse = False  # the area is reused only once the service is known to be done with it
     try:
         try:
             next(call)  # accepted: the service mapped the area
         except grpc.RpcError as e:
-            if _declined(client, e):
+            if _declined(core, e):
                 reuse = True  # refused before it was mapped
                 return None
             raise from_rpc_error(e) from None
@@ -184,16 +186,16 @@ def store(client: Any, header: pb.StoreHeader, layers: Sequence[tuple["torch.Ten
     finally:
         requests.put(None)
         call.cancel()  # no-op once the call ended
-        _release(client, buf, reuse)
+        _release(core, buf, reuse)
 
 
-async def store_async(client: Any, header: pb.StoreHeader,
+async def store_async(core: Any, header: pb.StoreHeader,
                       layers: Sequence[tuple["torch.Tensor", "torch.Tensor"]]) -> pb.StoreResponse | None:
-    """One co-located Store by an AsyncKVClient; None: use the gRPC stream. Layers are
-    copied on a worker thread (the event loop goes on meanwhile)."""
+    """One co-located Store by an AsyncKVClient's core; None: use the gRPC stream. Layers
+    are copied on a worker thread (the event loop goes on meanwhile)."""
     layer_bytes = _layer_bytes(header)
-    buf = client._staging.take(layer_bytes * len(layers))  # noqa: SLF001
-    call = client._store_local(metadata=client._md, timeout=client.timeout)  # noqa: SLF001
+    buf = core.staging.take(layer_bytes * len(layers))
+    call = core.store_local(metadata=core.metadata, timeout=core.timeout)
     reuse = False  # the area is reused only once the service is known to be done with it
     try:
         try:
@@ -203,7 +205,7 @@ async def store_async(client: Any, header: pb.StoreHeader,
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
             # InvalidStateError: the call ended while writing; its status says why
             status = e if isinstance(e, grpc.RpcError) else await _status(call)
-            if _declined(client, status):
+            if _declined(core, status):
                 reuse = True  # refused before it was mapped
                 return None
             raise from_rpc_error(status) from None
@@ -223,15 +225,15 @@ async def store_async(client: Any, header: pb.StoreHeader,
         return last.result
     finally:
         call.cancel()  # no-op once the call ended
-        _release(client, buf, reuse)
+        _release(core, buf, reuse)
 
 
-def _release(client: Any, buf: StagingBuffer, reuse: bool) -> None:
+def _release(core: Any, buf: StagingBuffer, reuse: bool) -> None:
     """Back to the client's pool after a Store the service finished with; else closed
     (a Store that failed midway may still be read by the service for a moment: its next
     Store must not share the memory)."""
     if reuse:
-        client._staging.give(buf)  # noqa: SLF001
+        core.staging.give(buf)
     else:
         buf.close()
 

@@ -25,7 +25,7 @@ def test_fetch_local_tensors_alias_the_stored_bytes_until_released(kvserver):
                 assert gk.dtype == torch.bfloat16 and gk.shape == wk.shape
                 assert torch.equal(gk.view(torch.uint8), wk.view(torch.uint8))
                 assert torch.equal(gv.view(torch.uint8), wv.view(torch.uint8))
-            slab = next(iter(c._mappings._slabs.values()))  # noqa: SLF001 - the mapping fetch_local opened
+            slab = next(iter(c.core.mappings()._slabs.values()))  # noqa: SLF001 - the mapping fetch_local opened
             bad = pb.VariantLocation()
             bad.CopyFrom(got.locations[0])
             bad.length -= 2
@@ -62,7 +62,7 @@ def test_offsets_outside_the_segment_are_refused(kvserver):
     with KVClient(kvserver.address) as c:
         r = c.store(MODEL, list(range(9)), layers)
         with c.fetch_local([r.chunk_key]) as got:
-            slab = next(iter(c._mappings._slabs.values()))  # noqa: SLF001
+            slab = next(iter(c.core.mappings()._slabs.values()))  # noqa: SLF001
             bad = pb.VariantLocation()
             bad.CopyFrom(got.locations[0])
             bad.offset = slab._shm.size  # noqa: SLF001

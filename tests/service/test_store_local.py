@@ -202,7 +202,7 @@ def test_client_falls_back_to_the_grpc_stream_when_the_service_has_it_off(start_
         finally:
             raw.close()
         r = c.store(MODEL, _tokens(1), layers)
-        assert not r.local and not c._local_store  # remembered: later stores go straight to gRPC
+        assert not r.local and not c.core.local_store  # remembered: later stores go straight to gRPC
         assert not c.store(MODEL, _tokens(2), layers).local
         assert _equal(c.fetch(r.chunk_key), layers)
 
@@ -232,7 +232,7 @@ def test_a_service_in_another_pid_namespace_refuses_and_the_client_falls_back(tm
         layers = _layers(6)
         with KVClient(server.address) as c:
             r = c.store(MODEL, _tokens(6), layers)
-            assert not r.local and not c._local_store  # refused once, gRPC from then on
+            assert not r.local and not c.core.local_store  # refused once, gRPC from then on
             assert _equal(c.fetch(r.chunk_key), layers)
         assert "Traceback" not in server.log()
     finally:
