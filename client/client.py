@@ -7,16 +7,19 @@ timeouts, and differ only where blocking or awaiting forces it:
 
 - `fetch_layers`: a FetchStream to iterate (`cancel()` from any thread) / an async iterator;
 - `fetch_local`: a LocalFetch (`with`) / an AsyncLocalFetch (`async with`);
-- `plan_future`, `match_prefix_future`, `release_future`: the blocking client's only
-  (`asyncio.ensure_future(c.plan(...))` is the asyncio equivalent).
+- `plan_future`: a concurrent.futures.Future / an asyncio.Task, of the PlanResponse;
+- `match_prefix_future`, `release_future`: a grpc.Future of the answer message, whose
+  exception is a grpc.RpcError (convert it with kvclient.errors.from_rpc_error) / an
+  asyncio.Task of the same message, whose exception is a KVCraftError.
 
 Errors arrive as kvclient.errors types (NotFoundError means: recompute).
 """
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Coroutine, Iterator, Sequence, TypeVar
 
 import grpc
 import torch
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_ADDRESS", "MAX_MESSAGE_BYTES", "AsyncKVClient", "ChunkLike", "FetchStream", "FetchedLayer",
            "KVClient", "Layer", "Lease", "Ref", "RefLike", "StoreResult", "fetch_request", "plan_request",
            "store_header", "store_messages", "store_requests"]
+
+T = TypeVar("T")
 
 
 def _kept(running: set[grpc.Future], call: grpc.Future) -> grpc.Future:
@@ -190,6 +195,7 @@ class AsyncKVClient(Face):
         the gRPC stream where it is not available); False: always the gRPC stream."""
         self.core = ClientCore(grpc.aio, address, token=token, admin_token=admin_token, timeout=timeout,
                                credentials=credentials, max_message_bytes=max_message_bytes, local_store=local_store)
+        self._running: set[asyncio.Task] = set()  # the *_future tasks: the loop itself keeps only weak references
         self._plans = PlanStream(lambda: self.core.kv.PlanStream(metadata=self.core.metadata), self.release)
 
     async def __aenter__(self) -> "AsyncKVClient":
@@ -202,6 +208,20 @@ class AsyncKVClient(Face):
         await self._plans.close()
         self.core.close()
         await self.core.channel.close()
+
+    def _task(self, work: Coroutine[Any, Any, T], *, forgotten: bool = False) -> asyncio.Task[T]:
+        """`work` as a task of the running loop, kept until it ends. forgotten: nobody
+        need look at its outcome (a failed release is not logged as never retrieved)."""
+        try:
+            task = asyncio.get_running_loop().create_task(work)
+        except RuntimeError:
+            work.close()
+            raise
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        if forgotten:
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
 
     # -- KVCache ----------------------------------------------------------------------
     async def store(self, model_id: str, token_ids: Sequence[int], layers: Sequence[Layer], *,
@@ -218,6 +238,15 @@ class AsyncKVClient(Face):
         """Plan a RAG request (chunks in retriever order); Release the returned lease."""
         return await self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
                                                    lease_ttl_s, timings), self.core.deadline())
+
+    def plan_future(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
+                    conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
+                    timeout: float | None = None) -> asyncio.Task[pb.PlanResponse]:
+        """Plan without awaiting it here (called in a running loop): an asyncio.Task of the
+        PlanResponse, whose exception is a KVCraftError (DeadlineExceededError past the
+        timeout). Cancelling it releases the lease its answer holds."""
+        return self._task(self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id,
+                                                        first_turn, lease_ttl_s), self.core.deadline(timeout)))
 
     async def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                            device: str | torch.device = "cpu",
@@ -239,6 +268,12 @@ class AsyncKVClient(Face):
     lookup = awaited(ClientCore.lookup)
     match_prefix = awaited(ClientCore.match_prefix)
 
+    def match_prefix_future(self, variant_ids: Sequence[str],
+                            timeout: float | None = None) -> asyncio.Task[pb.MatchPrefixResponse]:
+        """MatchPrefix without awaiting it here (called in a running loop): an asyncio.Task
+        of the MatchPrefixResponse, whose exception is a KVCraftError."""
+        return self._task(self.core.match_prefix(variant_ids, timeout).answer_async())
+
     async def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> "AsyncLocalFetch":
         """Same-host fast path: tensors aliasing the service's shared memory, valid until
         the returned AsyncLocalFetch is released (use it with `async with`)."""
@@ -248,6 +283,12 @@ class AsyncKVClient(Face):
 
     lease = awaited(ClientCore.lease)
     release = awaited(ClientCore.release)
+
+    def release_future(self, lease_id: str) -> asyncio.Task[pb.ReleaseResponse]:
+        """Release without awaiting it (called in a running loop): an asyncio.Task of the
+        ReleaseResponse, kept by the client until it ends, so a release sent and forgotten
+        still happens (a lease not released expires by its TTL)."""
+        return self._task(self.core.release(lease_id).answer_async(), forgotten=True)
 
     # -- Admin ------------------------------------------------------------------------
     stats = awaited(ClientCore.stats)

@@ -1,12 +1,13 @@
 """AsyncKVClient against the real server: everything KVClient does, awaited.
 
 The blocking KVClient is the reference: each async call is compared with the same call
-made through it (or with the tensors stored), on the same server.
+made through it (or with the tensors stored), on the same server. That both faces have
+the same methods and parameters, and answer every call alike, is tests/client/test_faces.py.
 """
 
 from __future__ import annotations
 
-import inspect
+import asyncio
 import socket
 import time
 
@@ -32,26 +33,6 @@ def assert_same_layers(got, want) -> None:
         assert gk.dtype == wk.dtype and gk.shape == wk.shape
         assert torch.equal(gk.view(torch.uint8), wk.view(torch.uint8))
         assert torch.equal(gv.view(torch.uint8), wv.view(torch.uint8))
-
-
-def public_methods(cls: type) -> dict[str, inspect.Signature]:
-    return {name: inspect.signature(fn) for name, fn in vars(cls).items()
-            if callable(fn) and not name.startswith("_")}
-
-
-# A grpc.Future for blocking callers; asyncio callers wrap the coroutine in a task instead.
-SYNC_ONLY = {"match_prefix_future", "plan_future", "release_future"}
-
-
-def test_async_client_has_every_method_of_the_blocking_client_with_the_same_parameters():
-    sync, aio = public_methods(KVClient), public_methods(AsyncKVClient)
-    assert SYNC_ONLY <= set(sync)
-    sync = {name: sig for name, sig in sync.items() if name not in SYNC_ONLY}
-    assert sorted(sync) == sorted(aio)
-    for name, sig in sync.items():
-        assert list(aio[name].parameters.values()) == list(sig.parameters.values()), name
-        if name != "fetch_layers":  # an async generator; every other call is a coroutine
-            assert inspect.iscoroutinefunction(getattr(AsyncKVClient, name)), name
 
 
 async def test_store_fetch_lookup_and_match_prefix(kvserver):
@@ -129,3 +110,36 @@ async def test_timeouts_end_calls_to_a_hung_server_as_unavailable(silent_address
         with pytest.raises(UnavailableError, match="DEADLINE_EXCEEDED"):
             [f async for f in c.fetch_layers([chunk_key(MODEL, [1])], timeout=0.3)]
         assert time.monotonic() - t0 < 60
+
+
+async def test_a_cancelled_plan_future_leaves_no_lease(kvserver):
+    layers = make_layers(4, 5)
+    async with AsyncKVClient(kvserver.address) as c:
+        r = await c.store(MODEL, [9, 8, 7, 6], layers)
+        given_up = [c.plan_future(MODEL, [(r.chunk_key, 4)], 3) for _ in range(5)]
+        assert all(isinstance(t, asyncio.Task) for t in given_up)
+        for t in given_up:
+            t.cancel()
+        kept = await c.plan_future(MODEL, [(r.chunk_key, 4)], 3)  # the stream goes on
+        assert kept.lease_id and await c.release(kept.lease_id)
+        for _ in range(200):  # the cancelled ones' answers are released as they arrive
+            if (await c.stats()).leases == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await c.stats()).leases == 0
+
+
+async def test_futures_raise_client_errors_and_a_forgotten_release_still_happens(kvserver):
+    layers = make_layers(4, 6)
+    async with AsyncKVClient(kvserver.address) as c:
+        r = await c.store(MODEL, [1, 3, 5, 7], layers)
+        with pytest.raises(InvalidArgumentError):
+            await c.match_prefix_future(["f" * 32] * 100_000)  # over max_fetch_variants
+        assert (await c.match_prefix_future([r.variant_id])).matched == 1
+        for _ in range(20):
+            c.release_future((await c.lease([r.chunk_key])).lease_id)  # dropped at once
+        for _ in range(200):
+            if (await c.stats()).leases == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await c.stats()).leases == 0
