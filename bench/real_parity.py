@@ -34,10 +34,12 @@ def license_prompt(folder: Path, tok, n_tokens: int) -> list[int]:  # noqa: ANN0
 def measure(folder: Path, n_tokens: int = 1024, new_tokens: int = 16, repeat: int = 3) -> dict:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from engine_adapter.generate import greedy, stop_tokens
     from engine_adapter.llama import LlamaEngine
 
+    hf_logging.disable_progress_bar()
     hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LlamaEngine.from_pretrained(folder)
     tok = AutoTokenizer.from_pretrained(folder)
