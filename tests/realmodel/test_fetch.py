@@ -49,6 +49,13 @@ def test_a_failed_check_is_refused_and_nothing_is_installed(tmp_path, monkeypatc
     assert not (tmp_path / "model").exists() and realmodel.ready(tmp_path / "model") is None
 
 
+def test_a_folder_holding_other_files_is_never_replaced(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert realmodel.main(["--dir", str(tmp_path)]) == 1
+    assert "not a kvcraft model folder" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_unpermute_inverts_llama_cpp_qk_permutation():
     def llama_cpp_permute(w, n_head):  # convert_hf_to_gguf.py LlamaModel.permute
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
