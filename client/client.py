@@ -85,8 +85,8 @@ class KVClient(Face):
                                credentials=credentials, max_message_bytes=max_message_bytes, local_store=local_store)
         self._releasing: set[grpc.Future] = set()  # release_future calls still running
         # Not self in these (see BlockingPlanStream): the stream's threads must not keep the client alive.
-        plan_stream, release, md, releasing = self.core.kv.PlanStream, self.core.kv.Release, self.core.metadata, \
-            self._releasing
+        plan_stream, release, md = self.core.kv.PlanStream, self.core.kv.Release, self.core.metadata
+        releasing = self._releasing
         self._plans = BlockingPlanStream(
             lambda requests: plan_stream(requests, metadata=md),
             lambda lease_id: _kept(releasing, release.future(pb.ReleaseRequest(lease_id=lease_id), metadata=md,
