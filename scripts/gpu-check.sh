@@ -106,11 +106,10 @@ elif kind == "kernels":
 elif kind == "blend":
     parts = []
     for run in data:
-        best = min((r for r in run["rows"] if r["case"] != "full prefill"), key=lambda r: r["ttft_ms"], default=None)
+        cases = ", ".join(f"{r['case'].replace('full prefill', 'full')} {r['ttft_ms']:.1f} ms"
+                          + (f" (dev {r['logit_dev']:.1e})" if r["case"] != "full prefill" else "") for r in run["rows"])
         fails = [c["check"] for c in run["checks"] if c["status"] == "FAIL"]
-        full = run["rows"][0]["ttft_ms"]
-        parts.append(f"{run['dtype']}: full {full:.1f} ms" + (f", {best['case']} {best['ttft_ms']:.1f} ms" if best else "")
-                     + (f", FAILED {fails}" if fails else ""))
+        parts.append(f"{run['dtype']}: {cases}" + (f"; FAILED: {', '.join(fails)}" if fails else ""))
     print("; ".join(parts))
 EOF
 }
@@ -220,8 +219,8 @@ EOF
 fi
 
 # -- imports -----------------------------------------------------------------------------
-step imports 90 "$py" - <<'EOF'
-import importlib
+step imports 90 "$py" - "$tmp/imports" <<'EOF'
+import importlib, sys
 from importlib import metadata
 
 for m in ("kvcraft.v1.kvcraft_pb2_grpc", "kvservice.server.startup", "kvservice.store", "kvservice.tiers.gpu",
@@ -229,18 +228,20 @@ for m in ("kvcraft.v1.kvcraft_pb2_grpc", "kvservice.server.startup", "kvservice.
           "kvbench.kernels", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "rocksdict"):
     importlib.import_module(m)
 print("imported the project's packages and grpc health/reflection, rocksdict")
-for name in ("grpcio", "protobuf", "rocksdict", "kvikio-cu13"):
-    try:
-        print(f"  {name:<12} {metadata.version(name)}")
-    except metadata.PackageNotFoundError:
-        print(f"  {name:<12} not installed")
+note = []
+for name in ("grpcio", "protobuf", "rocksdict"):
+    note.append(f"{name} {metadata.version(name)}")
 try:
     import kvikio
 
-    print(f"  kvikio imports ({kvikio.__version__})")
+    note.append(f"kvikio {kvikio.__version__}")
 except Exception as e:  # noqa: BLE001 - selftest skips its kvikio checks then, with this reason
-    print(f"  kvikio does not import: {type(e).__name__}: {e}")
+    print(f"kvikio does not import: {type(e).__name__}: {e}")
+    note.append("kvikio does not import")
+print(", ".join(note))
+open(sys.argv[1], "w").write(", ".join(note))
 EOF
+[ -f "$tmp/imports" ] && amend "${statuses[-1]}" "$(cat "$tmp/imports")"
 
 # -- selftest ----------------------------------------------------------------------------
 if [ -n "$gpu" ]; then
@@ -301,6 +302,6 @@ done
     for i in "${!names[@]}"; do
         printf '  %-7s %-20s %4ss  %s\n' "${statuses[i]}" "${names[i]}" "${secs[i]}" "${notes[i]}"
     done
-    echo "  ran $((passed + failed)), passed $passed, failed $failed, skipped $skipped; reports in $res"
+    echo "  ran $((passed + failed)), passed $passed, failed or stopped $failed, skipped $skipped; reports in $res"
 } | tee "$res/summary.txt"
 [ "$failed" -eq 0 ]
