@@ -39,6 +39,7 @@ if [ -n "${OUT:-}" ]; then
     res="$OUT"
     mkdir -p "$res"
     exec > >(tee -a "$res/gpu-check.log") 2>&1
+    tee_pid=$!
 else
     res=$(mktemp -d "${TMPDIR:-/tmp}/kvcraft-gpu-check-results.XXXXXX")
 fi
@@ -304,4 +305,8 @@ done
     done
     echo "  ran $((passed + failed)), passed $passed, failed or stopped $failed, skipped $skipped; reports in $res"
 } | tee "$res/summary.txt"
+if [ -n "${tee_pid:-}" ]; then  # let the log's writer finish before the caller collects $OUT
+    exec >&- 2>&-
+    wait "$tee_pid" 2>/dev/null
+fi
 [ "$failed" -eq 0 ]
