@@ -23,11 +23,12 @@ those paths). Cases, each the median of `--repeats` CUDA-synchronised runs after
   cachecraft top 15%    each chunk's top 15% of tokens by stored inter-attention (eq. 14)
   cacheblend budget 15% HKVD selection (CacheBlend §4.3)
   reuse probe           `engine_adapter.probe.probe`, the gate serving runs first
-  gpu vs cpu            full prefill of the same weights on the CPU in fp32 (small shapes)
+  gpu vs cpu            the fp32 full prefill against the same on the CPU (small shapes)
 
 logit dev: ||logits - full|| / ||full|| at the last prompt token; top-1: same argmax as
 full prefill. Exit 1 if a check fails (exact reuse beyond tolerance, probe not ok, a
-non-finite logit, an exception), 2 if the device is absent.
+non-finite logit, the GPU's fp32 prefill off the CPU's, an exception), 2 if the device
+is absent.
 """
 
 from __future__ import annotations
@@ -158,13 +159,15 @@ def run(shape: str, dtype_name: str, device: str, chunks: int, chunk_len: int, q
         except Exception as e:  # noqa: BLE001
             check("reuse probe (engine_adapter.probe)", False, f"{type(e).__name__}: {e}")
             traceback.print_exc()
-    if cpu_check and device != "cpu":
+    # fp32 only: bf16 on one device against fp32 on another differs by bf16's rounding,
+    # which the reuse probe's tolerance was not set for (exact reuse checks bf16 above).
+    if cpu_check and device != "cpu" and dtype == torch.float32:
         names = _hf_names(cfg)
         cpu = LlamaEngine(cfg, {k: v.to("cpu", torch.float32) for k, v in engine.w.items() if k in names})
         cpu_ref = cpu.prefill(torch.tensor(sum(texts, []) + question), all_logits=False)[0][-1]
         diff = float((ref.cpu() - cpu_ref).abs().max())
         ctol = TOLERANCE.get(dtype, 6e-2) * max(1.0, float(cpu_ref.abs().max()))
-        check(f"full prefill on {device} ({dtype_name}) vs cpu (fp32)", diff <= ctol,
+        check(f"full prefill on {device} vs cpu (fp32)", diff <= ctol,
               f"max |logit diff| {diff:.3g}, tolerance {ctol:.3g}")
     name = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
     return {"benchmark": "scripts/gpu_blend.py", "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
