@@ -46,19 +46,30 @@ class ChunkStore:
         """repair: rebuild missing metadata from the payload files (`kvcraft repair`)."""
         cfg.data_path.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
-        self._s = StoreState(cfg, tiers if tiers is not None else build_tiers(cfg),
-                             MetadataDB(cfg.data_path / "metadata"), clock)
-        self.index = self._s.index
-        self.tiers = self._s.tiers
-        self.listeners: list[StoreListener] = self._s.listeners
-        self.counters = self._s.counters
-        self._leases = Leases(self._s)
-        self._placement = Placement(self._s, self._leases.expire)
-        self._promotion = Promotion(self._s, self._placement)
-        self._staging_maps = StagingMaps()  # clients' staging areas (co-located Stores)
-        self.recovery = recover(self._s, repair=repair)
-        # Scale-out (docs/scale-out.md): adopt other nodes' variants, write-through.
-        self.cluster = attach_cluster(self._s)
+        # The metadata opens before the tiers: damaged metadata refuses the start before
+        # any shared memory exists. Whatever fails later (recovery refusing the
+        # metadata's word) closes what was made, the host slab's segment included.
+        meta = MetadataDB(cfg.data_path / "metadata")
+        made: list[Tier] = []
+        try:
+            made = tiers if tiers is not None else build_tiers(cfg)
+            self._s = StoreState(cfg, made, meta, clock)
+            self.index = self._s.index
+            self.tiers = self._s.tiers
+            self.listeners: list[StoreListener] = self._s.listeners
+            self.counters = self._s.counters
+            self._leases = Leases(self._s)
+            self._placement = Placement(self._s, self._leases.expire)
+            self._promotion = Promotion(self._s, self._placement)
+            self._staging_maps = StagingMaps()  # clients' staging areas (co-located Stores)
+            self.recovery = recover(self._s, repair=repair)
+            # Scale-out (docs/scale-out.md): adopt other nodes' variants, write-through.
+            self.cluster = attach_cluster(self._s)
+        except BaseException:
+            meta.close()
+            for tier in made:
+                tier.close()
+            raise
 
     def close(self) -> None:
         self._staging_maps.close()

@@ -26,24 +26,22 @@ def build_tiers(cfg: Config, driver: gpu_driver.Driver | None = None) -> list[Ti
     root.mkdir(parents=True, exist_ok=True)
     if driver is None:
         driver = gpu_driver.load(cfg.gpu_device)  # None without CUDA: said once, in one log line
-    out: list[Tier] = [
-        HostTier(cfg.host_budget_bytes, segment_name(root), driver),
-        DiskTier(root / "payloads", cfg.disk_budget_bytes),
-    ]
-    if cfg.gpu_budget_bytes:
-        if driver is None:
-            log.warning("gpu_budget_bytes is set but no CUDA driver loads: running without the gpu tier")
-        else:
-            from kvservice.tiers.gpu import GpuTier
+    out: list[Tier] = [HostTier(cfg.host_budget_bytes, segment_name(root), driver)]
+    try:  # a tier that fails to start: the ones made before it let go of what they hold
+        out.append(DiskTier(root / "payloads", cfg.disk_budget_bytes))
+        if cfg.gpu_budget_bytes:
+            if driver is None:
+                log.warning("gpu_budget_bytes is set but no CUDA driver loads: running without the gpu tier")
+            else:
+                from kvservice.tiers.gpu import GpuTier
 
-            out.insert(0, GpuTier(cfg.gpu_budget_bytes, driver, choose_backend(cfg.disk_backend, driver)))
-    if cfg.remote_master:
-        from kvservice.tiers.remote import remote_tier  # imports Mooncake: only when configured
+                out.insert(0, GpuTier(cfg.gpu_budget_bytes, driver, choose_backend(cfg.disk_backend, driver)))
+        if cfg.remote_master:
+            from kvservice.tiers.remote import remote_tier  # imports Mooncake: only when configured
 
-        try:
             out.append(remote_tier(cfg))
-        except BaseException:
-            for t in out:
-                t.close()
-            raise
+    except BaseException:
+        for t in out:
+            t.close()
+        raise
     return out
