@@ -96,8 +96,8 @@ class RequestReport:
     policy: str
     order: list[str]
     dropped: list[str]
-    reused_chunks: int
-    fresh_chunks: int
+    reused_chunks: int  # chunks whose stored KV the prefill used (0 with policy full)
+    fresh_chunks: int  # chunks the plan had no variant for (computed, stored back)
     prompt_tokens: int
     computed_rows: int  # rows computed, summed over layers
     recomputed_rows: int  # of those, rows of reused chunks
@@ -178,7 +178,7 @@ class RAGAdapter:
             policy=policy.name,
             order=list(plan.order) if plan else [chunk_key(self.model_id, c) for c in chunks],
             dropped=list(plan.dropped) if plan else [],
-            reused_chunks=len(refs),
+            reused_chunks=len(result.reused_segments),  # what served, not what the plan offered
             fresh_chunks=sum(1 for s in segments if not s.cached and not s.question),
             prompt_tokens=sum(len(s.tokens) for s in segments),
             computed_rows=sum(result.computed_rows),
