@@ -43,6 +43,7 @@ from kvclient.client import KVClient, Ref
 from kvclient.errors import KVCraftError
 from kvclient.layer_stream import LayerStream
 from kvcraft.keys import chunk_key
+from kvcraft.plans import variant_prefixes
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -198,14 +199,13 @@ class RAGAdapter:
         if plan is None:
             segments = [Segment(tuple(c)) for c in chunks]
         else:
-            for cp in plan.chunks:
+            for cp, variant_prefix in zip(plan.chunks, variant_prefixes(plan)):
                 cached = cp.source in (pb.ChunkPlan.PREFIX, pb.ChunkPlan.VARIANT)
                 if cached:
                     refs[len(segments)] = Ref(cp.chunk_key, cp.variant_id, cp.cfo)
                     self._plan_tiers[len(segments)] = cp.tier
                 segments.append(Segment(by_key[cp.chunk_key], key=cp.chunk_key, cached=cached,
-                                        cached_prefix=tuple(cp.variant_prefix_keys),
-                                        recompute=tuple(cp.recompute)))
+                                        cached_prefix=variant_prefix, recompute=tuple(cp.recompute)))
         segments.append(Segment(tuple(question), question=True))
         return segments, refs
 
