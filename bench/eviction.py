@@ -105,8 +105,8 @@ def measure(n: int, victims: int, seed: int = 0) -> dict:
 
 def measure_delete(victims: int, mib: int, parent: str | None) -> dict:
     """Delete `victims` real variants of `mib` MiB each, one by one with the store's lock
-    held, alternating the way the store deleted until 2026-11-24 (unlink in place,
-    synced metadata delete) with the store's own (`Placement.delete`)."""
+    held, alternating a baseline (unlink in place, synced metadata delete) with the
+    store's own way (`Placement.delete`)."""
     layers = max(1, mib // 2)
     spec = Spec(pb.FLOAT16, (8, 512, 128))  # K or V of one layer: 1 MiB
     with tempfile.TemporaryDirectory(prefix="kvcraft-delete-", dir=parent) as tmp:

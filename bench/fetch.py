@@ -50,6 +50,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from kvbench.load import server_env
+from kvbench.rows import transfer_row
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import ModelSpec
 from kvservice.launcher import ServiceProcess
@@ -209,8 +210,7 @@ def run(chunks: int, tokens: int, repeat: int, tree: Path | None = None) -> list
                 times["disk-stream"] = _paired({"": lambda _: [None for _ in c.fetch_layers(refs)]}, repeat)[""]
         finally:
             server.close()
-    out = [{"path": name, "bytes": total, "seconds": round(min(t), 4), "GB_per_s": round(total / min(t) / 1e9, 2)}
-           for name, t in ((name, times[name]) for name in ROWS)]
+    out = [transfer_row(name, total, min(times[name])) for name in ROWS]
     by = {r["path"]: r for r in out}
     by["store-client"]["shared_memory"] = local_used  # False: the service has no StoreLocal
     for path, limit in LIMITS.items():

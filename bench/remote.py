@@ -32,6 +32,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvbench.rows import significant, transfer_row
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import ModelSpec
 from kvcraft.plans import prefix_keys
@@ -100,9 +101,9 @@ def fetch_rows(tmp: Path, chunks: int, tokens: int, repeat: int) -> list[dict]:
                 n.stop()
                 n.close()
     rows.append(("host-tier read (shm slab -> buffer)", _host_read(total, repeat)))
-    out = [{"path": n, "bytes": total, "seconds": round(s, 4), "GB_per_s": round(total / s / 1e9, 2)} for n, s in rows]
+    out = [transfer_row(n, total, s) for n, s in rows]
     out.append({"path": "plan on node B (discovers the cluster's variants)", "bytes": 0,
-                "seconds": round(plan_s, 4), "GB_per_s": None})
+                "seconds": significant(plan_s), "GB_per_s": None})
     return out
 
 

@@ -206,7 +206,7 @@ class SelfTest:
             "disk_budget_bytes": 8 * layers * 2 * half, "max_variant_bytes": 4 * layers * 2 * half,
             "gpu_budget_bytes": 4 * layers * 2 * half if self.driver is not None else 0,
             "disk_backend": backend})
-        store = ChunkStore(cfg, tiers=build_tiers(cfg, self.driver))
+        store = ChunkStore(cfg, tiers=build_tiers(cfg, "selftest", self.driver))
         try:
             model = ModelSpec("selftest", layers, heads, dim, "float16").fingerprint()
             spec = Spec(pb.FLOAT16, (heads, tokens, dim))

@@ -78,8 +78,9 @@ def _kept(running: set[grpc.Future], call: grpc.Future) -> grpc.Future:
 # -- request builders shared by both clients --------------------------------------------
 def _with_token_ids(make: Callable[[Sequence[int]], M], token_ids: Sequence[int]) -> M:
     """make(ids) with the ids as given: protobuf reads a list of ints in one C pass (512
-    ids: 25 µs, where converting each with int() first took 91). Ids it refuses but int()
-    takes (floats, numeric strings) are converted one by one, as before."""
+    ids: 25 µs, against 91 µs when each is converted with int() first). Ids it refuses
+    but int() takes (floats, numeric strings) are then converted one by one, so callers
+    may pass either."""
     try:
         return make(token_ids)
     except TypeError:
@@ -342,8 +343,7 @@ class KVClient:
         from kvclient.local import LocalFetch
 
         r = self._call(self._kv.Locate, pb.LocateRequest(variants=[_ref(x) for x in refs], lease_ttl_s=ttl_s))
-        local = self._local()
-        return LocalFetch(self, r, local.slab(r.segment), local.gpu_pool(r))
+        return LocalFetch(self, r, *self._local().of(r))
 
     def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
         r = self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))
@@ -496,8 +496,7 @@ class AsyncKVClient:
         from kvclient.local import AsyncLocalFetch
 
         r = await self._call(self._kv.Locate, pb.LocateRequest(variants=[_ref(x) for x in refs], lease_ttl_s=ttl_s))
-        local = self._local()
-        return AsyncLocalFetch(self, r, local.slab(r.segment), local.gpu_pool(r))
+        return AsyncLocalFetch(self, r, *self._local().of(r))
 
     async def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Lease:
         r = await self._call(self._kv.Lease, pb.LeaseRequest(variants=[_ref(x) for x in refs], ttl_s=ttl_s))

@@ -127,11 +127,6 @@ class LayerStream:
             self._cond.notify_all()
         return got
 
-    @property
-    def complete_so_far(self) -> bool:
-        """No error, not closed: every layer handed out so far could have been whole."""
-        return self.error is None and not self._closed
-
     def close(self, join_s: float = 5.0) -> None:
         with self._cond:
             self._closed = True

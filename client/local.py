@@ -9,6 +9,7 @@ nothing is copied. The tensors are valid while the lease is held (the `LocalFetc
 
 from __future__ import annotations
 
+import threading
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
@@ -41,6 +42,9 @@ class SharedSlab:
         kb = layout.key_bytes
         if layout.layer_bytes * loc.num_layers != loc.length:
             raise ValueError(f"variant {loc.variant_id}: {loc.length} bytes do not match its specs")
+        if loc.offset + loc.length > self._shm.size:
+            raise ValueError(f"variant {loc.variant_id}: bytes {loc.offset}..{loc.offset + loc.length} lie outside "
+                             f"segment {self.segment} ({self._shm.size} bytes)")
         raw = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=loc.length, offset=loc.offset)
         k_dtype, v_dtype = TORCH_DTYPE[loc.key_spec.dtype], TORCH_DTYPE[loc.value_spec.dtype]
         out = []
@@ -63,19 +67,36 @@ class SharedSlab:
 
 class LocalMappings:
     """The service's shared memory as one client maps it: host slabs by segment name and
-    gpu pools by CUDA IPC handle, each mapped once and kept until `close()`."""
+    gpu pools by CUDA IPC handle, each mapped once, for one service instance at a time.
+
+    A Locate answered by another instance (the service restarted) retires every mapping
+    of the one before: its offsets mean nothing in the new instance's memory. Retired
+    slabs are closed at once (tensors still aliasing one keep it mapped); retired gpu
+    pools stay open until `close()`, since unmapping CUDA memory under a live tensor
+    would fault."""
 
     def __init__(self) -> None:
+        self.instance_id = ""
         self._slabs: dict[str, SharedSlab] = {}
         self._gpu_pools: dict[bytes, GpuPool] = {}
+        self._retired_pools: list[GpuPool] = []
+        self._lock = threading.Lock()  # loader threads locate at once
 
-    def slab(self, segment: str) -> SharedSlab:
+    def of(self, r: pb.LocateResponse) -> tuple[SharedSlab, GpuPool | None]:
+        """The host slab and gpu pool (None: not mapped here) that `r`'s offsets are in."""
+        with self._lock:
+            if r.instance_id != self.instance_id:
+                self._retire()
+                self.instance_id = r.instance_id
+            return self._slab(r.segment), self._gpu_pool(r)
+
+    def _slab(self, segment: str) -> SharedSlab:
         slab = self._slabs.get(segment)
         if slab is None:
             slab = self._slabs[segment] = SharedSlab(segment)
         return slab
 
-    def gpu_pool(self, r: pb.LocateResponse) -> GpuPool | None:
+    def _gpu_pool(self, r: pb.LocateResponse) -> GpuPool | None:
         """The service's gpu pool mapped here, when a located variant is in it and this
         process has CUDA; else None (those variants are read from the host slab)."""
         if not r.gpu_ipc_handle or not any(loc.gpu_length for loc in r.variants):
@@ -87,11 +108,19 @@ class LocalMappings:
             pool = self._gpu_pools[r.gpu_ipc_handle] = GpuPool(r.gpu_ipc_handle, r.gpu_pool_bytes, r.gpu_device)
         return pool
 
-    def close(self) -> None:
-        for pool in self._gpu_pools.values():
-            pool.close()
+    def _retire(self) -> None:
         for slab in self._slabs.values():
             slab.close()
+        self._slabs.clear()
+        self._retired_pools.extend(self._gpu_pools.values())
+        self._gpu_pools.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            self._retire()
+        for pool in self._retired_pools:
+            pool.close()
+        self._retired_pools.clear()
 
 
 class _Located:

@@ -12,8 +12,8 @@ the same batch; access updates are unsynced (losing the last few on a crash
 only makes eviction slightly less informed).
 
 Durable writes are group-committed, off the GIL: rocksdict holds the GIL through a
-RocksDB write with sync=True, so each Store's metadata commit used to stop every thread
-of the server, the event loop included, for the disk's sync time (docs/benchmarks.md,
+RocksDB write with sync=True, so a synced write per Store would stop every thread of
+the server, the event loop included, for the disk's sync time (docs/benchmarks.md,
 load). Instead, the first writer to arrive becomes the leader: it takes every write
 waiting, writes them as one WriteBatch without RocksDB's sync, then fsyncs the
 write-ahead log files with os.fsync (which releases the GIL); writers that arrive

@@ -72,6 +72,7 @@ class GpuPool:
 
 @dataclass(frozen=True)
 class Located:
+    instance_id: str  # the service run the segment and the gpu pool belong to
     segment: str
     lease_id: str
     expires_s: float

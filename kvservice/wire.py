@@ -63,7 +63,7 @@ def variant_message(v: Variant, leased: bool = False) -> pb.VariantInfo:
 
 
 def locate_response(r: Located) -> pb.LocateResponse:
-    out = pb.LocateResponse(segment=r.segment, lease_id=r.lease_id, lease_expires_unix_ms=int(r.expires_s * 1000))
+    out = pb.LocateResponse(instance_id=r.instance_id, segment=r.segment, lease_id=r.lease_id, lease_expires_unix_ms=int(r.expires_s * 1000))
     if r.gpu is not None:
         out.gpu_ipc_handle, out.gpu_pool_bytes, out.gpu_device = r.gpu.ipc_handle, r.gpu.nbytes, r.gpu.device
     for loc in r.variants:

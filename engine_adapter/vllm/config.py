@@ -39,6 +39,7 @@ class ConnectorSettings:
     breaker_failures: int = 3        # consecutive failed lookups that switch lookups off ...
     retry_after_s: float = 5.0       # ... for this long
     load_timeout_s: float = 5.0      # one request's whole load (all layers), in the background
+    load_concurrency: int = 2        # loader threads: prefix loads and blends of this many requests run at once
     store_timeout_s: float = 10.0    # one block's Store
     save_concurrency: int = 4        # Store RPCs in flight at once
     max_pending_saves: int = 4096    # blocks waiting for Store; more are dropped (a later miss)
@@ -64,7 +65,7 @@ class ConnectorSettings:
         for name in ("lookup_timeout_s", "load_timeout_s", "store_timeout_s", "retry_after_s"):
             if not getattr(s, name) > 0:
                 raise ValueError(f"kv_connector_extra_config {name} must be > 0, got {getattr(s, name)!r}")
-        for name in ("breaker_failures", "save_concurrency", "max_pending_saves"):
+        for name in ("breaker_failures", "save_concurrency", "max_pending_saves", "load_concurrency"):
             if not (isinstance(getattr(s, name), int) and getattr(s, name) >= 1):
                 raise ValueError(f"kv_connector_extra_config {name} must be an integer >= 1, got {getattr(s, name)!r}")
         if not s.plan_timeout_s > 0:
@@ -152,17 +153,21 @@ def spec_from_vllm(vllm_config: "VllmConfig", settings: ConnectorSettings) -> Mo
 
 
 
-def chunk_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> str:
-    """The model id chunk variants are keyed by when blending (`chunk_model_id`, else the
-    ModelSpec fingerprint `engine_adapter.llama.LlamaEngine.from_pretrained(model dir)`
-    gives: folder name, shape, dtype, RoPE), so chunks stored by the reference engine
-    (RAGAdapter) and by this connector serve each other."""
-    if settings.chunk_model_id:
-        return settings.chunk_model_id
+def chunk_spec(vllm_config: "VllmConfig") -> ModelSpec:
+    """The ModelSpec chunk variants are keyed by when blending: the one
+    `engine_adapter.llama.LlamaEngine.from_pretrained(model dir)` gives (folder name,
+    shape, dtype, RoPE), so chunks stored by the reference engine (RAGAdapter) and by
+    this connector serve each other."""
     from engine_adapter.llama import LlamaConfig
 
     mc = vllm_config.model_config
     c = LlamaConfig.from_hf(mc.hf_config.to_dict(), name=Path(str(mc.model)).name)
     return ModelSpec(name=c.name, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      dtype=str(mc.dtype).removeprefix("torch."), rope_theta=c.rope_theta,
-                     rope_scaling=c.rope_scaling).fingerprint()
+                     rope_scaling=c.rope_scaling)
+
+
+def chunk_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> str:
+    """The model id chunk variants are keyed by when blending: `chunk_model_id`, else
+    `chunk_spec`'s fingerprint."""
+    return settings.chunk_model_id or chunk_spec(vllm_config).fingerprint()

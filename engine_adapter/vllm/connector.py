@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine_adapter.vllm.blocks import KVCraftMetadata
-from engine_adapter.vllm.config import ConnectorSettings, chunk_namespace, spec_from_vllm
+from engine_adapter.vllm.config import ConnectorSettings, chunk_namespace, chunk_spec, spec_from_vllm
 from engine_adapter.vllm.metrics import SCHEDULER_COUNTERS, WORKER_COUNTERS, ConnectorMetrics, KVCraftStats
 from engine_adapter.vllm.scheduler import SchedulerSide
 from engine_adapter.vllm.worker import WorkerSide
@@ -87,9 +87,16 @@ class KVCraftConnector(KVConnectorBase_V1):
                                  f"['{ARCHITECTURE}']}} (model architectures now: {archs})")
             self.chunk_model_id = chunk_namespace(vllm_config, self.settings)
         if role == KVConnectorRole.SCHEDULER:
+            watch = None
+            if self.chunk_model_id and not self.settings.chunk_model_id:
+                from engine_adapter.namespace import NamespaceWatch
+
+                watch = NamespaceWatch(chunk_spec(vllm_config), self._client,
+                                       on_miss=lambda: self.metrics.add(blend_namespace_misses=1))
+                watch.check_stored()
             self.scheduler = SchedulerSide(self.settings, self.model_id, self.block_size, self._client,
                                            self._block_ids_of, self.metrics, chunk_model_id=self.chunk_model_id,
-                                           num_layers=self.spec.num_layers)
+                                           num_layers=self.spec.num_layers, namespaces=watch)
         else:
             context = None
             if self.chunk_model_id:

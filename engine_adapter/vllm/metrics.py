@@ -32,6 +32,8 @@ SCHEDULER_COUNTERS = (
     "blend_bad_params",        # kv_transfer_params['kvcraft'] refused (logged)
     "blend_requests",          # admissions whose context kvcraft builds
     "blend_claimed_tokens",    # tokens vLLM accepted from those
+    "blend_namespace_misses",  # blends that reused nothing while their chunks are stored under another
+                               # dtype (engine_adapter.namespace: logged once, with the fix)
 )
 WORKER_COUNTERS = (
     "loaded_tokens",           # tokens whose every layer was written into vLLM's KV
@@ -99,4 +101,5 @@ class KVCraftStats(KVConnectorStats):
         return dict(self.data)
 
     def is_empty(self) -> bool:
+        """vLLM's scheduler calls this and skips stats that are empty (the base raises)."""
         return not any(self.data.values())

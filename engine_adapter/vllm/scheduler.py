@@ -66,8 +66,11 @@ class SchedulerSide:
 
     def __init__(self, settings: ConnectorSettings, model_id: str, block_size: int, client: Any,
                  block_ids_of: Callable[[str], list[int]], metrics: ConnectorMetrics,
-                 chunk_model_id: str = "", num_layers: int = 0) -> None:
+                 chunk_model_id: str = "", num_layers: int = 0, namespaces: Any = None) -> None:
+        """namespaces: an `engine_adapter.namespace.NamespaceWatch` told of blends that
+        reused nothing (chunks stored under another dtype are reported), or None."""
         self.settings = settings
+        self.namespaces = namespaces
         self.model_id = model_id
         self.chunk_model_id = chunk_model_id
         self.num_layers = num_layers
@@ -179,6 +182,8 @@ class SchedulerSide:
             if st.lookup is not None:
                 st.lookup.cancel()
         self._reqs.clear()
+        if self.namespaces is not None:
+            self.namespaces.close()
 
     # -- lookups -----------------------------------------------------------------------------
     def _matched(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -240,6 +245,8 @@ class SchedulerSide:
                 return None, False
             if not answer:
                 return 0, False
+            if not b.reused_chunks and self.namespaces is not None:
+                self.namespaces.check_missed(st.tokens[:b.chunk_tokens[0]])
         end = len(st.tokens) - 1
         if end <= num_computed_tokens:
             return 0, False

@@ -56,7 +56,3 @@ class CATable:
     def __len__(self) -> int:
         """Number of distinct chunks in the window (the table's size)."""
         return len(self._counts)
-
-    @property
-    def requests_in_window(self) -> int:
-        return len(self._requests)

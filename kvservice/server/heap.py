@@ -4,8 +4,8 @@ objects alive after start-up are kept out of the cyclic garbage collector's scan
 The server runs with glibc's mmap threshold at 32 MiB, its trim threshold at 64 MiB and
 one arena (`kvservice.launcher.SERVER_ENV`, deploy/): layer-sized buffers (each FetchLayers
 message, grpcio's copy of it, each received Store layer) are reused from the heap while
-streams run. With a 1 MiB threshold every one of them was a fresh mmap, page faults and
-a munmap on the event-loop thread: FetchLayers ran at 0.35x of grpcio's own stream
+streams run. A 1 MiB threshold makes every one of them a fresh mmap, page faults and a
+munmap on the event-loop thread: FetchLayers then runs at 0.35x of grpcio's own stream
 (docs/benchmarks.md). Buffers freed by a burst of streams then stay in the heap, so once
 no RPC has run for IDLE_TRIM_S, malloc_trim(0) hands the free pages back (a no-op where
 the C library has no malloc_trim). It cannot shrink the free top of a second arena's

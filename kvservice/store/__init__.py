@@ -12,6 +12,7 @@ protobuf: `kvservice.server` converts at the edge.
 
 from __future__ import annotations
 
+import secrets
 import time
 from itertools import islice
 from typing import Callable, Iterable, Sequence
@@ -46,13 +47,18 @@ class ChunkStore:
         """repair: rebuild missing metadata from the payload files (`kvcraft repair`)."""
         cfg.data_path.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
-        # The metadata opens before the tiers: damaged metadata refuses the start before
-        # any shared memory exists. Whatever fails later (recovery refusing the
-        # metadata's word) closes what was made, the host slab's segment included.
+        # This run of the service: what clients map (shared memory, gpu pool) is tied to
+        # it, so a client never reads a restarted service's memory through an old mapping.
+        self.instance_id = secrets.token_hex(8)
+        # The metadata first: RocksDB's lock makes this process the data dir's one owner
+        # before build_tiers removes what earlier runs left in shared memory, and damaged
+        # metadata refuses the start before any shared memory exists. Whatever fails later
+        # (recovery refusing the metadata's word) closes what was made, the host slab's
+        # segment included.
         meta = MetadataDB(cfg.data_path / "metadata")
         made: list[Tier] = []
         try:
-            made = tiers if tiers is not None else build_tiers(cfg)
+            made = tiers if tiers is not None else build_tiers(cfg, self.instance_id)
             self._s = StoreState(cfg, made, meta, clock)
             self.index = self._s.index
             self.tiers = self._s.tiers
@@ -132,7 +138,7 @@ class ChunkStore:
                 g = gpu.location(vid) if gpu is not None and vid in gpu else (0, 0)
                 out.append(Location(v, m.offset if m else 0, m.length if m else 0, *g))  # type: ignore[arg-type]
         pool = GpuPool(gpu.ipc_handle(), gpu.pool_bytes, gpu.driver.device) if gpu is not None else None
-        return Located(mappable.segment if mappable else "", lease_id, expires, out, pool)
+        return Located(self.instance_id, mappable.segment if mappable else "", lease_id, expires, out, pool)
 
     def _count_reuse(self, refs: Sequence[Ref], variants: Sequence[Variant]) -> None:
         now = self._s.now_ms()
@@ -285,8 +291,8 @@ class ChunkStore:
 
     def stats(self) -> StoreStats:
         """Counts for Admin/Stats and every metrics scrape: O(tiers), nothing walks the
-        variants (a walk for the pinned count took ~0.1 s at 1M variants, holding the
-        GIL, so every RPC waited it out on each scrape)."""
+        variants (a walk for the pinned count takes ~0.1 s at 1M variants, holding the
+        GIL, so every RPC would wait it out on each scrape)."""
         with self._s.lock:
             self._leases.expire()
             c = self.counters
@@ -299,8 +305,8 @@ class ChunkStore:
         """One page of chunks in key order after `page_token`; the next page's token ("":
         the last page). Ranges of the index's ordered chunk keys, at most LIST_SCAN at a
         time with the store's lock held (a model filter that matches few chunks reads
-        many): at 1M variants a page of 100 takes ~1 ms, where a pass over every key
-        took 0.15-0.2 s per page, and a sort 1.6 s."""
+        many): at 1M variants a page of 100 takes ~1 ms, against 0.15-0.2 s for a pass
+        over every key and 1.6 s for a sort."""
         page_size = page_size or 100
         if page_size > 1000:
             raise InvalidArgument(f"page_size is {page_size}; at most 1000")

@@ -100,8 +100,8 @@ class StoreState:
     def rebuild_eviction_order(self, tiers: Iterable[int] | None = None) -> None:
         """Each tier's eviction order from the variants it holds (after recovery, and when
         stale entries pile up): O(the tier's variants), so a small fast tier's costs
-        little however many variants the store holds (the whole index, walked for it,
-        took 1.3-4.4 s at 1M variants with the store's lock held)."""
+        little however many variants the store holds (walking the whole index for it
+        takes 1.3-4.4 s at 1M variants, with the store's lock held)."""
         get = self.index.get
         for i in range(len(self.tiers)) if tiers is None else tiers:
             heap = self.eviction_order[i]

@@ -9,24 +9,27 @@ from kvservice.tiers import gpu_driver
 from kvservice.tiers.disk_backend import choose_backend
 from kvservice.tiers.base import PayloadShape, SharedLocation, Tier, TierFull, TierWriter
 from kvservice.tiers.disk import DiskTier
-from kvservice.tiers.host import HostTier, segment_name
+from kvservice.tiers.host import HostTier, remove_stale_segments, segment_name
 
 log = logging.getLogger("kvcraft.tiers")
 
 __all__ = ["PayloadShape", "SharedLocation", "Tier", "TierFull", "TierWriter", "build_tiers"]
 
 
-def build_tiers(cfg: Config, driver: gpu_driver.Driver | None = None) -> list[Tier]:
+def build_tiers(cfg: Config, instance_id: str, driver: gpu_driver.Driver | None = None) -> list[Tier]:
     """The tiers this machine runs, fastest first: the gpu pool (when `gpu_budget_bytes`
     is set and a CUDA driver loads), the host slab (pinned where CUDA exists), the disk
     (home), then the remote tier when a Mooncake Store cluster is configured
-    (`remote_master`, docs/scale-out.md). `driver`: this process's CUDA driver by
-    default (tests pass a fake)."""
+    (`remote_master`, docs/scale-out.md). `instance_id`: this run of the service (names
+    its shared memory). `driver`: this process's CUDA driver by default (tests pass a
+    fake). Call only while holding the data dir: it removes earlier instances' segments."""
     root = cfg.data_path
     root.mkdir(parents=True, exist_ok=True)
     if driver is None:
         driver = gpu_driver.load(cfg.gpu_device)  # None without CUDA: said once, in one log line
-    out: list[Tier] = [HostTier(cfg.host_budget_bytes, segment_name(root), driver)]
+    for name in remove_stale_segments(root):
+        log.info("removed shared memory %s left by an earlier run on %s", name, root)
+    out: list[Tier] = [HostTier(cfg.host_budget_bytes, segment_name(root, instance_id), driver)]
     try:  # a tier that fails to start: the ones made before it let go of what they hold
         out.append(DiskTier(root / "payloads", cfg.disk_budget_bytes))
         if cfg.gpu_budget_bytes:

@@ -2,8 +2,10 @@
 
 The slab is a POSIX shared-memory segment (/dev/shm/<name>), so an engine on the same
 host can map it and read a leased variant's layers with no copy through gRPC
-(`Locate` RPC, `kvclient.local`). The segment is named after the data directory, so a
-restart after a crash replaces the stale segment instead of leaking it.
+(`Locate` RPC, `kvclient.local`). The segment is named after the data directory and
+the service instance: a client that mapped an earlier instance's segment can never read
+a new instance's offsets through it (the name differs), and a start removes every
+segment an earlier instance of the same data directory left behind (a crash leaks it).
 
 A writer allocates the variant's extent when it opens; layers are copied into it, or
 read straight into it from the payload file (`SlabWriter.fill_layer`: a Store's copy at
@@ -25,8 +27,30 @@ from kvservice.tiers.slab import SlabTier
 log = logging.getLogger("kvcraft.host")
 
 
-def segment_name(data_dir: Path) -> str:
+SHM_DIR = Path("/dev/shm")
+
+
+def _segment_prefix(data_dir: Path) -> str:
     return "kvcraft-" + hashlib.sha1(str(Path(data_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def segment_name(data_dir: Path, instance_id: str) -> str:
+    """The host slab's segment of one service instance on `data_dir`."""
+    return f"{_segment_prefix(data_dir)}-{instance_id}"
+
+
+def remove_stale_segments(data_dir: Path) -> list[str]:
+    """Unlink the segments earlier instances on `data_dir` left (a crash skips the
+    unlink); their names. Call only while holding the data dir (its metadata lock)."""
+    prefix = _segment_prefix(data_dir)
+    removed = []
+    for path in SHM_DIR.glob(prefix + "*"):
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 class HostTier(SlabTier):
@@ -39,12 +63,6 @@ class HostTier(SlabTier):
         """`driver`: this process's CUDA driver (`gpu_driver.load()`), to page-lock the
         slab so copies from it into GPU memory are DMA at full speed; None: pageable."""
         super().__init__(budget_bytes, budget_bytes)
-        try:  # a segment left by a crashed run of this data dir
-            stale = shared_memory.SharedMemory(name=segment)
-            stale.close()
-            stale.unlink()
-        except FileNotFoundError:
-            pass
         self.shm = shared_memory.SharedMemory(name=segment, create=True, size=max(budget_bytes, 1))
         self.segment = segment
         self._unpin = _pin(self.shm.buf, driver)

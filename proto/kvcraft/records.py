@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-# slots: one record per stored variant (a million in a large index), no per-instance
-# __dict__: the service's peak RSS at 1M variants went from 0.83 to 0.78 GB.
+# slots: one record per stored variant (a million in a large index), so no per-instance
+# __dict__: at 1M variants the service's peak RSS is 0.78 GB with slots, 0.83 GB without.
 @dataclass(frozen=True, slots=True)
 class VariantStats:
     """Attention statistics of one variant, measured when its KV was computed.

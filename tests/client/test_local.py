@@ -32,3 +32,39 @@ def test_fetch_local_tensors_alias_the_stored_bytes_until_released(kvserver):
             with pytest.raises(ValueError, match="do not match its specs"):
                 slab.layers(bad)
         assert not c.release(lease_id)  # leaving the block released it
+
+
+def test_a_locate_from_another_service_instance_retires_the_old_mapping():
+    from multiprocessing import shared_memory
+
+    from kvclient.local import LocalMappings
+
+    old, new = (shared_memory.SharedMemory(create=True, size=64) for _ in range(2))
+    m = LocalMappings()
+    try:
+        first, _ = m.of(pb.LocateResponse(instance_id="one", segment=old.name))
+        assert m.of(pb.LocateResponse(instance_id="one", segment=old.name))[0] is first  # mapped once
+        second, _ = m.of(pb.LocateResponse(instance_id="two", segment=new.name))
+        assert second.segment == new.name
+        assert first._shm.buf is None  # noqa: SLF001 - unmapped: never read again
+        # the same name from a new instance is mapped anew, not served by the old mapping
+        third, _ = m.of(pb.LocateResponse(instance_id="three", segment=new.name))
+        assert third is not second
+    finally:
+        m.close()
+        for s in (old, new):
+            s.close()
+            s.unlink()
+
+
+def test_offsets_outside_the_segment_are_refused(kvserver):
+    layers = [(torch.zeros(1, 9, 8).bfloat16(), torch.zeros(1, 9, 8).bfloat16())] * 3
+    with KVClient(kvserver.address) as c:
+        r = c.store(MODEL, list(range(9)), layers)
+        with c.fetch_local([r.chunk_key]) as got:
+            slab = next(iter(c._mappings._slabs.values()))  # noqa: SLF001
+            bad = pb.VariantLocation()
+            bad.CopyFrom(got.locations[0])
+            bad.offset = slab._shm.size  # noqa: SLF001
+            with pytest.raises(ValueError, match="outside segment"):
+                slab.layers(bad)

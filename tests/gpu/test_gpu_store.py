@@ -41,7 +41,7 @@ class Node:
                                              "disk_budget_bytes": 1 << 20})
         root.mkdir(parents=True, exist_ok=True)
         self.gpu = GpuTier(gpu_pages * ALIGN, self.driver, KvikioBackend(self.kvikio, self.driver))
-        self.host = HostTier(host_bytes, segment_name(root), self.driver)
+        self.host = HostTier(host_bytes, segment_name(root, "test"), self.driver)
         self.store = ChunkStore(cfg, tiers=[self.gpu, self.host, DiskTier(root / "payloads", 1 << 20)])
         self.sent: dict[str, list[tuple[bytes, bytes]]] = {}
 
@@ -140,7 +140,7 @@ def test_build_tiers_puts_a_configured_gpu_pool_first_and_pins_the_slab(tmp_path
     driver = FakeDriver()
     cfg = load_config(env={}, overrides={"data_dir": str(tmp_path / "a"), "host_budget_bytes": 3 * ALIGN,
                                          "gpu_budget_bytes": 5 * ALIGN, "disk_backend": "posix"})
-    tiers = build_tiers(cfg, driver)
+    tiers = build_tiers(cfg, "test", driver)
     try:
         assert [t.name for t in tiers] == ["gpu", "host", "disk"]
         assert tiers[0].budget_bytes == 5 * ALIGN and isinstance(tiers[0].disk_backend, PosixBackend)
@@ -150,7 +150,7 @@ def test_build_tiers_puts_a_configured_gpu_pool_first_and_pins_the_slab(tmp_path
             t.close()
     assert driver.registered == {} and driver.allocations == {}  # unpinned, pool freed
     off = load_config(env={}, overrides={"data_dir": str(tmp_path / "b")})
-    tiers = build_tiers(off, FakeDriver())
+    tiers = build_tiers(off, "test", FakeDriver())
     assert [t.name for t in tiers] == ["host", "disk"]  # gpu_budget_bytes = 0: no gpu tier
     for t in tiers:
         t.close()
@@ -164,7 +164,7 @@ def test_on_a_cpu_host_the_service_says_once_what_is_off(tmp_path: Path, fresh_d
     gpu_driver._loaded.clear()  # noqa: SLF001 - probe again, this time under caplog
     cfg = load_config(env={}, overrides={"data_dir": str(tmp_path / "a")})
     with caplog.at_level(logging.INFO, logger="kvcraft"):
-        tiers = build_tiers(cfg)
+        tiers = build_tiers(cfg, "test")
     for t in tiers:
         t.close()
     assert [t.name for t in tiers] == ["host", "disk"]
@@ -172,7 +172,7 @@ def test_on_a_cpu_host_the_service_says_once_what_is_off(tmp_path: Path, fresh_d
     caplog.clear()
     asked = load_config(env={}, overrides={"data_dir": str(tmp_path / "b"), "gpu_budget_bytes": 1 << 20})
     with caplog.at_level(logging.INFO, logger="kvcraft"):
-        tiers = build_tiers(asked)
+        tiers = build_tiers(asked, "test")
     for t in tiers:
         t.close()
     assert [t.name for t in tiers] == ["host", "disk"]

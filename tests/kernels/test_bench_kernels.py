@@ -1,5 +1,5 @@
 """bench/kernels.py is GPU-only; here its measuring code runs once on CPU (Triton
-interpreter, tiny prompt) so a GPU session finds a script that works."""
+interpreter, tiny prompt) so the script is known to run before it meets a GPU."""
 
 from __future__ import annotations
 

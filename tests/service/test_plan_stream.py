@@ -248,7 +248,7 @@ def _free_port() -> int:
 
 def test_a_blocking_client_dropped_without_close_ends_its_stream(kvserver):
     """Its threads hold the channel, not the client: once the client is collected its
-    stream ends and the threads with it (before, each forgotten client kept them for good)."""
+    stream ends and the threads with it, so forgotten clients do not pile up threads."""
     import gc
 
     before = set(_plan_threads())

@@ -2,10 +2,12 @@
 
     python tests/vllm/blend_engine.py spec.json out.json
 
-spec: {"model", "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
+spec: {"model", "dtype" (default float32), "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
 (hf_overrides to KVCraftLlamaForCausalLM), "num_blocks", "max_model_len", "service_pid",
 "phases": [{"requests": [{"prompt": [...], "chunks": [...], "policy", "options", "salt"}],
-"max_tokens", "signal": "SIGSTOP"|"SIGCONT"|"SIGKILL" (to the service, before the phase),
+"max_tokens", "batch": bool (all in one generate call), "signal": "SIGSTOP"|"SIGCONT"|"SIGKILL" (to the service, before the phase),
+"pause": path (before the phase: create path.waiting, then wait up to 120 s for path.go,
+while the test restarts the service),
 "stored": [chunk token lists] (variants of each in the service after the phase's
 store-backs), "fault": "evict" (every planned variant evicted from the service after the
 Plan, before the fetch, its lease released first as if it had expired: the real service
@@ -46,7 +48,7 @@ def main(spec_path: str, out_path: str) -> None:
 
         kv = dict(spec["kv"])
         kw["kv_transfer_config"] = kv_transfer_config(kv.pop("address"), **kv)
-    llm = LLM(model=spec["model"], block_size=32, dtype="float32", seed=0, enable_prefix_caching=True,
+    llm = LLM(model=spec["model"], block_size=32, dtype=spec.get("dtype", "float32"), seed=0, enable_prefix_caching=True,
               max_model_len=spec.get("max_model_len", 256), max_num_batched_tokens=spec.get("max_model_len", 256),
               num_gpu_blocks_override=spec.get("num_blocks", 64), **kw)
     worker = None
@@ -59,13 +61,16 @@ def main(spec_path: str, out_path: str) -> None:
         _capture(worker, dumps)
     out = {"phases": []}
     for phase in spec["phases"]:
+        if phase.get("pause"):
+            _pause(phase["pause"])
         if phase.get("signal"):
             os.kill(spec["service_pid"], getattr(signal, phase["signal"]))
         if phase.get("fault") == "evict":
             _evict_after_plan(worker, spec["kv"]["address"])
         t0 = time.monotonic()
         res = []
-        for r in phase["requests"]:  # one at a time: per-request numbers and dumps stay simple
+        asks = []
+        for r in phase["requests"]:
             params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 4), ignore_eos=True)
             if r.get("chunks"):
                 ask = {"chunks": r["chunks"]}
@@ -76,14 +81,18 @@ def main(spec_path: str, out_path: str) -> None:
             prompt = TokensPrompt(prompt_token_ids=r["prompt"])
             if r.get("salt"):
                 prompt["cache_salt"] = r["salt"]
-            o = llm.generate([prompt], params, use_tqdm=False)[0]
-            res.append({"output": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params})
+            asks.append((prompt, params))
+        if phase.get("batch"):  # one generate call: vLLM schedules them together, blends run at once
+            got = llm.generate([p for p, _ in asks], [sp for _, sp in asks], use_tqdm=False)
+        else:  # one at a time: per-request numbers and dumps stay simple
+            got = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in asks]
+        res = [{"output": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params} for o in got]
         done = {"outputs": res, "seconds": time.monotonic() - t0}
         if phase.get("stored"):  # variants the service holds of these chunks once store-backs are done
             from kvclient.client import KVClient
             from kvcraft.keys import chunk_key
 
-            worker.context._rag_adapter().flush()
+            worker.context.flush()
             from kvclient.errors import NotFoundError
 
             done["stored"] = []
@@ -94,6 +103,9 @@ def main(spec_path: str, out_path: str) -> None:
                     except NotFoundError:
                         done["stored"].append(0)
         if worker is not None:
+            watch = connectors_of(llm)[0].scheduler.namespaces
+            if watch is not None:
+                watch.close()  # its background look-ups counted before the counters are read
             done["metrics"] = connector_metrics(llm)
         out["phases"].append(done)
         if phase.get("signal") == "SIGSTOP":
@@ -102,6 +114,15 @@ def main(spec_path: str, out_path: str) -> None:
         torch.save({"blends": dumps, "layout": _layout(worker, spec.get("num_blocks", 64) - 1)}, spec["dump"])
     with open(out_path, "w") as f:
         json.dump(out, f)
+
+
+def _pause(path: str) -> None:
+    open(path + ".waiting", "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path + ".go"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path}.go within 120 s")
+        time.sleep(0.05)
 
 
 def _capture(worker, dumps: list) -> None:

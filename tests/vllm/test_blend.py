@@ -10,7 +10,9 @@ Every chunk variant is stored behind other chunks by a warm pass of the referenc
 (b) the K/V vLLM's cache holds after a blend equal the reference engine's blended K/V for
     the same policy, plan and prompt, and vLLM's first token equals the reference's;
 (c) faults (service down, stalled mid-load, variants evicted after the Plan): every
-    request answers as vLLM alone, within the bounded waits, with a clear log line.
+    request answers as vLLM alone, within the bounded waits, with a clear log line;
+(d) the service restarted (SIGTERM, then SIGKILL) under the live vLLM, which blends from
+    its shared memory: the prompts served again in another order answer as before.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,7 +87,7 @@ def world(tmp_path_factory):
          "fresh": (exs[-2], requests[-2], outputs(alone["phases"][0])[-2]),
          "damaged": (exs[-1], requests[-1], outputs(alone["phases"][0])[-1])}
     yield w
-    server.close()
+    w["server"].close()  # the one running now (a test restarts it)
 
 
 # The KV comparison needs both sides to use every planned variant: a layer that misses its
@@ -169,6 +172,79 @@ def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
             assert t["rotate_s"] + t["attention_s"] + t["fetch_wait_s"] <= t["blend_s"], t
         ref.close()
     assert reused >= EXAMPLES
+
+
+def test_blends_of_requests_sent_at_once_overlap_and_answer_as_one_at_a_time(world, blended):
+    """The CacheBlend requests again, all in one generate call: the blends run on two
+    loader threads at once (one RAGAdapter each over the one engine) and every answer and
+    report equals the one-at-a-time run's."""
+    out, _, _ = blended
+    one_by_one = out["phases"][1]
+    reqs = [{**r, "salt": "together"} for r in world["requests"]]
+    spec = _blend_spec(world, [{"requests": reqs, "max_tokens": MAX_TOKENS, "batch": True}],
+                       blend_store_back=False, blend_options=BLEND_OPTIONS, load_concurrency=2)
+    got, _ = run_engine(world["tmp"], "together", spec)
+    together = got["phases"][0]
+    assert outputs(together) == outputs(one_by_one)
+    for a, b in zip(together["outputs"], one_by_one["outputs"]):
+        ka, kb = a["kv"]["kvcraft"], b["kv"]["kvcraft"]
+        assert ka["blended"] and (ka["reused_chunks"], ka["kvcraft_row_layers"]) == \
+            (kb["reused_chunks"], kb["kvcraft_row_layers"]), (ka, kb)
+
+
+def test_a_restarted_service_under_a_live_vllm_blends_as_before(world):
+    """The engine maps the service's shared memory (blend_local, the default). The service
+    is restarted on the same data dir and port between phases (SIGTERM, then SIGKILL); the
+    same prompts in reverse order must blend again (nothing stored back, so the same plans)
+    and answer exactly as before the restart: never from the old instance's memory."""
+    reqs = world["requests"]
+    pause = world["tmp"] / "restart"
+    phases = [{"requests": [{**r, "salt": "before"} for r in reqs], "max_tokens": MAX_TOKENS}]
+    for how in ("SIGTERM", "SIGKILL"):
+        phases.append({"requests": [{**r, "salt": how} for r in reversed(reqs)], "max_tokens": MAX_TOKENS,
+                       "pause": f"{pause}-{how}"})
+    spec = _blend_spec(world, phases, blend_store_back=False, blend_options=BLEND_OPTIONS)
+    (world["tmp"] / "restart.json").write_text(json.dumps(spec))
+    log = world["tmp"] / "restart.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, str(HERE / "blend_engine.py"), str(world["tmp"] / "restart.json"),
+                                 str(world["tmp"] / "restart.out")], env=engine_env(), stderr=err)
+    try:
+        for how in ("SIGTERM", "SIGKILL"):
+            while not Path(f"{pause}-{how}.waiting").exists():
+                assert proc.poll() is None, log.read_text()[-6000:]
+                time.sleep(0.1)
+            world["server"].restart(crash=how == "SIGKILL")
+            Path(f"{pause}-{how}.go").touch()
+        proc.wait(timeout=ENGINE_TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, log.read_text()[-6000:]
+    before, *after = json.loads((world["tmp"] / "restart.out").read_text())["phases"]
+    assert all(o["kv"]["kvcraft"]["blended"] and o["kv"]["kvcraft"]["reused_chunks"] for o in before["outputs"])
+    for phase in after:
+        for o in phase["outputs"]:  # blended again, or vLLM alone with a reason
+            k = o["kv"]["kvcraft"]
+            assert k["blended"] or k["fallback"], k
+        assert outputs(phase)[::-1] == outputs(before)
+        assert sum(o["kv"]["kvcraft"]["blended"] for o in phase["outputs"]) >= len(reqs) - 1  # one may meet the restart
+
+
+def test_a_vllm_in_another_dtype_says_why_it_reuses_nothing(world):
+    """The chunks were stored by the float32 reference engine; a vLLM left at bfloat16 has
+    another chunk namespace and reuses none of them (by design): it says so at start-up,
+    with the fix, and counts each blend that reused nothing because of it."""
+    reqs = [{**r, "salt": "bf16"} for r in world["requests"][:3]]
+    spec = _blend_spec(world, [{"requests": reqs, "max_tokens": MAX_TOKENS}], blend_store_back=False)
+    spec["dtype"] = "bfloat16"
+    out, log = run_engine(world["tmp"], "bf16", spec)
+    phase = out["phases"][0]
+    said = [line for line in log.splitlines() if "stored as float32 KV" in line]
+    assert said and "--dtype float32" in said[0], log[-4000:]
+    assert phase["metrics"]["blend_namespace_misses"] >= 1, phase["metrics"]
+    for o in phase["outputs"]:
+        k = o["kv"]["kvcraft"]
+        assert not k["blended"] and k["reused_chunks"] == 0, k
 
 
 def test_fresh_chunks_stored_back_and_faults_answer_as_vllm_alone(world):

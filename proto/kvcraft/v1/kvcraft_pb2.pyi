@@ -417,7 +417,7 @@ class VariantLocation(_message.Message):
     def __init__(self, variant_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., num_layers: _Optional[int] = ..., key_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., value_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., gpu_offset: _Optional[int] = ..., gpu_length: _Optional[int] = ...) -> None: ...
 
 class LocateResponse(_message.Message):
-    __slots__ = ("segment", "variants", "lease_id", "lease_expires_unix_ms", "gpu_ipc_handle", "gpu_pool_bytes", "gpu_device")
+    __slots__ = ("segment", "variants", "lease_id", "lease_expires_unix_ms", "gpu_ipc_handle", "gpu_pool_bytes", "gpu_device", "instance_id")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +425,7 @@ class LocateResponse(_message.Message):
     GPU_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     GPU_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     segment: str
     variants: _containers.RepeatedCompositeFieldContainer[VariantLocation]
     lease_id: str
@@ -432,7 +433,8 @@ class LocateResponse(_message.Message):
     gpu_ipc_handle: bytes
     gpu_pool_bytes: int
     gpu_device: int
-    def __init__(self, segment: _Optional[str] = ..., variants: _Optional[_Iterable[_Union[VariantLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_device: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, segment: _Optional[str] = ..., variants: _Optional[_Iterable[_Union[VariantLocation, _Mapping]]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_device: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class PlanStreamResponse(_message.Message):
     __slots__ = ("plan", "error")

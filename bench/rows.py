@@ -1,0 +1,15 @@
+"""Result rows the transfer benchmarks share."""
+
+from __future__ import annotations
+
+
+def significant(x: float, digits: int = 4) -> float:
+    """`x` kept to `digits` significant digits: a measured time stays positive however
+    short it was (fixed decimals turn a 40 µs copy into 0.0)."""
+    return float(f"{x:.{digits}g}")
+
+
+def transfer_row(path: str, nbytes: int, seconds: float) -> dict:
+    """One row of a transfer benchmark: the bytes moved, the seconds they took and the GB/s."""
+    return {"path": path, "bytes": nbytes, "seconds": significant(seconds),
+            "GB_per_s": significant(nbytes / seconds / 1e9, 3)}
