@@ -71,6 +71,7 @@ class BlendResult:
     computed_rows: list[int] = field(default_factory=list)  # rows computed per layer
     recomputed_rows: list[int] = field(default_factory=list)  # of those, rows of reused chunks
     reused_tokens: int = 0  # tokens of the chunks served from stored KV
+    reused_chunks: int = 0  # chunks served from stored KV (the policy's `reused`)
     prompt_tokens: int = 0
     fresh: dict[int, FreshChunk] = field(default_factory=dict)  # segment index -> new variant
     fallbacks: list[tuple[int, int]] = field(default_factory=list)  # (chunk, layer) computed instead
@@ -136,7 +137,7 @@ class _Blend:
         self.blank = torch.zeros(self.hkv, self.n, self.hd, dtype=engine.dtype)  # rows not served
         self.kv: list[tuple[Tensor, Tensor]] = []
         self.res = BlendResult(logits=torch.empty(0), kv=self.kv, reuse=bool(reused),
-                               reused_tokens=self.reused_tokens, prompt_tokens=self.n)
+                               reused_tokens=self.reused_tokens, reused_chunks=len(reused), prompt_tokens=self.n)
         self._stats_init()
 
     # ---- rows -------------------------------------------------------------------

@@ -96,8 +96,8 @@ class RequestReport:
     policy: str
     order: list[str]
     dropped: list[str]
-    reused_chunks: int
-    fresh_chunks: int
+    reused_chunks: int  # chunks whose stored KV the blend served
+    fresh_chunks: int  # the other chunks, computed in full (new variants, stored back with store_back)
     prompt_tokens: int
     computed_rows: int  # rows computed, summed over layers
     recomputed_rows: int  # of those, rows of reused chunks
@@ -178,8 +178,10 @@ class RAGAdapter:
             policy=policy.name,
             order=list(plan.order) if plan else [chunk_key(self.model_id, c) for c in chunks],
             dropped=list(plan.dropped) if plan else [],
-            reused_chunks=len(refs),
-            fresh_chunks=sum(1 for s in segments if not s.cached and not s.question),
+            # what the blend served from stored KV, not what the Plan offered: `full`, a
+            # `prefix` run that ends early or a gate that says no reuse fewer (or none)
+            reused_chunks=result.reused_chunks,
+            fresh_chunks=sum(1 for s in segments if not s.question) - result.reused_chunks,
             prompt_tokens=sum(len(s.tokens) for s in segments),
             computed_rows=sum(result.computed_rows),
             recomputed_rows=sum(result.recomputed_rows),
