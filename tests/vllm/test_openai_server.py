@@ -144,6 +144,12 @@ def test_report_counts_the_chunks_really_reused(server):
     report = json.loads(body)["kv_transfer_params"]["kvcraft"]
     assert (report["blended"], report["reused_chunks"], report["fresh_chunks"]) == (True, 2, 1)
     assert report["claimed_tokens"] == n - 1
+    code, body = complete(server, [a, b, c], tokens(11, 12), "r3", kv_transfer_params={"kvcraft": {
+        "chunks": [40, 40, 40], "policy": "full"}})  # every chunk stored, none reused: kvcraft computes all
+    assert code == 200, body
+    report = json.loads(body)["kv_transfer_params"]["kvcraft"]
+    assert (report["blended"], report["policy"], report["reused_chunks"], report["fresh_chunks"]) == \
+        (True, "full", 0, 3)
 
 
 def test_streamed_response_carries_the_report_in_its_last_event(server):
