@@ -250,7 +250,7 @@ if [ -n "$gpu" ]; then
 else
     sizes=(--mib 4 --repeat 1)  # the CPU half: host + disk tiers, store, O_DIRECT
 fi
-step selftest 150 "$py" -m kvbench.cli selftest --no-kernels "${sizes[@]}" --dir "$workdir" --json "$res/selftest.json"
+step selftest 150 "$py" -m kvcli.main selftest --no-kernels "${sizes[@]}" --dir "$workdir" --json "$res/selftest.json"
 rc=$?
 if [ -f "$res/selftest.json" ]; then
     note=$(report selftest "$res/selftest.json")
