@@ -51,7 +51,7 @@ from engine_adapter.probe import TOLERANCE, TRUSTED, probe
 from engine_adapter.source import InMemoryLayerSource
 
 SHAPES = {
-    # HuggingFaceTB/SmolLM2-135M's shape (docs: /work/shared/ENV.md), random weights
+    # SmolLM2-135M-Instruct's shape (docs/real-model.md), random weights
     "smollm2-135m": LlamaConfig("smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
                                 tie_word_embeddings=True),
