@@ -139,7 +139,7 @@ def _tier_read(master: MasterProcess, tmp: Path, keys: list[str], total: int, re
         variants = {e.info.variant_id: decode(VariantIndex(), e.info) for e in entries if not e.info.prefix_keys}
         tier.bind(variants.get)
         for e in entries:
-            tier.adopt(e)
+            tier.adopt(e.info.variant_id, e.info.size_bytes)
         if len(variants) != len(keys):
             raise RuntimeError(f"{len(variants)} of {len(keys)} variants listed in the cluster")
 

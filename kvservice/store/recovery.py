@@ -129,8 +129,7 @@ def _recover(s: StoreState, repair: bool) -> RecoveryReport:
 
 def _adopt(s: StoreState, tier: Tier, vid: str, size: int) -> Variant | None:
     """The variant a payload file describes, if its record and every layer check out."""
-    read_record = getattr(tier, "read_record", None)
-    raw = read_record(vid) if read_record is not None else None
+    raw = tier.read_record(vid)
     if raw is None:
         return None
     info = pb.VariantInfo()
@@ -148,11 +147,10 @@ def _adopt(s: StoreState, tier: Tier, vid: str, size: int) -> Variant | None:
 
 def _set_aside(s: StoreState, tier: Tier, vid: str) -> None:
     """A payload no record describes: kept for a human in lost+found, not deleted."""
-    path_of = getattr(tier, "path_of", None)
-    if path_of is None:
+    src = tier.path_of(vid)
+    if src is None:
         tier.delete(vid)
         return
-    src = path_of(vid)
     dest = s.cfg.data_path / "lost+found"
     dest.mkdir(exist_ok=True)
     src.rename(dest / src.name)

@@ -70,7 +70,7 @@ class Node:
         found = self.view.discover(chunks)
         for e in found:
             self.records[e.info.variant_id] = decode(VariantIndex(), e.info)
-            self.tier.adopt(e)
+            self.tier.adopt(e.info.variant_id, e.info.size_bytes)
         return found
 
 
