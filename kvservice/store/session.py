@@ -28,7 +28,7 @@ from array import array
 from concurrent.futures import Future
 
 from kvcraft.keys import chunk_key, is_key, variant_id
-from kvservice import failpoints
+from kvservice import failpoints, variant_codec
 from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvservice.index import Variant, eviction_key
 from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layout
@@ -36,7 +36,6 @@ from kvservice.records import StoreHeader, StoreResult
 from kvservice.store.placement import Placement
 from kvservice.store.staging import StagingArea, StagingMaps
 from kvservice.store.state import StoreState
-from kvservice.wire import variant_message
 from kvservice.tiers.base import Buffer, PayloadShape, TierWriter
 
 # An open Store stream is counted at this many layers of its payload (at most all of
@@ -254,7 +253,7 @@ class StoreSession:
                 self._open_copies(v, copies)
             home = self.home
             assert home is not None
-            home.describe(variant_message(v).SerializeToString())  # self-describing payload: `kvcraft repair` reads it
+            home.describe(variant_codec.encode(v))  # self-describing payload: `kvcraft repair` reads it
             failpoints.reach("store:payload-written")
             filler = _Filler(self, copies) if copies else None
             try:

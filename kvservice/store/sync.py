@@ -23,9 +23,9 @@ from typing import Sequence
 from kvservice.cluster.view import ClusterView
 from kvservice.errors import KVCraftError
 from kvservice.index import Variant
-from kvservice.store.recovery import decode
 from kvservice.store.state import StoreState
 from kvservice.tiers.base import Tier, TierFull
+from kvservice.variant_codec import to_variant
 
 log = logging.getLogger("kvcraft.cluster")
 
@@ -73,7 +73,7 @@ class ClusterSync:
                 if len(s.index.variants_of(e.info.chunk_key)) >= cfg.max_variants_per_chunk \
                         or len(s.index) >= cfg.max_variants:
                     continue  # no room without evicting local variants for remote ones
-                v = decode(s.index, e.info)
+                v = to_variant(s.index, e.info)
                 if v is None or v.size_bytes != e.info.size_bytes:
                     self.view.drop_entry(e.info.chunk_key, vid)
                     continue
