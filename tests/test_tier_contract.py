@@ -162,3 +162,27 @@ def test_a_tier_without_capabilities_answers_every_one_with_its_default() -> Non
     with pytest.raises(NotImplementedError):
         w.read_back(0, room)
     assert w.parts == []  # no default wrote anything
+
+
+# -- where a variant lives -----------------------------------------------------------------
+def test_a_variants_tier_is_derived_from_the_tiers_in_one_place() -> None:
+    """The tiers record which of them hold a variant; the store writes `Variant.tier`
+    (their fastest) in `StoreState.retier` only, and a CP-Tree node keeps no tier."""
+    writers = []
+    for f in sorted((PACKAGE / "store").rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+                for t in targets:
+                    for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                        if isinstance(el, ast.Attribute) and el.attr == "tier":
+                            writers.append(f"{f.name}:{fn.name}")
+    assert writers == ["state.py:retier"]
+
+    from kvservice.planner.cp_tree import CPNode
+
+    assert "tier" not in CPNode.__slots__

@@ -106,7 +106,7 @@ def _recover(s: StoreState, repair: bool) -> RecoveryReport:
         s.meta.delete_access(access)
     used = {t.name: 0 for t in persistent}
     for v, held in keep:
-        v.tier = held[0].name
+        s.retier(v)
         s.index.add(v)
         for t in held:
             used[t.name] += v.size_bytes

@@ -271,9 +271,7 @@ class StoreSession:
             with s.lock:
                 for w in filled:
                     w.commit()
-                held = s.holders(v)
-                if held:
-                    v.tier = s.tiers[held[0]].name
+                s.retier(v)
                 idx.add(v)
                 s.placed(v)
                 for lst in s.listeners:

@@ -78,8 +78,9 @@ class ClusterSync:
                     self.view.drop_entry(e.info.chunk_key, vid)
                     continue
                 now = s.now_ms()
-                v.tier, v.created_ms, v.last_access_ms = self.remote.name, now, now
+                v.created_ms, v.last_access_ms = now, now
                 self.remote.adopt(vid, e.info.size_bytes)
+                s.retier(v)
                 s.index.add(v)
                 s.placed(v)
                 for lst in s.listeners:
@@ -91,9 +92,6 @@ class ClusterSync:
     def on_put(self, variant: Variant) -> None:
         if self.write_through and variant.variant_id not in self.remote:
             self._pool.submit(self._copy_out, variant.variant_id)
-
-    def on_move(self, variant_id: str, tier: str) -> None:
-        pass
 
     def on_evict(self, variant_id: str) -> None:
         pass
