@@ -24,7 +24,7 @@ guarantee that).
 Every capability a tier or writer may have is a method or flag below, with a default
 that says "not here"; a tier that has it overrides it. The store calls the method and
 never asks an object what it is (no getattr, hasattr or isinstance on a tier:
-tests/service/test_tier_contract.py).
+tests/test_tier_contract.py).
 """
 
 from __future__ import annotations
