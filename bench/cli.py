@@ -1,4 +1,4 @@
-"""The `kvcraft` command: serve, demo, admin, bench.
+"""The `kvcraft` command: serve, demo, admin, model, bench.
 
 This front sits above the service, the client and the benchmarks, so each of them
 stays free of the others: `serve` is the service's own command (`kvservice.cli`),
@@ -34,6 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     admin.add_argument("action", choices=["stats", "list", "get", "evict", "pin", "unpin", "flush", "config"])
     admin.add_argument("target", nargs="?", help="chunk key (get/evict/pin/unpin)")
 
+    model = sub.add_parser("model", help="get the real pretrained model, SmolLM2-135M (docs/real-model.md)")
+    model.add_argument("action", choices=["fetch", "parity"])
+    model.add_argument("args", nargs=argparse.REMAINDER)
+
     bench = sub.add_parser("bench", help="benchmarks (bench/)")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER)
@@ -58,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(a.data_dir)
     if a.command == "admin":
         return _admin(a)
+    if a.command == "model":
+        return import_module({"fetch": "kvbench.realmodel", "parity": "kvbench.real_parity"}[a.action]).main(a.args)
     return import_module(f"kvbench.{a.name.replace('-', '_')}").main(a.args)
 
 

@@ -29,7 +29,7 @@ OUT:  {"outputs": [{"prompt": [ids], "output": [ids], "cached": int, "ttft_s": f
 
 Requests run one at a time (greedy), so each wall time is that request's TTFT when
 max_tokens is 1; a "batch" phase sends them in one generate call (vLLM batches and, with
-few KV blocks, preempts). A `front` spec builds each prompt through kvclient.rag_front first (its
+few KV blocks, preempts; every output's "ttft_s" is then the batch's wall time). A `front` spec builds each prompt through kvclient.rag_front first (its
 Plan RPC counts in the TTFT).
 """
 
@@ -78,11 +78,12 @@ def front_model_id(model: str) -> str:
 
 
 def engine_env() -> dict[str, str]:
-    """Environment for a vLLM CPU process: engine in this process, 1 GiB of KV cache, no
+    """Environment for a vLLM CPU process: engine in this process, 1 GiB of KV cache (unless
+    VLLM_CPU_KVCACHE_SPACE is set), no
     OpenMP thread pinning, offline (no model hub), Triton not interpreted (docs/vllm.md)."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the test suite's; vLLM must not run Triton interpreted
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    env.update({"VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"), "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING")})
     return env
@@ -166,13 +167,17 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
     params = SamplingParams(temperature=0.0, max_tokens=ph.get("max_tokens", 8), ignore_eos=True)
     outs = []
     if ph.get("batch"):
-        prompts = [list(r["prompt"]) for r in ph["requests"]]
+        reqs = ph["requests"]
+        prompts = [TokensPrompt(prompt_token_ids=list(r["prompt"]),
+                                **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {})) for r in reqs]
         t = time.perf_counter()
-        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        for p, o in zip(prompts, res):
-            outs.append({"prompt_len": len(p), "prompt": p if ph.get("return_prompts") else None,
-                         "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
-                         "ttft_s": time.perf_counter() - t})
+        res = llm.generate(prompts, [_request_params(params, r) for r in reqs], use_tqdm=False)
+        wall = time.perf_counter() - t
+        for r, o in zip(reqs, res):
+            outs.append({"prompt_len": len(r["prompt"]), "prompt": list(r["prompt"]) if ph.get("return_prompts")
+                         else None, "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
+                         "ttft_s": wall, **({"kv_transfer_params": o.kv_transfer_params}
+                                            if getattr(o, "kv_transfer_params", None) else {})})
     for r in ([] if ph.get("batch") else ph["requests"]):
         reset = llm.reset_prefix_cache() if r.get("reset_prefix_cache") else None
         before = _counters(llm) if spec.get("kv") and ph.get("per_request_metrics") else None
@@ -189,10 +194,7 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
             if spec.get("blend") and "kv_transfer_params" not in r:  # chunk boundaries for kvcraft blending
                 lens = [len(c) for c in ([r["preamble"]] if r.get("preamble") else []) + list(r["chunks"])]
                 r = {**r, "kv_transfer_params": {"kvcraft": {"chunks": lens, **spec["blend"]}}}
-        p = params
-        if r.get("kv_transfer_params") is not None:  # per-request connector parameters (blending)
-            p = params.clone()
-            p.extra_args = {**(p.extra_args or {}), "kv_transfer_params": r["kv_transfer_params"]}
+        p = _request_params(params, r)
         salt = {"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {}
         (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, **salt)], p, use_tqdm=False)
         ttft = time.perf_counter() - t
@@ -214,6 +216,15 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
             metrics["saves_drained"] = connectors_of(llm)[1].worker.drain_saves(ph["drain_saves_s"])
         metrics.update(connector_metrics(llm))
     return {"outputs": outs, "metrics": metrics}
+
+
+def _request_params(params: Any, r: dict[str, Any]) -> Any:
+    """`params`, with the request's connector parameters (blending) when it has some."""
+    if r.get("kv_transfer_params") is None:
+        return params
+    p = params.clone()
+    p.extra_args = {**(p.extra_args or {}), "kv_transfer_params": r["kv_transfer_params"]}
+    return p
 
 
 def _counters(llm: Any) -> dict[str, float]:

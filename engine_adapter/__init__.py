@@ -8,11 +8,13 @@
 - `driver`   the per-layer loop of a blended prefill
 - `probe`    per-model reuse probe (ReuseGate), runs the driver
 - `blend`    `blend_prefill`: asks the gate, then runs the driver
+- `generate` greedy decoding after a prefill (full or blended), stop tokens from the model
 - `service`  RAGAdapter: the link to a kvcraft service
 - `vllm`     the vLLM KV connector (a package; imports vLLM only when its modules load)
 """
 
 from engine_adapter.blend import BlendResult, FreshChunk, LayerTiming, blend_prefill
+from engine_adapter.generate import Generation, greedy, stop_tokens
 from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
 from engine_adapter.policy import CacheBlend, CacheCraft, Full, Naive, Policy, Prefix, ReusePolicy
 from engine_adapter.probe import DEFAULT_GATE, ReuseGate, probe
@@ -21,7 +23,7 @@ from engine_adapter.source import InMemoryLayerSource, LayerSource, ScheduledLay
 
 __all__ = [
     "BlendResult", "FreshChunk", "LayerTiming", "blend_prefill",
-    "LlamaConfig", "LlamaEngine", "rope_for_spec",
+    "LlamaConfig", "LlamaEngine", "rope_for_spec", "Generation", "greedy", "stop_tokens",
     "Policy", "ReusePolicy", "Full", "Prefix", "Naive", "CacheCraft", "CacheBlend", "Segment",
     "DEFAULT_GATE", "ReuseGate", "probe",
     "InMemoryLayerSource", "LayerSource", "ScheduledLayerSource",

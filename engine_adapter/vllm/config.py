@@ -39,6 +39,7 @@ class ConnectorSettings:
     breaker_failures: int = 3        # consecutive failed lookups that switch lookups off ...
     retry_after_s: float = 5.0       # ... for this long
     load_timeout_s: float = 5.0      # one request's whole load (all layers), in the background
+    load_concurrency: int = 2        # loader threads: prefix loads and blends of this many requests run at once
     store_timeout_s: float = 10.0    # one block's Store
     save_concurrency: int = 4        # Store RPCs in flight at once
     max_pending_saves: int = 4096    # blocks waiting for Store; more are dropped (a later miss)
@@ -64,7 +65,7 @@ class ConnectorSettings:
         for name in ("lookup_timeout_s", "load_timeout_s", "store_timeout_s", "retry_after_s"):
             if not getattr(s, name) > 0:
                 raise ValueError(f"kv_connector_extra_config {name} must be > 0, got {getattr(s, name)!r}")
-        for name in ("breaker_failures", "save_concurrency", "max_pending_saves"):
+        for name in ("breaker_failures", "save_concurrency", "max_pending_saves", "load_concurrency"):
             if not (isinstance(getattr(s, name), int) and getattr(s, name) >= 1):
                 raise ValueError(f"kv_connector_extra_config {name} must be an integer >= 1, got {getattr(s, name)!r}")
         if not s.plan_timeout_s > 0:

@@ -55,16 +55,32 @@ class ContextBuilder:
         self.chunk_model_id = chunk_model_id
         self.block_size = block_size
         self._lock = threading.Lock()
-        self._serving = threading.Lock()  # one blend at a time: the adapter keeps per-request state
-        self._adapter: Any = None
+        # One RAGAdapter per loader thread (an adapter holds one request's state while it
+        # serves), all over the one engine: blends of different requests run at once.
+        self._thread = threading.local()
+        self._adapters: list[Any] = []
+        self._engine: Any = None
         self._attn: list[Any] | None = None
 
     # -- the pieces vLLM gives us lazily --------------------------------------------------
     def _rag_adapter(self) -> Any:
+        """This loader thread's adapter over the model's engine."""
+        adapter = getattr(self._thread, "adapter", None)
+        if adapter is None:
+            from engine_adapter.policy import Policy
+            from engine_adapter.service import RAGAdapter
+
+            adapter = RAGAdapter(self._model_engine(), self._client, Policy("full"),
+                                 store_back=self.settings.blend_store_back, local=self.settings.blend_local)
+            adapter.model_id = self.chunk_model_id
+            self._thread.adapter = adapter
+            with self._lock:
+                self._adapters.append(adapter)
+        return adapter
+
+    def _model_engine(self) -> Any:
         with self._lock:
-            if self._adapter is None:
-                from engine_adapter.policy import Policy
-                from engine_adapter.service import RAGAdapter
+            if self._engine is None:
                 from engine_adapter.vllm.model import ARCHITECTURE, current_model
 
                 model = current_model()
@@ -76,10 +92,15 @@ class ContextBuilder:
                 if not self.settings.chunk_model_id and got != self.chunk_model_id:
                     raise BlendFailed(f"the model's chunk namespace {got} is not the scheduler side's "
                                       f"{self.chunk_model_id}")
-                self._adapter = RAGAdapter(engine, self._client, Policy("full"),
-                                           store_back=self.settings.blend_store_back, local=self.settings.blend_local)
-                self._adapter.model_id = self.chunk_model_id
-            return self._adapter
+                self._engine = engine
+            return self._engine
+
+    def flush(self) -> None:
+        """Wait for every adapter's store-backs."""
+        with self._lock:
+            adapters = list(self._adapters)
+        for adapter in adapters:
+            adapter.flush()
 
     def attention_layers(self, layer_names: list[str]) -> list[Any]:
         """vLLM's attention modules, in layer order (the forward context's static table)."""
@@ -113,11 +134,9 @@ class ContextBuilder:
             at += n
         question = list(ld.prompt[at:])
         plan = pb.PlanResponse.FromString(ld.plan)
-        t0 = time.perf_counter()
-        with self._serving:
-            t1 = time.perf_counter()
-            result, report = adapter.serve(plan, chunks, question, policy=policy)
-            adapter.take_timings()  # nobody sends them: the scheduler side plans
+        t1 = time.perf_counter()
+        result, report = adapter.serve(plan, chunks, question, policy=policy)
+        adapter.take_timings()  # nobody sends them: the scheduler side plans
         t2 = time.perf_counter()
         if result.fallbacks:
             chunk, layer = result.fallbacks[0]
@@ -127,7 +146,7 @@ class ContextBuilder:
         t3 = time.perf_counter()
         rotate = sum(t.rotate_s for t in result.timings)
         attend = sum(t.attend_s for t in result.timings)
-        timings = {"serve_wait_s": t1 - t0, "blend_s": t2 - t1, "fetch_wait_s": report.fetch_wait_s,
+        timings = {"blend_s": t2 - t1, "fetch_wait_s": report.fetch_wait_s,
                    "rotate_s": rotate, "attention_s": attend,
                    "recompute_s": sum(t.compute_s for t in result.timings) - rotate - attend,
                    "logits_s": result.logits_s, "kv_write_s": t3 - t2}

@@ -64,7 +64,7 @@ class WorkerSide:
         self.metrics = metrics
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._layer_index: dict[str, int] = {}
-        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvcraft-load")
+        self._loader = ThreadPoolExecutor(max_workers=settings.load_concurrency, thread_name_prefix="kvcraft-load")
         self._lock = threading.Lock()
         self._streams: set[LayerStream] = set()
         self._finished: set[str] = set()

@@ -5,7 +5,7 @@
 spec: {"model", "dtype" (default float32), "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
 (hf_overrides to KVCraftLlamaForCausalLM), "num_blocks", "max_model_len", "service_pid",
 "phases": [{"requests": [{"prompt": [...], "chunks": [...], "policy", "options", "salt"}],
-"max_tokens", "signal": "SIGSTOP"|"SIGCONT"|"SIGKILL" (to the service, before the phase),
+"max_tokens", "batch": bool (all in one generate call), "signal": "SIGSTOP"|"SIGCONT"|"SIGKILL" (to the service, before the phase),
 "pause": path (before the phase: create path.waiting, then wait up to 120 s for path.go,
 while the test restarts the service),
 "stored": [chunk token lists] (variants of each in the service after the phase's
@@ -69,7 +69,8 @@ def main(spec_path: str, out_path: str) -> None:
             _evict_after_plan(worker, spec["kv"]["address"])
         t0 = time.monotonic()
         res = []
-        for r in phase["requests"]:  # one at a time: per-request numbers and dumps stay simple
+        asks = []
+        for r in phase["requests"]:
             params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 4), ignore_eos=True)
             if r.get("chunks"):
                 ask = {"chunks": r["chunks"]}
@@ -80,14 +81,18 @@ def main(spec_path: str, out_path: str) -> None:
             prompt = TokensPrompt(prompt_token_ids=r["prompt"])
             if r.get("salt"):
                 prompt["cache_salt"] = r["salt"]
-            o = llm.generate([prompt], params, use_tqdm=False)[0]
-            res.append({"output": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params})
+            asks.append((prompt, params))
+        if phase.get("batch"):  # one generate call: vLLM schedules them together, blends run at once
+            got = llm.generate([p for p, _ in asks], [sp for _, sp in asks], use_tqdm=False)
+        else:  # one at a time: per-request numbers and dumps stay simple
+            got = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in asks]
+        res = [{"output": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params} for o in got]
         done = {"outputs": res, "seconds": time.monotonic() - t0}
         if phase.get("stored"):  # variants the service holds of these chunks once store-backs are done
             from kvclient.client import KVClient
             from kvcraft.keys import chunk_key
 
-            worker.context._rag_adapter().flush()
+            worker.context.flush()
             from kvclient.errors import NotFoundError
 
             done["stored"] = []

@@ -174,6 +174,24 @@ def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
     assert reused >= EXAMPLES
 
 
+def test_blends_of_requests_sent_at_once_overlap_and_answer_as_one_at_a_time(world, blended):
+    """The CacheBlend requests again, all in one generate call: the blends run on two
+    loader threads at once (one RAGAdapter each over the one engine) and every answer and
+    report equals the one-at-a-time run's."""
+    out, _, _ = blended
+    one_by_one = out["phases"][1]
+    reqs = [{**r, "salt": "together"} for r in world["requests"]]
+    spec = _blend_spec(world, [{"requests": reqs, "max_tokens": MAX_TOKENS, "batch": True}],
+                       blend_store_back=False, blend_options=BLEND_OPTIONS, load_concurrency=2)
+    got, _ = run_engine(world["tmp"], "together", spec)
+    together = got["phases"][0]
+    assert outputs(together) == outputs(one_by_one)
+    for a, b in zip(together["outputs"], one_by_one["outputs"]):
+        ka, kb = a["kv"]["kvcraft"], b["kv"]["kvcraft"]
+        assert ka["blended"] and (ka["reused_chunks"], ka["kvcraft_row_layers"]) == \
+            (kb["reused_chunks"], kb["kvcraft_row_layers"]), (ka, kb)
+
+
 def test_a_restarted_service_under_a_live_vllm_blends_as_before(world):
     """The engine maps the service's shared memory (blend_local, the default). The service
     is restarted on the same data dir and port between phases (SIGTERM, then SIGKILL); the

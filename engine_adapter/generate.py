@@ -1,0 +1,92 @@
+"""Greedy decoding that continues a prefill: the answer after the first token.
+
+A prefill (`LlamaEngine.prefill`, or `blend_prefill` over reused chunk KV) ends with the
+logits of the last prompt position and the per-layer cache of the prompt (K post-RoPE).
+`greedy` takes those two and decodes token by token, each new token's K/V appended to a
+copy of that cache, until a stop token or `max_new_tokens`. Over a blended cache the
+answer is what the reused KV makes of it: the quantity CacheBlend's and Cache-Craft's
+quality numbers are about.
+
+Per step (one row at position p): embed, then per layer qkv -> RoPE at p -> write K/V at
+row p of the cache -> attention over rows 0..p (no mask: one query sees every earlier
+row) -> o-proj + MLP; then the vocabulary projection and argmax. Same engine primitives as
+the prefill, so a full prefill then `greedy` matches transformers' `generate(do_sample=False)`.
+
+Stop tokens come from the model folder (`stop_tokens`: generation_config.json's
+`eos_token_id`, an id or a list, else config.json's).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine_adapter.llama import LlamaEngine
+from kvkernels import rope_tables, rotate
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: tuple[int, ...]  # generated ids, the first from the prefill's logits; a stop token ends it, included
+    stopped: bool  # True: a stop token ended it; False: max_new_tokens did
+    decode_s: float  # wall time of the decode steps (after the prefill's first token)
+
+
+def stop_tokens(model_dir: str | Path) -> frozenset[int]:
+    """The model's stop ids: `eos_token_id` of generation_config.json, else of config.json."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()
+
+
+@torch.no_grad()
+def greedy(engine: LlamaEngine, logits: Tensor, kv: list[tuple[Tensor, Tensor]], max_new_tokens: int,
+           stop: Iterable[int] = ()) -> Generation:
+    """Greedy tokens after a prefill of N tokens at positions 0..N-1.
+
+    logits: the last prompt position's, [V] (or [..., V]: the last row is used);
+    kv: per layer (K post-RoPE [Hkv, N, D], V [Hkv, N, D]), e.g. `BlendResult.kv`. Not modified.
+    """
+    if max_new_tokens < 1:
+        return Generation((), False, 0.0)
+    stop = frozenset(stop)
+    c = engine.cfg
+    n = kv[0][0].shape[1]
+    cap = n + max_new_tokens - 1  # the last token is never fed back
+    cache = []
+    for k, v in kv:  # [Hkv, cap, D] each: the prompt's rows, then room for the answer's
+        ck = k.new_empty(c.num_kv_heads, cap, c.head_dim)
+        cv = v.new_empty(c.num_kv_heads, cap, c.head_dim)
+        ck[:, :n], cv[:, :n] = k, v
+        cache.append((ck, cv))
+    gqa = c.num_heads != c.num_kv_heads
+    out = [int(logits.reshape(-1, logits.shape[-1])[-1].argmax())]
+    t0 = time.perf_counter()
+    for pos in range(n, cap):
+        if out[-1] in stop:
+            break
+        cos, sin = rope_tables(engine.rope, torch.tensor([pos]))  # [1, D/2]
+        h = engine.embed(torch.tensor(out[-1:]))  # [1, d]
+        for layer, (ck, cv) in enumerate(cache):
+            q, k, v = engine.qkv(layer, h)  # [H, 1, D]
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            ck[:, pos], cv[:, pos] = k[:, 0], v[:, 0]
+            o = F.scaled_dot_product_attention(q[None], ck[None, :, :pos + 1], cv[None, :, :pos + 1],
+                                               scale=engine.scale, enable_gqa=gqa)[0]  # [Hq, 1, D]
+            h = engine.mlp(layer, engine.attn_out(layer, h, o))
+        out.append(int(engine.logits(h)[0].argmax()))
+    return Generation(tuple(out), out[-1] in stop, time.perf_counter() - t0)
+
+
+__all__ = ["Generation", "greedy", "stop_tokens"]
