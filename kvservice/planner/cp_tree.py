@@ -22,9 +22,10 @@ CA-Table already counting the request:
     per request, as in the paper's Example).
 A node inserted this way may refer to a variant the engine has not stored yet (it
 stores new KV in the background after prefill). Such a node is *pending* (no variant
-record) and lookups stop at it; `on_put` makes it live; `on_evict` removes the node and its subtree (their prefixes can no longer be formed
-without it), so a lookup never returns a deleted variant. The variants below stay in
-the store for Cache-Craft reuse; re-promotion finds them again through the catalog.
+record) and lookups stop at it; `on_put` makes it live; `on_evict` removes the node
+and its subtree (their prefixes can no longer be formed without it), so a lookup
+never returns a deleted variant. The variants below stay in the store for
+Cache-Craft reuse; re-promotion finds them again through the catalog.
 
 In CRAFT a promoted prefix's KV exists (the GPU just computed it); here the engine may
 never store it (it stored a variant behind another order, its Store failed, it has no
