@@ -35,6 +35,7 @@ import torch
 from kvbench.rows import significant, transfer_row
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import ModelSpec
+from kvcraft.plans import prefix_keys
 from kvservice.cluster.mooncake import MasterProcess
 from kvservice.launcher import ServiceProcess
 
@@ -210,7 +211,7 @@ def share_rows(tmp: Path, requests: int, with_remote: bool) -> dict:
                         continue
                     layers = _layers(TINY, cp.token_count, 0)
                     c.store(model_id, toks_by_key(toks, model_id)[cp.chunk_key], layers,
-                            prefix_keys=list(cp.prefix_keys))
+                            prefix_keys=prefix_keys(plan, cp))
                 if plan.lease_id:
                     c.release(plan.lease_id)
             for c in clients:

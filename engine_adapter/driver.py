@@ -71,6 +71,10 @@ class BlendResult:
     computed_rows: list[int] = field(default_factory=list)  # rows computed per layer
     recomputed_rows: list[int] = field(default_factory=list)  # of those, rows of reused chunks
     reused_tokens: int = 0  # tokens of the chunks served from stored KV
+    # Segment indices whose stored KV served the prefill to its end: the policy's reused
+    # chunks (none with policy full, or when served by engine.prefill) less those that
+    # fell back (computed from the start, `fallbacks`).
+    reused_segments: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     fresh: dict[int, FreshChunk] = field(default_factory=dict)  # segment index -> new variant
     fallbacks: list[tuple[int, int]] = field(default_factory=list)  # (chunk, layer) computed instead
@@ -180,6 +184,7 @@ class _Blend:
         if all_logits:
             self.res.rows, self.res.row_logits = rows, logits
         self.res.fresh = self.fresh_chunks()
+        self.res.reused_segments = list(self.live)
         self.res.focused, self.res.focus_layer = self.focus.focused, self.focus.layer
         return self.res
 

@@ -53,7 +53,8 @@ TRUSTED = _Trusted()
 @torch.no_grad()
 def probe(engine: LlamaEngine, *, chunk_len: int = 16, question_len: int = 4, seed: int = 0) -> ProbeResult:
     g = torch.Generator().manual_seed(seed)
-    a, b, q = (torch.randint(0, engine.cfg.vocab_size, (n,), generator=g).tolist()
+    # drawn on the CPU (the generator's device) whatever device the engine runs on
+    a, b, q = (torch.randint(0, engine.cfg.vocab_size, (n,), generator=g, device="cpu").tolist()
                for n in (chunk_len, chunk_len, question_len))
     fp = engine.model_spec().fingerprint()
     alone = run_blend(engine, Layout.of([Segment(b)], fp), Full(), InMemoryLayerSource({}), [])

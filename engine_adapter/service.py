@@ -43,6 +43,7 @@ from kvclient.client import KVClient, Ref
 from kvclient.errors import KVCraftError
 from kvclient.layer_stream import LayerStream
 from kvcraft.keys import chunk_key
+from kvcraft.plans import variant_prefixes
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -96,8 +97,8 @@ class RequestReport:
     policy: str
     order: list[str]
     dropped: list[str]
-    reused_chunks: int
-    fresh_chunks: int
+    reused_chunks: int  # chunks whose stored KV the prefill used (0 with policy full)
+    fresh_chunks: int  # chunks the plan had no variant for (computed, stored back)
     prompt_tokens: int
     computed_rows: int  # rows computed, summed over layers
     recomputed_rows: int  # of those, rows of reused chunks
@@ -178,7 +179,7 @@ class RAGAdapter:
             policy=policy.name,
             order=list(plan.order) if plan else [chunk_key(self.model_id, c) for c in chunks],
             dropped=list(plan.dropped) if plan else [],
-            reused_chunks=len(refs),
+            reused_chunks=len(result.reused_segments),  # what served, not what the plan offered
             fresh_chunks=sum(1 for s in segments if not s.cached and not s.question),
             prompt_tokens=sum(len(s.tokens) for s in segments),
             computed_rows=sum(result.computed_rows),
@@ -198,14 +199,13 @@ class RAGAdapter:
         if plan is None:
             segments = [Segment(tuple(c)) for c in chunks]
         else:
-            for cp in plan.chunks:
+            for cp, variant_prefix in zip(plan.chunks, variant_prefixes(plan)):
                 cached = cp.source in (pb.ChunkPlan.PREFIX, pb.ChunkPlan.VARIANT)
                 if cached:
                     refs[len(segments)] = Ref(cp.chunk_key, cp.variant_id, cp.cfo)
                     self._plan_tiers[len(segments)] = cp.tier
                 segments.append(Segment(by_key[cp.chunk_key], key=cp.chunk_key, cached=cached,
-                                        cached_prefix=tuple(cp.variant_prefix_keys),
-                                        recompute=tuple(cp.recompute)))
+                                        cached_prefix=variant_prefix, recompute=tuple(cp.recompute)))
         segments.append(Segment(tuple(question), question=True))
         return segments, refs
 

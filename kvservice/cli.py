@@ -1,7 +1,7 @@
 """`kvcraft serve`: run the service until SIGTERM; `kvcraft repair`: rebuild its metadata.
 
 The service's own command line knows only `serve` and `repair` (it imports nothing above the
-service). The `kvcraft` command users run is the front in `kvbench.cli`, which
+service). The `kvcraft` command users run is the front in `kvcli.main`, which
 hands `serve` to `main` here; `python -m kvservice.cli serve` is the same thing
 without the front (`kvservice.launcher` starts servers that way).
 """

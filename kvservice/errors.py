@@ -6,6 +6,8 @@ Every message names what was wrong, so a client can fix its request without logs
 
 from __future__ import annotations
 
+import errno
+
 import grpc
 
 
@@ -35,3 +37,10 @@ class FailedPrecondition(KVCraftError):
 
 class Unavailable(KVCraftError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether `e` says the disk is full: ENOSPC / EDQUOT from a file, or RocksDB's
+    status text (rocksdict raises plain Exception with it)."""
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+        "No space left on device" in str(e)

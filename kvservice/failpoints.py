@@ -3,7 +3,7 @@
 
 Points, in write order: store:payload-written (before fsync/rename),
 store:payload-committed (file in place, no metadata), store:metadata-committed
-(before the ack), delete:payload-deleted (metadata not yet deleted);
+(before the ack), delete:metadata-deleted (payload not yet deleted);
 fetch:after-first-layer (a FetchLayers stream has sent every variant's first layer).
 """
 

@@ -71,6 +71,13 @@ def _nothing(wb: WriteBatch) -> None:
     pass
 
 
+def _close_quietly(handle: object) -> None:
+    try:
+        handle.close()  # type: ignore[attr-defined]
+    except Exception:  # "Writer has previous error": expected after a failed write
+        pass
+
+
 class MetadataDB:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -80,6 +87,7 @@ class MetadataDB:
         except Exception as e:  # rocksdict raises plain Exception for RocksDB statuses
             raise MetadataDamaged(self.path, f"RocksDB cannot open it ({e})") from None
         self._generation = 0
+        self._closed_by: Exception | None = None  # what left `_db` None (a failed reopen)
         self._reopen_lock = threading.Lock()
         self._group = threading.Condition()  # guards _queue and _leading
         self._queue: list[_Waiter] = []  # durable writes waiting for the next group
@@ -95,17 +103,25 @@ class MetadataDB:
             raise RuntimeError(f"{path}: metadata format {version!r}, this build reads {FORMAT_VERSION!r}")
 
     def _open(self) -> None:
+        """Open the database and its column families. All or nothing: a failure (a full
+        disk cannot take the new MANIFEST and log a reopen writes) leaves every handle
+        None, the state `_write_batch` knows as closed and reopens from."""
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
         opts.set_paranoid_checks(True)
-        self._db = Rdict(str(self.path), opts, column_families={cf: Options(raw_mode=True) for cf in _CFS})
-        self._variants = self._db.get_column_family("variants")
-        self._meta = self._db.get_column_family("meta")
-        self._access = self._db.get_column_family("access")
-        # Write handles by column family, looked up when a batch is built (after a
-        # reopen, or the access family made anew, they are new ones).
-        self._handles = {cf: self._db.get_column_family_handle(cf) for cf in ("variants", "access")}
+        db = Rdict(str(self.path), opts, column_families={cf: Options(raw_mode=True) for cf in _CFS})
+        try:
+            cfs = {cf: db.get_column_family(cf) for cf in _CFS}
+            # Write handles by column family, looked up when a batch is built (after a
+            # reopen, or the access family made anew, they are new ones).
+            handles = {cf: db.get_column_family_handle(cf) for cf in ("variants", "access")}
+        except Exception:
+            _close_quietly(db)
+            raise
+        self._db = db
+        self._variants, self._meta, self._access = cfs["variants"], cfs["meta"], cfs["access"]
+        self._handles = handles
 
     def _write(self, ops: Ops, sync: bool) -> None:
         """One batch of `ops`; with `sync`, durable before returning (group commit)."""
@@ -115,34 +131,48 @@ class MetadataDB:
             self._write_batch([ops])
 
     def _write_batch(self, group: list[Ops]) -> None:
-        """One WriteBatch of every `ops`, without RocksDB's sync. After a failed write (a
-        full disk) RocksDB refuses every later one until the database is reopened: reopen
-        once and retry, so the service recovers by itself when space frees. If it still
-        fails, the first error is raised."""
+        """One WriteBatch of every `ops`, without RocksDB's sync; all of it or none.
+
+        After a failed write (a full disk) RocksDB refuses every later one until the
+        database is reopened: reopen once and retry, so the service recovers by itself
+        when space frees. A reopen that fails too (the disk is still full) leaves the
+        database closed (`_db` None), and the next write starts with the reopen. If
+        the write still fails, the first error is raised: RocksDB's own status, which
+        names the cause ("No space left on device"), mapped to a status code by
+        kvservice.server.status."""
+        if all(ops is _nothing for ops in group):
+            return  # a bare sync: the log's fsync alone makes the earlier writes durable
+
         def build() -> WriteBatch:
             wb = WriteBatch(raw_mode=True)
             for ops in group:
                 ops(wb)
             return wb
 
-        generation = self._generation
-        try:
-            self._db.write(build(), self._nosync)
-            return
-        except Exception as first:  # rocksdict raises plain Exception for RocksDB statuses
-            error = first
+        generation, db = self._generation, self._db
+        error: Exception | None = None
+        if db is not None:
+            try:
+                db.write(build(), self._nosync)
+                return
+            except Exception as first:  # rocksdict raises plain Exception for RocksDB statuses
+                error = first
         with self._reopen_lock:
-            if self._generation == generation:
+            if self._generation == generation:  # no other writer reopened it meanwhile
+                self._drop_handles()
                 try:
-                    self._drop_handles()
                     self._open()
-                except Exception:
-                    raise error from None
+                except Exception as e:
+                    self._closed_by = error or e
+                    raise self._closed_by from None
                 self._generation += 1
+            db = self._db
+            if db is None:  # reopened by another writer, then closed again by a third
+                raise self._closed_by from None  # type: ignore[misc]
         try:
-            self._db.write(build(), self._nosync)
-        except Exception:
-            raise error from None
+            db.write(build(), self._nosync)
+        except Exception as e:
+            raise (error or e) from None
 
     def _write_durable(self, ops: Ops) -> None:
         """Queue `ops`; the first writer that finds no group committing leads the next:
@@ -304,10 +334,8 @@ class MetadataDB:
         """Let go of the database: RocksDB's lock is released only once no handle is
         left (close() alone keeps it, and raises on a database in an error state)."""
         for handle in (self._variants, self._access, self._meta, self._db):
-            try:
-                handle.close()
-            except Exception:  # "Writer has previous error": expected here
-                pass
+            if handle is not None:
+                _close_quietly(handle)
         self._variants = self._access = self._meta = self._db = None
         self._handles = {}
         gc.collect()
@@ -319,7 +347,8 @@ class MetadataDB:
         self._wal.clear()
         try:
             for handle in (self._variants, self._access, self._meta, self._db):
-                handle.close()
+                if handle is not None:
+                    handle.close()
         except Exception as e:  # a full disk cannot take the flush at close
             log.warning("metadata in %s not flushed at close (%s): every acknowledged record is in its "
                         "write-ahead log and is replayed at the next start", self.path, e)

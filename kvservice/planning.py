@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import Executor
 
 from kvcraft.keys import chunk_key, is_key
+from kvcraft.plans import KeyTable
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.errors import InvalidArgument, NotFound, Unavailable
 from kvservice.index import Variant
@@ -107,13 +108,17 @@ class PlanningService:
                                lease_expires_unix_ms=int(expires * 1000), computed_tokens=plan.computed_tokens)
         add = resp.chunks.add  # add(**fields) builds each ChunkPlan in place: the cheapest way with upb
         get = self.catalog.get
+        table = KeyTable(history, order)  # each key sent once (kvcraft.plans)
         for c in plan.chunks:
             vid = c.variant_id
             info = get(vid) if vid else None
+            chain, length = table.chain(info.prefix_keys) if info is not None else (0, 0)
             add(chunk_key=c.chunk_key, position=c.position, token_start=c.token_span[0], token_count=c.token_count,
                 source=_SOURCE[c.source], variant_id=vid or "", tier=c.tier or "", cfo=c.cfo, recompute=c.recompute,
-                prefix_keys=history + order[:c.position],
-                variant_prefix_keys=info.prefix_keys if info is not None else ())
+                variant_prefix_chain=chain, variant_prefix_length=length)
+        resp.other_keys.extend(table.other)
+        for ranges in table.chain_ranges():
+            resp.variant_prefixes.add(ranges=ranges)
         return resp
 
     def _to_preload(self, chunks: tuple[ChunkPlan, ...]) -> list[str]:

@@ -4,6 +4,7 @@ asked for in kv_transfer_params["kvcraft"] (docs/vllm.md "Blending"), and what c
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -110,35 +111,88 @@ class Blend:
         return True
 
 
+PARAM_KEYS = ("chunks", "policy", "options")
+# vLLM's completions server names prompt i of a request "cmpl-<id>-<i>", and its engine
+# appends 8 random hex digits (OpenAIServingCompletion._create_completion,
+# InputProcessor.assign_request_id).
+_COMPLETION_PROMPT = re.compile(r"^cmpl-.+-(\d+)-[0-9a-f]{8}$")
+
+
+@dataclass(frozen=True)
+class BlendAsk:
+    """kv_transfer_params["kvcraft"] once checked: what one prompt asks for."""
+
+    chunks: tuple[int, ...]
+    policy: str | None        # None: the connector's blend_policy
+    options: dict | None      # None: blend_options (with the connector's policy) or {}
+
+
+def check_ask(ask: Any, prompt_tokens: int | None = None) -> BlendAsk:
+    """kv_transfer_params["kvcraft"] checked as far as it can be without the connector's
+    settings; ValueError naming the problem. prompt_tokens: the prompt's length when known
+    (the connector always knows it; vLLM's HTTP server only for token-id prompts)."""
+    if not isinstance(ask, dict):
+        raise ValueError(f"a mapping is needed (keys {', '.join(PARAM_KEYS)}), got {type(ask).__name__}")
+    unknown = set(ask) - set(PARAM_KEYS)
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)}; known: {', '.join(PARAM_KEYS)}")
+    chunks = ask.get("chunks")
+    if (not isinstance(chunks, (list, tuple)) or not chunks
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in chunks)):
+        raise ValueError(f"chunks must be a non-empty list of token counts > 0, got {chunks!r}")
+    if prompt_tokens is not None and sum(chunks) >= prompt_tokens:
+        raise ValueError(f"chunks cover {sum(chunks)} tokens of a {prompt_tokens}-token prompt; "
+                         "the question needs at least one")
+    policy = ask.get("policy")
+    options = ask.get("options")
+    if policy is not None:
+        blend_policy(policy, {} if options is None else options)
+    elif options is not None and not isinstance(options, dict):
+        raise ValueError(f"options must be a mapping, got {type(options).__name__}")
+    return BlendAsk(tuple(chunks), policy, options)
+
+
+def prompt_index(request_id: str) -> int:
+    """The prompt's place in a completions request of several prompts (0 for any other)."""
+    m = _COMPLETION_PROMPT.match(request_id)
+    return int(m.group(1)) if m else 0
+
+
 def parse_blend(request: "Request", tokens: list[int], settings: ConnectorSettings,
                 metrics: ConnectorMetrics) -> Blend | None:
     """The request's blend, if it carries kv_transfer_params {"kvcraft": {"chunks": [...]}}.
-    Bad parameters are logged and the request is served by vLLM alone."""
+    Bad parameters are logged, counted (`blend_bad_params`) and named in the report's
+    `fallback`; the request is served by vLLM alone.
+
+    Boundaries describe one prompt: the second and later prompts of a completions request
+    of several (vLLM hands each the same kv_transfer_params) are served by vLLM alone."""
     params = getattr(request, "kv_transfer_params", None)
     ask = params.get("kvcraft") if isinstance(params, dict) else None
     if ask is None:
         return None
     try:
-        if not isinstance(ask, dict):
-            raise ValueError("kv_transfer_params['kvcraft'] must be a mapping")
-        unknown = set(ask) - {"chunks", "policy", "options"}
-        if unknown:
-            raise ValueError(f"unknown keys {sorted(unknown)}; known: chunks, policy, options")
-        chunks = ask.get("chunks")
-        if (not isinstance(chunks, (list, tuple)) or not chunks
-                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in chunks)):
-            raise ValueError(f"chunks must be a non-empty list of token counts > 0, got {chunks!r}")
-        if sum(chunks) >= len(tokens):
-            raise ValueError(f"chunks cover {sum(chunks)} tokens of a {len(tokens)}-token prompt; "
-                             "the question needs at least one")
-        name = ask.get("policy", settings.blend_policy)
-        options = ask.get("options", settings.blend_options if "policy" not in ask else {})
-        blend_policy(name, options)
+        checked = check_ask(ask, len(tokens))
+        if prompt_index(request.request_id):
+            raise ValueError(f"this is prompt {prompt_index(request.request_id)} of a request of several; "
+                             "kvcraft.chunks describe one prompt: send one request per prompt")
+        name = checked.policy or settings.blend_policy
+        if checked.options is not None:
+            options = checked.options
+        else:
+            options = settings.blend_options if checked.policy is None else {}
+        if settings.blend_policy != "off":
+            blend_policy(name, options)
     except ValueError as e:
         log.warning("kvcraft: request %s: bad kv_transfer_params['kvcraft'] (%s); vLLM computes it alone",
                     request.request_id, e)
         metrics.add(blend_bad_params=1)
-        return Blend((), "", (), declined=f"bad kv_transfer_params: {e}")
+        return Blend((), _policy_named(ask, settings), (), declined=f"bad kv_transfer_params: {e}")
     if settings.blend_policy == "off":
-        return Blend(tuple(chunks), name, (), declined="blending is off (blend_policy)")
-    return Blend(tuple(chunks), name, tuple(sorted(options.items())))
+        return Blend(checked.chunks, name, (), declined="blending is off (blend_policy)")
+    return Blend(checked.chunks, name, tuple(sorted(options.items())))
+
+
+def _policy_named(ask: Any, settings: ConnectorSettings) -> str:
+    """The policy a request named, for its report (its parameters may be bad)."""
+    name = ask.get("policy") if isinstance(ask, dict) else None
+    return name if isinstance(name, str) else settings.blend_policy

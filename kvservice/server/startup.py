@@ -109,48 +109,54 @@ async def start_server(cfg: Config) -> RunningServer:
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="kvcraft-io"))
     store = ChunkStore(cfg)
-    metrics = Metrics(store, cfg.metrics_port, cfg.host)
-    options = [
-        ("grpc.max_receive_message_length", cfg.max_message_bytes),
-        ("grpc.max_send_message_length", cfg.max_message_bytes),
-        # No BDP probing on what clients send: its growing receive windows let grpcio
-        # buffer far ahead of a Store stream the server is still writing (8 Stores of
-        # 8 MiB layers peaked at +1.2 GiB RSS with it, +0.2 GiB without; Store
-        # throughput unchanged). A stream then holds about the layer it is receiving.
-        ("grpc.http2.bdp_probe", 0),
-    ]
-    interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
-    server = grpc.aio.server(options=options, interceptors=interceptors)
-    inflight = InFlight()
-    heap = Freezer(lambda: len(store.index))
-    inflight.on_idle = IdleTrim(inflight, heap)  # freed layer buffers back to the OS when idle
-    planning = PlanningService(store, PlannerConfig(alpha=cfg.cfo_alpha,
-                                                    max_conversation_chunks=cfg.max_conversation_chunks))
-    add_service(server, "KVCache", DataServicer(store, metrics, inflight), LookupServicer(store, planning, inflight))
-    add_service(server, "Admin", AdminServicer(store, cfg, inflight))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", *SERVICE_NAMES):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
-    )
-    address = f"{cfg.host}:{cfg.port}"
-    if cfg.tls_cert:
-        with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
-            pair = [(k.read(), c.read())]
-        ca = open(cfg.tls_client_ca, "rb").read() if cfg.tls_client_ca else None
-        creds = grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
-    if port == 0:
+    metrics: Metrics | None = None
+    try:  # a start refused past this point releases the store (its shared memory) and the metrics port
+        metrics = Metrics(store, cfg.metrics_port, cfg.host)
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            # No BDP probing on what clients send: its growing receive windows let grpcio
+            # buffer far ahead of a Store stream the server is still writing (8 Stores of
+            # 8 MiB layers peaked at +1.2 GiB RSS with it, +0.2 GiB without; Store
+            # throughput unchanged). A stream then holds about the layer it is receiving.
+            ("grpc.http2.bdp_probe", 0),
+        ]
+        interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
+        server = grpc.aio.server(options=options, interceptors=interceptors)
+        inflight = InFlight()
+        heap = Freezer(lambda: len(store.index))
+        inflight.on_idle = IdleTrim(inflight, heap)  # freed layer buffers back to the OS when idle
+        planning = PlanningService(store, PlannerConfig(alpha=cfg.cfo_alpha,
+                                                        max_conversation_chunks=cfg.max_conversation_chunks))
+        add_service(server, "KVCache", DataServicer(store, metrics, inflight), LookupServicer(store, planning, inflight))
+        add_service(server, "Admin", AdminServicer(store, cfg, inflight))
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        for name in ("", *SERVICE_NAMES):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert:
+            with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+                pair = [(k.read(), c.read())]
+            ca = open(cfg.tls_client_ca, "rb").read() if cfg.tls_client_ca else None
+            creds = grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        if store.cluster is not None and not cfg.remote_advertise:
+            store.cluster.view.holder = f"{cfg.host}:{port}"  # the bound port, for the cluster view
+        await server.start()
+    except BaseException:
+        if metrics is not None:
+            metrics.stop()
         store.close()
-        raise OSError(f"cannot listen on {address}")
-    if store.cluster is not None and not cfg.remote_advertise:
-        store.cluster.view.holder = f"{cfg.host}:{port}"  # the bound port, for the cluster view
-    await server.start()
+        raise
     return RunningServer(server, store, port, health_servicer, metrics, inflight, heap)
 
 

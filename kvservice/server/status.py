@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import logging
 from typing import Any, Awaitable, Callable, Iterator
 
 import grpc
 
-from kvservice.errors import KVCraftError, ResourceExhausted
+from kvservice.errors import KVCraftError, ResourceExhausted, disk_full
 from kvservice.server.codecs import check_parsed
 
 log = logging.getLogger("kvcraft.server")
@@ -82,11 +81,9 @@ def status_of(e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
 def storage_error(e: BaseException) -> KVCraftError | None:
     """A full disk (ENOSPC / EDQUOT from a payload file, or RocksDB's "No space left on
     device") is RESOURCE_EXHAUSTED naming the disk, not a bug."""
-    full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
-        "No space left on device" in str(e)
-    if not full:
+    if not disk_full(e):
         return None
     where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
-    return ResourceExhausted(f"the disk under the data directory is full{where}: nothing was stored; "
+    return ResourceExhausted(f"the disk under the data directory is full{where}: nothing was stored or changed; "
                              "free space there (or lower disk_budget_bytes below what the disk holds); "
                              "reads of stored variants go on")

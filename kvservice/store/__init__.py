@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Sequence
 
 from kvcraft.keys import is_key
 from kvservice.config import Config
-from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted, disk_full
 from kvservice.index import Variant, eviction_key
 from kvservice.metadata import MetadataDB
 from kvservice.planner.variants import fr_increment
@@ -51,25 +51,31 @@ class ChunkStore:
         # it, so a client never reads a restarted service's memory through an old mapping.
         self.instance_id = secrets.token_hex(8)
         # The metadata first: RocksDB's lock makes this process the data dir's one owner
-        # before build_tiers removes what earlier runs left in shared memory.
+        # before build_tiers removes what earlier runs left in shared memory, and damaged
+        # metadata refuses the start before any shared memory exists. Whatever fails later
+        # (recovery refusing the metadata's word) closes what was made, the host slab's
+        # segment included.
         meta = MetadataDB(cfg.data_path / "metadata")
+        made: list[Tier] = []
         try:
-            tiers = tiers if tiers is not None else build_tiers(cfg, self.instance_id)
+            made = tiers if tiers is not None else build_tiers(cfg, self.instance_id)
+            self._s = StoreState(cfg, made, meta, clock)
+            self.index = self._s.index
+            self.tiers = self._s.tiers
+            self.listeners: list[StoreListener] = self._s.listeners
+            self.counters = self._s.counters
+            self._leases = Leases(self._s)
+            self._placement = Placement(self._s, self._leases.expire)
+            self._promotion = Promotion(self._s, self._placement)
+            self._staging_maps = StagingMaps()  # clients' staging areas (co-located Stores)
+            self.recovery = recover(self._s, repair=repair)
+            # Scale-out (docs/scale-out.md): adopt other nodes' variants, write-through.
+            self.cluster = attach_cluster(self._s)
         except BaseException:
             meta.close()
+            for tier in made:
+                tier.close()
             raise
-        self._s = StoreState(cfg, tiers, meta, clock)
-        self.index = self._s.index
-        self.tiers = self._s.tiers
-        self.listeners: list[StoreListener] = self._s.listeners
-        self.counters = self._s.counters
-        self._leases = Leases(self._s)
-        self._placement = Placement(self._s, self._leases.expire)
-        self._promotion = Promotion(self._s, self._placement)
-        self._staging_maps = StagingMaps()  # clients' staging areas (co-located Stores)
-        self.recovery = recover(self._s, repair=repair)
-        # Scale-out (docs/scale-out.md): adopt other nodes' variants, write-through.
-        self.cluster = attach_cluster(self._s)
 
     def close(self) -> None:
         self._staging_maps.close()
@@ -193,9 +199,15 @@ class ChunkStore:
     def set_pinned(self, selector: Selector, pinned: bool) -> int:
         with self._s.lock:
             vs = self._select(selector)
+            was = [v.pinned for v in vs]
             for v in vs:
                 self.index.set_pinned(v, pinned)
-            self._s.meta.put_variants(vs, sync=False)
+            try:
+                self._s.meta.put_variants(vs, sync=False)
+            except BaseException:  # not recorded (a full disk): not changed either
+                for v, p in zip(vs, was):
+                    self.index.set_pinned(v, p)
+                raise
         self._s.meta.sync()  # durable before Admin answers; Plans need not wait for the disk
         return len(vs)
 
@@ -216,7 +228,15 @@ class ChunkStore:
     def evict(self, selector: Selector) -> tuple[int, int]:
         with self._s.lock:
             self._leases.expire()
-            done = self._placement.evict_many(self._select(selector))
+            try:
+                done = self._placement.evict_many(self._select(selector))
+            except Exception as e:
+                if disk_full(e):  # the metadata delete failed before any payload went
+                    raise ResourceExhausted(
+                        f"the disk under the data directory is full ({e}): the eviction cannot be recorded in "
+                        "the metadata, so nothing was evicted and every variant stays readable; free space "
+                        "on that disk and retry") from None
+                raise
         self._s.meta.sync()  # durable before Admin answers, the lock already free
         return done
 
@@ -227,11 +247,22 @@ class ChunkStore:
         evicted = skipped = 0
         stored = list(self.index)
         for i in range(0, len(stored), FLUSH_BATCH):
+            full: Exception | None = None
             with self._s.lock:
                 self._leases.expire()
                 batch = [v for v in stored[i:i + FLUSH_BATCH] if self.index.get(v.variant_id) is v]
-                e, k = self._placement.evict_many(batch)
-            self._s.meta.sync()
+                try:
+                    e, k = self._placement.evict_many(batch)
+                except Exception as error:
+                    if not disk_full(error):
+                        raise
+                    full = error  # this batch's metadata delete failed before any payload went
+            self._s.meta.sync()  # the batches evicted so far stay evicted
+            if full is not None:
+                raise ResourceExhausted(
+                    f"the disk under the data directory is full ({full}): {evicted} variants were evicted, the "
+                    "rest cannot be recorded in the metadata and stay stored and readable; free space on that "
+                    "disk and retry")
             evicted, skipped = evicted + e, skipped + k
         return evicted, skipped
 

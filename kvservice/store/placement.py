@@ -4,7 +4,7 @@ Every method runs with the store's lock held.
 
 - A tier that needs room loses its lowest (fr, last access, created, id) unprotected
   variant one tier down: copied into the next tier if no lower tier holds it yet, then
-  deleted; leaving the last tier deletes the variant (payloads first, then metadata).
+  deleted; leaving the last tier deletes the variant (metadata first, then payloads).
 - A cache tier (above the home tier) admits a newcomer only if, among its unprotected
   copies and the newcomer, the newcomer is not the lowest; lower copies go down until
   the newcomer fits. The home tier and those below it always make room, or refuse.
@@ -184,22 +184,29 @@ class Placement:
         self.delete_many([vid])
 
     def delete_many(self, vids: list[str]) -> None:
-        """Payloads first, then the metadata, in one batch. A crash between leaves
-        records without a payload, which recovery drops. The metadata write is not
-        synced (this runs with the store's lock held, and a synced write would hold it
-        through a disk flush; Admin's deletes sync once the lock is free): if the machine
-        loses it, the records come back and recovery drops them, or, where the payload's
-        unlink was lost too, the whole variant comes back intact (a payload is verified
-        before it is adopted)."""
+        """The metadata first, in one batch, then the payloads: all of it or nothing. A
+        metadata write that fails (a full disk) raises before anything else changed, so
+        the variants stay stored and readable, and the caller answers for the failure;
+        a crash after it leaves payloads without records, which recovery adopts (they
+        carry their record): the variants come back whole, never a record without its
+        payload. The write is not synced (this runs with the store's lock held, and a
+        synced write would hold it through a disk flush; Admin's deletes sync once the
+        lock is free): if the machine loses it, the records come back and recovery
+        drops them (their payloads are gone), or, where the payloads' renames were lost
+        too, the whole variants come back, verified like any payload recovery adopts."""
         if not vids:
             return
+        self.s.meta.delete_variants(vids, sync=False)
+        failpoints.reach("delete:metadata-deleted")
+        self._forget(vids)
+
+    def _forget(self, vids: list[str]) -> None:
+        """The variants leave the index and every tier, and the listeners hear of it."""
         s = self.s
         for vid in vids:
             s.index.remove(vid)
             for tier in s.tiers:
                 tier.delete(vid)
-        failpoints.reach("delete:payload-deleted")
-        s.meta.delete_variants(vids, sync=False)
         for vid in vids:
             for lst in s.listeners:
                 lst.on_evict(vid)
@@ -209,7 +216,13 @@ class Placement:
         with self.s.lock:
             if vid in self.s.index:
                 log.warning("dropping variant %s: %s", vid, why)
-                self.delete(vid)
+                try:
+                    self.delete(vid)
+                except Exception as e:  # rocksdict raises plain Exception (a full disk)
+                    # It is never served again all the same: its payload goes, and recovery
+                    # drops the record left without one.
+                    log.warning("the record of dropped variant %s stays until the next start (%s)", vid, e)
+                    self._forget([vid])
 
     def evict_many(self, vs: list[Variant]) -> tuple[int, int]:
         """Admin Evict / Flush: delete the unprotected ones; (evicted, skipped). The

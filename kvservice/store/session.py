@@ -16,7 +16,8 @@ A co-located Store (StoreLocal) follows the same order; each layer is copied onc
 the client's staging area (kvservice.store.staging) into the session's own buffer
 instead of arriving in a gRPC message, and everything after (checksum, payload file,
 host copy read back from the file) comes from that copy.
-Deletes go payloads first, then metadata (synced) (`Placement.delete`).
+Deletes go metadata first, then payloads (`Placement.delete_many`). A metadata batch that
+fails (a full disk) deletes the Store's payload file: nothing of it stays.
 So after a crash at any point, recovery finds a complete variant or debris it deletes.
 """
 
@@ -266,7 +267,14 @@ class StoreSession:
                 with s.lock:
                     s.tiers[s.home].delete(self.variant_id)
                 raise Unavailable(f"{filler.error}; retry the Store (if it repeats, check the disk)")
-            s.meta.put_variants([v], sync=True)
+            try:
+                s.meta.put_variants([v], sync=True)
+            except BaseException:
+                # Not recorded (a full disk): the payload goes too, so the variant is
+                # neither half stored now nor adopted from its file at the next start.
+                with s.lock:
+                    s.tiers[s.home].delete(self.variant_id)
+                raise
             failpoints.reach("store:metadata-committed")
             with s.lock:
                 for w in filled:

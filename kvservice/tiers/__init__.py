@@ -29,24 +29,22 @@ def build_tiers(cfg: Config, instance_id: str, driver: gpu_driver.Driver | None 
         driver = gpu_driver.load(cfg.gpu_device)  # None without CUDA: said once, in one log line
     for name in remove_stale_segments(root):
         log.info("removed shared memory %s left by an earlier run on %s", name, root)
-    out: list[Tier] = [
-        HostTier(cfg.host_budget_bytes, segment_name(root, instance_id), driver),
-        DiskTier(root / "payloads", cfg.disk_budget_bytes),
-    ]
-    if cfg.gpu_budget_bytes:
-        if driver is None:
-            log.warning("gpu_budget_bytes is set but no CUDA driver loads: running without the gpu tier")
-        else:
-            from kvservice.tiers.gpu import GpuTier
+    out: list[Tier] = [HostTier(cfg.host_budget_bytes, segment_name(root, instance_id), driver)]
+    try:  # a tier that fails to start: the ones made before it let go of what they hold
+        out.append(DiskTier(root / "payloads", cfg.disk_budget_bytes))
+        if cfg.gpu_budget_bytes:
+            if driver is None:
+                log.warning("gpu_budget_bytes is set but no CUDA driver loads: running without the gpu tier")
+            else:
+                from kvservice.tiers.gpu import GpuTier
 
-            out.insert(0, GpuTier(cfg.gpu_budget_bytes, driver, choose_backend(cfg.disk_backend, driver)))
-    if cfg.remote_master:
-        from kvservice.tiers.remote import remote_tier  # imports Mooncake: only when configured
+                out.insert(0, GpuTier(cfg.gpu_budget_bytes, driver, choose_backend(cfg.disk_backend, driver)))
+        if cfg.remote_master:
+            from kvservice.tiers.remote import remote_tier  # imports Mooncake: only when configured
 
-        try:
             out.append(remote_tier(cfg))
-        except BaseException:
-            for t in out:
-                t.close()
-            raise
+    except BaseException:
+        for t in out:
+            t.close()
+        raise
     return out

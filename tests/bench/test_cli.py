@@ -1,4 +1,4 @@
-"""The `kvcraft` command front (kvbench.cli): it reaches the service, the client and the benches."""
+"""The `kvcraft` command front (kvcli.main): it reaches the service, the client and the benches."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import signal
 import subprocess
 import sys
 
-from kvbench import cli
+from kvcli import main as cli
 from kvclient.client import KVClient
 
 
 def test_serve_through_the_front_runs_the_service(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbench.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+        [sys.executable, "-m", "kvcli.main", "serve", "--host", "127.0.0.1", "--port", "0",
          "--data-dir", str(tmp_path / "data")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )

@@ -192,3 +192,21 @@ def test_same_host_reads_report_their_load_timings(start_server):
         assert report.plan_error == "" and report.reused_chunks == len(cs)
         assert not adapter._timings.computes or len(adapter._timings.loads) == spec.num_layers
         assert client.stats().leases == 0
+
+
+def test_the_report_counts_the_chunks_whose_stored_kv_was_used_not_the_ones_offered(kvserver):
+    """Every chunk is stored and the plan offers all four; policy full computes every
+    token, so none is reused; naive reuses all four."""
+    cs = chunks(5)
+    with KVClient(kvserver.address) as client:
+        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+        reused = {}
+        for name in ("full", "naive"):
+            adapter = RAGAdapter(ENGINE, client, Policy(name), gate=ReuseGate(), store_back=False)
+            plan = client.plan(adapter.model_id, cs, len(QUESTION), first_turn=False)
+            offered = sum(1 for cp in plan.chunks if cp.variant_id)
+            result, report = adapter.serve(plan, cs, QUESTION)
+            assert offered == 4 and report.fresh_chunks == 0
+            reused[name] = report.reused_chunks
+            assert report.reused_chunks == len(result.reused_segments)
+    assert reused == {"full": 0, "naive": 4}

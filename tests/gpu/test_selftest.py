@@ -62,7 +62,7 @@ def test_a_corrupting_device_fails_the_selftest(tmp_path: Path) -> None:
 
 
 def test_kvcraft_selftest_is_a_command(tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    from kvbench.cli import main
+    from kvcli.main import main
 
     assert main(["selftest", "--mib", "0.25", "--repeat", "1", "--no-kernels", "--dir", str(tmp_path)]) == 0
     assert "PASS  host + disk tiers" in capsys.readouterr().out

@@ -25,7 +25,7 @@ class FetchRun:
 
 
 def run_fetch(folder: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "kvbench.cli", "model", "fetch", "--dir", str(folder)]
+    cmd = [sys.executable, "-m", "kvcli.main", "model", "fetch", "--dir", str(folder)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 

@@ -20,7 +20,9 @@ from kvservice.config import load_config
 from kvservice.index import Spec
 from kvservice.launcher import ServiceProcess
 from kvservice.records import Ref, StoreHeader
+from kvservice.metadata import MetadataDamaged
 from kvservice.store import ChunkStore
+from kvservice.tiers.host import SHM_DIR, _segment_prefix
 
 MODEL = ModelSpec("damage", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32").fingerprint()
 SPEC = Spec(pb.FLOAT32, (1, 4, 8))
@@ -60,11 +62,21 @@ def _all_back(data) -> None:
             assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, _layers(i)))
 
 
+def _segments(data) -> list[str]:
+    """The shared-memory segments of service instances on `data` (the host slab's)."""
+    return [p.name for p in SHM_DIR.glob(_segment_prefix(data) + "*")]
+
+
 def _refused(data) -> str:
+    """Start the service on `data`: it refuses, naming the damage and the way out, and
+    leaves nothing behind (its host slab's shared-memory segment, made at start-up,
+    released; Python's resource_tracker would otherwise warn of it at exit)."""
     with pytest.raises(RuntimeError, match="exited with 2") as e:
         ServiceProcess(data).start()
     message = str(e.value)
     assert "damaged" in message and "kvcraft repair" in message and "Traceback" not in message
+    assert "leaked shared_memory" not in message
+    assert _segments(data) == []
     return message
 
 
@@ -153,3 +165,22 @@ def test_damaged_access_records_are_dropped_and_the_start_goes_on(tmp_path, capl
     assert "damaged" not in caplog.text
     assert sorted(v.fr for v in store.index) == [0.0] * (N * 7) + [1.0] * N
     store.close()
+
+
+def test_a_refused_store_releases_its_shared_memory_at_once(tmp_path):
+    """In one process (as `kvcraft serve` and `kvcraft repair` open it): a ChunkStore
+    that refuses damaged metadata leaves no segment of its data dir in /dev/shm, and
+    the same process can start on the repaired data dir."""
+    data = tmp_path / "data"
+    _fill(data, kill=False)
+    shutil.rmtree(data / "metadata")
+    cfg = load_config(env={}, overrides={"data_dir": str(data)})
+    for _ in range(2):
+        with pytest.raises(MetadataDamaged, match="missing"):
+            ChunkStore(cfg)
+        assert _segments(data) == []
+    _repair(data)
+    store = ChunkStore(cfg)
+    assert len(store.index) == N and len(_segments(data)) == 1
+    store.close()
+    assert _segments(data) == []

@@ -126,3 +126,67 @@ def test_full_disk_refusal_reaches_the_asyncio_client_of_a_co_located_store(smal
             sorted({f"{type(e).__name__}: {e}"[:160] for e in errors})
     finally:
         server.close()
+
+
+def _metadata_writes_fail(c: KVClient, key: str) -> str:
+    """Pin and unpin until a metadata write fails: the log's preallocated space is spent
+    first, then RocksDB refuses every write, and its reopen fails too (the database is
+    closed). The refusal's message."""
+    for _ in range(2000):
+        try:
+            c.pin(chunk_key=key)
+            c.unpin(chunk_key=key)
+        except ResourceExhaustedError as e:
+            return e.message
+    raise AssertionError("2,000 pins on a full disk all succeeded")
+
+
+def _same(got, seed: int) -> bool:
+    return all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, _layers(seed)))
+
+
+def test_admin_writes_on_a_full_disk_answer_resource_exhausted_and_change_nothing(small_disk):
+    """Evict, Flush, Pin and Store once the metadata cannot be written (its database
+    closed after a failed reopen): RESOURCE_EXHAUSTED naming the full disk, never
+    INTERNAL, and nothing half done: every variant stays readable, and after a restart
+    each is either whole (every layer verified from disk) or gone with its record."""
+    data = small_disk / "data"
+    server = ServiceProcess(data, disk_budget_bytes=1 << 30, host_budget_bytes=1 << 20)
+    server.log_path = small_disk.parent / "full-admin-server.log"
+    server.start()
+    filler = small_disk / "filler"
+    try:
+        with KVClient(server.address, timeout=30) as c:
+            keys = [c.store(MODEL, _tokens(i), _layers(i)).chunk_key for i in range(8)]
+            _fill(filler)
+            first = _metadata_writes_fail(c, keys[7])
+            assert "disk under the data directory is full" in first and "nothing was stored or changed" in first
+            assert not c.get_chunk(keys[7])[0].pinned  # the failed pin was not applied in memory either
+            with pytest.raises(ResourceExhaustedError, match="nothing was evicted") as e:
+                c.evict(chunk_key=keys[0])
+            assert "No space left on device" in e.value.message and "Traceback" not in e.value.message
+            with pytest.raises(ResourceExhaustedError, match="0 variants were evicted"):
+                c.flush()
+            with pytest.raises(ResourceExhaustedError, match="disk .* is full"):
+                c.store(MODEL, _tokens(20), _layers(20))
+            assert c.stats().variants == 8
+            for i, key in enumerate(keys):  # the refused evictions deleted no payload
+                assert _same(c.fetch(key), i)
+        assert server.stop() == 0
+        log = server.log()
+        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+        os.unlink(filler)
+        server.start()  # the host tier starts empty: every read below comes from disk, verified
+        with KVClient(server.address, timeout=30) as c:
+            assert c.stats().variants == 8
+            for i, key in enumerate(keys):
+                assert _same(c.fetch(key), i)
+            assert c.evict(chunk_key=keys[0]).evicted == 1  # space again: the eviction goes through
+        assert server.stop() == 0
+        server.start()
+        with KVClient(server.address, timeout=30) as c:
+            assert c.stats().variants == 7 and not c.lookup(chunk_key=keys[0]).found
+        assert "recovery: kept" not in server.log()  # no record without its payload, no payload without its record
+        assert len(list((data / "payloads").rglob("*.kv"))) == 7
+    finally:
+        server.close()

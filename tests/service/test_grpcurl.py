@@ -47,7 +47,7 @@ def test_kvcraft_admin_prints_the_same_json_as_grpcurl(kvserver):
         key = c.store(model, [7, 8], [(torch.zeros(1, 2, 4), torch.ones(1, 2, 4))] * 2).chunk_key
 
     def admin(*args: str) -> object:
-        out = subprocess.run([sys.executable, "-m", "kvbench.cli", "admin", "--address", kvserver.address, *args],
+        out = subprocess.run([sys.executable, "-m", "kvcli.main", "admin", "--address", kvserver.address, *args],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)

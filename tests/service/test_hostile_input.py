@@ -12,6 +12,7 @@ import torch
 from kvclient.client import KVClient, Ref
 from kvclient.errors import InvalidArgumentError, KVCraftError, ResourceExhaustedError
 from kvcraft.keys import ModelSpec
+from kvcraft.plans import prefix_keys
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 MODEL = ModelSpec("hostile", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
@@ -172,7 +173,7 @@ def test_plan_response_stays_bounded_however_long_the_conversation(start_server)
             assert sorted(plan.order) == sorted(k for k, _ in chunks)  # all new: nothing dropped
             assert len(plan.history) == min(turn * per_turn, cap)
             # Each chunk's prefix is the remembered history, then this turn's chunks before it.
-            assert list(plan.chunks[3].prefix_keys) == [*plan.history, *plan.order[:3]]
+            assert prefix_keys(plan, plan.chunks[3]) == [*plan.history, *plan.order[:3]]
             sizes.append(plan.ByteSize())
         # The earliest turn is forgotten: sending its chunks again is not deduplicated,
         # and the latest turn's chunks still are.

@@ -10,6 +10,7 @@ import torch
 from kvclient.client import KVClient, Ref
 from kvclient.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
+from kvcraft.plans import prefix_keys, variant_prefixes
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.planner import ChunkRef, InMemoryCatalog, Planner, Variant
@@ -88,7 +89,7 @@ def test_second_turn_drops_chunks_already_sent(kvserver):
     assert list(t2.dropped) == [chunk_key(MODEL, chunk_tokens(1))]
     assert list(t2.order) == [chunk_key(MODEL, chunk_tokens(2))]
     assert list(t2.history) == list(t1.order)
-    assert list(t2.chunks[0].prefix_keys) == list(t1.order)
+    assert prefix_keys(t2, t2.chunks[0]) == list(t1.order)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -111,9 +112,11 @@ def test_plan_names_the_prefix_each_chosen_variant_was_computed_behind(kvserver)
         # chunk 1 first: its variant was computed behind chunk 0, so it is not exact here
         plan = c.plan(MODEL, [chunk_tokens(1), chunk_tokens(0)], 2, first_turn=False)
         by_key = {cp.chunk_key: cp for cp in plan.chunks}
-        assert list(by_key[v1.chunk_key].variant_prefix_keys) == [k0]
-        assert list(by_key[v1.chunk_key].prefix_keys) == []
-        assert list(by_key[k0].variant_prefix_keys) == []
+        behind = dict(zip((cp.chunk_key for cp in plan.chunks), variant_prefixes(plan)))
+        assert behind[v1.chunk_key] == (k0,)
+        assert [list(c.ranges) for c in plan.variant_prefixes] == [[1, 1]]  # k0 is order[1]: table index 1
+        assert prefix_keys(plan, by_key[v1.chunk_key]) == []
+        assert behind[k0] == () and not plan.other_keys
         c.release(plan.lease_id)
 
 

@@ -508,3 +508,49 @@ def test_admin_pin_evict_and_flush_sync_their_writes_with_the_store_lock_free(tm
     assert sorted(k for k in keys if store.lookup(k)) == sorted([keys[0], keys[5]])  # pinned, leased: kept
     assert store.lookup(keys[0])[0].pinned
     store.close()
+
+
+class _FullDisk:
+    """Stands for the database handle on a full disk: every write fails as RocksDB's does."""
+
+    def __init__(self, db) -> None:  # noqa: ANN001 - a rocksdict Rdict
+        self.db = db
+
+    def write(self, *args: object) -> None:
+        raise Exception("IO error: No space left on device: While appending to file: 000009.log")
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def test_a_store_whose_metadata_write_fails_leaves_nothing_and_writes_resume_without_a_restart(tmp_path,
+                                                                                                 monkeypatch):
+    """The metadata cannot be written, nor the database reopened (a full disk): the
+    Store fails naming the cause, its payload file is deleted (not adopted later as a
+    variant nobody acknowledged), and the database stays closed without breaking the
+    next write (which used to find no handle: AttributeError), until space frees."""
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
+    kept = put(store, [1, 2])
+    meta = store._s.meta
+    real_open = meta._open
+
+    def full_open() -> None:
+        raise Exception("IO error: No space left on device: While open a file for appending: MANIFEST-000012")
+
+    meta._db = _FullDisk(meta._db)
+    monkeypatch.setattr(meta, "_open", full_open)
+    for tokens in ([3, 4], [5, 6]):  # the second finds the database closed
+        with pytest.raises(Exception, match="No space left on device"):
+            put(store, tokens)
+    with pytest.raises(Exception, match="No space left on device"):
+        store.evict(Selector(chunk_key=kept))
+    assert meta._db is None and store.variant_count() == 1
+    assert len(list((tmp_path / "payloads").rglob("*.kv"))) == 1
+    monkeypatch.setattr(meta, "_open", real_open)  # space again
+    added = put(store, [3, 4])
+    assert store.evict(Selector(chunk_key=kept)) == (1, 0)
+    store.close()
+    store = ChunkStore(load_config(env={}, overrides={"data_dir": str(tmp_path)}))
+    assert [v.chunk_key for v in store.index] == [added] and store.recovery.dropped_metadata == 0
+    assert store.recovery.adopted_payloads == 0
+    store.close()

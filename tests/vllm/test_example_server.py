@@ -94,6 +94,40 @@ def _stop(proc: subprocess.Popen) -> list:
     return alive
 
 
+def _example_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_rag_server", ROOT / "examples" / "vllm_rag_server.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_blending_is_off_by_default_and_turned_on_with_its_policy_options_and_model_class():
+    ex = _example_module()
+    off = ex.connector_args("127.0.0.1:1")
+    assert "blend_policy" not in off["kv_transfer_config"]["kv_connector_extra_config"] and "hf_overrides" not in off
+    on = ex.connector_args("127.0.0.1:1", "cacheblend", ex.parse_options(["ratio=0.15", "layer_budget_s=2"]),
+                           blend_local=False)
+    extra = on["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra == {"address": "127.0.0.1:1", "blend_policy": "cacheblend",
+                     "blend_options": {"ratio": 0.15, "layer_budget_s": 2}, "blend_local": False}
+    assert on["hf_overrides"] == {"architectures": ["KVCraftLlamaForCausalLM"]}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        ex.parse_options(["ratio"])
+
+
+def test_a_conversations_first_turn_carries_the_fronts_chunk_boundaries_and_later_turns_none():
+    from kvclient.rag_front import FrontPrompt
+
+    ex = _example_module()
+    p = FrontPrompt(token_ids=list(range(10)), order=["a", "b"], dropped=[], chunk_tokens=7, dropped_tokens=0,
+                    planned=True, chunk_lengths=(3, 4))
+    assert ex.blend_params(True, [], p) == {"kvcraft": {"chunks": [3, 4]}}
+    assert ex.blend_params(True, [1, 2, 3], p) is None  # the history has no chunk boundaries
+    assert ex.blend_params(False, [], p) is None
+
+
 def test_openapi_schema_is_served(example):
     with urllib.request.urlopen(example["base"] + "/openapi.json", timeout=10) as r:
         schema = json.loads(r.read())

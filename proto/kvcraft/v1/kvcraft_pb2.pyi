@@ -130,8 +130,14 @@ class PlanRequest(_message.Message):
     first_turn: bool
     def __init__(self, model_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[PlanChunk, _Mapping]]] = ..., question_tokens: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., timings: _Optional[_Union[TimingReport, _Mapping]] = ..., first_turn: _Optional[bool] = ...) -> None: ...
 
+class KeyChain(_message.Message):
+    __slots__ = ("ranges",)
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    ranges: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ranges: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ChunkPlan(_message.Message):
-    __slots__ = ("chunk_key", "position", "token_start", "token_count", "source", "variant_id", "tier", "cfo", "recompute", "prefix_keys", "variant_prefix_keys")
+    __slots__ = ("chunk_key", "position", "token_start", "token_count", "source", "variant_id", "tier", "cfo", "recompute", "variant_prefix_chain", "variant_prefix_length")
     class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         SOURCE_UNSPECIFIED: _ClassVar[ChunkPlan.Source]
@@ -151,8 +157,8 @@ class ChunkPlan(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     CFO_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
-    VARIANT_PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_PREFIX_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     chunk_key: str
     position: int
     token_start: int
@@ -162,12 +168,12 @@ class ChunkPlan(_message.Message):
     tier: str
     cfo: float
     recompute: _containers.RepeatedScalarFieldContainer[int]
-    prefix_keys: _containers.RepeatedScalarFieldContainer[str]
-    variant_prefix_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, chunk_key: _Optional[str] = ..., position: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., source: _Optional[_Union[ChunkPlan.Source, str]] = ..., variant_id: _Optional[str] = ..., tier: _Optional[str] = ..., cfo: _Optional[float] = ..., recompute: _Optional[_Iterable[int]] = ..., prefix_keys: _Optional[_Iterable[str]] = ..., variant_prefix_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    variant_prefix_chain: int
+    variant_prefix_length: int
+    def __init__(self, chunk_key: _Optional[str] = ..., position: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., source: _Optional[_Union[ChunkPlan.Source, str]] = ..., variant_id: _Optional[str] = ..., tier: _Optional[str] = ..., cfo: _Optional[float] = ..., recompute: _Optional[_Iterable[int]] = ..., variant_prefix_chain: _Optional[int] = ..., variant_prefix_length: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("order", "dropped", "chunks", "history", "ratio", "preload_depth", "load_s_per_layer", "compute_s_per_layer", "lease_id", "lease_expires_unix_ms", "computed_tokens")
+    __slots__ = ("order", "dropped", "chunks", "history", "ratio", "preload_depth", "load_s_per_layer", "compute_s_per_layer", "lease_id", "lease_expires_unix_ms", "computed_tokens", "other_keys", "variant_prefixes")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +185,8 @@ class PlanResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_KEYS_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     order: _containers.RepeatedScalarFieldContainer[str]
     dropped: _containers.RepeatedScalarFieldContainer[str]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlan]
@@ -190,7 +198,9 @@ class PlanResponse(_message.Message):
     lease_id: str
     lease_expires_unix_ms: int
     computed_tokens: int
-    def __init__(self, order: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., history: _Optional[_Iterable[str]] = ..., ratio: _Optional[float] = ..., preload_depth: _Optional[int] = ..., load_s_per_layer: _Optional[float] = ..., compute_s_per_layer: _Optional[float] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+    other_keys: _containers.RepeatedScalarFieldContainer[str]
+    variant_prefixes: _containers.RepeatedCompositeFieldContainer[KeyChain]
+    def __init__(self, order: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., history: _Optional[_Iterable[str]] = ..., ratio: _Optional[float] = ..., preload_depth: _Optional[int] = ..., load_s_per_layer: _Optional[float] = ..., compute_s_per_layer: _Optional[float] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., other_keys: _Optional[_Iterable[str]] = ..., variant_prefixes: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
     __slots__ = ("model_id", "token_ids", "prefix_keys", "num_layers", "key_spec", "value_spec", "stats")

@@ -1,7 +1,7 @@
 """The `kvcraft` command: serve, demo, admin, model, bench.
 
-This front sits above the service, the client and the benchmarks, so each of them
-stays free of the others: `serve` is the service's own command (`kvservice.cli`),
+This front sits above the service, the client and the benchmarks (pyproject.toml's import
+contracts), so each of them stays free of the others: `serve` is the service's own command (`kvservice.cli`),
 `admin` is a client of a running service, `demo` and `bench ...` live in `kvbench`.
 """
 
