@@ -130,17 +130,17 @@ def _tier_read(master: MasterProcess, tmp: Path, keys: list[str], total: int, re
     from kvservice.tiers.remote import RemoteTier
     from kvservice.tiers.base import PayloadShape
     from kvservice.index import VariantIndex
-    from kvservice.store.recovery import decode
+    from kvservice.variant_codec import to_variant
 
     client = MooncakeClient(RemoteSettings(master.address, segment_bytes=64 * MiB, buffer_bytes=64 * MiB))
     try:
         view = ClusterView(client, "bench", "bench-reader")
         tier = RemoteTier(client, view, budget_bytes=1 << 40, read_cache_bytes=0)
         entries = view.discover(keys)
-        variants = {e.info.variant_id: decode(VariantIndex(), e.info) for e in entries if not e.info.prefix_keys}
+        variants = {e.info.variant_id: to_variant(VariantIndex(), e.info) for e in entries if not e.info.prefix_keys}
         tier.bind(variants.get)
         for e in entries:
-            tier.adopt(e)
+            tier.adopt(e.info.variant_id, e.info.size_bytes)
         if len(variants) != len(keys):
             raise RuntimeError(f"{len(variants)} of {len(keys)} variants listed in the cluster")
 

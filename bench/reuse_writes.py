@@ -69,7 +69,7 @@ def _written(store: ChunkStore, way: str) -> dict[str, float]:
     meta = store._s.meta
     if way == "access":
         return {vid: fr for vid, (fr, _) in meta.load_access().items()}
-    return {info.variant_id: info.fr for info in meta.load_variants()}
+    return {vid: v.fr for vid, v in meta.load_variants() if v is not None}
 
 
 def measure(tokens: int, fetches: int, rounds: int, seed: int = 0) -> dict:

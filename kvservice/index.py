@@ -56,7 +56,7 @@ class Variant:
     chunk_key: str
     prefix_keys: tuple[str, ...]
     token_count: int
-    tier: str  # name of the fastest tier holding the payload
+    tier: str  # name of the fastest tier holding the payload, derived from the tiers (`StoreState.retier`)
     stats: VariantStats
     recompute_order: Sequence[int]
     model_id: str = ""

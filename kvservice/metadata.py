@@ -1,7 +1,7 @@
 """Variant metadata in RocksDB (through rocksdict; docs/storage.md says why not rocksdb-py).
 
-Column family "variants": variant id (ascii) -> serialized kvcraft.v1.VariantInfo (the
-protobuf message is the on-disk format only: records in memory are `index.Variant`).
+Column family "variants": variant id (ascii) -> the variant's record as bytes
+(`kvservice.variant_codec`: the on-disk format only, records in memory are `index.Variant`).
 Column family "access": variant id -> the variant's latest fr and last access (16 bytes,
 `ACCESS`), written on every reuse instead of the whole VariantInfo (hundreds of bytes to
 kilobytes: its per-token statistics). Both only grow, so recovery takes the larger of
@@ -31,13 +31,10 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
-from google.protobuf.message import DecodeError
-
 from rocksdict import Options, ReadOptions, Rdict, WriteBatch, WriteOptions
 
-from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.index import Variant
-from kvservice.wire import variant_message
+from kvservice import variant_codec
+from kvservice.index import Variant, VariantIndex
 
 FORMAT_VERSION = b"1"  # "access" came later: a database without it has no access records yet
 _CFS = ("variants", "access", "meta")
@@ -229,11 +226,13 @@ class MetadataDB:
             finally:
                 os.close(fd)
 
-    def load_variants(self) -> list[pb.VariantInfo]:
-        """Every stored record, read completely, checksums verified; recovery validates
-        them (`decode`) before use. Raises MetadataDamaged if any part is unreadable:
+    def load_variants(self, index: VariantIndex | None = None) -> list[tuple[str, Variant | None]]:
+        """Every stored record, read completely, checksums verified: (variant id, the
+        record with its parts interned in `index`, or None where it contradicts itself:
+        recovery drops those). Raises MetadataDamaged if any part is unreadable:
         rocksdict's items() stops early at a damaged block without a word, which would
         make the payloads of every record after it look like orphans."""
+        idx = index if index is not None else VariantIndex()
         ro = ReadOptions()
         ro.set_verify_checksums(True)
         it = self._variants.iter(ro)
@@ -241,12 +240,11 @@ class MetadataDB:
         try:
             it.seek_to_first()
             while it.valid():
-                info = pb.VariantInfo()
                 try:
-                    info.ParseFromString(it.value())
-                except DecodeError:
+                    info = variant_codec.parse(it.value())
+                except variant_codec.Undecodable:
                     raise MetadataDamaged(self.path, f"the record of {it.key()[:40]!r} does not parse") from None
-                out.append(info)
+                out.append((info.variant_id, variant_codec.to_variant(idx, info)))
                 it.next()
             it.status()
         except MetadataDamaged:
@@ -300,8 +298,7 @@ class MetadataDB:
         self._write_durable(_nothing)
 
     def put_variants(self, variants: Iterable[Variant], *, sync: bool) -> None:
-        self._put("variants", [(v.variant_id.encode(), variant_message(v).SerializeToString()) for v in variants],
-                  sync)
+        self._put("variants", [(v.variant_id.encode(), variant_codec.encode(v)) for v in variants], sync)
 
     def put_access(self, variants: Iterable[Variant]) -> None:
         """The variants' fr and last access, unsynced."""

@@ -1,7 +1,7 @@
 """Glue between the store and the planner, and the Plan RPC's core (no gRPC here).
 
 The planner reads the store's own variant index (`kvservice.index`, one index for
-both). The store tells `PlanningService` of every put / move / evict (it is a
+both). The store tells `PlanningService` of every put / evict (it is a
 StoreListener, called under the store's lock) so the planner's CP-Tree follows; the
 service answers Plan requests: plan, lease what the plan reuses, start preloading it
 toward the fastest tier.
@@ -54,10 +54,6 @@ class PlanningService:
     def on_put(self, variant: Variant) -> None:
         with self._lock:
             self.planner.on_put(variant)
-
-    def on_move(self, variant_id: str, tier: str) -> None:
-        with self._lock:
-            self.planner.on_move(variant_id, tier)
 
     def on_evict(self, variant_id: str) -> None:
         with self._lock:

@@ -1,29 +1,22 @@
-"""Protobuf <-> the service's plain records, in one place: the server edge (and the
-RocksDB values, which are serialized `VariantInfo` messages)."""
+"""Protobuf <-> the service's plain records, in one place: the server edge. A variant's
+record message is `kvservice.variant_codec`'s (the stored format: RocksDB values and the
+record a payload file carries), used here as it is."""
 
 from __future__ import annotations
 
-from array import array
 from typing import Sequence
 
-from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.index import Spec, Variant
+from kvservice.index import Spec
 from kvservice.records import ChunkSummary, Located, Ref, Selector, StoreHeader, StoreResult, StoreStats
+from kvservice.variant_codec import spec_message, stats_record, variant_message
+
+__all__ = ["list_chunks_response", "locate_response", "refs", "selector", "spec", "spec_message", "stats_record",
+           "stats_response", "store_header", "store_response", "variant_message"]
 
 
 def spec(msg: pb.TensorSpec) -> Spec:
     return Spec(msg.dtype, tuple(msg.shape))
-
-
-def spec_message(s: Spec | None) -> pb.TensorSpec | None:
-    return None if s is None else pb.TensorSpec(dtype=s.dtype, shape=s.shape)
-
-
-def stats_record(s: pb.VariantStats) -> VariantStats:
-    """Per-token numbers as a float32 array (4 bytes a token, as on the wire), the rest as tuples."""
-    return VariantStats(s.a, s.b, tuple(s.prefix_attention), array("f", s.token_inter_attention),
-                        array("f", s.recompute_scores))
 
 
 def store_header(h: pb.StoreHeader) -> StoreHeader:
@@ -47,19 +40,6 @@ def selector(msg: pb.VariantSelector) -> Selector:
     if which == "variant_id":
         return Selector(variant_id=msg.variant_id)
     return Selector()
-
-
-def variant_message(v: Variant, leased: bool = False) -> pb.VariantInfo:
-    st = v.stats
-    return pb.VariantInfo(
-        variant_id=v.variant_id, chunk_key=v.chunk_key, model_id=v.model_id, prefix_keys=v.prefix_keys,
-        token_count=v.token_count, num_layers=v.num_layers, key_spec=spec_message(v.key_spec),
-        value_spec=spec_message(v.value_spec),
-        stats=pb.VariantStats(a=st.a, b=st.b, prefix_attention=st.prefix_attention,
-                              token_inter_attention=st.token_inter_attention,
-                              recompute_scores=st.recompute_scores),
-        tier=v.tier, size_bytes=v.size_bytes, fr=v.fr, last_access_unix_ms=v.last_access_ms,
-        created_unix_ms=v.created_ms, pinned=v.pinned, leased=leased, layer_checksums=v.layer_checksums)
 
 
 def locate_response(r: Located) -> pb.LocateResponse:

@@ -57,6 +57,10 @@ def test_packages_keep_the_import_contract():
          ".cluster -> .store"),
         ("kvservice.tiers.slab", "import kvservice.server", "No cycles are allowed in kvservice",
          ".tiers -> .server"),
+        ("kvservice.store.session", "from kvservice.wire import variant_message", "the store core takes no protobuf",
+         "kvservice.store.session -> kvservice.wire"),
+        ("kvservice.metadata", "from google.protobuf.message import DecodeError", "the store core takes no protobuf",
+         "kvservice.metadata -> google"),
     ],
 )
 def test_a_forbidden_import_breaks_the_contract(tmp_path, module, line, contract, arrow):

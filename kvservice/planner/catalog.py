@@ -44,7 +44,6 @@ class CatalogListener(Protocol):
     """Hooks a store calls after it changed its metadata (see `Planner`)."""
 
     def on_put(self, info: Variant) -> None: ...
-    def on_move(self, variant_id: str, tier: str) -> None: ...
     def on_evict(self, variant_id: str) -> None: ...
 
 
@@ -64,9 +63,9 @@ class InMemoryCatalog(VariantIndex):
                 lst.on_put(info)
 
     def move(self, variant_id: str, tier: str) -> None:
+        """The variant now lives in `tier` (the store's `StoreState.retier`); listeners
+        read it from the record, no hook."""
         self._by_id[variant_id].tier = tier
-        for lst in self.listeners:
-            lst.on_move(variant_id, tier)
 
     def evict(self, variant_id: str) -> None:
         self.remove(variant_id)

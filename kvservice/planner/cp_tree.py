@@ -1,10 +1,12 @@
 """Chunk-Prefix Tree (CRAFT §4.1 "Chunk-Prefix Tree", §4.2 lookup and table update).
 
 A radix tree over chunk keys: each node is one chunk, and the path from the root to
-a node is a chunk-prefix. A node records (chunk key, variant ref, tier, token span):
-the variant is the chunk's KV computed behind exactly the chunks on the path above
-it (`variant_id(chunk_key, path_keys)`), the tier says where that KV lives, and the
-token span is [start, end) of the chunk's tokens inside the prefix.
+a node is a chunk-prefix. A node records (chunk key, variant ref, token span): the
+variant is the chunk's KV computed behind exactly the chunks on the path above it
+(`variant_id(chunk_key, path_keys)`), and the token span is [start, end) of the
+chunk's tokens inside the prefix. Where that KV lives (CRAFT's per-node tier) is read
+from the variant's own record, the one the store keeps (`index.Variant.tier`): a
+node holds that record, not a copy of its tier, so a move needs no update here.
 
 Lookup walks from the root and returns the longest matching path whose KV is
 resident; any sub-prefix of a longer path is reusable ("prefix slicing"). `follow`
@@ -19,11 +21,11 @@ CA-Table already counting the request:
     the threshold, it is inserted as a child of the prefix's last node (one chunk
     per request, as in the paper's Example).
 A node inserted this way may refer to a variant the engine has not stored yet (it
-stores new KV in the background after prefill). Such a node is *pending* (tier None)
-and lookups stop at it; `on_put` makes it live. `on_move` updates the tier;
-`on_evict` removes the node and its subtree (their prefixes can no longer be formed
-without it), so a lookup never returns a deleted variant. The variants below stay in
-the store for Cache-Craft reuse; re-promotion finds them again through the catalog.
+stores new KV in the background after prefill). Such a node is *pending* (no variant
+record) and lookups stop at it; `on_put` makes it live; `on_evict` removes the node
+and its subtree (their prefixes can no longer be formed without it), so a lookup
+never returns a deleted variant. The variants below stay in the store for
+Cache-Craft reuse; re-promotion finds them again through the catalog.
 
 In CRAFT a promoted prefix's KV exists (the GPU just computed it); here the engine may
 never store it (it stored a variant behind another order, its Store failed, it has no
@@ -36,9 +38,12 @@ good when nothing was stored (560,000 nodes after 300,000 requests, planning 29%
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvcraft.keys import variant_id as _variant_id
+
+if TYPE_CHECKING:
+    from kvservice.index import Variant
 
 from .ca_table import DEFAULT_WINDOW as DEFAULT_PENDING_WINDOW
 
@@ -48,20 +53,26 @@ DEFAULT_PROMOTION_THRESHOLD = 2
 class CPNode:
     """One chunk on a chunk-prefix path."""
 
-    __slots__ = ("chunk_key", "variant_id", "tier", "token_span", "children", "parent")
+    __slots__ = ("chunk_key", "variant_id", "variant", "token_span", "children", "parent")
 
-    def __init__(self, chunk_key: str, variant_id: str, tier: str | None,
+    def __init__(self, chunk_key: str, variant_id: str, variant: "Variant | None",
                  token_span: tuple[int, int], parent: "CPNode | None") -> None:
         self.chunk_key = chunk_key
         self.variant_id = variant_id
-        self.tier = tier  # None: pending, the variant is not stored (yet)
+        self.variant = variant  # the stored variant's record; None: pending, not stored (yet)
         self.token_span = token_span
         self.children: dict[str, CPNode] = {}
         self.parent = parent
 
     @property
     def live(self) -> bool:
-        return self.tier is not None
+        return self.variant is not None
+
+    @property
+    def tier(self) -> str | None:
+        """Where the variant lives (its record's fastest tier); None while pending."""
+        v = self.variant
+        return None if v is None else v.tier
 
     def __repr__(self) -> str:
         return f"CPNode({self.chunk_key[:8]}, tier={self.tier}, span={self.token_span})"
@@ -83,7 +94,7 @@ def _best_path(node: CPNode, want: dict[str, int],
         if child is None or k in used:
             continue
         (n, live, rank), path = _best_path(child, want, used | {k})
-        cand = ((n + 1, live + (child.tier is not None), (-want[k],) + rank), [k] + path)
+        cand = ((n + 1, live + (child.variant is not None), (-want[k],) + rank), [k] + path)
         if cand[0] > top[0]:
             top = cand
     return top
@@ -92,11 +103,12 @@ def _best_path(node: CPNode, want: dict[str, int],
 class CPTree:
     """CRAFT CP-Tree (the global, CPU-side tree; per-GPU trees are out of scope).
 
-    tier_of(variant_id) -> tier or None tells, when a node is inserted, whether its
-    variant is already stored (e.g. a variant of an evicted-then-re-promoted path).
+    variant_of(variant_id) -> the stored variant's record or None (the catalog's `get`)
+    tells, when a node is inserted, whether its variant is already stored (e.g. a
+    variant of an evicted-then-re-promoted path).
     """
 
-    def __init__(self, tier_of: Callable[[str], str | None],
+    def __init__(self, variant_of: Callable[[str], "Variant | None"],
                  threshold: int = DEFAULT_PROMOTION_THRESHOLD,
                  variant_id_fn: Callable[[str, Sequence[str]], str] = _variant_id,
                  pending_window: int = DEFAULT_PENDING_WINDOW) -> None:
@@ -108,9 +120,9 @@ class CPTree:
         self.pending_window = pending_window
         self._updates = 0  # requests seen by `update`
         self._pending: deque[tuple[int, CPNode]] = deque()  # (update number, node) of nodes inserted pending
-        self._tier_of = tier_of
+        self._variant_of = variant_of
         self._vid = variant_id_fn
-        self._root = CPNode("", "", "root", (0, 0), None)
+        self._root = CPNode("", "", None, (0, 0), None)
         self._by_variant: dict[str, CPNode] = {}
 
     # ------------------------------------------------------------------ lookup
@@ -120,7 +132,7 @@ class CPTree:
         node = self._root
         for k in keys:
             child = node.children.get(k)
-            if child is None or child.tier is None:
+            if child is None or child.variant is None:
                 break
             out.append(child)
             node = child
@@ -158,11 +170,11 @@ class CPTree:
             # Extension: the one chunk after the reused prefix.
             inserted = self._insert_path(keys[: reused + 1], token_counts)
         pending = self._pending
-        pending.extend((self._updates, node) for node in inserted if node.tier is None)
+        pending.extend((self._updates, node) for node in inserted if node.variant is None)
         horizon = self._updates - self.pending_window
         while pending and pending[0][0] <= horizon:
             node = pending.popleft()[1]
-            if node.tier is None and node.parent is not None:  # still pending, still in the tree
+            if node.variant is None and node.parent is not None:  # still pending, still in the tree
                 self._remove(node)
         return inserted
 
@@ -179,7 +191,7 @@ class CPTree:
             child = node.children.get(k)
             if child is None:
                 vid = self._vid(k, keys[:i])
-                child = CPNode(k, vid, self._tier_of(vid), (start, end), node)
+                child = CPNode(k, vid, self._variant_of(vid), (start, end), node)
                 node.children[k] = child
                 self._by_variant[vid] = child
                 inserted.append(child)
@@ -188,18 +200,13 @@ class CPTree:
         return inserted
 
     # ------------------------------------------------------------------ store hooks
-    def on_put(self, variant_id: str, tier: str) -> None:
-        """A variant was stored: a pending node referring to it becomes live."""
-        node = self._by_variant.get(variant_id)
+    def on_put(self, variant: "Variant") -> None:
+        """A variant was stored: a pending node referring to it becomes live. (A move to
+        another tier needs no hook, CRAFT §4.2's "entries are updated to reflect the new
+        location": the node reads the tier from this record, which the store updates.)"""
+        node = self._by_variant.get(variant.variant_id)
         if node is not None:
-            node.tier = tier
-
-    def on_move(self, variant_id: str, tier: str) -> None:
-        """A variant moved tier (CRAFT §4.2: "entries are updated to reflect the new
-        location")."""
-        node = self._by_variant.get(variant_id)
-        if node is not None:
-            node.tier = tier
+            node.variant = variant
 
     def on_evict(self, variant_id: str) -> None:
         """A variant was deleted: remove its node and the subtree below it."""
@@ -228,7 +235,7 @@ class CPTree:
         while stack:
             node, path = stack.pop()
             for k, child in node.children.items():
-                if live_only and child.tier is None:
+                if live_only and child.variant is None:
                     continue
                 p = path + (k,)
                 out.append(p)

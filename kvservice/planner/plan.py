@@ -170,8 +170,8 @@ class Planner:
     The store must call the hooks after each metadata change, so that a plan never
     names a deleted variant:
       on_put(info)              a variant was stored (makes pending CP-Tree nodes live)
-      on_move(variant_id, tier) a variant changed tier
       on_evict(variant_id)      a variant was deleted
+    A variant that changes tier needs no hook: the planner reads `Variant.tier`.
     The engine side reports timings for the controller's estimators through
     observe_load / observe_compute.
     """
@@ -184,7 +184,7 @@ class Planner:
         self.config = config
         self.tiers = tuple(tiers) if tiers is not None else None
         self.ca_table = CATable(config.ca_window)
-        self.cp_tree = CPTree(self._tier_of, config.promotion_threshold, pending_window=config.ca_window)
+        self.cp_tree = CPTree(catalog.get, config.promotion_threshold, pending_window=config.ca_window)
         self.conversations = ChunkMap(config.conversation_ttl_s, clock, config.max_conversations,
                                       config.max_conversation_chunks)
         self._controllers: OrderedDict[str, LoadingController] = OrderedDict()  # least recently planned first
@@ -339,11 +339,7 @@ class Planner:
     # ------------------------------------------------------------------ store hooks
     def on_put(self, info: Variant) -> None:
         """The store wrote a variant (after its metadata batch committed)."""
-        self.cp_tree.on_put(info.variant_id, info.tier)
-
-    def on_move(self, variant_id: str, tier: str) -> None:
-        """The store moved a variant to another tier."""
-        self.cp_tree.on_move(variant_id, tier)
+        self.cp_tree.on_put(info)
 
     def on_evict(self, variant_id: str) -> None:
         """The store deleted a variant."""
@@ -378,7 +374,3 @@ class Planner:
     def observe_compute(self, model_id: str, tokens_per_layer: float, seconds: float) -> None:
         """Engine report: computing one layer for `tokens_per_layer` tokens took `seconds`."""
         self.controller(model_id).observe_compute(tokens_per_layer, seconds)
-
-    def _tier_of(self, variant_id: str) -> str | None:
-        info = self.catalog.get(variant_id)
-        return None if info is None else info.tier

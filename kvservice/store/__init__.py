@@ -23,7 +23,7 @@ from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted, disk_
 from kvservice.index import Variant, eviction_key
 from kvservice.metadata import MetadataDB
 from kvservice.planner.variants import fr_increment
-from kvservice.records import (ChunkSummary, GpuPool, Located, Location, Ref, Selector, StoreHeader, StoreResult,
+from kvservice.records import (ChunkSummary, Located, Location, Ref, Selector, StoreHeader, StoreResult,
                                  StoreStats, TierStats)
 from kvservice.store.leases import Leases
 from kvservice.store.placement import Placement
@@ -130,14 +130,14 @@ class ChunkStore:
         out = []
         if mappable is not None:
             self._promotion.promote(vids, to=self.tiers.index(mappable))
-        gpu = next((t for t in self.tiers if hasattr(t, "ipc_handle")), None)  # a CUDA pool (docs/gpu.md)
+        gpu = next((t for t in self.tiers if t.ipc_pool() is not None), None)  # a CUDA pool (docs/gpu.md)
         with self._s.lock:
             for vid in vids:
                 v = self.index.get(vid)  # leased: still stored
                 m = mappable.mapping(vid) if mappable is not None else None
-                g = gpu.location(vid) if gpu is not None and vid in gpu else (0, 0)
+                g = (gpu.pool_location(vid) if gpu is not None else None) or (0, 0)
                 out.append(Location(v, m.offset if m else 0, m.length if m else 0, *g))  # type: ignore[arg-type]
-        pool = GpuPool(gpu.ipc_handle(), gpu.pool_bytes, gpu.driver.device) if gpu is not None else None
+        pool = gpu.ipc_pool() if gpu is not None else None
         return Located(self.instance_id, mappable.segment if mappable else "", lease_id, expires, out, pool)
 
     def _count_reuse(self, refs: Sequence[Ref], variants: Sequence[Variant]) -> None:

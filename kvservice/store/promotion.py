@@ -91,28 +91,22 @@ class Promotion:
         """Stream every layer of `v` from tier `src` into `writer`; False (variant
         dropped or gone) if a layer cannot be read or fails its checksum."""
         tier, shape = self.s.tiers[src], self.s.shape(v)
-        fill = getattr(writer, "fill_from", None)  # the gpu tier: disk -> GPU memory directly (docs/gpu.md)
-        if fill is not None:
-            verify = (lambda layer, data: self._verify(v, layer, data)) if tier.verify_reads else None
-            try:
-                if fill(tier, v.variant_id, shape, verify):
-                    return True
-            except NotFound:  # a layer failed its checksum; the variant was dropped
-                return False
-            except (KeyError, OSError) as e:
-                if not tier.shared:
-                    self.placement.drop(v.variant_id, f"{tier.name} tier read failed: {e}")
-                return False
-        # In place where both sides allow it: the disk tier reads straight into the host
+        # The gpu tier's own path: the payload file straight into GPU memory (docs/gpu.md).
+        verify = (lambda layer, data: self._verify(v, layer, data)) if tier.verify_reads else None
+        try:
+            if writer.fill_from(tier, v.variant_id, shape, verify):
+                return True
+        except NotFound:  # a layer failed its checksum; the variant was dropped
+            return False
+        except (KeyError, OSError) as e:
+            if not tier.shared:
+                self.placement.drop(v.variant_id, f"{tier.name} tier read failed: {e}")
+            return False
+        # In place where the writer allows it: the disk tier reads straight into the host
         # slab's room (one copy, no buffer in between), then the room is verified.
-        read_into = getattr(tier, "read_into", None)
-        fill_layer = getattr(writer, "fill_layer", None) if read_into is not None else None
         for layer in range(v.num_layers):
             try:
-                data = None
-                if fill_layer is not None:
-                    off = shape.offset(layer)
-                    data = fill_layer(lambda room: read_into(v.variant_id, off, room))
+                data = writer.fill_layer(lambda room: tier.read_layer_into(v.variant_id, layer, shape, room))
                 copy = data is None
                 if copy:
                     data = tier.get_layer(v.variant_id, layer, shape)

@@ -24,18 +24,13 @@ import contextlib
 import gc
 import logging
 import shutil
-from array import array
 from dataclasses import dataclass
 from typing import Iterator
 
-from google.protobuf.message import DecodeError
-
-from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.errors import InvalidArgument
-from kvservice.index import InvalidVariant, Spec, Variant, VariantIndex
-from kvcraft.layout import layer_checksum, layer_layout
+from kvservice import variant_codec
+from kvservice.index import Variant
+from kvcraft.layout import layer_checksum
 from kvservice.metadata import MetadataDamaged
-from kvservice.wire import stats_record
 from kvservice.store.state import StoreState
 from kvservice.tiers.base import Tier
 
@@ -68,7 +63,7 @@ def _collector_paused() -> Iterator[None]:
 
 def _recover(s: StoreState, repair: bool) -> RecoveryReport:
     persistent = [t for t in s.tiers if t.persistent]
-    infos = s.meta.load_variants()  # complete, or MetadataDamaged before any delete
+    records = s.meta.load_variants(s.index)  # complete, or MetadataDamaged before any delete
     access = s.meta.load_access()  # later fr / last access than the records hold
     files = {t.name: dict(t.scan()) for t in persistent}
     if s.meta.created and not repair and any(files.values()):
@@ -78,15 +73,14 @@ def _recover(s: StoreState, repair: bool) -> RecoveryReport:
         raise MetadataDamaged(s.meta.path, f"the metadata database is missing while {n} payload files exist")
     keep: list[tuple[Variant, list[Tier]]] = []
     drop: list[str] = []
-    for info in infos:
-        v = decode(s.index, info)
+    for vid, v in records:
         held = [] if v is None else [t for t in persistent if files[t.name].pop(v.variant_id, None) == v.size_bytes
                                      and _payload_ok(t, v)]
         if v is None or not held:
-            drop.append(info.variant_id)
+            drop.append(vid)
             for t in persistent:
-                files[t.name].pop(info.variant_id, None)
-                t.delete(info.variant_id)
+                files[t.name].pop(vid, None)
+                t.delete(vid)
             continue
         keep.append((v, held))
     if drop:
@@ -112,7 +106,7 @@ def _recover(s: StoreState, repair: bool) -> RecoveryReport:
         s.meta.delete_access(access)
     used = {t.name: 0 for t in persistent}
     for v, held in keep:
-        v.tier = held[0].name
+        s.retier(v)
         s.index.add(v)
         for t in held:
             used[t.name] += v.size_bytes
@@ -129,51 +123,23 @@ def _recover(s: StoreState, repair: bool) -> RecoveryReport:
 
 def _adopt(s: StoreState, tier: Tier, vid: str, size: int) -> Variant | None:
     """The variant a payload file describes, if its record and every layer check out."""
-    read_record = getattr(tier, "read_record", None)
-    raw = read_record(vid) if read_record is not None else None
-    if raw is None:
-        return None
-    info = pb.VariantInfo()
-    try:
-        info.ParseFromString(raw)
-    except DecodeError:
-        return None
-    if info.variant_id != vid:
-        return None
-    v = decode(s.index, info)
-    if v is None or size != v.size_bytes or not _payload_ok(tier, v):
+    raw = tier.read_record(vid)
+    v = variant_codec.decode(s.index, raw) if raw is not None else None
+    if v is None or v.variant_id != vid or size != v.size_bytes or not _payload_ok(tier, v):
         return None
     return v
 
 
 def _set_aside(s: StoreState, tier: Tier, vid: str) -> None:
     """A payload no record describes: kept for a human in lost+found, not deleted."""
-    path_of = getattr(tier, "path_of", None)
-    if path_of is None:
+    src = tier.path_of(vid)
+    if src is None:
         tier.delete(vid)
         return
-    src = path_of(vid)
     dest = s.cfg.data_path / "lost+found"
     dest.mkdir(exist_ok=True)
     src.rename(dest / src.name)
     tier.delete(vid)  # forget it (the file has moved)
-
-
-def decode(idx: VariantIndex, info: pb.VariantInfo) -> Variant | None:
-    """The in-memory record of a stored one (its specs, keys and layout interned in
-    `idx`; not added to it), or None if it contradicts itself."""
-    key_spec = idx.intern_spec(Spec(info.key_spec.dtype, tuple(info.key_spec.shape)))
-    value_spec = idx.intern_spec(Spec(info.value_spec.dtype, tuple(info.value_spec.shape)))
-    try:
-        layout = idx.intern_layout(layer_layout(key_spec, value_spec, info.token_count))
-        return Variant.build(
-            info.variant_id, idx.intern_key(info.chunk_key), tuple(idx.intern_key(k) for k in info.prefix_keys),
-            info.token_count, "", stats_record(info.stats), model_id=info.model_id, num_layers=info.num_layers,
-            key_spec=key_spec, value_spec=value_spec, layout=layout, layer_checksums=array("Q", info.layer_checksums),
-            fr=info.fr, last_access_ms=info.last_access_unix_ms, created_ms=info.created_unix_ms,
-            pinned=info.pinned)
-    except (InvalidArgument, InvalidVariant, ValueError):
-        return None
 
 
 def _payload_ok(tier: Tier, v: Variant) -> bool:

@@ -29,7 +29,7 @@ from array import array
 from concurrent.futures import Future
 
 from kvcraft.keys import chunk_key, is_key, variant_id
-from kvservice import failpoints
+from kvservice import failpoints, variant_codec
 from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvservice.index import Variant, eviction_key
 from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layout
@@ -37,7 +37,6 @@ from kvservice.records import StoreHeader, StoreResult
 from kvservice.store.placement import Placement
 from kvservice.store.staging import StagingArea, StagingMaps
 from kvservice.store.state import StoreState
-from kvservice.wire import variant_message
 from kvservice.tiers.base import Buffer, PayloadShape, TierWriter
 
 # An open Store stream is counted at this many layers of its payload (at most all of
@@ -255,9 +254,7 @@ class StoreSession:
                 self._open_copies(v, copies)
             home = self.home
             assert home is not None
-            describe = getattr(home, "describe", None)
-            if describe is not None:  # self-describing payload: `kvcraft repair` reads it
-                describe(variant_message(v).SerializeToString())
+            home.describe(variant_codec.encode(v))  # self-describing payload: `kvcraft repair` reads it
             failpoints.reach("store:payload-written")
             filler = _Filler(self, copies) if copies else None
             try:
@@ -282,9 +279,7 @@ class StoreSession:
             with s.lock:
                 for w in filled:
                     w.commit()
-                held = s.holders(v)
-                if held:
-                    v.tier = s.tiers[held[0]].name
+                s.retier(v)
                 idx.add(v)
                 s.placed(v)
                 for lst in s.listeners:
@@ -402,9 +397,8 @@ class _Filler(threading.Thread):
         self._copies = copies
         self.filled: list[TierWriter] = []
         self.error: OSError | None = None
-        open_reader = getattr(session.home, "open_reader", None)
-        if open_reader is not None:  # here, before the commit renames the file
-            open_reader()
+        if session.home.reads_back:  # here, before the commit renames the file
+            session.home.open_reader()
         self._background = session.total_bytes >= FILL_THREAD_BYTES
         if self._background:
             self.start()
@@ -412,19 +406,15 @@ class _Filler(threading.Thread):
     def run(self) -> None:
         sess = self._session
         home, layout = sess.home, sess.layout
-        read_into = getattr(home, "read_into", None)
         try:
-            for w in self._copies:
-                fill_layer = getattr(w, "fill_layer", None)
-                if read_into is None or fill_layer is None:
-                    continue
+            for w in self._copies if home.reads_back else ():
                 cached = [True]
 
                 def read(into: memoryview, off: int) -> None:
-                    cached[0] = read_into(off, into) is True
+                    cached[0] = home.read_back(off, into)
 
                 for layer, expected in enumerate(sess.checksums):
-                    room = fill_layer(lambda into, off=layer * layout.layer_bytes: read(into, off))
+                    room = w.fill_layer(lambda into, off=layer * layout.layer_bytes: read(into, off))
                     if room is None:
                         break
                     if not cached[0] and layer_checksum(room[:layout.key_bytes], room[layout.key_bytes:]) != expected:
@@ -437,9 +427,7 @@ class _Filler(threading.Thread):
         except Exception:  # a bug: the Store still commits, without the copy
             log.exception("filling the cache copies of variant %s failed", sess.variant_id)
         finally:
-            close = getattr(home, "close_reader", None)
-            if close is not None:
-                close()
+            home.close_reader()
 
     def join(self, timeout: float | None = None) -> list[TierWriter]:  # type: ignore[override]
         if self._background:

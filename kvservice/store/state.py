@@ -24,11 +24,11 @@ class StoreListener(Protocol):
     synced metadata batch), from whichever thread made it. A listener must be quick,
     must not call back into the store (the lock is reentrant, but the store is
     mid-change), and must not block on a lock that a thread calling the store may hold
-    while waiting for the store's lock (lock order: store, then listener).
+    while waiting for the store's lock (lock order: store, then listener). A move
+    between tiers is not told: `Variant.tier` says where a variant lives (`retier`).
     """
 
     def on_put(self, variant: Variant) -> None: ...
-    def on_move(self, variant_id: str, tier: str) -> None: ...
     def on_evict(self, variant_id: str) -> None: ...
 
 
@@ -109,13 +109,13 @@ class StoreState:
             heapq.heapify(heap)
 
     def retier(self, v: Variant) -> None:
-        """Set `v.tier` to its fastest holder and tell the listeners if it changed."""
+        """Set `v.tier` to the name of its fastest holder. Which tiers hold a variant is
+        recorded once, by the tiers themselves (`Tier.__contains__`); `v.tier` is what
+        readers without the store's lock see of it (the planner, on every Plan, and the
+        CP-Tree's nodes through the record), derived here only, after every change."""
         held = self.holders(v)
-        name = self.tiers[held[0]].name if held else ""
-        if name and name != v.tier:
-            v.tier = name
-            for lst in self.listeners:
-                lst.on_move(v.variant_id, name)
+        if held:
+            v.tier = self.tiers[held[0]].name
 
     def persist_access(self, vs: list[Variant]) -> None:
         """fr / last access updates, as access records (`MetadataDB.put_access`): unsynced

@@ -23,10 +23,9 @@ from typing import Sequence
 from kvservice.cluster.view import ClusterView
 from kvservice.errors import KVCraftError
 from kvservice.index import Variant
-from kvservice.store.recovery import decode
 from kvservice.store.state import StoreState
-from kvservice.tiers.base import TierFull
-from kvservice.tiers.remote import RemoteTier
+from kvservice.tiers.base import Tier, TierFull
+from kvservice.variant_codec import to_variant
 
 log = logging.getLogger("kvcraft.cluster")
 
@@ -34,18 +33,21 @@ WRITE_ATTEMPTS = 3
 
 
 def attach_cluster(state: StoreState) -> "ClusterSync | None":
-    """The store's link to the cluster, if one of its tiers is a RemoteTier."""
-    remote = next((t for t in state.tiers if isinstance(t, RemoteTier)), None)
-    return None if remote is None else ClusterSync(state, remote, state.cfg.remote_write_through)
+    """The store's link to the cluster, if one of its tiers is `shared` across nodes."""
+    for t in state.tiers:
+        view = t.cluster_view() if t.shared else None
+        if view is not None:
+            return ClusterSync(state, t, view, state.cfg.remote_write_through)
+    return None
 
 
 class ClusterSync:
-    """Attached to a store whose last tier is a RemoteTier (`attach_cluster`)."""
+    """Attached to a store one of whose tiers is shared across nodes (`attach_cluster`)."""
 
-    def __init__(self, state: StoreState, remote: RemoteTier, write_through: bool) -> None:
+    def __init__(self, state: StoreState, remote: Tier, view: ClusterView, write_through: bool) -> None:
         self.s = state
         self.remote = remote
-        self.view: ClusterView = remote.view
+        self.view = view
         self.remote_index = state.tiers.index(remote)
         self.write_through = write_through
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcraft-remote")
@@ -65,19 +67,20 @@ class ClusterSync:
                 vid = e.info.variant_id
                 if vid in s.index:
                     if vid not in self.remote:
-                        self.remote.adopt(e)  # a local variant another node also listed
+                        self.remote.adopt(vid, e.info.size_bytes)  # a local variant another node also listed
                         s.placed(s.index.get(vid), self.remote_index)
                     continue
                 if len(s.index.variants_of(e.info.chunk_key)) >= cfg.max_variants_per_chunk \
                         or len(s.index) >= cfg.max_variants:
                     continue  # no room without evicting local variants for remote ones
-                v = decode(s.index, e.info)
+                v = to_variant(s.index, e.info)
                 if v is None or v.size_bytes != e.info.size_bytes:
                     self.view.drop_entry(e.info.chunk_key, vid)
                     continue
                 now = s.now_ms()
-                v.tier, v.created_ms, v.last_access_ms = self.remote.name, now, now
-                self.remote.adopt(e)
+                v.created_ms, v.last_access_ms = now, now
+                self.remote.adopt(vid, e.info.size_bytes)
+                s.retier(v)
                 s.index.add(v)
                 s.placed(v)
                 for lst in s.listeners:
@@ -89,9 +92,6 @@ class ClusterSync:
     def on_put(self, variant: Variant) -> None:
         if self.write_through and variant.variant_id not in self.remote:
             self._pool.submit(self._copy_out, variant.variant_id)
-
-    def on_move(self, variant_id: str, tier: str) -> None:
-        pass
 
     def on_evict(self, variant_id: str) -> None:
         pass

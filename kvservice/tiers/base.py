@@ -20,15 +20,28 @@ Tiers above the home tier hold copies (inclusive). A tier knows nothing of fr,
 leases or metadata; the store decides what goes where. Methods may be called from
 several threads, but never twice at once for the same variant id (the store's holds
 guarantee that).
+
+Every capability a tier or writer may have is a method or flag below, with a default
+that says "not here"; a tier that has it overrides it. The store calls the method and
+never asks an object what it is (no getattr, hasattr or isinstance on a tier:
+tests/test_tier_contract.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Union
+
+if TYPE_CHECKING:
+    from kvservice.cluster.view import ClusterView
+    from kvservice.index import Variant
+    from kvservice.records import GpuPool
 
 Buffer = Union[bytes, bytearray, memoryview]
+Verify = Callable[[int, memoryview], None]  # (layer, K||V bytes); raises if they are wrong
+RecordOf = Callable[[str], "Variant | None"]  # the store's record of a variant id
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +77,10 @@ class TierFull(Exception):
 class TierWriter(ABC):
     """Streams one variant's payload, layer by layer in order, into one tier."""
 
+    # `read_back` answers: the bytes written so far can be read again before and while
+    # `commit` runs (the disk writer: from the page cache, docs/storage.md "Write order").
+    reads_back: bool = False
+
     @abstractmethod
     def write_layer(self, *parts: Buffer) -> None:
         """Append the next layer: the bytes of `parts` back to back (K then V; no join
@@ -80,13 +97,47 @@ class TierWriter(ABC):
         """Drop what was written and free the room reserved; safe to call twice and
         after `commit` (then it does nothing)."""
 
+    # -- capabilities: the defaults say "not here" ---------------------------------------
+    def describe(self, record: bytes) -> None:
+        """The variant's record (`kvservice.variant_codec.encode`), called before `commit`.
+        A tier whose payloads describe themselves keeps it beside the layers (disk: after
+        them, for recovery and `kvcraft repair`). Default: ignored."""
+
+    def fill_layer(self, read: Callable[[memoryview], None]) -> memoryview | None:
+        """Fill the next layer in place: `read(room)` puts its bytes straight into the
+        tier's memory (one copy, e.g. a pread from the payload file). Returns the filled
+        room (to verify), or None, having done nothing, where the tier's memory is not
+        host memory. Default: None (the caller copies with `write_layer`)."""
+        return None
+
+    def fill_from(self, source: "Tier", variant_id: str, shape: PayloadShape, verify: Verify | None) -> bool:
+        """Copy the whole payload from `source` by a path of this tier's own (the gpu
+        tier: the payload file straight into device memory), checking each layer with
+        `verify`; only before any layer was written. False, having done nothing, when no
+        such path applies. Default: False (the caller copies layer by layer)."""
+        return False
+
+    def open_reader(self) -> None:
+        """Get ready for `read_back` (the disk writer opens its temporary file before
+        `commit` renames it). Default: nothing to do."""
+
+    def read_back(self, offset: int, into: memoryview) -> bool:
+        """Bytes written so far, from `offset`, straight into `into`, while `commit` may
+        run in another thread; only where `reads_back` is set, after `open_reader`. True
+        if they are the very bytes written (from memory: no check needed), False if they
+        were read from the medium (the caller verifies them). Default: raises."""
+        raise NotImplementedError(f"{type(self).__name__} does not read back (reads_back is False)")
+
+    def close_reader(self) -> None:
+        """Release what `open_reader` took; safe to call without it. Default: nothing."""
+
 
 class Tier(ABC):
     """One storage tier. Subclasses set the class attributes and implement the methods."""
 
     name: str  # a kvcraft.tiers name ("gpu", "host", "disk", "remote"); on the wire and in metrics
     persistent: bool = False  # bytes survive a restart of this process: the store recovers from `scan`
-    shared: bool = False  # other nodes write and read it too: a variant may vanish without this store
+    shared: bool = False  # other nodes write and read it too (`cluster_view`): a variant may vanish without this store
     cache_on_store: bool = False  # a Store writes a copy here too (tiers above the home tier only)
     verify_reads: bool = False  # the store checks layer checksums on every read from this tier
     mappable: bool = False  # `mapping()` answers: same-host processes map its memory (Locate)
@@ -146,6 +197,46 @@ class Tier(ABC):
     def mapping(self, variant_id: str) -> SharedLocation | None:
         """Where a same-host process can map the payload (the host slab), or None."""
         return None
+
+    # -- capabilities: the defaults say "not here" ---------------------------------------
+    def read_layer_into(self, variant_id: str, layer: int, shape: PayloadShape, into: memoryview) -> None:
+        """K then V bytes of one layer straight into `into` (`shape.layer_bytes` bytes),
+        as `get_layer` raises. A tier that reads its medium (disk) reads into `into` with
+        no copy between; the default copies from `get_layer`."""
+        into.cast("B")[:] = self.get_layer(variant_id, layer, shape).cast("B")
+
+    def path_of(self, variant_id: str) -> Path | None:
+        """The file holding the payload, where the tier keeps one file per variant
+        (disk: a GPU-direct read, lost+found at recovery). Default: None."""
+        return None
+
+    def read_record(self, variant_id: str) -> bytes | None:
+        """The record the payload carries (`TierWriter.describe`), or None if it carries
+        none or is absent. Default: None."""
+        return None
+
+    def ipc_pool(self) -> "GpuPool | None":
+        """The device memory pool a same-host engine opens once by CUDA IPC (the gpu
+        tier, docs/gpu.md). Default: None."""
+        return None
+
+    def pool_location(self, variant_id: str) -> tuple[int, int] | None:
+        """(offset, length) of the payload in `ipc_pool()`; None when absent. Default: None."""
+        return None
+
+    def cluster_view(self) -> "ClusterView | None":
+        """The variant lists of the cluster a `shared` tier belongs to: the store adopts
+        what other nodes stored through it (store/sync.py). Default: None."""
+        return None
+
+    def bind(self, record_of: RecordOf) -> None:
+        """The store's record of a variant id, for a tier that writes it beside the
+        payload itself (the remote object's header). Default: not needed."""
+
+    def adopt(self, variant_id: str, size_bytes: int) -> None:
+        """A variant another node stored (listed in `cluster_view()`), of `size_bytes`
+        payload bytes, is readable here from now on. Shared tiers only; default: raises."""
+        raise NotImplementedError(f"the {self.name} tier is not shared across nodes")
 
     def close(self) -> None:
         """Release memory and handles at shutdown."""

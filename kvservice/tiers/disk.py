@@ -64,6 +64,8 @@ _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # a read that answers only from the 
 class DiskWriter(TierWriter):
     """Streams one variant's payload into a temporary file; `commit` makes it durable."""
 
+    reads_back = True  # from the page cache, while commit's fsync runs
+
     def __init__(self, tier: "DiskTier", variant_id: str, shape: PayloadShape) -> None:
         self._tier = tier
         self._shape = shape
@@ -75,7 +77,7 @@ class DiskWriter(TierWriter):
         self._reserved = shape.total_bytes
         self.written = 0
         self._written_back = 0  # bytes handed to the kernel's writeback (sync_file_range)
-        self._read_fd = -1  # read_into's descriptor (of the temporary file; survives the rename)
+        self._read_fd = -1  # read_back's descriptor (of the temporary file; survives the rename)
         self.record = b""  # appended after the layers at commit (self-describing file)
 
     def describe(self, record: bytes) -> None:
@@ -91,12 +93,12 @@ class DiskWriter(TierWriter):
             self._written_back = self.written
 
     def open_reader(self) -> None:
-        """Open the file for `read_into` (before `commit` renames it: the descriptor
+        """Open the file for `read_back` (before `commit` renames it: the descriptor
         follows the file)."""
         if self._read_fd < 0:
             self._read_fd = os.open(self.tmp, os.O_RDONLY)
 
-    def read_into(self, offset: int, into: memoryview) -> bool:
+    def read_back(self, offset: int, into: memoryview) -> bool:
         """Read back bytes written so far, from `offset`, straight into `into`. After
         `open_reader`; callable while `commit` runs in another thread, until
         `close_reader`. True if every byte came from the page cache (no disk read:
@@ -186,14 +188,18 @@ class DiskTier(Tier):
     def get_layers(self, variant_id: str, first: int, count: int, shape: PayloadShape) -> memoryview:
         return self._read(variant_id, shape.offset(first), count * shape.layer_bytes)
 
+    def read_layer_into(self, variant_id: str, layer: int, shape: PayloadShape, into: memoryview) -> None:
+        """One pread from the file straight into `into` (a promotion: the host slab's room)."""
+        self._read_into(variant_id, shape.offset(layer), into)
+
     def _read(self, variant_id: str, offset: int, length: int) -> memoryview:
         view = memoryview(bytearray(length))
-        self.read_into(variant_id, offset, view)
+        self._read_into(variant_id, offset, view)
         return view
 
-    def read_into(self, variant_id: str, offset: int, into: memoryview) -> None:
-        """Bytes [offset, offset + len(into)) of the payload, straight into `into` (one
-        copy: a promotion reads into the faster tier's memory). KeyError if absent."""
+    def _read_into(self, variant_id: str, offset: int, into: memoryview) -> None:
+        """Bytes [offset, offset + len(into)) of the payload, straight into `into`.
+        KeyError if absent."""
         try:
             fd = os.open(self.path_of(variant_id), os.O_RDONLY)
         except FileNotFoundError:

@@ -15,15 +15,12 @@ copies one tier down into host.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from kvcraft import tiers
-from kvservice.tiers.base import PayloadShape, Tier
+from kvservice.records import GpuPool
+from kvservice.tiers.base import PayloadShape, Tier, Verify
 from kvservice.tiers.disk_backend import DiskBackend, align_up
 from kvservice.tiers.gpu_driver import DeviceBuffer, Driver
 from kvservice.tiers.slab import SlabTier, SlabWriter
-
-Verify = Callable[[int, memoryview], None]  # (layer, K||V bytes); raises if they are wrong
 
 
 class GpuWriter(SlabWriter):
@@ -39,11 +36,11 @@ class GpuWriter(SlabWriter):
         bytes it did not see). False when this path does not apply (no disk backend, a
         source without files, layers already written): write layers instead."""
         backend = self._tier.disk_backend
-        path_of = getattr(source, "path_of", None)
-        if backend is None or path_of is None or self._pos:
+        path = source.path_of(variant_id) if backend is not None and not self._pos else None
+        if path is None:
             return False
         total = shape.total_bytes
-        backend.read_into_device(path_of(variant_id), 0, total,
+        backend.read_into_device(path, 0, total,
                                  DeviceBuffer(self._tier.base + self._off, align_up(total)))
         self._pos = total
         if verify is not None:
@@ -96,6 +93,12 @@ class GpuTier(SlabTier):
         if self._ipc_handle is None:
             self._ipc_handle = self.driver.ipc_handle(self.base)
         return self._ipc_handle
+
+    def ipc_pool(self) -> GpuPool:
+        return GpuPool(self.ipc_handle(), self.pool_bytes, self.driver.device)
+
+    def pool_location(self, variant_id: str) -> tuple[int, int] | None:
+        return self._where.get(variant_id)
 
     def close(self) -> None:
         with self._lock:

@@ -25,21 +25,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Callable
 
 from kvcraft import tiers
 from kvservice.cluster.mooncake import MooncakeClient, ObjectMissing, RemoteSettings
-from kvservice.cluster.records import BadRecord, Entry, check_header, encode_header, header_length, payload_key, record_bytes
+from kvservice.cluster.records import BadRecord, check_header, encode_header, header_length, payload_key, record_bytes
 from kvservice.cluster.view import ClusterView
 from kvservice.config import Config
 from kvservice.errors import KVCraftError
 from kvservice.index import Variant
 from kvcraft.layout import layer_checksum
-from kvservice.tiers.base import Buffer, PayloadShape, Tier, TierFull, TierWriter
+from kvservice.tiers.base import Buffer, PayloadShape, RecordOf, Tier, TierFull, TierWriter
 
 log = logging.getLogger("kvcraft.remote")
-
-RecordOf = Callable[[str], "Variant | None"]
 
 
 def _check_layers(v: Variant, payload: bytearray, shape: PayloadShape) -> None:
@@ -162,10 +159,13 @@ class RemoteTier(Tier):
         with self._lock:
             self._used -= n
 
-    def adopt(self, entry: Entry) -> None:
+    def cluster_view(self) -> ClusterView:
+        return self.view
+
+    def adopt(self, variant_id: str, size_bytes: int) -> None:
         """A variant another node listed: readable here from now on."""
         with self._lock:
-            self._known.setdefault(entry.info.variant_id, entry.info.size_bytes)
+            self._known.setdefault(variant_id, size_bytes)
 
     # -- read -------------------------------------------------------------------------
     def get_layer(self, variant_id: str, layer: int, shape: PayloadShape) -> memoryview:

@@ -156,7 +156,8 @@ class SlabWriter(TierWriter):
     def fill_layer(self, read: Callable[[memoryview], None]) -> memoryview | None:
         """Fill the next layer in place: `read(room)` puts its bytes straight into the
         slab (one copy, e.g. a pread from the payload file). Returns the filled room
-        (to verify), or None, having done nothing, where the slab is not host memory."""
+        (to verify), or None, having done nothing, where the slab is not host memory
+        (the gpu pool)."""
         n = self._shape.layer_bytes
         if self._pos + n > self._shape.total_bytes:
             raise ValueError(f"{self._vid}: write past the payload's {self._shape.total_bytes} bytes")

@@ -146,7 +146,7 @@ def test_fill_from_does_not_apply_without_a_backend_or_a_file_source(tmp_path: P
     w = tier.open_writer("a", SHAPE)
     assert not w.fill_from(_Disk(tmp_path), "a", SHAPE, None)  # no disk backend
     tier2 = GpuTier(8 * ALIGN, FakeDriver(), PosixBackend(FakeDriver()))
-    assert not tier2.open_writer("a", SHAPE).fill_from(object(), "a", SHAPE, None)  # no files
+    assert not tier2.open_writer("a", SHAPE).fill_from(tier, "a", SHAPE, None)  # a source without files
 
 
 def test_ipc_handle_names_the_pool_and_close_frees_it() -> None:

@@ -4,10 +4,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcraft.keys import variant_id
-from kvservice.planner import FRESH, PREFIX, ChunkRef, InMemoryCatalog, Planner, PlannerConfig
+from kvcraft.records import VariantStats
+from kvservice.planner import FRESH, PREFIX, ChunkRef, InMemoryCatalog, Planner, PlannerConfig, Variant
 from kvservice.planner.cp_tree import CPTree
 
 from .helpers import key, variant
+
+
+def record(vid, tier):
+    """The store's record of variant `vid`, living in `tier` (all a CP-Tree reads of it)."""
+    return Variant.build(vid, key("x"), (), 1, tier, VariantStats())
+
+
+def stored_in(tier, ids=None):
+    """A catalog's `get` for a CPTree: every id (or those in `ids`) stored in `tier`."""
+    return lambda vid: record(vid, tier) if ids is None or vid in ids else None
 
 C1, C2, C5, C6 = key("C1"), key("C2"), key("C5"), key("C6")
 
@@ -77,7 +88,7 @@ def test_craft_4_2_example_with_threshold_2():
 def test_sub_prefix_of_longer_path_is_reusable():
     # CRAFT §4.2 "prefix slicing": [C1, C2, C3] cached -> [C1, C10, C11] reuses C1.
     stored = set()
-    tree = CPTree(lambda vid: "gpu" if vid in stored else None)
+    tree = CPTree(stored_in("gpu", stored))
     path = [key("C1"), key("C2"), key("C3")]
     stored.update(variant_id(k, path[:i]) for i, k in enumerate(path))
     tree.insert(path, [5, 5, 5])
@@ -91,15 +102,15 @@ def test_pending_node_stops_lookup_until_its_variant_is_stored():
     path = [key("a"), key("b")]
     tree.insert(path, [3, 4])
     assert tree.lookup(path) == []
-    tree.on_put(variant_id(path[0], ()), "disk")
+    tree.on_put(variant(path[0], (), tier="disk"))
     assert len(tree.lookup(path)) == 1
-    tree.on_put(variant_id(path[1], path[:1]), "host")
+    tree.on_put(variant(path[1], path[:1], tier="host"))
     assert [n.tier for n in tree.lookup(path)] == ["disk", "host"]
 
 
 def test_promotion_takes_leading_run_and_extension_one_chunk():
     counts = {key("a"): 2, key("b"): 3, key("c"): 1, key("d"): 5, key("e"): 2}
-    tree = CPTree(lambda vid: "gpu", threshold=2)
+    tree = CPTree(stored_in("gpu"), threshold=2)
     ks = [key("a"), key("b"), key("c"), key("d")]
     tree.update(ks, [1] * 4, counts.get, reused=0)
     assert sorted(tree.paths()) == [(ks[0],), (ks[0], ks[1])]
@@ -121,7 +132,7 @@ ops = st.lists(st.tuples(st.sampled_from(["insert", "put", "evict", "move"]), pa
 @given(ops, st.lists(st.lists(st.sampled_from(alphabet), max_size=5), min_size=1, max_size=5))
 def test_lookup_matches_scan_of_all_cached_prefixes(operations, queries):
     catalog = InMemoryCatalog()
-    tree = CPTree(lambda vid: (catalog.get(vid).tier if catalog.get(vid) else None))
+    tree = CPTree(catalog.get)
     catalog.listeners.append(_TreeHooks(tree))
     model_paths: set[tuple[str, ...]] = set()  # brute-force reference of the tree's paths
 
@@ -159,10 +170,7 @@ class _TreeHooks:
         self.tree = tree
 
     def on_put(self, info):
-        self.tree.on_put(info.variant_id, info.tier)
-
-    def on_move(self, vid, tier):
-        self.tree.on_move(vid, tier)
+        self.tree.on_put(info)
 
     def on_evict(self, vid):
         self.tree.on_evict(vid)
@@ -170,7 +178,7 @@ class _TreeHooks:
 
 def test_follow_takes_an_existing_path_of_the_requests_chunks_live_first():
     live = {"p/a", "p/a/c"}
-    tree = CPTree(lambda vid: "host" if vid in live else None, variant_id_fn=lambda k, ks: "/".join(["p", *ks, k]))
+    tree = CPTree(stored_in("host", live), variant_id_fn=lambda k, ks: "/".join(["p", *ks, k]))
     tree.insert(["a", "b"], [1, 1])   # pending path a -> b
     tree.insert(["a", "c"], [1, 1])   # live path a -> c
     assert tree.follow(["b", "c", "a"]) == ["a", "c"]          # live child before a pending one
@@ -186,11 +194,11 @@ def test_a_node_still_pending_after_the_window_goes_with_its_subtree():
     """A promoted path whose KV never arrives leaves the tree `pending_window` requests
     after its insertion; one stored within the window stays."""
     stored: set[str] = set()
-    tree = CPTree(lambda vid: "host" if vid in stored else None, variant_id_fn=_named, pending_window=3)
+    tree = CPTree(stored_in("host", stored), variant_id_fn=_named, pending_window=3)
     always = lambda k: 2  # noqa: E731 (every chunk at the threshold)
     assert [n.variant_id for n in tree.update(["a", "b"], [1, 1], always, 0)] == ["p/a", "p/a/b"]  # update 1
     tree.update(["x", "y"], [1, 1], always, 0)  # update 2: another pending path
-    tree.on_put("p/x", "host")                  # ... whose first node gets stored
+    tree.on_put(record("p/x", "host"))          # ... whose first node gets stored
     stored.add("p/a/b/c")
     tree.insert(["a", "b", "c"], [1, 1, 1])     # a live node below the pending ones (not tracked)
     tree.update(["q"], [1], lambda k: 0, 0)     # update 3: nothing promoted

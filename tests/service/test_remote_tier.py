@@ -17,7 +17,7 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.cluster import records
 from kvservice.cluster.view import ClusterView
 from kvservice.index import VariantIndex
-from kvservice.store.recovery import decode
+from kvservice.variant_codec import to_variant
 from kvservice.tiers.base import PayloadShape, TierFull
 from kvservice.tiers.remote import RemoteTier
 
@@ -44,7 +44,7 @@ def make_variant(tokens: list[int], prefix: tuple[str, ...] = (), layers: int = 
                           token_count=len(tokens), num_layers=layers, key_spec=spec, value_spec=spec,
                           size_bytes=len(payload), layer_checksums=sums, tier="disk", fr=2.5,
                           created_unix_ms=123)
-    v = decode(VariantIndex(), info)  # the store's record, as recovery builds it
+    v = to_variant(VariantIndex(), info)  # the store's record, as recovery builds it
     v.tier = "disk"
     return v, payload, PayloadShape(layers, layer_bytes)
 
@@ -69,8 +69,8 @@ class Node:
     def adopt_all(self, chunks) -> list:
         found = self.view.discover(chunks)
         for e in found:
-            self.records[e.info.variant_id] = decode(VariantIndex(), e.info)
-            self.tier.adopt(e)
+            self.records[e.info.variant_id] = to_variant(VariantIndex(), e.info)
+            self.tier.adopt(e.info.variant_id, e.info.size_bytes)
         return found
 
 
