@@ -162,7 +162,7 @@ class DiskTier(Tier):
         self._held: set[str] = set()  # variant ids with a committed file (no stat per question)
         self._lock = threading.Lock()
         # Files deleted but not yet unlinked (see `delete`), and the thread unlinking them.
-        self._doomed: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
+        self._doomed: queue.SimpleQueue[Path | threading.Event | None] = queue.SimpleQueue()
         self._reaper = threading.Thread(target=self._reap, name="kvcraft-disk-reaper", daemon=True)
         self._reaper.start()
 
@@ -226,8 +226,18 @@ class DiskTier(Tier):
         self._doomed.put(doomed)
         self._settle(0, -size, drop=variant_id)
 
+    def wait_deletes(self) -> None:
+        """Return once every file deleted before the call is unlinked (the reaper takes
+        them in order): for a caller that must see the directory as the deletes leave it."""
+        reached = threading.Event()
+        self._doomed.put(reached)
+        reached.wait()
+
     def _reap(self) -> None:
         while (doomed := self._doomed.get()) is not None:
+            if isinstance(doomed, threading.Event):
+                doomed.set()
+                continue
             try:
                 doomed.unlink(missing_ok=True)
             except OSError as e:  # left for recovery, which deletes such debris at start

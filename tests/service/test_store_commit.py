@@ -105,6 +105,7 @@ def test_a_payload_file_that_does_not_read_back_is_never_acknowledged(tmp_path, 
         assert session.variant_id not in store.tiers[0] and session.variant_id not in store.tiers[-1]
         assert store.tiers[0].usage() == 0 and store.tiers[-1].usage() == 0
         payloads = tmp_path / "data" / "payloads"
+        store.tiers[-1].wait_deletes()  # the renamed-aside file is unlinked by the reaper thread
         assert [p.name for p in payloads.rglob("*") if p.is_file()] == [], "payload or temporary file left"
         assert store._s.meta.load_variants() == [], "metadata committed for an unacknowledged Store"
         again = _begin(store, 3).finish()  # the same Store once more goes through
