@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
 from kvbench.realmodel import chat, fetch
+from kvbench.rows import best_time
 
 QUESTION = "Who may reproduce the Work?"
 
@@ -50,17 +50,9 @@ def measure(folder: Path, n_tokens: int = 1024, new_tokens: int = 16, repeat: in
     got, kv = engine.prefill(ids[0])
     rel = float((got - ref).abs().max() / ref.abs().max())
 
-    def best(fn) -> float:  # noqa: ANN001
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     with torch.no_grad():
-        hf_s = best(lambda: hf(ids, logits_to_keep=1))
-        ours_s = best(lambda: engine.prefill(ids[0], all_logits=False))
+        hf_s = best_time(lambda: hf(ids, logits_to_keep=1), repeat)
+        ours_s = best_time(lambda: engine.prefill(ids[0], all_logits=False), repeat)
         ref_gen = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, len(prompt):].tolist()
     logits, kv = engine.prefill(ids[0], all_logits=False)
     gen = greedy(engine, logits, kv, new_tokens, stop_tokens(folder))

@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvbench.rows import significant, transfer_row
+from kvbench.rows import best_time, significant, transfer_row
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import ModelSpec
 from kvcraft.plans import prefix_keys
@@ -50,15 +50,6 @@ def _layers(spec: ModelSpec, tokens: int, seed: int) -> list[tuple[torch.Tensor,
     dt = getattr(torch, spec.dtype)
     return [(torch.randn(shape, generator=g).to(dt), torch.randn(shape, generator=g).to(dt))
             for _ in range(spec.num_layers)]
-
-
-def _best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def _remote_settings(master: MasterProcess, segment: int) -> dict:
@@ -92,9 +83,9 @@ def fetch_rows(tmp: Path, chunks: int, tokens: int, repeat: int) -> list[dict]:
                 plan_s = time.perf_counter() - t0
                 refs = [Ref(k) for k in keys]
                 rows.append(("grpc-remote: FetchLayers on node B, from the cluster",
-                             _best(lambda: [None for _ in cb.fetch_layers(refs)], 1)))  # once: later ones hit its read cache
+                             best_time(lambda: [None for _ in cb.fetch_layers(refs)], 1)))  # once: later ones hit its read cache
                 rows.append(("grpc-stream: FetchLayers on node A, host tier",
-                             _best(lambda: [None for _ in ca.fetch_layers(refs)], repeat)))
+                             best_time(lambda: [None for _ in ca.fetch_layers(refs)], repeat)))
             rows.append(("remote-tier read (Mooncake get_into + verify)", _tier_read(master, tmp, keys, total, repeat)))
         finally:
             for n in (a, b):
@@ -148,7 +139,7 @@ def _tier_read(master: MasterProcess, tmp: Path, keys: list[str], total: int, re
             for vid, v in variants.items():
                 tier.get_layers(vid, 0, v.num_layers, PayloadShape(v.num_layers, v.layout.layer_bytes))
 
-        return _best(read_all, repeat)
+        return best_time(read_all, repeat)
     finally:
         client.close()
 
@@ -168,7 +159,7 @@ def _host_read(total: int, repeat: int) -> float:
         def read() -> None:
             dst[:] = tier.get_layers("v", 0, 1, shape)
 
-        return _best(read, repeat)
+        return best_time(read, repeat)
     finally:
         tier.close()
 

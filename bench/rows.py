@@ -1,6 +1,19 @@
-"""Result rows the transfer benchmarks share."""
+"""What the benchmarks share: the best of repeated timings, and transfer result rows."""
 
 from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+def best_time(fn: Callable[[], object], repeat: int) -> float:
+    """The shortest of `repeat` timed calls of `fn`, in seconds."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def significant(x: float, digits: int = 4) -> float:

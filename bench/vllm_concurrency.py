@@ -81,12 +81,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "benchmark": "kvbench.vllm_concurrency", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}",
-        "shape": {"layers": a.layers, "hidden": 768, "chunks": a.chunks, "chunk_len": a.chunk_len,
+        "shape": {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads, "mlp": a.mlp,
+                  "chunks": a.chunks, "chunk_len": a.chunk_len,
                   "question_len": a.question_len, "dtype": "float32"},
         "policy": POLICY, "load_average": {"start": os.getloadavg()}, "rows": []}
     with tempfile.TemporaryDirectory(prefix="kvcraft-vllm-conc-") as td:
         tmp = Path(td)
-        model = build_model(tmp / "model", a.layers, 768, 12, 4, 2048)
+        model = build_model(tmp / "model", a.layers, a.hidden, a.heads, a.kv_heads, a.mlp)
         spec = {"model": str(model), "max_num_seqs": max(levels)}
         alone = engine_run(tmp, "alone", {**spec, "phases": _phases(prompts, chunks, levels, False, "alone")})
         out["rows"] += _rows("vLLM alone", alone)
@@ -116,16 +117,13 @@ def print_table(out: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvbench.vllm_ttft import add_workload_arguments
+
     ap = argparse.ArgumentParser(prog="python -m kvbench.vllm_concurrency", description=__doc__.split("\n\n")[0])
     ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS), help="requests at once")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--chunks", type=int, default=5)
-    ap.add_argument("--chunk-len", type=int, default=256)
-    ap.add_argument("--question-len", type=int, default=32)
-    ap.add_argument("--pool", type=int, default=12, help="distinct chunks the requests draw from")
+    add_workload_arguments(ap)
     ap.add_argument("--load-concurrency", type=int, default=2, help="loader threads of the overlapping mode")
     ap.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM's CPU KV cache (32 x 1,312 tokens: ~1 GiB)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     t = time.perf_counter()
