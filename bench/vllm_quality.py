@@ -82,11 +82,13 @@ def settings() -> list[Setting]:
     for a in (0.15, 1.0):
         out.append(Setting(f"cachecraft alpha={a}", {"name": "cachecraft", **w},
                            Ref(f"cachecraft alpha={a}", Policy("cachecraft", **w), alpha=a), alpha=a))
-    # the project's best selection (docs/quality.md): the plan's lists follow learned scores,
-    # which two more warm passes (other shuffles, computed in full) store with the variants
+    # learned lists: two more warm passes (other shuffles, computed in full) store them
     out.append(Setting("cachecraft + learned lists", {"name": "cachecraft", **w},
-                       Ref("cachecraft + learned lists (default)", Policy("cachecraft", **w), alpha=0.15, learn=2),
-                       alpha=0.15, learn=2))
+                       Ref("cachecraft + learned lists (2 offline passes)", Policy("cachecraft", **w), alpha=0.15,
+                           learn=2), alpha=0.15, learn=2))
+    # the default: query-aware selection, nothing learned
+    out.append(Setting("query budget 15% (default)", {"name": "query", **w},
+                       Ref("query budget 15% (default)", Policy("query", **w))))
     return out
 
 

@@ -16,7 +16,7 @@
 from engine_adapter.blend import BlendResult, FreshChunk, LayerTiming, blend_prefill
 from engine_adapter.generate import Generation, greedy, stop_tokens
 from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
-from engine_adapter.policy import CacheBlend, CacheCraft, Full, Naive, Policy, Prefix, ReusePolicy
+from engine_adapter.policy import CacheBlend, CacheCraft, Full, Naive, Policy, Prefix, QueryAware, ReusePolicy
 from engine_adapter.probe import DEFAULT_GATE, ReuseGate, probe
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource, LayerSource, ScheduledLayerSource
@@ -24,7 +24,7 @@ from engine_adapter.source import InMemoryLayerSource, LayerSource, ScheduledLay
 __all__ = [
     "BlendResult", "FreshChunk", "LayerTiming", "blend_prefill",
     "LlamaConfig", "LlamaEngine", "rope_for_spec", "Generation", "greedy", "stop_tokens",
-    "Policy", "ReusePolicy", "Full", "Prefix", "Naive", "CacheCraft", "CacheBlend", "Segment",
+    "Policy", "ReusePolicy", "Full", "Prefix", "Naive", "CacheCraft", "CacheBlend", "QueryAware", "Segment",
     "DEFAULT_GATE", "ReuseGate", "probe",
     "InMemoryLayerSource", "LayerSource", "ScheduledLayerSource",
 ]

@@ -17,6 +17,7 @@ from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import ReusePolicy
 from engine_adapter.probe import DEFAULT_GATE
 from engine_adapter.prompt import Layout, Segment
+from engine_adapter.query import query_aware_prefill
 from engine_adapter.source import LayerSource
 
 __all__ = ["BlendResult", "FreshChunk", "Gate", "LayerTiming", "blend_prefill"]
@@ -42,6 +43,8 @@ def blend_prefill(engine: LlamaEngine, segments: Sequence[Segment], policy: Reus
     reused = policy.reused(lay)
     if reused and not (gate or DEFAULT_GATE).allows(engine):
         return _serve_full(engine, lay)
+    if reused and policy.asks_question_first:
+        return query_aware_prefill(engine, lay, policy, source, reused, all_logits, stats)
     return run_blend(engine, lay, policy, source, reused, all_logits, stats)
 
 

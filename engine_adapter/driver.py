@@ -62,6 +62,16 @@ class FreshChunk:
     stats: VariantStats
 
 
+@dataclass(frozen=True)
+class Layer0:
+    """Rows computed through layer 0 by an earlier pass over the same stored KV."""
+
+    rows: Tensor  # [R] sorted prompt rows
+    h: Tensor  # [R, d] their hidden states after layer 0
+    k: Tensor  # [Hkv, R, D] their layer-0 K (post-RoPE)
+    v: Tensor  # [Hkv, R, D]
+
+
 @dataclass
 class BlendResult:
     logits: Tensor  # [V] at the last prompt position
@@ -102,10 +112,12 @@ class BlendResult:
 
 @torch.no_grad()
 def run_blend(engine: LlamaEngine, lay: Layout, policy: ReusePolicy, source: LayerSource,
-              reused: Sequence[int], all_logits: bool = False, stats: bool = True) -> BlendResult:
+              reused: Sequence[int], all_logits: bool = False, stats: bool = True,
+              carry: Layer0 | None = None) -> BlendResult:
     """The loop, trusted: no reuse probe is asked here. stats=False: no new variants are
-    wanted (nothing will be stored), so fresh chunks get no KV copies and no attention mass."""
-    return _Blend(engine, lay, policy, source, list(reused), stats).run(all_logits)
+    wanted (nothing will be stored), so fresh chunks get no KV copies and no attention mass.
+    carry: rows whose layer 0 is already computed (`_Blend.run`)."""
+    return _Blend(engine, lay, policy, source, list(reused), stats).run(all_logits, carry=carry)
 
 
 class _Blend:
@@ -155,17 +167,23 @@ class _Blend:
 
     # ---- the loop ---------------------------------------------------------------
 
-    def run(self, all_logits: bool) -> BlendResult:
+    def run(self, all_logits: bool, depth: int | None = None, carry: "Layer0 | None" = None) -> BlendResult:
+        """depth: stop after that many layers (no logits then). carry: rows whose layer 0 an
+        earlier pass over the same stored KV computed: they join at layer 1."""
         e, lay = self.e, self.lay
         rows = self.initial_rows()  # [R] sorted
+        if carry is not None:
+            rows = rows[~torch.isin(rows, carry.rows)]
         h = e.embed(lay.tokens[rows])  # [R, d]
-        for layer in range(self.L):
+        for layer in range(self.L if depth is None else depth):
             t0 = time.perf_counter()
             got = self.wait(layer)
             t1 = time.perf_counter()
             rows, h = self.fall_back(layer, got, rows, h)
             t2 = time.perf_counter()
             self.kv.append(self.merged(got))
+            if layer == 0 and carry is not None:  # before the attention: these rows are keys too
+                self.kv[0][0][:, carry.rows], self.kv[0][1][:, carry.rows] = carry.k, carry.v
             t3 = time.perf_counter()
             rows, h, k_raw, v, mass = self.layer(layer, rows, h)
             to_question = self.record_stats(rows, k_raw, v, mass)
@@ -174,9 +192,15 @@ class _Blend:
             keep = self.focus_keep(layer, rows, to_question)
             if keep is not None:
                 rows, h = rows[keep], h[keep]
+            if layer == 0 and carry is not None:
+                rows, order = torch.cat([rows, carry.rows]).sort()
+                h = torch.cat([h, carry.h])[order]
             t4 = time.perf_counter()
             self.res.timings.append(LayerTiming(wait_s=t1 - t0, compute_s=t4 - t1, rotate_s=t3 - t2,
                                                 attend_s=self._attend_s))
+        if depth is not None and depth < self.L:
+            self.res.reused_segments = list(self.live)
+            return self.res
         t5 = time.perf_counter()
         logits = e.logits(h if all_logits else h[-1:])  # rows[-1] is the last prompt row
         self.res.logits = logits[-1]

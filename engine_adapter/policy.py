@@ -15,6 +15,10 @@ prefix      reuse only the leading run of chunks whose variant was computed behi
 naive       reuse every cached chunk, recompute nothing but fresh chunks and the question.
 cachecraft  the plan's per-chunk top-N token lists (Cache-Craft eq. 14), with
             focused-chunk early termination (Alg. 1, window w) when focus_window > 0.
+query       query-aware (engine_adapter/query.py): a first pass with naive reuse measures which
+            reused tokens the question reads; the second recomputes the most-read ones from
+            layer 0, as many as the `budget` leaves (share of the row-layers of the reused
+            chunks and the question computed, both passes counted; default 15%). The default.
 cacheblend  HKVD with gradual filtering (CacheBlend §4.3): all reused tokens on layer 0,
             then the highest-KV-deviation r1 > r2 > ... > r of them. Named either by the
             paper's steady-state r (`ratio`) or by its whole `budget`: the share of the
@@ -32,7 +36,7 @@ from typing import Sequence
 
 from engine_adapter.prompt import Layout
 
-POLICIES: tuple[str, ...] = ("full", "prefix", "naive", "cachecraft", "cacheblend")
+POLICIES: tuple[str, ...] = ("full", "prefix", "naive", "cachecraft", "cacheblend", "query")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class ReusePolicy:
 
     name = "naive"
     focus_window = 0
+    asks_question_first = False  # query-aware: blend_prefill runs engine_adapter.query's two passes
 
     def __post_init__(self) -> None:
         if not self.layer_budget_s >= 0:
@@ -108,6 +113,27 @@ class CacheCraft(ReusePolicy):
 
 
 DEFAULT_BLEND_BUDGET = 0.15
+
+
+@dataclass(frozen=True)
+class QueryAware(ReusePolicy):
+    """Recompute the reused tokens the question reads (engine_adapter/query.py)."""
+
+    budget: float = DEFAULT_BLEND_BUDGET  # share of the reused chunks' and question's row-layers, both passes
+
+    name = "query"
+    asks_question_first = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"budget {self.budget} outside (0, 1]")
+
+    def first_rows(self, layout: Layout, s: int) -> Sequence[int]:
+        return layout.segments[s].recompute  # the probe's picks
+
+    def label(self) -> str:
+        return f"query budget {self.budget:.0%}"
 
 
 @dataclass(frozen=True)
@@ -196,7 +222,7 @@ class CacheBlend(ReusePolicy):
 
 
 _KINDS: dict[str, type[ReusePolicy]] = {
-    "full": Full, "prefix": Prefix, "naive": Naive, "cachecraft": CacheCraft, "cacheblend": CacheBlend}
+    "full": Full, "prefix": Prefix, "naive": Naive, "cachecraft": CacheCraft, "cacheblend": CacheBlend, "query": QueryAware}
 
 
 def Policy(name: str, **options: object) -> ReusePolicy:  # noqa: N802 - the name users construct by
@@ -209,6 +235,25 @@ def Policy(name: str, **options: object) -> ReusePolicy:  # noqa: N802 - the nam
     if extra:
         raise ValueError(f"policy {name!r} has no option(s) {extra}; it takes {sorted(fields)}")
     return kind(**options)
+
+
+DEFAULT_POLICY = "query"  # the policy a deployment runs unless it names another (docs/quality.md)
+
+
+def parse_policy(spec: str) -> ReusePolicy:
+    """A policy from its spec: a name, or `name:option=value,...` (numbers as floats or
+    ints), e.g. `cacheblend:budget=0.15`. Raises ValueError naming what is wrong."""
+    name, _, rest = spec.strip().partition(":")
+    options: dict[str, object] = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"policy spec {spec!r}: option {item!r} is not key=value")
+        try:
+            options[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+        except ValueError:
+            raise ValueError(f"policy spec {spec!r}: option {key.strip()} needs a number, got {value!r}") from None
+    return Policy(name, **options)
 
 
 def focused_chunks(cinter: Sequence[float]) -> frozenset[int]:

@@ -12,7 +12,7 @@ layer l is consumed while l+1..l+Lp are in flight.
 Whatever the service does — down, slow, a chunk dropped as corrupt — the request
 completes: a missing layer is computed by the driver, a failed Plan means full prefill.
 
-Learned recompute lists (issue 19, `engine_adapter.selection`): when a request computed
+Learned recompute lists (issue 19, `engine_adapter.selection`; `learn=True`, off by default): when a request computed
 a chunk in full although a variant of it is stored (the plan named one, or the service
 lists one behind another prefix), the store-back fetches that variant, measures per
 token what recomputing it repairs of this request's answer (`selection.learn`: greedy
@@ -36,7 +36,7 @@ from engine_adapter import selection
 
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
 from engine_adapter.llama import LlamaEngine
-from engine_adapter.policy import ReusePolicy
+from engine_adapter.policy import DEFAULT_POLICY, ReusePolicy, parse_policy
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource, LayerKV, LayerSource
 from kvclient.client import KVClient, Ref
@@ -111,17 +111,19 @@ class RequestReport:
 class RAGAdapter:
     """An engine plus a kvcraft service: serves RAG prefills with stored chunk KV."""
 
-    def __init__(self, engine: LlamaEngine, client: KVClient, policy: ReusePolicy, *,
+    def __init__(self, engine: LlamaEngine, client: KVClient, policy: ReusePolicy | None = None, *,
                  gate: Gate | None = None, store_back: bool = True, local: bool = False,
-                 learn: bool = True) -> None:
-        """local: the service runs on this host; read reused KV from its shared memory
-        (Locate) instead of streaming it over gRPC. learn: store-back sends learned
-        recompute scores for chunks computed in full while a variant of them is stored."""
+                 learn: bool = False) -> None:
+        """policy: None runs the default (`policy.DEFAULT_POLICY`). local: the service runs
+        on this host; read reused KV from its shared memory (Locate) instead of streaming
+        it over gRPC. learn: store-back sends learned recompute scores for chunks computed
+        in full while a variant of them is stored (for `cachecraft`'s lists; off by default:
+        it costs about a second per chunk token on a 135M-parameter model, docs/quality.md)."""
         self.local = local
         self.learn = learn
         self.engine = engine
         self.client = client
-        self.policy = policy
+        self.policy = policy if policy is not None else parse_policy(DEFAULT_POLICY)
         self.gate = gate
         self.store_back = store_back
         self.model_id = engine.model_spec().fingerprint()

@@ -6,8 +6,9 @@ For every held-out example:
      chunks is served by full prefill, and every chunk's KV is stored back with its
      attention statistics — so each stored variant was computed behind another prefix;
      For the learned lists, two more warm passes (other shuffles) compute every chunk
-     again behind new prefixes: their store-backs send learned recompute scores
-     (`engine_adapter.selection.learn` against an earlier variant, merged);
+     again behind new prefixes, asking another example's question: their store-backs send
+     learned recompute scores (`engine_adapter.selection.learn` against an earlier variant,
+     merged). Passes no deployment runs: `kvbench.quality.deployed` measures as deployed;
   2. evaluate: the example in its retriever order, once per policy, through
      RAGAdapter (Plan -> fetch layer by layer -> blend), nothing stored back. Only
      the CRAFT setting lets the planner reorder the chunks (in this task chunk order
@@ -58,7 +59,8 @@ SETTINGS = (
     *(Setting(f"cacheblend r={int(r * 100)}%", Policy("cacheblend", ratio=r)) for r in (0.05, 0.10, 0.15, 0.30)),
     *(Setting(f"cachecraft alpha={a}", Policy("cachecraft"), alpha=a) for a in (0.25, 0.5, 1.0)),
     Setting("cachecraft alpha=1.0 + focus (w=2)", Policy("cachecraft", focus_window=2)),
-    Setting("cachecraft + learned lists (default)", Policy("cachecraft"), alpha=0.15, learn=2),
+    Setting("cachecraft + learned lists (2 offline passes)", Policy("cachecraft"), alpha=0.15, learn=2),
+    Setting("query budget 15% (default)", Policy("query")),
 )
 
 
@@ -125,7 +127,10 @@ def _warm(engine: LlamaEngine, client: KVClient, enc: list, seed: int, reorder: 
     for i in range(len(enc) - 1):
         mixed = [list(c) for c in enc[i].chunk_ids] + [list(c) for c in enc[i + 1].chunk_ids[:2]]
         rng.shuffle(mixed)
-        warm.prefill(mixed, list(enc[i].question_ids), reorder=reorder)
+        # A learning pass asks the next example's question: lists are never fitted to the
+        # question they are later scored on.
+        question = enc[i + 1 if learn else i].question_ids
+        warm.prefill(mixed, list(question), reorder=reorder)
     warm.close()
 
 

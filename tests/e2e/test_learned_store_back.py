@@ -30,7 +30,7 @@ def test_store_back_sends_the_learned_scores_against_the_stored_variant(kvserver
     fp = ENGINE.model_spec().fingerprint()
     keys = [chunk_key(fp, c) for c in cs]
     with KVClient(kvserver.address) as client:
-        first = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate())
+        first = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate(), learn=True)
         first.prefill(cs, QUESTION, reorder=False)
         first.close()
         for k in keys:  # the first computation of a chunk has nothing to compare with
@@ -39,7 +39,7 @@ def test_store_back_sends_the_learned_scores_against_the_stored_variant(kvserver
         stored = {k: client.fetch(k) for k in keys}
 
         order = [cs[1], cs[0], cs[2]]  # every chunk behind a new prefix
-        second = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate())
+        second = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate(), learn=True)
         second.prefill(order, QUESTION, reorder=False)
         second.close()
 
@@ -79,11 +79,11 @@ def test_a_failure_while_learning_stores_the_chunk_without_scores(kvserver, monk
     cs = chunks(7)
     fp = ENGINE.model_spec().fingerprint()
     with KVClient(kvserver.address) as client:
-        first = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate())
+        first = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate(), learn=True)
         first.prefill(cs, QUESTION, reorder=False)
         first.close()
         monkeypatch.setattr(sel, "learn", broken)
-        second = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate())
+        second = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate(), learn=True)
         second.prefill(cs[::-1], QUESTION, reorder=False)
         second.close()
         for c in cs:

@@ -1,0 +1,136 @@
+"""Answer quality as deployed: a fresh service, its defaults, a stream of requests, nothing learned.
+
+    python -m kvbench.quality.deployed --task short --examples 300
+    python -m kvbench.quality.deployed --task long --examples 200 --policy cacheblend:budget=0.15
+
+One fresh `kvcraft serve` (the embedded default configuration, an empty data dir) and one
+`RAGAdapter` with the product's defaults (store-back on: every chunk a request computes is
+stored with its statistics) serve a stream, each request once, in order. For each
+held-out example i (draw `--seed`, default 1: no choice was made on it):
+
+  1. a request that retrieved i's chunks among 2 chunks of example i+1, shuffled, with i's
+     question (the chunks recur later in another order and context);
+  2. example i as retrieved: its chunks in their order, its question.
+
+Nothing is warmed: the first request computes everything, later ones reuse what earlier
+ones stored (request 1 of example i+1 finds two of its chunks stored by request 1 of i).
+CRAFT reorder is off: in these tasks chunk order carries meaning ("they" is the person
+named last before), which docs/planner.md says to declare per request. Beside every
+request, the reference engine's full prefill of the same prompt.
+
+Reported over the whole stream (first requests included): agreement of the answer (the
+greedy first token: answers are one word) with full prefill's, exact match against the gold
+answer on the kind-2 requests (policy and full prefill), the share of row-layers computed
+(every request, and the kind-2 requests alone; layer 0 and the question counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from rich.progress import track
+
+from engine_adapter import LlamaEngine, ReusePolicy
+from engine_adapter.policy import DEFAULT_POLICY, parse_policy
+from engine_adapter.service import RAGAdapter
+from kvbench.quality import data, longdata
+from kvbench.quality.modeling import LONG_MODEL_DIR, MODEL_DIR, build_tokenizer, encode
+from kvclient.client import KVClient
+from kvservice.launcher import ServiceProcess
+
+TASKS = {"short": (data, MODEL_DIR), "long": (longdata, LONG_MODEL_DIR)}
+
+
+@dataclass
+class Stream:
+    """Counts over one stream."""
+
+    requests: int = 0
+    agree: int = 0  # answer == full prefill's on the same prompt
+    asked: int = 0  # kind-2 requests (the example as retrieved)
+    correct: int = 0  # of those, the policy's answer is the gold answer
+    full_correct: int = 0  # ... and full prefill's
+    computed: list[float] = field(default_factory=list)  # per request, share of row-layers computed
+    computed_asked: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        return {"requests": self.requests, "agreement_with_full": self.agree / self.requests,
+                "accuracy": self.correct / self.asked, "full_accuracy": self.full_correct / self.asked,
+                "of_full": self.correct / self.full_correct if self.full_correct else 0.0,
+                "computed_share": mean(self.computed), "computed_share_as_retrieved": mean(self.computed_asked)}
+
+
+def requests(task: str, n: int, seed: int) -> list[tuple[list[list[int]], list[int], int | None]]:
+    """The stream: (chunks, question, gold first answer token or None) per request."""
+    mod, _ = TASKS[task]
+    tok = build_tokenizer(mod.vocabulary())
+    enc = [encode(tok, e) for e in mod.examples("heldout", n + 1, seed=seed)]
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        mixed = [list(c) for c in enc[i].chunk_ids] + [list(c) for c in enc[i + 1].chunk_ids[:2]]
+        rng.shuffle(mixed)
+        out.append((mixed, list(enc[i].question_ids), None))
+        out.append(([list(c) for c in enc[i].chunk_ids], list(enc[i].question_ids), enc[i].answer_ids[0]))
+    return out
+
+
+@torch.no_grad()
+def run(task: str, n: int, policy: ReusePolicy, seed: int = 1, progress: bool = True) -> dict:
+    _, model_dir = TASKS[task]
+    engine = LlamaEngine.from_pretrained(model_dir)
+    stream = Stream()
+    reqs = requests(task, n, seed)
+    with tempfile.TemporaryDirectory(prefix="kvcraft-deployed-") as tmp:
+        with ServiceProcess(Path(tmp) / "data") as service, KVClient(service.address) as client:
+            adapter = RAGAdapter(engine, client, policy)
+            for chunks, question, gold in (track(reqs, description=f"{task}: {policy.name}") if progress else reqs):
+                result, _ = adapter.prefill(chunks, question, reorder=False)
+                adapter.flush()  # the next request sees what this one stored, as a slower stream would
+                full = engine.prefill(torch.tensor([t for c in chunks for t in c] + question), all_logits=False)[0][-1]
+                answer, expected = int(result.logits.argmax()), int(full.argmax())
+                stream.requests += 1
+                stream.agree += answer == expected
+                stream.computed.append(result.computed_share)
+                if gold is not None:
+                    stream.asked += 1
+                    stream.correct += answer == gold
+                    stream.full_correct += expected == gold
+                    stream.computed_asked.append(result.computed_share)
+            adapter.close()
+    return {"task": task, "examples": n, "seed": seed, "policy": str(policy), **stream.summary()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvbench.quality.deployed")
+    p.add_argument("--task", choices=sorted(TASKS), default="short")
+    p.add_argument("--examples", type=int, default=300)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--policy", action="append", help=f"policy spec, e.g. naive or cacheblend:budget=0.15 "
+                                                     f"(repeatable; default: {DEFAULT_POLICY})")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    try:
+        policies = [parse_policy(s) for s in (a.policy or [DEFAULT_POLICY])]
+    except ValueError as e:
+        p.error(str(e))
+    rows = [run(a.task, a.examples, pol, a.seed) for pol in policies]
+    print(f"{'policy':<44} {'agree':>6} {'acc':>6} {'full':>6} {'of full':>8} {'computed':>9} {'as retrieved':>13}")
+    for r in rows:
+        print(f"{r['policy']:<44} {r['agreement_with_full']:>6.1%} {r['accuracy']:>6.1%} {r['full_accuracy']:>6.1%} "
+              f"{r['of_full']:>8.1%} {r['computed_share']:>9.1%} {r['computed_share_as_retrieved']:>13.1%}")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""Query-aware selection: ask the question first, then recompute the tokens it reads.
+
+Which tokens of a reused chunk must be recomputed depends on the request: the tokens its
+question reads (ProphetKV, "query-aware" selection; Cache-Craft §3.3 measures the same
+question-to-chunk attention per chunk, eq. 15, to find the focused chunks). This prefill
+runs in two passes over the same stored KV:
+
+  1. the probe: naive reuse (every reused chunk's stored KV, only the fresh rows and the
+     question computed) through layers 0..L-2, which records, per prompt row, the
+     attention the question's rows put on it, summed over heads, question rows and layers
+     1..L-2. Layer 0 is left out of the sum: its K/V are projections of the token
+     embeddings, the same for a chunk behind any prefix (docs/adapter.md). The last layer
+     is not run: on the synthetic task's dev draw its reads changed no pick that mattered,
+     and it would cost the question one more layer;
+  2. the prefill: the tokens of the reused chunks the question read most are recomputed
+     from layer 0 (`QueryAware.first_rows`: the picks, as a Cache-Craft recompute list),
+     everything else as in pass 1. The question's rows start at layer 1 from the probe's
+     layer 0, which is exact for the same reason (`driver.Layer0`).
+
+Pass 2 reads the stored layers pass 1 received (`_Replay`), so the service is read once;
+a chunk that fell back in pass 1 (a layer late or corrupt) falls back at the same layer
+in pass 2. The picks fill what remains of the policy's budget (the share of the prompt's
+row-layers of the reused chunks and the question, both passes counted) once the question
+is paid for (`picks_budget`); where nothing remains, no probe runs (naive reuse).
+
+Measured on the real model and the trained synthetic task in docs/quality.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from itertools import zip_longest
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from engine_adapter.driver import BlendResult, Layer0, LayerTiming, _Blend, run_blend
+from engine_adapter.llama import LlamaEngine
+from engine_adapter.policy import Naive, QueryAware
+from engine_adapter.prompt import Layout
+from engine_adapter.source import LayerKV, LayerSource
+from kvkernels import rotate
+
+log = logging.getLogger("engine_adapter.blend")
+
+
+class _Probe(_Blend):
+    """Pass 1: naive reuse that records what arrived and what the question read."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.received: list[LayerKV] = []
+        self.reads = torch.zeros(self.n)  # [N] attention the question rows put on each row
+        self.layer0: Layer0 | None = None  # the question rows after layer 0 (pass 2 starts them at 1)
+
+    def wait(self, layer: int) -> LayerKV:
+        got = super().wait(layer)
+        self.received.append(got)
+        return got
+
+    def layer(self, layer: int, rows: Tensor, h: Tensor, select: bool = True):  # noqa: ANN201
+        out = super().layer(layer, rows, h, select)
+        if select and layer > 0:
+            self.reads += self._question_reads(layer, rows, h)
+        if select and layer == 0 and self.lay.segments[-1].question:
+            q = self.lay.rows(len(self.lay.segments) - 1)
+            at = torch.searchsorted(out[0], q)
+            K, V = self.kv[0]
+            self.layer0 = Layer0(q, out[1][at].clone(), K[:, q].clone(), V[:, q].clone())
+        return out
+
+    def _question_reads(self, layer: int, rows: Tensor, h: Tensor) -> Tensor:
+        """[N] this layer's attention probabilities of the question rows, summed over heads
+        and rows (plain torch: one [Hq, Rq, N] score matrix, the question is a few rows)."""
+        e = self.e
+        at = torch.isin(rows, self.asker).nonzero().squeeze(1)
+        q = e.qkv(layer, h[at])[0]  # [Hq, Rq, D] pre-RoPE
+        q = rotate(q, self.cos[rows[at]], self.sin[rows[at]])
+        k = self.kv[layer][0]  # merged: stored K of reused rows, this pass's computed rows
+        k = k.repeat_interleave(e.cfg.num_heads // e.cfg.num_kv_heads, 0)  # [Hq, N, D]
+        s = (q.float() @ k.float().transpose(1, 2)) * e.scale  # [Hq, Rq, N]
+        s = s.masked_fill(self.pos[None, None, :] > rows[at][None, :, None], float("-inf"))
+        return s.softmax(-1).sum((0, 1))
+
+
+class _Replay:
+    """A LayerSource that hands out, per layer, what pass 1 received at that layer; the
+    layers pass 1 did not run come from the source itself."""
+
+    def __init__(self, received: Sequence[LayerKV], source: LayerSource) -> None:
+        self.received = list(received)
+        self.source = source
+
+    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
+        if layer < len(self.received):
+            return self.received[layer]
+        return self.source.wait_layer(layer, deadline)
+
+    def close(self) -> None:
+        pass  # the caller closes the source
+
+
+def picks_budget(policy: QueryAware, lay: Layout, reused_tokens: int, num_layers: int) -> int:
+    """Tokens the second pass may recompute from layer 0.
+
+    The budget is a share of the row-layers of the reused chunks and the question: what
+    reuse saves on, so a request that brings fresh chunks (computed in full either way) still
+    repairs the chunks it reuses. From it the question is paid for, through layers 0..L-2
+    in the probe and 1..L-1 in pass 2 (its layer 0 is the probe's: layer-0 K/V do not depend
+    on a chunk's prefix); the rest, in whole rows through every layer, are the picks."""
+    L = num_layers
+    question = len(lay.segments[-1].tokens) if lay.segments[-1].question else 1  # else the last row
+    spent = 2 * question * (L - 1)
+    return max(0, min(reused_tokens, int((policy.budget * (reused_tokens + question) * L - spent) // L)))
+
+
+@dataclass
+class QuestionReads:
+    """Pass 1's outcome."""
+
+    reads: Tensor  # [N] attention the question rows put on each prompt row (layers 1..L-1)
+    live: Tensor  # [N] bool: rows still served from stored KV at the end of pass 1
+    received: list[LayerKV]  # per layer, the stored KV that arrived
+    result: BlendResult  # pass 1 as a prefill (its row counts, timings, fallbacks)
+    layer0: Layer0 | None  # the question rows through layer 0
+
+
+def question_reads(engine: LlamaEngine, lay: Layout, source: LayerSource, reused: Sequence[int],
+                   layer_budget_s: float) -> QuestionReads:
+    """Pass 1: naive reuse of `reused`, recording what the question reads."""
+    probe = _Probe(engine, lay, Naive(layer_budget_s=layer_budget_s), source, list(reused), stats=False)
+    first = probe.run(False, depth=engine.cfg.num_layers - 1)
+    return QuestionReads(probe.reads, probe.live_mask.clone(), probe.received, first, probe.layer0)
+
+
+def most_read(q: QuestionReads, lay: Layout, n: int) -> dict[int, tuple[int, ...]]:
+    """The `n` live rows the question read most, as recompute lists per reused segment."""
+    score = q.reads.masked_fill(~q.live, -1.0)
+    picked = score.topk(n).indices.sort().values if n else torch.empty(0, dtype=torch.long)
+    out = {}
+    for s in q.result.reused_segments:
+        lo, hi = int(lay.bounds[s]), int(lay.bounds[s + 1])
+        out[s] = tuple(int(i) - lo for i in picked if lo <= i < hi)
+    return out
+
+
+def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSource,
+                        reused: Sequence[int], all_logits: bool = False, stats: bool = True) -> BlendResult:
+    """The two passes of the module docstring; one BlendResult whose row counts and timings
+    cover both (`computed_share` is what the prefill computed in all)."""
+    L = engine.cfg.num_layers
+    if picks_budget(policy, lay, sum(len(lay.segments[s].tokens) for s in reused), L) == 0:
+        return run_blend(engine, lay, policy, source, reused, all_logits, stats)  # nothing to spend: naive
+    q = question_reads(engine, lay, source, reused, policy.layer_budget_s)
+    live = q.result.reused_segments
+    picks = most_read(q, lay, picks_budget(policy, lay, int(q.live.sum()), L))
+    segments = list(lay.segments)
+    for s, rows in picks.items():
+        segments[s] = dataclasses.replace(segments[s], recompute=rows)
+    lay2 = Layout(tuple(segments), lay.keys, lay.tokens, lay.bounds)
+    res = run_blend(engine, lay2, policy, _Replay(q.received, source), live, all_logits, stats, carry=q.layer0)
+    # One prefill, two passes: count both.
+    first = q.result
+    res.computed_rows = [a + b for a, b in zip_longest(res.computed_rows, first.computed_rows, fillvalue=0)]
+    res.timings = [LayerTiming(wait_s=a.wait_s + b.wait_s, compute_s=a.compute_s + b.compute_s,
+                               rotate_s=a.rotate_s + b.rotate_s, attend_s=a.attend_s + b.attend_s)
+                   for a, b in zip_longest(res.timings, first.timings, fillvalue=LayerTiming(0.0, 0.0))]
+    res.fallbacks = first.fallbacks  # pass 2 replays pass 1's arrivals: the same chunks fall back
+    return res

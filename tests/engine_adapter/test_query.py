@@ -1,0 +1,118 @@
+"""Query-aware selection (engine_adapter/query.py): what the question reads, and the two passes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine_adapter.blend import blend_prefill
+from engine_adapter.policy import Policy
+from engine_adapter.probe import TRUSTED
+from engine_adapter.prompt import Layout
+from engine_adapter.driver import run_blend
+from engine_adapter.query import _Replay, picks_budget, question_reads
+from kvkernels import apply_rope
+from tests.engine_adapter.adapter_helpers import make_prompt, rel_dev
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    return [make_prompt(engine, seed, behind="other") for seed in range(6)]
+
+
+def _layout(engine, p):
+    return Layout.of(p.segments(), engine.model_spec().fingerprint())
+
+
+@torch.no_grad()
+def reference_reads(engine, p) -> torch.Tensor:
+    """Naive reuse in plain torch: the question's rows over the stored chunks' KV (K rotated
+    to their rows), explicit softmax; their attention probabilities summed over heads,
+    rows and layers 1..L-2."""
+    c = engine.cfg
+    g = c.num_heads // c.num_kv_heads
+    n_ctx = sum(map(len, p.chunks))
+    n = n_ctx + len(p.question)
+    qpos = torch.arange(n_ctx, n)
+    starts = [sum(map(len, p.chunks[:i])) for i in range(len(p.chunks))]
+    h = engine.embed(torch.tensor(p.question))
+    reads = torch.zeros(n)
+    for layer in range(c.num_layers):
+        q, k, v = engine.qkv(layer, h)
+        ks = [apply_rope(p.cache[i].kv[layer][0], torch.arange(s, s + len(ch)), engine.rope)
+              for i, (s, ch) in enumerate(zip(starts, p.chunks))]
+        K = torch.cat(ks + [apply_rope(k, qpos, engine.rope)], dim=1).repeat_interleave(g, 0)
+        V = torch.cat([p.cache[i].kv[layer][1] for i in range(len(p.chunks))] + [v], dim=1).repeat_interleave(g, 0)
+        s = (apply_rope(q, qpos, engine.rope) @ K.transpose(1, 2)) * engine.scale
+        s = s.masked_fill(torch.arange(n)[None, None, :] > qpos[None, :, None], float("-inf"))
+        prob = s.softmax(-1)
+        if 0 < layer < c.num_layers - 1:
+            reads += prob.sum((0, 1))
+        o = prob @ V
+        h = engine.mlp(layer, engine.attn_out(layer, h, o))
+    return reads
+
+
+def test_the_probe_measures_what_the_question_reads_over_the_stored_kv(engine, prompts):
+    for p in prompts[:3]:
+        lay = _layout(engine, p)
+        got = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
+        ref = reference_reads(engine, p)
+        assert torch.allclose(got.reads, ref, rtol=1e-4, atol=1e-5)
+        assert got.result.computed_rows == [len(p.question)] * (engine.cfg.num_layers - 1)
+
+
+@pytest.mark.parametrize("budget", [0.15, 0.3, 0.6])
+def test_both_passes_together_stay_within_the_budget_and_spend_it(engine, prompts, budget):
+    for p in prompts:
+        r = blend_prefill(engine, p.segments(), Policy("query", budget=budget), p.source(), gate=TRUSTED)
+        n, L = len(p.tokens), engine.cfg.num_layers
+        picks = picks_budget(Policy("query", budget=budget), _layout(engine, p), n - len(p.question), L)
+        assert picks > 0
+        assert r.computed_share <= budget + 1e-9
+        assert budget - r.computed_share < 1 / n  # less than one more pick would have fitted
+        # the question through 0..L-2 (probe) and 1..L-1 (pass 2), the picks through every layer
+        assert sum(r.computed_rows) == 2 * len(p.question) * (L - 1) + picks * L
+        assert r.recomputed_rows == [picks] * L
+
+
+def test_a_budget_that_the_question_alone_uses_up_serves_naive_reuse_in_one_pass(engine, prompts):
+    p = prompts[0]
+    low = len(p.question) / len(p.tokens)  # two passes would compute the question twice
+    r = blend_prefill(engine, p.segments(), Policy("query", budget=low), p.source(), gate=TRUSTED)
+    naive = blend_prefill(engine, p.segments(), Policy("naive"), p.source(), gate=TRUSTED)
+    assert torch.equal(r.logits, naive.logits)
+    assert r.computed_rows == naive.computed_rows
+
+
+def test_the_service_is_read_once_per_layer(engine, prompts):
+    p = prompts[0]
+    src = p.source()
+    blend_prefill(engine, p.segments(), Policy("query", budget=0.3), src, gate=TRUSTED)
+    assert src.requested == list(range(engine.cfg.num_layers))
+
+
+def test_a_chunk_missing_from_layer_0_is_computed_in_both_passes_and_reported_once(engine, prompts):
+    p = prompts[1]
+    every = {(i, 0) for i in range(len(p.chunks))}
+    r = blend_prefill(engine, p.segments(), Policy("query", budget=0.3), p.source(withhold=every), gate=TRUSTED)
+    ref = engine.prefill(p.tokens, all_logits=False)[0][-1]
+    assert rel_dev(r.logits, ref) < 1e-5
+    assert sorted(r.fallbacks) == [(i, 0) for i in range(len(p.chunks))]
+
+
+def test_every_reused_row_picked_is_full_prefill(engine, prompts):
+    """With every reused token recomputed, pass 2 is a full prefill whose question rows
+    started at layer 1 from the probe's layer 0: the same logits and cache."""
+    p = prompts[2]
+    lay = _layout(engine, p)
+    q = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
+    segs = [dataclasses.replace(s, recompute=range(len(s.tokens))) if not s.question else s for s in lay.segments]
+    r = run_blend(engine, Layout.of(segs, engine.model_spec().fingerprint()), Policy("query"),
+                  _Replay(q.received, p.source()), range(len(p.chunks)), carry=q.layer0)
+    logits, kv = engine.prefill(p.tokens, all_logits=False)
+    assert rel_dev(r.logits, logits[-1]) < 1e-5
+    for (k, v), (rk, rv) in zip(kv, r.kv):
+        assert torch.allclose(k, rk, atol=1e-4) and torch.allclose(v, rv, atol=1e-4)
