@@ -137,8 +137,15 @@ def question_reads(engine: LlamaEngine, lay: Layout, source: LayerSource, reused
 
 
 def most_read(q: QuestionReads, lay: Layout, n: int) -> dict[int, tuple[int, ...]]:
-    """The `n` live rows the question read most, as recompute lists per reused segment."""
-    score = q.reads.masked_fill(~q.live, -1.0)
+    """The `n` live rows the question read most, as recompute lists per reused segment.
+    Chunks whose stored variant was computed behind exactly the chunks before them here
+    (an instruction at the start, a prefix-cache hit) are exact: nothing of them is picked."""
+    candidates = q.live.clone()
+    for s, seg in enumerate(lay.segments):
+        if seg.cached and seg.cached_prefix == lay.keys[:s]:  # stored behind this very prefix: exact
+            candidates[lay.span(s)] = False
+    score = q.reads.masked_fill(~candidates, -1.0)
+    n = min(n, int(candidates.sum()))
     picked = score.topk(n).indices.sort().values if n else torch.empty(0, dtype=torch.long)
     out = {}
     for s in q.result.reused_segments:

@@ -59,13 +59,15 @@ class Stream:
     full_correct: int = 0  # ... and full prefill's
     computed: list[float] = field(default_factory=list)  # per request, share of row-layers computed
     computed_asked: list[float] = field(default_factory=list)
+    fallbacks: int = 0  # requests in which a stored layer came late (> layer_budget_s) and was computed
 
     def summary(self) -> dict:
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
         return {"requests": self.requests, "agreement_with_full": self.agree / self.requests,
                 "accuracy": self.correct / self.asked, "full_accuracy": self.full_correct / self.asked,
                 "of_full": self.correct / self.full_correct if self.full_correct else 0.0,
-                "computed_share": mean(self.computed), "computed_share_as_retrieved": mean(self.computed_asked)}
+                "computed_share": mean(self.computed), "computed_share_as_retrieved": mean(self.computed_asked),
+                "requests_with_fallbacks": self.fallbacks}
 
 
 def requests(task: str, n: int, seed: int) -> list[tuple[list[list[int]], list[int], int | None]]:
@@ -84,7 +86,7 @@ def requests(task: str, n: int, seed: int) -> list[tuple[list[list[int]], list[i
 
 
 @torch.no_grad()
-def run(task: str, n: int, policy: ReusePolicy, seed: int = 1, progress: bool = True) -> dict:
+def run(task: str, n: int, policy: ReusePolicy, seed: int = 1, progress: bool = True, label: str = "") -> dict:
     _, model_dir = TASKS[task]
     engine = LlamaEngine.from_pretrained(model_dir)
     stream = Stream()
@@ -100,13 +102,14 @@ def run(task: str, n: int, policy: ReusePolicy, seed: int = 1, progress: bool = 
                 stream.requests += 1
                 stream.agree += answer == expected
                 stream.computed.append(result.computed_share)
+                stream.fallbacks += bool(result.fallbacks)
                 if gold is not None:
                     stream.asked += 1
                     stream.correct += answer == gold
                     stream.full_correct += expected == gold
                     stream.computed_asked.append(result.computed_share)
             adapter.close()
-    return {"task": task, "examples": n, "seed": seed, "policy": str(policy), **stream.summary()}
+    return {"task": task, "examples": n, "seed": seed, "policy": label or str(policy), **stream.summary()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,15 +121,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                      f"(repeatable; default: {DEFAULT_POLICY})")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
+    specs = a.policy or [DEFAULT_POLICY]
     try:
-        policies = [parse_policy(s) for s in (a.policy or [DEFAULT_POLICY])]
+        policies = [parse_policy(s) for s in specs]
     except ValueError as e:
         p.error(str(e))
-    rows = [run(a.task, a.examples, pol, a.seed) for pol in policies]
-    print(f"{'policy':<44} {'agree':>6} {'acc':>6} {'full':>6} {'of full':>8} {'computed':>9} {'as retrieved':>13}")
+    rows = [run(a.task, a.examples, pol, a.seed, label=spec) for spec, pol in zip(specs, policies)]
+    print(f"{'policy':<26} {'agree':>6} {'acc':>6} {'full':>6} {'of full':>8} {'computed':>9} {'as retrieved':>13} "
+          f"{'fallbacks':>9}")
     for r in rows:
-        print(f"{r['policy']:<44} {r['agreement_with_full']:>6.1%} {r['accuracy']:>6.1%} {r['full_accuracy']:>6.1%} "
-              f"{r['of_full']:>8.1%} {r['computed_share']:>9.1%} {r['computed_share_as_retrieved']:>13.1%}")
+        print(f"{r['policy']:<26} {r['agreement_with_full']:>6.1%} {r['accuracy']:>6.1%} {r['full_accuracy']:>6.1%} "
+              f"{r['of_full']:>8.1%} {r['computed_share']:>9.1%} {r['computed_share_as_retrieved']:>13.1%} "
+              f"{r['requests_with_fallbacks']:>9}")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -10,11 +10,12 @@ import torch
 from engine_adapter.blend import blend_prefill
 from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
-from engine_adapter.prompt import Layout
+from engine_adapter.prompt import Layout, Segment
 from engine_adapter.driver import run_blend
-from engine_adapter.query import _Replay, picks_budget, question_reads
+from engine_adapter.query import _Replay, most_read, picks_budget, question_reads
 from kvkernels import apply_rope
-from tests.engine_adapter.adapter_helpers import make_prompt, rel_dev
+from engine_adapter.source import InMemoryLayerSource
+from tests.engine_adapter.adapter_helpers import make_prompt, rel_dev, variant
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +117,19 @@ def test_every_reused_row_picked_is_full_prefill(engine, prompts):
     assert rel_dev(r.logits, logits[-1]) < 1e-5
     for (k, v), (rk, rv) in zip(kv, r.kv):
         assert torch.allclose(k, rk, atol=1e-4) and torch.allclose(v, rv, atol=1e-4)
+
+
+def test_a_chunk_stored_behind_this_very_prefix_is_never_picked(engine, prompts):
+    """The first chunk's variant computed at the start (as an instruction's is): exact, so
+    the picks go to the chunks stored behind other prefixes."""
+    p = prompts[3]
+    first = variant(engine, [], p.chunks[0])
+    segs = p.segments()
+    segs[0] = Segment(p.chunks[0], cached=True, cached_prefix=())
+    source = InMemoryLayerSource({0: first.kv, **{i: p.cache[i].kv for i in range(1, len(p.chunks))}})
+    lay = Layout.of(segs, engine.model_spec().fingerprint())
+    q = question_reads(engine, lay, source, range(len(p.chunks)), 0.05)
+    picks = most_read(q, lay, 40)
+    assert picks[0] == () and sum(map(len, picks.values())) == 40
+    ref = most_read(dataclasses.replace(q, reads=q.reads.clone().index_fill_(0, lay.rows(0), -1.0)), lay, 40)
+    assert picks == ref  # the same as if chunk 0 had never been read

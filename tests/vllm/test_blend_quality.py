@@ -19,7 +19,7 @@ from kvbench.vllm_quality import OUTPUT_TOKENS, run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 EXAMPLES = 40  # one prompt = 2.5 points
-SETTINGS = ("full (100% recompute)", "naive (recompute none)", "cacheblend r=30%", "cachecraft alpha=1.0")
+SETTINGS = ("full (100% recompute)", "naive (recompute none)", "cacheblend r=30%", "query budget 15% (default)")
 
 
 @pytest.fixture(scope="module")
