@@ -72,3 +72,16 @@ def test_the_summary_compares_with_full_and_times_against_transformers():
     assert rows["naive"]["f1"] == rows["naive"]["rouge_l_vs_full"] == rows["naive"]["first_token_agrees"] == 0.0
     assert rows["naive"]["speedup_vs_transformers"] == pytest.approx(4.0)
     assert rows["full"]["speedup_vs_transformers"] == pytest.approx(1.0)
+
+
+def test_table_and_plot_show_every_policy(tmp_path):
+    record = musique.Record(0, "q?", ("Paris",), ("p",))
+    served = {label: {"answer": "Paris", "tokens": [3], "ttft_s": 1.0, "computed_share": share, "fallbacks": 0}
+              for label, share in (("full", 1.0), ("cacheblend:budget=0.15", 0.2))}
+    recs = [real_quality._score(record, 50, 1.5, served)]
+    result = {"meta": {"records": 1}, "policies": real_quality.summarize(recs, list(served)), "records": recs}
+    text = real_quality.table(result)
+    assert all(name in text for name in real_quality.COLUMNS.values())
+    assert "| cacheblend:budget=0.15 | 1.000 | 100.0% |" in text
+    real_quality.plot(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
