@@ -237,6 +237,7 @@ def plot(result: dict, path: Path) -> None:
             ax.scatter(*xy, s=30, zorder=3)
             ax.annotate(row["policy"], xy, fontsize=7, xytext=(4, 3), textcoords="offset points")
         ax.set_xlim(0, 108)
+        ax.set_ylim(0, 1.05)
         ax.set_xlabel("prompt row-layers computed, % of full prefill")
         ax.set_ylabel(label)
     fig.suptitle(f"MuSiQue, SmolLM2-135M-Instruct, {result['meta']['records']} records, through the service",
