@@ -1,0 +1,297 @@
+"""MuSiQue on the real model (SmolLM2-135M-Instruct), every reuse policy served as deployed.
+
+    python -m kvbench.real_quality [--data musique_s.json] [--first 0 --prompts 10] [--passages 3]
+        [--new-tokens 32] [--policy full naive cacheblend:budget=0.15 ...] [--json OUT] [--plot OUT.png]
+
+Prompts and metrics come from `kvbench.musique` (CacheBlend's MuSiQue layout in the chat
+template: an instruction segment, one segment per passage, the question). One kvcraft
+service (its own process, the product's default configuration, a temporary data folder)
+serves the whole run, and the records arrive as one stream of requests, in order. For each:
+
+1. warm: the record's passages reversed, behind a passage of the previous record (of the
+   next, for the first), served by full prefill through `RAGAdapter` with store-back on,
+   and waited for (`flush`): each passage's stored variant was computed behind other
+   passages, as a cache holds it after serving other requests;
+2. the record in its own order, once per policy, through `RAGAdapter` with store-back off
+   (no policy sees another's variants), then greedy decoding of `--new-tokens` over the
+   blended cache (`engine_adapter.generate.greedy`, stop tokens from the model folder);
+3. a full prefill of the same tokens by transformers (SDPA, fp32), timed in the same run:
+   the reference for the TTFT speed-up.
+
+Policy `full` through the adapter is the fidelity reference: every other policy's answer
+is compared with its answer (ROUGE-L, identical answers, first token). The warm requests
+learn no recompute lists (`learn=False`): in this stream the only chunk computed a second
+time is the neighbour passage, of a record already evaluated, so a list would serve no
+measured request, and learning one for a ~600-token passage costs minutes on a CPU.
+
+Policies are given as specs: a name from `engine_adapter.policy.POLICIES`, then options
+of that policy as `:key=value[,key=value]` (`cacheblend:budget=0.15`,
+`cachecraft:focus_window=2`); `parse_policy` refuses anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+from engine_adapter.policy import POLICIES, Policy, ReusePolicy
+from kvbench import musique
+
+DEFAULT_POLICIES = ("full", "prefix", "naive", "cacheblend:budget=0.15", "cacheblend:budget=0.3", "cachecraft")
+REFERENCE = "full"
+# Per-policy columns of the summary (JSON keys; the markdown table shows them in this order).
+COLUMNS = {
+    "f1": "F1",
+    "exact_match": "EM",
+    "rouge_l_vs_full": "ROUGE-L vs full",
+    "identical_to_full": "identical to full",
+    "first_token_agrees": "first token = full",
+    "computed_share": "row-layers computed",
+    "ttft_s": "mean TTFT (s)",
+    "speedup_vs_transformers": "speed-up vs transformers",
+}
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    spec: str  # as given: the policy's label in every output
+    policy: ReusePolicy
+
+
+def parse_policy(spec: str) -> PolicySpec:
+    """`name` or `name:key=value[,key=value]` -> the policy; ValueError says what is wrong."""
+    name, colon, rest = spec.strip().partition(":")
+    if name not in POLICIES:
+        raise ValueError(f"policy spec {spec!r}: unknown policy {name!r} (known: {', '.join(POLICIES)})")
+    options: dict[str, int | float] = {}
+    for item in rest.split(",") if colon else ():
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not eq or not key or not value:
+            raise ValueError(f"policy spec {spec!r}: option {item.strip()!r} is not key=value")
+        if key in options:
+            raise ValueError(f"policy spec {spec!r}: option {key!r} given twice")
+        options[key] = _number(value, spec, key)
+    try:
+        return PolicySpec(spec.strip(), Policy(name, **options))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"policy spec {spec!r}: {e}") from None
+
+
+def _number(value: str, spec: str, key: str) -> int | float:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise ValueError(f"policy spec {spec!r}: option {key!r} needs a number, got {value!r}")
+
+
+def policy_specs(specs: Sequence[str]) -> list[PolicySpec]:
+    """Parsed specs, the reference `full` first (added when missing); a repeated spec is refused."""
+    parsed = [parse_policy(s) for s in specs]
+    labels = [p.spec for p in parsed]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a policy spec is given twice: {labels}")
+    ref = [p for p in parsed if p.spec == REFERENCE]
+    return (ref or [parse_policy(REFERENCE)]) + [p for p in parsed if p.spec != REFERENCE]
+
+
+def run(model_dir: Path, records: Sequence[musique.Record], specs: Sequence[str] = DEFAULT_POLICIES,
+        new_tokens: int = 32, progress: bool = True) -> dict:
+    """The benchmark over `records` as one stream (see the module docstring): summary rows
+    per policy (`COLUMNS`), every record's answers, and the run's metadata."""
+    import torch
+    from rich.console import Console
+    from rich.progress import track
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from engine_adapter import LlamaEngine
+    from engine_adapter.generate import greedy, stop_tokens
+    from engine_adapter.service import RAGAdapter
+    from kvclient.client import KVClient
+    from kvservice.launcher import ServiceProcess
+
+    policies = policy_specs(specs)
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = LlamaEngine.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
+    stop = stop_tokens(model_dir)
+    prompts = [musique.prompt(tok, r) for r in records]
+    out = []
+    with torch.no_grad(), tempfile.TemporaryDirectory(prefix="kvcraft-musique-") as tmp, \
+            ServiceProcess(Path(tmp) / "data") as service, KVClient(service.address) as client:
+        warm = RAGAdapter(engine, client, Policy("full"), learn=False)
+        items = range(len(records))
+        for i in (track(items, description="MuSiQue records", console=Console(stderr=True))
+                  if progress else items):
+            p = prompts[i]
+            warm.prefill(warm_chunks(prompts, i), p.question, reorder=False)
+            warm.flush()
+            served = {}
+            for ps in policies:
+                adapter = RAGAdapter(engine, client, ps.policy, store_back=False, local=True)
+                result, report = adapter.prefill(p.chunks(), p.question, reorder=False)
+                gen = greedy(engine, result.logits, result.kv, new_tokens, stop)
+                served[ps.spec] = {"answer": tok.decode(gen.tokens, skip_special_tokens=True).strip(),
+                                   "tokens": list(gen.tokens), "ttft_s": report.ttft_s,
+                                   "computed_share": result.computed_share, "fallbacks": len(result.fallbacks)}
+            ids = torch.tensor([p.tokens])
+            t0 = time.perf_counter()
+            hf(ids, logits_to_keep=1)
+            out.append(_score(records[i], len(p.tokens), time.perf_counter() - t0, served))
+        warm.close()
+    return {"meta": _meta(model_dir, len(records), new_tokens, torch.get_num_threads()),
+            "policies": summarize(out, [p.spec for p in policies]), "records": out}
+
+
+def warm_chunks(prompts: Sequence[musique.Prompt], i: int) -> list[tuple[int, ...]]:
+    """Record i's warm request: the instruction, a passage of the previous record (of the
+    next, for the first; none when alone), then record i's passages reversed."""
+    j = i - 1 if i > 0 else i + 1
+    neighbour = [prompts[j].passages[0]] if 0 <= j < len(prompts) else []
+    return [prompts[i].instruction, *neighbour, *reversed(prompts[i].passages)]
+
+
+def _score(record: musique.Record, prompt_tokens: int, transformers_s: float, served: dict) -> dict:
+    ref = served[REFERENCE]
+    for got in served.values():
+        got["f1"] = musique.f1(got["answer"], record.answers)
+        got["exact_match"] = musique.exact_match(got["answer"], record.answers)
+        got["rouge_l_vs_full"] = musique.rouge_l(got["answer"], ref["answer"])
+        got["identical_to_full"] = float(got["tokens"] == ref["tokens"])
+        got["first_token_agrees"] = float(got["tokens"][:1] == ref["tokens"][:1])
+    return {"id": record.id, "question": record.question, "gold": list(record.answers),
+            "prompt_tokens": prompt_tokens, "transformers_prefill_s": transformers_s, "served": served}
+
+
+def summarize(records: Sequence[dict], labels: Sequence[str]) -> list[dict]:
+    """One row per policy: means over the records; the speed-up is mean transformers
+    prefill time over the policy's mean TTFT."""
+    hf_s = statistics.fmean(r["transformers_prefill_s"] for r in records)
+    rows = []
+    for label in labels:
+        got = [r["served"][label] for r in records]
+        row = {"policy": label, "records": len(got)}
+        for key in COLUMNS:
+            if key != "speedup_vs_transformers":
+                row[key] = statistics.fmean(g[key] for g in got)
+        row["speedup_vs_transformers"] = hf_s / row["ttft_s"]
+        row["fallbacks"] = sum(g["fallbacks"] for g in got)
+        rows.append(row)
+    return rows
+
+
+def _meta(model_dir: Path, n: int, new_tokens: int, threads: int) -> dict:
+    import torch
+    import transformers
+
+    return {"model": Path(model_dir).name, "records": n, "new_tokens": new_tokens,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} torch thread(s), "
+                       f"python {platform.python_version()}",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "command": shlex.join(["python", "-m", "kvbench.real_quality", *sys.argv[1:]])}
+
+
+def table(result: dict) -> str:
+    """The summary as a markdown table, with the transformers reference under it."""
+    lines = ["| policy | " + " | ".join(COLUMNS.values()) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for row in result["policies"]:
+        cells = [f"{row['f1']:.3f}", f"{row['exact_match']:.1%}", f"{row['rouge_l_vs_full']:.3f}",
+                 f"{row['identical_to_full']:.0%}", f"{row['first_token_agrees']:.0%}",
+                 f"{row['computed_share']:.1%}", f"{row['ttft_s']:.2f}", f"{row['speedup_vs_transformers']:.2f}x"]
+        lines.append(f"| {row['policy']} | " + " | ".join(cells) + " |")
+    recs = result["records"]
+    lines.append("")
+    lines.append(f"{len(recs)} records, {statistics.fmean(r['prompt_tokens'] for r in recs):.0f} prompt tokens on "
+                 f"average; transformers SDPA full prefill: "
+                 f"{statistics.fmean(r['transformers_prefill_s'] for r in recs):.2f} s mean")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """ROUGE-L against full's answer and F1 against gold, each vs the row-layers computed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, key, label in ((axes[0], "rouge_l_vs_full", "ROUGE-L F1 vs full prefill's answer"),
+                           (axes[1], "f1", "answer F1 vs gold")):
+        for row in result["policies"]:
+            xy = (100 * row["computed_share"], row[key])
+            ax.scatter(*xy, s=30, zorder=3)
+            ax.annotate(row["policy"], xy, fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.set_xlim(0, 108)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("prompt row-layers computed, % of full prefill")
+        ax.set_ylabel(label)
+    fig.suptitle(f"MuSiQue, SmolLM2-135M-Instruct, {result['meta']['records']} records, through the service",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def _policy_arg(spec: str) -> str:
+    try:
+        parse_policy(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvbench.real_quality", description=__doc__.split("\n")[0])
+    p.add_argument("--data", type=Path, default=musique.SAMPLE,
+                   help="a MuSiQue file: musique_s.json of YaoJiayi/CacheBlend (default: the 30 dev records)")
+    p.add_argument("--first", type=int, default=0, help="index of the first record served")
+    p.add_argument("--prompts", type=int, help="records served (default: all from --first)")
+    p.add_argument("--passages", type=int, default=3, help="passages per prompt, the record's first")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--policy", nargs="+", type=_policy_arg, default=list(DEFAULT_POLICIES), metavar="SPEC",
+                   help="e.g. full naive cacheblend:budget=0.15 cachecraft:focus_window=2 (full is always run)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (transformers and the engine alike)")
+    p.add_argument("--model-dir", help="the model folder (default: as `kvcraft model fetch`; fetched if absent)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path)
+    a = p.parse_args(argv)
+    try:
+        policy_specs(a.policy)
+    except ValueError as e:
+        p.error(str(e))
+    if a.first < 0 or (a.prompts is not None and a.prompts < 1) or a.new_tokens < 1:
+        p.error("--first must be >= 0, --prompts and --new-tokens >= 1")
+    import torch
+
+    from kvbench.realmodel import fetch
+
+    torch.set_num_threads(a.threads)
+    records = musique.load(a.data, passages=a.passages)
+    records = records[a.first:None if a.prompts is None else a.first + a.prompts]
+    if not records:
+        p.error(f"no records from index {a.first} in {a.data}")
+    result = run(fetch(a.model_dir).path, records, a.policy, a.new_tokens)
+    print(table(result))
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=2))
+    if a.plot:
+        plot(result, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
