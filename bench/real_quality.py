@@ -45,10 +45,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
-from engine_adapter.policy import POLICIES, Policy, ReusePolicy
+from engine_adapter import policy
+from engine_adapter.policy import ReusePolicy
 from kvbench import musique
 
-DEFAULT_POLICIES = ("full", "prefix", "naive", "cacheblend:budget=0.15", "cacheblend:budget=0.3", "cachecraft")
+DEFAULT_POLICIES = ("full", "naive", "cacheblend:budget=0.15", "cachecraft", policy.DEFAULT_POLICY)
 REFERENCE = "full"
 # Per-policy columns of the summary (JSON keys; the markdown table shows them in this order).
 COLUMNS = {
@@ -71,30 +72,7 @@ class PolicySpec:
 
 def parse_policy(spec: str) -> PolicySpec:
     """`name` or `name:key=value[,key=value]` -> the policy; ValueError says what is wrong."""
-    name, colon, rest = spec.strip().partition(":")
-    if name not in POLICIES:
-        raise ValueError(f"policy spec {spec!r}: unknown policy {name!r} (known: {', '.join(POLICIES)})")
-    options: dict[str, int | float] = {}
-    for item in rest.split(",") if colon else ():
-        key, eq, value = (s.strip() for s in item.partition("="))
-        if not eq or not key or not value:
-            raise ValueError(f"policy spec {spec!r}: option {item.strip()!r} is not key=value")
-        if key in options:
-            raise ValueError(f"policy spec {spec!r}: option {key!r} given twice")
-        options[key] = _number(value, spec, key)
-    try:
-        return PolicySpec(spec.strip(), Policy(name, **options))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"policy spec {spec!r}: {e}") from None
-
-
-def _number(value: str, spec: str, key: str) -> int | float:
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    raise ValueError(f"policy spec {spec!r}: option {key!r} needs a number, got {value!r}")
+    return PolicySpec(spec.strip(), policy.parse_policy(spec))
 
 
 def policy_specs(specs: Sequence[str]) -> list[PolicySpec]:
@@ -133,7 +111,7 @@ def run(model_dir: Path, records: Sequence[musique.Record], specs: Sequence[str]
     out = []
     with torch.no_grad(), tempfile.TemporaryDirectory(prefix="kvcraft-musique-") as tmp, \
             ServiceProcess(Path(tmp) / "data") as service, KVClient(service.address) as client:
-        warm = RAGAdapter(engine, client, Policy("full"), learn=False)
+        warm = RAGAdapter(engine, client, policy.Policy("full"))
         items = range(len(records))
         for i in (track(items, description="MuSiQue records", console=Console(stderr=True))
                   if progress else items):

@@ -241,19 +241,32 @@ DEFAULT_POLICY = "query"  # the policy a deployment runs unless it names another
 
 
 def parse_policy(spec: str) -> ReusePolicy:
-    """A policy from its spec: a name, or `name:option=value,...` (numbers as floats or
-    ints), e.g. `cacheblend:budget=0.15`. Raises ValueError naming what is wrong."""
-    name, _, rest = spec.strip().partition(":")
-    options: dict[str, object] = {}
-    for item in filter(None, (x.strip() for x in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"policy spec {spec!r}: option {item!r} is not key=value")
+    """A policy from its spec: a name, or `name:option=value,...` (numbers), e.g.
+    `cacheblend:budget=0.15`. Raises ValueError naming the spec and what is wrong with it."""
+    name, colon, rest = spec.strip().partition(":")
+    if name not in _KINDS:
+        raise ValueError(f"policy spec {spec!r}: unknown policy {name!r} (known: {', '.join(POLICIES)})")
+    options: dict[str, int | float] = {}
+    for item in rest.split(",") if colon else ():
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or not key or not value:
+            raise ValueError(f"policy spec {spec!r}: option {item.strip()!r} is not key=value")
+        if key in options:
+            raise ValueError(f"policy spec {spec!r}: option {key!r} given twice")
+        options[key] = _number(value, spec, key)
+    try:
+        return Policy(name, **options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"policy spec {spec!r}: {e}") from None
+
+
+def _number(value: str, spec: str, key: str) -> int | float:
+    for kind in (int, float):
         try:
-            options[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+            return kind(value)
         except ValueError:
-            raise ValueError(f"policy spec {spec!r}: option {key.strip()} needs a number, got {value!r}") from None
-    return Policy(name, **options)
+            pass
+    raise ValueError(f"policy spec {spec!r}: option {key!r} needs a number, got {value!r}")
 
 
 def focused_chunks(cinter: Sequence[float]) -> frozenset[int]:
