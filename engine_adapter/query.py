@@ -5,23 +5,24 @@ question reads (ProphetKV, "query-aware" selection; Cache-Craft §3.3 measures t
 question-to-chunk attention per chunk, eq. 15, to find the focused chunks). This prefill
 runs in two passes over the same stored KV:
 
-  1. the probe: naive reuse (every reused chunk's stored KV, only the fresh rows and the
-     question computed) through layers 0..L-2, which records, per prompt row, the
-     attention the question's rows put on it, summed over heads, question rows and layers
-     1..L-2. Layer 0 is left out of the sum: its K/V are projections of the token
+  1. the probe: naive reuse through layers 0..L-2 that computes the question alone (fresh
+     chunks, computed once in pass 2, are left out of its attention) and records, per
+     prompt row, the attention the question's rows put on it, summed over heads, question
+     rows and layers 1..L-2. Layer 0 is left out of the sum: its K/V are projections of the token
      embeddings, the same for a chunk behind any prefix (docs/adapter.md). The last layer
      is not run: on the synthetic task's dev draw its reads changed no pick that mattered,
      and it would cost the question one more layer;
   2. the prefill: the tokens of the reused chunks the question read most are recomputed
      from layer 0 (`QueryAware.first_rows`: the picks, as a Cache-Craft recompute list),
-     everything else as in pass 1. The question's rows start at layer 1 from the probe's
-     layer 0, which is exact for the same reason (`driver.Layer0`).
+     everything else as in pass 1, fresh chunks computed in full. Where the prompt has no
+     fresh chunk, the question's rows start at layer 1 from the probe's layer 0, which is
+     exact for the same reason (`driver.Layer0`).
 
 Pass 2 reads the stored layers pass 1 received (`_Replay`), so the service is read once;
 a chunk that fell back in pass 1 (a layer late or corrupt) falls back at the same layer
-in pass 2. The picks fill what remains of the policy's budget (the share of the prompt's
-row-layers of the reused chunks and the question, both passes counted) once the question
-is paid for (`picks_budget`); where nothing remains, no probe runs (naive reuse).
+in pass 2. The picks fill what remains of the policy's budget (a share of the row-layers
+of the reused chunks and the question, both passes counted) once the question is paid for
+(`picks_budget`); where nothing remains, no probe runs (naive reuse).
 
 Measured on the real model and the trained synthetic task in docs/quality.md.
 """
@@ -52,9 +53,17 @@ class _Probe(_Blend):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # Only the question runs here. Rows of fresh chunks (computed once, in pass 2) are
+        # hidden: placed after every row, so the position-causal mask keeps them out.
+        self.hidden = ~self.reused_mask & ~self.asker_mask
+        self.hidden[-1] = False
+        self.pos = torch.where(self.hidden, self.n, self.pos)
         self.received: list[LayerKV] = []
         self.reads = torch.zeros(self.n)  # [N] attention the question rows put on each row
         self.layer0: Layer0 | None = None  # the question rows after layer 0 (pass 2 starts them at 1)
+
+    def initial_rows(self) -> Tensor:
+        return (~self.reused_mask & ~self.hidden).nonzero().squeeze(1)
 
     def wait(self, layer: int) -> LayerKV:
         got = super().wait(layer)
@@ -65,7 +74,7 @@ class _Probe(_Blend):
         out = super().layer(layer, rows, h, select)
         if select and layer > 0:
             self.reads += self._question_reads(layer, rows, h)
-        if select and layer == 0 and self.lay.segments[-1].question:
+        if select and layer == 0 and self.lay.segments[-1].question and not self.hidden.any():
             q = self.lay.rows(len(self.lay.segments) - 1)
             at = torch.searchsorted(out[0], q)
             K, V = self.kv[0]
@@ -110,10 +119,12 @@ def picks_budget(policy: QueryAware, lay: Layout, reused_tokens: int, num_layers
     reuse saves on, so a request that brings fresh chunks (computed in full either way) still
     repairs the chunks it reuses. From it the question is paid for, through layers 0..L-2
     in the probe and 1..L-1 in pass 2 (its layer 0 is the probe's: layer-0 K/V do not depend
-    on a chunk's prefix); the rest, in whole rows through every layer, are the picks."""
+    on a chunk's prefix; with fresh chunks, which the probe does not see, pass 2 runs the
+    question's layer 0 again); the rest, in whole rows through every layer, are the picks."""
     L = num_layers
     question = len(lay.segments[-1].tokens) if lay.segments[-1].question else 1  # else the last row
-    spent = 2 * question * (L - 1)
+    fresh = lay.n - reused_tokens - question
+    spent = question * (L - 1) + question * (L if fresh else L - 1)
     return max(0, min(reused_tokens, int((policy.budget * (reused_tokens + question) * L - spent) // L)))
 
 

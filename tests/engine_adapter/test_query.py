@@ -133,3 +133,23 @@ def test_a_chunk_stored_behind_this_very_prefix_is_never_picked(engine, prompts)
     assert picks[0] == () and sum(map(len, picks.values())) == 40
     ref = most_read(dataclasses.replace(q, reads=q.reads.clone().index_fill_(0, lay.rows(0), -1.0)), lay, 40)
     assert picks == ref  # the same as if chunk 0 had never been read
+
+
+def test_fresh_chunks_are_computed_once_and_hidden_from_the_probe(engine, prompts):
+    """Chunk 1 fresh: the probe runs the question alone (chunk 1's rows read nothing and
+    cost nothing there), pass 2 computes chunk 1 in full and the question from layer 0."""
+    p = prompts[4]
+    segs = p.segments()
+    segs[1] = Segment(p.chunks[1])
+    source = InMemoryLayerSource({i: p.cache[i].kv for i in (0, 2, 3)})
+    lay = Layout.of(segs, engine.model_spec().fingerprint())
+    L, qn, fresh = engine.cfg.num_layers, len(p.question), len(p.chunks[1])
+    q = question_reads(engine, lay, source, [0, 2, 3], 0.05)
+    assert q.result.computed_rows == [qn] * (L - 1) and q.layer0 is None
+    assert float(q.reads[lay.rows(1)].abs().sum()) == 0.0
+    pol = Policy("query", budget=0.3)
+    r = blend_prefill(engine, segs, pol, InMemoryLayerSource(source.kv), gate=TRUSTED)
+    picks = picks_budget(pol, lay, len(p.tokens) - qn - fresh, L)
+    assert picks > 0
+    assert sum(r.computed_rows) == qn * (L - 1) + (qn + fresh + picks) * L
+    assert 1 in r.fresh  # its new variant, as with any policy

@@ -1,4 +1,5 @@
-"""kvbench.real_quality on the real model: 2 dev records, full and naive, through a service.
+"""kvbench.real_quality on the real model: 2 dev records, full, naive and the default policy,
+through a service.
 
 Each prompt holds one passage (not the benchmark's 3) to keep the suite short; the
 stream, the warm requests and the columns are the benchmark's own.
@@ -14,6 +15,7 @@ from transformers import AutoTokenizer
 
 from engine_adapter.generate import greedy, stop_tokens
 from engine_adapter.llama import LlamaEngine
+from engine_adapter.policy import DEFAULT_POLICY
 from kvbench import musique, real_quality
 
 NEW_TOKENS = 8
@@ -26,7 +28,8 @@ def records():
 
 @pytest.fixture(scope="module")
 def result(fetched, records):
-    out = real_quality.run(fetched.path, records, ["full", "naive"], new_tokens=NEW_TOKENS, progress=False)
+    out = real_quality.run(fetched.path, records, ["full", "naive", DEFAULT_POLICY], new_tokens=NEW_TOKENS,
+                           progress=False)
     return json.loads(json.dumps(out))  # what --json writes
 
 
@@ -49,7 +52,7 @@ def test_full_computes_every_row_layer_and_naive_reuses_the_passages(result):
 
 
 def test_the_json_has_every_column_and_every_answer(result, records):
-    assert [r["policy"] for r in result["policies"]] == ["full", "naive"]
+    assert [r["policy"] for r in result["policies"]] == ["full", "naive", DEFAULT_POLICY]
     for row in result["policies"]:
         assert set(real_quality.COLUMNS) <= set(row)
         assert row["records"] == len(records)
@@ -63,3 +66,13 @@ def test_the_json_has_every_column_and_every_answer(result, records):
     for key in ("machine", "date", "torch", "transformers", "command"):
         assert result["meta"][key]
     assert "| naive |" in real_quality.table(result)
+
+
+def test_the_default_policy_keeps_the_first_token_within_its_budget(result):
+    """The real-model fidelity check of the default: its answer starts as full prefill's on
+    every record, at most 15% of the row-layers of the reused chunks and the question
+    computed (here nearly the whole prompt: one passage, no fresh chunk)."""
+    for rec in result["records"]:
+        got, full = rec["served"][DEFAULT_POLICY], rec["served"]["full"]
+        assert got["tokens"][:1] == full["tokens"][:1]
+        assert 0.03 < got["computed_share"] <= 0.15
