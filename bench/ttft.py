@@ -1,6 +1,7 @@
 """Time to first token of reuse against full prefill, side by side in one run, on CPU.
 
     python -m kvbench.ttft --json ttft.json --plot docs/ttft.png
+    python -m kvbench.ttft --real            # the real model on a MuSiQue prompt
 
 A compute-dominant shape: a random-weight Llama (12 layers, hidden 768, 12 heads / 4 KV
 heads, MLP 2048, vocab 32000, fp32), 5 retrieved chunks of 256 tokens + a 32-token
@@ -23,6 +24,14 @@ logits, other (Plan, Locate, Release, setup). "ideal" is 1 / the share of the pr
 row-layers computed (layer 0 and the question included): the speed-up if everything but
 that compute were free. One torch thread by default: the service shares this small
 machine, and a second OpenMP thread stalls whenever it is busy.
+
+`--real [DIR]`: the real model instead (SmolLM2-135M-Instruct, `kvbench.realmodel`: the
+folder `kvcraft model fetch` builds, fetched if absent; 30 layers, hidden 576, 9 / 3 KV
+heads) on a MuSiQue record of the sample (`kvbench.musique`: chat template, instruction
+segment, one chunk per passage, question). `--passages` above the record's 3 adds
+passages of the following records as further retrieved passages. The instruction chunk
+is stored as a request with it alone left it; each passage behind the instruction and
+a passage of another record.
 """
 
 from __future__ import annotations
@@ -95,13 +104,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=5)
     ap.add_argument("--chunk-len", type=int, default=256)
     ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--real", nargs="?", const="", metavar="DIR",
+                    help="the real model (its folder; default: where `kvcraft model fetch` puts it) "
+                         "on a MuSiQue prompt, instead of the random-weight shape")
+    ap.add_argument("--record", type=int, default=0, help="with --real: the MuSiQue sample record")
+    ap.add_argument("--passages", type=int, default=3, help="with --real: retrieved passages in the prompt")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="write a bar chart (PNG) here")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    out = run(a.layers, a.chunks, a.chunk_len, a.question_len, a.repeats)
+    with tempfile.TemporaryDirectory(prefix="kvcraft-ttft-") as tmp:
+        if a.real is not None:
+            work = real_workload(a.real or None, a.record, a.passages)
+        else:
+            work = random_workload(Path(tmp) / "model", a.layers, a.chunks, a.chunk_len, a.question_len)
+        out = run(work, a.repeats, Path(tmp) / "data")
     print_table(out)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
@@ -110,97 +129,154 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run(layers: int, n_chunks: int, chunk_len: int, question_len: int, repeats: int) -> dict:
-    from transformers import LlamaForCausalLM
+@dataclass
+class Workload:
+    """One prompt on one model, and how its chunks were stored before it is served."""
 
-    from kvservice.launcher import ServiceProcess
+    engine: LlamaEngine
+    hf: object  # transformers' LlamaForCausalLM (SDPA) with the same weights
+    chunks: list[list[int]]
+    question: list[int]
+    behind: list[list[list[int]]]  # per chunk: the chunks it was computed behind when stored
+    title: str  # the model and prompt, for the table
+    shape: dict
+
+
+def random_workload(folder: Path, layers: int, n_chunks: int, chunk_len: int, question_len: int) -> Workload:
+    """The random-weight shape: every chunk stored behind one other random chunk."""
+    from transformers import LlamaForCausalLM
 
     cfg = dataclasses.replace(SHAPE, num_layers=layers)
     engine = LlamaEngine.random(cfg, seed=0, std=0.05)
-    model_id = engine.model_spec().fingerprint()
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     chunks = [rand(chunk_len) for _ in range(n_chunks)]
     others = [rand(chunk_len) for _ in range(n_chunks)]
     question = rand(question_len)
+    engine.save_pretrained(folder)
+    hf = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    shape = {"model": "random Llama", "layers": layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
+             "kv_heads": cfg.num_kv_heads, "mlp": cfg.intermediate_size, "vocab": cfg.vocab_size,
+             "chunks": n_chunks, "chunk_len": chunk_len, "question_len": question_len, "dtype": "float32"}
+    title = (f"{layers}-layer random Llama (hidden {cfg.hidden_size}), {n_chunks} x {chunk_len}-token chunks "
+             f"+ {question_len}-token question, fp32")
+    return Workload(engine, hf, chunks, question, [[o] for o in others], title, shape)
+
+
+def real_workload(folder: str | None, record: int, passages: int) -> Workload:
+    """The real model on MuSiQue sample record `record` with `passages` passages (beyond the
+    record's own: the next records' passages). The instruction chunk is stored alone; each
+    passage behind the instruction and a passage of another record."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvbench import musique, realmodel
+
+    path = realmodel.fetch(folder).path
+    tok = AutoTokenizer.from_pretrained(path)
+    records = musique.load(passages=3)
+    rec = records[record % len(records)]
+    pool = [p for r in records[record + 1:] + records[:record] for p in r.passages]
+    rec = dataclasses.replace(rec, passages=(rec.passages + tuple(pool))[:passages])
+    p = musique.prompt(tok, rec)
+    strangers = [musique.prompt(tok, dataclasses.replace(rec, passages=(pool[-1 - i],))).passages[0]
+                 for i in range(len(p.passages))]
+    engine = LlamaEngine.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).eval()
+    chunks = [list(c) for c in p.chunks()]
+    behind = [[]] + [[list(p.instruction), list(o)] for o in strangers]
+    c = engine.cfg
+    n = len(p.tokens)
+    shape = {"model": realmodel.NAME, "layers": c.num_layers, "hidden": c.hidden_size, "heads": c.num_heads,
+             "kv_heads": c.num_kv_heads, "mlp": c.intermediate_size, "vocab": c.vocab_size,
+             "chunks": len(chunks), "chunk_lens": [len(x) for x in chunks], "question_len": len(p.question),
+             "prompt_tokens": n, "musique_record": rec.id, "passages": passages, "dtype": "float32"}
+    title = (f"{realmodel.NAME} ({c.num_layers} layers, hidden {c.hidden_size}), MuSiQue record {rec.id}: "
+             f"instruction + {passages} passages + question = {n} tokens, fp32")
+    return Workload(engine, hf, chunks, list(p.question), behind, title, shape)
+
+
+def run(work: Workload, repeats: int, data_dir: Path) -> dict:
+    from kvservice.launcher import ServiceProcess
+
+    engine, hf, chunks, question = work.engine, work.hf, work.chunks, work.question
+    layers = engine.cfg.num_layers
+    model_id = engine.model_spec().fingerprint()
     tokens = torch.tensor(sum(chunks, []) + question)
+    ref = engine.prefill(tokens, all_logits=False)[0][-1]
+    with ServiceProcess(data_dir) as service, KVClient(service.address) as client:
+        ranking = {}
+        for c, before in zip(chunks, work.behind):  # each chunk stored behind other chunks
+            segs = [Segment(b) for b in before] + [Segment(c)]
+            fresh = blend_prefill(engine, segs, Policy("full"), InMemoryLayerSource({}),
+                                  gate=TRUSTED).fresh[len(before)]
+            client.store(model_id, c, fresh.kv, prefix_keys=list(fresh.prefix), stats=fresh.stats)
+            tia = torch.tensor(fresh.stats.token_inter_attention)
+            ranking[chunk_key(model_id, c)] = tia.argsort(descending=True).tolist()
 
-    with tempfile.TemporaryDirectory(prefix="kvcraft-ttft-") as tmp:
-        engine.save_pretrained(Path(tmp) / "model")
-        hf = LlamaForCausalLM.from_pretrained(Path(tmp) / "model", attn_implementation="sdpa").eval()
-        ref = engine.prefill(tokens, all_logits=False)[0][-1]
-        with ServiceProcess(Path(tmp) / "data") as service, KVClient(service.address) as client:
-            ranking = {}
-            for c, o in zip(chunks, others):  # each chunk stored behind another chunk
-                fresh = blend_prefill(engine, [Segment(o), Segment(c)], Policy("full"), InMemoryLayerSource({}),
-                                      gate=TRUSTED).fresh[1]
-                client.store(model_id, c, fresh.kv, prefix_keys=list(fresh.prefix), stats=fresh.stats)
-                tia = torch.tensor(fresh.stats.token_inter_attention)
-                ranking[chunk_key(model_id, c)] = tia.argsort(descending=True).tolist()
+        def via_adapter(policy: ReusePolicy, local: bool) -> Callable:
+            def go() -> tuple[float, BlendResult, object]:
+                adapter = RAGAdapter(engine, client, policy, gate=TRUSTED, store_back=False, local=local)
+                try:
+                    r, rep = adapter.prefill(chunks, question, reorder=False)
+                finally:
+                    adapter.close()
+                return rep.ttft_s, r, rep
+            return go
 
-            def via_adapter(policy: ReusePolicy, local: bool) -> Callable:
-                def go() -> tuple[float, BlendResult, object]:
-                    adapter = RAGAdapter(engine, client, policy, gate=TRUSTED, store_back=False, local=local)
-                    try:
-                        r, rep = adapter.prefill(chunks, question, reorder=False)
-                    finally:
-                        adapter.close()
-                    return rep.ttft_s, r, rep
-                return go
+        def timed(f: Callable) -> Callable:
+            def go() -> tuple[float, None, None]:
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    f()
+                return time.perf_counter() - t0, None, None
+            return go
 
-            def timed(f: Callable) -> Callable:
-                def go() -> tuple[float, None, None]:
-                    t0 = time.perf_counter()
-                    with torch.no_grad():
-                        f()
-                    return time.perf_counter() - t0, None, None
-                return go
+        cases = [
+            Case("transformers SDPA full prefill", timed(lambda: hf(tokens[None], logits_to_keep=1)), "full"),
+            Case("engine full prefill", timed(lambda: engine.prefill(tokens, all_logits=False)), "full"),
+            Case("naive (shm)", via_adapter(Naive(), True)),
+            Case("naive (gRPC)", via_adapter(Naive(), False)),
+        ]
+        for share in (0.05, 0.10, 0.15):
+            cases.append(Case(f"cachecraft top {share:.0%} (shm)", via_adapter(TopShare(share=share, ranking=ranking), True)))
+        cases.append(Case("cachecraft top 10% (gRPC)", via_adapter(TopShare(share=0.10, ranking=ranking), False)))
+        cases.append(Case("cachecraft planned (service alpha) (shm)", via_adapter(CacheCraft(), True)))
+        for budget in (0.12, 0.15, 0.20):
+            if budget * layers >= 1:
+                cases.append(Case(f"cacheblend budget {budget:.0%} (shm)", via_adapter(CacheBlend(budget=budget), True)))
+        if 0.15 * layers >= 1:
+            cases.append(Case("cacheblend budget 15% (gRPC)", via_adapter(CacheBlend(budget=0.15), False)))
 
-            cases = [
-                Case("transformers SDPA full prefill", timed(lambda: hf(tokens[None], logits_to_keep=1)), "full"),
-                Case("engine full prefill", timed(lambda: engine.prefill(tokens, all_logits=False)), "full"),
-                Case("naive (shm)", via_adapter(Naive(), True)),
-                Case("naive (gRPC)", via_adapter(Naive(), False)),
-            ]
-            for share in (0.05, 0.10, 0.15):
-                cases.append(Case(f"cachecraft top {share:.0%} (shm)", via_adapter(TopShare(share=share, ranking=ranking), True)))
-            cases.append(Case("cachecraft top 10% (gRPC)", via_adapter(TopShare(share=0.10, ranking=ranking), False)))
-            cases.append(Case("cachecraft planned (service alpha) (shm)", via_adapter(CacheCraft(), True)))
-            for budget in (0.12, 0.15, 0.20):
-                if budget * layers >= 1:
-                    cases.append(Case(f"cacheblend budget {budget:.0%} (shm)", via_adapter(CacheBlend(budget=budget), True)))
-            if 0.15 * layers >= 1:
-                cases.append(Case("cacheblend budget 15% (gRPC)", via_adapter(CacheBlend(budget=0.15), False)))
+        def sample(case: Case) -> None:
+            ttft, r, rep = case.run()
+            s = {"ttft_s": ttft, "computed_share": r.computed_share if r else 1.0,
+                 "recompute_ratio": r.recompute_ratio if r else 0.0,
+                 "reused_chunks": getattr(rep, "reused_chunks", 0),
+                 **_split(ttft, r, getattr(rep, "fetch_wait_s", 0.0))}
+            if r is not None:
+                s["logit_dev"] = float((r.logits - ref).norm() / ref.norm())
+            case.samples.append(s)
 
-            def sample(case: Case) -> None:
-                ttft, r, rep = case.run()
-                s = {"ttft_s": ttft, "computed_share": r.computed_share if r else 1.0,
-                     "recompute_ratio": r.recompute_ratio if r else 0.0,
-                     "reused_chunks": getattr(rep, "reused_chunks", 0),
-                     **_split(ttft, r, getattr(rep, "fetch_wait_s", 0.0))}
-                if r is not None:
-                    s["logit_dev"] = float((r.logits - ref).norm() / ref.norm())
-                case.samples.append(s)
-
-            for case in cases:  # warm-up: one untimed run each (allocator, first Locate, probe)
-                case.run()
-            for _ in range(repeats):
-                for case in cases:
-                    sample(case)
-            # The prefix cache: exact variants of the first 3 chunks, as a request with the
-            # same leading chunks stores them (the plan prefers them: CFO 0).
-            lead = blend_prefill(engine, [Segment(c) for c in chunks[:3]], Policy("full"), InMemoryLayerSource({}),
-                                 gate=TRUSTED).fresh
-            for i in range(3):
-                client.store(model_id, chunks[i], lead[i].kv, prefix_keys=list(lead[i].prefix), stats=lead[i].stats)
-            prefix = [Case("prefix, 3 of 5 chunks (shm)", via_adapter(Policy("prefix"), True)),
-                      Case("prefix, 3 of 5 chunks (gRPC)", via_adapter(Policy("prefix"), False))]
+        for case in cases:  # warm-up: one untimed run each (allocator, first Locate, probe)
+            case.run()
+        for _ in range(repeats):
+            for case in cases:
+                sample(case)
+        # The prefix cache: exact variants of the first 3 chunks, as a request with the
+        # same leading chunks stores them (the plan prefers them: CFO 0).
+        k = min(3, len(chunks) - 1)
+        lead = blend_prefill(engine, [Segment(c) for c in chunks[:k]], Policy("full"), InMemoryLayerSource({}),
+                             gate=TRUSTED).fresh
+        for i in range(k):
+            client.store(model_id, chunks[i], lead[i].kv, prefix_keys=list(lead[i].prefix), stats=lead[i].stats)
+        prefix = [Case(f"prefix, {k} of {len(chunks)} chunks (shm)", via_adapter(Policy("prefix"), True)),
+                  Case(f"prefix, {k} of {len(chunks)} chunks (gRPC)", via_adapter(Policy("prefix"), False))]
+        for case in prefix:
+            case.run()
+        for _ in range(repeats):
             for case in prefix:
-                case.run()
-            for _ in range(repeats):
-                for case in prefix:
-                    sample(case)
-            cases += prefix
+                sample(case)
+        cases += prefix
 
     hf_s = _median(cases[0], "ttft_s")
     eng_s = _median(cases[1], "ttft_s")
@@ -215,9 +291,8 @@ def run(layers: int, n_chunks: int, chunk_len: int, question_len: int, repeats: 
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s), "
                    f"torch {torch.__version__}, {platform.python_version()}",
-        "shape": {"layers": layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
-                  "kv_heads": cfg.num_kv_heads, "mlp": cfg.intermediate_size, "vocab": cfg.vocab_size,
-                  "chunks": n_chunks, "chunk_len": chunk_len, "question_len": question_len, "dtype": "float32"},
+        "title": work.title,
+        "shape": work.shape,
         "repeats": repeats,
         "rows": rows,
     }
@@ -231,10 +306,7 @@ def print_table(out: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    sh = out["shape"]
-    t = Table(title=f"TTFT, {sh['layers']}-layer random Llama (hidden {sh['hidden']}), {sh['chunks']} x "
-                    f"{sh['chunk_len']}-token chunks + {sh['question_len']}-token question, fp32; "
-                    f"median of {out['repeats']}")
+    t = Table(title=f"TTFT, {out['title']}; {out['machine']}; median of {out['repeats']}")
     cols = ("case", "TTFT ms", "vs transformers", "vs engine full", "computed", "ideal", "fetch wait",
             "rotate", "recompute", "attention", "logits", "other", "logit dev")
     for col in cols:
@@ -271,9 +343,7 @@ def plot(out: dict, path: str) -> None:
     ax.set_yticks(range(len(rows)), [r["case"] for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("TTFT, ms; speed-up vs transformers' SDPA full prefill of the same weights")
-    sh = out["shape"]
-    ax.set_title(f"TTFT on CPU: {sh['layers']}-layer random Llama, hidden {sh['hidden']}, {sh['chunks']} x "
-                 f"{sh['chunk_len']} tokens + {sh['question_len']}, fp32 ({out['date'][:10]})", fontsize=9)
+    ax.set_title(f"TTFT on CPU: {out['title']} ({out['date'][:10]})", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     ax.set_xlim(right=ax.get_xlim()[1] * 1.45)
     fig.tight_layout()

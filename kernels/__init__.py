@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from .attention import (
+    MASS_BLOCK_ROWS,
+    attention_mass_blocked,
     attention_mass_reference,
     selective_attention_reference,
     selective_attention_sdpa,
@@ -40,6 +42,7 @@ __all__ = [
     "selective_attention_sdpa",
     "attention_mass",
     "attention_mass_reference",
+    "attention_mass_blocked",
     "kv_deviation_topk",
     "kv_deviation_topk_triton",
     "kv_deviation_topk_reference",
@@ -96,6 +99,8 @@ def attention_mass(
     """Per-segment attention mass fp32 [R, S] only (contract: :func:`attention_mass_reference`)."""
     if q.is_cuda:
         return selective_attention_triton(q, q_pos, k, k, k_pos, scale=scale, segments=segments)[1]
+    if q.shape[1] >= 2 * MASS_BLOCK_ROWS and bool((k_pos[1:] >= k_pos[:-1]).all()):
+        return attention_mass_blocked(q, q_pos, k, k_pos, segments, scale=scale)
     return attention_mass_reference(q, q_pos, k, k_pos, segments, scale=scale)
 
 

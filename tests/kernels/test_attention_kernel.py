@@ -194,6 +194,38 @@ def test_sdpa_keys_out_of_position_order_strided_inputs_and_blind_rows() -> None
     torch.testing.assert_close(got, expected, **TOL[torch.float32])
 
 
+def test_sdpa_rows_in_blocks_over_position_ordered_keys_equal_the_reference() -> None:
+    """Many rows over keys in position order take the blocked path (each block of rows over
+    the keys it can see); rows in any order, some before every key, some seeing all."""
+    from kvkernels.attention import SDPA_BLOCK_ROWS
+
+    T, D, R = 300, 32, 3 * SDPA_BLOCK_ROWS + 5
+    q, k, v = _qkv(6, 2, R, T, D, torch.float32, seed=11)
+    k_pos = torch.arange(T) + 10
+    q_pos = torch.randint(0, T + 20, (R,), generator=torch.Generator().manual_seed(12))
+    q_pos[:SDPA_BLOCK_ROWS + 1] = 3  # more than a whole block sees no key
+    got, _ = selective_attention_sdpa(q, q_pos, k, v, k_pos, scale=0.2)
+    expected, _ = selective_attention_reference(q, q_pos, k, v, k_pos, scale=0.2)
+    assert torch.all(got[:, :SDPA_BLOCK_ROWS + 1] == 0)
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
+def test_attention_mass_in_blocks_over_position_ordered_keys_equals_the_reference() -> None:
+    from kvkernels import attention_mass, attention_mass_blocked
+    from kvkernels.attention import MASS_BLOCK_ROWS
+
+    T, D, R = 400, 16, 2 * MASS_BLOCK_ROWS + 9
+    q, k, _ = _qkv(6, 3, R, T, D, torch.float32, seed=13)
+    k_pos = torch.arange(T)
+    q_pos = torch.randint(0, T + 5, (R,), generator=torch.Generator().manual_seed(14))
+    q_pos[:MASS_BLOCK_ROWS + 3] = torch.arange(MASS_BLOCK_ROWS + 3) % 40  # a whole block sees few keys
+    segments = torch.tensor([0, 30, 30, 190, T])
+    expected = attention_mass_reference(q, q_pos, k, k_pos, segments, scale=0.25)
+    for got in (attention_mass_blocked(q, q_pos, k, k_pos, segments, scale=0.25),
+                attention_mass(q, q_pos, k, k_pos, segments, scale=0.25)):
+        torch.testing.assert_close(got, expected, **MASS_TOL)
+
+
 def test_attention_mass_alone_equals_naive_softmax() -> None:
     T, D = 19, 16
     q, k, _ = _qkv(4, 2, 6, T, D, torch.float32, seed=6)
