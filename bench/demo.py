@@ -6,16 +6,14 @@
    earlier request served those passages in another order, behind a passage of another
    record, and stored their KV back, as a deployment would. The question is then answered
    by full prefill and through the adapter (Plan, KV from the service's shared memory,
-   blended prefill, Release) with `REAL_POLICY`: answers beside the gold answer, time to
+   blended prefill, Release) with the default policy (`query`): answers beside the gold answer, time to
    first token and the share of row-layers computed. Every policy's TTFT on this model:
    `kvcraft bench ttft --real` (docs/benchmarks.md).
 2. Answers: the small Llama trained here on a multi-hop task (`bench/quality/model`,
    docs/quality.md) answers held-out questions whose chunks were stored behind chunks
-   of another prompt. Two more requests per prompt compute its chunks again behind
-   yet other chunks; their store-backs teach the service which tokens of each chunk
-   matter (learned recompute lists, the default). The same questions by full prefill,
-   naive reuse, CacheBlend (r = 30%) and kvcraft's default (Cache-Craft with the learned
-   lists, budget as the planner sizes it): answers shown, accuracy counted.
+   of another prompt. The same questions by full prefill, naive reuse, CacheBlend
+   (r = 30%) and kvcraft's default (`query`: the reused tokens the question reads are
+   recomputed, 15% budget): answers shown, accuracy counted.
 """
 
 from __future__ import annotations
@@ -26,12 +24,12 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from engine_adapter.policy import CacheBlend
+from engine_adapter.policy import DEFAULT_POLICY, parse_policy
 
 QUALITY_EXAMPLES = 24
 REAL_RECORD = 13  # index into the MuSiQue sample (bench/data/musique_dev.json)
 REAL_ANSWER_TOKENS = 24  # greedy tokens after the first, at most
-REAL_POLICY = CacheBlend(budget=0.15)  # the reuse policy part 1 answers with
+REAL_POLICY = parse_policy(DEFAULT_POLICY)  # the reuse policy part 1 answers with: the default
 
 
 def run_demo(data_dir: str | None = None, *, quality_examples: int = QUALITY_EXAMPLES,
@@ -158,9 +156,8 @@ def _answers(console, client, n: int) -> bool:  # noqa: ANN001 - rich Console, K
             v = p.stored[j]
             client.store(model_id, c, v.kv, prefix_keys=list(v.prefix), stats=v.stats)
     gate = ReuseGate()
-    _learning_requests(engine, client, prompts, gate)
     settings = [("naive reuse", Naive()), ("cacheblend r=30%", CacheBlend(ratio=0.30)),
-                (DEFAULT_COLUMN, Policy("cachecraft"))]
+                (DEFAULT_COLUMN, Policy(DEFAULT_POLICY))]
     adapters = {name: RAGAdapter(engine, client, pol, gate=gate, store_back=False, local=True)
                 for name, pol in settings}
     word = lambda t: tok.decode([t]).strip()  # noqa: E731
@@ -190,35 +187,13 @@ def _answers(console, client, n: int) -> bool:  # noqa: ANN001 - rich Console, K
     console.print("Naive reuse keeps each chunk's KV as it was computed, behind a stranger, so a "
                   "'they' chunk stays bound to the wrong person and cross-chunk questions are lost. "
                   "CacheBlend recomputes the tokens whose KV deviates most and gets them back; the "
-                  "default recomputes the tokens the learned lists name, within the planner's budget. "
+                  "default asks the question first and recomputes the tokens it reads, within 15%. "
                   "(This 4-layer model is tiny: its prefill takes milliseconds; part 1 shows the time "
                   "on a real model. docs/quality.md has 200-300-question runs of every policy.)")
     return all(hits[k] >= hits["full prefill"] - max(1, n // 10) for k in ("cacheblend r=30%", DEFAULT_COLUMN))
 
 
-DEFAULT_COLUMN = "default (learned)"
-
-
-def _learning_requests(engine, client, prompts, gate) -> None:  # noqa: ANN001
-    """Two later requests per prompt, served by full prefill: each shuffles the prompt's
-    chunks together with two chunks of another prompt (a different one each time) and asks
-    the prompt's question, as kvbench.quality.evaluate's learning passes do. Their store-backs find the variant stored earlier and send, with the new
-    variant, which tokens' recompute repairs that answer most (`RAGAdapter(learn=True)`,
-    the default: `selection.learn`); the planner spends its budget on those tokens."""
-    import random
-
-    from engine_adapter import Policy
-    from engine_adapter.service import RAGAdapter
-
-    rng = random.Random(7)
-    warm = RAGAdapter(engine, client, Policy("full"), gate=gate, local=True)
-    for k in (1, 2):
-        for i, p in enumerate(prompts):
-            other = prompts[(i + k) % len(prompts)]
-            mixed = [list(c) for c in p.chunks] + [list(c) for c in other.chunks[:2]]
-            rng.shuffle(mixed)
-            warm.prefill(mixed, list(p.question), reorder=False)
-    warm.close()
+DEFAULT_COLUMN = f"default ({DEFAULT_POLICY})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

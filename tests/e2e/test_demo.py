@@ -1,6 +1,6 @@
 """`kvcraft demo` (kvbench.demo) runs end to end against a real service, at a small size:
-its part 2 prints the trained model's answers, counted (the default policy's too, after
-the learning requests), and the service stops cleanly. Part 1, the real model, is
+its part 2 prints the trained model's answers, counted (the default policy's too),
+and the service stops cleanly. Part 1, the real model, is
 tests/realmodel/test_demo.py; speed is not asserted here (bench/ttft.py measures it)."""
 
 from __future__ import annotations
@@ -17,6 +17,6 @@ def test_demo_counts_the_trained_models_answers(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "1. The real model" not in out
     assert "2. Answers" in out and "accuracy" in out and "/4 = " in out
-    assert demo.DEFAULT_COLUMN in out  # the default policy (learned lists) answers beside the others
+    assert demo.DEFAULT_COLUMN in out  # the default policy answers beside the others
     assert "service stopped cleanly (exit 0)" in out
     assert code in (0, 1)  # 1 only if reuse lost answers at this toy size
