@@ -102,12 +102,14 @@ def warm_chunks(prompts: list[musique.Prompt], i: int, rng: random.Random) -> li
 
 
 def warm(engine: Any, client: Any, prompts: list[musique.Prompt], seed: int = 0) -> None:
-    """Serve every record's passages once with policy full, fresh chunks stored back."""
+    """Serve every record's passages once with policy full, fresh chunks stored back (with the
+    Cache-Craft statistics the plan sizes recompute lists by; without learned scores, which
+    none of the settings uses)."""
     from engine_adapter import Policy
     from engine_adapter.service import RAGAdapter
 
     rng = random.Random(seed)
-    adapter = RAGAdapter(engine, client, Policy("full"), local=True)
+    adapter = RAGAdapter(engine, client, Policy("full"), local=True, learn=False)
     for i, p in enumerate(prompts):
         adapter.prefill(warm_chunks(prompts, i, rng), list(p.question), reorder=False)
     adapter.flush()
