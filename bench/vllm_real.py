@@ -164,7 +164,8 @@ def score(setting: Setting, vllm: list[dict[str, Any]], alone: list[list[int]], 
            "computed_share": share / n, "blended_requests": blended,
            "fallbacks": sorted({report(o).get("fallback", "") for o in vllm} - {""})}
     if ref is not None:
-        row |= {"identical_to_reference": same_ref / n, "reference_computed_share": sum(r["computed_share"] for r in ref) / n,
+        row |= {"identical_to_reference": same_ref / n,
+                "reference_computed_share": sum(r["computed_share"] for r in ref) / n,
                 "reference_f1": sum(musique.f1(tok.decode(r["output"], skip_special_tokens=True), rec.answers)
                                     for r, rec in zip(ref, records)) / n,
                 "differences": diffs}
@@ -237,7 +238,8 @@ def run(records: int | None = 30, data: str | Path = musique.SAMPLE, passages: i
                 "phases": phases}, timeout=ENGINE_TIMEOUT_S)
             out["vllm_blend_s"] = time.perf_counter() - t
     for s, ph in zip(chosen, res["phases"]):
-        out["rows"].append(score(s, ph["outputs"], alone, refs[s.label], recs, tok, stop) | {"connector": ph["metrics"]})
+        row = score(s, ph["outputs"], alone, refs[s.label], recs, tok, stop)
+        out["rows"].append(row | {"connector": ph["metrics"]})
     out["answers"] = [{"record": r.id, "gold": list(r.answers), "vllm_alone": tok.decode(a, skip_special_tokens=True)}
                       for r, a in zip(recs, alone)]
     return out
