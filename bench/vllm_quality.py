@@ -110,7 +110,8 @@ BLEND_MODEL = {"hf_overrides": {"architectures": ["KVCraftLlamaForCausalLM"]},
                "plugins": ["engine_adapter.vllm.model:register"]}
 
 
-def engine_run(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def engine_run(tmp: Path, name: str, spec: dict[str, Any], timeout: float = ENGINE_TIMEOUT_S) -> dict[str, Any]:
+    """One vLLM instance (`python -m kvbench.vllm_rag engine`) through `spec`, its log in tmp."""
     from kvbench.vllm_rag import engine_env
 
     (tmp / f"{name}.json").write_text(json.dumps(spec))
@@ -118,7 +119,7 @@ def engine_run(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     with open(log, "w") as err:
         r = subprocess.run([sys.executable, "-m", "kvbench.vllm_rag", "engine", str(tmp / f"{name}.json"),
                             str(tmp / f"{name}.out")], env=engine_env(), stderr=err, stdout=err,
-                           timeout=ENGINE_TIMEOUT_S)
+                           timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"vLLM engine {name!r} exited {r.returncode}:\n{log.read_text()[-4000:]}")
     return json.loads((tmp / f"{name}.out").read_text())

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from .conftest import run_fetch
+from tests.conftest import run_fetch
 from kvbench import realmodel
 
 

