@@ -82,7 +82,7 @@ def _real(console, client, folder: Path) -> bool:  # noqa: ANN001 - rich Console
     from transformers import AutoTokenizer
 
     from engine_adapter import LlamaEngine, Policy, ReuseGate, greedy, stop_tokens
-    from engine_adapter.service import RAGAdapter
+    from engine_adapter.rag import RAGAdapter
     from kvbench import musique
 
     engine = LlamaEngine.from_pretrained(folder)
@@ -142,7 +142,7 @@ def _answers(console, client, n: int) -> bool:  # noqa: ANN001 - rich Console, K
     from rich.table import Table
 
     from engine_adapter import CacheBlend, LlamaEngine, Naive, Policy, ReuseGate
-    from engine_adapter.service import RAGAdapter
+    from engine_adapter.rag import RAGAdapter
     from kvbench.quality import modeling, selection
 
     console.print(f"\n[bold]2. Answers[/bold]: the model trained on the multi-hop task (bench/quality/model), "

@@ -97,7 +97,7 @@ def run(model_dir: Path, records: Sequence[musique.Record], specs: Sequence[str]
 
     from engine_adapter import LlamaEngine
     from engine_adapter.generate import greedy, stop_tokens
-    from engine_adapter.service import RAGAdapter
+    from engine_adapter.rag import RAGAdapter
     from kvclient.client import KVClient
     from kvservice.launcher import ServiceProcess
 

@@ -69,7 +69,7 @@ def run_service(chunk_len: int = 96) -> list[tuple[str, BlendResult, float]]:
     import tempfile
     from pathlib import Path
 
-    from engine_adapter.service import RAGAdapter
+    from engine_adapter.rag import RAGAdapter
     from kvclient.client import KVClient
     from kvservice.launcher import ServiceProcess
 

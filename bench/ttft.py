@@ -55,7 +55,7 @@ from engine_adapter import CacheBlend, CacheCraft, LlamaConfig, LlamaEngine, Nai
 from engine_adapter.blend import BlendResult, blend_prefill
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
-from engine_adapter.service import RAGAdapter
+from engine_adapter.rag import RAGAdapter
 from engine_adapter.source import InMemoryLayerSource
 from kvclient.client import KVClient
 from kvcraft.keys import chunk_key

@@ -64,7 +64,8 @@ def settings() -> list[Setting]:
     w = {"layer_budget_s": LAYER_WAIT_S}
     return [Setting("full", {"name": "full"}), Setting("naive", {"name": "naive", **w}),
             Setting("cacheblend budget=0.15", {"name": "cacheblend", "budget": 0.15, **w}),
-            Setting("cachecraft", {"name": "cachecraft", **w})]
+            Setting("cachecraft", {"name": "cachecraft", **w}),
+            Setting("query (default)", {"name": "query", **w})]
 
 
 def to_policy(policy: dict[str, Any]) -> Any:
@@ -106,7 +107,7 @@ def warm(engine: Any, client: Any, prompts: list[musique.Prompt], seed: int = 0)
     Cache-Craft statistics the plan sizes recompute lists by; without learned scores, which
     none of the settings uses)."""
     from engine_adapter import Policy
-    from engine_adapter.service import RAGAdapter
+    from engine_adapter.rag import RAGAdapter
 
     rng = random.Random(seed)
     adapter = RAGAdapter(engine, client, Policy("full"), local=True, learn=False)
@@ -122,7 +123,7 @@ def reference(engine: Any, client: Any, prompts: list[musique.Prompt], policy: d
     import torch
 
     from engine_adapter.generate import greedy
-    from engine_adapter.service import RAGAdapter
+    from engine_adapter.rag import RAGAdapter
 
     adapter = RAGAdapter(engine, client, to_policy(policy), store_back=False, local=True)
     out = []

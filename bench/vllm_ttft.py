@@ -120,7 +120,7 @@ def engine_split(model: Path, address: str, reqs: list[dict[str, Any]], policy: 
     import torch
 
     from engine_adapter import LlamaEngine, Policy
-    from engine_adapter.service import RAGAdapter
+    from engine_adapter.rag import RAGAdapter
     from kvbench.ttft import _split
     from kvclient.client import KVClient
 

@@ -5,7 +5,7 @@
         got = stream.wait_layer(layer)      # {index in refs: (K, V)}; a late or missing variant is absent
     stream.close()
 
-The one reader of FetchLayers that kvcraft's engine adapter (`engine_adapter.service`)
+The one reader of FetchLayers that kvcraft's engine adapter (`engine_adapter.rag`)
 and its vLLM connector (`engine_adapter.vllm`) share. The service sends layer-major
 (every variant's layer 0, then layer 1, ...), so layer l is consumed while l+1.. are in
 flight. Contract:

@@ -3,13 +3,14 @@
 - `llama`    reference Llama-family engine, per-layer primitives on selected rows
 - `prompt`   a prompt as ordered segments (chunks, question)
 - `policy`   reuse policies as objects: Full, Prefix, Naive, CacheCraft (Alg. 1), CacheBlend
-             (HKVD); `Policy(name, **options)` builds one from a name
+             (HKVD), QueryAware (the default); `Policy(name, **options)` builds one from a name
 - `source`   LayerSource: where stored chunk KV comes from, layer by layer
 - `driver`   the per-layer loop of a blended prefill
+- `query`    the default policy's two passes (probe the question, recompute what it reads)
 - `probe`    per-model reuse probe (ReuseGate), runs the driver
 - `blend`    `blend_prefill`: asks the gate, then runs the driver
 - `generate` greedy decoding after a prefill (full or blended), stop tokens from the model
-- `service`  RAGAdapter: the link to a kvcraft service
+- `rag`      RAGAdapter: one RAG request against a kvcraft service (plan, fetch, blend, store back)
 - `vllm`     the vLLM KV connector (a package; imports vLLM only when its modules load)
 """
 

@@ -39,7 +39,7 @@ from rich.progress import track
 
 from engine_adapter import LlamaEngine, ReusePolicy
 from engine_adapter.policy import DEFAULT_POLICY, parse_policy
-from engine_adapter.service import RAGAdapter
+from engine_adapter.rag import RAGAdapter
 from kvbench.quality import data, longdata
 from kvbench.quality.modeling import LONG_MODEL_DIR, MODEL_DIR, build_tokenizer, encode
 from kvclient.client import KVClient

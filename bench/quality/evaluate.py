@@ -34,7 +34,7 @@ import torch
 from rich.progress import track
 
 from engine_adapter import LlamaEngine, Policy, ReuseGate
-from engine_adapter.service import RAGAdapter
+from engine_adapter.rag import RAGAdapter
 from kvbench.quality import data
 from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
 from kvclient.client import KVClient

@@ -4,7 +4,7 @@ For one `BlendLoad` (the scheduler side claimed the request's chunks, block-alig
 and vLLM allocated blocks for them), on a loader thread:
 
   1. the reference engine over the model's own weights (`model.KVCraftLlamaForCausalLM`,
-     no copy) serves the prompt with `engine_adapter.service.RAGAdapter.serve`: the
+     no copy) serves the prompt with `engine_adapter.rag.RAGAdapter.serve`: the
      Plan the scheduler side got, the planned variants read from the service's shared
      memory (gRPC stream when not on this host), RoPE re-rotation, the policy's
      selection (`engine_adapter.policy` / `driver`: the same code the reference engine
@@ -68,7 +68,7 @@ class ContextBuilder:
         adapter = getattr(self._thread, "adapter", None)
         if adapter is None:
             from engine_adapter.policy import Policy
-            from engine_adapter.service import RAGAdapter
+            from engine_adapter.rag import RAGAdapter
 
             adapter = RAGAdapter(self._model_engine(), self._client, Policy("full"),
                                  store_back=self.settings.blend_store_back, local=self.settings.blend_local)

@@ -13,7 +13,7 @@ import torch
 from engine_adapter import LlamaEngine, Policy, ReuseGate
 from engine_adapter.blend import blend_prefill
 from engine_adapter.prompt import Segment
-from engine_adapter.service import RAGAdapter, ServiceLayerSource
+from engine_adapter.rag import RAGAdapter, ServiceLayerSource
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import chunk_key
 from kvkernels import RopeConfig

@@ -12,7 +12,7 @@ import torch
 
 from engine_adapter import LlamaEngine, Policy, ReuseGate
 from engine_adapter import selection as sel
-from engine_adapter.service import RAGAdapter
+from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient
 from kvcraft.keys import chunk_key
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_adapter import LlamaEngine, Policy, ReuseGate
-from engine_adapter.service import RAGAdapter
+from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient
 from kvservice.launcher import ServiceProcess
 from kvservice.tiers.host import segment_name

@@ -58,7 +58,7 @@ def outputs(phase: dict) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from engine_adapter import LlamaEngine, Policy
-    from engine_adapter.service import RAGAdapter
+    from engine_adapter.rag import RAGAdapter
     from kvbench.quality import data
     from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
     from kvclient.client import KVClient
@@ -139,7 +139,7 @@ def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
     """CacheBlend r=30%: vLLM's cache after the blend vs the reference engine's blended
     prefill of the same prompt with the same plan (RAGAdapter, same policy, same service)."""
     from engine_adapter import Policy
-    from engine_adapter.service import RAGAdapter
+    from engine_adapter.rag import RAGAdapter
     from kvclient.client import KVClient
 
     out, _, dumps = blended
