@@ -171,7 +171,8 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
     cover both (`computed_share` is what the prefill computed in all)."""
     L = engine.cfg.num_layers
     if picks_budget(policy, lay, sum(len(lay.segments[s].tokens) for s in reused), L) == 0:
-        return run_blend(engine, lay, policy, source, reused, all_logits, stats)  # nothing to spend: naive
+        naive = Naive(layer_budget_s=policy.layer_budget_s)  # nothing to spend (not the plan's lists either)
+        return run_blend(engine, lay, naive, source, reused, all_logits, stats)
     q = question_reads(engine, lay, source, reused, policy.layer_budget_s)
     live = q.result.reused_segments
     picks = most_read(q, lay, picks_budget(policy, lay, int(q.live.sum()), L))

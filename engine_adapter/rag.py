@@ -118,7 +118,8 @@ class RAGAdapter:
         on this host; read reused KV from its shared memory (Locate) instead of streaming
         it over gRPC. learn: store-back sends learned recompute scores for chunks computed
         in full while a variant of them is stored (for `cachecraft`'s lists; off by default:
-        it costs about a second per chunk token on a 135M-parameter model, docs/quality.md)."""
+        the default policy does not use them, and learning costs (T + 2) x (question +
+        chosen + 1) rows of compute per chunk of T tokens and round, docs/adapter.md)."""
         self.local = local
         self.learn = learn
         self.engine = engine

@@ -80,9 +80,10 @@ def test_both_passes_together_stay_within_the_budget_and_spend_it(engine, prompt
 
 
 def test_a_budget_that_the_question_alone_uses_up_serves_naive_reuse_in_one_pass(engine, prompts):
+    """Naive reuse, not the plan's recompute lists the segments carry (those are cachecraft's)."""
     p = prompts[0]
     low = len(p.question) / len(p.tokens)  # two passes would compute the question twice
-    r = blend_prefill(engine, p.segments(), Policy("query", budget=low), p.source(), gate=TRUSTED)
+    r = blend_prefill(engine, p.segments(recompute=0.2), Policy("query", budget=low), p.source(), gate=TRUSTED)
     naive = blend_prefill(engine, p.segments(), Policy("naive"), p.source(), gate=TRUSTED)
     assert torch.equal(r.logits, naive.logits)
     assert r.computed_rows == naive.computed_rows
