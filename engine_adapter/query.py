@@ -180,7 +180,10 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
     for s, rows in picks.items():
         segments[s] = dataclasses.replace(segments[s], recompute=rows)
     lay2 = Layout(tuple(segments), lay.keys, lay.tokens, lay.bounds)
-    res = run_blend(engine, lay2, policy, _Replay(q.received, source), live, all_logits, stats, carry=q.layer0)
+    # With no pick (every chunk stored behind its very prefix), layer 0 would have no row
+    # left to run: the question runs it again instead.
+    carry = q.layer0 if any(picks.values()) else None
+    res = run_blend(engine, lay2, policy, _Replay(q.received, source), live, all_logits, stats, carry=carry)
     # One prefill, two passes: count both.
     first = q.result
     res.computed_rows = [a + b for a, b in zip_longest(res.computed_rows, first.computed_rows, fillvalue=0)]

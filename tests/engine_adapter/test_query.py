@@ -154,3 +154,12 @@ def test_fresh_chunks_are_computed_once_and_hidden_from_the_probe(engine, prompt
     assert picks > 0
     assert sum(r.computed_rows) == qn * (L - 1) + (qn + fresh + picks) * L
     assert 1 in r.fresh  # its new variant, as with any policy
+
+
+def test_chunks_all_stored_behind_their_very_prefix_are_served_exactly(engine):
+    """Nothing to pick: every reused chunk is exact (a prefix-cache hit), so the prefill is
+    the full prefill's, question and all."""
+    p = make_prompt(engine, 7, behind="same")
+    r = blend_prefill(engine, p.segments(), Policy("query", budget=0.3), p.source(), gate=TRUSTED)
+    assert r.recomputed_rows == [0] * engine.cfg.num_layers
+    assert rel_dev(r.logits, engine.prefill(p.tokens, all_logits=False)[0][-1]) < 1e-5

@@ -19,6 +19,8 @@ from engine_adapter.policy import DEFAULT_POLICY
 from kvbench import musique, real_quality
 
 NEW_TOKENS = 8
+# the module fixture serves 2 records x 3 policies on the 30-layer model (after the session fetch)
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
