@@ -30,7 +30,6 @@ Measured on the real model and the trained synthetic task in docs/quality.md.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Sequence
@@ -44,8 +43,6 @@ from engine_adapter.policy import Naive, QueryAware
 from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
 from kvkernels import rotate
-
-log = logging.getLogger("engine_adapter.blend")
 
 
 class _Probe(_Blend):
