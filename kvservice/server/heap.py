@@ -5,8 +5,8 @@ The server runs with glibc's mmap threshold at 32 MiB, its trim threshold at 64 
 one arena (`kvservice.launcher.SERVER_ENV`, deploy/): layer-sized buffers (each FetchLayers
 message, grpcio's copy of it, each received Store layer) are reused from the heap while
 streams run. A 1 MiB threshold makes every one of them a fresh mmap, page faults and a
-munmap on the event-loop thread: FetchLayers then runs at 0.35x of grpcio's own stream
-(docs/benchmarks.md). Buffers freed by a burst of streams then stay in the heap, so once
+munmap on the event-loop thread, which holds FetchLayers far below grpcio's own stream.
+Buffers freed by a burst of streams then stay in the heap, so once
 no RPC has run for IDLE_TRIM_S, malloc_trim(0) hands the free pages back (a no-op where
 the C library has no malloc_trim). It cannot shrink the free top of a second arena's
 heap: hence one arena (after 8 stalled Stores of 8 MiB layers, +94 MiB stayed after the

@@ -41,7 +41,7 @@ WRITEBACK_BYTES = 4 << 20
 # a VM that hands free memory back to its host (virtio-balloon free page reporting, in
 # 2 MiB blocks: page_reporting_order 9), such a folio is memory the host took back and
 # must fault in again page by page. On the project's CPU VM (kernel 6.18), 64 MiB written
-# in 2 MiB writes took 116-149 ms, in 1 MiB writes 22-27 ms (docs/benchmarks.md, "Store
+# in 4 MiB writes took 117-149 ms, in 2 MiB 47-119 ms, in 1 MiB 22-25 ms (docs/benchmarks.md, "Store
 # and the page cache"). Elsewhere smaller writes cost one more syscall per MiB.
 WRITE_BYTES = 1 << 20
 
