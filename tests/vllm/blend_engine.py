@@ -50,7 +50,7 @@ def main(spec_path: str, out_path: str) -> None:
         kw["kv_transfer_config"] = kv_transfer_config(kv.pop("address"), **kv)
     llm = LLM(model=spec["model"], block_size=32, dtype=spec.get("dtype", "float32"), seed=0, enable_prefix_caching=True,
               max_model_len=spec.get("max_model_len", 256), max_num_batched_tokens=spec.get("max_model_len", 256),
-              num_gpu_blocks_override=spec.get("num_blocks", 64), **kw)
+              num_gpu_blocks_override=spec.get("num_blocks", 64), enforce_eager=spec.get("enforce_eager", False), **kw)
     worker = None
     dumps: list = []
     if spec.get("kv"):
