@@ -12,10 +12,10 @@ layer l is consumed while l+1..l+Lp are in flight.
 Whatever the service does — down, slow, a chunk dropped as corrupt — the request
 completes: a missing layer is computed by the driver, a failed Plan means full prefill.
 
-Learned recompute lists (issue 19, `engine_adapter.selection`; `learn=True`, off by default): when a request computed
-a chunk in full although a variant of it is stored (the plan named one, or the service
+Learned recompute lists (issue 19, `engine_adapter.learned`; `learn=True`, off by default): when a request
+computed a chunk in full although a variant of it is stored (the plan named one, or the service
 lists one behind another prefix), the store-back fetches that variant, measures per
-token what recomputing it repairs of this request's answer (`selection.learn`: greedy
+token what recomputing it repairs of this request's answer (`learned.learn`: greedy
 from the token whose stale KV costs the answer most, `fresh_gain`, adding the tokens whose
 recompute repairs most, `recompute_gain`), merges that with the variant's own scores and
 sends the result as the new variant's
@@ -32,8 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from engine_adapter import selection
-
+from engine_adapter import learned
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import DEFAULT_POLICY, ReusePolicy, parse_policy
@@ -44,6 +43,7 @@ from kvclient.errors import KVCraftError
 from kvclient.layer_stream import LayerStream
 from kvcraft.keys import chunk_key
 from kvcraft.plans import variant_prefixes
+from kvcraft.recompute import merge_scores
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -266,7 +266,7 @@ class RAGAdapter:
         """`stats` with the learned recompute scores of this fresh chunk against a stored
         variant of it behind another prefix (one with scores first, then the plan's, then
         the first the service lists): that variant's scores merged with this request's
-        learned scores (`selection.learn`), so the lists accumulate over the requests that
+        learned scores (`learned.learn`), so the lists accumulate over the requests that
         computed the chunk."""
         key = chunk_key(self.model_id, tokens)
         try:
@@ -286,8 +286,8 @@ class RAGAdapter:
             log.warning("kvcraft: variant %s of chunk %s has another shape; no learned scores",
                         info.variant_id[:12], key[:12])
             return stats
-        gain = selection.learn(self.engine, [selection.GainCase(context, span, question, stored, tuple(tokens))])[0]
-        scores = selection.merge_scores(tuple(info.stats.recompute_scores), gain.tolist())
+        gain = learned.learn(self.engine, [learned.GainCase(context, span, question, stored, tuple(tokens))])[0]
+        scores = merge_scores(tuple(info.stats.recompute_scores), gain.tolist())
         return dataclasses.replace(stats, recompute_scores=scores)
 
     def flush(self) -> None:
