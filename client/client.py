@@ -18,6 +18,7 @@ Errors arrive as kvclient.errors types (NotFoundError means: recompute).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, AsyncIterator, Coroutine, Iterator, Sequence, TypeVar
 
@@ -26,7 +27,7 @@ import torch
 
 from kvclient import local_store as colocated
 from kvclient.core import DEFAULT_ADDRESS, MAX_MESSAGE_BYTES, ClientCore, Face, awaited, blocking
-from kvclient.errors import from_rpc_error
+from kvclient.errors import KVCraftError, from_rpc_error
 from kvclient.messages import (ChunkLike, FetchedLayer, Layer, Lease, Ref, RefLike, StoreResult, fetch_request,
                                fetched_layer, plan_request, store_header, store_messages, store_requests)
 from kvclient.plan_stream import BlockingPlanStream, PlanStream
@@ -155,12 +156,20 @@ class KVClient(Face):
         `.cancel()`; convert its exception with kvclient.errors.from_rpc_error)."""
         return self.core.match_prefix(variant_ids, timeout).future()
 
-    def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> "LocalFetch":
+    def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0, timeout: float | None = None) -> "LocalFetch":
         """Same-host fast path: tensors aliasing the service's shared memory, valid until
-        the returned LocalFetch is released (use it as a context manager)."""
+        the returned LocalFetch is released (use it as a context manager). Where the answer
+        cannot be mapped here (OSError: the service runs on another host; ValueError:
+        offsets outside its memory) the lease is released and the error raised."""
         from kvclient.local import LocalFetch
 
-        return LocalFetch(self, *self.core.locate(refs, ttl_s).call())
+        r = self.core.locate(refs, ttl_s, timeout).call()
+        try:
+            return LocalFetch(self, r, *self.core.mappings().of(r))
+        except Exception:
+            with contextlib.suppress(KVCraftError):  # nothing will read these bytes: free them now, not at the ttl
+                self.release(r.lease_id)
+            raise
 
     lease = blocking(ClientCore.lease)
     release = blocking(ClientCore.release)
@@ -274,12 +283,21 @@ class AsyncKVClient(Face):
         of the MatchPrefixResponse, whose exception is a KVCraftError."""
         return self._task(self.core.match_prefix(variant_ids, timeout).answer_async())
 
-    async def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> "AsyncLocalFetch":
+    async def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0,
+                          timeout: float | None = None) -> "AsyncLocalFetch":
         """Same-host fast path: tensors aliasing the service's shared memory, valid until
-        the returned AsyncLocalFetch is released (use it with `async with`)."""
+        the returned AsyncLocalFetch is released (use it with `async with`). Where the
+        answer cannot be mapped here the lease is released and the error raised, as in
+        KVClient.fetch_local."""
         from kvclient.local import AsyncLocalFetch
 
-        return AsyncLocalFetch(self, *await self.core.locate(refs, ttl_s).call_async())
+        r = await self.core.locate(refs, ttl_s, timeout).call_async()
+        try:
+            return AsyncLocalFetch(self, r, *self.core.mappings().of(r))
+        except Exception:
+            with contextlib.suppress(KVCraftError):  # nothing will read these bytes: free them now, not at the ttl
+                await self.release(r.lease_id)
+            raise
 
     lease = awaited(ClientCore.lease)
     release = awaited(ClientCore.release)

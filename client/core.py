@@ -33,8 +33,7 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from kvclient.gpu_pool import GpuPool
-    from kvclient.local import LocalMappings, SharedSlab
+    from kvclient.local import LocalMappings
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 MAX_MESSAGE_BYTES = 64 << 20
@@ -167,12 +166,11 @@ class ClientCore:
         return self._rpc(self.kv.MatchPrefix, pb.MatchPrefixRequest(variant_ids=list(variant_ids)),
                          _matched, timeout=timeout)
 
-    def locate(self, refs: Sequence[RefLike], ttl_s: float) -> Rpc[tuple[pb.LocateResponse, SharedSlab,
-                                                                     GpuPool | None]]:
-        """Locate (the same-host fast path): the answer, with the slab and gpu pool it points into."""
+    def locate(self, refs: Sequence[RefLike], ttl_s: float, timeout: float | None = None) -> Rpc[pb.LocateResponse]:
+        """Locate (the same-host fast path): where the leased variants lie in the service's
+        shared memory (map them with `mappings().of(answer)`)."""
         return self._rpc(self.kv.Locate, pb.LocateRequest(variants=[variant_ref(x) for x in refs],
-                                                          lease_ttl_s=ttl_s),
-                         lambda r: (r, *self.mappings().of(r)))
+                                                          lease_ttl_s=ttl_s), timeout=timeout)
 
     def lease(self, refs: Sequence[RefLike], ttl_s: float = 0.0) -> Rpc[Lease]:
         """Hold the variants in place for ttl_s (0: the service's default)."""

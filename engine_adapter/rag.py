@@ -1,21 +1,18 @@
-"""The adapter's link to a kvcraft service: plan, fetch layer by layer, store back.
-
-`ServiceLayerSource` reads one FetchLayers stream (`kvclient.layer_stream.LayerStream`, the
-reader the vLLM connector uses too) on a background thread, at most `depth` layers ahead
-of the layer being computed (Cache-Craft Alg. 2: preload depth Lp from the plan), so
-layer l is consumed while l+1..l+Lp are in flight.
+"""The adapter's link to a kvcraft service: plan, load layer by layer, store back.
 
 `RAGAdapter.prefill` serves one RAG request:
-  Plan (reorder, dedup, variant choice, lease) -> ServiceLayerSource -> blend_prefill
+  Plan (reorder, dedup, variant choice, lease) -> `loader.ServiceLayerSource` (shared
+  memory when `local`, else one FetchLayers stream at most the plan's preload depth Lp
+  layers ahead of the layer being computed, Cache-Craft Alg. 2) -> blend_prefill
   -> Release -> store the freshly computed chunks back in the background -> keep the
   measured per-layer timings for the next Plan (the loading controller learns from them).
 Whatever the service does — down, slow, a chunk dropped as corrupt — the request
 completes: a missing layer is computed by the driver, a failed Plan means full prefill.
 
-Learned recompute lists (issue 19, `engine_adapter.selection`; `learn=True`, off by default): when a request computed
-a chunk in full although a variant of it is stored (the plan named one, or the service
+Learned recompute lists (issue 19, `engine_adapter.learned`; `learn=True`, off by default): when a request
+computed a chunk in full although a variant of it is stored (the plan named one, or the service
 lists one behind another prefix), the store-back fetches that variant, measures per
-token what recomputing it repairs of this request's answer (`selection.learn`: greedy
+token what recomputing it repairs of this request's answer (`learned.learn`: greedy
 from the token whose stale KV costs the answer most, `fresh_gain`, adding the tokens whose
 recompute repairs most, `recompute_gain`), merges that with the variant's own scores and
 sends the result as the new variant's
@@ -32,62 +29,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from engine_adapter import selection
-
+from engine_adapter import learned
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
 from engine_adapter.llama import LlamaEngine
+from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.policy import DEFAULT_POLICY, ReusePolicy, parse_policy
 from engine_adapter.prompt import Segment
-from engine_adapter.source import InMemoryLayerSource, LayerKV, LayerSource
 from kvclient.client import KVClient, Ref
 from kvclient.errors import KVCraftError
-from kvclient.layer_stream import LayerStream
 from kvcraft.keys import chunk_key
 from kvcraft.plans import variant_prefixes
+from kvcraft.recompute import merge_scores
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-
-class ServiceLayerSource:
-    """A LayerSource fed by one kvclient LayerStream (segment index -> variant ref)."""
-
-    def __init__(self, client: KVClient, refs: Mapping[int, Ref], depth: int = 1,
-                 stream_timeout_s: float = 60.0) -> None:
-        self._segs = list(refs)
-        self._stream = LayerStream(client, list(refs.values()), depth=max(1, depth),
-                                   deadline=time.monotonic() + stream_timeout_s)
-        self._warned = False
-
-    @property
-    def error(self) -> str | None:
-        return self._stream.error
-
-    @property
-    def arrived(self) -> dict[int, float]:
-        """layer -> seconds from the start until every variant had it."""
-        return self._stream.arrived
-
-    @property
-    def layer_bytes(self) -> dict[int, int]:
-        return self._stream.layer_bytes
-
-    @property
-    def segments(self) -> list[int]:
-        """Indices of the segments this stream feeds."""
-        return self._segs
-
-    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
-        got = self._stream.wait_layer(layer, deadline)
-        if self._stream.error and not self._warned:
-            self._warned = True
-            log.warning("kvcraft fetch stopped (%s); layers not yet received are computed instead",
-                        self._stream.error)
-        return {self._segs[i]: kv for i, kv in got.items()}
-
-    def close(self) -> None:
-        self._stream.close()
+# A stream's own bound: the driver waits per layer (the policy's layer_budget_s) and
+# computes what is late, so this only ends a stream nobody reads any more.
+FETCH_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -158,23 +118,22 @@ class RAGAdapter:
         policy = policy or self.policy
         by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
         segments, refs = self._segments(plan, by_key, chunks, question)
-        local = None
-        if refs and self.local:
-            try:
-                local = self.client.fetch_local(list(refs.values()))
-            except KVCraftError as e:
-                log.warning("kvcraft Locate failed (%s); streaming over gRPC instead", e)
-        source = self._source(refs, local, plan.preload_depth if plan else 1)
+        source = ServiceLayerSource(self.client, refs, local=self.local,
+                                    deadline=time.monotonic() + FETCH_TIMEOUT_S,
+                                    depth=max(1, plan.preload_depth) if plan else 1)
         try:
             result = blend_prefill(self.engine, segments, policy, source, gate=self.gate,
                                    stats=self.store_back)
         finally:
             source.close()
-            if local is not None:
-                self._release(local.lease_id)
             if plan is not None and plan.lease_id:
                 self._release(plan.lease_id)
         ttft = time.perf_counter() - t0
+        if source.error and result.fallbacks:
+            log.warning("kvcraft fetch stopped (%s); the layers not received were computed instead", source.error)
+        if source.elsewhere:
+            self.local = False
+            log.warning("kvcraft: the service's shared memory is not on this host; this adapter streams from now on")
         if self.store_back and result.fresh:
             self._store_back(segments, result, refs)
         self._learn(source, result)
@@ -211,19 +170,6 @@ class RAGAdapter:
                                         cached_prefix=variant_prefix, recompute=tuple(cp.recompute)))
         segments.append(Segment(tuple(question), question=True))
         return segments, refs
-
-    def _source(self, refs: dict[int, Ref], local: object, depth: int) -> "LayerSource":
-        if not refs:
-            return _NoSource()
-        if local is None:
-            return ServiceLayerSource(self.client, refs, depth)
-        segs = list(refs)
-        mapped = {s: layers for s, layers in zip(segs, local.layers) if layers is not None}
-        tiers = {tier for s, tier, layers in zip(segs, local.tier, local.layers) if layers is not None}
-        rest = {s: refs[s] for s in segs if s not in mapped}  # not in host memory: stream those
-        return _MergedSource(InMemoryLayerSource(mapped),
-                             ServiceLayerSource(self.client, rest, depth) if rest else _NoSource(),
-                             tiers.pop() if len(tiers) == 1 else "")
 
     def _release(self, lease_id: str) -> None:
         try:
@@ -266,7 +212,7 @@ class RAGAdapter:
         """`stats` with the learned recompute scores of this fresh chunk against a stored
         variant of it behind another prefix (one with scores first, then the plan's, then
         the first the service lists): that variant's scores merged with this request's
-        learned scores (`selection.learn`), so the lists accumulate over the requests that
+        learned scores (`learned.learn`), so the lists accumulate over the requests that
         computed the chunk."""
         key = chunk_key(self.model_id, tokens)
         try:
@@ -286,8 +232,8 @@ class RAGAdapter:
             log.warning("kvcraft: variant %s of chunk %s has another shape; no learned scores",
                         info.variant_id[:12], key[:12])
             return stats
-        gain = selection.learn(self.engine, [selection.GainCase(context, span, question, stored, tuple(tokens))])[0]
-        scores = selection.merge_scores(tuple(info.stats.recompute_scores), gain.tolist())
+        gain = learned.learn(self.engine, [learned.GainCase(context, span, question, stored, tuple(tokens))])[0]
+        scores = merge_scores(tuple(info.stats.recompute_scores), gain.tolist())
         return dataclasses.replace(stats, recompute_scores=scores)
 
     def flush(self) -> None:
@@ -296,18 +242,17 @@ class RAGAdapter:
             f.result()
         self._pending.clear()
 
-    def _learn(self, source: object, result: BlendResult) -> None:
+    def _learn(self, source: ServiceLayerSource, result: BlendResult) -> None:
         """Timings for the loading controller (CacheBlend §5), sent with the next Plan:
-        per layer, the bytes that came from one tier and the seconds they took."""
-        if isinstance(source, _MergedSource):  # same host: the mapped part, then the streamed rest
-            if source.tier:
-                for layer in sorted(source.mapped_seconds):
-                    self._timings.loads.add(tier=source.tier, bytes_per_layer=source.mapped_bytes[layer],
-                                            seconds=max(source.mapped_seconds[layer], 1e-9))
-            source = source.streamed
-        tiers = {self._plan_tiers.get(s, "") for s in source.segments} if isinstance(
-            source, ServiceLayerSource) else set()
-        if len(tiers) == 1 and "" not in tiers:  # a stream from tiers of several speeds says nothing of one
+        per layer, the bytes that came from one tier and the seconds they took. The mapped
+        part's load is what the engine waited for it (the tensors alias the service's
+        memory: no bytes move); a part from tiers of several speeds says nothing of one."""
+        if source.mapped_tier:
+            for layer in sorted(source.mapped_seconds):
+                self._timings.loads.add(tier=source.mapped_tier, bytes_per_layer=source.mapped_bytes[layer],
+                                        seconds=max(source.mapped_seconds[layer], 1e-9))
+        tiers = {self._plan_tiers.get(s, "") for s in source.streamed}
+        if len(tiers) == 1 and "" not in tiers:
             (tier,) = tiers
             prev = 0.0
             for layer in sorted(source.arrived):
@@ -328,35 +273,3 @@ class RAGAdapter:
     def close(self) -> None:
         self.flush()
         self._stores.shutdown()
-
-
-class _MergedSource:
-    """Layers from shared memory for some chunks and from a stream for the others.
-
-    The mapped part's load per layer is what the engine waited for it: the tensors alias
-    the service's slab (or gpu pool), so no bytes move; `tier` names where they lie
-    ("" when they lie in several tiers: such a layer says nothing of one tier)."""
-
-    def __init__(self, mapped: InMemoryLayerSource, streamed: "ServiceLayerSource | _NoSource", tier: str) -> None:
-        self.mapped, self.streamed, self.tier = mapped, streamed, tier
-        self.mapped_seconds: dict[int, float] = {}  # layer -> seconds to have the mapped part
-        self.mapped_bytes: dict[int, int] = {}  # layer -> K+V bytes of the mapped part
-
-    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
-        t0 = time.perf_counter()
-        got = self.mapped.wait_layer(layer, deadline)
-        if got:
-            self.mapped_seconds[layer] = time.perf_counter() - t0
-            self.mapped_bytes[layer] = sum(k.nbytes + v.nbytes for k, v in got.values())
-        return {**got, **self.streamed.wait_layer(layer, deadline)}
-
-    def close(self) -> None:
-        self.streamed.close()
-
-
-class _NoSource:
-    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
-        return {}
-
-    def close(self) -> None:
-        pass

@@ -16,9 +16,9 @@ in the application; this server only orders, dedups and serves.
 Blending (docs/vllm.md, "Blending"): `--blend-policy cacheblend` (or `cachecraft`,
 `naive`, `prefix`, `full`) has kvcraft build the documents' KV from stored chunks
 wherever they sit in the prompt, with that reuse policy; `--blend-option ratio=0.15`
-sets a policy option (repeatable, values read as JSON), `--no-blend-local` reads the
-reused KV over gRPC instead of the service's shared memory. Without it (`off`, the
-default) only vLLM's prefix blocks are kept in kvcraft. The first turn of a
+sets a policy option (repeatable, values read as JSON). Without it (`off`, the
+default) only vLLM's prefix blocks are kept in kvcraft. `--no-local` reads stored KV
+(prefix blocks and blended chunks) over gRPC instead of the service's shared memory. The first turn of a
 conversation is blended; later turns start with the conversation so far, which vLLM's
 prefix cache holds, and are sent without chunk boundaries. Each response's
 `kvcraft.blend` is the connector's report of the request (`blended`, `reused_chunks`:
@@ -79,17 +79,18 @@ class Conversations:
 
 
 def connector_args(kvcraft: str, blend_policy: str = "off", blend_options: dict | None = None,
-                   blend_local: bool = True) -> dict:
+                   local: bool = True) -> dict:
     """The engine arguments that plug in kvcraft: the connector (prefix blocks always;
     with a blend policy, the documents' KV built from stored chunks) and, to blend, the
-    model class that keeps a handle on the weights (docs/vllm.md, "Blending")."""
+    model class that keeps a handle on the weights (docs/vllm.md, "Blending").
+    local=False: stored KV over gRPC even when the service runs on this host."""
     from engine_adapter.vllm import kv_transfer_config
 
+    extra = {} if local else {"local": False}
     if blend_policy == "off":
-        return {"kv_transfer_config": kv_transfer_config(kvcraft)}
+        return {"kv_transfer_config": kv_transfer_config(kvcraft, **extra)}
     return {"kv_transfer_config": kv_transfer_config(kvcraft, blend_policy=blend_policy,
-                                                     blend_options=dict(blend_options or {}),
-                                                     blend_local=blend_local),
+                                                     blend_options=dict(blend_options or {}), **extra),
             "hf_overrides": {"architectures": ["KVCraftLlamaForCausalLM"]}}
 
 
@@ -116,7 +117,7 @@ def parse_options(pairs: list[str]) -> dict:
 
 def build_app(model: str, kvcraft: str, block_size: int = 32, max_conversations: int = 10_000,
               engine_args: dict | None = None, blend_policy: str = "off", blend_options: dict | None = None,
-              blend_local: bool = True):
+              local: bool = True):
     from fastapi import FastAPI, HTTPException
     from transformers import AutoTokenizer
     from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
@@ -127,7 +128,7 @@ def build_app(model: str, kvcraft: str, block_size: int = 32, max_conversations:
     from kvclient.rag_front import RAGFront
 
     tok = AutoTokenizer.from_pretrained(model)
-    kv = connector_args(kvcraft, blend_policy, blend_options, blend_local)
+    kv = connector_args(kvcraft, blend_policy, blend_options, local)
     kv["kv_transfer_config"] = KVTransferConfig(**kv["kv_transfer_config"])
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
         model=model, block_size=block_size, enable_prefix_caching=True, **kv, **(engine_args or {})))
@@ -199,8 +200,8 @@ def main() -> None:
                     help="blend the documents' stored KV with this reuse policy (docs/vllm.md, Blending)")
     ap.add_argument("--blend-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option of the blend policy, e.g. ratio=0.15 (cacheblend); repeatable")
-    ap.add_argument("--no-blend-local", dest="blend_local", action="store_false",
-                    help="read reused KV over gRPC, not from the service's shared memory")
+    ap.add_argument("--no-local", dest="local", action="store_false",
+                    help="read stored KV over gRPC, not from the service's shared memory")
     a = ap.parse_args()
     try:
         options = parse_options(a.blend_option)
@@ -208,7 +209,7 @@ def main() -> None:
         ap.error(str(e))
     extra = {"max_model_len": a.max_model_len} if a.max_model_len else {}
     uvicorn.run(build_app(a.model, a.kvcraft, a.block_size, a.max_conversations, extra, a.blend_policy, options,
-                          a.blend_local), host=a.host, port=a.port)
+                          a.local), host=a.host, port=a.port)
 
 
 if __name__ == "__main__":

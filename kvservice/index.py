@@ -46,7 +46,7 @@ class Variant:
     """One stored variant. Planner fields first (positional), store fields after.
 
     recompute_order: token indices by descending `stats.recompute_scores` (the learned
-    list, `engine_adapter.selection`) when the variant has them, else by
+    list, `engine_adapter.learned`) when the variant has them, else by
     `stats.token_inter_attention` (ties by index); Cache-Craft §3.3 keeps "an ordered list of token indices needing
     recomputation" per variant so top-N selection (eq. 14) is a slice. An array of
     small integers, or `range(token_count)` when there are no per-token statistics.

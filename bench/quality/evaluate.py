@@ -7,7 +7,7 @@ For every held-out example:
      attention statistics — so each stored variant was computed behind another prefix;
      For the learned lists, two more warm passes (other shuffles) compute every chunk
      again behind new prefixes, asking another example's question: their store-backs send
-     learned recompute scores (`engine_adapter.selection.learn` against an earlier variant,
+     learned recompute scores (`engine_adapter.learned.learn` against an earlier variant,
      merged). Passes no deployment runs: `kvbench.quality.deployed` measures as deployed;
   2. evaluate: the example in its retriever order, once per policy, through
      RAGAdapter (Plan -> fetch layer by layer -> blend), nothing stored back. Only

@@ -30,12 +30,14 @@ from rich.progress import track
 
 from engine_adapter import LlamaEngine, Policy
 from engine_adapter.policy import CacheBlend, ReusePolicy
-from engine_adapter import selection as sel
+from engine_adapter.learned import DEFAULT_ROUNDS, fresh_gain, gain_case, path_scores, recompute_gain
+from engine_adapter.observe import Observation, Request, kv_deviation, observe_many
 from engine_adapter.blend import FreshChunk, blend_prefill
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource
 from kvcraft.keys import chunk_key
+from kvcraft.recompute import DEFAULT_BUDGET, allocate, per_chunk
 from kvcraft.records import VariantStats
 from kvbench.quality import data, longdata
 from kvbench.quality.modeling import LONG_MODEL_DIR, MODEL_DIR, build_tokenizer, encode
@@ -53,9 +55,9 @@ class Prompt:
     # chunk index -> the same chunk computed in full in a second request, behind a second
     # stranger, with a question about the chunk's city after it (what a later request
     # that computed the chunk instead of reusing it saw): its KV and what its question read.
-    observed: dict[int, sel.Observation] = field(default_factory=dict)
+    observed: dict[int, Observation] = field(default_factory=dict)
     alone: dict[int, FreshChunk] = field(default_factory=dict)  # the chunk computed alone
-    # chunk index -> the stored variant's learned list by fresh gain (`selection.fresh_gain`),
+    # chunk index -> the stored variant's learned list by fresh gain (`learned.fresh_gain`),
     # merged (max) over the `observe` requests that computed the chunk in full
     gains: dict[int, Tensor] = field(default_factory=dict)
     # the same with the stale loss (`fresh_gain(stale=True)`), with `prompts(losses=True)`
@@ -63,7 +65,7 @@ class Prompt:
     # the greedy paths of `recompute_gain` (chosen tokens, KLs), one per observing request,
     # with `prompts(recompute=rounds)`
     paths: dict[int, list[tuple[list[int], list[float]]]] = field(default_factory=dict)
-    # chunk index -> the stored variant's default learned list (`selection.learn`: the greedy
+    # chunk index -> the stored variant's default learned list (`learned.learn`: the greedy
     # recompute gain at DEFAULT_ROUNDS), merged (max) over the observing requests
     lists: dict[int, Tensor] = field(default_factory=dict)
 
@@ -92,7 +94,7 @@ def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
     later requests, each behind a chunk of yet another prompt (learned lists: `observed`
     is the first, `gains` merges all k), and with `compare_alone` computed alone. `stats=False` skips
     the stored variants' attention statistics (eq. 14 needs them; nothing else here does)
-    and computes every variant in batches (`selection.observe_many`, seconds for hundreds
+    and computes every variant in batches (`observe.observe_many`, seconds for hundreds
     of prompts)."""
     mod = TASKS[task]
     tok = build_tokenizer(mod.vocabulary())
@@ -104,7 +106,7 @@ def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
     # the k-th later request's chunk before position j: prompt i + 1 + k's
     others = [[[chunks[i + 1 + k][(j - 1) % len(chunks[i + 1 + k])] for j in range(len(chunks[i]))]
                for k in range(1, int(observe) + 1)] for i in range(n)]
-    todo: list[tuple[str, int, int, sel.Request]] = []  # (what, prompt, chunk, request)
+    todo: list[tuple[str, int, int, Request]] = []  # (what, prompt, chunk, request)
     for i in range(n):
         for j, c in enumerate(chunks[i]):
             b = behind[i][j]
@@ -116,8 +118,8 @@ def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
                 todo.append((f"observed{k}", i, j, (o + c + q, (len(o), m), (m, m + len(q)))))
             if observe and compare_alone:
                 todo.append(("alone", i, j, (c, (0, len(c)), (0, 0))))
-    got = sel.observe_many(engine, [r for *_, r in todo], context=bool(observe))
-    found: dict[tuple[str, int, int], sel.Observation] = {(w, i, j): ob for (w, i, j, _), ob in zip(todo, got)}
+    got = observe_many(engine, [r for *_, r in todo], context=bool(observe))
+    found: dict[tuple[str, int, int], Observation] = {(w, i, j): ob for (w, i, j, _), ob in zip(todo, got)}
     fp = engine.model_spec().fingerprint()
     out = []
     for i in (track(range(n), description="variants") if progress else range(n)):
@@ -134,29 +136,29 @@ def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
                           observed, alone))
     if observe:
         # every later request's fresh gains against the stored variant, merged per chunk
-        cases = [(i, j, sel.gain_case(found[f"observed{k}", i, j], p.stored[j].kv))
+        cases = [(i, j, gain_case(found[f"observed{k}", i, j], p.stored[j].kv))
                  for i, p in enumerate(out) for j in p.stored for k in range(int(observe))]
-        case_gains = sel.fresh_gain(engine, [c for *_, c in cases])
+        case_gains = fresh_gain(engine, [c for *_, c in cases])
         for (i, j, _), gain in zip(cases, case_gains):
             old = out[i].gains.get(j)
             out[i].gains[j] = gain if old is None else torch.maximum(old, gain)
         # the greedy recompute paths (the default list is their first DEFAULT_ROUNDS)
         first = [int(g.argmax()) if float(g.max()) > 0 else None for g in case_gains]
         got: list = []
-        sel.recompute_gain(engine, [c for *_, c in cases], max(recompute, sel.DEFAULT_ROUNDS), first, paths=got)
+        recompute_gain(engine, [c for *_, c in cases], max(recompute, DEFAULT_ROUNDS), first, paths=got)
         for (i, j, _), path in zip(cases, got):
             out[i].paths.setdefault(j, []).append(path)
         for p in out:
             for j, ps_ in p.paths.items():
-                p.lists[j] = torch.stack([sel.path_scores(c, k, len(p.chunks[j]), sel.DEFAULT_ROUNDS)
+                p.lists[j] = torch.stack([path_scores(c, k, len(p.chunks[j]), DEFAULT_ROUNDS)
                                           for c, k in ps_]).amax(0)
         if losses:
-            for (i, j, _), loss in zip(cases, sel.fresh_gain(engine, [c for *_, c in cases], stale=True)):
+            for (i, j, _), loss in zip(cases, fresh_gain(engine, [c for *_, c in cases], stale=True)):
                 old = out[i].losses.get(j)
                 out[i].losses[j] = loss if old is None else torch.maximum(old, loss)
         for p in out:  # the contexts were needed for the gains only
             for j, ob in p.observed.items():
-                p.observed[j] = sel.Observation(ob.kv, ob.received, ob.received_per_layer)
+                p.observed[j] = Observation(ob.kv, ob.received, ob.received_per_layer)
     return out
 
 
@@ -197,7 +199,7 @@ def no_tokens(p: Prompt) -> dict[int, tuple[int, ...]]:
 def top_inter_attention(fraction: float) -> Pick:
     """Cache-Craft eq. 14: per chunk the ceil(fraction |C_j|) tokens with the most attention
     to prior chunks, measured when the stored variant was computed."""
-    return lambda p: sel.per_chunk({j: v.stats.token_inter_attention for j, v in p.stored.items()}, fraction)
+    return lambda p: per_chunk({j: v.stats.token_inter_attention for j, v in p.stored.items()}, fraction)
 
 
 def fixed(positions: Sequence[int]) -> Pick:
@@ -277,7 +279,7 @@ def before(scores: Tensor, window: int) -> Tensor:
 
 def learned(budget: float, score: str = "read x deviation", layers: Sequence[int] | None = None,
             spread: str = "prompt", window: int = 0, rounds: int = 4) -> Pick:
-    """A learned per-variant list (`engine_adapter.selection`): each stored variant's tokens
+    """A learned per-variant list (`engine_adapter.learned`): each stored variant's tokens
     scored from the second request that computed the chunk in full (`Prompt.observed`):
 
       "read x deviation"  what that request's question read from the token times how far
@@ -298,23 +300,23 @@ def learned(budget: float, score: str = "read x deviation", layers: Sequence[int
             return p.gains[j]
         if score == "loss":
             return p.losses[j]
-        if score == "default":  # what store-back learns (`selection.learn`)
+        if score == "default":  # what store-back learns (`learned.learn`)
             return p.lists[j]
         if score == "recompute gain":  # greedy paths of `rounds`, merged (max) over the observing requests
-            return torch.stack([sel.path_scores(c, k, len(p.chunks[j]), rounds) for c, k in p.paths[j]]).amax(0)
+            return torch.stack([path_scores(c, k, len(p.chunks[j]), rounds) for c, k in p.paths[j]]).amax(0)
         if score == "gain or loss":
             return torch.maximum(p.gains[j], p.losses[j])
         stored, seen = p.stored[j].kv, p.observed[j]
         if score == "read":
             return seen.received
         if score == "deviation alone":
-            return sel.kv_deviation(stored, p.alone[j].kv, layers)
-        dev = sel.kv_deviation(stored, seen.kv, layers)
+            return kv_deviation(stored, p.alone[j].kv, layers)
+        dev = kv_deviation(stored, seen.kv, layers)
         return dev * seen.received if score == "read x deviation" else dev
 
     def pick(p: Prompt) -> Mapping[int, Sequence[int]]:
         scores = {j: (before(one(p, j), window) if window else one(p, j)).tolist() for j in p.stored}
-        return sel.allocate(scores, budget) if spread == "prompt" else sel.per_chunk(scores, budget)
+        return allocate(scores, budget) if spread == "prompt" else per_chunk(scores, budget)
     return pick
 
 
@@ -385,8 +387,8 @@ def methods(full: bool = True) -> list[tuple[str, ReusePolicy, Pick]]:
     for b in (0.05, 0.10, 0.15):
         rows.append((f"learned: fresh gain, prompt budget {b:.0%}", cc, learned(b, "gain")))
     rows.append(("learned: fresh gain, 1 token per chunk", cc, learned(0.1, "gain", spread="chunk")))
-    rows.append((f"learned: default (greedy recompute gain, {sel.DEFAULT_ROUNDS} rounds), prompt budget "
-                 f"{sel.DEFAULT_BUDGET:.0%}", cc, learned(sel.DEFAULT_BUDGET, "default")))
+    rows.append((f"learned: default (greedy recompute gain, {DEFAULT_ROUNDS} rounds), prompt budget "
+                 f"{DEFAULT_BUDGET:.0%}", cc, learned(DEFAULT_BUDGET, "default")))
     for k in (2, 3, 4, 6):
         for b in (0.05, 0.10, 0.15):
             rows.append((f"learned: greedy recompute gain, {k} rounds, prompt budget {b:.0%}", cc,

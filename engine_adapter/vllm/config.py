@@ -45,13 +45,14 @@ class ConnectorSettings:
     max_pending_saves: int = 4096    # blocks waiting for Store; more are dropped (a later miss)
     shutdown_drain_s: float = 5.0    # shutdown waits at most this for queued saves
     idle_wait_s: float = 0.01        # a step with nothing to compute waits at most this for a load to end
+    local: bool = True               # read stored KV (prefix loads, blends) from the service's shared memory
+                                     # when it runs on this host; false: always one gRPC stream
     token: str | None = None
     # Blending (docs/vllm.md "Blending"): requests whose kv_transfer_params carry chunk
     # boundaries get their context KV built by kvcraft with this reuse policy.
     blend_policy: str = "off"        # "off" or a name of engine_adapter.policy.POLICIES
     blend_options: dict = field(default_factory=dict)  # Policy(blend_policy, **blend_options)
     blend_store_back: bool = True    # store the chunks kvcraft computed in full (fresh) as variants
-    blend_local: bool = True         # read reused KV from the service's shared memory (same host)
     chunk_model_id: str = ""         # chunk namespace; default: the reference engine's ModelSpec fingerprint
     plan_timeout_s: float = 1.0      # a blend request waits at most this for its Plan (then: vLLM alone)
 
@@ -68,6 +69,9 @@ class ConnectorSettings:
         for name in ("breaker_failures", "save_concurrency", "max_pending_saves", "load_concurrency"):
             if not (isinstance(getattr(s, name), int) and getattr(s, name) >= 1):
                 raise ValueError(f"kv_connector_extra_config {name} must be an integer >= 1, got {getattr(s, name)!r}")
+        for name in ("local", "blend_store_back"):
+            if not isinstance(getattr(s, name), bool):
+                raise ValueError(f"kv_connector_extra_config {name} must be true or false, got {getattr(s, name)!r}")
         if not s.plan_timeout_s > 0:
             raise ValueError(f"kv_connector_extra_config plan_timeout_s must be > 0, got {s.plan_timeout_s!r}")
         if s.blend_policy != "off":

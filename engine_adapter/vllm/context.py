@@ -5,8 +5,9 @@ and vLLM allocated blocks for them), on a loader thread:
 
   1. the reference engine over the model's own weights (`model.KVCraftLlamaForCausalLM`,
      no copy) serves the prompt with `engine_adapter.rag.RAGAdapter.serve`: the
-     Plan the scheduler side got, the planned variants read from the service's shared
-     memory (gRPC stream when not on this host), RoPE re-rotation, the policy's
+     Plan the scheduler side got, the planned variants read through
+     `engine_adapter.loader` (the service's shared memory when `local` and on this host,
+     else one gRPC stream), RoPE re-rotation, the policy's
      selection (`engine_adapter.policy` / `driver`: the same code the reference engine
      runs, so that engine is this path's oracle), fresh chunks stored back;
   2. each layer's K (post-RoPE) / V rows of the claimed tokens go into vLLM's paged
@@ -71,7 +72,7 @@ class ContextBuilder:
             from engine_adapter.rag import RAGAdapter
 
             adapter = RAGAdapter(self._model_engine(), self._client, Policy("full"),
-                                 store_back=self.settings.blend_store_back, local=self.settings.blend_local)
+                                 store_back=self.settings.blend_store_back, local=self.settings.local)
             adapter.model_id = self.chunk_model_id
             self._thread.adapter = adapter
             with self._lock:

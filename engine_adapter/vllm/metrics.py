@@ -37,6 +37,8 @@ SCHEDULER_COUNTERS = (
 )
 WORKER_COUNTERS = (
     "loaded_tokens",           # tokens whose every layer was written into vLLM's KV
+    "loaded_shared_blocks",    # blocks of those loads read from the service's shared memory (same host)
+    "loaded_streamed_blocks",  # blocks of those loads read over a FetchLayers stream
     "failed_load_tokens",      # tokens of loads reported failed (vLLM recomputed them)
     "failed_load_blocks",
     "saved_blocks",            # Store confirmed by the service

@@ -1,10 +1,13 @@
 """The connector's worker side: background loads into vLLM's paged KV, batched saves out of it.
 
 Loads: each request's load (blocks vLLM allocated and will not touch until the load is
-reported finished) runs on a loader thread: one kvclient LayerStream, every layer
-checked (shape, dtype) and copied into the request's blocks. The forward pass never
-waits for it. When it ends, `finished_recving` names the request; if it failed or
-missed `load_timeout_s`, the same step reports its blocks through
+reported finished) runs on a loader thread: one `engine_adapter.loader.ServiceLayerSource`
+(the service's shared memory when `local` and it runs on this host, else one FetchLayers
+stream), the blocks checked once (shape, dtype), then per layer the request's blocks
+gathered into one [blocks, heads, block, hd] tensor and scattered into vLLM's cache with
+one `index_copy_` for K and one for V (after one host-to-device copy where the cache is on
+a GPU). The forward pass never waits for it. When it ends, `finished_recving` names the
+request; if it failed or missed `load_timeout_s`, the same step reports its blocks through
 `get_block_ids_with_load_errors` and vLLM (policy "recompute") recomputes them. The
 request's blocks stay allocated until that report, so a late write never lands in a
 block vLLM gave to another request (an aborted request's blocks are freed only then).
@@ -37,11 +40,12 @@ from typing import Any
 
 import torch
 
+from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.vllm.blocks import BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta
 from engine_adapter.vllm.config import ConnectorSettings
 from engine_adapter.vllm.metrics import ConnectorMetrics
+from kvclient.messages import Ref
 from kvcraft.keys import ModelSpec
-from kvclient.layer_stream import LayerStream
 
 log = logging.getLogger("kvcraft.vllm")
 
@@ -66,7 +70,8 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._loader = ThreadPoolExecutor(max_workers=settings.load_concurrency, thread_name_prefix="kvcraft-load")
         self._lock = threading.Lock()
-        self._streams: set[LayerStream] = set()
+        self._sources: set[ServiceLayerSource] = set()
+        self._local = settings.local  # off for good once the service's memory proves to be on another host
         self._finished: set[str] = set()
         self._failed: dict[str, set[int]] = {}
         self._report_failed: set[int] = set()
@@ -176,36 +181,42 @@ class WorkerSide:
         return KVCraftWorkerMeta(blends=out)
 
     def _load(self, ld: BlockLoad) -> None:
-        from kvclient.client import Ref
-
-        why = ""
-        stream = LayerStream(self._client, [Ref(k, v) for k, v in zip(ld.chunk_keys, ld.variant_ids)],
-                             deadline=time.monotonic() + self.settings.load_timeout_s, depth=2, name="kvcraft-load")
-        with self._lock:
-            self._streams.add(stream)
+        why, source = "", None
+        n, timeout = len(ld.block_ids), self.settings.load_timeout_s
         try:
-            n = len(ld.block_ids)
+            source = ServiceLayerSource(self._client, dict(enumerate(map(Ref, ld.chunk_keys, ld.variant_ids))),
+                                        local=self._local, deadline=time.monotonic() + timeout,
+                                        depth=2, name="kvcraft-load")
+            with self._lock:
+                self._sources.add(source)
+            if source.elsewhere and self._local:
+                self._local = False
+                log.warning("kvcraft: the service at %s is not on this host (its shared memory cannot be mapped); "
+                            "loads stream over gRPC from now on", self.settings.address)
+            ids = None
             for i, (kc, vc) in enumerate(self._layers):  # kc, vc: [blocks, heads, block, hd] views
-                got = stream.wait_layer(i)
+                got = source.wait_layer(i)
                 if len(got) < n:
-                    why = stream.error or f"layer {i} not complete within load_timeout_s={self.settings.load_timeout_s}s"
+                    why = source.error or f"layer {i} not complete within load_timeout_s={timeout}s"
                     break
-                want = tuple(kc.shape[1:])
-                for j, block_id in enumerate(ld.block_ids):
-                    k, v = got[j]  # [heads, block, hd]
-                    if tuple(k.shape) != want or tuple(v.shape) != want or k.dtype != kc.dtype or v.dtype != vc.dtype:
-                        why = f"a block of shape {tuple(k.shape)} {k.dtype}, not {want} {kc.dtype}"
+                if ids is None:  # a variant's layers share one shape and dtype: the first layer tells
+                    why = _mismatch(got.values(), tuple(kc.shape[1:]), kc.dtype, vc.dtype)
+                    if why:
                         break
-                    kc[block_id].copy_(k)
-                    vc[block_id].copy_(v)
-                if why:
-                    break
+                    ids = torch.tensor(ld.block_ids, dtype=torch.long, device=kc.device)
+                k = torch.stack([got[j][0] for j in range(n)]).to(kc.device)  # [n, heads, block, hd]
+                v = torch.stack([got[j][1] for j in range(n)]).to(vc.device)
+                kc.index_copy_(0, ids, k)
+                vc.index_copy_(0, ids, v)
         except Exception as e:  # noqa: BLE001 - reported as a failed load, vLLM recomputes
             why = f"{type(e).__name__}: {e}"[:300]
         finally:
-            stream.close()
-            with self._lock:
-                self._streams.discard(stream)
+            if source is not None:
+                source.close()
+                with self._lock:
+                    self._sources.discard(source)
+        if not why and source is not None:
+            self.metrics.add(loaded_shared_blocks=len(source.mapped), loaded_streamed_blocks=len(source.streamed))
         self._finish(ld, why)
 
     def _finish(self, ld: BlockLoad, why: str) -> None:
@@ -347,9 +358,9 @@ class WorkerSide:
         with self._lock:
             self._closing = True  # queued saves return at once, counted as dropped
             left = self._pending
-            streams = list(self._streams)
-        for s in streams:
-            s.close(join_s=0.0)
+            sources = list(self._sources)
+        for s in sources:
+            s.cancel()
         close_channel()  # Stores still in flight end now; their errors are expected, not logged
         self._saver.shutdown(wait=True)
         self._loader.shutdown(wait=True)
@@ -360,3 +371,11 @@ class WorkerSide:
             log.info("kvcraft: worker side shut down in %.2fs; %d saves still queued or in flight after "
                      "shutdown_drain_s=%.1fs were dropped (dropped_saves)", self.shutdown_s, left,
                      self.settings.shutdown_drain_s)
+
+
+def _mismatch(blocks: Any, shape: tuple[int, ...], k_dtype: torch.dtype, v_dtype: torch.dtype) -> str:
+    """Why these (K, V) blocks do not fit vLLM's cache blocks ("" when they do)."""
+    for k, v in blocks:
+        if tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != k_dtype or v.dtype != v_dtype:
+            return f"a block of shape {tuple(k.shape)} {k.dtype}, not {shape} {k_dtype}"
+    return ""

@@ -3,7 +3,7 @@
 A stored variant may carry learned recompute scores, one per token
 (`kvcraft.records.VariantStats.recompute_scores`, issue 19): how much of an answer the
 token's recompute repaired when a later request computed the chunk in full
-(`engine_adapter.selection.learn`). The planner (no torch) and the engine adapter
+(`engine_adapter.learned.learn`). The planner (no torch) and the engine adapter
 both spend a recompute budget on them with these functions, so both sides agree.
 
 `allocate` spends one prompt-wide budget on the highest scores of all reused chunks: a

@@ -20,7 +20,7 @@ class VariantStats:
       token_inter_attention = per token t of C_i: sum_l sum_{j<i} inter_l(t, C_j)
                               (top-N token selection, eq. 14)
       recompute_scores      = per token, the learned recompute score
-                              (`engine_adapter.selection.learned_scores`); when present
+                              (`engine_adapter.learned.learn`); when present
                               it ranks the tokens instead of token_inter_attention
     A chunk computed alone (empty prefix) has a = 0 and empty prefix_attention.
     """

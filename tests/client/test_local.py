@@ -68,3 +68,25 @@ def test_offsets_outside_the_segment_are_refused(kvserver):
             bad.offset = slab._shm.size  # noqa: SLF001
             with pytest.raises(ValueError, match="outside segment"):
                 slab.layers(bad)
+
+
+def test_a_locate_answer_this_process_cannot_map_raises_and_frees_its_lease(kvserver):
+    """A service on another host answers Locate with a segment this host does not have:
+    fetch_local raises what mapping it raised and releases the lease at once, instead of
+    holding the variants until the lease's ttl."""
+    layers = [(torch.zeros(1, 9, 8).bfloat16(), torch.zeros(1, 9, 8).bfloat16())] * 3
+    with KVClient(kvserver.address) as c:
+        r = c.store(MODEL, list(range(9)), layers)
+        mappings = c.core.mappings()
+        of = mappings.of
+
+        def elsewhere(answer: pb.LocateResponse) -> object:
+            moved = pb.LocateResponse()
+            moved.CopyFrom(answer)
+            moved.segment = f"kvcraft-absent-{answer.instance_id}"  # no such segment on this host
+            return of(moved)
+
+        mappings.of = elsewhere
+        with pytest.raises(FileNotFoundError):
+            c.fetch_local([r.chunk_key])
+        assert c.stats().leases == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import torch
 from engine_adapter import LlamaEngine, Policy, ReuseGate
 from engine_adapter.blend import blend_prefill
 from engine_adapter.prompt import Segment
-from engine_adapter.rag import RAGAdapter, ServiceLayerSource
+from engine_adapter.loader import ServiceLayerSource
+from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import chunk_key
 from kvkernels import RopeConfig
@@ -77,7 +79,8 @@ def test_chunk_reused_at_a_new_position_equals_computing_it_there(kvserver):
     a, b = chunks(2, n=2)
     with KVClient(kvserver.address) as client:
         warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), [b])
-        src = ServiceLayerSource(client, {1: Ref(chunk_key(ENGINE.model_spec().fingerprint(), b))})
+        src = ServiceLayerSource(client, {1: Ref(chunk_key(ENGINE.model_spec().fingerprint(), b))}, local=False,
+                                 deadline=time.monotonic() + 60.0)
         segs = [Segment(tuple(a)), Segment(tuple(b), cached=True), Segment(tuple(QUESTION), question=True)]
         result = blend_prefill(ENGINE, segs, Policy("naive"), src, gate=ReuseGate())
         src.close()
@@ -115,7 +118,7 @@ def test_stalled_service_past_the_deadline_is_computed_instead(kvserver, caplog)
         refs = {i: Ref(cp.chunk_key, cp.variant_id) for i, cp in enumerate(plan.chunks)}
         os.kill(kvserver.proc.pid, signal.SIGSTOP)  # the service hangs: no layer arrives
         try:
-            src = ServiceLayerSource(client, refs, stream_timeout_s=2.0)
+            src = ServiceLayerSource(client, refs, local=False, deadline=time.monotonic() + 2.0)
             segs = [Segment(tuple(c), cached=True) for c in in_plan_order(cs, plan.order)] + [
                 Segment(tuple(QUESTION), question=True)]
             with caplog.at_level(logging.WARNING):

@@ -1,7 +1,7 @@
 """Learned recompute lists from the engine side (issue 19): a request that computes a
 chunk in full while a variant of it is stored sends, on store-back, the new variant's
 `recompute_scores` = this request's learned scores against that stored variant
-(`selection.learn`: greedy recompute gain from the top `fresh_gain` token).
+(`learned.learn`: greedy recompute gain from the top `fresh_gain` token).
 Real server on loopback, tiny random-weight Llama; the reference recomputes the gains
 from the engine's own full prefill and the stored variant fetched back."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_adapter import LlamaEngine, Policy, ReuseGate
-from engine_adapter import selection as sel
+from engine_adapter import learned
 from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient
 from kvcraft.keys import chunk_key
@@ -52,7 +52,7 @@ def test_store_back_sends_the_learned_scores_against_the_stored_variant(kvserver
             prefix = [chunk_key(fp, d) for d in order[:i]]
             (new,) = [v for v in client.get_chunk(key) if list(v.prefix_keys) == prefix]
             span = (sum(map(len, order[:i])), sum(map(len, order[:i + 1])))
-            want = sel.learn(ENGINE, [sel.GainCase(context, span, tuple(QUESTION), stored[key], tuple(c))])[0]
+            want = learned.learn(ENGINE, [learned.GainCase(context, span, tuple(QUESTION), stored[key], tuple(c))])[0]
             got = torch.tensor(list(new.stats.recompute_scores))
             assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-3, atol=1e-6), (i, got, want)
             ok += int(float(want.max()) > 0)
@@ -82,7 +82,7 @@ def test_a_failure_while_learning_stores_the_chunk_without_scores(kvserver, monk
         first = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate(), learn=True)
         first.prefill(cs, QUESTION, reorder=False)
         first.close()
-        monkeypatch.setattr(sel, "learn", broken)
+        monkeypatch.setattr(learned, "learn", broken)
         second = RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate(), learn=True)
         second.prefill(cs[::-1], QUESTION, reorder=False)
         second.close()

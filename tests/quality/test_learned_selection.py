@@ -2,7 +2,7 @@
 through the adapter's blended prefill, on held-out prompts of both quality tasks (300
 short, 100 long), in seconds. Fails if it falls more than 3 points below what was measured.
 
-The default: each stored variant's learned list (`engine_adapter.selection.learn`: the
+The default: each stored variant's learned list (`engine_adapter.learned.learn`: the
 greedy recompute gain, merged over two later requests that computed the chunk in full
 behind other prompts' chunks and asked about it), one prompt-wide budget
 (`kvcraft.recompute.allocate`, the planner's own function) of `DEFAULT_BUDGET` of the
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from engine_adapter import LlamaEngine, Policy
-from engine_adapter.selection import DEFAULT_BUDGET
+from kvcraft.recompute import DEFAULT_BUDGET
 from kvbench.quality import modeling, selection
 
 HERE = Path(__file__).parent

@@ -193,7 +193,7 @@ def test_blends_of_requests_sent_at_once_overlap_and_answer_as_one_at_a_time(wor
 
 
 def test_a_restarted_service_under_a_live_vllm_blends_as_before(world):
-    """The engine maps the service's shared memory (blend_local, the default). The service
+    """The engine maps the service's shared memory (`local`, the default). The service
     is restarted on the same data dir and port between phases (SIGTERM, then SIGKILL); the
     same prompts in reverse order must blend again (nothing stored back, so the same plans)
     and answer exactly as before the restart: never from the old instance's memory."""

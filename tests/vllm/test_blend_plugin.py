@@ -42,6 +42,8 @@ def test_entry_point_registers_the_model_class():
     ({"blend_options": {"ratio": 0.1}}, "blend_policy is 'off'"),
     ({"plan_timeout_s": 0}, "plan_timeout_s must be > 0"),
     ({"idle_wait_s": -0.01}, "idle_wait_s must be >= 0"),
+    ({"local": "false"}, "local must be true or false"),
+    ({"blend_local": False}, "unknown kv_connector_extra_config keys: ['blend_local']"),
 ])
 def test_bad_blend_settings_are_refused_by_name(extra, message):
     from engine_adapter.vllm.config import ConnectorSettings

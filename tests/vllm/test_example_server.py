@@ -106,12 +106,15 @@ def _example_module():
 def test_blending_is_off_by_default_and_turned_on_with_its_policy_options_and_model_class():
     ex = _example_module()
     off = ex.connector_args("127.0.0.1:1")
-    assert "blend_policy" not in off["kv_transfer_config"]["kv_connector_extra_config"] and "hf_overrides" not in off
+    assert off["kv_transfer_config"]["kv_connector_extra_config"] == {"address": "127.0.0.1:1"}
+    assert "hf_overrides" not in off
+    streamed = ex.connector_args("127.0.0.1:1", local=False)
+    assert streamed["kv_transfer_config"]["kv_connector_extra_config"] == {"address": "127.0.0.1:1", "local": False}
     on = ex.connector_args("127.0.0.1:1", "cacheblend", ex.parse_options(["ratio=0.15", "layer_budget_s=2"]),
-                           blend_local=False)
+                           local=False)
     extra = on["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra == {"address": "127.0.0.1:1", "blend_policy": "cacheblend",
-                     "blend_options": {"ratio": 0.15, "layer_budget_s": 2}, "blend_local": False}
+                     "blend_options": {"ratio": 0.15, "layer_budget_s": 2}, "local": False}
     assert on["hf_overrides"] == {"architectures": ["KVCraftLlamaForCausalLM"]}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         ex.parse_options(["ratio"])

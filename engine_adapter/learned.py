@@ -1,18 +1,19 @@
-"""Which tokens of a reused chunk to recompute: learned per-variant scores and a prompt budget.
+"""Learned recompute lists (issue 19): which tokens of a reused chunk to recompute,
+measured at the answer of a request that computed the chunk in full.
 
 Pure functions on torch tensors (CPU reference; the CUDA path uses the same math).
 
-A *learned* recompute list (issue 19). A chunk's KV depends on what came before it only
-through some of its tokens (a pronoun's referent, the token the model keeps a binding
-on). When a request computes a chunk in full although a variant of it is stored (behind
-another prefix), both are at hand: `fresh_gain` measures, per token, how much of that
-request's answer the stored variant's stale KV of the token costs (the answer's KL
-divergence with the chunk stale, minus with only that token fresh). That is the
-quantity Cache-Craft §3.2 recomputes tokens to reduce, measured at the output instead
-of estimated from attention (eq. 14) or from KV deviation on layer 1 (CacheBlend §4.3,
-HKVD). The scores are stored with the variant it created (`VariantStats.recompute_scores`),
-merged over the requests that computed the chunk (`merge_scores`), so the next reuse,
-behind any prefix, knows which tokens to recompute without computing a layer first.
+A chunk's KV depends on what came before it only through some of its tokens (a
+pronoun's referent, the token the model keeps a binding on). When a request computes a
+chunk in full although a variant of it is stored (behind another prefix), both are at
+hand: `fresh_gain` measures, per token, how much of that request's answer the stored
+variant's stale KV of the token costs (the answer's KL divergence with the chunk stale,
+minus with only that token fresh). That is the quantity Cache-Craft §3.2 recomputes
+tokens to reduce, measured at the output instead of estimated from attention (eq. 14)
+or from KV deviation on layer 1 (CacheBlend §4.3, HKVD). The scores are stored with the
+variant it created (`VariantStats.recompute_scores`), merged over the requests that
+computed the chunk (`kvcraft.recompute.merge_scores`), so the next reuse, behind any
+prefix, knows which tokens to recompute without computing a layer first.
 
 The default list (`learn`) starts from the top fresh-gain token and adds, greedily, the
 tokens whose RECOMPUTE repairs the answer most (`recompute_gain`): a recomputed token
@@ -21,14 +22,10 @@ reads through other tokens of the chunk (on long chunks, the filler before the p
 sentence) is repaired only when those are recomputed too, which a one-token fresh gain
 cannot see (docs/quality.md, the long task).
 
-`allocate` (from `kvcraft.recompute`, shared with the planner) spends one prompt-wide
-budget on the highest scores of all reused chunks, so a chunk that does not depend on
-its prefix (a chain head, a distractor) gets nothing and one that does gets its binding
-token(s).
-
-Also here, measured side by side in `kvbench.quality.selection` and kept as references:
-`kv_deviation` (CacheBlend §4.1 offline) and `learned_scores` = deviation x what the
-question read (`observe`, Cache-Craft eq. 15 per token).
+`kvcraft.recompute.allocate` (shared with the planner, which never imports torch)
+spends one prompt-wide budget on the highest scores of all reused chunks, so a chunk
+that does not depend on its prefix (a chain head, a distractor) gets nothing and one
+that does gets its binding token(s).
 """
 
 from __future__ import annotations
@@ -39,155 +36,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-# The pure-Python part (budget, ranking, merging) lives in the contract package so the
-# planner, which never imports torch, spends budgets the same way.
-from kvcraft.recompute import DEFAULT_BUDGET, allocate, merge_scores, order, per_chunk
-
-KV = Sequence[tuple[Tensor, Tensor]]  # per layer (K RoPE-free [Hkv, T, D], V [Hkv, T, D])
-
-
-def kv_deviation(stored: KV, observed: KV, layers: Sequence[int] | None = None) -> Tensor:
-    """Per token of one chunk [T]: how far its KV moved between two full computations.
-
-    stored, observed: the chunk's per-layer KV computed behind two different prefixes
-    (or one behind a prefix and one alone). Per layer l (CacheBlend §4.1 KV deviation,
-    L2 instead of L1) the deviation of token t is ||dK_t|| + ||dV_t|| divided by the
-    layer's mean ||K|| + ||V||, so layers of different scale count alike; the score is
-    the sum over `layers` (default: every layer but the first, whose K/V are
-    projections of the token embeddings and never move, docs/adapter.md).
-    """
-    if len(stored) != len(observed):
-        raise ValueError(f"{len(stored)} stored layers vs {len(observed)} observed")
-    use = range(1, len(stored)) if layers is None else layers
-    score = None
-    for l in use:
-        (ks, vs), (ko, vo) = stored[l], observed[l]
-        if ks.shape != ko.shape or vs.shape != vo.shape:
-            raise ValueError(f"layer {l}: stored {tuple(ks.shape)} vs observed {tuple(ko.shape)}")
-        dev = (ko.float() - ks.float()).norm(dim=2).sum(0) + (vo.float() - vs.float()).norm(dim=2).sum(0)  # [T]
-        scale = (ks.float().norm(dim=2).sum(0) + vs.float().norm(dim=2).sum(0)).mean().clamp_min(1e-12)
-        score = dev / scale if score is None else score + dev / scale
-    if score is None:
-        raise ValueError("no layer to compare")
-    return score
-
-
-@dataclass(frozen=True)
-class Observation:
-    """A chunk computed in full inside one request, as the engine sees it then."""
-
-    kv: list[tuple[Tensor, Tensor]]  # per layer (K RoPE-free [Hkv, T, D], V [Hkv, T, D]) of the chunk
-    received: Tensor  # [T] attention the request's question put on each chunk token
-    # [L, T] the same per layer (zero rows for layers not counted); `received` is its sum
-    received_per_layer: Tensor | None = None
-    # with observe_many(context=True): the request as a `GainCase` against a stored variant
-    # (per layer K post-RoPE [Hkv, P, D], V of the rows before the question; the question)
-    context: list[tuple[Tensor, Tensor]] | None = None
-    span: tuple[int, int] | None = None
-    question: tuple[int, ...] | None = None
-    chunk: tuple[int, ...] | None = None  # the chunk's token ids (with context=True)
-
-
-@torch.no_grad()
-def observe(engine, tokens: Sequence[int], span: tuple[int, int], readers: tuple[int, int],
-            layers: Sequence[int] | None = None) -> Observation:
-    """Full causal prefill of `tokens`; the KV of rows `span` (a chunk) and how much rows
-    `readers` (the question) attend to each of them: attention probabilities averaged over
-    heads, summed over reader rows and `layers` (default: every layer but the first).
-
-    Cache-Craft eq. 15 measures the question's attention per chunk (inter(C_i, U)) to
-    find the focused chunks; `received` is the same quantity per token. Plain torch with
-    the engine's own primitives; spans are [start, end) rows.
-    """
-    from kvkernels import apply_rope
-
-    toks = torch.as_tensor(list(tokens), dtype=torch.long)
-    t = len(toks)
-    pos = torch.arange(t)
-    c = engine.cfg
-    g = c.num_heads // c.num_kv_heads
-    use = set(range(1, c.num_layers) if layers is None else (l % c.num_layers for l in layers))
-    causal = torch.ones(t, t, dtype=torch.bool).triu(1)
-    got = torch.zeros(c.num_layers, span[1] - span[0])
-    kv = []
-    h = engine.embed(toks)  # [T, d]
-    for layer in range(c.num_layers):
-        q, k, v = engine.qkv(layer, h)  # [H, T, D] pre-RoPE
-        kv.append((k[:, span[0]:span[1]].clone(), v[:, span[0]:span[1]].clone()))
-        q, k = apply_rope(q, pos, engine.rope), apply_rope(k, pos, engine.rope)
-        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # [Hq, T, D]
-        p = ((q @ k.transpose(1, 2)) * engine.scale).masked_fill(causal, float("-inf")).softmax(-1)  # [Hq, T, T]
-        if layer in use:
-            got[layer] = p[:, readers[0]:readers[1], span[0]:span[1]].float().mean(0).sum(0)
-        h = engine.mlp(layer, engine.attn_out(layer, h, p @ v))
-    return Observation(kv, got.sum(0), got)
-
-
-Request = tuple[Sequence[int], tuple[int, int], tuple[int, int]]  # tokens, chunk span, reader rows
-
-
-@torch.no_grad()
-def observe_many(engine, requests: Sequence[Request], layers: Sequence[int] | None = None,
-                 batch: int = 256, context: bool = False) -> list[Observation]:
-    """`observe` for many (tokens, span, readers) at once: right-padded batches of full
-    causal prefills (a real row never sees a pad after it), the row-wise layers (norms,
-    projections, MLP) on all rows of a batch together. Empty `readers` give zero reads:
-    the chunk's KV alone (a variant computed behind `tokens[:span[0]]`). Same result as
-    `observe` per request (tested); what the quality benchmark and its CI test use to
-    build thousands of variants in seconds. `context=True` also keeps what `gain_case`
-    needs: the rows before the readers (the question, which must be the last rows).
-    """
-    from kvkernels import rope_tables, rotate
-
-    c = engine.cfg
-    g = c.num_heads // c.num_kv_heads
-    use = set(range(1, c.num_layers) if layers is None else (l % c.num_layers for l in layers))
-    out: list[Observation] = []
-    for start in range(0, len(requests), batch):
-        part = requests[start:start + batch]
-        b, t = len(part), max(len(r[0]) for r in part)
-        toks = torch.zeros(b, t, dtype=torch.long)
-        readers = torch.zeros(b, t)  # [B, T] 1 on reader rows
-        for i, (tokens, _, (r0, r1)) in enumerate(part):
-            toks[i, :len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.long)
-            readers[i, r0:r1] = 1.0
-        cos, sin = rope_tables(engine.rope, torch.arange(t))
-        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
-        h = engine.embed(toks.reshape(-1))  # [B*T, d]
-        kvs, reads = [], torch.zeros(c.num_layers, b, t)
-        for layer in range(c.num_layers):
-            q, k, v = (x.reshape(x.shape[0], b, t, -1).transpose(0, 1) for x in engine.qkv(layer, h))  # [B, H, T, D]
-            kvs.append((k, v))
-            q, kr = rotate(q, cos, sin), rotate(k, cos, sin)
-            kr, vr = kr.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # [B, Hq, T, D]
-            p = ((q @ kr.transpose(2, 3)) * engine.scale).masked_fill(causal, float("-inf")).softmax(-1)  # [B, Hq, T, T]
-            if layer in use:
-                reads[layer] = (p.float().mean(1) * readers[:, :, None]).sum(1)  # [B, T] per key
-            o = (p @ vr).transpose(0, 1).reshape(c.num_heads, b * t, -1)  # [Hq, B*T, D]
-            h = engine.mlp(layer, engine.attn_out(layer, h, o))
-        for i, (tokens, (s0, s1), (r0, r1)) in enumerate(part):
-            per_layer = reads[:, i, s0:s1].clone()
-            ctx = ([(rotate(k[i, :, :r0], cos[:r0], sin[:r0]), v[i, :, :r0].clone()) for k, v in kvs]
-                   if context else None)
-            out.append(Observation([(k[i, :, s0:s1].clone(), v[i, :, s0:s1].clone()) for k, v in kvs],
-                                   per_layer.sum(0), per_layer, ctx, (s0, s1) if context else None,
-                                   tuple(int(x) for x in list(tokens)[r0:r1]) if context else None,
-                                   tuple(int(x) for x in list(tokens)[s0:s1]) if context else None))
-    return out
-
-
-def learned_scores(stored: KV, seen: Observation) -> Tensor:
-    """The learned recompute scores of a chunk's stored variant [T]: what the question of a
-    request that computed the chunk in full read from each token, times how far the
-    token's KV moved from the stored variant's (CacheBlend §4.1 deviation).
-
-    Deviation alone ranks every prefix-dependent token (a city that attends back, a
-    pronoun) and reading alone ranks tokens that hold the chunk's own facts; the product
-    keeps the tokens that both changed and are read, which is what a stale cache gets
-    wrong (docs/quality.md, token selection).
-    """
-    return kv_deviation(stored, seen.kv) * seen.received
-
+from engine_adapter.observe import KV, Observation
 
 @dataclass(frozen=True)
 class GainCase:
@@ -499,6 +348,3 @@ def _recompute_batch(engine, cases: Sequence[GainCase], chosen: Sequence[Sequenc
     ref = logp[:, M + 1:]
     kl = (ref.exp() * (ref - logp)).sum(-1).cpu()  # [C, NV]
     return [(float(kl[n, M]), kl[n, :k.span[1] - k.span[0]].clamp_min(0.0)) for n, k in enumerate(cases)]
-
-
-__all__ = ["DEFAULT_BUDGET", "Observation", "observe", "observe_many", "GainCase", "gain_case", "DEFAULT_ROUNDS", "learn", "fresh_gain", "recompute_gain", "path_scores", "learned_scores", "kv_deviation", "merge_scores", "order", "allocate", "per_chunk"]

