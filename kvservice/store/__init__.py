@@ -296,8 +296,8 @@ class ChunkStore:
         with self._s.lock:
             self._leases.expire()
             c = self.counters
-            tiers = [TierStats(t.name, t.usage(), t.budget_bytes, len(t), c.hits[t.name], c.misses[t.name])
-                     for t in self.tiers]
+            tiers = [TierStats(t.name, t.usage(), t.budget_bytes, len(t), c.hits[t.name], c.misses[t.name],
+                               c.layer_reads[t.name]) for t in self.tiers]
             return StoreStats(self.index.chunk_count(), len(self.index), tiers, c.evictions, c.moves,
                               len(self._leases), self.index.pinned, self._s.inflight_store_bytes, self._s.inflight_stores)
 

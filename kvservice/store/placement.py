@@ -168,9 +168,11 @@ class Placement:
 
     def _fill(self, v: Variant, src: int, dst: int, writer: TierWriter) -> bool:
         s, shape = self.s, self.s.shape(v)
+        tier = s.tiers[src]
         try:
             for layer in range(v.num_layers):
-                writer.write_layer(s.tiers[src].get_layer(v.variant_id, layer, shape))
+                writer.write_layer(tier.get_layer(v.variant_id, layer, shape))
+                s.counters.layer_reads[tier.name] += 1
             writer.commit()
         except (KeyError, OSError) as e:
             writer.abort()

@@ -39,6 +39,7 @@ class Promotion:
                 self.placement.drop(v.variant_id, f"{tier.name} tier read failed: {e}")
                 raise NotFound(f"variant {v.variant_id}: payload unreadable, dropped; recompute it") from None
             s.counters.hits[tier.name] += 1
+            s.counters.layer_reads[tier.name] += 1
             if tier.verify_reads:
                 self._verify(v, layer, data)
             kb = v.layout.key_bytes  # type: ignore[union-attr]
@@ -93,8 +94,10 @@ class Promotion:
         tier, shape = self.s.tiers[src], self.s.shape(v)
         # The gpu tier's own path: the payload file straight into GPU memory (docs/gpu.md).
         verify = (lambda layer, data: self._verify(v, layer, data)) if tier.verify_reads else None
+        reads = self.s.counters.layer_reads
         try:
             if writer.fill_from(tier, v.variant_id, shape, verify):
+                reads[tier.name] += v.num_layers
                 return True
         except NotFound:  # a layer failed its checksum; the variant was dropped
             return False
@@ -114,6 +117,7 @@ class Promotion:
                 if not tier.shared:
                     self.placement.drop(v.variant_id, f"{tier.name} tier read failed: {e}")
                 return False
+            reads[tier.name] += 1
             if tier.verify_reads:
                 try:
                     self._verify(v, layer, data)
