@@ -182,8 +182,8 @@ class DataServicer:
             # loop: a slice of the slab, one copy, and grpcio's own copy of the message
             # then reads bytes this core just wrote (server CPU per 256 MiB 0.10-0.12 ->
             # 0.08 s; the loop is busy ~0.2-0.4 ms per 2 MiB layer, between yields). Reads
-            # from other tiers (I/O, checksum verification) run on a worker, one message
-            # ahead of what grpcio sends.
+            # from other tiers (I/O, checksum verification, and the host copy they fill)
+            # run on a worker, one message ahead of what grpcio sends.
             inline = all(_in_host_memory(self.store, i) for i in infos)
             if not inline:
                 reading = loop.run_in_executor(None, messages.build, 0)
@@ -199,7 +199,7 @@ class DataServicer:
                 yield msg
         except KVCraftError as e:
             closed = True
-            _release_after(loop, reading, self.store.close_fetch, infos)
+            _release_after(loop, reading, self._end_early, infos)
             await context.abort(e.code, str(e))
         else:
             # Before the status goes out, so a client that saw the stream end also
@@ -209,7 +209,13 @@ class DataServicer:
         finally:
             timer.__exit__(None, None, None)
             if not closed:  # cancelled by the client: release without awaiting
-                _release_after(loop, reading, self.store.close_fetch, infos)
+                _release_after(loop, reading, self._end_early, infos)
+
+    def _end_early(self, infos: list[Variant]) -> None:
+        """A stream that stopped before its end (the client left, or a read failed) copies
+        nothing up: the host copies its reads were filling are dropped, and no promotion
+        reads the variants again for a client that is gone or will recompute."""
+        self.store.close_fetch(infos, promote=False)
 
 
 def _in_host_memory(store: ChunkStore, v: Variant) -> bool:
