@@ -2,7 +2,8 @@
 protobuf: `kvservice.server` converts at the edge.
 
   state.py      what the parts share (tiers fastest first, index, metadata, lock, listeners)
-  session.py    one Store stream, and the write order (payload, fsync, synced metadata batch)
+  session.py    one Store stream: the header and each layer checked, written to the home tier
+  commit.py     a Store's commit, and the write order (payload, fsync, synced metadata batch)
   placement.py  room, demotion one tier down, deletion, the M-per-chunk and N x M caps
   leases.py     leases and holds
   promotion.py  reads from the fastest tier holding a variant (verified), copies up as a fetch
