@@ -1,5 +1,5 @@
-"""Prometheus metrics: per-tier bytes/entries/hits/misses read from the store at scrape
-time, plus fetch/store traffic and fetch latency measured by the server."""
+"""Prometheus metrics: per-tier bytes, entries, hits, misses and layer reads, read from the store
+at scrape time, plus fetch/store traffic and fetch latency measured by the server."""
 
 from __future__ import annotations
 
@@ -22,13 +22,16 @@ class _StoreCollector:
         entries = GaugeMetricFamily("kvcraft_tier_variants", "Variants with a copy in the tier", labels=["tier"])
         hits = CounterMetricFamily("kvcraft_tier_hits", "Fetched layers served from the tier", labels=["tier"])
         misses = CounterMetricFamily("kvcraft_tier_misses", "Fetched layers the tier did not hold", labels=["tier"])
+        reads = CounterMetricFamily("kvcraft_tier_layer_reads", "Layers read from the tier: fetches, promotions, "
+                                    "demotions", labels=["tier"])
         for t in s.tiers:
             used.add_metric([t.name], t.bytes_used)
             budget.add_metric([t.name], t.bytes_budget)
             entries.add_metric([t.name], t.variants)
             hits.add_metric([t.name], t.hits)
             misses.add_metric([t.name], t.misses)
-        yield from (used, budget, entries, hits, misses)
+            reads.add_metric([t.name], t.layer_reads)
+        yield from (used, budget, entries, hits, misses, reads)
         yield CounterMetricFamily("kvcraft_evictions", "Variants deleted for space", value=s.evictions)
         yield CounterMetricFamily("kvcraft_moves", "Variants demoted one tier down", value=s.moves)
         yield GaugeMetricFamily("kvcraft_chunks", "Chunks stored", value=s.chunks)

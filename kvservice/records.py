@@ -88,6 +88,7 @@ class TierStats:
     variants: int
     hits: int
     misses: int
+    layer_reads: int = 0  # layers read from the tier: fetches' and copies' (promotion, demotion)
 
 
 @dataclass(frozen=True)

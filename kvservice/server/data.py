@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any, AsyncIterator
 
 import grpc
@@ -28,6 +29,27 @@ from kvservice.store.session import StagedWriter
 # asyncio client as "INTERNAL: Internal error from Core" (grpc/grpc#36066).
 STORE_DISCARD_BYTES = 256 * MiB
 STORE_DISCARD_S = 10.0
+_KVCACHE = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
+
+
+class _ClientLeft(logging.Filter):
+    """grpcio logs a batch that core refused on a call (a message, the final status) as
+    an error with its traceback, unless it has already read the client's cancel
+    (`_handle_exceptions` checks `client_closed`). A client that closes a FetchLayers
+    stream early races that: core refuses the write because the client left, and the
+    cancel is read a moment later. That is a normal end of a stream, so those records of
+    FetchLayers become debug records, without the traceback."""
+
+    prefix = f"ExecuteBatchError raised in core by servicer method [/{_KVCACHE}/FetchLayers]"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(self.prefix):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_CLIENT_LEFT = _ClientLeft()
 
 
 class DataServicer:
@@ -37,6 +59,7 @@ class DataServicer:
         self.store = store
         self.metrics = metrics
         self.inflight = inflight
+        logging.getLogger("grpc._cython.cygrpc").addFilter(_CLIENT_LEFT)  # kept once, however many servicers
 
     @rpc
     async def Store(self, request_iterator: AsyncIterator[pb.StoreRequest], context: Any) -> pb.StoreResponse:
@@ -153,19 +176,28 @@ class DataServicer:
         self.metrics.store_bytes.inc(result.bytes_stored if not result.already_present else 0)
         await context.write(pb.StoreLocalResponse(result=wire.store_response(result)))
 
-    async def FetchLayers(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.LayerChunk]:
+    async def FetchLayers(self, request: pb.FetchRequest, context: Any) -> None:
+        """Writes its messages with `context.write` rather than yielding them: when the
+        client leaves, the failed write or the cancel is raised here, and the stream's
+        holds are released at once (a generator left at its `yield` by grpcio would
+        release them only once collected)."""
         with self.inflight.track():
-            async for chunk in self._fetch_layers(request, context):
-                yield chunk
+            await self._fetch_layers(request, context)
 
-    async def _fetch_layers(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.LayerChunk]:
+    async def _fetch_layers(self, request: pb.FetchRequest, context: Any) -> None:
         # A server-streaming handler cannot use the unary wrapper: errors are mapped inline.
+        loop = asyncio.get_running_loop()
         try:
             check_parsed(request)
-            infos = await asyncio.to_thread(self.store.open_fetch, wire.refs(request.variants))
+            opening = asyncio.ensure_future(asyncio.to_thread(self.store.open_fetch, wire.refs(request.variants)))
+            try:
+                infos = await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                # The client left while open_fetch ran on: release the holds it takes.
+                opening.add_done_callback(lambda f: _release_opened(loop, f, self._end_early))
+                raise
         except KVCraftError as e:
             await context.abort(e.code, str(e))
-        loop = asyncio.get_running_loop()
         timer = self.metrics.fetch_seconds.time()
         timer.__enter__()
         closed = False
@@ -181,9 +213,9 @@ class DataServicer:
             # Variants in host memory (held: they stay there) are built here, on the event
             # loop: a slice of the slab, one copy, and grpcio's own copy of the message
             # then reads bytes this core just wrote (server CPU per 256 MiB 0.10-0.12 ->
-            # 0.08 s; the loop is busy ~0.2-0.4 ms per 2 MiB layer, between yields). Reads
-            # from other tiers (I/O, checksum verification) run on a worker, one message
-            # ahead of what grpcio sends.
+            # 0.08 s; the loop is busy ~0.2-0.4 ms per 2 MiB layer, between writes). Reads
+            # from other tiers (I/O, checksum verification, and the host copy they fill)
+            # run on a worker, one message ahead of what grpcio sends.
             inline = all(_in_host_memory(self.store, i) for i in infos)
             if not inline:
                 reading = loop.run_in_executor(None, messages.build, 0)
@@ -196,20 +228,28 @@ class DataServicer:
                 if n == len(infos):  # every variant's first layer went out
                     failpoints.reach("fetch:after-first-layer")
                 self.metrics.fetch_bytes.inc(infos[n % len(infos)].layout.layer_bytes)
-                yield msg
+                await context.write(msg)
         except KVCraftError as e:
             closed = True
-            _release_after(loop, reading, self.store.close_fetch, infos)
+            _release_after(loop, reading, self._end_early, infos)
             await context.abort(e.code, str(e))
         else:
             # Before the status goes out, so a client that saw the stream end also
             # sees the promotion to the host tier.
             closed = True
-            await asyncio.to_thread(self.store.close_fetch, infos)
+            # Shielded: a cancel while the close waits for a worker thread would unqueue
+            # it, and the variants would stay held.
+            await asyncio.shield(asyncio.to_thread(self.store.close_fetch, infos))
         finally:
             timer.__exit__(None, None, None)
-            if not closed:  # cancelled by the client: release without awaiting
-                _release_after(loop, reading, self.store.close_fetch, infos)
+            if not closed:  # the client left: release without awaiting
+                _release_after(loop, reading, self._end_early, infos)
+
+    def _end_early(self, infos: list[Variant]) -> None:
+        """A stream that stopped before its end (the client left, or a read failed) copies
+        nothing up: the host copies its reads were filling are dropped, and no promotion
+        reads the variants again for a client that is gone or will recompute."""
+        self.store.close_fetch(infos, promote=False)
 
 
 def _in_host_memory(store: ChunkStore, v: Variant) -> bool:
@@ -244,6 +284,12 @@ class _LayerMessages:
         head = codec.layer_chunk_head(layer, idx, info.variant_id, *self.specs[idx])
         k, v = self.store.read_layer(info, layer)
         return codec.encode_layer_chunk(head, k, v)
+
+
+def _release_opened(loop: asyncio.AbstractEventLoop, opening: asyncio.Future, close: Any) -> None:
+    """Release the holds of a fetch that opened after its client left."""
+    if not opening.cancelled() and opening.exception() is None:
+        loop.run_in_executor(None, close, opening.result())
 
 
 def _release_after(loop: asyncio.AbstractEventLoop, reading: asyncio.Future | None,

@@ -2,10 +2,12 @@
 protobuf: `kvservice.server` converts at the edge.
 
   state.py      what the parts share (tiers fastest first, index, metadata, lock, listeners)
-  session.py    one Store stream, and the write order (payload, fsync, synced metadata batch)
+  session.py    one Store stream: the header and each layer checked, written to the home tier
+  commit.py     a Store's commit, and the write order (payload, fsync, synced metadata batch)
   placement.py  room, demotion one tier down, deletion, the M-per-chunk and N x M caps
   leases.py     leases and holds
-  promotion.py  reads from the fastest tier holding a variant (verified), copies up
+  promotion.py  reads from the fastest tier holding a variant (verified), copies up as a fetch
+                reads (the fastest tier's copy filled by the same reads) or after
   recovery.py   start-up recovery (the one function that decides what survived a crash)
   sync.py       scale-out: adopt variants other nodes listed, write-through to the remote tier
 """
@@ -101,22 +103,27 @@ class ChunkStore:
             for v in variants:
                 v.holds += 1
             self._count_reuse(refs, variants)
+            self._promotion.join_fills(variants)
         return variants
 
     def read_layer(self, v: Variant, layer: int) -> tuple[memoryview, memoryview]:
-        """K and V bytes of one layer of a held variant; verified if read from disk."""
+        """K and V bytes of one layer of a held variant; verified if read from disk. Read
+        in order from a slower tier, the layers also fill the fastest tier's copy."""
         if v.variant_id not in self.index:
             raise NotFound(f"variant {v.variant_id} is no longer stored (dropped while fetching); recompute it")
         return self._promotion.read_layer(v, layer)
 
     def close_fetch(self, variants: Iterable[Variant], *, promote: bool = True) -> None:
-        """End a fetch's hold; copy variants read from slower tiers up into the fastest."""
+        """End a fetch's hold. promote: the fetch ran to its end: the copies its reads
+        filled commit, and the variants it could not copy as it read are promoted (read
+        again); off (a fetch that stopped early), its copies are aborted and nothing moves."""
         variants = list(variants)
+        settled = self._promotion.end_fills(variants, commit=promote)
         with self._s.lock:
             for v in variants:
                 v.holds -= 1
         if promote:
-            self.promote(v.variant_id for v in variants)
+            self.promote(v.variant_id for v in variants if v.variant_id not in settled)
 
     def promote(self, variant_ids: Iterable[str]) -> None:
         self._promotion.promote(variant_ids, to=0)
@@ -296,8 +303,8 @@ class ChunkStore:
         with self._s.lock:
             self._leases.expire()
             c = self.counters
-            tiers = [TierStats(t.name, t.usage(), t.budget_bytes, len(t), c.hits[t.name], c.misses[t.name])
-                     for t in self.tiers]
+            tiers = [TierStats(t.name, t.usage(), t.budget_bytes, len(t), c.hits[t.name], c.misses[t.name],
+                               c.layer_reads[t.name]) for t in self.tiers]
             return StoreStats(self.index.chunk_count(), len(self.index), tiers, c.evictions, c.moves,
                               len(self._leases), self.index.pinned, self._s.inflight_store_bytes, self._s.inflight_stores)
 

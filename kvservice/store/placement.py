@@ -109,9 +109,10 @@ class Placement:
                 self.demote(victim, i)
 
     def open_cache_writer(self, i: int, vid: str, shape: PayloadShape, key: EvictionKey,
-                          protected: bool) -> TierWriter | None:
+                          protected: bool, count_refusal: bool = True) -> TierWriter | None:
         """A writer on cache tier i for a newcomer with eviction key `key`, or None
-        when the newcomer is the one that would go down (or can never fit)."""
+        when the newcomer is the one that would go down (or can never fit). A refusal
+        counts as a move unless `count_refusal` is off (a try that another repeats)."""
         tier = self.s.tiers[i]
         if shape.total_bytes > tier.budget_bytes:
             return None
@@ -124,7 +125,8 @@ class Placement:
                 if victim is None:
                     return None
                 if not protected and key < eviction_key(victim):
-                    self.s.counters.moves += 1  # the newcomer is the one that goes down
+                    if count_refusal:
+                        self.s.counters.moves += 1  # the newcomer is the one that goes down
                     return None
                 self.demote(victim, i)
 
@@ -168,9 +170,11 @@ class Placement:
 
     def _fill(self, v: Variant, src: int, dst: int, writer: TierWriter) -> bool:
         s, shape = self.s, self.s.shape(v)
+        tier = s.tiers[src]
         try:
             for layer in range(v.num_layers):
-                writer.write_layer(s.tiers[src].get_layer(v.variant_id, layer, shape))
+                writer.write_layer(tier.get_layer(v.variant_id, layer, shape))
+                s.counters.layer_reads[tier.name] += 1
             writer.commit()
         except (KeyError, OSError) as e:
             writer.abort()

@@ -1,39 +1,25 @@
-"""One Store stream, and the write order (the one place it is spelled out; docs/storage.md):
+"""One Store stream: the header checked and counted in flight (`begin`), each layer
+checked against it as it arrives and written to the home tier's writer (a temporary
+file) only, then handed to `kvservice.store.commit`, where the write order is spelled
+out (payload, fsync, synced metadata batch, then the copies and the index).
 
-  1. each layer, as it arrives, is checked against the header and written to the home
-     tier's writer (a temporary file) only: an open stream holds about the layer in
-     hand in memory (`max_inflight_store_bytes` counts it at INFLIGHT_LAYERS layers);
-  2. the home writer commits: fsync, rename into place, fsync the directory. Meanwhile
-     another thread fills the copy of every cache tier above home that stores new
-     variants (the host slab) and admits this one: each layer read back from the file
-     (page cache) straight into the copy's room and checked against the checksum of
-     the layer as it arrived (a mismatch: the file is deleted, the Store fails);
-  3. one synced RocksDB WriteBatch with the variant's metadata (group-committed with
-     other Stores', `MetadataDB`);
-  4. the copies are published, the index and listeners learn of the variant; only
-     then is the write acknowledged.
-A co-located Store (StoreLocal) follows the same order; each layer is copied once from
-the client's staging area (kvservice.store.staging) into the session's own buffer
-instead of arriving in a gRPC message, and everything after (checksum, payload file,
-host copy read back from the file) comes from that copy.
-Deletes go metadata first, then payloads (`Placement.delete_many`). A metadata batch that
-fails (a full disk) deletes the Store's payload file: nothing of it stays.
-So after a crash at any point, recovery finds a complete variant or debris it deletes.
+An open stream holds about the layer in hand in memory (`max_inflight_store_bytes`
+counts it at INFLIGHT_LAYERS layers). A co-located Store (StoreLocal) takes its layers
+from the client's staging area (kvservice.store.staging) instead of gRPC messages: each
+copied once into the session's own buffer, written by one `StagedWriter` thread.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from array import array
 from concurrent.futures import Future
 
 from kvcraft.keys import chunk_key, is_key, variant_id
-from kvservice import failpoints, variant_codec
-from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from kvservice.index import Variant, eviction_key
+from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layout
 from kvservice.records import StoreHeader, StoreResult
+from kvservice.store.commit import commit
 from kvservice.store.placement import Placement
 from kvservice.store.staging import StagingArea, StagingMaps
 from kvservice.store.state import StoreState
@@ -46,12 +32,6 @@ from kvservice.tiers.base import Buffer, PayloadShape, TierWriter
 # one message ahead of the layer being written: measured 2-2.5 layers of RSS per stalled
 # stream, about 4 at the peak (tests/service/test_inflight_memory.py; docs/operations.md).
 INFLIGHT_LAYERS = 4
-# A payload at least this big gets its cache copies filled by another thread while the
-# commit fsyncs it; a smaller one after the fsync, in the committing thread (starting a
-# thread would cost more than the overlap saves).
-FILL_THREAD_BYTES = 1 << 20
-log = logging.getLogger("kvcraft.store")
-
 
 
 def begin(s: StoreState, placement: Placement, h: StoreHeader,
@@ -123,19 +103,6 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader,
             session.abort()
             raise
     return session
-
-
-def _claim_commit(s: StoreState, vid: str) -> bool:
-    """Make the caller the one session that commits `vid`; False once it is stored."""
-    while True:
-        with s.lock:
-            if vid in s.index:
-                return False
-            other = s.committing.get(vid)
-            if other is None:
-                s.committing[vid] = threading.Event()
-                return True
-        other.wait()
 
 
 class StoreSession:
@@ -219,7 +186,7 @@ class StoreSession:
                     result = self._already_present()
                 else:
                     try:
-                        result = self._commit()
+                        result = commit(self._s, self._placement, self) or self._already_present()
                     finally:
                         self.home.abort()  # no-op once committed
                 ok = True
@@ -227,80 +194,6 @@ class StoreSession:
                 self._uncharge()
                 self._close_staging(keep=ok)
         return result
-
-    def _commit(self) -> StoreResult:
-        """Steps 2-4 of the write order, for a session whose layers all arrived.
-
-        The fsyncs and the synced batch run outside the store lock, so fetches,
-        lookups and other stores go on meanwhile (bench/load.py); an identical store
-        committing at the same time is waited for (both would rename onto one file).
-        The cache tiers' copies are read back from the payload file (page cache) in
-        another thread while this one waits for the file's fsync."""
-        s, h = self._s, self.header
-        now = s.now_ms()
-        idx = s.index
-        if not _claim_commit(s, self.variant_id):  # a concurrent identical store won
-            return self._already_present()
-        copies: list[TierWriter] = []
-        try:
-            with s.lock:
-                v = Variant.build(
-                    self.variant_id, idx.intern_key(self.chunk_key),
-                    tuple(idx.intern_key(k) for k in h.prefix_keys), len(h.token_ids), s.tiers[s.home].name,
-                    h.stats, model_id=h.model_id, num_layers=h.num_layers,
-                    key_spec=idx.intern_spec(h.key_spec), value_spec=idx.intern_spec(h.value_spec),
-                    layout=idx.intern_layout(self.layout), layer_checksums=self.checksums,
-                    last_access_ms=now, created_ms=now)
-                self._open_copies(v, copies)
-            home = self.home
-            assert home is not None
-            home.describe(variant_codec.encode(v))  # self-describing payload: `kvcraft repair` reads it
-            failpoints.reach("store:payload-written")
-            filler = _Filler(self, copies) if copies else None
-            try:
-                home.commit()
-            finally:
-                filled = filler.join() if filler is not None else []
-            failpoints.reach("store:payload-committed")
-            if filler is not None and filler.error is not None:
-                # The file does not read back as the layers that arrived: never acknowledge it.
-                with s.lock:
-                    s.tiers[s.home].delete(self.variant_id)
-                raise Unavailable(f"{filler.error}; retry the Store (if it repeats, check the disk)")
-            try:
-                s.meta.put_variants([v], sync=True)
-            except BaseException:
-                # Not recorded (a full disk): the payload goes too, so the variant is
-                # neither half stored now nor adopted from its file at the next start.
-                with s.lock:
-                    s.tiers[s.home].delete(self.variant_id)
-                raise
-            failpoints.reach("store:metadata-committed")
-            with s.lock:
-                for w in filled:
-                    w.commit()
-                s.retier(v)
-                idx.add(v)
-                s.placed(v)
-                for lst in s.listeners:
-                    lst.on_put(v)
-        finally:
-            with s.lock:
-                for w in copies:
-                    w.abort()  # no-op for the committed ones
-                s.committing.pop(self.variant_id).set()
-        return StoreResult(v.chunk_key, v.variant_id, v.size_bytes)
-
-    def _open_copies(self, v: Variant, into: list[TierWriter]) -> None:
-        """Writers on every cache tier above home that stores new variants and admits
-        this one (`Placement.open_cache_writer`; store lock held), appended to `into`
-        as they open (the caller aborts them on any failure)."""
-        s = self._s
-        for i in range(s.home):
-            if s.tiers[i].cache_on_store:
-                w = self._placement.open_cache_writer(i, v.variant_id, s.shape(v), eviction_key(v), False)
-                if w is not None:
-                    into.append(w)
 
     def _uncharge(self) -> None:
         s = self._s
@@ -380,58 +273,3 @@ class StagedWriter(threading.Thread):
             self.done.set_exception(e.with_traceback(None))
         else:
             self.done.set_result(written)
-
-
-class _Filler(threading.Thread):
-    """Fills a committing Store's cache-tier copies from its payload file while the
-    committing thread waits for the file's fsync: each layer is read straight into the
-    copy's room (page cache -> slab, one copy; `SlabWriter.fill_layer`). Bytes that come
-    from the page cache are the ones this Store wrote; a layer any of whose bytes had
-    to be read from the disk is checked against the checksum of the layer as it
-    arrived. `error` is set (OSError) if the file does not read back as it was written;
-    a copy that cannot be filled in place is left out (aborted by the session)."""
-
-    def __init__(self, session: StoreSession, copies: list[TierWriter]) -> None:
-        super().__init__(name="kvcraft-store-fill", daemon=True)
-        self._session = session
-        self._copies = copies
-        self.filled: list[TierWriter] = []
-        self.error: OSError | None = None
-        if session.home.reads_back:  # here, before the commit renames the file
-            session.home.open_reader()
-        self._background = session.total_bytes >= FILL_THREAD_BYTES
-        if self._background:
-            self.start()
-
-    def run(self) -> None:
-        sess = self._session
-        home, layout = sess.home, sess.layout
-        try:
-            for w in self._copies if home.reads_back else ():
-                cached = [True]
-
-                def read(into: memoryview, off: int) -> None:
-                    cached[0] = home.read_back(off, into)
-
-                for layer, expected in enumerate(sess.checksums):
-                    room = w.fill_layer(lambda into, off=layer * layout.layer_bytes: read(into, off))
-                    if room is None:
-                        break
-                    if not cached[0] and layer_checksum(room[:layout.key_bytes], room[layout.key_bytes:]) != expected:
-                        raise OSError(f"variant {sess.variant_id}: layer {layer} of its payload file does not "
-                                      "read back as it arrived (disk or memory fault); not stored")
-                else:
-                    self.filled.append(w)
-        except OSError as e:
-            self.error = e.with_traceback(None)  # its frames would keep views of the slab alive
-        except Exception:  # a bug: the Store still commits, without the copy
-            log.exception("filling the cache copies of variant %s failed", sess.variant_id)
-        finally:
-            home.close_reader()
-
-    def join(self, timeout: float | None = None) -> list[TierWriter]:  # type: ignore[override]
-        if self._background:
-            super().join(timeout)
-        else:  # a small payload: filled here, after the commit's fsync
-            self.run()
-        return self.filled

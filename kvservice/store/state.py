@@ -38,6 +38,9 @@ class Counters:
     moves: int = 0  # copies moved (or kept) one tier down for space
     hits: dict[str, int] = field(default_factory=dict)  # layers read, by tier that served them
     misses: dict[str, int] = field(default_factory=dict)  # layers a tier did not hold when read
+    # Layers read from each tier's medium: the fetches' (hits) and the copies' (promotion
+    # up, demotion down), so what a tier's reads cost shows however the store moved bytes.
+    layer_reads: dict[str, int] = field(default_factory=dict)
     corrupt: int = 0  # layers that failed their checksum
 
 
@@ -66,7 +69,8 @@ class StoreState:
         self.inflight_store_bytes = 0  # what open Store sessions are counted at (max_inflight_store_bytes)
         self.inflight_stores = 0
         self.listeners: list[StoreListener] = []
-        self.counters = Counters(hits={n: 0 for n in names}, misses={n: 0 for n in names})
+        self.counters = Counters(hits={n: 0 for n in names}, misses={n: 0 for n in names},
+                                layer_reads={n: 0 for n in names})
         # Per tier, a min-heap of eviction keys (fr, last access, created, variant id),
         # which `Placement.lowest` reads: one for every variant the tier holds, pushed
         # when it arrives (`placed`). Keys only grow (fr and last access), so an entry is

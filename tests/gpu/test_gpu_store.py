@@ -1,7 +1,8 @@
-"""The store with a gpu tier on top (gpu -> host -> disk), on the fake device: fetched
-variants are promoted into the gpu pool straight from disk (verified), reads are served
-from it, its usage is accounted in whole pages, and under pressure its lowest-fr copies
-move one tier down into host. No gRPC: the store's own API."""
+"""The store with a gpu tier on top (gpu -> host -> disk), on the fake device: a fetch
+from disk fills the gpu pool's copy with the layers it reads (verified), a promotion reads
+the payload file straight into the pool, reads are served from it, its usage is
+accounted in whole pages, and under pressure its lowest-fr copies move one tier down
+into host. No gRPC: the store's own API."""
 
 from __future__ import annotations
 
@@ -79,17 +80,28 @@ def node(tmp_path: Path):
     n.close()
 
 
-def test_stores_skip_the_gpu_and_a_fetch_promotes_straight_from_disk(node: Node) -> None:
+def test_stores_skip_the_gpu_and_a_fetch_fills_it_with_the_layers_it_reads(node: Node) -> None:
     key = node.put(0)
     assert node.tier_of(key) == "disk" and node.gpu.usage() == 0  # cache_on_store is off for gpu
-    node.fetch(key)  # read from disk (verified), then promoted into the gpu pool
+    node.fetch(key)  # read from disk (verified), each layer copied up into the gpu pool as it goes
+    assert node.tier_of(key) == "gpu"
+    assert node.kvikio.preads == [] and node.store.counters.layer_reads["disk"] == LAYERS  # no second read
+    hits = node.store.counters.hits["gpu"]
+    node.fetch(key)
+    assert node.store.counters.hits["gpu"] == hits + LAYERS  # served from the gpu pool, bit-identical
+    assert node.gpu.usage() == PAGES * ALIGN  # 10240 bytes, accounted in whole pages
+
+
+def test_a_promotion_reads_straight_from_disk_into_the_gpu_through_kvikio(node: Node) -> None:
+    key = node.put(0)
+    (v,) = node.store.index.variants_of(key)
+    node.store.promote([v.variant_id])  # what Plan's preload and Locate do
     assert node.tier_of(key) == "gpu"
     # the file's two whole pages through kvikio (its last half page with POSIX)
     assert [(n, off) for _, n, off, _ in node.kvikio.preads] == [(2 * ALIGN, 0)]
     hits = node.store.counters.hits["gpu"]
     node.fetch(key)
-    assert node.store.counters.hits["gpu"] == hits + LAYERS  # served from the gpu pool, bit-identical
-    assert node.gpu.usage() == PAGES * ALIGN  # 10240 bytes, accounted in whole pages
+    assert node.store.counters.hits["gpu"] == hits + LAYERS  # bit-identical from the pool
 
 
 def test_a_corrupt_payload_is_never_promoted_into_the_gpu(node: Node) -> None:

@@ -1,4 +1,4 @@
-"""A Store's commit (kvservice/store/session.py): the host slab's copy is read back from
+"""A Store's commit (kvservice/store/commit.py): the host slab's copy is read back from
 the payload file while the file is fsynced, straight into the slab; bytes the page cache
 no longer held are checked against the layers as they arrived, and a payload file that
 does not read back is never acknowledged. The disk writer hands written ranges to the kernel's writeback as the
@@ -18,7 +18,7 @@ from kvservice.errors import Unavailable
 from kvservice.index import Spec
 from kvservice.store import ChunkStore
 from kvservice.records import StoreHeader
-from kvservice.store import session as store_session
+from kvservice.store import commit as store_commit
 from kvservice.tiers import disk
 
 LAYERS, HEADS, TOKENS, DIM = 6, 2, 64, 32
@@ -36,7 +36,7 @@ def _layers(seed: int) -> list[tuple[bytes, bytes]]:
 def fill_mode(request, monkeypatch):
     """The host copy filled by another thread during the fsync (big payloads), or after
     it in the committing thread (small ones): both ways for every test that takes it."""
-    monkeypatch.setattr(store_session, "FILL_THREAD_BYTES", 0 if request.param == "thread" else 1 << 40)
+    monkeypatch.setattr(store_commit, "FILL_THREAD_BYTES", 0 if request.param == "thread" else 1 << 40)
     return request.param
 
 

@@ -1,0 +1,118 @@
+"""A client that closes a FetchLayers stream early: the real service in this process (its
+store at hand), on loopback. Leaving early is a normal event: nothing is copied up for
+the stream, nothing stays reserved, and nothing is logged as an error."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
+from kvservice.config import load_config
+from kvservice.server.startup import start_server
+from kvservice.store import ChunkStore
+from tests.service.store_helpers import assert_no_room_reserved, open_store, store_variant
+
+# Layers of 1 MiB, far past HTTP/2's flow-control window: a cancel finds the server
+# mid-write, not done with the stream.
+LAYERS = 6
+TOKENS = 8192
+HOST_BYTES = 32 << 20
+
+
+class Served:
+    """`start_server` on its own event loop thread, as `kvcraft serve` runs it."""
+
+    on_disk = ""  # chunk keys of the variants the fixture stored
+    in_host = ""
+
+    def __init__(self, root: Path) -> None:
+        cfg = load_config(env={}, overrides={"data_dir": str(root), "port": 0, "host_budget_bytes": HOST_BYTES})
+        self.loop = asyncio.new_event_loop()
+        self.running = self.loop.run_until_complete(start_server(cfg))
+        self.thread = threading.Thread(target=self.loop.run_forever, name="served-loop", daemon=True)
+        self.thread.start()
+        self.address = f"127.0.0.1:{self.running.port}"
+        self.store: ChunkStore = self.running.store
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.running.stop(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """The service over a data dir holding one variant on disk only and one in host memory too."""
+    store = open_store(tmp_path / "data", HOST_BYTES)
+    on_disk, _ = store_variant(store, 1, LAYERS, TOKENS)
+    store.close()
+    s = Served(tmp_path / "data")
+    s.in_host, _ = store_variant(s.store, 2, LAYERS, TOKENS)  # a Store's commit copies it into the slab
+    s.on_disk = on_disk
+    yield s
+    s.close()
+
+
+def fetch_request(key: str) -> pb.FetchRequest:
+    return pb.FetchRequest(variants=[pb.VariantRef(chunk_key=key)])
+
+
+def wait_released(store: ChunkStore, key: str, timeout: float = 30.0) -> None:
+    """The server learns of the cancel after the client returned: wait (bounded) until
+    the stream's hold on the variant is released."""
+    (v,) = store.index.variants_of(key)
+    deadline = time.monotonic() + timeout
+    while v.holds:
+        assert time.monotonic() < deadline, "the cancelled fetch never released its variant"
+        time.sleep(0.005)
+
+
+def test_a_fetch_the_client_closes_early_copies_nothing_up(served):
+    with grpc.insecure_channel(served.address) as ch:
+        call = pb_grpc.KVCacheStub(ch).FetchLayers(fetch_request(served.on_disk))
+        next(call)  # layer 0, read from disk (and into the host copy being filled)
+        call.cancel()
+    wait_released(served.store, served.on_disk)
+    (v,) = served.store.index.variants_of(served.on_disk)
+    assert v.tier == "disk"
+    (stored,) = served.store.index.variants_of(served.in_host)
+    assert_no_room_reserved(served.store.tiers[0], committed=stored.size_bytes)
+
+
+def test_fetches_the_client_closes_early_release_their_holds_and_log_no_error(served, caplog):
+    """Many streams, from the host slab (messages built on the event loop) and from disk,
+    closed after a random number of messages while the server writes the next: the race
+    in which grpcio's write fails before it has seen the cancel must not log an error."""
+    rng = random.Random(3)
+
+    async def one(ch: grpc.aio.Channel, key: str, after: int) -> None:
+        call = pb_grpc.KVCacheStub(ch).FetchLayers(fetch_request(key))
+        async for _ in call:
+            after -= 1
+            if after == 0:
+                break
+        call.cancel()
+
+    async def run() -> None:
+        for _ in range(30):
+            async with grpc.aio.insecure_channel(served.address) as ch:
+                await asyncio.gather(*(one(ch, rng.choice((served.in_host, served.on_disk)), rng.randint(1, LAYERS - 1))
+                                       for _ in range(8)))
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(run())
+        for key in (served.in_host, served.on_disk):
+            wait_released(served.store, key)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    with grpc.insecure_channel(served.address) as ch:  # still serving
+        assert len(list(pb_grpc.KVCacheStub(ch).FetchLayers(fetch_request(served.on_disk)))) == LAYERS
