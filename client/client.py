@@ -130,13 +130,13 @@ class KVClient(Face):
 
     def plan_future(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                     conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
-                    timeout: float | None = None) -> Future:
+                    timings: pb.TimingReport | None = None, timeout: float | None = None) -> Future:
         """Plan without blocking (the vLLM connector's scheduler side): a
         concurrent.futures.Future of the PlanResponse, whose exception is a KVCraftError
         (DeadlineExceededError past the timeout). Cancelling it releases the lease its
         answer holds."""
         return self._plans.plan_future(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
-                                                    lease_ttl_s), self.core.deadline(timeout))
+                                                    lease_ttl_s, timings), self.core.deadline(timeout))
 
     def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                      device: str | torch.device = "cpu", timeout: float | None = None) -> FetchStream:
@@ -250,12 +250,13 @@ class AsyncKVClient(Face):
 
     def plan_future(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                     conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
+                    timings: pb.TimingReport | None = None,
                     timeout: float | None = None) -> asyncio.Task[pb.PlanResponse]:
         """Plan without awaiting it here (called in a running loop): an asyncio.Task of the
         PlanResponse, whose exception is a KVCraftError (DeadlineExceededError past the
         timeout). Cancelling it releases the lease its answer holds."""
         return self._task(self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id,
-                                                        first_turn, lease_ttl_s), self.core.deadline(timeout)))
+                                                        first_turn, lease_ttl_s, timings), self.core.deadline(timeout)))
 
     async def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                            device: str | torch.device = "cpu",

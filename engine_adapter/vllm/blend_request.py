@@ -48,11 +48,13 @@ class Blend:
         self.lease_id = ""
 
     def ask_plan(self, tokens: list[int], client: Any, chunk_model_id: str, settings: ConnectorSettings,
-                 metrics: ConnectorMetrics, breaker: Breaker,
-                 on_done: Callable[[], None] | None = None) -> bool | None:
+                 metrics: ConnectorMetrics, breaker: Breaker, on_done: Callable[[], None] | None = None,
+                 take_timings: Callable[[], bytes] = bytes) -> bool | None:
         """Ask the service for the chunks' Plan (a future, never waited on): None while
         pending, False when the blend is off for this request (self.declined says why).
-        on_done is called (on one of the client's threads) when the Plan is answered or fails."""
+        on_done is called (on one of the client's threads) when the Plan is answered or fails;
+        take_timings gives the finished blends' timings (a serialized TimingReport, or b"")
+        that the Plan carries to the service's loading controller."""
         from kvcraft.v1 import kvcraft_pb2 as pb
 
         now = time.monotonic()
@@ -69,8 +71,12 @@ class Blend:
             self.deadline = now + settings.plan_timeout_s
             sent = time.perf_counter()
             try:
-                self.future = client.plan_future(chunk_model_id, chunks, len(tokens) - at,
-                                                 first_turn=False, timeout=settings.plan_timeout_s)
+                report = take_timings()
+                timings = pb.TimingReport.FromString(report) if report else None
+                self.future = client.plan_future(chunk_model_id, chunks, len(tokens) - at, first_turn=False,
+                                                 timings=timings, timeout=settings.plan_timeout_s)
+                if timings is not None:
+                    metrics.add(blend_timing_reports=1)
                 def answered(_f: Any) -> None:
                     self.plan_s = time.perf_counter() - sent
                     if on_done is not None:

@@ -85,11 +85,15 @@ class KVCraftMetadata(KVConnectorMetadata):
 @dataclass
 class KVCraftWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler side, each step: what each finished blend computed (request id ->
-    the numbers RequestOutput.kv_transfer_params["kvcraft"] reports)."""
+    the numbers RequestOutput.kv_transfer_params["kvcraft"] reports), and the blends'
+    per-layer load/compute timings (a serialized kvcraft TimingReport) for the scheduler
+    side's next Plan: the service's loading controller learns from them (CacheBlend §5)."""
 
     blends: dict[str, dict[str, Any]] = field(default_factory=dict)
+    timings: bytes = b""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVCraftWorkerMeta":
         if isinstance(other, KVCraftWorkerMeta):
             self.blends.update(other.blends)
+            self.timings += other.timings  # concatenated protobuf messages merge on parsing
         return self

@@ -62,6 +62,7 @@ class ContextBuilder:
         self._adapters: list[Any] = []
         self._engine: Any = None
         self._attn: list[Any] | None = None
+        self._timings = b""  # the latest blend's TimingReport, serialized, until the scheduler takes it
 
     # -- the pieces vLLM gives us lazily --------------------------------------------------
     def _rag_adapter(self) -> Any:
@@ -95,6 +96,13 @@ class ContextBuilder:
                                       f"{self.chunk_model_id}")
                 self._engine = engine
             return self._engine
+
+    def take_timings(self) -> bytes:
+        """The latest blend's per-layer load/compute timings (a serialized TimingReport; b""
+        if none since the last call), for the scheduler side's next Plan."""
+        with self._lock:
+            out, self._timings = self._timings, b""
+        return out
 
     def flush(self) -> None:
         """Wait for every adapter's store-backs."""
@@ -137,7 +145,9 @@ class ContextBuilder:
         plan = pb.PlanResponse.FromString(ld.plan)
         t1 = time.perf_counter()
         result, report = adapter.serve(plan, chunks, question, policy=policy)
-        adapter.take_timings()  # nobody sends them: the scheduler side plans
+        report_bytes = adapter.take_timings().SerializeToString()  # the scheduler side sends them with a Plan
+        with self._lock:
+            self._timings = report_bytes  # the latest blend's: the controller's estimators decay anyway
         t2 = time.perf_counter()
         if result.fallbacks:
             chunk, layer = result.fallbacks[0]

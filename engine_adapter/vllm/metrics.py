@@ -26,6 +26,7 @@ SCHEDULER_COUNTERS = (
     "resumed_requests",        # asked about again after a preemption (answered without a new lookup)
     "planned_saves",           # blocks handed to the worker side for Store
     "blend_plans",             # Plan RPCs sent for requests with chunk boundaries
+    "blend_timing_reports",    # of those, Plans that carried the finished blends' load/compute timings
     "blend_plan_timeouts",     # no Plan within plan_timeout_s (vLLM computed the request alone)
     "blend_plan_errors",
     "blend_declined",          # the Plan did not fit the prompt (order changed / chunks dropped)

@@ -79,6 +79,7 @@ class SchedulerSide:
         self._block_ids_of = block_ids_of
         self.metrics = metrics
         self._reqs: dict[str, _Request] = {}
+        self._timings = b""  # the latest finished blend's TimingReport, for the next Plan
         self._loads: list[BlockLoad] = []
         self._blends: list[BlendLoad] = []
         self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}  # req -> (first block, vLLM block ids)
@@ -146,6 +147,8 @@ class SchedulerSide:
                 st.service_blocks = min(st.service_blocks or 0, first + bad[0])
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVCraftWorkerMeta):
+            if meta.timings:
+                self._timings = meta.timings
             for req_id, numbers in meta.blends.items():
                 st = self._reqs.get(req_id)
                 if st is not None and st.blend is not None:
@@ -176,6 +179,10 @@ class SchedulerSide:
                             "vllm_computed_tokens": n, "kvcraft_row_layers": 0, "num_layers": self.num_layers,
                             "computed_share": 1.0, "reused_chunks": 0, "fresh_chunks": 0,
                             "fallback": b.declined or "not blended"}}
+
+    def _take_timings(self) -> bytes:
+        out, self._timings = self._timings, b""
+        return out
 
     def close(self) -> None:
         for st in self._reqs.values():
@@ -240,7 +247,7 @@ class SchedulerSide:
             return 0, False
         if b.plan is None:
             answer = b.ask_plan(st.tokens, self._client, self.chunk_model_id, self.settings, self.metrics,
-                                self._breaker, on_done=self._answered.set)
+                                self._breaker, on_done=self._answered.set, take_timings=self._take_timings)
             if answer is None:
                 return None, False
             if not answer:

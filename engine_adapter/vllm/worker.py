@@ -173,12 +173,13 @@ class WorkerSide:
             self.metrics.add(blend_built_tokens=bl.tokens, blend_row_layers=numbers["kvcraft_row_layers"])
 
     def worker_meta(self) -> KVCraftWorkerMeta | None:
-        """Numbers of the blends that finished since the last call (for the scheduler side)."""
+        """Numbers of the blends that finished since the last call, and the latest one's
+        timings (for the scheduler side)."""
         with self._lock:
             if not self._blend_results:
                 return None
             out, self._blend_results = self._blend_results, {}
-        return KVCraftWorkerMeta(blends=out)
+        return KVCraftWorkerMeta(blends=out, timings=self.context.take_timings() if self.context else b"")
 
     def _load(self, ld: BlockLoad) -> None:
         why, source = "", None

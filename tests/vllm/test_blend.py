@@ -172,6 +172,9 @@ def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
             assert t["rotate_s"] + t["attention_s"] + t["fetch_wait_s"] <= t["blend_s"], t
         ref.close()
     assert reused >= EXAMPLES
+    # The blends' per-layer timings went to the service's loading controller with later
+    # Plans (CacheBlend §5), which the service accepted (every request above blended).
+    assert phase["metrics"]["blend_timing_reports"] >= 1, phase["metrics"]
 
 
 def test_blends_of_requests_sent_at_once_overlap_and_answer_as_one_at_a_time(world, blended):
