@@ -68,7 +68,8 @@ def _rows(label: str, out: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    from kvbench.vllm_quality import BLEND_MODEL, engine_run
+    from kvbench.engines import engine_run
+    from kvbench.vllm_quality import BLEND_MODEL
     from kvbench.vllm_ttft import build_model, make_requests, warm_service
     from kvservice.launcher import ServiceProcess
 

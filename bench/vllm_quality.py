@@ -32,8 +32,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -43,9 +41,9 @@ from typing import Any, Sequence
 
 from kvbench.quality import data
 from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
+from kvbench.engines import engine_run
 from kvbench.vllm_rag import computed_tokens, report
 
-ENGINE_TIMEOUT_S = 1800
 OUTPUT_TOKENS = 2  # the answer word, then <eos>
 
 
@@ -108,21 +106,6 @@ def blend_params(policy: dict[str, Any], chunks: Sequence[Sequence[int]]) -> dic
 
 BLEND_MODEL = {"hf_overrides": {"architectures": ["KVCraftLlamaForCausalLM"]},
                "plugins": ["engine_adapter.vllm.model:register"]}
-
-
-def engine_run(tmp: Path, name: str, spec: dict[str, Any], timeout: float = ENGINE_TIMEOUT_S) -> dict[str, Any]:
-    """One vLLM instance (`python -m kvbench.vllm_rag engine`) through `spec`, its log in tmp."""
-    from kvbench.vllm_rag import engine_env
-
-    (tmp / f"{name}.json").write_text(json.dumps(spec))
-    log = tmp / f"{name}.log"
-    with open(log, "w") as err:
-        r = subprocess.run([sys.executable, "-m", "kvbench.vllm_rag", "engine", str(tmp / f"{name}.json"),
-                            str(tmp / f"{name}.out")], env=engine_env(), stderr=err, stdout=err,
-                           timeout=timeout)
-    if r.returncode != 0:
-        raise RuntimeError(f"vLLM engine {name!r} exited {r.returncode}:\n{log.read_text()[-4000:]}")
-    return json.loads((tmp / f"{name}.out").read_text())
 
 
 def score(enc: list[Any], exs: list[Any], outputs: list[dict[str, Any]], layers: int,

@@ -1,5 +1,6 @@
 """The RAG trace through vLLM four ways (`python -m kvbench.vllm_rag`), and the one-vLLM-instance
-runner the benchmarks and tests/vllm use:
+runner the benchmarks and tests/vllm use (`kvbench.engines.engine_run` starts it in a process
+forked from one that imported vLLM once; by hand it is):
 
     python -m kvbench.vllm_rag engine SPEC.json OUT.json
 
@@ -317,9 +318,9 @@ def summarize(mode: str, reqs: list[dict[str, Any]], res: dict[str, Any]) -> dic
 
 def bench_main(argv: list[str]) -> int:
     import argparse
-    import subprocess
     import tempfile
 
+    from kvbench.engines import engine_run
     from kvservice.launcher import ServiceProcess
 
     ap = argparse.ArgumentParser(prog="python -m kvbench.vllm_rag",
@@ -347,14 +348,12 @@ def bench_main(argv: list[str]) -> int:
                             plugins=["engine_adapter.vllm.model:register"], blend=BLEND_POLICY)
                 spec["kv"].update(blend_policy=BLEND_POLICY["policy"], blend_options=BLEND_POLICY["options"],
                                   blend_store_back=True)
-            (tmp / "spec.json").write_text(json.dumps(spec))
             try:
-                subprocess.run([sys.executable, "-m", "kvbench.vllm_rag", "engine", str(tmp / "spec.json"),
-                                str(tmp / "out.json")], env=engine_env(), check=True, stderr=subprocess.DEVNULL)
+                res = engine_run(tmp, mode, spec)
             finally:
                 if server:
                     server.close()
-            rows.append(summarize(mode, reqs, json.loads((tmp / "out.json").read_text())))
+            rows.append(summarize(mode, reqs, res))
             r = rows[-1]
             print(f"{mode:20s} computed {r['computed_share_of_prompt']:6.1%} of prompt tokens, "
                   f"chunk tokens computed {r['chunk_computed_share']:6.1%} of retrieved, hits {r['hit_tokens']} "

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvbench import musique
-from kvbench.vllm_quality import BLEND_MODEL, LAYER_WAIT_S, blend_params, engine_run
+from kvbench.engines import engine_run
+from kvbench.vllm_quality import BLEND_MODEL, LAYER_WAIT_S, blend_params
 from kvbench.vllm_rag import report
 
 MAX_TOKENS = 32  # MuSiQue answers are a few words; the instruction asks for at most 5

@@ -186,7 +186,8 @@ def summarize(label: str, outs: list[dict[str, Any]], layers: int) -> dict[str, 
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    from kvbench.vllm_quality import BLEND_MODEL, blend_params, engine_run
+    from kvbench.engines import engine_run
+    from kvbench.vllm_quality import BLEND_MODEL, blend_params
     from kvservice.launcher import ServiceProcess
 
     pool, reqs = make_requests(a.requests + a.warmup, a.pool, a.chunks, a.chunk_len, a.question_len, a.seed)

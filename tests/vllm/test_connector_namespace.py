@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,16 +31,12 @@ def test_weights_fingerprint_changes_with_the_weights_not_with_the_path(tmp_path
 
 
 def run_engine(tmp: Path, name: str, spec: dict) -> tuple[dict, str]:
-    from kvbench.vllm_rag import engine_env
+    from kvbench.engines import engine_run
 
     # eager (no torch.compile): ~15 s less per vLLM start; every engine here runs the same way,
     # and the compiled forward with the connector is covered by test_docs_commands / test_blend
-    spec = {"enforce_eager": True, **spec}
-    (tmp / f"{name}.json").write_text(json.dumps(spec))
-    r = subprocess.run([sys.executable, "-m", "kvbench.vllm_rag", "engine", str(tmp / f"{name}.json"),
-                        str(tmp / f"{name}.out")], env=engine_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads((tmp / f"{name}.out").read_text()), r.stderr
+    out = engine_run(tmp, name, {"enforce_eager": True, **spec}, timeout=600)
+    return out, (tmp / f"{name}.log").read_text()
 
 
 @pytest.mark.timeout(1200)

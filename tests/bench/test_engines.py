@@ -1,0 +1,64 @@
+"""kvbench.engines: engine processes forked from the fork server, each with its own
+environment and log, their failures and hangs reported, not hidden."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbench.engines import EngineProcess, engine_run
+
+HERE = "tests.bench.test_engines"
+
+
+def writes_its_environment(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    print("engine says hello")
+    Path(argv[1]).write_text(json.dumps({"env": os.environ.get(spec["name"]), "pid": os.getpid(),
+                                         "vllm_imported": "vllm" in sys.modules}))
+    return 0
+
+
+def fails(argv: list[str]) -> int:
+    print("engine failing on purpose")
+    return 3
+
+
+def raises(argv: list[str]) -> int:
+    raise ValueError("no such model")
+
+
+def hangs(argv: list[str]) -> int:
+    time.sleep(600)
+    return 0
+
+
+def test_an_engine_runs_in_its_own_process_with_its_environment_and_log(tmp_path):
+    out = engine_run(tmp_path, "ok", {"name": "KVCRAFT_TEST_VALUE"}, timeout=120, target=f"{HERE}:writes_its_environment",
+                     env={**os.environ, "KVCRAFT_TEST_VALUE": "42"})
+    assert out["env"] == "42" and out["pid"] != os.getpid()
+    assert out["vllm_imported"] == (importlib.util.find_spec("vllm") is not None)  # preloaded by the fork server
+    assert "engine says hello" in (tmp_path / "ok.log").read_text()
+    assert "KVCRAFT_TEST_VALUE" not in os.environ
+
+
+@pytest.mark.parametrize("target, said", [("fails", "engine failing on purpose"), ("raises", "ValueError: no such model")])
+def test_a_failing_engine_raises_with_its_log(tmp_path, target, said):
+    with pytest.raises(RuntimeError, match="exited") as e:
+        engine_run(tmp_path, target, {}, timeout=120, target=f"{HERE}:{target}")
+    assert said in str(e.value)
+
+
+def test_an_engine_past_its_timeout_is_killed(tmp_path):
+    proc = EngineProcess(f"{HERE}:hangs", [], tmp_path / "hang.log").start()
+    with pytest.raises(TimeoutError, match="still running"):
+        proc.wait(timeout=1)
+    assert proc.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(proc.pid, 0)
