@@ -120,6 +120,7 @@ class QueryAware(ReusePolicy):
     """Recompute the reused tokens the question reads (engine_adapter/query.py)."""
 
     budget: float = DEFAULT_BLEND_BUDGET  # share of the reused chunks' and question's row-layers, both passes
+    heads: int = 0  # 1: recompute each most-read token with its chunk's tokens before it (query.most_read)
 
     name = "query"
     asks_question_first = True
@@ -128,12 +129,14 @@ class QueryAware(ReusePolicy):
         super().__post_init__()
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"budget {self.budget} outside (0, 1]")
+        if self.heads not in (0, 1):
+            raise ValueError(f"heads must be 0 or 1, got {self.heads}")
 
     def first_rows(self, layout: Layout, s: int) -> Sequence[int]:
         return layout.segments[s].recompute  # the probe's picks
 
     def label(self) -> str:
-        return f"query budget {self.budget:.0%}"
+        return f"query budget {self.budget:.0%}" + (", chunk heads" if self.heads else "")
 
 
 @dataclass(frozen=True)

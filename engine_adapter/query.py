@@ -144,22 +144,52 @@ def question_reads(engine: LlamaEngine, lay: Layout, source: LayerSource, reused
     return QuestionReads(probe.reads, probe.live_mask.clone(), probe.received, first, probe.layer0)
 
 
-def most_read(q: QuestionReads, lay: Layout, n: int) -> dict[int, tuple[int, ...]]:
+def most_read(q: QuestionReads, lay: Layout, n: int, heads: bool = False) -> dict[int, tuple[int, ...]]:
     """The `n` live rows the question read most, as recompute lists per reused segment.
     Chunks whose stored variant was computed behind exactly the chunks before them here
-    (an instruction at the start, a prefix-cache hit) are exact: nothing of them is picked."""
+    (an instruction at the start, a prefix-cache hit) are exact: nothing of them is picked.
+
+    heads: instead, in order of reads, each read row with every row of its chunk before it
+    (the chunk's head up to it), where that fits in what is left of `n`; then single rows
+    in order of reads with what remains. A row's KV depends on its chunk's earlier rows,
+    which a recomputed row alone still reads stale (docs/quality.md, "the relay")."""
     candidates = q.live.clone()
     for s, seg in enumerate(lay.segments):
         if seg.cached and seg.cached_prefix == lay.keys[:s]:  # stored behind this very prefix: exact
             candidates[lay.span(s)] = False
     score = q.reads.masked_fill(~candidates, -1.0)
     n = min(n, int(candidates.sum()))
-    picked = score.topk(n).indices.sort().values if n else torch.empty(0, dtype=torch.long)
+    if heads:
+        picked = _heads(score, lay, n)
+    else:
+        picked = score.topk(n).indices.sort().values if n else torch.empty(0, dtype=torch.long)
     out = {}
     for s in q.result.reused_segments:
         lo, hi = int(lay.bounds[s]), int(lay.bounds[s + 1])
         out[s] = tuple(int(i) - lo for i in picked if lo <= i < hi)
     return out
+
+
+def _heads(score: Tensor, lay: Layout, n: int) -> Tensor:
+    """`most_read(heads=True)`'s rows: chunk heads up to the most-read rows, then single rows."""
+    order = [int(i) for i in score.argsort(descending=True, stable=True) if score[i] >= 0]
+    seg_of = torch.bucketize(torch.arange(lay.n), lay.bounds, right=True) - 1
+    head_end = {}  # segment -> end of its picked head (exclusive)
+    left = n
+    for i in order:
+        s = int(seg_of[i])
+        end = head_end.get(s, int(lay.bounds[s]))
+        if 0 < i + 1 - end <= left:
+            left -= i + 1 - end
+            head_end[s] = i + 1
+    picked = {r for s, end in head_end.items() for r in range(int(lay.bounds[s]), end)}
+    for i in order:
+        if left <= 0:
+            break
+        if i not in picked:
+            picked.add(i)
+            left -= 1
+    return torch.tensor(sorted(picked), dtype=torch.long)
 
 
 def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSource,
@@ -172,7 +202,7 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
         return run_blend(engine, lay, naive, source, reused, all_logits, stats)
     q = question_reads(engine, lay, source, reused, policy.layer_budget_s)
     live = q.result.reused_segments
-    picks = most_read(q, lay, picks_budget(policy, lay, int(q.live.sum()), L))
+    picks = most_read(q, lay, picks_budget(policy, lay, int(q.live.sum()), L), heads=bool(policy.heads))
     segments = list(lay.segments)
     for s, rows in picks.items():
         segments[s] = dataclasses.replace(segments[s], recompute=rows)

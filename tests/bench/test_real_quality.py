@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapter.policy import CacheBlend, CacheCraft, Full
+from engine_adapter.policy import CacheBlend, CacheCraft, Full, QueryAware
 from kvbench import musique, real_quality
 from kvbench.real_quality import parse_policy, policy_specs
 
@@ -14,6 +14,7 @@ def test_specs_name_a_policy_and_its_options():
     assert parse_policy("cacheblend:budget=0.15").policy == CacheBlend(budget=0.15)
     assert parse_policy("cachecraft:focus_window=2").policy == CacheCraft(focus_window=2)
     assert parse_policy("cacheblend:ratio=0.1, filter_layers=2").policy == CacheBlend(ratio=0.1, filter_layers=2)
+    assert parse_policy("query:heads=1,budget=0.2").policy == QueryAware(heads=1, budget=0.2)
     for spec in real_quality.DEFAULT_POLICIES:
         assert parse_policy(spec).spec == spec
 
@@ -28,6 +29,7 @@ def test_specs_name_a_policy_and_its_options():
     ("naive:budget=0.1", "has no option(s) ['budget']"),
     ("cacheblend:budget=2", "outside (0, 1]"),
     ("cacheblend:ratio=0.1,budget=0.1", "a ratio or a budget, not both"),
+    ("query:heads=2", "heads must be 0 or 1"),
 ])
 def test_bad_specs_are_refused_with_the_reason(spec, says):
     with pytest.raises(ValueError) as e:

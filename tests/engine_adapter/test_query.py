@@ -163,3 +163,35 @@ def test_chunks_all_stored_behind_their_very_prefix_are_served_exactly(engine):
     r = blend_prefill(engine, p.segments(), Policy("query", budget=0.3), p.source(), gate=TRUSTED)
     assert r.recomputed_rows == [0] * engine.cfg.num_layers
     assert rel_dev(r.logits, engine.prefill(p.tokens, all_logits=False)[0][-1]) < 1e-5
+
+
+def _worked_example_reads() -> tuple:
+    """Chunk A (rows 0-5) and chunk B (rows 6-10), both stored behind another prefix, then a
+    2-row question; the question read row 3 most, then 8, then 10, the rest little."""
+    segs = [Segment(range(6), cached=True, cached_prefix=("other",)),
+            Segment(range(10, 15), cached=True, cached_prefix=("other",)), Segment((20, 21), question=True)]
+    lay = Layout.of(segs, "model")
+    reads = torch.tensor([0.01, 0.02, 0.03, 0.9, 0.04, 0.05, 0.06, 0.07, 0.8, 0.08, 0.5, 3.0, 2.0])
+    live = torch.tensor([True] * 11 + [False] * 2)
+    result = type("Pass1", (), {"reused_segments": [0, 1]})()
+    from engine_adapter.query import QuestionReads
+
+    return QuestionReads(reads, live, [], result, None), lay
+
+
+@pytest.mark.parametrize("n, heads, expect", [
+    (6, False, {0: (3,), 1: (0, 1, 2, 3, 4)}),  # the 6 most-read rows: 3, 8, 10, 9, 7, 6
+    # row 3 with its head (4 rows, 2 left); row 8's head (3) and 10's (5) do not fit, row 9's (4)
+    # neither; row 7's (rows 6-7, 2) does
+    (6, True, {0: (0, 1, 2, 3), 1: (0, 1)}),
+    # row 3's head (4 left), row 8's (rows 6-8: 1 left), row 10's (2) does not fit, row 9 extends B's head by 1
+    (8, True, {0: (0, 1, 2, 3), 1: (0, 1, 2, 3)}),
+    # heads of rows 3 (7 left) and 8 (4 left); row 10 extends B's head by 2 (2 left), rows 9, 7
+    # and 6 are in it already; row 5 extends A's head by 2 (rows 4-5): every row picked
+    (11, True, {0: (0, 1, 2, 3, 4, 5), 1: (0, 1, 2, 3, 4)}),
+    # row 3's head (1 left); of the heads after it only row 6's fits: B's first row, alone
+    (5, True, {0: (0, 1, 2, 3), 1: (0,)}),
+])
+def test_picks_with_chunk_heads_follow_the_worked_example(n, heads, expect):
+    q, lay = _worked_example_reads()
+    assert most_read(q, lay, n, heads=heads) == expect
