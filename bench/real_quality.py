@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -211,7 +212,8 @@ def plot(result: dict, path: Path) -> None:
 
     families: dict[str, list[dict]] = {}
     for row in result["policies"]:
-        families.setdefault(row["policy"].partition(":")[0], []).append(row)
+        family = re.sub(r",?budget=[0-9.]+", "", row["policy"]).rstrip(":").replace(":,", ":")  # one line per budget sweep
+        families.setdefault(family, []).append(row)
     full_f1 = next(r["f1"] for r in result["policies"] if r["policy"] == REFERENCE)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     for ax, key, label, goal in ((axes[0], "rouge_l_vs_full", "ROUGE-L F1 vs full prefill's answer", 0.90),

@@ -120,7 +120,7 @@ class QueryAware(ReusePolicy):
     """Recompute the reused tokens the question reads (engine_adapter/query.py)."""
 
     budget: float = DEFAULT_BLEND_BUDGET  # share of the reused chunks' and question's row-layers, both passes
-    heads: int = 0  # 1: recompute each most-read token with its chunk's tokens before it (query.most_read)
+    heads: int = 1  # 1: the most-read token, then read tokens with their chunk's head (query.most_read); 0: single tokens
 
     name = "query"
     asks_question_first = True
@@ -136,7 +136,7 @@ class QueryAware(ReusePolicy):
         return layout.segments[s].recompute  # the probe's picks
 
     def label(self) -> str:
-        return f"query budget {self.budget:.0%}" + (", chunk heads" if self.heads else "")
+        return f"query budget {self.budget:.0%}" + ("" if self.heads else ", single tokens")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ runs in two passes over the same stored KV:
      and it would cost the question one more layer;
   2. the prefill: the tokens of the reused chunks the question read most are recomputed
      from layer 0 (`QueryAware.first_rows`: the picks, as a Cache-Craft recompute list),
-     everything else as in pass 1, fresh chunks computed in full. Where the prompt has no
+     each with its chunk's tokens before it where the budget allows (`most_read`: a token
+     recomputed alone still reads its chunk's earlier tokens stale), everything else as in
+     pass 1, fresh chunks computed in full. Where the prompt has no
      fresh chunk, the question's rows start at layer 1 from the probe's layer 0, which is
      exact for the same reason (`driver.Layer0`).
 
@@ -149,10 +151,12 @@ def most_read(q: QuestionReads, lay: Layout, n: int, heads: bool = False) -> dic
     Chunks whose stored variant was computed behind exactly the chunks before them here
     (an instruction at the start, a prefix-cache hit) are exact: nothing of them is picked.
 
-    heads: instead, in order of reads, each read row with every row of its chunk before it
-    (the chunk's head up to it), where that fits in what is left of `n`; then single rows
-    in order of reads with what remains. A row's KV depends on its chunk's earlier rows,
-    which a recomputed row alone still reads stale (docs/quality.md, "the relay")."""
+    heads (the default policy's): the most-read row first; then, in order of reads, each read
+    row with every row of its chunk before it (the chunk's head up to it), where the rows not
+    yet picked fit in what is left of `n`; then single rows in order of reads with what
+    remains. A row's KV depends on its chunk's earlier rows, which a recomputed row alone
+    still reads stale (docs/quality.md, "the relay"); the most-read row alone repairs a
+    chunk whose binding is that one token."""
     candidates = q.live.clone()
     for s, seg in enumerate(lay.segments):
         if seg.cached and seg.cached_prefix == lay.keys[:s]:  # stored behind this very prefix: exact
@@ -171,18 +175,21 @@ def most_read(q: QuestionReads, lay: Layout, n: int, heads: bool = False) -> dic
 
 
 def _heads(score: Tensor, lay: Layout, n: int) -> Tensor:
-    """`most_read(heads=True)`'s rows: chunk heads up to the most-read rows, then single rows."""
+    """`most_read(heads=True)`'s rows: the most-read row, chunk heads up to the most-read rows,
+    then single rows."""
     order = [int(i) for i in score.argsort(descending=True, stable=True) if score[i] >= 0]
     seg_of = torch.bucketize(torch.arange(lay.n), lay.bounds, right=True) - 1
+    picked = set(order[:min(1, n)])
+    left = n - len(picked)
     head_end = {}  # segment -> end of its picked head (exclusive)
-    left = n
     for i in order:
         s = int(seg_of[i])
         end = head_end.get(s, int(lay.bounds[s]))
-        if 0 < i + 1 - end <= left:
-            left -= i + 1 - end
+        new = [r for r in range(end, i + 1) if r not in picked]
+        if i + 1 > end and len(new) <= left:
+            left -= len(new)
+            picked.update(new)
             head_end[s] = i + 1
-    picked = {r for s, end in head_end.items() for r in range(int(lay.bounds[s]), end)}
     for i in order:
         if left <= 0:
             break

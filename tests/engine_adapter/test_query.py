@@ -181,16 +181,20 @@ def _worked_example_reads() -> tuple:
 
 @pytest.mark.parametrize("n, heads, expect", [
     (6, False, {0: (3,), 1: (0, 1, 2, 3, 4)}),  # the 6 most-read rows: 3, 8, 10, 9, 7, 6
-    # row 3 with its head (4 rows, 2 left); row 8's head (3) and 10's (5) do not fit, row 9's (4)
-    # neither; row 7's (rows 6-7, 2) does
+    # row 3, then its head (3 more rows, 2 left); row 8's head (3) and 10's (5) do not fit, row
+    # 9's (4) neither; row 7's (rows 6-7, 2) does
     (6, True, {0: (0, 1, 2, 3), 1: (0, 1)}),
-    # row 3's head (4 left), row 8's (rows 6-8: 1 left), row 10's (2) does not fit, row 9 extends B's head by 1
+    # row 3 and its head (4 left), row 8's (rows 6-8: 1 left), row 10's (2) does not fit, row 9
+    # extends B's head by 1
     (8, True, {0: (0, 1, 2, 3), 1: (0, 1, 2, 3)}),
     # heads of rows 3 (7 left) and 8 (4 left); row 10 extends B's head by 2 (2 left), rows 9, 7
     # and 6 are in it already; row 5 extends A's head by 2 (rows 4-5): every row picked
     (11, True, {0: (0, 1, 2, 3, 4, 5), 1: (0, 1, 2, 3, 4)}),
-    # row 3's head (1 left); of the heads after it only row 6's fits: B's first row, alone
+    # row 3 and its head (1 left); of the heads after it only row 6's fits: B's first row, alone
     (5, True, {0: (0, 1, 2, 3), 1: (0,)}),
+    # row 3 first, alone (2 left); its head (3 more rows) does not fit, nor row 8's (3) or 10's
+    # (5) or 9's (4); row 7's does (rows 6-7)
+    (3, True, {0: (3,), 1: (0, 1)}),
 ])
 def test_picks_with_chunk_heads_follow_the_worked_example(n, heads, expect):
     q, lay = _worked_example_reads()
