@@ -187,7 +187,8 @@ def _answers(console, client, n: int) -> bool:  # noqa: ANN001 - rich Console, K
     console.print("Naive reuse keeps each chunk's KV as it was computed, behind a stranger, so a "
                   "'they' chunk stays bound to the wrong person and cross-chunk questions are lost. "
                   "CacheBlend recomputes the tokens whose KV deviates most and gets them back; the "
-                  "default asks the question first and recomputes the tokens it reads, within 15%. "
+                  "default asks the question first and recomputes the tokens it reads, with their "
+                  "chunk's tokens before them where they fit, within 15%. "
                   "(This 4-layer model is tiny: its prefill takes milliseconds; part 1 shows the time "
                   "on a real model. docs/quality.md has 200-300-question runs of every policy.)")
     return all(hits[k] >= hits["full prefill"] - max(1, n // 10) for k in ("cacheblend r=30%", DEFAULT_COLUMN))
