@@ -185,8 +185,10 @@ def _heads(score: Tensor, lay: Layout, n: int) -> Tensor:
     for i in order:
         s = int(seg_of[i])
         end = head_end.get(s, int(lay.bounds[s]))
+        if i < end:
+            continue  # in this chunk's picked head already
         new = [r for r in range(end, i + 1) if r not in picked]
-        if i + 1 > end and len(new) <= left:
+        if len(new) <= left:
             left -= len(new)
             picked.update(new)
             head_end[s] = i + 1
