@@ -189,7 +189,7 @@ class _Blend:
             to_question = self.record_stats(rows, k_raw, v, mass)
             self.res.computed_rows.append(len(rows))
             self.res.recomputed_rows.append(int(self.reused_mask[rows].sum()))
-            keep = self.focus_keep(layer, rows, to_question)
+            keep = self.continuing(layer, rows, to_question)
             if keep is not None:
                 rows, h = rows[keep], h[keep]
             if layer == 0 and carry is not None:
@@ -307,6 +307,10 @@ class _Blend:
         keep[cand] = False
         keep[cand[top]] = True
         return keep
+
+    def continuing(self, layer: int, rows: Tensor, to_question: Tensor | None) -> Tensor | None:
+        """Which of `rows` run layer+1 (bool mask; None: all of them)."""
+        return self.focus_keep(layer, rows, to_question)
 
     def focus_keep(self, layer: int, rows: Tensor, to_question: Tensor | None) -> Tensor | None:
         """Cache-Craft Alg. 1: which of `rows` continue to layer+1 (bool mask; None: all);

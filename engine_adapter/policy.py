@@ -18,7 +18,9 @@ cachecraft  the plan's per-chunk top-N token lists (Cache-Craft eq. 14), with
 query       query-aware (engine_adapter/query.py): a first pass with naive reuse measures which
             reused tokens the question reads; the second recomputes the most-read ones from
             layer 0, as many as the `budget` leaves (share of the row-layers of the reused
-            chunks and the question computed, both passes counted; default 15%). The default.
+            chunks and the question computed, both passes counted; default 15%), each with
+            its chunk's rows before it (its head) through the first `head_layers` of the
+            layers (default half). The default.
 cacheblend  HKVD with gradual filtering (CacheBlend §4.3): all reused tokens on layer 0,
             then the highest-KV-deviation r1 > r2 > ... > r of them. Named either by the
             paper's steady-state r (`ratio`) or by its whole `budget`: the share of the
@@ -121,6 +123,7 @@ class QueryAware(ReusePolicy):
 
     budget: float = DEFAULT_BLEND_BUDGET  # share of the reused chunks' and question's row-layers, both passes
     heads: int = 1  # 1: the most-read token, then read tokens with their chunk's head (query.most_read); 0: single tokens
+    head_layers: float = 0.5  # share of the layers a head row the question did not read is recomputed through
 
     name = "query"
     asks_question_first = True
@@ -131,12 +134,21 @@ class QueryAware(ReusePolicy):
             raise ValueError(f"budget {self.budget} outside (0, 1]")
         if self.heads not in (0, 1):
             raise ValueError(f"heads must be 0 or 1, got {self.heads}")
+        if not 0.0 < self.head_layers <= 1.0:
+            raise ValueError(f"head_layers {self.head_layers} outside (0, 1]")
 
     def first_rows(self, layout: Layout, s: int) -> Sequence[int]:
         return layout.segments[s].recompute  # the probe's picks
 
     def label(self) -> str:
-        return f"query budget {self.budget:.0%}" + ("" if self.heads else ", single tokens")
+        if not self.heads:
+            return f"query budget {self.budget:.0%}, single tokens"
+        return f"query budget {self.budget:.0%}, chunk heads through {self.head_layers:.0%} of the layers"
+
+    def head_depth(self, num_layers: int) -> int:
+        """Layers 0..depth-1 are those a head row runs (at least 2: a row stopped after layer
+        0 would repair nothing, its layer-0 K/V being the stored ones)."""
+        return min(num_layers, max(2, round(self.head_layers * num_layers)))
 
 
 @dataclass(frozen=True)

@@ -146,59 +146,104 @@ def question_reads(engine: LlamaEngine, lay: Layout, source: LayerSource, reused
     return QuestionReads(probe.reads, probe.live_mask.clone(), probe.received, first, probe.layer0)
 
 
-def most_read(q: QuestionReads, lay: Layout, n: int, heads: bool = False) -> dict[int, tuple[int, ...]]:
-    """The `n` live rows the question read most, as recompute lists per reused segment.
+@dataclass
+class Picks:
+    """The reused rows pass 2 recomputes from layer 0."""
+
+    rows: dict[int, tuple[int, ...]]  # per reused segment, its rows (indices in the chunk)
+    shallow: Tensor  # prompt rows among them that run only the first `depth` layers (chunk heads)
+    depth: int
+
+
+def most_read(q: QuestionReads, lay: Layout, n: int, heads: bool = False,
+              num_layers: int = 1, depth: int | None = None) -> Picks:
+    """What `n` rows recomputed through every layer buy, as recompute lists per reused segment.
     Chunks whose stored variant was computed behind exactly the chunks before them here
     (an instruction at the start, a prefix-cache hit) are exact: nothing of them is picked.
 
-    heads (the default policy's): the most-read row first; then, in order of reads, each read
-    row with every row of its chunk before it (the chunk's head up to it), where the rows not
-    yet picked fit in what is left of `n`; then single rows in order of reads with what
-    remains. A row's KV depends on its chunk's earlier rows, which a recomputed row alone
-    still reads stale (docs/quality.md, "the relay"); the most-read row alone repairs a
-    chunk whose binding is that one token."""
+    heads=False: the `n` live rows the question read most. heads (the default policy's): the
+    most-read row first; then, in order of reads, each read row with every row of its chunk
+    before it (the chunk's head up to it), where the rows not yet picked fit in what is left;
+    then single rows in order of reads with what remains. A row's KV depends on its chunk's
+    earlier rows, which a recomputed row alone still reads stale (docs/quality.md, "the
+    relay"); the most-read row alone repairs a chunk whose binding is that one token. A head
+    row the question did not read runs only layers 0..depth-1 of the model's `num_layers`
+    (default: every layer) and costs depth/L of a row: the relay its chunk's later rows read
+    is in its lower layers' K/V."""
+    L = num_layers
+    depth = L if depth is None else depth
     candidates = q.live.clone()
     for s, seg in enumerate(lay.segments):
         if seg.cached and seg.cached_prefix == lay.keys[:s]:  # stored behind this very prefix: exact
             candidates[lay.span(s)] = False
     score = q.reads.masked_fill(~candidates, -1.0)
     n = min(n, int(candidates.sum()))
+    shallow = torch.empty(0, dtype=torch.long)
     if heads:
-        picked = _heads(score, lay, n)
+        picked, shallow = _heads(score, lay, n * L, L, depth)
+        if depth >= L:
+            shallow = torch.empty(0, dtype=torch.long)  # every picked row runs every layer
     else:
         picked = score.topk(n).indices.sort().values if n else torch.empty(0, dtype=torch.long)
-    out = {}
+    rows = {}
     for s in q.result.reused_segments:
         lo, hi = int(lay.bounds[s]), int(lay.bounds[s + 1])
-        out[s] = tuple(int(i) - lo for i in picked if lo <= i < hi)
-    return out
+        rows[s] = tuple(int(i) - lo for i in picked if lo <= i < hi)
+    return Picks(rows, shallow, depth)
 
 
-def _heads(score: Tensor, lay: Layout, n: int) -> Tensor:
-    """`most_read(heads=True)`'s rows: the most-read row, chunk heads up to the most-read rows,
-    then single rows."""
+def _heads(score: Tensor, lay: Layout, budget: int, L: int, depth: int) -> tuple[Tensor, Tensor]:
+    """`most_read(heads=True)`'s rows within `budget` row-layers (a row through every layer
+    costs L, a head row the question did not read `depth`): all of them, and the head rows."""
     order = [int(i) for i in score.argsort(descending=True, stable=True) if score[i] >= 0]
     seg_of = torch.bucketize(torch.arange(lay.n), lay.bounds, right=True) - 1
-    picked = set(order[:min(1, n)])
-    left = n - len(picked)
+    deep = set(order[:min(1, budget // L)])  # rows through every layer
+    shallow: set[int] = set()  # head rows through layers 0..depth-1
+    left = budget - L * len(deep)
     head_end = {}  # segment -> end of its picked head (exclusive)
     for i in order:
         s = int(seg_of[i])
         end = head_end.get(s, int(lay.bounds[s]))
-        if i < end:
-            continue  # in this chunk's picked head already
-        new = [r for r in range(end, i + 1) if r not in picked]
-        if len(new) <= left:
-            left -= len(new)
-            picked.update(new)
+        if i < end:  # read, in a head picked already: through every layer where it fits
+            if i in shallow and left >= L - depth:
+                shallow.discard(i)
+                deep.add(i)
+                left -= L - depth
+            continue
+        new = [r for r in range(end, i) if r not in deep]  # the rows of i's head not yet picked
+        cost = depth * len(new) + (0 if i in deep else L)
+        if cost <= left:
+            left -= cost
+            deep.add(i)
+            shallow.update(new)
             head_end[s] = i + 1
-    for i in order:
-        if left <= 0:
-            break
-        if i not in picked:
-            picked.add(i)
-            left -= 1
-    return torch.tensor(sorted(picked), dtype=torch.long)
+    for i in order:  # single rows with what remains
+        if i in deep:
+            continue
+        cost = L - depth if i in shallow else L
+        if cost > left:
+            continue
+        shallow.discard(i)
+        deep.add(i)
+        left -= cost
+    return torch.tensor(sorted(deep | shallow), dtype=torch.long), torch.tensor(sorted(shallow), dtype=torch.long)
+
+
+class _Repair(_Blend):
+    """Pass 2: the blend with the picks, whose chunk-head rows stop after `picks.depth` layers."""
+
+    def __init__(self, *args, picks: Picks, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shallow, self.depth = picks.shallow, picks.depth
+
+    def continuing(self, layer: int, rows: Tensor, to_question: Tensor | None) -> Tensor | None:
+        keep = super().continuing(layer, rows, to_question)
+        if layer != self.depth - 1 or not len(self.shallow):
+            return keep
+        # Every chunk here was live through pass 1's layers 0..L-2, so none falls back before
+        # its head rows stop; one late at layer L-1 catches them up (`fall_back`).
+        stay = ~torch.isin(rows, self.shallow)
+        return stay if keep is None else keep & stay
 
 
 def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSource,
@@ -211,15 +256,17 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
         return run_blend(engine, lay, naive, source, reused, all_logits, stats)
     q = question_reads(engine, lay, source, reused, policy.layer_budget_s)
     live = q.result.reused_segments
-    picks = most_read(q, lay, picks_budget(policy, lay, int(q.live.sum()), L), heads=bool(policy.heads))
+    picks = most_read(q, lay, picks_budget(policy, lay, int(q.live.sum()), L), heads=bool(policy.heads),
+                      num_layers=L, depth=policy.head_depth(L))
     segments = list(lay.segments)
-    for s, rows in picks.items():
+    for s, rows in picks.rows.items():
         segments[s] = dataclasses.replace(segments[s], recompute=rows)
     lay2 = Layout(tuple(segments), lay.keys, lay.tokens, lay.bounds)
     # With no pick (every chunk stored behind its very prefix), layer 0 would have no row
     # left to run: the question runs it again instead.
-    carry = q.layer0 if any(picks.values()) else None
-    res = run_blend(engine, lay2, policy, _Replay(q.received, source), live, all_logits, stats, carry=carry)
+    carry = q.layer0 if any(picks.rows.values()) else None
+    res = _Repair(engine, lay2, policy, _Replay(q.received, source), list(live), stats,
+                  picks=picks).run(all_logits, carry=carry)
     # One prefill, two passes: count both.
     first = q.result
     res.computed_rows = [a + b for a, b in zip_longest(res.computed_rows, first.computed_rows, fillvalue=0)]

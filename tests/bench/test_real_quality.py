@@ -30,6 +30,8 @@ def test_specs_name_a_policy_and_its_options():
     ("cacheblend:budget=2", "outside (0, 1]"),
     ("cacheblend:ratio=0.1,budget=0.1", "a ratio or a budget, not both"),
     ("query:heads=2", "heads must be 0 or 1"),
+    ("query:head_layers=0", "head_layers 0 outside (0, 1]"),
+    ("query:head_layers=1.5", "head_layers 1.5 outside (0, 1]"),
 ])
 def test_bad_specs_are_refused_with_the_reason(spec, says):
     with pytest.raises(ValueError) as e:

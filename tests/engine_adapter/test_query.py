@@ -12,7 +12,7 @@ from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
 from engine_adapter.driver import run_blend
-from engine_adapter.query import _Replay, most_read, picks_budget, question_reads
+from engine_adapter.query import Picks, _Repair, _Replay, most_read, picks_budget, question_reads
 from kvkernels import apply_rope
 from engine_adapter.source import InMemoryLayerSource
 from tests.engine_adapter.adapter_helpers import make_prompt, rel_dev, variant
@@ -74,9 +74,14 @@ def test_both_passes_together_stay_within_the_budget_and_spend_it(engine, prompt
         assert picks > 0
         assert r.computed_share <= budget + 1e-9
         assert budget - r.computed_share < 1 / n  # less than one more pick would have fitted
-        # the question through 0..L-2 (probe) and 1..L-1 (pass 2), the picks through every layer
-        assert sum(r.computed_rows) == 2 * len(p.question) * (L - 1) + picks * L
-        assert r.recomputed_rows == [picks] * L
+        # the question through 0..L-2 (probe) and 1..L-1 (pass 2), then the picks: rows
+        # through every layer and chunk-head rows through the first half, within `picks`
+        # rows' worth of row-layers, less than one more row short of it
+        picked = sum(r.recomputed_rows)
+        assert sum(r.computed_rows) == 2 * len(p.question) * (L - 1) + picked
+        assert picks * L - L < picked <= picks * L
+        deep, shallow = r.recomputed_rows[-1], r.recomputed_rows[0] - r.recomputed_rows[-1]
+        assert r.recomputed_rows == [deep + shallow] * (L // 2) + [deep] * (L - L // 2)
 
 
 def test_a_budget_that_the_question_alone_uses_up_serves_naive_reuse_in_one_pass(engine, prompts):
@@ -105,6 +110,16 @@ def test_a_chunk_missing_from_layer_0_is_computed_in_both_passes_and_reported_on
     assert sorted(r.fallbacks) == [(i, 0) for i in range(len(p.chunks))]
 
 
+def test_chunks_missing_from_the_layer_where_head_rows_stop_are_computed_in_full(engine, prompts):
+    """Every chunk late at layer 1, the last its head rows would run: pass 1 falls back
+    there, pass 2 computes the chunks whole, and the prefill is full prefill's."""
+    p = prompts[1]
+    every = {(i, 1) for i in range(len(p.chunks))}
+    r = blend_prefill(engine, p.segments(), Policy("query", budget=0.3), p.source(withhold=every), gate=TRUSTED)
+    assert rel_dev(r.logits, engine.prefill(p.tokens, all_logits=False)[0][-1]) < 1e-5
+    assert sorted(r.fallbacks) == sorted(every)
+
+
 def test_every_reused_row_picked_is_full_prefill(engine, prompts):
     """With every reused token recomputed, pass 2 is a full prefill whose question rows
     started at layer 1 from the probe's layer 0: the same logits and cache."""
@@ -120,6 +135,57 @@ def test_every_reused_row_picked_is_full_prefill(engine, prompts):
         assert torch.allclose(k, rk, atol=1e-4) and torch.allclose(v, rv, atol=1e-4)
 
 
+@torch.no_grad()
+def reference_shallow_rows(engine, p, depth: int) -> tuple[torch.Tensor, list]:
+    """Plain torch: every row through layers 0..depth-1 as in full prefill, then the question's
+    rows alone over the chunks' stored KV (K rotated to their rows). The last row's logits
+    and, per layer, K (rotated) and V of every row."""
+    c = engine.cfg
+    g = c.num_heads // c.num_kv_heads
+    n_ctx = sum(map(len, p.chunks))
+    starts = [sum(map(len, p.chunks[:i])) for i in range(len(p.chunks))]
+    rows = torch.arange(len(p.tokens))
+    h = engine.embed(torch.as_tensor(p.tokens))
+    kv = []
+    for layer in range(c.num_layers):
+        q, k, v = engine.qkv(layer, h)
+        q, k = apply_rope(q, rows, engine.rope), apply_rope(k, rows, engine.rope)
+        if layer >= depth:
+            stored = [p.cache[i].kv[layer] for i in range(len(p.chunks))]
+            k = torch.cat([apply_rope(sk, torch.arange(s, s + sk.shape[1]), engine.rope)
+                           for (sk, _), s in zip(stored, starts)] + [k], dim=1)
+            v = torch.cat([sv for _, sv in stored] + [v], dim=1)
+        kv.append((k, v))
+        s = (q @ k.repeat_interleave(g, 0).transpose(1, 2)) * engine.scale
+        s = s.masked_fill(torch.arange(k.shape[1])[None, None, :] > rows[None, :, None], float("-inf"))
+        h = engine.mlp(layer, engine.attn_out(layer, h, s.softmax(-1) @ v.repeat_interleave(g, 0)))
+        if layer == depth - 1:  # the chunks' rows stop here
+            rows, h = rows[n_ctx:], h[n_ctx:]
+    return engine.logits(h[-1:])[-1], kv
+
+
+def test_chunk_head_rows_run_the_first_layers_then_keep_the_stored_kv(engine, prompts):
+    """Every reused row a head row through layers 0..1 of 4: those layers' KV is full
+    prefill's, the later layers' the stored KV, and the question reads them as a plain
+    torch prefill that stops the chunks' rows after layer 1 does."""
+    p, depth = prompts[2], 2
+    lay = _layout(engine, p)
+    q = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
+    n_ctx = sum(map(len, p.chunks))
+    picks = Picks({s: tuple(range(len(c))) for s, c in enumerate(p.chunks)}, torch.arange(n_ctx), depth)
+    segs = [dataclasses.replace(s, recompute=picks.rows[i]) if not s.question else s
+            for i, s in enumerate(lay.segments)]
+    r = _Repair(engine, Layout.of(segs, engine.model_spec().fingerprint()), Policy("query"),
+                _Replay(q.received, p.source()), list(range(len(p.chunks))), picks=picks).run(False, carry=q.layer0)
+    logits, kv = reference_shallow_rows(engine, p, depth)
+    assert r.recomputed_rows == [n_ctx] * depth + [0] * (engine.cfg.num_layers - depth)
+    assert rel_dev(r.logits, logits) < 1e-5
+    for (k, v), (rk, rv) in zip(kv, r.kv):
+        assert torch.allclose(k, rk, atol=1e-4) and torch.allclose(v, rv, atol=1e-4)
+    full = engine.prefill(p.tokens, all_logits=False)[1]
+    assert not torch.allclose(full[depth][0], r.kv[depth][0], atol=1e-3)  # stored, not recomputed
+
+
 def test_a_chunk_stored_behind_this_very_prefix_is_never_picked(engine, prompts):
     """The first chunk's variant computed at the start (as an instruction's is): exact, so
     the picks go to the chunks stored behind other prefixes."""
@@ -130,9 +196,9 @@ def test_a_chunk_stored_behind_this_very_prefix_is_never_picked(engine, prompts)
     source = InMemoryLayerSource({0: first.kv, **{i: p.cache[i].kv for i in range(1, len(p.chunks))}})
     lay = Layout.of(segs, engine.model_spec().fingerprint())
     q = question_reads(engine, lay, source, range(len(p.chunks)), 0.05)
-    picks = most_read(q, lay, 40)
+    picks = most_read(q, lay, 40).rows
     assert picks[0] == () and sum(map(len, picks.values())) == 40
-    ref = most_read(dataclasses.replace(q, reads=q.reads.clone().index_fill_(0, lay.rows(0), -1.0)), lay, 40)
+    ref = most_read(dataclasses.replace(q, reads=q.reads.clone().index_fill_(0, lay.rows(0), -1.0)), lay, 40).rows
     assert picks == ref  # the same as if chunk 0 had never been read
 
 
@@ -198,4 +264,20 @@ def _worked_example_reads() -> tuple:
 ])
 def test_picks_with_chunk_heads_follow_the_worked_example(n, heads, expect):
     q, lay = _worked_example_reads()
-    assert most_read(q, lay, n, heads=heads) == expect
+    got = most_read(q, lay, n, heads=heads)
+    assert got.rows == expect and len(got.shallow) == 0
+
+
+@pytest.mark.parametrize("n, rows, shallow", [
+    # 24 row-layers of a 4-layer model, head rows through layers 0-1 (2 row-layers each): row 3
+    # (4), its head rows 0-2 (6: 14 left), row 8 with rows 6-7 (4 + 4: 6 left), row 10 with
+    # row 9 (4 + 2: 0 left)
+    (6, {0: (0, 1, 2, 3), 1: (0, 1, 2, 3, 4)}, [0, 1, 2, 6, 7, 9]),
+    # 12: row 3 (4), rows 0-2 (6: 2 left); no other head fits (row 7's: 4 + 2); row 2, the
+    # most-read head row, through every layer (2 more: 0 left)
+    (3, {0: (0, 1, 2, 3), 1: ()}, [0, 1]),
+])
+def test_head_rows_through_half_the_layers_follow_the_worked_example(n, rows, shallow):
+    q, lay = _worked_example_reads()
+    got = most_read(q, lay, n, heads=True, num_layers=4, depth=2)
+    assert got.rows == rows and got.shallow.tolist() == shallow and got.depth == 2
