@@ -15,8 +15,9 @@ runs in two passes over the same stored KV:
   2. the prefill: the tokens of the reused chunks the question read most are recomputed
      from layer 0 (`QueryAware.first_rows`: the picks, as a Cache-Craft recompute list),
      each with its chunk's tokens before it where the budget allows (`most_read`: a token
-     recomputed alone still reads its chunk's earlier tokens stale), everything else as in
-     pass 1, fresh chunks computed in full. Where the prompt has no
+     recomputed alone still reads its chunk's earlier tokens stale; those head tokens run
+     only the first half of the layers, `_Repair`), everything else as in pass 1, fresh
+     chunks computed in full. Where the prompt has no
      fresh chunk, the question's rows start at layer 1 from the probe's layer 0, which is
      exact for the same reason (`driver.Layer0`).
 
@@ -119,7 +120,8 @@ def picks_budget(policy: QueryAware, lay: Layout, reused_tokens: int, num_layers
     repairs the chunks it reuses. From it the question is paid for, through layers 0..L-2
     in the probe and 1..L-1 in pass 2 (its layer 0 is the probe's: layer-0 K/V do not depend
     on a chunk's prefix; with fresh chunks, which the probe does not see, pass 2 runs the
-    question's layer 0 again); the rest, in whole rows through every layer, are the picks."""
+    question's layer 0 again); the rest, counted in rows through every layer, is the picks'
+    (`most_read` spends it in row-layers: a head row through half the layers costs half)."""
     L = num_layers
     question = len(lay.segments[-1].tokens) if lay.segments[-1].question else 1  # else the last row
     fresh = lay.n - reused_tokens - question
