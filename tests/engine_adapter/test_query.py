@@ -12,7 +12,7 @@ from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
 from engine_adapter.driver import run_blend
-from engine_adapter.query import Picks, _Repair, _Replay, most_read, picks_budget, question_reads
+from engine_adapter.query import Picks, QuestionReads, _Repair, _Replay, most_read, picks_budget, question_reads
 from kvkernels import apply_rope
 from engine_adapter.source import InMemoryLayerSource
 from tests.engine_adapter.adapter_helpers import make_prompt, rel_dev, variant
@@ -240,8 +240,6 @@ def _worked_example_reads() -> tuple:
     reads = torch.tensor([0.01, 0.02, 0.03, 0.9, 0.04, 0.05, 0.06, 0.07, 0.8, 0.08, 0.5, 3.0, 2.0])
     live = torch.tensor([True] * 11 + [False] * 2)
     result = type("Pass1", (), {"reused_segments": [0, 1]})()
-    from engine_adapter.query import QuestionReads
-
     return QuestionReads(reads, live, [], result, None), lay
 
 
