@@ -1,5 +1,6 @@
-"""bench/kernels.py is GPU-only; here its measuring code runs once on CPU (Triton
-interpreter, tiny prompt) so the script is known to run before it meets a GPU."""
+"""bench/kernels.py is GPU-only; here its measuring code runs once on a tiny prompt, on CPU
+under the Triton interpreter (so the script is known to run before it meets a GPU) and on
+the GPU where there is one (tests/conftest.py sets the interpreter only without CUDA)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def test_bench_runs_every_kernel_and_all_match_their_reference() -> None:
         calls.append(1)
         return 1.0  # ms
 
-    rows = bench.run(48, 0.25, torch.float32, 4.8e12, 990e12, device="cpu", timer=once)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = bench.run(48, 0.25, torch.float32, 4.8e12, 990e12, device=device, timer=once)
     assert len(calls) == len(rows) == 13
     assert {r.kernel for r in rows} == {"rope", "selective_attention", "kv_deviation_topk", "gather_rows",
                                        "scatter_rows"}
