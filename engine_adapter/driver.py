@@ -162,7 +162,7 @@ class _Blend:
         want[-1] = True  # the last prompt token is always computed
         for s in self.live:
             first = torch.as_tensor(self.policy.first_rows(self.lay, s), dtype=torch.long)
-            want[int(self.lay.bounds[s]) + first] = True
+            want[self.lay.edges[s] + first] = True
         return want.nonzero().squeeze(1)
 
     # ---- the loop ---------------------------------------------------------------
@@ -188,7 +188,9 @@ class _Blend:
             rows, h, k_raw, v, mass = self.layer(layer, rows, h)
             to_question = self.record_stats(rows, k_raw, v, mass)
             self.res.computed_rows.append(len(rows))
-            self.res.recomputed_rows.append(int(self.reused_mask[rows].sum()))
+            if rows is not self._recomputed_of:  # read once, at the end
+                self._recomputed_of, self._recomputed_n = rows, self.reused_mask[rows].sum()
+            self._recomputed.append(self._recomputed_n)
             keep = self.continuing(layer, rows, to_question)
             if keep is not None:
                 rows, h = rows[keep], h[keep]
@@ -198,6 +200,7 @@ class _Blend:
             t4 = time.perf_counter()
             self.res.timings.append(LayerTiming(wait_s=t1 - t0, compute_s=t4 - t1, rotate_s=t3 - t2,
                                                 attend_s=self._attend_s))
+        self.res.recomputed_rows = torch.stack(self._recomputed).tolist() if self._recomputed else []
         if depth is not None and depth < self.L:
             self.res.reused_segments = list(self.live)
             return self.res
@@ -232,26 +235,35 @@ class _Blend:
         attention mass [M, S] of the rows among them that need it (None if none do).
         """
         e, (K, V) = self.e, self.kv[layer]
-        q, k, v = e.qkv(layer, h)  # [Hq,R,D], [Hkv,R,D] pre-RoPE
-        cos, sin = self.cos[rows], self.sin[rows]
-        k_rot = rotate(k, cos, sin)
+        qk, v = e.qk_v(layer, h)  # [Hq+Hkv,R,D] pre-RoPE, [Hkv,R,D]
+        k = qk[e.cfg.num_heads:]  # pre-RoPE: what a fresh chunk's variant stores
+        q, k_rot = e.rotated_qk(qk, *self.tables(rows))
         keep = self.hkvd_keep(layer, rows, k_rot, v) if select else None
         # Every computed K/V goes in, selected or not: it came from right hidden states.
         K[:, rows] = k_rot
         V[:, rows] = v
         if keep is not None:
-            rows, h, q, k, v, cos, sin = rows[keep], h[keep], q[:, keep], k[:, keep], v[:, keep], cos[keep], sin[keep]
+            rows, h, q, k, v = rows[keep], h[keep], q[:, keep], k[:, keep], v[:, keep]
         t0 = time.perf_counter()
-        q = rotate(q, cos, sin)
+        self.q = q  # the rotated queries of the rows that ran this layer (the probe reads them)
         o, _ = e.attend(q, rows, K, V, self.pos)
         mass = None
-        if select:
+        if select and (self.fresh or self.focus.active):
             need = self.fresh_mask | self.asker_mask if self.focus.active else self.fresh_mask
             m = need[rows]
-            if bool(m.any()):
+            # Rows of fresh chunks run every layer: with one, some row needs mass without
+            # asking the device (a read of it waits for the GPU).
+            if self.fresh or bool(m.any()):
                 mass = attention_mass(q[:, m], rows[m], K, self.pos, self.lay.bounds, scale=e.scale)
         self._attend_s = time.perf_counter() - t0
         return rows, e.mlp(layer, e.attn_out(layer, h, o)), k, v, mass
+
+    def tables(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin of `rows`; rows are the same tensor layer after layer until a policy
+        drops some (on a GPU each indexing is a kernel launch)."""
+        if rows is not self._tables_of:
+            self._tables_of, self._tables = rows, (self.cos[rows], self.sin[rows])
+        return self._tables
 
     def wait(self, layer: int) -> LayerKV:
         if not self.live:
@@ -331,6 +343,12 @@ class _Blend:
 
     def _stats_init(self) -> None:
         self._attend_s = 0.0
+        self._recomputed: list[Tensor] = []  # per layer, rows of reused chunks computed (0-d)
+        self._recomputed_of: Tensor | None = None  # the rows `_recomputed_n` counts
+        self._recomputed_n = torch.zeros(())
+        self._tables_of: Tensor | None = None  # the rows `_tables` holds cos, sin of
+        self._tables = (self.cos, self.sin)
+        self.q: Tensor | None = None  # set by `layer`
         self.fresh_kv: dict[int, list[tuple[Tensor, Tensor]]] = {s: [] for s in self.fresh}
         self.inter: dict[int, Tensor] = {}  # s -> [|C_s|, s] sum over layers of mass to prefix chunks
         self.intra: dict[int, float] = {s: 0.0 for s in self.fresh}

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine_adapter.llama import LlamaEngine
-from kvkernels import rope_tables, rotate
+from kvkernels import rope_tables
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ def greedy(engine: LlamaEngine, logits: Tensor, kv: list[tuple[Tensor, Tensor]],
         cos, sin = rope_tables(engine.rope, torch.tensor([pos]))  # [1, D/2]
         h = engine.embed(torch.tensor(out[-1:]))  # [1, d]
         for layer, (ck, cv) in enumerate(cache):
-            q, k, v = engine.qkv(layer, h)  # [H, 1, D]
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qk, v = engine.qk_v(layer, h)  # [H, 1, D]
+            q, k = engine.rotated_qk(qk, cos, sin)
             ck[:, pos], cv[:, pos] = k[:, 0], v[:, 0]
             o = F.scaled_dot_product_attention(q[None], ck[None, :, :pos + 1], cv[None, :, :pos + 1],
                                                scale=engine.scale, enable_gqa=gqa)[0]  # [Hq, 1, D]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -220,11 +220,21 @@ class LlamaEngine:
 
     def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Pre-RoPE q [Hq,R,D], k [Hkv,R,D], v [Hkv,R,D] for hidden rows h [R, d]."""
+        qk, v = self.qk_v(layer, h)
+        q, k = qk.split([self.cfg.num_heads, self.cfg.num_kv_heads])
+        return q, k, v
+
+    def qk_v(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor]:
+        """Pre-RoPE q and k as one [Hq+Hkv, R, D] (one rotation turns both: on a GPU each
+        rotation is a kernel launch) and v [Hkv, R, D], for hidden rows h [R, d]."""
         c = self.cfg
         x = self._norm(h, f"model.layers.{layer}.input_layernorm.weight")  # [R, d]
-        qkv = (x @ self.w_qkv[layer].T).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-        q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, R, D]
+        qkv = (x @ self.w_qkv[layer].T).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(0, 1)
+        return qkv[:c.num_heads + c.num_kv_heads], qkv[c.num_heads + c.num_kv_heads:]  # [H, R, D]
+
+    def rotated_qk(self, qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """q, k of `qk_v` rotated by the tables' rows, as [Hq,R,D], [Hkv,R,D]."""
+        return rotate(qk, cos, sin).split([self.cfg.num_heads, self.cfg.num_kv_heads])
 
     def attend(self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
                segments: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -269,8 +279,8 @@ class LlamaEngine:
         gqa = self.cfg.num_heads != self.cfg.num_kv_heads
         kv = []
         for layer in range(self.cfg.num_layers):
-            q, k, v = self.qkv(layer, h)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            qk, v = self.qk_v(layer, h)
+            q, k = self.rotated_qk(qk, cos, sin)
             kv.append((k, v))
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=self.scale,
                                                enable_gqa=gqa)[0]  # [Hq, T, D]

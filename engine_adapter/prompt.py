@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -52,6 +53,9 @@ class Layout:
     keys: tuple[str, ...]  # chunk key per segment ("" for the question)
     tokens: Tensor  # [N] long
     bounds: Tensor  # [S+1] long: segment s spans rows bounds[s]:bounds[s+1]
+    # The same bounds as ints: spans and row ranges never read the tensor, which may live
+    # in GPU memory (every read of it there would wait for the GPU).
+    edges: tuple[int, ...]
 
     @classmethod
     def of(cls, segments: Sequence[Segment], model_id: str) -> "Layout":
@@ -61,20 +65,19 @@ class Layout:
         if any(s.question for s in segments[:-1]):
             raise ValueError("the question must be the last segment")
         keys = tuple("" if s.question else (s.key or chunk_key(model_id, s.tokens)) for s in segments)
-        lens = torch.tensor([len(s.tokens) for s in segments])
-        bounds = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+        edges = tuple(itertools.accumulate((len(s.tokens) for s in segments), initial=0))
         tokens = torch.tensor([t for s in segments for t in s.tokens], dtype=torch.long)
-        return cls(segments, keys, tokens, bounds)
+        return cls(segments, keys, tokens, torch.tensor(edges, dtype=torch.long), edges)
 
     @property
     def n(self) -> int:
         return len(self.tokens)
 
     def rows(self, s: int) -> Tensor:
-        return torch.arange(int(self.bounds[s]), int(self.bounds[s + 1]))
+        return torch.arange(self.edges[s], self.edges[s + 1])
 
     def span(self, s: int) -> slice:
-        return slice(int(self.bounds[s]), int(self.bounds[s + 1]))
+        return slice(self.edges[s], self.edges[s + 1])
 
     def chunk_indices(self) -> list[int]:
         return [s for s, seg in enumerate(self.segments) if not seg.question]

@@ -32,6 +32,7 @@ Measured on the real model and the trained synthetic task in docs/quality.md.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from itertools import zip_longest
@@ -45,7 +46,6 @@ from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import Naive, QueryAware
 from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
-from kvkernels import rotate
 
 
 class _Probe(_Blend):
@@ -61,6 +61,8 @@ class _Probe(_Blend):
         self.received: list[LayerKV] = []
         self.reads = torch.zeros(self.n)  # [N] attention the question rows put on each row
         self.layer0: Layer0 | None = None  # the question rows after layer 0 (pass 2 starts them at 1)
+        self._rows: Tensor | None = None  # the rows of the last layer and where the question's are
+        self._at = torch.empty(0, dtype=torch.long)
 
     def initial_rows(self) -> Tensor:
         return (~self.reused_mask & ~self.hidden).nonzero().squeeze(1)
@@ -73,7 +75,7 @@ class _Probe(_Blend):
     def layer(self, layer: int, rows: Tensor, h: Tensor, select: bool = True):  # noqa: ANN201
         out = super().layer(layer, rows, h, select)
         if select and layer > 0:
-            self.reads += self._question_reads(layer, rows, h)
+            self.reads += self._question_reads(layer, out[0])
         if select and layer == 0 and self.lay.segments[-1].question and not self.hidden.any():
             q = self.lay.rows(len(self.lay.segments) - 1)
             at = torch.searchsorted(out[0], q)
@@ -81,13 +83,15 @@ class _Probe(_Blend):
             self.layer0 = Layer0(q, out[1][at].clone(), K[:, q].clone(), V[:, q].clone())
         return out
 
-    def _question_reads(self, layer: int, rows: Tensor, h: Tensor) -> Tensor:
+    def _question_reads(self, layer: int, rows: Tensor) -> Tensor:
         """[N] this layer's attention probabilities of the question rows, summed over heads
-        and rows (plain torch: one [Hq, Rq, N] score matrix, the question is a few rows)."""
+        and rows (plain torch: one [Hq, Rq, N] score matrix, the question is a few rows).
+        rows: the rows that ran the layer, whose rotated queries `layer` left in self.q."""
         e = self.e
-        at = torch.isin(rows, self.asker).nonzero().squeeze(1)
-        q = e.qkv(layer, h[at])[0]  # [Hq, Rq, D] pre-RoPE
-        q = rotate(q, self.cos[rows[at]], self.sin[rows[at]])
+        if rows is not self._rows:  # the same rows layer after layer, unless a chunk fell back
+            self._rows, self._at = rows, torch.isin(rows, self.asker).nonzero().squeeze(1)
+        at = self._at
+        q = self.q[:, at]  # [Hq, Rq, D]
         k = self.kv[layer][0]  # merged: stored K of reused rows, this pass's computed rows
         k = k.repeat_interleave(e.cfg.num_heads // e.cfg.num_kv_heads, 0)  # [Hq, N, D]
         s = (q.float() @ k.float().transpose(1, 2)) * e.scale  # [Hq, Rq, N]
@@ -174,50 +178,59 @@ def most_read(q: QuestionReads, lay: Layout, n: int, heads: bool = False,
     is in its lower layers' K/V."""
     L = num_layers
     depth = L if depth is None else depth
-    candidates = q.live.clone()
+    # The picks are a loop over rows: on the CPU (two reads of the device, not one per row).
+    candidates = q.live.cpu()
     for s, seg in enumerate(lay.segments):
         if seg.cached and seg.cached_prefix == lay.keys[:s]:  # stored behind this very prefix: exact
             candidates[lay.span(s)] = False
-    score = q.reads.masked_fill(~candidates, -1.0)
+    score = q.reads.cpu().masked_fill(~candidates, -1.0)
     n = min(n, int(candidates.sum()))
-    shallow = torch.empty(0, dtype=torch.long)
+    shallow: list[int] = []
     if heads:
         picked, shallow = _heads(score, lay, n * L, L, depth)
         if depth >= L:
-            shallow = torch.empty(0, dtype=torch.long)  # every picked row runs every layer
+            shallow = []  # every picked row runs every layer
     else:
-        picked = score.topk(n).indices.sort().values if n else torch.empty(0, dtype=torch.long)
+        picked = sorted(score.topk(n).indices.tolist()) if n else []
     rows = {}
     for s in q.result.reused_segments:
-        lo, hi = int(lay.bounds[s]), int(lay.bounds[s + 1])
-        rows[s] = tuple(int(i) - lo for i in picked if lo <= i < hi)
-    return Picks(rows, shallow, depth)
+        lo, hi = lay.edges[s], lay.edges[s + 1]
+        rows[s] = tuple(i - lo for i in picked if lo <= i < hi)
+    return Picks(rows, torch.tensor(shallow, dtype=torch.long, device=q.live.device), depth)
 
 
-def _heads(score: Tensor, lay: Layout, budget: int, L: int, depth: int) -> tuple[Tensor, Tensor]:
+def _heads(score: Tensor, lay: Layout, budget: int, L: int, depth: int) -> tuple[list[int], list[int]]:
     """`most_read(heads=True)`'s rows within `budget` row-layers (a row through every layer
-    costs L, a head row the question did not read `depth`): all of them, and the head rows."""
-    order = [int(i) for i in score.argsort(descending=True, stable=True) if score[i] >= 0]
-    seg_of = torch.bucketize(torch.arange(lay.n), lay.bounds, right=True) - 1
+    costs L, a head row the question did not read `depth`): all of them, and the head rows,
+    sorted. `score` [N] on the CPU, -1 for rows that are not candidates."""
+    reads = score.tolist()
+    order = [i for i in score.argsort(descending=True, stable=True).tolist() if reads[i] >= 0]
     deep = set(order[:min(1, budget // L)])  # rows through every layer
+    deep_sorted = sorted(deep)  # the same, to count those in a range without a walk over it
     shallow: set[int] = set()  # head rows through layers 0..depth-1
     left = budget - L * len(deep)
     head_end = {}  # segment -> end of its picked head (exclusive)
+
+    def go_deep(i: int) -> None:
+        deep.add(i)
+        bisect.insort(deep_sorted, i)
+
     for i in order:
-        s = int(seg_of[i])
-        end = head_end.get(s, int(lay.bounds[s]))
+        s = bisect.bisect_right(lay.edges, i) - 1
+        end = head_end.get(s, lay.edges[s])
         if i < end:  # read, in a head picked already: through every layer where it fits
             if i in shallow and left >= L - depth:
                 shallow.discard(i)
-                deep.add(i)
+                go_deep(i)
                 left -= L - depth
             continue
-        new = [r for r in range(end, i) if r not in deep]  # the rows of i's head not yet picked
-        cost = depth * len(new) + (0 if i in deep else L)
+        # The rows of i's head not yet picked: end..i-1 less the deep ones among them.
+        unpicked = (i - end) - (bisect.bisect_left(deep_sorted, i) - bisect.bisect_left(deep_sorted, end))
+        cost = depth * unpicked + (0 if i in deep else L)
         if cost <= left:
             left -= cost
-            deep.add(i)
-            shallow.update(new)
+            shallow.update(r for r in range(end, i) if r not in deep)
+            go_deep(i)
             head_end[s] = i + 1
     for i in order:  # single rows with what remains
         if i in deep:
@@ -226,9 +239,9 @@ def _heads(score: Tensor, lay: Layout, budget: int, L: int, depth: int) -> tuple
         if cost > left:
             continue
         shallow.discard(i)
-        deep.add(i)
+        go_deep(i)
         left -= cost
-    return torch.tensor(sorted(deep | shallow), dtype=torch.long), torch.tensor(sorted(shallow), dtype=torch.long)
+    return sorted(deep | shallow), sorted(shallow)
 
 
 class _Repair(_Blend):
@@ -263,7 +276,7 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
     segments = list(lay.segments)
     for s, rows in picks.rows.items():
         segments[s] = dataclasses.replace(segments[s], recompute=rows)
-    lay2 = Layout(tuple(segments), lay.keys, lay.tokens, lay.bounds)
+    lay2 = dataclasses.replace(lay, segments=tuple(segments))
     # With no pick (every chunk stored behind its very prefix), layer 0 would have no row
     # left to run: the question runs it again instead.
     carry = q.layer0 if any(picks.rows.values()) else None

@@ -25,7 +25,16 @@ from .attention import (
     selective_attention_triton,
 )
 from .deviation import kv_deviation_topk_reference, kv_deviation_topk_triton
-from .rope import RopeConfig, apply_rope_reference, apply_rope_triton, inv_freq, rope_tables, rotate
+from .rope import (
+    RopeConfig,
+    apply_rope_reference,
+    apply_rope_triton,
+    inv_freq,
+    rope_tables,
+    rotate,
+    rotate_reference,
+    rotate_triton,
+)
 from .rows import gather_rows_reference, gather_rows_triton, scatter_rows_reference, scatter_rows_triton
 
 __all__ = [
@@ -33,6 +42,8 @@ __all__ = [
     "inv_freq",
     "rope_tables",
     "rotate",
+    "rotate_triton",
+    "rotate_reference",
     "apply_rope",
     "apply_rope_triton",
     "apply_rope_reference",

@@ -145,13 +145,78 @@ def rope_tables(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor,
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [H, T, D] rotated by tables from :func:`rope_tables` (rows of x = rows of the tables).
 
-    The arithmetic of :func:`apply_rope_reference` (fp32, rounded once to x.dtype), so the
-    two agree bit for bit; batched: one call rotates all heads and tokens.
+    CUDA tensors: one Triton launch (:func:`rotate_triton`); otherwise plain torch
+    (:func:`rotate_reference`). The same arithmetic either way, bit for bit.
     """
+    if x.is_cuda and x.dim() == 3:
+        return rotate_triton(x, cos, sin)
+    return rotate_reference(x, cos, sin)
+
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate` in plain torch: the arithmetic of :func:`apply_rope_reference` (fp32,
+    rounded once to x.dtype); batched: one call rotates all heads and tokens."""
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]  # [H, T, D/2] each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+@triton.jit
+def _rotate_kernel(
+    x_ptr, out_ptr, cos_ptr, sin_ptr,
+    T, HALF,
+    stride_xh, stride_xt, stride_xd,
+    stride_oh, stride_ot, stride_od,
+    stride_ct, stride_st,
+    BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program: one head, BLOCK_T tokens, all of the head dim; the tables' rows are the tokens'.
+    h = tl.program_id(0)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    offs_d = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
+    mask = (offs_t < T)[:, None] & (offs_d[None, :] < HALF)  # [BLOCK_T, BLOCK_HALF]
+    cos = tl.load(cos_ptr + offs_t[:, None] * stride_ct + offs_d[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + offs_t[:, None] * stride_st + offs_d[None, :], mask=mask, other=0.0)
+    x_base = x_ptr + h * stride_xh + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd
+    x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_base + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    o_base = out_ptr + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :] * stride_od
+    tl.store(o_base, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_base + HALF * stride_od, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate` as one Triton launch: x [H, T, D] (any strides), fp32 tables [T, D/2].
+
+    The blend loop rotates three times a layer (the merged cache, the computed rows' K and
+    Q); in plain torch each rotation is ~10 small CUDA launches, which bound a prefill on a
+    GPU (docs/gpu.md). Multiply-adds are not fused, so the result equals
+    :func:`rotate_reference` bit for bit.
+    """
+    H, T, D = x.shape
+    half = D // 2
+    if cos.shape != (T, half) or sin.shape != (T, half):
+        raise ValueError(f"cos and sin must be [T={T}, D/2={half}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"cos and sin must be fp32 (rope_tables), got {cos.dtype}, {sin.dtype}")
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    check_launchable(_rotate_kernel, x, cos, sin)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if T == 0 or H == 0:
+        return out
+    block_t = 16
+    _rotate_kernel[(H, triton.cdiv(T, block_t))](
+        x, out, cos, sin,
+        T, half,
+        x.stride(0), x.stride(1), x.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        cos.stride(0), sin.stride(0),
+        BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(half),
+        enable_fp_fusion=False,  # a fused multiply-add would round differently from the reference
+    )
+    return out
 
 
 def apply_rope_reference(
@@ -167,7 +232,7 @@ def apply_rope_reference(
     cos, sin = rope_tables(cfg, positions.to(x.device))
     if inverse:
         sin = -sin  # rotation by -angle is the exact inverse rotation
-    rotated = rotate(x, cos, sin)
+    rotated = rotate_reference(x, cos, sin)
     if out is None:
         return rotated
     out.copy_(rotated)

@@ -55,3 +55,16 @@ def test_rope_deviation_rows_llama3_8b_shape(dtype: torch.dtype) -> None:
     dst_a, dst_b = x.clone(), x.clone()
     rows = torch.randn(8, 375, 128, device="cuda", generator=g).to(dtype)
     assert torch.equal(K.scatter_rows_triton(dst_a, idx, rows), K.scatter_rows_reference(dst_b, idx, rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rotate_llama3_8b_shape_bit_for_bit(dtype: torch.dtype) -> None:
+    # The blend loop's rotation (merged cache, computed rows) must equal the torch
+    # arithmetic exactly on the GPU too: exact reuse then equals full prefill.
+    g = torch.Generator(device="cuda").manual_seed(2)
+    T = 2500
+    cos, sin = K.rope_tables(K.RopeConfig(head_dim=128, theta=500000.0, factor=8.0), torch.arange(T, device="cuda"))
+    rows = torch.randperm(T, device="cuda", generator=g)[:375]
+    x = torch.randn(375, 32, 128, device="cuda", generator=g).to(dtype).transpose(0, 1)  # [H, R, D] strided
+    assert torch.equal(K.rotate_triton(x, cos[rows], sin[rows]), K.rotate_reference(x, cos[rows], sin[rows]))
+    assert torch.equal(K.rotate(x, cos[rows], sin[rows]), K.rotate_triton(x, cos[rows], sin[rows]))

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+import kvkernels as K
 from kvkernels import RopeConfig, apply_rope_reference, apply_rope_triton, inv_freq, rope_tables, rotate
 
 LLAMA3_SCALING = {
@@ -154,3 +155,33 @@ def test_tables_computed_once_rotate_any_rows_like_the_reference(dtype: torch.dt
     x = torch.randn(3, 40, 32).to(dtype)
     rows = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:40]
     assert torch.equal(rotate(x, cos[rows], sin[rows]), apply_rope_reference(x, rows, cfg))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotate_triton_equals_the_reference_bit_for_bit(dtype: torch.dtype) -> None:
+    # The one-launch rotation the blend loop runs on a GPU: x strided as the engine hands
+    # it over (q/k are transposed views of one projection), tables indexed by rows.
+    cfg = RopeConfig(head_dim=64, theta=100000.0)
+    cos, sin = rope_tables(cfg, torch.arange(700))
+    rows = torch.randperm(700, generator=torch.Generator().manual_seed(2))[:37]
+    qkv = torch.randn(37, 5, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x = qkv.transpose(0, 1)  # [H=5, T=37, D], not contiguous
+    got = K.rotate_triton(x, cos[rows], sin[rows])
+    assert got.is_contiguous() and got.dtype == dtype
+    ref = K.rotate_reference(x, cos[rows], sin[rows])
+    assert torch.equal(ref, apply_rope_reference(x.contiguous(), rows, cfg))
+    if dtype == torch.bfloat16:
+        # The interpreter rounds fp32 to bf16 toward zero (compiled Triton and torch round to
+        # nearest: bit for bit on a GPU, tests/kernels/test_gpu_kernels.py): one bf16 ulp.
+        ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs()
+        assert ((got.float() - ref.float()).abs() <= ulp).all()
+    else:
+        assert torch.equal(got, ref)
+
+
+def test_rotate_triton_refuses_tables_of_other_rows() -> None:
+    cos, sin = rope_tables(RopeConfig(head_dim=16), torch.arange(4))
+    with pytest.raises(ValueError, match="cos and sin must be"):
+        K.rotate_triton(torch.randn(2, 5, 16), cos, sin)
+    with pytest.raises(ValueError, match="fp32"):
+        K.rotate_triton(torch.randn(2, 4, 16), cos.half(), sin.half())
