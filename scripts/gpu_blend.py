@@ -22,6 +22,8 @@ those paths). Cases, each the median of `--repeats` CUDA-synchronised runs after
   naive                 the behind-another-chunk variants reused, nothing recomputed
   cachecraft top 15%    each chunk's top 15% of tokens by stored inter-attention (eq. 14)
   cacheblend budget 15% HKVD selection (CacheBlend §4.3)
+  default (query) 15%   the policy a deployment runs: the question first, then the tokens
+                        it read (engine_adapter.query), two passes over the stored KV
   reuse probe           `engine_adapter.probe.probe`, the gate serving runs first
   gpu vs cpu            the fp32 full prefill against the same on the CPU (small shapes)
 
@@ -46,6 +48,7 @@ from typing import Callable
 import torch
 
 from engine_adapter import CacheBlend, LlamaConfig, LlamaEngine, Policy, Segment, blend_prefill
+from engine_adapter.policy import DEFAULT_POLICY
 from engine_adapter.llama import _hf_names  # noqa: PLC2701 - the parameter list random weights follow
 from engine_adapter.probe import TOLERANCE, TRUSTED, probe
 from engine_adapter.source import InMemoryLayerSource
@@ -132,6 +135,7 @@ def run(shape: str, dtype_name: str, device: str, chunks: int, chunk_len: int, q
         ]
         if 0.15 * cfg.num_layers >= 1:  # a budget under one layer in L is refused (CacheBlend.steady_ratio)
             cases.append(("cacheblend budget 15%", behind, 0.0, CacheBlend(budget=0.15)))
+        cases.append((f"default ({DEFAULT_POLICY}) 15%", behind, 0.0, Policy(DEFAULT_POLICY)))
         tol = TOLERANCE.get(dtype, 6e-2) * max(1.0, float(ref.abs().max()))
         for name, variants, share, policy in cases:
             segs = segments(variants, share)

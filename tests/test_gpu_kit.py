@@ -59,7 +59,8 @@ def test_the_blend_check_dry_runs_on_cpu(tmp_path: Path) -> None:
                             "--chunk-len", "16", "--question-len", "4", "--repeats", "1", "--json", str(out)])
     (run,) = json.loads(out.read_text())
     assert rc == 0, run["checks"]
-    assert [r["case"] for r in run["rows"]] == ["full prefill", "exact reuse", "naive", "cachecraft top 15%"]
+    assert [r["case"] for r in run["rows"]] == ["full prefill", "exact reuse", "naive", "cachecraft top 15%",
+                                              "default (query) 15%"]
     exact = run["rows"][1]
     assert exact["top1"] and exact["logit_dev"] < 1e-4  # the exact variants reproduce full prefill
     assert {c["check"]: c["status"] for c in run["checks"]} == {
