@@ -179,7 +179,7 @@ def most_read(q: QuestionReads, lay: Layout, n: int, heads: bool = False,
     L = num_layers
     depth = L if depth is None else depth
     # The picks are a loop over rows: on the CPU (two reads of the device, not one per row).
-    candidates = q.live.cpu()
+    candidates = q.live.to("cpu", copy=True)  # a copy: q.live stays as pass 1 left it
     for s, seg in enumerate(lay.segments):
         if seg.cached and seg.cached_prefix == lay.keys[:s]:  # stored behind this very prefix: exact
             candidates[lay.span(s)] = False

@@ -196,8 +196,10 @@ def test_a_chunk_stored_behind_this_very_prefix_is_never_picked(engine, prompts)
     source = InMemoryLayerSource({0: first.kv, **{i: p.cache[i].kv for i in range(1, len(p.chunks))}})
     lay = Layout.of(segs, engine.model_spec().fingerprint())
     q = question_reads(engine, lay, source, range(len(p.chunks)), 0.05)
+    live = q.live.clone()
     picks = most_read(q, lay, 40).rows
     assert picks[0] == () and sum(map(len, picks.values())) == 40
+    assert torch.equal(q.live, live)  # pass 1's outcome is read, not changed
     ref = most_read(dataclasses.replace(q, reads=q.reads.clone().index_fill_(0, lay.rows(0), -1.0)), lay, 40).rows
     assert picks == ref  # the same as if chunk 0 had never been read
 
