@@ -28,7 +28,8 @@ those paths). Cases, each the median of `--repeats` CUDA-synchronised runs after
   gpu vs cpu            the fp32 full prefill against the same on the CPU (small shapes)
 
 logit dev: ||logits - full|| / ||full|| at the last prompt token; top-1: same argmax as
-full prefill. Exit 1 if a check fails (exact reuse beyond tolerance, probe not ok, a
+full prefill; launches: kernel launches of one more run of the case (CUDA only): the host
+bounds this loop on a GPU, and launch counts do not move between machines as times do. Exit 1 if a check fails (exact reuse beyond tolerance, probe not ok, a
 non-finite logit, the GPU's fp32 prefill off the CPU's, an exception), 2 if the device
 is absent.
 """
@@ -87,6 +88,18 @@ def _median_s(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) 
     return statistics.median(times), out
 
 
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def _launches(fn: Callable[[], object], sync: Callable[[], None]) -> int:
+    """Kernel launches of one call of `fn` (torch profiler, CPU side: torch's and Triton's).
+    Steadier than a time where the host bounds the loop: docs/gpu.md."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+        sync()
+    return sum(1 for e in prof.events() if e.name in LAUNCHES)
+
+
 def run(shape: str, dtype_name: str, device: str, chunks: int, chunk_len: int, question_len: int,
         repeats: int, cpu_check: bool) -> dict:
     cfg, dtype = SHAPES[shape], DTYPES[dtype_name]
@@ -111,8 +124,9 @@ def run(shape: str, dtype_name: str, device: str, chunks: int, chunk_len: int, q
         full = lambda: engine.prefill(tokens, all_logits=False)[0][-1]  # noqa: E731
         full_s, ref = _median_s(full, repeats, sync)
         ref = ref.float()
+        count = (lambda fn: _launches(fn, sync)) if device.startswith("cuda") else (lambda fn: None)  # noqa: E731
         rows.append({"case": "full prefill", "ttft_ms": 1e3 * full_s, "logit_dev": 0.0, "top1": True,
-                     "computed_share": 1.0})
+                     "computed_share": 1.0, "launches": count(full)})
         check("full prefill logits finite", bool(torch.isfinite(ref).all()), f"{len(tokens)} tokens")
 
         exact = blend_prefill(engine, [Segment(c) for c in texts], Policy("full"), InMemoryLayerSource({}),
@@ -140,9 +154,11 @@ def run(shape: str, dtype_name: str, device: str, chunks: int, chunk_len: int, q
         for name, variants, share, policy in cases:
             segs = segments(variants, share)
             kv = {i: v.kv for i, v in variants.items()}
+            prefill = lambda: blend_prefill(engine, segs, policy, InMemoryLayerSource(kv), gate=TRUSTED,  # noqa: E731
+                                            stats=False)
             try:
-                s, r = _median_s(lambda: blend_prefill(engine, segs, policy, InMemoryLayerSource(kv), gate=TRUSTED,
-                                                       stats=False), repeats, sync)
+                s, r = _median_s(prefill, repeats, sync)
+                launches = count(prefill)
             except Exception as e:  # noqa: BLE001 - report every case, go on with the next
                 check(name, False, f"{type(e).__name__}: {e}")
                 traceback.print_exc()
@@ -151,7 +167,7 @@ def run(shape: str, dtype_name: str, device: str, chunks: int, chunk_len: int, q
             dev = float((logits - ref).norm() / ref.norm())
             rows.append({"case": name, "ttft_ms": 1e3 * s, "logit_dev": dev,
                          "top1": bool(logits.argmax() == ref.argmax()), "computed_share": r.computed_share,
-                         "speedup": full_s / s})
+                         "speedup": full_s / s, "launches": launches})
             if not torch.isfinite(logits).all():
                 check(name, False, "non-finite logits")
             elif name == "exact reuse":
@@ -186,10 +202,10 @@ def print_report(out: dict) -> None:
     print(f"\nblended vs full prefill: {out['shape']} ({out['layers']} layers, hidden {out['hidden']}), "
           f"{out['dtype']}, {out['chunks']} x {out['chunk_len']} + {out['question_len']} tokens, "
           f"{out['device']}, median of {out['repeats']}")
-    print(f"  {'case':<24} {'TTFT ms':>9} {'speed-up':>9} {'computed':>9} {'logit dev':>10} {'top-1':>6}")
+    print(f"  {'case':<24} {'TTFT ms':>9} {'speed-up':>9} {'computed':>9} {'logit dev':>10} {'top-1':>6} {'launches':>9}")
     for r in out["rows"]:
         print(f"  {r['case']:<24} {r['ttft_ms']:9.2f} {r.get('speedup', 1.0):8.2f}x {r['computed_share']:9.1%} "
-              f"{r['logit_dev']:10.2e} {'same' if r['top1'] else 'diff':>6}")
+              f"{r['logit_dev']:10.2e} {'same' if r['top1'] else 'diff':>6} {r['launches'] or '-':>9}")
     for c in out["checks"]:
         print(f"  {c['status']:<5} {c['check']}: {c['detail']}")
 
