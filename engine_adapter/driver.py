@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -43,6 +43,7 @@ from kvcraft.records import VariantStats
 from kvkernels import attention_mass, kv_deviation_topk, rope_tables, rotate
 
 log = logging.getLogger("engine_adapter.blend")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -188,9 +189,7 @@ class _Blend:
             rows, h, k_raw, v, mass = self.layer(layer, rows, h)
             to_question = self.record_stats(rows, k_raw, v, mass)
             self.res.computed_rows.append(len(rows))
-            if rows is not self._recomputed_of:  # read once, at the end
-                self._recomputed_of, self._recomputed_n = rows, self.reused_mask[rows].sum()
-            self._recomputed.append(self._recomputed_n)
+            self._recomputed.append(self.per_rows("recomputed", rows, lambda: self.reused_mask[rows].sum()))
             keep = self.continuing(layer, rows, to_question)
             if keep is not None:
                 rows, h = rows[keep], h[keep]
@@ -237,7 +236,7 @@ class _Blend:
         e, (K, V) = self.e, self.kv[layer]
         qk, v = e.qk_v(layer, h)  # [Hq+Hkv,R,D] pre-RoPE, [Hkv,R,D]
         k = qk[e.cfg.num_heads:]  # pre-RoPE: what a fresh chunk's variant stores
-        q, k_rot = e.rotated_qk(qk, *self.tables(rows))
+        q, k_rot = e.rotated_qk(qk, *self.per_rows("tables", rows, lambda: (self.cos[rows], self.sin[rows])))
         keep = self.hkvd_keep(layer, rows, k_rot, v) if select else None
         # Every computed K/V goes in, selected or not: it came from right hidden states.
         K[:, rows] = k_rot
@@ -258,12 +257,15 @@ class _Blend:
         self._attend_s = time.perf_counter() - t0
         return rows, e.mlp(layer, e.attn_out(layer, h, o)), k, v, mass
 
-    def tables(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin of `rows`; rows are the same tensor layer after layer until a policy
-        drops some (on a GPU each indexing is a kernel launch)."""
-        if rows is not self._tables_of:
-            self._tables_of, self._tables = rows, (self.cos[rows], self.sin[rows])
-        return self._tables
+    def per_rows(self, what: str, rows: Tensor, make: Callable[[], T]) -> T:
+        """`make()`, made again only when `rows` is another tensor: the loop keeps one rows
+        tensor layer after layer until a policy drops some or a chunk falls back, and on a GPU
+        each derived tensor is a launch, each read of one a wait. (The memo holds the rows it
+        was made for, so no other tensor can take its identity.)"""
+        hit = self._per_rows.get(what)
+        if hit is None or hit[0] is not rows:
+            hit = self._per_rows[what] = (rows, make())
+        return hit[1]
 
     def wait(self, layer: int) -> LayerKV:
         if not self.live:
@@ -343,11 +345,8 @@ class _Blend:
 
     def _stats_init(self) -> None:
         self._attend_s = 0.0
-        self._recomputed: list[Tensor] = []  # per layer, rows of reused chunks computed (0-d)
-        self._recomputed_of: Tensor | None = None  # the rows `_recomputed_n` counts
-        self._recomputed_n = torch.zeros(())
-        self._tables_of: Tensor | None = None  # the rows `_tables` holds cos, sin of
-        self._tables = (self.cos, self.sin)
+        self._recomputed: list[Tensor] = []  # per layer, rows of reused chunks computed (0-d; read at the end)
+        self._per_rows: dict[str, tuple[Tensor, object]] = {}  # `per_rows`: what -> (rows, made)
         self.q: Tensor | None = None  # set by `layer`
         self.fresh_kv: dict[int, list[tuple[Tensor, Tensor]]] = {s: [] for s in self.fresh}
         self.inter: dict[int, Tensor] = {}  # s -> [|C_s|, s] sum over layers of mass to prefix chunks

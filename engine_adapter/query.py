@@ -61,8 +61,6 @@ class _Probe(_Blend):
         self.received: list[LayerKV] = []
         self.reads = torch.zeros(self.n)  # [N] attention the question rows put on each row
         self.layer0: Layer0 | None = None  # the question rows after layer 0 (pass 2 starts them at 1)
-        self._rows: Tensor | None = None  # the rows of the last layer and where the question's are
-        self._at = torch.empty(0, dtype=torch.long)
 
     def initial_rows(self) -> Tensor:
         return (~self.reused_mask & ~self.hidden).nonzero().squeeze(1)
@@ -88,9 +86,7 @@ class _Probe(_Blend):
         and rows (plain torch: one [Hq, Rq, N] score matrix, the question is a few rows).
         rows: the rows that ran the layer, whose rotated queries `layer` left in self.q."""
         e = self.e
-        if rows is not self._rows:  # the same rows layer after layer, unless a chunk fell back
-            self._rows, self._at = rows, torch.isin(rows, self.asker).nonzero().squeeze(1)
-        at = self._at
+        at = self.per_rows("question", rows, lambda: torch.isin(rows, self.asker).nonzero().squeeze(1))
         q = self.q[:, at]  # [Hq, Rq, D]
         k = self.kv[layer][0]  # merged: stored K of reused rows, this pass's computed rows
         k = k.repeat_interleave(e.cfg.num_heads // e.cfg.num_kv_heads, 0)  # [Hq, N, D]

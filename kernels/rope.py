@@ -189,9 +189,9 @@ def _rotate_kernel(
 def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """:func:`rotate` as one Triton launch: x [H, T, D] (any strides), fp32 tables [T, D/2].
 
-    The blend loop rotates three times a layer (the merged cache, the computed rows' K and
-    Q); in plain torch each rotation is ~10 small CUDA launches, which bound a prefill on a
-    GPU (docs/gpu.md). Multiply-adds are not fused, so the result equals
+    The blend loop rotates twice a layer (the merged cache; the computed rows' Q and K as
+    one tensor); in plain torch each rotation is ~10 small CUDA launches, which bound a
+    prefill on a GPU (docs/gpu.md). Multiply-adds are not fused, so the result equals
     :func:`rotate_reference` bit for bit.
     """
     H, T, D = x.shape

@@ -29,9 +29,9 @@ those paths). Cases, each the median of `--repeats` CUDA-synchronised runs after
 
 logit dev: ||logits - full|| / ||full|| at the last prompt token; top-1: same argmax as
 full prefill; launches: kernel launches of one more run of the case (CUDA only): the host
-bounds this loop on a GPU, and launch counts do not move between machines as times do. Exit 1 if a check fails (exact reuse beyond tolerance, probe not ok, a
-non-finite logit, the GPU's fp32 prefill off the CPU's, an exception), 2 if the device
-is absent.
+bounds this loop on a GPU, and launch counts do not move between machines as times do.
+Exit 1 if a check fails (exact reuse beyond tolerance, probe not ok, a non-finite logit,
+the GPU's fp32 prefill off the CPU's, an exception), 2 if the device is absent.
 """
 
 from __future__ import annotations
