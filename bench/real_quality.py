@@ -132,7 +132,7 @@ def run(model_dir: Path, records: Sequence[musique.Record], specs: Sequence[str]
             hf(ids, logits_to_keep=1)
             out.append(_score(records[i], len(p.tokens), time.perf_counter() - t0, served))
         warm.close()
-    return {"meta": _meta(model_dir, len(records), new_tokens, torch.get_num_threads()),
+    return {"meta": meta(model_dir, len(records), new_tokens, torch.get_num_threads()),
             "policies": summarize(out, [p.spec for p in policies]), "records": out}
 
 
@@ -173,7 +173,8 @@ def summarize(records: Sequence[dict], labels: Sequence[str]) -> list[dict]:
     return rows
 
 
-def _meta(model_dir: Path, n: int, new_tokens: int, threads: int) -> dict:
+def meta(model_dir: Path, n: int, new_tokens: int, threads: int, prog: str = "kvbench.real_quality") -> dict:
+    """A run's metadata: model, sizes, machine, date, versions and the command (`python -m prog ...`)."""
     import torch
     import transformers
 
@@ -182,7 +183,7 @@ def _meta(model_dir: Path, n: int, new_tokens: int, threads: int) -> dict:
                        f"python {platform.python_version()}",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "command": shlex.join(["python", "-m", "kvbench.real_quality", *sys.argv[1:]])}
+            "command": shlex.join(["python", "-m", prog, *sys.argv[1:]])}
 
 
 def table(result: dict) -> str:

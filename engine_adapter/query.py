@@ -257,6 +257,17 @@ class _Repair(_Blend):
         return stay if keep is None else keep & stay
 
 
+def repair(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSource, live: Sequence[int],
+           picks: Picks, all_logits: bool = False, stats: bool = True, carry: Layer0 | None = None) -> BlendResult:
+    """Pass 2 alone: the blend of `live` with `picks` recomputed from layer 0 (their chunk-head
+    rows through `picks.depth` layers). carry: the question rows through layer 0."""
+    segments = list(lay.segments)
+    for s, rows in picks.rows.items():
+        segments[s] = dataclasses.replace(segments[s], recompute=rows)
+    lay2 = dataclasses.replace(lay, segments=tuple(segments))
+    return _Repair(engine, lay2, policy, source, list(live), stats, picks=picks).run(all_logits, carry=carry)
+
+
 def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSource,
                         reused: Sequence[int], all_logits: bool = False, stats: bool = True) -> BlendResult:
     """The two passes of the module docstring; one BlendResult whose row counts and timings
@@ -266,18 +277,13 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
         naive = Naive(layer_budget_s=policy.layer_budget_s)  # nothing to spend (not the plan's lists either)
         return run_blend(engine, lay, naive, source, reused, all_logits, stats)
     q = question_reads(engine, lay, source, reused, policy.layer_budget_s)
-    live = q.result.reused_segments
     picks = most_read(q, lay, picks_budget(policy, lay, int(q.live.sum()), L), heads=bool(policy.heads),
                       num_layers=L, depth=policy.head_depth(L))
-    segments = list(lay.segments)
-    for s, rows in picks.rows.items():
-        segments[s] = dataclasses.replace(segments[s], recompute=rows)
-    lay2 = dataclasses.replace(lay, segments=tuple(segments))
     # With no pick (every chunk stored behind its very prefix), layer 0 would have no row
     # left to run: the question runs it again instead.
     carry = q.layer0 if any(picks.rows.values()) else None
-    res = _Repair(engine, lay2, policy, _Replay(q.received, source), list(live), stats,
-                  picks=picks).run(all_logits, carry=carry)
+    res = repair(engine, lay, policy, _Replay(q.received, source), q.result.reused_segments, picks,
+                 all_logits, stats, carry)
     # One prefill, two passes: count both.
     first = q.result
     res.computed_rows = [a + b for a, b in zip_longest(res.computed_rows, first.computed_rows, fillvalue=0)]
