@@ -46,7 +46,6 @@ from kvbench import musique
 from kvbench.real_quality import meta, warm_chunks
 
 BUDGETS = (0.15, 0.3, 0.5)
-SELECTIONS = ("deviation", "reads", "free probe")
 COLUMNS = {"rouge_l_vs_full": "ROUGE-L vs full", "identical_to_full": "identical to full",
            "first_token_agrees": "first token = full", "f1": "F1", "computed_share": "row-layers computed"}
 
@@ -79,8 +78,7 @@ def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[fl
     rows = [{"case": label, **{k: statistics.fmean(r["served"][label][k] for r in out) for k in COLUMNS}}
             for label in labels]
     return {"meta": meta(model_dir, len(records), new_tokens, torch.get_num_threads(), "kvbench.real_bound"),
-            "cases": rows,
-            "records": out}
+            "cases": rows, "records": out}
 
 
 @dataclass(frozen=True)
@@ -141,7 +139,6 @@ def _record(engine, bf16, prompts: Sequence[musique.Prompt], i: int, budgets: Se
             new_tokens: int, stop: frozenset[int]) -> dict[str, dict]:
     """Record i's answers per case: tokens and computed share. bf16: the engine in bfloat16,
     whose full prefill measures how far another precision moves an answer."""
-
     from engine_adapter.blend import blend_prefill
     from engine_adapter.driver import run_blend
     from engine_adapter.generate import greedy
@@ -168,6 +165,8 @@ def _record(engine, bf16, prompts: Sequence[musique.Prompt], i: int, budgets: Se
     answer("naive", naive)
     answer(f"{DEFAULT_POLICY} (default)", blend_prefill(engine, s.segments, Policy(DEFAULT_POLICY), s.source(),
                                                         gate=TRUSTED, stats=False))
+    if not budgets:
+        return out
     oracle = oracle_scores(engine, s, full, naive)
     probe = question_reads(engine, lay, s.source(), [0, 1], 1.0)
     for b in budgets:
