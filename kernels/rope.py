@@ -163,6 +163,20 @@ def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 @triton.jit
+def _rotate_halves(x_head, out_head, offs_t, offs_d, mask, cos, sin, HALF,
+                   stride_xt, stride_xd, stride_ot, stride_od):
+    # One head's [BLOCK_T, BLOCK_HALF] pairs: x1 (first half), x2 (second) -> x1 cos - x2 sin,
+    # x2 cos + x1 sin, in fp32, rounded once to out's dtype. Both halves are read before
+    # anything is written, so out may alias x (in place).
+    x_base = x_head + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd
+    x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_base + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    o_base = out_head + offs_t[:, None] * stride_ot + offs_d[None, :] * stride_od
+    tl.store(o_base, (x1 * cos - x2 * sin).to(out_head.dtype.element_ty), mask=mask)
+    tl.store(o_base + HALF * stride_od, (x2 * cos + x1 * sin).to(out_head.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotate_kernel(
     x_ptr, out_ptr, cos_ptr, sin_ptr,
     T, HALF,
@@ -178,12 +192,8 @@ def _rotate_kernel(
     mask = (offs_t < T)[:, None] & (offs_d[None, :] < HALF)  # [BLOCK_T, BLOCK_HALF]
     cos = tl.load(cos_ptr + offs_t[:, None] * stride_ct + offs_d[None, :], mask=mask, other=0.0)
     sin = tl.load(sin_ptr + offs_t[:, None] * stride_st + offs_d[None, :], mask=mask, other=0.0)
-    x_base = x_ptr + h * stride_xh + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd
-    x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_base + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    o_base = out_ptr + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :] * stride_od
-    tl.store(o_base, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_base + HALF * stride_od, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    _rotate_halves(x_ptr + h * stride_xh, out_ptr + h * stride_oh, offs_t, offs_d, mask, cos, sin, HALF,
+                   stride_xt, stride_xd, stride_ot, stride_od)
 
 
 def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -261,16 +271,8 @@ def _rope_kernel(
     cos = tl.cos(angle)
     sin = tl.sin(angle) * SIGN
 
-    x_base = x_ptr + h * stride_xh + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd
-    # Both halves are read before anything is written, so out may alias x (in place).
-    x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_base + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-
-    o_base = out_ptr + h * stride_oh + offs_t[:, None] * stride_ot + offs_d[None, :] * stride_od
-    tl.store(o_base, o1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_base + HALF * stride_od, o2.to(out_ptr.dtype.element_ty), mask=mask)
+    _rotate_halves(x_ptr + h * stride_xh, out_ptr + h * stride_oh, offs_t, offs_d, mask, cos, sin, HALF,
+                   stride_xt, stride_xd, stride_ot, stride_od)
 
 
 def apply_rope_triton(
