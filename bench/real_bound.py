@@ -42,6 +42,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
+from torch import Tensor
+
+from engine_adapter import LlamaEngine
+from engine_adapter.blend import BlendResult, blend_prefill
+from engine_adapter.driver import run_blend
+from engine_adapter.generate import greedy, stop_tokens
+from engine_adapter.policy import DEFAULT_POLICY, Naive, Policy, QueryAware
+from engine_adapter.probe import TRUSTED
+from engine_adapter.prompt import Layout, Segment
+from engine_adapter.query import QuestionReads, most_read, question_reads, repair
+from engine_adapter.source import InMemoryLayerSource
 from kvbench import musique
 from kvbench.real_quality import meta, warm_chunks
 
@@ -53,13 +65,9 @@ COLUMNS = {"rouge_l_vs_full": "ROUGE-L vs full", "identical_to_full": "identical
 def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[float] = BUDGETS,
         new_tokens: int = 16, progress: bool = True) -> dict:
     """The rows per case (`COLUMNS`, means over the records) and every record's answers."""
-    import torch
     from rich.console import Console
     from rich.progress import track
     from transformers import AutoTokenizer
-
-    from engine_adapter import LlamaEngine
-    from engine_adapter.generate import stop_tokens
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = LlamaEngine.from_pretrained(model_dir)
@@ -85,24 +93,18 @@ def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[fl
 class Served:
     """A record's prompt with the stored variants a reuse policy would be served."""
 
-    segments: list  # [Segment]: the instruction, the passage (both cached), the question
-    layout: object  # engine_adapter.prompt.Layout of the segments
-    stored: dict  # segment -> the stored variant's per-layer (K RoPE-free, V)
+    segments: list[Segment]  # the instruction, the passage (both cached), the question
+    layout: Layout
+    stored: dict[int, list[tuple[Tensor, Tensor]]]  # segment -> the stored variant's per-layer (K RoPE-free, V)
 
-    def source(self):  # noqa: ANN201 - an InMemoryLayerSource, fresh for each prefill
-        from engine_adapter.source import InMemoryLayerSource
-
+    def source(self) -> InMemoryLayerSource:
+        """The stored variants, fresh for each prefill."""
         return InMemoryLayerSource(self.stored)
 
 
-def served(engine, prompts: Sequence[musique.Prompt], i: int) -> Served:  # noqa: ANN001 - a LlamaEngine
+def served(engine: LlamaEngine, prompts: Sequence[musique.Prompt], i: int) -> Served:
     """Record i with the variants `real_quality`'s warm request leaves (its chunks: the
     instruction, the neighbour's passage, the record's passage, computed in full)."""
-    from engine_adapter.driver import run_blend
-    from engine_adapter.policy import Policy
-    from engine_adapter.prompt import Layout, Segment
-    from engine_adapter.source import InMemoryLayerSource
-
     model_id = engine.model_spec().fingerprint()
     p = prompts[i]
     warm = [Segment(c) for c in warm_chunks(prompts, i)]
@@ -113,16 +115,11 @@ def served(engine, prompts: Sequence[musique.Prompt], i: int) -> Served:  # noqa
     return Served(segments, Layout.of(segments, model_id), {0: inst.kv, 1: mine.kv})
 
 
-def oracle_scores(engine, s: Served, full, naive) -> dict:  # noqa: ANN001 - engine, two BlendResults
+def oracle_scores(engine: LlamaEngine, s: Served, full: BlendResult, naive: BlendResult) -> dict[str, Tensor]:
     """Per prompt row [N], what the oracles rank the passage's rows by (module docstring):
     `deviation` (stored vs full prefill's K/V, zero outside the passage) and `reads` (the
     question's attention in full prefill, layers 1..L-2). full: `s`'s full prefill (with its
     fresh variants), naive: its naive reuse."""
-    import torch
-
-    from engine_adapter.query import question_reads
-    from engine_adapter.source import InMemoryLayerSource
-
     span = s.layout.span(1)
     deviation = torch.zeros(s.layout.n)
     for (fk, fv), (nk, nv) in zip(full.kv, naive.kv):
@@ -135,24 +132,16 @@ def oracle_scores(engine, s: Served, full, naive) -> dict:  # noqa: ANN001 - eng
     return {"deviation": deviation, "reads": question_reads(engine, s.layout, exact, [0, 1], 1.0).reads}
 
 
-def _record(engine, bf16, prompts: Sequence[musique.Prompt], i: int, budgets: Sequence[float],  # noqa: ANN001
-            new_tokens: int, stop: frozenset[int]) -> dict[str, dict]:
+def _record(engine: LlamaEngine, bf16: LlamaEngine, prompts: Sequence[musique.Prompt], i: int,
+            budgets: Sequence[float], new_tokens: int, stop: frozenset[int]) -> dict[str, dict]:
     """Record i's answers per case: tokens and computed share. bf16: the engine in bfloat16,
     whose full prefill measures how far another precision moves an answer."""
-    from engine_adapter.blend import blend_prefill
-    from engine_adapter.driver import run_blend
-    from engine_adapter.generate import greedy
-    from engine_adapter.policy import DEFAULT_POLICY, Naive, Policy, QueryAware
-    from engine_adapter.probe import TRUSTED
-    from engine_adapter.query import QuestionReads, most_read, question_reads, repair
-    from engine_adapter.source import InMemoryLayerSource
-
     L = engine.cfg.num_layers
     s = served(engine, prompts, i)
     lay, question = s.layout, len(prompts[i].question)
     out = {}
 
-    def answer(label: str, result) -> None:  # noqa: ANN001 - a BlendResult
+    def answer(label: str, result: BlendResult) -> None:
         gen = greedy(engine, result.logits, result.kv, new_tokens, stop)
         out[label] = {"tokens": list(gen.tokens), "computed_share": result.computed_share}
 
@@ -217,8 +206,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--first must be >= 0, --prompts and --new-tokens >= 1")
     if not all(0 < b <= 1 for b in a.budgets):
         p.error(f"--budgets must lie in (0, 1], got {a.budgets}")
-    import torch
-
     from kvbench.realmodel import fetch
 
     torch.set_num_threads(a.threads)
