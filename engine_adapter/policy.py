@@ -15,16 +15,18 @@ prefix      reuse only the leading run of chunks whose variant was computed behi
 naive       reuse every cached chunk, recompute nothing but fresh chunks and the question.
 cachecraft  the plan's per-chunk top-N token lists (Cache-Craft eq. 14), with
             focused-chunk early termination (Alg. 1, window w) when focus_window > 0.
-query       query-aware (engine_adapter/query.py): a first pass with naive reuse measures which
-            reused tokens the question reads; the second recomputes the most-read ones from
-            layer 0, as many as the `budget` leaves (share of the row-layers of the reused
-            chunks and the question computed, both passes counted; default 15%), each with
-            its chunk's rows before it (its head) through the first `head_layers` of the
-            layers (default half). The default.
+query       query-aware (engine_adapter/query.py): a question pass with naive reuse measures
+            which reused tokens the question reads; the second pass recomputes the most-read
+            ones from layer 0, as many as the `budget` leaves (share of the row-layers of the
+            reused chunks and the question computed, both passes counted), each with its
+            chunk's rows before it (its head) through the first `head_layers` of the layers
+            (default half). The default.
 cacheblend  HKVD with gradual filtering (CacheBlend §4.3): all reused tokens on layer 0,
             then the highest-KV-deviation r1 > r2 > ... > r of them. Named either by the
             paper's steady-state r (`ratio`) or by its whole `budget`: the share of the
-            reused tokens' row-layers computed, layer 0 included (default 15%).
+            reused tokens' row-layers computed, layer 0 included.
+
+A budget left out is kvcraft.recompute.DEFAULT_BUDGET, the one the planner sizes by too.
 
 `Policy(name, **options)` builds one of them once, from a name (configuration, CLI);
 an option the named policy does not have is refused.
@@ -34,20 +36,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 from engine_adapter.prompt import Layout
-
-POLICIES: tuple[str, ...] = ("full", "prefix", "naive", "cachecraft", "cacheblend", "query")
+from kvcraft.recompute import DEFAULT_BUDGET
 
 
 @dataclass(frozen=True)
 class ReusePolicy:
-    """Base: reuse every cached chunk, recompute none of its tokens, no selection, no focus."""
+    """Base of every policy, not one itself (it has no `name`): the four answers, given as
+    what most policies share (every cached chunk reused, none of its tokens recomputed, no
+    selection, no focus). A policy overrides only the answers it changes."""
 
     layer_budget_s: float = 0.05  # longest wait for one layer of the reused chunks
 
-    name = "naive"
+    name: ClassVar[str]  # what `Policy` and configuration call it
     focus_window = 0
     asks_question_first = False  # query-aware: blend_prefill runs engine_adapter.query's two passes
 
@@ -67,10 +70,6 @@ class ReusePolicy:
         """Share of the reused tokens that run `layer` (attention + MLP), picked by the
         deviation of their `layer` K/V; None: no selection at this layer."""
         return None
-
-    def hkvd_ratio(self, layer: int, num_layers: int | None = None) -> float | None:
-        """`hkvd_share` (older name; `num_layers` is needed only for a budget schedule)."""
-        return self.hkvd_share(layer, num_layers or 0)
 
 
 @dataclass(frozen=True)
@@ -96,6 +95,8 @@ class Prefix(ReusePolicy):
 
 @dataclass(frozen=True)
 class Naive(ReusePolicy):
+    """Every cached chunk as stored: the base's answers, unchanged."""
+
     name = "naive"
 
 
@@ -114,14 +115,11 @@ class CacheCraft(ReusePolicy):
         return layout.segments[s].recompute  # the plan's top-N list (eq. 14)
 
 
-DEFAULT_BLEND_BUDGET = 0.15
-
-
 @dataclass(frozen=True)
 class QueryAware(ReusePolicy):
     """Recompute the reused tokens the question reads (engine_adapter/query.py)."""
 
-    budget: float = DEFAULT_BLEND_BUDGET  # share of the reused chunks' and question's row-layers, both passes
+    budget: float = DEFAULT_BUDGET  # share of the reused chunks' and question's row-layers, both passes
     heads: int = 1  # 1: the most-read token, then read tokens with their chunk's head (query.most_read); 0: single tokens
     head_layers: float = 0.5  # share of the layers a head row the question did not read is recomputed through
 
@@ -138,7 +136,7 @@ class QueryAware(ReusePolicy):
             raise ValueError(f"head_layers {self.head_layers} outside (0, 1]")
 
     def first_rows(self, layout: Layout, s: int) -> Sequence[int]:
-        return layout.segments[s].recompute  # the probe's picks
+        return layout.segments[s].recompute  # the question pass's picks (query.most_read)
 
     def label(self) -> str:
         if not self.heads:
@@ -151,14 +149,19 @@ class QueryAware(ReusePolicy):
         return min(num_layers, max(2, round(self.head_layers * num_layers)))
 
 
+# r1 / r when only r is given (r1 capped at 1): gradual filtering (CacheBlend §4.3) starts
+# from a wider set than the steady one and narrows to it. A budget's r is solved with it too.
+FIRST_RATIO_OVER_R = 1.5
+
+
 @dataclass(frozen=True)
 class CacheBlend(ReusePolicy):
     """HKVD with gradual filtering. Give `ratio` (the paper's r: the share of reused tokens
     on every layer after the filter layers) or `budget` (the share of the reused tokens'
-    row-layers computed in all, layer 0 included); neither: budget 15%."""
+    row-layers computed in all, layer 0 included); neither: budget DEFAULT_BUDGET."""
 
     ratio: float | None = None
-    first_ratio: float | None = None  # r1 (default min(1, 1.5 r))
+    first_ratio: float | None = None  # r1 (default min(1, FIRST_RATIO_OVER_R r))
     filter_layers: int = 3  # selections over which r1 falls linearly to r
     budget: float | None = None
 
@@ -183,8 +186,10 @@ class CacheBlend(ReusePolicy):
     def first_rows(self, layout: Layout, s: int) -> Sequence[int]:
         return range(len(layout.segments[s].tokens))  # layer 0: full KV deviation
 
-    def _share(self, j: int, r: float, r1: float) -> float:
-        """Share at selection j (0-based, layer j + 1) for steady-state r and first r1."""
+    def _scheduled_share(self, j: int, r: float, r1: float) -> float:
+        """The gradual-filtering schedule, the one both `hkvd_share` and the budget solve in
+        `steady_ratio` use: the share at selection j (0-based, layer j + 1) falls linearly
+        from r1 to r over the filter layers, then stays at r (the set no longer changes)."""
         if j >= self.filter_layers - 1:
             return r
         return r1 + (r - r1) * j / (self.filter_layers - 1)
@@ -193,21 +198,22 @@ class CacheBlend(ReusePolicy):
         """The r this policy runs with on a model of `num_layers` layers."""
         if self.ratio is not None:
             return self.ratio
-        budget = DEFAULT_BLEND_BUDGET if self.budget is None else self.budget
+        budget = DEFAULT_BUDGET if self.budget is None else self.budget
+        k = FIRST_RATIO_OVER_R
         # Row-layers of the reused tokens, in units of one layer: layer 0 runs all (1),
-        # selections j = 0..L-2 run share_j(r) with r1 = 1.5 r, linear in r while 1.5 r <= 1.
+        # selections j = 0..L-2 run share_j(r) with r1 = k r, linear in r while k r <= 1.
         need = budget * num_layers - 1.0
         if need < 0:
             raise ValueError(f"cacheblend budget {budget:.0%} is below layer 0 alone "
                              f"({1 / num_layers:.0%} of a {num_layers}-layer model); "
                              f"give a budget >= {1 / num_layers:.0%} or an explicit ratio")
-        per_r = sum(self._share(j, 1.0, 1.5) for j in range(num_layers - 1))
+        per_r = sum(self._scheduled_share(j, 1.0, k) for j in range(num_layers - 1))
         r = need / per_r if per_r else 0.0
-        if 1.5 * r > 1.0:  # r1 capped at 1: solve the capped schedule by bisection
+        if k * r > 1.0:  # r1 capped at 1: solve the capped schedule by bisection
             lo, hi = 0.0, 1.0
             for _ in range(60):
                 mid = (lo + hi) / 2
-                got = sum(self._share(j, mid, min(1.0, 1.5 * mid)) for j in range(num_layers - 1))
+                got = sum(self._scheduled_share(j, mid, min(1.0, k * mid)) for j in range(num_layers - 1))
                 lo, hi = (mid, hi) if got < need else (lo, mid)
             r = lo
         return min(1.0, r)
@@ -225,19 +231,19 @@ class CacheBlend(ReusePolicy):
         if not 0 <= j < self.filter_layers:
             return None
         r = self.steady_ratio(num_layers)
-        r1 = self.first_ratio if self.first_ratio is not None else min(1.0, 1.5 * r)
-        if self.filter_layers == 1:
-            return r
-        return r1 + (r - r1) * j / (self.filter_layers - 1)
+        r1 = self.first_ratio if self.first_ratio is not None else min(1.0, FIRST_RATIO_OVER_R * r)
+        return self._scheduled_share(j, r, r1)
 
     def label(self) -> str:
         if self.ratio is not None:
             return f"cacheblend r={self.ratio:.0%}"
-        return f"cacheblend budget {DEFAULT_BLEND_BUDGET if self.budget is None else self.budget:.0%}"
+        return f"cacheblend budget {DEFAULT_BUDGET if self.budget is None else self.budget:.0%}"
 
 
+# Every policy by its name, in the order users see them listed; POLICIES is the names.
 _KINDS: dict[str, type[ReusePolicy]] = {
-    "full": Full, "prefix": Prefix, "naive": Naive, "cachecraft": CacheCraft, "cacheblend": CacheBlend, "query": QueryAware}
+    kind.name: kind for kind in (Full, Prefix, Naive, CacheCraft, CacheBlend, QueryAware)}
+POLICIES: tuple[str, ...] = tuple(_KINDS)
 
 
 def Policy(name: str, **options: object) -> ReusePolicy:  # noqa: N802 - the name users construct by

@@ -22,12 +22,12 @@ def test_prefix_run_stops_at_the_first_chunk_cached_behind_another_prefix():
 
 def test_hkvd_ratios_fall_from_r1_to_r_then_stay():
     p = Policy("cacheblend", ratio=0.2, first_ratio=0.5, filter_layers=4)
-    ratios = [p.hkvd_ratio(layer) for layer in range(7)]
+    ratios = [p.hkvd_share(layer, 7) for layer in range(7)]
     # Layer 0 runs every reused token: its K/V cannot deviate (test_blend_prefill).
     assert ratios[0] is None
     assert ratios[1:5] == pytest.approx([0.5, 0.4, 0.3, 0.2])
     assert ratios[5:] == [None, None]
-    assert Policy("cachecraft").hkvd_ratio(1) is None
+    assert Policy("cachecraft").hkvd_share(1, 7) is None
 
 
 def test_policy_validation():
