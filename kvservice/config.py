@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvcraft.recompute import DEFAULT_BUDGET
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -64,8 +66,9 @@ class Config:
     # the Plan response (history and per-chunk prefix keys), however long the talk.
     max_conversation_chunks: int = 512
     # Cache-Craft eq. 12-13: CFO = alpha * CCI * (1 - beta') <= alpha: the most of a chunk
-    # recomputed (default 15%, planner.variants.DEFAULT_ALPHA); set against answer quality.
-    cfo_alpha: float = 0.15
+    # recomputed (planner.variants.DEFAULT_ALPHA, the default recompute budget); set
+    # against answer quality.
+    cfo_alpha: float = DEFAULT_BUDGET
     # Prometheus metrics over HTTP on this port; 0 = off.
     metrics_port: int = 0
     # Bearer tokens; empty = no auth. Admin RPCs need admin_token when it is set.

@@ -10,7 +10,7 @@ computes).
 Recompute ratio (CacheBlend §5, "Loading Controller"): the fraction r of reused
 tokens to recompute such that recomputing costs what loading costs anyway,
   T_compute(base + r * reused) = T_load          -> r* = (T_compute^-1(T_load) - base) / reused
-  r = clamp(max(r*, r_min), r_min, 1),  r_min = 15% (CacheBlend Fig. 16)
+  r = clamp(max(r*, r_min), r_min, 1),  r_min = R_MIN (CacheBlend Fig. 16: 15%)
 where `base` is what the layer computes regardless (new chunks, the question). With
 base = 0 this is CacheBlend's rule; a ratio above the plan's own recompute share
 is free quality, since it hides behind loading.
@@ -31,9 +31,13 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
+from kvcraft.recompute import DEFAULT_BUDGET
+
 from .catalog import TIERS
 
-R_MIN = 0.15
+# CacheBlend §5's minimum recompute ratio (15% there, from its Fig. 16): here the default
+# recompute budget, so a plan never recomputes less than the adapter spends by default.
+R_MIN = DEFAULT_BUDGET
 
 
 @dataclass(frozen=True)

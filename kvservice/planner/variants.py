@@ -33,12 +33,15 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from kvcraft.recompute import DEFAULT_BUDGET
+
 from .catalog import TIER_RANK, Variant
 
-# CCI <= 1 and 1 - beta' <= 1, so CFO <= alpha: alpha caps the share of a chunk recomputed.
-# 0.15 names a 15% budget (chunks stored behind another order come out at ~0.9 alpha,
-# kvbench.ttft); alpha = 1 recomputed ~90% of them, slower than a full prefill.
-DEFAULT_ALPHA = 0.15
+# CCI <= 1 and 1 - beta' <= 1, so CFO <= alpha: alpha caps the share of a chunk recomputed,
+# and alpha = the default recompute budget names that budget (chunks stored behind another
+# order come out at ~0.9 alpha, kvbench.ttft); alpha = 1 recomputes ~90% of them, slower
+# than a full prefill.
+DEFAULT_ALPHA = DEFAULT_BUDGET
 
 
 def beta(prefix_keys: Sequence[str], prefix_attention: Sequence[float],

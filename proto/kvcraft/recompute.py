@@ -1,7 +1,7 @@
 """Which tokens of reused chunks to recompute, from learned per-variant scores (pure Python).
 
 A stored variant may carry learned recompute scores, one per token
-(`kvcraft.records.VariantStats.recompute_scores`, issue 19): how much of an answer the
+(`kvcraft.records.VariantStats.recompute_scores`): how much of an answer the
 token's recompute repaired when a later request computed the chunk in full
 (`engine_adapter.learned.learn`). The planner (no torch) and the engine adapter
 both spend a recompute budget on them with these functions, so both sides agree.
@@ -19,9 +19,14 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-# Share of the reused chunk tokens recomputed by default (the loading controller's minimum
-# ratio, CacheBlend §5, is the same 15%): chosen on a validation draw of the quality task
-# (docs/quality.md).
+# The default recompute budget: the share of the reused chunks' work spent recomputing
+# stale KV, chosen on a validation draw of the quality task (docs/quality.md). One number
+# by design, each place in its own unit: the adapter's policies (`QueryAware.budget`,
+# `CacheBlend` budget: shares of row-layers), the planner's Cache-Craft alpha (eq. 12,
+# `planner.variants.DEFAULT_ALPHA`: CFO <= alpha caps a chunk's share recomputed; the
+# service's `cfo_alpha`) and the loading controller's floor r_min (CacheBlend §5,
+# `planner.controller.R_MIN`: the ratio it never goes below). Change them together: the
+# planner sizes the lists the adapter recomputes, and answer quality was measured at it.
 DEFAULT_BUDGET = 0.15
 
 
