@@ -16,9 +16,10 @@ from layer 0 are chosen knowing what full prefill computes, three ways:
   reads       the rows the question reads most in full prefill (attention of the question
               rows summed over heads, rows and layers 1..L-2), with the default's chunk
               heads (`query.most_read`): ProphetKV's query-aware criterion with the true
-              attention in place of the probe's over stale KV;
-  free probe  the default's own picks (its probe over the stored KV) without paying for the
-              probe: what the default keeps if its first pass cost nothing.
+              attention in place of the question pass's over stale KV;
+  free question pass
+              the default's own picks (its question pass over the stored KV) without
+              paying for that pass: what the default keeps if it cost nothing.
 
 Beside them, full prefill in bfloat16 (the precision GPUs serve in) against full prefill in
 fp32: how far a change that keeps every row exact in all but rounding moves the answers.
@@ -126,8 +127,8 @@ def oracle_scores(engine: LlamaEngine, s: Served, full: BlendResult, naive: Blen
         fk, fv, nk, nv = (x[:, span].float() for x in (fk, fv, nk, nv))
         norm = (fk.pow(2).sum((0, 2)) + fv.pow(2).sum((0, 2))).mean()
         deviation[span] += ((fk - nk).pow(2).sum((0, 2)) + (fv - nv).pow(2).sum((0, 2))) / norm
-    # The passage as full prefill computed it (behind the instruction): the probe over it reads
-    # what full prefill's question reads.
+    # The passage as full prefill computed it (behind the instruction): the question pass over
+    # it reads what full prefill's question reads.
     exact = InMemoryLayerSource({0: s.stored[0], 1: full.fresh[1].kv})
     return {"deviation": deviation, "reads": question_reads(engine, s.layout, exact, [0, 1], 1.0).reads}
 
@@ -157,13 +158,13 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine, prompts: Sequence[musique.Pr
     if not budgets:
         return out
     oracle = oracle_scores(engine, s, full, naive)
-    probe = question_reads(engine, lay, s.source(), [0, 1], 1.0)
+    asked = question_reads(engine, lay, s.source(), [0, 1], 1.0)
     for b in budgets:
         policy = QueryAware(budget=b)
         n = max(0, int(b * lay.n) - question)  # rows through every layer; the question paid once
         for name, score, heads in (("deviation", oracle["deviation"], False), ("reads", oracle["reads"], True),
-                                   ("free probe", probe.reads, True)):
-            q = QuestionReads(score, probe.live, probe.received, probe.result, probe.layer0)
+                                   ("free question pass", asked.reads, True)):
+            q = QuestionReads(score, asked.live, asked.received, asked.result, asked.layer0)
             picks = most_read(q, lay, n, heads=heads, num_layers=L, depth=policy.head_depth(L))
             answer(f"{name} {b:.0%}", repair(engine, lay, policy, s.source(), [0, 1], picks, stats=False))
     return out

@@ -6,8 +6,8 @@
              (HKVD), QueryAware (the default); `Policy(name, **options)` builds one from a name
 - `source`   LayerSource: where stored chunk KV comes from, layer by layer
 - `driver`   the per-layer loop of a blended prefill
-- `query`    the default policy's two passes (probe the question, recompute what it reads)
-- `probe`    per-model reuse probe (ReuseGate), runs the driver
+- `query`    the default policy's two passes (a question pass, then recompute what it read)
+- `probe`    the per-model reuse gate (ReuseGate), runs the driver
 - `blend`    `blend_prefill`: asks the gate, then runs the driver
 - `generate` greedy decoding after a prefill (full or blended), stop tokens from the model
 - `rag`      RAGAdapter: one RAG request against a kvcraft service (plan, fetch, blend, store back)

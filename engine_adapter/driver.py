@@ -42,7 +42,7 @@ from engine_adapter.source import LayerKV, LayerSource
 from kvcraft.records import VariantStats
 from kvkernels import attention_mass, kv_deviation_topk, rope_tables, rotate
 
-log = logging.getLogger("engine_adapter.blend")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -77,7 +77,7 @@ class Layer0:
 class BlendResult:
     logits: Tensor  # [V] at the last prompt position
     kv: list[tuple[Tensor, Tensor]]  # per layer merged (K post-RoPE [Hkv,N,D], V), ready for decode
-    reuse: bool  # False: served without stored KV (policy full, no cached chunk, or probe said no)
+    reuse: bool  # False: served without stored KV (policy full, no cached chunk, or the reuse gate said no)
     timings: list[LayerTiming] = field(default_factory=list)  # per layer; empty when served by engine.prefill
     computed_rows: list[int] = field(default_factory=list)  # rows computed per layer
     recomputed_rows: list[int] = field(default_factory=list)  # of those, rows of reused chunks
@@ -244,7 +244,7 @@ class _Blend:
         if keep is not None:
             rows, h, q, k, v = rows[keep], h[keep], q[:, keep], k[:, keep], v[:, keep]
         t0 = time.perf_counter()
-        self.q = q  # the rotated queries of the rows that ran this layer (the probe reads them)
+        self.q = q  # the rotated queries of the rows that ran this layer (the question pass reads them)
         o, _ = e.attend(q, rows, K, V, self.pos)
         mass = None
         if select and (self.fresh or self.focus.active):

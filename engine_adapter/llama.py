@@ -1,7 +1,7 @@
 """Reference Llama-family engine, written for per-layer control of a blended prefill.
 
 One file, gpt-fast style. The engine owns the weights and the per-layer math on a
-SELECTED set of rows (token positions); the blend driver (`blend.py`) owns the loop,
+SELECTED set of rows (token positions); the blend driver (`driver.py`) owns the loop,
 RoPE and the merged KV cache. Q and K leave `qkv` without rotary embedding, so a
 chunk's K can be stored RoPE-free and rotated to any new position later.
 

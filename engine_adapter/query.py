@@ -5,27 +5,27 @@ question reads (ProphetKV, "query-aware" selection; Cache-Craft §3.3 measures t
 question-to-chunk attention per chunk, eq. 15, to find the focused chunks). This prefill
 runs in two passes over the same stored KV:
 
-  1. the probe: naive reuse through layers 0..L-2 that computes the question alone (fresh
-     chunks, computed once in pass 2, are left out of its attention) and records, per
-     prompt row, the attention the question's rows put on it, summed over heads, question
-     rows and layers 1..L-2. Layer 0 is left out of the sum: its K/V are projections of the token
-     embeddings, the same for a chunk behind any prefix (docs/adapter.md). The last layer
-     is not run: on the synthetic task's dev draw its reads changed no pick that mattered,
-     and it would cost the question one more layer;
+  1. the question pass: naive reuse through layers 0..L-2 that computes the question
+     alone (fresh chunks, computed once in pass 2, are left out of its attention) and
+     records, per prompt row, the attention the question's rows put on it, summed over
+     heads, question rows and layers 1..L-2. Layer 0 is left out of the sum: its K/V are
+     projections of the token embeddings, the same for a chunk behind any prefix
+     (docs/adapter.md). The last layer is not run: on the synthetic task's dev draw its
+     reads changed no pick that mattered, and it would cost the question one more layer;
   2. the prefill: the tokens of the reused chunks the question read most are recomputed
      from layer 0 (`QueryAware.first_rows`: the picks, as a Cache-Craft recompute list),
      each with its chunk's tokens before it where the budget allows (`most_read`: a token
      recomputed alone still reads its chunk's earlier tokens stale; those head tokens run
      only the first half of the layers, `_Repair`), everything else as in pass 1, fresh
-     chunks computed in full. Where the prompt has no
-     fresh chunk, the question's rows start at layer 1 from the probe's layer 0, which is
-     exact for the same reason (`driver.Layer0`).
+     chunks computed in full. Where the prompt has no fresh chunk, the question's rows
+     start at layer 1 from the question pass's layer 0, which is exact for the same
+     reason (`driver.Layer0`).
 
 Pass 2 reads the stored layers pass 1 received (`_Replay`), so the service is read once;
 a chunk that fell back in pass 1 (a layer late or corrupt) falls back at the same layer
 in pass 2. The picks fill what remains of the policy's budget (a share of the row-layers
 of the reused chunks and the question, both passes counted) once the question is paid for
-(`picks_budget`); where nothing remains, no probe runs (naive reuse).
+(`picks_budget`); where nothing remains, no question pass runs (naive reuse).
 
 Measured on the real model and the trained synthetic task in docs/quality.md.
 """
@@ -48,7 +48,7 @@ from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
 
 
-class _Probe(_Blend):
+class _QuestionPass(_Blend):
     """Pass 1: naive reuse that records what arrived and what the question read."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -118,10 +118,11 @@ def picks_budget(policy: QueryAware, lay: Layout, reused_tokens: int, num_layers
     The budget is a share of the row-layers of the reused chunks and the question: what
     reuse saves on, so a request that brings fresh chunks (computed in full either way) still
     repairs the chunks it reuses. From it the question is paid for, through layers 0..L-2
-    in the probe and 1..L-1 in pass 2 (its layer 0 is the probe's: layer-0 K/V do not depend
-    on a chunk's prefix; with fresh chunks, which the probe does not see, pass 2 runs the
-    question's layer 0 again); the rest, counted in rows through every layer, is the picks'
-    (`most_read` spends it in row-layers: a head row through half the layers costs half)."""
+    in the question pass and 1..L-1 in pass 2 (its layer 0 is the question pass's: layer-0
+    K/V do not depend on a chunk's prefix; with fresh chunks, which the question pass does
+    not see, pass 2 runs the question's layer 0 again); the rest, counted in rows through
+    every layer, is the picks' (`most_read` spends it in row-layers: a head row through half
+    the layers costs half)."""
     L = num_layers
     question = len(lay.segments[-1].tokens) if lay.segments[-1].question else 1  # else the last row
     fresh = lay.n - reused_tokens - question
@@ -143,9 +144,9 @@ class QuestionReads:
 def question_reads(engine: LlamaEngine, lay: Layout, source: LayerSource, reused: Sequence[int],
                    layer_budget_s: float) -> QuestionReads:
     """Pass 1: naive reuse of `reused`, recording what the question reads."""
-    probe = _Probe(engine, lay, Naive(layer_budget_s=layer_budget_s), source, list(reused), stats=False)
-    first = probe.run(False, depth=engine.cfg.num_layers - 1)
-    return QuestionReads(probe.reads, probe.live_mask.clone(), probe.received, first, probe.layer0)
+    qpass = _QuestionPass(engine, lay, Naive(layer_budget_s=layer_budget_s), source, list(reused), stats=False)
+    first = qpass.run(False, depth=engine.cfg.num_layers - 1)
+    return QuestionReads(qpass.reads, qpass.live_mask.clone(), qpass.received, first, qpass.layer0)
 
 
 @dataclass

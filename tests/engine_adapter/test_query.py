@@ -56,7 +56,7 @@ def reference_reads(engine, p) -> torch.Tensor:
     return reads
 
 
-def test_the_probe_measures_what_the_question_reads_over_the_stored_kv(engine, prompts):
+def test_the_question_pass_measures_what_the_question_reads_over_the_stored_kv(engine, prompts):
     for p in prompts[:3]:
         lay = _layout(engine, p)
         got = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
@@ -74,7 +74,7 @@ def test_both_passes_together_stay_within_the_budget_and_spend_it(engine, prompt
         assert picks > 0
         assert r.computed_share <= budget + 1e-9
         assert budget - r.computed_share < 1 / n  # less than one more pick would have fitted
-        # the question through 0..L-2 (probe) and 1..L-1 (pass 2), then the picks: rows
+        # the question through 0..L-2 (question pass) and 1..L-1 (pass 2), then the picks: rows
         # through every layer and chunk-head rows through the first half, within `picks`
         # rows' worth of row-layers, less than one more row short of it
         picked = sum(r.recomputed_rows)
@@ -122,7 +122,7 @@ def test_chunks_missing_from_the_layer_where_head_rows_stop_are_computed_in_full
 
 def test_every_reused_row_picked_is_full_prefill(engine, prompts):
     """With every reused token recomputed, pass 2 is a full prefill whose question rows
-    started at layer 1 from the probe's layer 0: the same logits and cache."""
+    started at layer 1 from the question pass's layer 0: the same logits and cache."""
     p = prompts[2]
     lay = _layout(engine, p)
     q = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
@@ -204,8 +204,8 @@ def test_a_chunk_stored_behind_this_very_prefix_is_never_picked(engine, prompts)
     assert picks == ref  # the same as if chunk 0 had never been read
 
 
-def test_fresh_chunks_are_computed_once_and_hidden_from_the_probe(engine, prompts):
-    """Chunk 1 fresh: the probe runs the question alone (chunk 1's rows read nothing and
+def test_fresh_chunks_are_computed_once_and_hidden_from_the_question_pass(engine, prompts):
+    """Chunk 1 fresh: the question pass runs the question alone (chunk 1's rows read nothing and
     cost nothing there), pass 2 computes chunk 1 in full and the question from layer 0."""
     p = prompts[4]
     segs = p.segments()

@@ -56,8 +56,8 @@ def test_deviation_is_zero_outside_the_passage_and_for_a_passage_stored_exactly(
 
 def test_recomputing_every_passage_row_gives_full_prefill(case):
     engine, prompt, s, full, _, scores = case
-    probe = question_reads(engine, s.layout, s.source(), [0, 1], 1.0)
-    q = QuestionReads(scores["deviation"], probe.live, probe.received, probe.result, probe.layer0)
+    asked = question_reads(engine, s.layout, s.source(), [0, 1], 1.0)
+    q = QuestionReads(scores["deviation"], asked.live, asked.received, asked.result, asked.layer0)
     picks = most_read(q, s.layout, s.layout.n, num_layers=engine.cfg.num_layers)
     assert picks.rows[1] == tuple(range(len(prompt.passages[0])))
     with torch.no_grad():
