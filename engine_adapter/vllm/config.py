@@ -51,7 +51,7 @@ class ConnectorSettings:
     # Blending (docs/vllm.md "Blending"): requests whose kv_transfer_params carry chunk
     # boundaries get their context KV built by kvcraft with this reuse policy.
     blend_policy: str = "off"        # "off" or a name of engine_adapter.policy.POLICIES
-    blend_options: dict = field(default_factory=dict)  # Policy(blend_policy, **blend_options)
+    blend_options: dict = field(default_factory=dict)  # make_blend_policy(blend_policy, blend_options)
     blend_store_back: bool = True    # store the chunks kvcraft computed in full (fresh) as variants
     chunk_model_id: str = ""         # chunk namespace; default: the reference engine's ModelSpec fingerprint
     plan_timeout_s: float = 1.0      # a blend request waits at most this for its Plan (then: vLLM alone)
@@ -75,7 +75,7 @@ class ConnectorSettings:
         if not s.plan_timeout_s > 0:
             raise ValueError(f"kv_connector_extra_config plan_timeout_s must be > 0, got {s.plan_timeout_s!r}")
         if s.blend_policy != "off":
-            blend_policy(s.blend_policy, s.blend_options)  # raises naming the problem
+            make_blend_policy(s.blend_policy, s.blend_options)  # raises naming the problem
         elif s.blend_options:
             raise ValueError("kv_connector_extra_config blend_options given but blend_policy is 'off'")
         for name in ("shutdown_drain_s", "idle_wait_s"):
@@ -84,8 +84,9 @@ class ConnectorSettings:
         return s
 
 
-def blend_policy(name: Any, options: Any) -> Any:
-    """engine_adapter.policy.Policy(name, **options); ValueError naming the key otherwise."""
+def make_blend_policy(name: Any, options: Any) -> Any:
+    """engine_adapter.policy.Policy(name, **options); ValueError naming the key otherwise.
+    name: a policy name, as `ConnectorSettings.blend_policy` or a request gives it."""
     from engine_adapter.policy import POLICIES, Policy
 
     if not isinstance(name, str) or name not in POLICIES:
@@ -96,6 +97,11 @@ def blend_policy(name: Any, options: Any) -> Any:
         return Policy(name, **options)
     except (TypeError, ValueError) as e:
         raise ValueError(f"blend policy {name!r} with options {options}: {e}") from None
+
+
+# The function's former name, while blend_request.py and context.py still import it; it
+# goes once they call make_blend_policy (the settings field keeps the name blend_policy).
+blend_policy = make_blend_policy
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
