@@ -1,6 +1,6 @@
 """Choosing eviction victims with N variants stored: the store's per-tier eviction order
-(`Placement.lowest`) beside a scan and sort of every variant (the plain policy, which
-the store ran until 2026-11-24), in one run.
+(`Placement.lowest`) beside a scan and sort of every variant (the plain policy, the
+baseline the order must beat), in one run.
 
 Variants are metadata only, entered into the disk tier's membership (no payload files:
 what is timed is the choice, which runs with the store's lock held, so every Plan,
@@ -11,9 +11,9 @@ against the scan's choice for the first victims, then dropped from the tier.
 
 A second table times deleting a victim once chosen (its payload file, then its metadata,
 with the store's lock held), on real payload files just written (as a full disk's
-newest variants are): the way the store did until 2026-11-24 (unlink the file, synced
-metadata delete) beside the store's own (rename the file aside for a reaper thread,
-unsynced metadata delete), alternating victims.
+newest variants are): the plain way (unlink the file, synced metadata delete) beside
+the store's own (rename the file aside for a reaper thread, unsynced metadata delete),
+alternating victims.
 
     kvcraft bench eviction --sizes 16000 100000 1000000 --data-dir /var/tmp
 """

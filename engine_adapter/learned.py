@@ -1,4 +1,4 @@
-"""Learned recompute lists (issue 19): which tokens of a reused chunk to recompute,
+"""Learned recompute lists: which tokens of a reused chunk to recompute,
 measured at the answer of a request that computed the chunk in full.
 
 Pure functions on torch tensors (CPU reference; the CUDA path uses the same math).
@@ -68,7 +68,7 @@ def gain_case(seen: Observation, stored: KV) -> GainCase:
 @torch.no_grad()
 def fresh_gain(engine, cases: Sequence[GainCase], max_elements: int = 1 << 24, stale: bool = False) -> list[Tensor]:
     """Per token of each case's chunk [T]: how much of the request's answer that token's
-    stale KV costs, measured where it is known (issue 19's learned list).
+    stale KV costs, measured where it is known (a request that computed the chunk in full).
 
     The chunk in the request's cache is replaced by the stored variant's KV (rotated to the
     chunk's rows): stale, as a reuse would serve it. Then for every token t alone the
@@ -192,7 +192,7 @@ def learn(engine, cases: Sequence[GainCase], rounds: int = DEFAULT_ROUNDS, max_e
 def recompute_gain(engine, cases: Sequence[GainCase], rounds: int = 4, first: Sequence[int | None] | None = None,
                    max_elements: int = 1 << 24, min_kl: float = 1e-3, paths: list | None = None) -> list[Tensor]:
     """Per token of each case's chunk [T]: a learned list built greedily by what
-    RECOMPUTING tokens repairs (issue 19, the long task).
+    RECOMPUTING tokens repairs (what the long task's bindings through filler need).
 
     `fresh_gain` puts a token's fresh KV back, as if it had been recomputed over a fresh
     chunk. A reuse recomputes it over the chunk's stale rows instead: if the token's

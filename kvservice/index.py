@@ -6,7 +6,7 @@ recompute order; the store also keeps its payload shape, checksums, fr and holds
 Protobuf stays at the edges: `kvservice.metadata` turns records into RocksDB values,
 `kvservice.server` into wire messages.
 
-Compact on purpose (a node holds millions, issue 23): per-token numbers are arrays of
+Compact on purpose (one node holds millions of variants): per-token numbers are arrays of
 machine numbers, not tuples of Python objects; tensor specs, layouts and chunk keys are
 shared objects (`VariantIndex.intern_*`), not copies per variant.
 

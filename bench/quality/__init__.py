@@ -1,4 +1,4 @@
-"""Answer-quality benchmark (issue 9): a synthetic multi-hop RAG task and a small
+"""Answer-quality benchmark: a synthetic multi-hop RAG task and a small
 Llama trained on it, to measure whether chunk-KV reuse keeps answers right.
 
 - ``kvbench.quality.data``: seeded (chunks, question, answer) generator, splits.

@@ -1,4 +1,4 @@
-"""The second quality task (issue 19): the first task's chains at realistic proportions.
+"""The second quality task: the first task's chains at realistic proportions.
 
 Real RAG chunks are hundreds of tokens, and the tokens whose KV depends on earlier
 chunks are a few percent of them. Here a prompt is 5-8 chunks of 32-52 words; each

@@ -34,9 +34,9 @@ REFREEZE_MIN_VARIANTS = 1000  # an index that grew by fewer since the last freez
 class Freezer:
     """Keeps the index out of the cyclic garbage collector's scans. Python's full
     collection walks every tracked object while holding the GIL: at a million variants
-    (about 3 tracked objects each) one took 0.81 s on the benchmark machine
-    (docs/benchmarks.md), a stall of every RPC, and Python starts one each time the
-    objects that survived collections grow by a quarter.
+    (about 3 tracked objects each) that is most of a second (docs/benchmarks.md), a stall
+    of every RPC, and Python starts one each time the objects that survived collections
+    grow by a quarter.
 
     `freeze` collects once, then moves every object alive now out of the collector's
     reach (`gc.freeze`); `kvcraft serve` calls it once the index is recovered.

@@ -40,9 +40,9 @@ WRITEBACK_BYTES = 4 << 20
 # page-cache folios of a write by the write's length: a 2 MiB write gets 2 MiB folios. On
 # a VM that hands free memory back to its host (virtio-balloon free page reporting, in
 # 2 MiB blocks: page_reporting_order 9), such a folio is memory the host took back and
-# must fault in again page by page. On the project's CPU VM (kernel 6.18), 64 MiB written
-# in 4 MiB writes took 117-149 ms, in 2 MiB 47-119 ms, in 1 MiB 22-25 ms (docs/benchmarks.md, "Store
-# and the page cache"). Elsewhere smaller writes cost one more syscall per MiB.
+# must fault in again page by page. On such a VM 1 MiB writes were several times faster
+# than 2 and 4 MiB ones (docs/benchmarks.md, "Store and the page cache"); elsewhere smaller
+# writes cost one more syscall per MiB.
 WRITE_BYTES = 1 << 20
 
 
@@ -213,8 +213,9 @@ class DiskTier(Tier):
         """The file is renamed aside (to a crash-debris name, which recovery deletes) and
         unlinked by the reaper thread. The caller holds the store's lock, and unlinking a
         file just written takes the kernel time to drop its page cache and free its
-        extents: a 64 MiB payload's delete took 80 ms that way, 0.4 ms this way (`kvcraft
-        bench eviction`). Its bytes leave `usage` at once."""
+        extents, tens of milliseconds for a large payload held under that lock; a rename
+        is a metadata operation (docs/storage.md, `kvcraft bench eviction`). Its bytes
+        leave `usage` at once."""
         path = self.path_of(variant_id)
         try:
             size = _payload_size(path)  # usage counts layer bytes, as commit and recovery do
