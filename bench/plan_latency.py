@@ -1,8 +1,8 @@
 """Plan latency, in process and over gRPC on loopback, with N variants stored.
 
 The server runs in its own process (its own GIL, uvloop, as `kvcraft serve` runs it). Variants are
-metadata only (issue 6 allows it): that process puts records straight into the store's
-index, the one the planner reads, so a million of them need no payload files.
+metadata only (a Plan reads the index, never a payload): that process puts records straight
+into the store's index, the one the planner reads, so a million of them need no payload files.
 Everything a Plan touches is real: the planner, the lease on the reused variants, the
 gRPC round trip. The server process also times the planner in process, and reports its
 peak RSS (the index's memory) and the time to fill it. In-process latency is also given
@@ -137,7 +137,7 @@ def _serve(n_variants: int, n_requests: int, seed: int, conn) -> None:  # noqa: 
                                                  "host_budget_bytes": 1})
             running = await start_server(cfg)
             t0 = time.perf_counter()
-            gc.disable()  # as recovery does: at 1M variants the fill took 10.5 s with the collector, 6.8 s without
+            gc.disable()  # as recovery does: else collections rescan the growing index (docs/operations.md)
             keys = _fill(running, n_variants, seed)
             gc.enable()
             fill_s = time.perf_counter() - t0
