@@ -49,13 +49,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvclient.client import AsyncKVClient, KVClient, plan_request
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.layout import layer_layout
-from kvcraft.records import VariantStats
+from kvcraft.records import Ref, VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 from kvservice.config import load_config
 from kvservice.index import Spec, Variant
 from kvservice.planner import ChunkRef
-from kvservice.records import Ref
 from kvservice.server import RunningServer, start_server
 
 MODEL = ModelSpec("llama3-8b", 32, 8, 128, "bfloat16", 500000.0).fingerprint()

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Sequence
 
 from kvcraft.keys import ModelSpec
-from kvcraft.records import VariantStats
+from kvcraft.records import Ref, VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
 from kvservice.index import Spec
-from kvservice.records import Ref, StoreHeader
+from kvservice.records import StoreHeader
 from kvservice.store import ChunkStore
 
 MODEL = ModelSpec("llama-ish", 2, 4, 64, "float16").fingerprint()

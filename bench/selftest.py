@@ -192,7 +192,8 @@ class SelfTest:
         from kvcraft.v1 import kvcraft_pb2 as pb
         from kvservice.config import load_config
         from kvservice.index import Spec
-        from kvservice.records import Ref, StoreHeader
+        from kvcraft.records import Ref
+        from kvservice.records import StoreHeader
         from kvservice.store import ChunkStore
         from kvservice.tiers import build_tiers
         from kvcraft.keys import ModelSpec

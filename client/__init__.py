@@ -1,8 +1,8 @@
 """kvcraft client library (import name `kvclient`).
 
-Identity (`ModelSpec`, `chunk_key`, `variant_id`) and shared records (`VariantStats`)
-live in the contract package `kvcraft` (`kvcraft.keys`, `kvcraft.records`); the clients
-load torch and grpc on first use.
+Identity (`ModelSpec`, `chunk_key`, `variant_id`) and shared records (`VariantStats`,
+`Ref`, `StoreResult`) live in the contract package `kvcraft` (`kvcraft.keys`,
+`kvcraft.records`); the clients load torch and grpc on first use.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 _LAZY = {
     "KVClient": "kvclient.client",
     "AsyncKVClient": "kvclient.client",
-    "Ref": "kvclient.messages",
-    "StoreResult": "kvclient.messages",
+    "Ref": "kvcraft.records",
+    "StoreResult": "kvcraft.records",
     "FetchedLayer": "kvclient.messages",
     "Lease": "kvclient.messages",
     "KVCraftError": "kvclient.errors",

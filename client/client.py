@@ -28,10 +28,10 @@ import torch
 from kvclient import local_store as colocated
 from kvclient.core import DEFAULT_ADDRESS, MAX_MESSAGE_BYTES, ClientCore, Face, awaited, blocking
 from kvclient.errors import KVCraftError, from_rpc_error
-from kvclient.messages import (ChunkLike, FetchedLayer, Layer, Lease, Ref, RefLike, StoreResult, fetch_request,
-                               fetched_layer, plan_request, store_header, store_messages, store_requests)
+from kvclient.messages import (ChunkLike, FetchedLayer, Layer, Lease, RefLike, fetch_request, fetched_layer,
+                               plan_request, store_header, store_messages, store_requests, store_result_of)
 from kvclient.plan_stream import BlockingPlanStream, PlanStream
-from kvcraft.records import VariantStats
+from kvcraft.records import Ref, StoreResult, VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class KVClient(Face):
         the service (kvclient.local_store), else over the gRPC Store stream."""
         header = self.core.colocated_header(model_id, token_ids, layers, prefix_keys, stats)
         if header is not None and (r := colocated.store(self.core, header, layers)) is not None:
-            return StoreResult.of(r, local=True)
+            return store_result_of(r, local=True)
         return self.core.store(model_id, token_ids, layers, prefix_keys, stats).call()
 
     def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
@@ -238,7 +238,7 @@ class AsyncKVClient(Face):
         """As KVClient.store: shared memory when co-located, else the gRPC stream."""
         header = self.core.colocated_header(model_id, token_ids, layers, prefix_keys, stats)
         if header is not None and (r := await colocated.store_async(self.core, header, layers)) is not None:
-            return StoreResult.of(r, local=True)
+            return store_result_of(r, local=True)
         return await self.core.store(model_id, token_ids, layers, prefix_keys, stats).call_async()
 
     async def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,

@@ -26,9 +26,9 @@ import grpc
 
 from kvclient import local_store as colocated
 from kvclient.errors import from_rpc_error
-from kvclient.messages import (Layer, Lease, RefLike, StoreResult, fetch_request, layer_chunk,
-                               lookup_request, selector, store_header, store_messages, variant_ref)
-from kvcraft.records import VariantStats
+from kvclient.messages import (Layer, Lease, RefLike, fetch_request, layer_chunk, lookup_request, selector,
+                               store_header, store_messages, store_result_of, variant_ref)
+from kvcraft.records import StoreResult, VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 
@@ -149,7 +149,7 @@ class ClientCore:
               prefix_keys: Sequence[str], stats: VariantStats | None) -> Rpc[StoreResult]:
         """A Store over the gRPC byte stream."""
         return self._rpc(self.store_stream, store_messages(model_id, token_ids, layers, prefix_keys, stats),
-                         StoreResult.of)
+                         store_result_of)
 
     def open_fetch(self, refs: Sequence[RefLike], first_layer: int, num_layers: int, timeout: float | None) -> Any:
         """A FetchLayers call of the face's channel (iterate it, or `async for`)."""

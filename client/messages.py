@@ -1,6 +1,10 @@
 """The client's records and wire messages: requests built from Python values, answers
 turned back into records and tensors. Pure functions of the contract
-(proto/kvcraft/v1/kvcraft.proto); no channel, no blocking, no asyncio."""
+(proto/kvcraft/v1/kvcraft.proto); no channel, no blocking, no asyncio.
+
+The records the service shares (`Ref`, `StoreResult`, `VariantStats`) are the
+contract's (`kvcraft.records`), free of protobuf: they are converted here, at the
+client's edge."""
 
 from __future__ import annotations
 
@@ -11,37 +15,15 @@ import torch
 
 from kvclient.tensors import byte_view, from_message, message_tensors, spec_of, to_bytes
 from kvcraft import codec
-from kvcraft.records import VariantStats
+from kvcraft.records import Ref, StoreResult, VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 Layer = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [kv_heads, tokens, head_dim]
 
 
-@dataclass(frozen=True)
-class Ref:
-    """A variant to fetch or lease. Empty variant_id: the service picks (see proto)."""
-
-    chunk_key: str
-    variant_id: str = ""
-    cfo: float | None = None  # Cache-Craft CFO of this reuse (ChunkPlan.cfo); None = unknown
-
-
 RefLike = Union[str, Ref]
 ChunkLike = Union[Sequence[int], tuple[str, int]]  # token ids, or (chunk key, token count)
 M = TypeVar("M")  # a protobuf message
-
-
-@dataclass(frozen=True)
-class StoreResult:
-    chunk_key: str
-    variant_id: str
-    bytes_stored: int
-    already_present: bool
-    local: bool = False  # went through shared memory (StoreLocal), not the gRPC byte stream
-
-    @classmethod
-    def of(cls, r: pb.StoreResponse, local: bool = False) -> "StoreResult":
-        return cls(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present, local=local)
 
 
 @dataclass(frozen=True)
@@ -108,6 +90,11 @@ def store_messages(model_id: str, token_ids: Sequence[int], layers: Sequence[Lay
     for i, (k, v) in enumerate(layers):
         spec_of(k), spec_of(v)  # a storable dtype and shape, as store_requests checks
         yield codec.encode_store_layer(i, byte_view(k), byte_view(v))
+
+
+def store_result_of(r: pb.StoreResponse, local: bool = False) -> StoreResult:
+    """local: the layers went through shared memory (StoreLocal)."""
+    return StoreResult(r.chunk_key, r.variant_id, r.bytes_stored, r.already_present, local=local)
 
 
 # -- FetchLayers ------------------------------------------------------------------------

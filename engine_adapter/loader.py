@@ -36,7 +36,7 @@ from torch import Tensor
 from engine_adapter.source import LayerKV
 from kvclient.errors import KVCraftError
 from kvclient.layer_stream import LayerStream
-from kvclient.messages import Ref
+from kvcraft.records import Ref
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """Plain records the store takes and returns; `kvservice.wire` converts them to and
-from protobuf (the wire stays at the server edge)."""
+from protobuf (the wire stays at the server edge). Those the client shares (`Ref`,
+`StoreResult`, `VariantStats`) are the contract's: `kvcraft.records`."""
 
 from __future__ import annotations
 
@@ -21,24 +22,6 @@ class StoreHeader:
     key_spec: Spec
     value_spec: Spec
     stats: VariantStats = field(default_factory=VariantStats)
-
-
-@dataclass(frozen=True)
-class StoreResult:
-    chunk_key: str
-    variant_id: str
-    bytes_stored: int
-    already_present: bool = False
-
-
-@dataclass(frozen=True)
-class Ref:
-    """A variant to fetch or lease. Empty variant_id: the store picks (the chunk's
-    alone-computed variant, else its highest-fr one). cfo None: unknown (fr += 1)."""
-
-    chunk_key: str
-    variant_id: str = ""
-    cfo: float | None = None
 
 
 @dataclass(frozen=True)

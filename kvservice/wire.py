@@ -8,7 +8,8 @@ from typing import Sequence
 
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.index import Spec
-from kvservice.records import ChunkSummary, Located, Ref, Selector, StoreHeader, StoreResult, StoreStats
+from kvcraft.records import Ref, StoreResult
+from kvservice.records import ChunkSummary, Located, Selector, StoreHeader, StoreStats
 from kvservice.variant_codec import spec_message, stats_record, variant_message
 
 __all__ = ["list_chunks_response", "locate_response", "refs", "selector", "spec", "spec_message", "stats_record",

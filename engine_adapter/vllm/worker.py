@@ -44,8 +44,8 @@ from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.vllm.blocks import BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta
 from engine_adapter.vllm.config import ConnectorSettings
 from engine_adapter.vllm.metrics import ConnectorMetrics
-from kvclient.messages import Ref
 from kvcraft.keys import ModelSpec
+from kvcraft.records import Ref
 
 log = logging.getLogger("kvcraft.vllm")
 

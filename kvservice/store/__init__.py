@@ -20,13 +20,13 @@ from itertools import islice
 from typing import Callable, Iterable, Sequence
 
 from kvcraft.keys import is_key
+from kvcraft.records import Ref
 from kvservice.config import Config
 from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted, disk_full
 from kvservice.index import Variant, eviction_key
 from kvservice.metadata import MetadataDB
 from kvservice.planner.variants import fr_increment
-from kvservice.records import (ChunkSummary, Located, Location, Ref, Selector, StoreHeader, StoreResult,
-                                 StoreStats, TierStats)
+from kvservice.records import ChunkSummary, Located, Location, Selector, StoreHeader, StoreStats, TierStats
 from kvservice.store.leases import Leases
 from kvservice.store.placement import Placement
 from kvservice.store.promotion import Promotion

@@ -33,7 +33,8 @@ from kvservice import failpoints, variant_codec
 from kvservice.errors import Unavailable
 from kvservice.index import Variant, eviction_key
 from kvcraft.layout import LayerLayout, layer_checksum
-from kvservice.records import StoreHeader, StoreResult
+from kvcraft.records import StoreResult
+from kvservice.records import StoreHeader
 from kvservice.store.placement import Placement
 from kvservice.store.state import StoreState
 from kvservice.tiers.base import TierWriter

@@ -18,7 +18,8 @@ from concurrent.futures import Future
 from kvcraft.keys import chunk_key, is_key, variant_id
 from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layout
-from kvservice.records import StoreHeader, StoreResult
+from kvcraft.records import StoreResult
+from kvservice.records import StoreHeader
 from kvservice.store.commit import commit
 from kvservice.store.placement import Placement
 from kvservice.store.staging import StagingArea, StagingMaps

@@ -1,4 +1,5 @@
-"""Plain records shared by the client, the service and the engine adapter (no torch, no grpc)."""
+"""Plain records shared by the client, the service and the engine adapter (no torch, no
+protobuf: the conversions live at the edges, kvclient.messages and kvservice.wire)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,29 @@ class VariantStats:
     prefix_attention: tuple[float, ...] = field(default_factory=tuple)
     token_inter_attention: tuple[float, ...] = field(default_factory=tuple)
     recompute_scores: tuple[float, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A variant to fetch or lease (kvcraft.v1.VariantRef). Empty variant_id: the service
+    picks the chunk's variant computed alone, else its variant with the highest fr.
+    cfo: the Cache-Craft CFO of this reuse (ChunkPlan.cfo, in [0, 1]); the variant's fr
+    grows by 1/max(cfo, 0.01). None: unknown, counted as cfo = 1 (fr += 1)."""
+
+    chunk_key: str
+    variant_id: str = ""
+    cfo: float | None = None
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """What a Store did (kvcraft.v1.StoreResponse). already_present: an identical variant
+    was stored before and is kept as it was. local: the client sent the layers through
+    shared memory (StoreLocal), not the gRPC byte stream; the service's own results
+    leave it False."""
+
+    chunk_key: str
+    variant_id: str
+    bytes_stored: int
+    already_present: bool = False
+    local: bool = False

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from kvcraft.keys import ModelSpec
+from kvcraft.records import Ref
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
 from kvservice.index import Spec
-from kvservice.records import Ref, StoreHeader
+from kvservice.records import StoreHeader
 from kvservice.store import ChunkStore
 from kvservice.tiers.disk import DiskTier
 from kvservice.tiers import build_tiers

@@ -15,11 +15,12 @@ import torch
 
 from kvclient.client import KVClient
 from kvcraft.keys import ModelSpec
+from kvcraft.records import Ref
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
 from kvservice.index import Spec
 from kvservice.launcher import ServiceProcess
-from kvservice.records import Ref, StoreHeader
+from kvservice.records import StoreHeader
 from kvservice.metadata import MetadataDamaged
 from kvservice.store import ChunkStore
 from kvservice.tiers.host import SHM_DIR, _segment_prefix

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcraft.records import Ref
 from kvservice.errors import NotFound
-from kvservice.records import Ref
 from kvservice.store import ChunkStore
 from kvservice.tiers import PayloadShape, Tier
 from tests.service.store_helpers import assert_no_room_reserved, half_bytes, open_store, store_variant

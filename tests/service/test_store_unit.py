@@ -7,11 +7,12 @@ import shutil
 import pytest
 
 from kvcraft.keys import ModelSpec
+from kvcraft.records import Ref
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import load_config
 from kvservice.errors import ResourceExhausted
 from kvservice.index import Spec, Variant
-from kvservice.records import Ref, Selector, StoreHeader
+from kvservice.records import Selector, StoreHeader
 from kvservice.store import ChunkStore
 
 MODEL = ModelSpec("unit", 1, 1, 2, "float32").fingerprint()
