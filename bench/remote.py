@@ -35,7 +35,7 @@ import torch
 from kvbench.rows import best_time, significant, transfer_row
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import ModelSpec
-from kvcraft.plans import prefix_keys
+from kvcraft.plans import Source, prefix_keys
 from kvservice.cluster.mooncake import MasterProcess
 from kvservice.launcher import ServiceProcess
 
@@ -198,7 +198,7 @@ def share_rows(tmp: Path, requests: int, with_remote: bool) -> dict:
                 computed[node] += plan.computed_tokens
                 retrieved[node] += sum(n for _, n in r.chunks)
                 for cp in plan.chunks:
-                    if cp.source == cp.PREFIX or (cp.source == cp.VARIANT and cp.cfo == 0.0):
+                    if cp.source == Source.PREFIX or (cp.source == Source.VARIANT and cp.cfo == 0.0):
                         continue
                     layers = _layers(TINY, cp.token_count, 0)
                     c.store(model_id, toks_by_key(toks, model_id)[cp.chunk_key], layers,

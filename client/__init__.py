@@ -1,8 +1,9 @@
 """kvcraft client library (import name `kvclient`).
 
 Identity (`ModelSpec`, `chunk_key`, `variant_id`) and shared records (`VariantStats`,
-`Ref`, `StoreResult`) live in the contract package `kvcraft` (`kvcraft.keys`,
-`kvcraft.records`); the clients load torch and grpc on first use.
+`Ref`, `StoreResult`, a Plan's answer `Plan`) live in the contract package `kvcraft`
+(`kvcraft.keys`, `kvcraft.records`, `kvcraft.plans`); the clients load torch and grpc
+on first use.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ _LAZY = {
     "StoreResult": "kvcraft.records",
     "FetchedLayer": "kvclient.messages",
     "Lease": "kvclient.messages",
+    "Plan": "kvcraft.plans",
     "KVCraftError": "kvclient.errors",
     "NotFoundError": "kvclient.errors",
     "InvalidArgumentError": "kvclient.errors",

@@ -7,7 +7,7 @@ timeouts, and differ only where blocking or awaiting forces it:
 
 - `fetch_layers`: a FetchStream to iterate (`cancel()` from any thread) / an async iterator;
 - `fetch_local`: a LocalFetch (`with`) / an AsyncLocalFetch (`async with`);
-- `plan_future`: a concurrent.futures.Future / an asyncio.Task, of the PlanResponse;
+- `plan_future`: a concurrent.futures.Future / an asyncio.Task, of the Plan;
 - `match_prefix_future`, `release_future`: a grpc.Future of the answer message, whose
   exception is a grpc.RpcError (convert it with kvclient.errors.from_rpc_error) / an
   asyncio.Task of the same message, whose exception is a KVCraftError.
@@ -31,6 +31,7 @@ from kvclient.errors import KVCraftError, from_rpc_error
 from kvclient.messages import (ChunkLike, FetchedLayer, Layer, Lease, RefLike, fetch_request, fetched_layer,
                                plan_request, store_header, store_messages, store_requests, store_result_of)
 from kvclient.plan_stream import BlockingPlanStream, PlanStream
+from kvcraft.plans import Plan
 from kvcraft.records import Ref, StoreResult, VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from kvclient.local import AsyncLocalFetch, LocalFetch
 
 __all__ = ["DEFAULT_ADDRESS", "MAX_MESSAGE_BYTES", "AsyncKVClient", "ChunkLike", "FetchStream", "FetchedLayer",
-           "KVClient", "Layer", "Lease", "Ref", "RefLike", "StoreResult", "fetch_request", "plan_request",
+           "KVClient", "Layer", "Lease", "Plan", "Ref", "RefLike", "StoreResult", "fetch_request", "plan_request",
            "store_header", "store_messages", "store_requests"]
 
 T = TypeVar("T")
@@ -122,9 +123,9 @@ class KVClient(Face):
 
     def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
              conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
-             timings: pb.TimingReport | None = None) -> pb.PlanResponse:
-        """Plan a RAG request (chunks in retriever order); Release the returned lease.
-        Sent over one long-lived PlanStream call (kvclient.plan_stream)."""
+             timings: pb.TimingReport | None = None) -> Plan:
+        """Plan a RAG request (chunks in retriever order): a `kvcraft.plans.Plan` record;
+        Release its lease. Sent over one long-lived PlanStream call (kvclient.plan_stream)."""
         return self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
                                              lease_ttl_s, timings), self.core.deadline())
 
@@ -132,7 +133,7 @@ class KVClient(Face):
                     conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
                     timings: pb.TimingReport | None = None, timeout: float | None = None) -> Future:
         """Plan without blocking (the vLLM connector's scheduler side): a
-        concurrent.futures.Future of the PlanResponse, whose exception is a KVCraftError
+        concurrent.futures.Future of the Plan, whose exception is a KVCraftError
         (DeadlineExceededError past the timeout). Cancelling it releases the lease its
         answer holds."""
         return self._plans.plan_future(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
@@ -243,17 +244,18 @@ class AsyncKVClient(Face):
 
     async def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                    conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
-                   timings: pb.TimingReport | None = None) -> pb.PlanResponse:
-        """Plan a RAG request (chunks in retriever order); Release the returned lease."""
+                   timings: pb.TimingReport | None = None) -> Plan:
+        """Plan a RAG request (chunks in retriever order): a `kvcraft.plans.Plan` record;
+        Release its lease."""
         return await self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
                                                    lease_ttl_s, timings), self.core.deadline())
 
     def plan_future(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                     conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
                     timings: pb.TimingReport | None = None,
-                    timeout: float | None = None) -> asyncio.Task[pb.PlanResponse]:
+                    timeout: float | None = None) -> asyncio.Task[Plan]:
         """Plan without awaiting it here (called in a running loop): an asyncio.Task of the
-        PlanResponse, whose exception is a KVCraftError (DeadlineExceededError past the
+        Plan, whose exception is a KVCraftError (DeadlineExceededError past the
         timeout). Cancelling it releases the lease its answer holds."""
         return self._task(self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id,
                                                         first_turn, lease_ttl_s, timings), self.core.deadline(timeout)))

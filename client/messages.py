@@ -2,9 +2,9 @@
 turned back into records and tensors. Pure functions of the contract
 (proto/kvcraft/v1/kvcraft.proto); no channel, no blocking, no asyncio.
 
-The records the service shares (`Ref`, `StoreResult`, `VariantStats`) are the
-contract's (`kvcraft.records`), free of protobuf: they are converted here, at the
-client's edge."""
+The records the service shares (`Ref`, `StoreResult`, `VariantStats`, and a Plan's
+answer, `Plan`) are the contract's (`kvcraft.records`, `kvcraft.plans`), free of
+protobuf: they are converted here, at the client's edge."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from kvclient.tensors import byte_view, from_message, message_tensors, spec_of, to_bytes
 from kvcraft import codec
+from kvcraft.plans import ChunkPlan, KeyChain, Plan, Source
 from kvcraft.records import Ref, StoreResult, VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -131,6 +132,25 @@ def plan_request(model_id: str, chunks: Sequence[ChunkLike], question_tokens: in
     if first_turn is not None:
         req.first_turn = first_turn
     return req
+
+
+_SOURCES = tuple(Source)  # indexed by the wire's number
+
+
+def plan_of(r: pb.PlanResponse) -> Plan:
+    """The PlanResponse as a Plan record, every field (a number this client does not know
+    as a ChunkPlan source reads as Source.UNSPECIFIED)."""
+    n = len(_SOURCES)
+    return Plan(
+        order=tuple(r.order), dropped=tuple(r.dropped), history=tuple(r.history),
+        chunks=tuple(ChunkPlan(c.chunk_key, c.position, c.token_start, c.token_count,
+                               _SOURCES[c.source] if 0 <= c.source < n else Source.UNSPECIFIED, c.variant_id, c.tier,
+                               c.cfo, tuple(c.recompute), c.variant_prefix_chain, c.variant_prefix_length)
+                     for c in r.chunks),
+        ratio=r.ratio, preload_depth=r.preload_depth, load_s_per_layer=r.load_s_per_layer,
+        compute_s_per_layer=r.compute_s_per_layer, lease_id=r.lease_id,
+        lease_expires_unix_ms=r.lease_expires_unix_ms, computed_tokens=r.computed_tokens,
+        other_keys=tuple(r.other_keys), variant_prefixes=tuple(KeyChain(tuple(c.ranges)) for c in r.variant_prefixes))
 
 
 def variant_ref(r: RefLike) -> pb.VariantRef:

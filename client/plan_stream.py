@@ -1,4 +1,5 @@
-"""Plans over one long-lived PlanStream call (AsyncKVClient.plan, KVClient.plan).
+"""Plans over one long-lived PlanStream call (AsyncKVClient.plan, KVClient.plan); each
+answer is turned into a `kvcraft.plans.Plan` record (kvclient.messages.plan_of).
 
 A unary call pays grpcio's per-call setup each time (on loopback about half of a Plan's
 round trip); a stream pays it once. The service answers a stream's requests in the order
@@ -30,6 +31,8 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from kvclient.errors import DeadlineExceededError, KVCraftError, UnavailableError, from_rpc_error, from_status
+from kvclient.messages import plan_of
+from kvcraft.plans import Plan
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 
@@ -50,10 +53,10 @@ def _call_error(e: grpc.RpcError) -> KVCraftError:
     return error
 
 
-def _answer(got: pb.PlanStreamResponse) -> pb.PlanResponse:
+def _answer(got: pb.PlanStreamResponse) -> Plan:
     if got.WhichOneof("result") == "error":
         raise from_status(got.error.code, got.error.message)
-    return got.plan
+    return plan_of(got.plan)
 
 
 class _Call:
@@ -114,7 +117,7 @@ class PlanStream:
         self._current: _Call | None = None
         self._orphans: set[asyncio.Task] = set()
 
-    async def plan(self, request: pb.PlanRequest, timeout: float) -> pb.PlanResponse:
+    async def plan(self, request: pb.PlanRequest, timeout: float) -> Plan:
         if self._current is None or self._current.ended:
             self._current = _Call(self._open_call(), self._forget)
         answer = self._current.send(request)
@@ -220,7 +223,7 @@ class BlockingPlanStream:
         self._closed = False
 
     def plan_future(self, request: pb.PlanRequest, timeout: float) -> Future:
-        """A Future of the PlanResponse; its exception a KVCraftError (DeadlineExceededError
+        """A Future of the Plan; its exception a KVCraftError (DeadlineExceededError
         after `timeout`). Cancel it to give up: the lease its answer holds is released. Its
         callbacks run on the client's reader or watchdog thread: they must not wait for a Plan."""
         with self._lock:
@@ -242,7 +245,7 @@ class BlockingPlanStream:
                 self._wake.notify()
         return answer
 
-    def plan(self, request: pb.PlanRequest, timeout: float) -> pb.PlanResponse:
+    def plan(self, request: pb.PlanRequest, timeout: float) -> Plan:
         answer = self.plan_future(request, timeout)
         try:
             return answer.result()

@@ -93,7 +93,7 @@ class RAGFront:
                            tuple(lengths))
 
     def chunk_tokens(self, key: str) -> list[int] | None:
-        """Token ids of a chunk this front has seen (e.g. PlanResponse.history)."""
+        """Token ids of a chunk this front has seen (e.g. Plan.history)."""
         return self._tokens.get(key)
 
     def close(self) -> None:
@@ -108,7 +108,7 @@ class RAGFront:
         old_timeout = self.client.timeout
         try:
             self.client.timeout = self.timeout_s
-            resp = self.client.plan(self.model_id, [(k, len(t)) for k, t in zip(keys, toks)], q_tokens,
+            plan = self.client.plan(self.model_id, [(k, len(t)) for k, t in zip(keys, toks)], q_tokens,
                                     conversation_id=conv)
         except Exception as e:  # noqa: BLE001 - the front must not fail a request
             if not self._down_logged:
@@ -119,15 +119,15 @@ class RAGFront:
         finally:
             self.client.timeout = old_timeout
         self._down_logged = False
-        if resp.lease_id:  # the front fetches nothing: free the variants at once
+        if plan.lease_id:  # the front fetches nothing: free the variants at once
             try:
-                self.client.release(resp.lease_id)
+                self.client.release(plan.lease_id)
             except Exception:  # noqa: BLE001 - the lease times out by itself
                 pass
-        order = [k for k in resp.order if k in set(keys)]
-        if set(order) | set(resp.dropped) != set(keys):  # a service we do not understand: keep our order
+        order = [k for k in plan.order if k in set(keys)]
+        if set(order) | set(plan.dropped) != set(keys):  # a service we do not understand: keep our order
             return local, [], False
-        return order, list(resp.dropped), True
+        return order, list(plan.dropped), True
 
     def _tokenize(self, x: "str | Sequence[int]") -> list[int]:
         if isinstance(x, str):

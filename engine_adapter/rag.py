@@ -38,7 +38,7 @@ from engine_adapter.prompt import Segment
 from kvclient.client import KVClient, Ref
 from kvclient.errors import KVCraftError
 from kvcraft.keys import chunk_key
-from kvcraft.plans import variant_prefixes
+from kvcraft.plans import Plan, variant_prefixes
 from kvcraft.recompute import merge_scores
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
@@ -108,7 +108,7 @@ class RAGAdapter:
             plan = None
         return self.serve(plan, chunks, question, t0=t0)
 
-    def serve(self, plan: pb.PlanResponse | None, chunks: Sequence[Sequence[int]], question: Sequence[int], *,
+    def serve(self, plan: Plan | None, chunks: Sequence[Sequence[int]], question: Sequence[int], *,
               policy: ReusePolicy | None = None, t0: float | None = None) -> tuple[BlendResult, RequestReport]:
         """What `prefill` does after its Plan: fetch (shared memory when `local`), blend, release
         the leases, store fresh chunks back. `plan`: a Plan of `chunks` (None: full prefill);
@@ -153,7 +153,7 @@ class RAGAdapter:
         )
         return result, report
 
-    def _segments(self, plan: pb.PlanResponse | None, by_key: dict[str, tuple[int, ...]],
+    def _segments(self, plan: Plan | None, by_key: dict[str, tuple[int, ...]],
                   chunks: Sequence[Sequence[int]], question: Sequence[int]) -> tuple[list[Segment], dict[int, Ref]]:
         segments: list[Segment] = []
         refs: dict[int, Ref] = {}
@@ -162,12 +162,12 @@ class RAGAdapter:
             segments = [Segment(tuple(c)) for c in chunks]
         else:
             for cp, variant_prefix in zip(plan.chunks, variant_prefixes(plan)):
-                cached = cp.source in (pb.ChunkPlan.PREFIX, pb.ChunkPlan.VARIANT)
+                cached = cp.reused
                 if cached:
                     refs[len(segments)] = Ref(cp.chunk_key, cp.variant_id, cp.cfo)
                     self._plan_tiers[len(segments)] = cp.tier
                 segments.append(Segment(by_key[cp.chunk_key], key=cp.chunk_key, cached=cached,
-                                        cached_prefix=variant_prefix, recompute=tuple(cp.recompute)))
+                                        cached_prefix=variant_prefix, recompute=cp.recompute))
         segments.append(Segment(tuple(question), question=True))
         return segments, refs
 

@@ -14,6 +14,7 @@ from engine_adapter.vllm.lookup import Breaker
 from engine_adapter.vllm.metrics import ConnectorMetrics
 from kvclient.errors import DeadlineExceededError
 from kvcraft.keys import chunk_key
+from kvcraft.plans import Plan
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -30,7 +31,7 @@ class Blend:
     options: tuple[tuple[str, Any], ...]
     future: Any = None
     deadline: float = 0.0
-    plan: bytes | None = None          # a usable PlanResponse (serialized)
+    plan: Plan | None = None           # a usable Plan (the BlendLoad carries it to the worker side)
     reused_chunks: int = 0
     declined: str = ""                 # why kvcraft does not build this request's context
     claimed: int = 0                   # tokens vLLM accepted from the blend (last admission)
@@ -112,8 +113,8 @@ class Blend:
             metrics.add(blend_declined=1)
             self.release(client)
             return False
-        self.reused_chunks = sum(1 for cp in plan.chunks if cp.source in (pb.ChunkPlan.PREFIX, pb.ChunkPlan.VARIANT))
-        self.plan = plan.SerializeToString()
+        self.reused_chunks = sum(1 for cp in plan.chunks if cp.reused)
+        self.plan = plan
         return True
 
 

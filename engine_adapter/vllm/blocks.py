@@ -20,6 +20,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvcraft.keys import chunk_key, variant_id
+from kvcraft.plans import Plan
 
 
 def block_chain(model_id: str, token_ids: list[int], block_size: int) -> tuple[list[str], list[str]]:
@@ -69,13 +70,17 @@ class BlendLoad:
     tokens: int                       # tokens vLLM accepted (counted as loaded or failed)
     prompt: tuple[int, ...]           # the prompt's token ids
     chunk_tokens: tuple[int, ...]     # token count of each chunk, in prompt order; the rest is the question
-    plan: bytes                       # the PlanResponse of those chunks (serialized)
+    plan: Plan                        # the scheduler side's Plan of those chunks
     policy: str
     options: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
 class KVCraftMetadata(KVConnectorMetadata):
+    """Scheduler -> worker side, each step. vLLM pickles it to the worker processes (its
+    executor's message queue), so it holds plain picklable records only: a BlendLoad's
+    Plan crosses as it is."""
+
     loads: list[BlockLoad] = field(default_factory=list)
     saves: list[BlockSave] = field(default_factory=list)
     blends: list[BlendLoad] = field(default_factory=list)

@@ -130,8 +130,6 @@ class ContextBuilder:
     def build(self, ld: BlendLoad, layer_names: list[str]) -> dict[str, Any]:
         """Blend the request's context and write its claimed blocks; the request's numbers.
         Raises BlendFailed (or anything the blend raised) when vLLM must recompute."""
-        from kvcraft.v1 import kvcraft_pb2 as pb
-
         adapter = self._rag_adapter()
         attn = self.attention_layers(layer_names)
         options = dict(ld.options)
@@ -142,9 +140,8 @@ class ContextBuilder:
             chunks.append(list(ld.prompt[at:at + n]))
             at += n
         question = list(ld.prompt[at:])
-        plan = pb.PlanResponse.FromString(ld.plan)
         t1 = time.perf_counter()
-        result, report = adapter.serve(plan, chunks, question, policy=policy)
+        result, report = adapter.serve(ld.plan, chunks, question, policy=policy)
         report_bytes = adapter.take_timings().SerializeToString()  # the scheduler side sends them with a Plan
         with self._lock:
             self._timings = report_bytes  # the latest blend's: the controller's estimators decay anyway

@@ -1,4 +1,9 @@
-"""Chunk keys in a Plan response without repeating them (kvcraft.v1.PlanResponse).
+"""A Plan's answer as plain records (`Plan`, `ChunkPlan`), and its chunk keys without
+repeating them (kvcraft.v1.PlanResponse).
+
+`Plan` is what KVClient.plan and AsyncKVClient.plan return: kvcraft.v1.PlanResponse
+field for field, in plain Python (kvclient.messages.plan_of converts; the wire stays
+protobuf). It pickles, so it crosses process boundaries as it is.
 
 A chunk key is 34 bytes on the wire. A response names each key once: the conversation's
 earlier chunks (`history`), this turn's order (`order`), and the keys chosen variants
@@ -17,12 +22,78 @@ are the response's key table.
 Sending keys instead cost a key per earlier chunk for every chunk, twice (the prompt
 prefix and the variant's): 4.3 KB a chunk at 256 chunks, 8.8 KB with reused variants.
 
-`KeyTable` encodes (the service); `prefix_keys` and `variant_prefixes` decode (clients).
+`KeyTable` encodes (the service); `prefix_keys` and `variant_prefixes` decode (clients),
+from a `Plan` or a PlanResponse alike.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Iterable, NamedTuple, Protocol, Sequence
+
+
+class Source(IntEnum):
+    """Where a chunk's KV comes from (kvcraft.v1.ChunkPlan.Source; the same numbers)."""
+
+    UNSPECIFIED = 0
+    FRESH = 1    # no usable variant: compute every token
+    PREFIX = 2   # CRAFT chunk-prefix: load the variant, recompute nothing
+    VARIANT = 3  # Cache-Craft: load the variant, recompute `recompute` tokens
+
+
+class KeyChain(NamedTuple):
+    """A sequence of chunk keys as flattened (start, count) runs of indices into the
+    plan's key table (history ++ order ++ other_keys)."""
+
+    ranges: tuple[int, ...] = ()
+
+
+class ChunkPlan(NamedTuple):
+    """What to do with one chunk of the final order (kvcraft.v1.ChunkPlan). An immutable
+    record; a NamedTuple because the client builds one per chunk of every answer (half
+    the cost of a frozen dataclass's)."""
+
+    chunk_key: str
+    position: int                 # index in Plan.order
+    token_start: int              # first token among this turn's chunk tokens
+    token_count: int              # tokens of the chunk
+    source: Source
+    variant_id: str = ""          # PREFIX / VARIANT: the variant to fetch; empty for FRESH
+    tier: str = ""                # PREFIX / VARIANT: where it is now ("gpu", "host", "disk", "remote")
+    cfo: float = 0.0              # Cache-Craft eq. 12, in [0, 1]; pass it back in Ref.cfo
+    recompute: tuple[int, ...] = ()  # VARIANT: token indices in the chunk to recompute, most contextualized first
+    # PREFIX / VARIANT: the chosen variant was computed behind the first
+    # variant_prefix_length keys of Plan.variant_prefixes[variant_prefix_chain - 1]; chain 0:
+    # computed alone (`variant_prefixes` decodes them; `prefix_keys` gives the chunk's own
+    # prompt prefix, under which a new variant of it is stored)
+    variant_prefix_chain: int = 0
+    variant_prefix_length: int = 0
+
+    @property
+    def reused(self) -> bool:
+        """The plan loads a stored variant of this chunk (PREFIX or VARIANT)."""
+        return self.source in (Source.PREFIX, Source.VARIANT)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The service's plan of one RAG request (kvcraft.v1.PlanResponse): chunk order,
+    variant choice, recompute lists and the lease that holds the variants (Release it)."""
+
+    order: tuple[str, ...]              # final chunk order of this turn (chunk keys)
+    chunks: tuple[ChunkPlan, ...]       # one per key of order, in order
+    dropped: tuple[str, ...] = ()       # duplicates of earlier turns (or of this one), removed
+    history: tuple[str, ...] = ()       # the conversation's earlier chunks, in send order
+    ratio: float = 0.0                  # CacheBlend recompute ratio r, in [0, 1]
+    preload_depth: int = 0              # Lp (Cache-Craft eq. 16): layers to fetch ahead
+    load_s_per_layer: float = 0.0       # the loading controller's estimate, seconds
+    compute_s_per_layer: float = 0.0    # seconds
+    lease_id: str = ""                  # holds every variant named in chunks; Release it
+    lease_expires_unix_ms: int = 0
+    computed_tokens: int = 0            # chunk tokens the engine computes (fresh + recompute)
+    other_keys: tuple[str, ...] = ()    # the key table's tail (module docstring)
+    variant_prefixes: tuple[KeyChain, ...] = ()  # the prefixes chosen variants were computed behind
 
 
 class _Chain(Protocol):
@@ -35,7 +106,7 @@ class _Chunk(Protocol):
     variant_prefix_length: int
 
 
-class _Plan(Protocol):  # kvcraft.v1.PlanResponse, as far as this module reads it
+class _Plan(Protocol):  # a Plan or a kvcraft.v1.PlanResponse, as far as this module reads it
     history: Sequence[str]
     order: Sequence[str]
     other_keys: Sequence[str]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import inspect
 import socket
 import time
@@ -19,11 +20,11 @@ from typing import Any, Awaitable, Callable
 import grpc
 import pytest
 import torch
-from google.protobuf.message import Message
 
 from kvclient.client import AsyncKVClient, FetchStream, KVClient, Ref
 from kvclient.errors import DeadlineExceededError, KVCraftError
 from kvcraft.keys import ModelSpec
+from kvcraft.plans import Plan
 from kvcraft.records import VariantStats
 
 MODEL = ModelSpec("faces-test", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16").fingerprint()
@@ -71,8 +72,12 @@ def raw(t: torch.Tensor) -> tuple:
     return t.dtype, tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def steady(msg: Message) -> Message:
-    """A copy of `msg` with each DRAWN field, where set, replaced by a marker."""
+def steady(msg: Any) -> Any:
+    """A copy of `msg` (a message or a record) with each DRAWN field, where set, replaced by a marker."""
+    if dataclasses.is_dataclass(msg):
+        return dataclasses.replace(msg, **{f.name: type(v)(1) if isinstance(v, int) else "set"
+                                           for f in dataclasses.fields(msg) if f.name in DRAWN
+                                           and (v := getattr(msg, f.name))})
     out = type(msg)()
     out.CopyFrom(msg)
     for field, value in out.ListFields():
@@ -169,12 +174,14 @@ async def release_future(c: Any, s: dict) -> Any:
 async def plan(c: Any, s: dict) -> Any:
     got = await answer(c.plan(MODEL, [TOKENS_A, TOKENS_B], 3, conversation_id="", first_turn=None,
                               lease_ttl_s=30, timings=None))
+    assert isinstance(got, Plan)
     return steady(got), await answer(c.release(got.lease_id))
 
 
 async def plan_future(c: Any, s: dict) -> Any:
     got = await answer(c.plan_future(MODEL, [(s["a"].chunk_key, len(TOKENS_A)), TOKENS_B], 3, lease_ttl_s=30,
                                      timeout=30))
+    assert isinstance(got, Plan)
     return steady(got), await answer(c.release(got.lease_id))
 
 

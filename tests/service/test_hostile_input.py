@@ -9,11 +9,12 @@ import grpc
 import pytest
 import torch
 
-from kvclient.client import KVClient, Ref
+from kvclient.client import KVClient, Ref, plan_request
 from kvclient.errors import InvalidArgumentError, KVCraftError, ResourceExhaustedError
 from kvcraft.keys import ModelSpec
 from kvcraft.plans import prefix_keys
 from kvcraft.v1 import kvcraft_pb2 as pb
+from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 
 MODEL = ModelSpec("hostile", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
 
@@ -166,10 +167,11 @@ def test_plan_response_stays_bounded_however_long_the_conversation(start_server)
     per_turn, cap = 32, 64
     server = start_server(max_conversation_chunks=cap)
     sizes = []
-    with KVClient(server.address) as c:
+    with KVClient(server.address) as c, grpc.insecure_channel(server.address) as channel:
+        unary = pb_grpc.KVCacheStub(channel).Plan  # the response as it crosses the wire, to measure it
         for turn in range(12):
             chunks = [(f"{turn:08x}{i:024x}", 16) for i in range(per_turn)]
-            plan = c.plan(MODEL, chunks, question_tokens=8, conversation_id="long-talk")
+            plan = unary(plan_request(MODEL, chunks, 8, conversation_id="long-talk"))
             assert sorted(plan.order) == sorted(k for k, _ in chunks)  # all new: nothing dropped
             assert len(plan.history) == min(turn * per_turn, cap)
             # Each chunk's prefix is the remembered history, then this turn's chunks before it.

@@ -7,6 +7,7 @@ never answers, and close."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -18,7 +19,9 @@ import torch
 
 from kvclient.client import AsyncKVClient, KVClient, plan_request
 from kvclient.errors import DeadlineExceededError, InvalidArgumentError, KVCraftError, UnavailableError
+from kvclient.messages import plan_of
 from kvcraft.keys import ModelSpec, chunk_key
+from kvcraft.plans import Plan
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 
@@ -40,11 +43,9 @@ def _store_some(c: KVClient) -> None:
     c.store(MODEL, tokens(2), layers(2))
 
 
-def _fields(p: pb.PlanResponse) -> tuple:
-    """A plan without its lease (each Plan takes its own)."""
-    p = pb.PlanResponse.FromString(p.SerializeToString())
-    p.lease_id, p.lease_expires_unix_ms = "", 0
-    return p.SerializeToString(deterministic=True)
+def _fields(p: Plan | pb.PlanResponse) -> Plan:
+    """A plan as the client's record, without its lease (each Plan takes its own)."""
+    return dataclasses.replace(p if isinstance(p, Plan) else plan_of(p), lease_id="", lease_expires_unix_ms=0)
 
 
 def _unary_plans(address: str, requests: list) -> list[pb.PlanResponse]:
@@ -67,7 +68,7 @@ def test_stream_plans_equal_unary_plans_and_a_refusal_does_not_end_the_stream(st
         with KVClient(s.address) as client:
             _store_some(client)
 
-    async def run() -> list[pb.PlanResponse]:
+    async def run() -> list[Plan]:
         out = []
         async with AsyncKVClient(b.address) as client:
             for i, r in enumerate(REQUESTS):
@@ -290,7 +291,7 @@ def test_the_stream_opens_again_after_the_service_restarts(start_server):
 def test_the_stream_needs_the_token(start_server):
     server = start_server(auth_token="engine-secret")
 
-    async def run(token: str | None) -> pb.PlanResponse:
+    async def run(token: str | None) -> Plan:
         async with AsyncKVClient(server.address, token=token) as c:
             return await c.plan(MODEL, [tokens(0)], question_tokens=4)
 

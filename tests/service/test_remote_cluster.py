@@ -87,7 +87,7 @@ def test_chunk_stored_through_a_is_planned_and_fetched_through_b(nodes, view):
         assert not cb.lookup(MODEL, tokens_of(1)).found  # B knows nothing of it yet
         plan = cb.plan(MODEL, [tokens_of(1)], question_tokens=8)
         (c,) = plan.chunks
-        assert c.variant_id == r.variant_id and c.tier == "remote" and c.source != c.FRESH
+        assert c.variant_id == r.variant_id and c.tier == "remote" and c.source != pb.ChunkPlan.FRESH
         assert plan.computed_tokens < 24 and plan.lease_id
         assert_bit_identical([(f.key, f.value) for f in cb.fetch_layers([Ref(r.chunk_key, r.variant_id)])], layers)
         cb.release(plan.lease_id)

@@ -162,14 +162,13 @@ def _layout(worker, block: int) -> dict:
 
 def _evict_after_plan(worker, address: str) -> None:
     from kvclient.client import KVClient
-    from kvcraft.v1 import kvcraft_pb2 as pb
 
     ctx = worker.context
     build = ctx.build
     client = KVClient(address)
 
     def evict_then_build(ld, names):
-        plan = pb.PlanResponse.FromString(ld.plan)
+        plan = ld.plan
         client.release(plan.lease_id)  # as if the lease had expired: leased variants are never evicted
         for cp in plan.chunks:
             if cp.variant_id:
