@@ -9,15 +9,16 @@
 Whatever the service does — down, slow, a chunk dropped as corrupt — the request
 completes: a missing layer is computed by the driver, a failed Plan means full prefill.
 
-Learned recompute lists (issue 19, `engine_adapter.learned`; `learn=True`, off by default): when a request
-computed a chunk in full although a variant of it is stored (the plan named one, or the service
-lists one behind another prefix), the store-back fetches that variant, measures per
-token what recomputing it repairs of this request's answer (`learned.learn`: greedy
-from the token whose stale KV costs the answer most, `fresh_gain`, adding the tokens whose
-recompute repairs most, `recompute_gain`), merges that with the variant's own scores and
-sends the result as the new variant's
-`recompute_scores`. The planner then spends its recompute budget on them. All of it runs
-on the background store-back thread, after the request's first token.
+Learned recompute lists (`engine_adapter.learned`: which tokens of a reused chunk to
+recompute, measured at a request's answer instead of estimated from attention; `learn=True`,
+off by default): when a request computed a chunk in full although a variant of it is stored
+(the plan named one, or the service lists one behind another prefix), the store-back fetches
+that variant, measures per token what recomputing it repairs of this request's answer
+(`learned.learn`: greedy from the token whose stale KV costs the answer most, `fresh_gain`,
+adding the tokens whose recompute repairs most, `recompute_gain`), merges that with the
+variant's own scores and sends the result as the new variant's `recompute_scores`. The
+planner then spends its recompute budget on them. All of it runs on the background
+store-back thread, after the request's first token.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ block vLLM gave to another request (an aborted request's blocks are freed only t
 A step in which vLLM computes nothing while loads run first waits (at most
 `idle_wait_s`, ending as soon as one finishes) before answering which ended: vLLM's
 engine loop otherwise spins through thousands of empty steps a second, and with the
-engine in the loaders' process it holds the GIL they need (docs/vllm.md "Idle steps":
-40 blends took 177 s of loader time with 1.4 million empty steps, 0.7 s with the wait).
+engine in the loaders' process each of those steps holds the GIL the loader threads
+need, so the loads the engine waits for would crawl (docs/vllm.md "Idle steps").
 
 Saves: at layer 0 of a step the worker takes the step's planned blocks that are not
 already stored or in flight here; each layer's rows of those blocks are copied out
