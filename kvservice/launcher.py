@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from kvservice.segments import remove_stale_segments
+
 
 # glibc: layer-sized buffers (up to 32 MiB) come from the heap and up to 64 MiB of free
 # heap top is kept, so streams reuse memory instead of an mmap + page faults + munmap per
@@ -120,6 +122,12 @@ class ServiceProcess(ChildProcess):
             self.proc.send_signal(signal.SIGTERM)
             return self.proc.wait(timeout=30)
         return self.proc.returncode if self.proc else 0
+
+    def close(self) -> None:
+        """Kill it if still running, and unlink the host slab a killed instance leaves in
+        /dev/shm (a start does that too, but a data dir nobody starts again would keep it)."""
+        super().close()
+        remove_stale_segments(self.data_dir)
 
     def restart(self, crash: bool = False) -> "ServiceProcess":
         """Stop (SIGTERM; SIGKILL when `crash`) and start again on the same address, as an

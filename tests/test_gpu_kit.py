@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # over ~10 s: after the inner loop (README, "Developing")
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 CUDA_STEPS = ("tests", "kernels", "blend-smollm2-135m", "blend-llama3-8b")

@@ -9,7 +9,8 @@ from kvservice.tiers import gpu_driver
 from kvservice.tiers.disk_backend import choose_backend
 from kvservice.tiers.base import PayloadShape, SharedLocation, Tier, TierFull, TierWriter
 from kvservice.tiers.disk import DiskTier
-from kvservice.tiers.host import HostTier, remove_stale_segments, segment_name
+from kvservice.segments import remove_stale_segments, segment_name
+from kvservice.tiers.host import HostTier
 
 log = logging.getLogger("kvcraft.tiers")
 

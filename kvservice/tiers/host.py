@@ -14,10 +14,8 @@ commit, promotions from disk).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from multiprocessing import shared_memory
-from pathlib import Path
 
 from kvcraft import tiers
 from kvservice.tiers.base import PayloadShape, SharedLocation
@@ -25,32 +23,6 @@ from kvservice.tiers.gpu_driver import CudaError, Driver, pin_host
 from kvservice.tiers.slab import SlabTier
 
 log = logging.getLogger("kvcraft.host")
-
-
-SHM_DIR = Path("/dev/shm")
-
-
-def _segment_prefix(data_dir: Path) -> str:
-    return "kvcraft-" + hashlib.sha1(str(Path(data_dir).resolve()).encode()).hexdigest()[:16]
-
-
-def segment_name(data_dir: Path, instance_id: str) -> str:
-    """The host slab's segment of one service instance on `data_dir`."""
-    return f"{_segment_prefix(data_dir)}-{instance_id}"
-
-
-def remove_stale_segments(data_dir: Path) -> list[str]:
-    """Unlink the segments earlier instances on `data_dir` left (a crash skips the
-    unlink); their names. Call only while holding the data dir (its metadata lock)."""
-    prefix = _segment_prefix(data_dir)
-    removed = []
-    for path in SHM_DIR.glob(prefix + "*"):
-        try:
-            path.unlink()
-            removed.append(path.name)
-        except FileNotFoundError:
-            pass
-    return removed
 
 
 class HostTier(SlabTier):

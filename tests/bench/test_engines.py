@@ -14,6 +14,8 @@ import pytest
 
 from kvbench.engines import EngineProcess, engine_run
 
+pytestmark = pytest.mark.slow  # over ~10 s: after the inner loop (README, "Developing")
+
 HERE = "tests.bench.test_engines"
 
 

@@ -14,7 +14,7 @@ from engine_adapter import LlamaEngine, Policy, ReuseGate
 from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient
 from kvservice.launcher import ServiceProcess
-from kvservice.tiers.host import segment_name
+from kvservice.segments import segment_name
 
 ENGINE = LlamaEngine.random("tiny", seed=0)
 QUESTION = [7, 11, 13, 17, 19]

@@ -22,7 +22,8 @@ from kvservice.tiers.disk import DiskTier
 from kvservice.tiers import build_tiers
 from kvservice.tiers.disk_backend import ALIGN, KvikioBackend, PosixBackend
 from kvservice.tiers.gpu import GpuTier
-from kvservice.tiers.host import HostTier, segment_name
+from kvservice.segments import segment_name
+from kvservice.tiers.host import HostTier
 
 from .fakes import FakeDriver, FakeKvikio
 

@@ -21,8 +21,9 @@ from kvbench.quality.modeling import MODEL_DIR
 MEASURED = {"short": {"accuracy": 0.98, "full_accuracy": 1.0},
             "long": {"accuracy": 0.97, "full_accuracy": 0.96}}
 
-pytestmark = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(),
-                                reason="no trained model committed under bench/quality/")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(),
+                                 reason="no trained model committed under bench/quality/")]
 
 
 @pytest.fixture(scope="module", params=sorted(MEASURED))

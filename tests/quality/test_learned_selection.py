@@ -44,8 +44,9 @@ TASKS = {
                  measured={"full": 0.960, "learned": 0.940}),
 }
 
-pytestmark = pytest.mark.skipif(not all((t["model"] / "model.safetensors").exists() for t in TASKS.values()),
-                                reason="no trained model committed under bench/quality/")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not all((t["model"] / "model.safetensors").exists() for t in TASKS.values()),
+                                 reason="no trained model committed under bench/quality/")]
 
 
 @pytest.fixture(scope="module", params=sorted(TASKS))

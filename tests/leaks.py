@@ -1,0 +1,76 @@
+"""What a test run must not leave behind: processes it started (kvcraft serve, vLLM engines,
+mooncake_master, their helpers), shared-memory segments, and data dirs in the temporary
+folder. The run's first process marks its environment; every process it starts inherits
+the mark, so a process still carrying it after the run is one the run left running.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+MARK = "KVCRAFT_TEST_RUN"
+SHM = Path("/dev/shm")
+EXIT_WAIT_S = 10.0  # a process killed at the very end still needs a moment to be reaped
+
+
+@dataclass(frozen=True)
+class Before:
+    run: str
+    shm: frozenset[str]
+    tmp: frozenset[str]
+
+
+BEFORE = pytest.StashKey[Before]()
+
+
+def start() -> Before:
+    """Mark this process's environment (inherited by everything it starts); note what
+    /dev/shm and the temporary folder hold already."""
+    run = uuid.uuid4().hex
+    os.environ[MARK] = run
+    return Before(run, _names(SHM), _names(Path(tempfile.gettempdir())))
+
+
+def left_behind(before: Before) -> list[str]:
+    """What the run left: marked processes, new segments, new kvcraft temporary dirs."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while (procs := _marked(before.run)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    found = [f"process {pid}: {cmd}" for pid, cmd in procs]
+    found += [f"/dev/shm/{n}" for n in sorted(_names(SHM) - before.shm)]
+    tmp = Path(tempfile.gettempdir())
+    found += [str(tmp / n) for n in sorted(_names(tmp) - before.tmp) if n.startswith("kvcraft")]
+    return found
+
+
+def _names(folder: Path) -> frozenset[str]:
+    try:
+        return frozenset(p.name for p in folder.iterdir())
+    except FileNotFoundError:
+        return frozenset()
+
+
+def _marked(run: str) -> list[tuple[int, str]]:
+    """Live processes, other than this one, whose environment carries the run's mark."""
+    needle = f"{MARK}={run}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # exited, not yet reaped by its parent
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        found.append((int(entry.name), cmd[:200]))
+    return found
