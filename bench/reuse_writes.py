@@ -4,8 +4,8 @@ all with the store's lock held, so every Plan, Lease and fetch start waits behin
 
 Two ways to persist the scores, side by side in one run, rounds alternating:
   access   a 16-byte access record per reused variant (`MetadataDB.put_access`, the store's way)
-  record   the whole VariantInfo per reused variant (what the store wrote until
-           2026-11-24): its size grows with the per-token statistics
+  record   the whole VariantInfo per reused variant (the alternative): its size grows
+           with the per-token statistics
 
 Each request fetches 5 chunks stored behind one another (Cache-Craft statistics: one
 inter-attention value per token), written with RocksDB as the service does (unsynced).

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from engine_adapter.vllm.config import ConnectorSettings, blend_policy
+from engine_adapter.vllm.config import ConnectorSettings, make_blend_policy
 from engine_adapter.vllm.lookup import Breaker
 from engine_adapter.vllm.metrics import ConnectorMetrics
 from kvclient.errors import DeadlineExceededError
@@ -153,7 +153,7 @@ def check_ask(ask: Any, prompt_tokens: int | None = None) -> BlendAsk:
     policy = ask.get("policy")
     options = ask.get("options")
     if policy is not None:
-        blend_policy(policy, {} if options is None else options)
+        make_blend_policy(policy, {} if options is None else options)
     elif options is not None and not isinstance(options, dict):
         raise ValueError(f"options must be a mapping, got {type(options).__name__}")
     return BlendAsk(tuple(chunks), policy, options)
@@ -188,7 +188,7 @@ def parse_blend(request: "Request", tokens: list[int], settings: ConnectorSettin
         else:
             options = settings.blend_options if checked.policy is None else {}
         if settings.blend_policy != "off":
-            blend_policy(name, options)
+            make_blend_policy(name, options)
     except ValueError as e:
         log.warning("kvcraft: request %s: bad kv_transfer_params['kvcraft'] (%s); vLLM computes it alone",
                     request.request_id, e)

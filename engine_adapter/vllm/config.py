@@ -99,11 +99,6 @@ def make_blend_policy(name: Any, options: Any) -> Any:
         raise ValueError(f"blend policy {name!r} with options {options}: {e}") from None
 
 
-# The function's former name, while blend_request.py and context.py still import it; it
-# goes once they call make_blend_policy (the settings field keeps the name blend_policy).
-blend_policy = make_blend_policy
-
-
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SAMPLE = 64 << 10
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from engine_adapter.vllm.blocks import BlendLoad
-from engine_adapter.vllm.config import ConnectorSettings, blend_policy
+from engine_adapter.vllm.config import ConnectorSettings, make_blend_policy
 
 log = logging.getLogger("kvcraft.vllm")
 
@@ -134,7 +134,7 @@ class ContextBuilder:
         attn = self.attention_layers(layer_names)
         options = dict(ld.options)
         options.setdefault("layer_budget_s", DEFAULT_LAYER_WAIT_S)
-        policy = blend_policy(ld.policy, options)
+        policy = make_blend_policy(ld.policy, options)
         at, chunks = 0, []
         for n in ld.chunk_tokens:
             chunks.append(list(ld.prompt[at:at + n]))

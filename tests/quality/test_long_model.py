@@ -1,4 +1,4 @@
-"""The long task's committed model (`bench/quality/model-long/`, issue 19) answers
+"""The long task's committed model (`bench/quality/model-long/`) answers
 held-out questions, and naive reuse hurts it. transformers only, like
 test_model_accuracy.py; fails if the weights or the task regress."""
 

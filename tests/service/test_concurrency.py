@@ -1,4 +1,4 @@
-"""Stores commit outside the store lock (issue 23, load): identical concurrent stores
+"""Stores commit outside the store lock: identical concurrent stores
 still make exactly one variant, and every one of them is answered."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A full disk, for real: the data directory on a small tmpfs (issue 18, item 7). Stores
+"""A full disk, for real: the data directory on a small tmpfs. Stores
 answer RESOURCE_EXHAUSTED naming the disk, acknowledged variants stay readable (no
 metadata write on the read path can fail a read), the service recovers by itself once
 space frees, and SIGTERM still exits 0."""

@@ -1,5 +1,5 @@
 """SIGTERM drain on the real server: health turns NOT_SERVING while new connections are
-still accepted, and a Store already running finishes (issue 18, item 10)."""
+still accepted, and a Store already running finishes."""
 
 from __future__ import annotations
 

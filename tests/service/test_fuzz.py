@@ -1,4 +1,4 @@
-"""Seeded fuzzing of every RPC against the real server (issue 18).
+"""Seeded fuzzing of every RPC against the real server.
 
 A few thousand requests: valid ones, ones with a field set to an extreme value (NaN,
 inf, huge, empty, too long, not hex), and byte-level damage of valid messages (flips,

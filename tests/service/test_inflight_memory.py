@@ -1,4 +1,4 @@
-"""In-flight Stores are bounded (issue 18, item 6): an open Store stream writes each layer
+"""In-flight Stores are bounded: an open Store stream writes each layer
 to its payload file only (the host slab gets its copy at commit), so it holds about the
 layer it is receiving; the server counts each open stream at INFLIGHT_LAYERS layers
 against max_inflight_store_bytes and refuses a Store beyond it with RESOURCE_EXHAUSTED.

