@@ -9,7 +9,7 @@ checked against its reference first, so a fast wrong kernel cannot show up as a 
 
 Needs CUDA; on a machine without it, says so and exits 0. The roofline fraction is
 achieved / peak for the resource that bounds the kernel: bytes moved at least once
-(HBM) for RoPE, deviation and row copies, dense FLOPs for attention. Peaks default to
+(HBM) for RoPE and deviation, dense FLOPs for attention. Peaks default to
 an H200 (about 4.8 TB/s HBM3e, about 990 TFLOP/s dense bf16/fp16).
 """
 
@@ -166,19 +166,6 @@ def run(
         rows.append(_row("kv_deviation_topk", impl, timer(fn), dev_bytes, 0.0, "memory",
                          peak_bps, peak_flops, err))
 
-    # -- row gather / scatter of the R recomputed rows --
-    row_bytes = 2 * Hkv * R * D * esize + R * 8
-    upd = randn(Hkv, R, D)
-    dst = k.clone()
-    for kernel, impl, fn, err in (
-        ("gather_rows", "triton", lambda: K.gather_rows_triton(k, sel),
-         _err(K.gather_rows_triton(k, sel), K.gather_rows_reference(k, sel))),
-        ("gather_rows", "torch index_select", lambda: K.gather_rows_reference(k, sel), None),
-        ("scatter_rows", "triton", lambda: K.scatter_rows_triton(dst, sel, upd),
-         _err(K.scatter_rows_triton(k.clone(), sel, upd), K.scatter_rows_reference(k.clone(), sel, upd))),
-        ("scatter_rows", "torch index_copy_", lambda: K.scatter_rows_reference(dst, sel, upd), None),
-    ):
-        rows.append(_row(kernel, impl, timer(fn), row_bytes, 0.0, "memory", peak_bps, peak_flops, err))
     return rows
 
 

@@ -8,8 +8,8 @@ the explicit variants; tests run the Triton ones on CPU tensors under
 ``TRITON_INTERPRET=1``, which must be set before this package is first imported.
 
 Modules: ``rope`` (apply/remove RoPE at arbitrary positions), ``attention`` (selective
-attention with a position-causal mask and per-chunk attention mass), ``deviation``
-(CacheBlend KV deviation + HKVD top-k), ``rows`` (gather/scatter of token rows).
+attention with a position-causal mask and per-chunk attention mass)
+and ``deviation`` (CacheBlend KV deviation + HKVD top-k).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from .rope import (
     rotate_reference,
     rotate_triton,
 )
-from .rows import gather_rows_reference, gather_rows_triton, scatter_rows_reference, scatter_rows_triton
 
 __all__ = [
     "RopeConfig",
@@ -57,12 +56,6 @@ __all__ = [
     "kv_deviation_topk",
     "kv_deviation_topk_triton",
     "kv_deviation_topk_reference",
-    "gather_rows",
-    "gather_rows_triton",
-    "gather_rows_reference",
-    "scatter_rows",
-    "scatter_rows_triton",
-    "scatter_rows_reference",
 ]
 
 
@@ -128,16 +121,3 @@ def kv_deviation_topk(
         return kv_deviation_topk_triton(k_new, v_new, k_old, v_old, ratio)
     return kv_deviation_topk_reference(k_new, v_new, k_old, v_old, ratio)
 
-
-def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """src [H, T, D], idx [R] -> [H, R, D] (contract: :func:`gather_rows_triton`)."""
-    if src.is_cuda:
-        return gather_rows_triton(src, idx)
-    return gather_rows_reference(src, idx)
-
-
-def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """dst[:, idx] = rows, in place; returns dst (contract: :func:`scatter_rows_triton`)."""
-    if dst.is_cuda:
-        return scatter_rows_triton(dst, idx, rows)
-    return scatter_rows_reference(dst, idx, rows)

@@ -19,8 +19,6 @@ CPU_CALLS = {
         torch.randn(2, 1, 16), torch.tensor([2]), torch.randn(1, 3, 16), torch.randn(1, 3, 16), torch.arange(3)
     ),
     "kv_deviation_topk": lambda: kvkernels.kv_deviation_topk(*[torch.randn(1, 3, 16) for _ in range(4)], 0.5),
-    "gather_rows": lambda: kvkernels.gather_rows(torch.randn(1, 3, 16), torch.tensor([2])),
-    "scatter_rows": lambda: kvkernels.scatter_rows(torch.zeros(1, 3, 16), torch.tensor([2]), torch.ones(1, 1, 16)),
 }
 
 
@@ -39,8 +37,8 @@ def test_cpu_tensors_go_to_the_reference(name: str, monkeypatch: pytest.MonkeyPa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="routing to Triton needs CUDA tensors")
 def test_cuda_tensors_go_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     sentinel = object()
-    monkeypatch.setattr(kvkernels, "gather_rows_triton", lambda *a, **k: sentinel)
-    assert kvkernels.gather_rows(torch.zeros(1, 3, 16, device="cuda"), torch.tensor([1], device="cuda")) is sentinel
+    monkeypatch.setattr(kvkernels, "kv_deviation_topk_triton", lambda *a, **k: sentinel)
+    assert kvkernels.kv_deviation_topk(*[torch.zeros(1, 3, 16, device="cuda") for _ in range(4)], 0.5) is sentinel
 
 
 def test_imports_and_runs_on_cpu_without_the_interpreter() -> None:
