@@ -202,12 +202,16 @@ def main() -> None:
                     help="an option of the blend policy, e.g. ratio=0.15 (cacheblend); repeatable")
     ap.add_argument("--no-local", dest="local", action="store_false",
                     help="read stored KV over gRPC, not from the service's shared memory")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="run the model eagerly, without torch.compile (vLLM's option): a shorter start")
     a = ap.parse_args()
     try:
         options = parse_options(a.blend_option)
     except ValueError as e:
         ap.error(str(e))
     extra = {"max_model_len": a.max_model_len} if a.max_model_len else {}
+    if a.enforce_eager:
+        extra["enforce_eager"] = True
     uvicorn.run(build_app(a.model, a.kvcraft, a.block_size, a.max_conversations, extra, a.blend_policy, options,
                           a.local), host=a.host, port=a.port)
 

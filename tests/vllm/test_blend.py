@@ -73,7 +73,9 @@ def world(tmp_path_factory):
             warm.prefill(mixed, list(exs[i].question_ids), reorder=False)
         warm.close()
     requests = [{"prompt": e.prompt_ids, "chunks": [len(c) for c in e.chunk_ids]} for e in exs]
-    alone, _ = run_engine(tmp, "alone", {"model": str(MODEL_DIR), "kv": None,
+    # vLLM alone runs eagerly (no torch.compile: a start ~15 s shorter); the blending vLLM
+    # below is compiled, so (a) holds across both ways vLLM runs a model.
+    alone, _ = run_engine(tmp, "alone", {"model": str(MODEL_DIR), "kv": None, "enforce_eager": True,
                                          "phases": [{"requests": requests, "max_tokens": MAX_TOKENS}]})
     w = {"tmp": tmp, "server": server, "engine": engine, "exs": exs[:EXAMPLES], "requests": requests[:EXAMPLES],
          "alone": outputs(alone["phases"][0])[:EXAMPLES], "model": str(MODEL_DIR),
@@ -268,6 +270,7 @@ def test_fresh_chunks_stored_back_and_faults_answer_as_vllm_alone(world):
         {"requests": [{**r, "salt": "down"} for r in reqs[2:4]], "max_tokens": MAX_TOKENS, "signal": "SIGKILL"},
     ]
     spec = _blend_spec(world, phases, plan_timeout_s=0.5, lookup_timeout_s=0.5, breaker_failures=100)
+    spec["enforce_eager"] = True  # compared with vLLM alone, eager too
     out, log = run_engine(world["tmp"], "faults", spec)
     new, bad, refused, evicted, stalled, down = out["phases"]
     k = new["outputs"][0]["kv"]["kvcraft"]

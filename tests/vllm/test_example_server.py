@@ -48,7 +48,8 @@ def example(tmp_path_factory):
     port = free_port()
     log = open(tmp / "example.log", "w")
     proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "vllm_rag_server.py"), "--model", model,
-                             "--kvcraft", server.address, "--port", str(port), "--max-model-len", "2048"],
+                             "--kvcraft", server.address, "--port", str(port), "--max-model-len", "2048",
+                             "--enforce-eager"],  # no torch.compile: compiled blending is test_blend.py's
                             env=engine_env(), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 400
