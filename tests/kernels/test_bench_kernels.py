@@ -11,6 +11,8 @@ import torch
 
 from kvbench import kernels as bench
 
+pytestmark = pytest.mark.slow  # over ~10 s: after the inner loop (README, "Developing")
+
 
 def test_bench_runs_every_kernel_and_all_match_their_reference() -> None:
     calls: list[int] = []
