@@ -1,19 +1,26 @@
 """The planner: one object that turns a request's retrieved chunks into a Plan.
 
-Order (docs/planner.md, "Algorithms as built"):
-  1. conversation dedup (CRAFT §4.3)           drop chunks sent in earlier turns
-  2. CRAFT reorder, first turn only (§4.2)     a CP-Tree path the chunks already form,
-                                               then a stable sort by CA-Table count
-  3. CP-Tree longest prefix, first turn only   reuse prefix-exact KV, no recompute
-  4. per remaining chunk: lowest-CFO variant   Cache-Craft §3.1-3.3, else fresh
-  5. recompute token lists                     Cache-Craft eq. 14, N = ceil(CFO |C|) per chunk;
-                                               variants with learned scores (issue 19): the
-                                               controller's ratio spent prompt-wide on them
-                                               (`kvcraft.recompute.allocate`)
-  6. loading controller                        CacheBlend §5 ratio, Cache-Craft eq. 16 Lp
-then the state update: the CA-Table counts the request (CRAFT §4.2, before the
-reorder: adding 1 to every chunk of the request does not change their order), the
-CP-Tree promotes / extends, and the ChunkMap records the chunks sent.
+`Planner.plan` runs these steps, in this order (docs/planner.md, "Algorithms as built"):
+  1. chunk table              `_chunk_table`: check the request, token count per key
+  2. conversation dedup       `_dedup` (CRAFT §4.3): drop chunks sent in earlier turns
+                              or earlier in this request
+  3. CA-Table count           every retrieved chunk, once (CRAFT §4.2 "Table Update";
+                              before the reorder: +1 to every chunk keeps their order)
+  4. reorder, first turn only `_reorder` (CRAFT §4.2): a CP-Tree path the chunks already
+                              form first, the rest by a stable sort on CA-Table count
+  5. CP-Tree prefix           first turn only (CRAFT §4.1): prefix-exact KV, no recompute
+  6. variant per chunk        `_chunk_plans` (Cache-Craft §3.1-3.3): the lowest-CFO
+                              variant of each remaining chunk, else fresh; recompute its
+                              top ceil(CFO |C|) tokens (eq. 14), or, when the chunk has
+                              learned scores, see step 9
+  7. state update             `_remember`: CP-Tree promotion / extension (CRAFT §4.2),
+                              the ChunkMap records the chunks sent (§4.3)
+  8. loading controller       CacheBlend §5 ratio, Cache-Craft eq. 16 preload depth Lp
+  9. learned budget           `_spend_learned`: the controller's ratio spent prompt-wide
+                              on the learned scores (`kvcraft.recompute.allocate`), then
+                              the controller asked again with that recompute
+The lease on the reused variants is not the planner's: `kvservice.planning.PlanningService`
+takes it after `plan` returns.
 
 The CP-Tree applies only to a first turn: a later turn's chunks follow the
 conversation's history in the prompt, so they are never at a chunk-prefix.
@@ -36,7 +43,7 @@ from .ca_table import DEFAULT_WINDOW, CATable
 from .catalog import Variant, VariantCatalog
 from .controller import R_MIN, LoadingController, ModelProfile, TierProfile
 from .conversation import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_CONVERSATIONS, DEFAULT_TTL_S, ChunkMap, dedup
-from .cp_tree import DEFAULT_PROMOTION_THRESHOLD, CPTree
+from .cp_tree import DEFAULT_PROMOTION_THRESHOLD, CPNode, CPTree
 from .reorder import reorder_by_count
 from .variants import DEFAULT_ALPHA, cci, recompute_count, tie_key, variant_cfo
 
@@ -164,6 +171,52 @@ class Plan(NamedTuple):
         return self.history + self.order[:position]
 
 
+def _chunk_table(model_id: str, chunks: Sequence[ChunkRef],
+                 question_tokens: int) -> tuple[list[str], dict[str, int], int]:
+    """Check the request; (keys in retriever order, key -> token count, tokens retrieved)."""
+    if not model_id:
+        raise PlanError("model_id is empty")
+    if question_tokens < 0:
+        raise PlanError(f"question_tokens is negative ({question_tokens})")
+    tokens: dict[str, int] = {}
+    keys: list[str] = []
+    retrieved_tokens = 0
+    for c in chunks:
+        n = c.token_count
+        if n < 1:
+            raise PlanError(f"chunk {c.key!r} has token_count {n} < 1")
+        keys.append(c.key)
+        tokens[c.key] = n
+        retrieved_tokens += n
+    return keys, tokens, retrieved_tokens
+
+
+def merged_scores(lists: Sequence[Sequence[float]]) -> Sequence[float]:
+    """The learned scores of one chunk from those of its variants (one score per token
+    each): their elementwise maximum, the rule `kvcraft.recompute.merge_scores` defines (a
+    token whose stale KV cost an answer behind any prefix stays a candidate). Inlined
+    because it runs for every reused chunk with learned scores: one list is returned as
+    is, not copied, several are merged in one pass (tests compare it with folding the
+    lists with merge_scores)."""
+    if len(lists) == 1:
+        return lists[0]
+    return tuple(map(max, zip(*lists))) if lists else ()
+
+
+def _spend_learned(plans: list[ChunkPlan], learned: Mapping[int, Sequence[float]], ratio: float) -> int:
+    """The recompute of the chunks with learned scores (`learned`: plans index -> merged
+    scores): the controller's ratio (recompute that hides behind loading, CacheBlend §5,
+    >= r_min) of their tokens, spent prompt-wide on the highest scores across chunks
+    (`kvcraft.recompute.allocate`) instead of Cache-Craft's per-chunk N (eq. 13-14).
+    Fills those plans' `recompute`, highest score first; returns the tokens chosen."""
+    chosen = 0
+    for j, toks in allocate(learned, ratio).items():
+        sc = learned[j]
+        plans[j] = plans[j]._replace(recompute=tuple(sorted(toks, key=lambda t: (-sc[t], t))))
+        chosen += len(toks)
+    return chosen
+
+
 class Planner:
     """CRAFT + Cache-Craft + CacheBlend planning over a `VariantCatalog`.
 
@@ -192,7 +245,7 @@ class Planner:
     # ------------------------------------------------------------------ plan
     def plan(self, model_id: str, conv_id: str, chunks: Sequence[ChunkRef],
              question_tokens: int, first_turn: bool | None = None) -> Plan:
-        """Plan one request.
+        """Plan one request: the steps of the module docstring, in that order.
 
         model_id: model fingerprint (`ModelSpec.fingerprint()`); picks the controller.
         conv_id: conversation id, "" for a single-turn request.
@@ -202,139 +255,144 @@ class Planner:
           the conversation is unknown (or expired) to the planner. A caller that knows
           the prompt has history should pass False, so no CP-Tree prefix is used.
         """
-        if not model_id:
-            raise PlanError("model_id is empty")
-        if question_tokens < 0:
-            raise PlanError(f"question_tokens is negative ({question_tokens})")
         cfg = self.config
-        tokens: dict[str, int] = {}
-        keys: list[str] = []
-        retrieved_tokens = 0
-        for c in chunks:
-            n = c.token_count
-            if n < 1:
-                raise PlanError(f"chunk {c.key!r} has token_count {n} < 1")
-            keys.append(c.key)
-            tokens[c.key] = n
-            retrieved_tokens += n
-
+        keys, tokens, retrieved_tokens = _chunk_table(model_id, chunks, question_tokens)
         history = self.conversations.history(conv_id)
         first = (history is None) if first_turn is None else first_turn
-
-        # 1. conversation dedup (CRAFT §4.3)
-        if not cfg.dedup or (not history and len(tokens) == len(keys)):
-            order, dropped = keys, []  # nothing sent before, no key twice: nothing to drop
-        else:
-            order, dropped = dedup(keys, history or ())
-
-        # CA-Table counts every retrieved chunk (CRAFT §4.2, "Table Update").
-        ca = self.ca_table
-        ca.observe(keys if len(tokens) == len(keys) else tokens, distinct=True)
-        count = ca.count
-
-        # 2. reorder a first turn (CRAFT §4.2 "Chunk Reordering")
-        tree = self.cp_tree
-        use_tree = first and cfg.prefix_tree
+        order, dropped = self._dedup(keys, tokens, history)
+        # Every retrieved chunk counts, dropped or not (CRAFT §4.2 "Table Update"); counting
+        # before the reorder is the same as after: +1 to each chunk keeps their order.
+        self.ca_table.observe(keys if len(tokens) == len(keys) else tokens, distinct=True)
+        use_tree = first and cfg.prefix_tree  # a later turn's chunks follow its history: never a chunk-prefix
         if first and cfg.reorder and len(order) > 1:
-            order = reorder_by_count(order, ca.counts_of(order))
-            if use_tree and cfg.follow_prefix:
-                # an existing chunk-prefix path first, the rest by count (CRAFT §4.2)
-                head = tree.follow(order)
-                if head:
-                    taken = set(head)
-                    order = head + [k for k in order if k not in taken]
-
-        # 3. CP-Tree longest prefix
-        nodes = tree.lookup(order) if use_tree else []
-        p = len(nodes)
-
-        # 4-5. variants for the rest: the lowest-CFO variant of each chunk (Cache-Craft
-        # §3.3, `variants.choose_variant` inlined: this loop is the planner's hot path)
-        hist_len = len(history) if history else 0
-        s_new: dict[str, int] = dict(history) if history else {}
-        variants_of = self.catalog.variants_of
-        alpha, max_cfo = cfg.alpha, cfg.max_cfo
-        use_variants = cfg.variants
-        plans: list[ChunkPlan] = []
-        by_tier: dict[str, int] = {}
-        fresh_tokens = recompute_total = start = 0
-        learned: dict[int, tuple[float, ...]] = {}  # plans index -> the variant's learned scores
-        for i, k in enumerate(order):
-            n = tokens[k]
-            span = (start, start + n)
-            start += n
-            if i < p:
-                node = nodes[i]
-                plans.append(ChunkPlan(k, n, i, span, PREFIX, node.variant_id, node.tier, 0.0, ()))
-                by_tier[node.tier] = by_tier.get(node.tier, 0) + n
-            else:
-                best = None
-                best_cfo = 2.0
-                learned_lists = []  # every variant's learned scores (see below)
-                if use_variants:
-                    for v in variants_of(k):
-                        st = v.stats
-                        if len(st.recompute_scores) == n:
-                            learned_lists.append(st.recompute_scores)
-                        pk = v.prefix_keys
-                        if len(pk) > 1:
-                            c = variant_cfo(v, s_new, alpha)
-                        else:
-                            # No prefix, or one chunk: beta' is 1 when that chunk is in S_new
-                            # (or both are empty), else 0 (eq. 6-8 with one key); CFO =
-                            # alpha * CCI * (1 - beta'), clamped (eq. 12).
-                            if (pk[0] in s_new) if pk else not s_new:
-                                c = 0.0
-                            else:
-                                c = v.cci
-                                if c < 0.0:
-                                    c = v.cci = cci(st.a, st.b)
-                                c *= alpha
-                                if c > 1.0:
-                                    c = 1.0
-                        if c < best_cfo or (c == best_cfo and tie_key(v) < tie_key(best)):
-                            best, best_cfo = v, c
-                if best is None or best_cfo >= max_cfo:
-                    plans.append(ChunkPlan(k, n, i, span, FRESH, None, None, 1.0, ()))
-                    fresh_tokens += n
-                else:
-                    # Learned scores describe the chunk's tokens, whichever variant a
-                    # request stored them with: every variant's count (elementwise max,
-                    # as `kvcraft.recompute.merge_scores`), a variant without any included.
-                    scores = (learned_lists[0] if len(learned_lists) == 1
-                              else tuple(map(max, zip(*learned_lists))) if learned_lists else ())
-                    if len(scores) == n:  # learned: the budget is spent prompt-wide below
-                        learned[len(plans)] = scores
-                        rc = ()
-                    else:
-                        rc = tuple(best.recompute_order[: recompute_count(best_cfo, n)])
-                    plans.append(ChunkPlan(k, n, i, span, VARIANT, best.variant_id, best.tier, best_cfo, rc))
-                    recompute_total += len(rc)
-                    by_tier[best.tier] = by_tier.get(best.tier, 0) + n
-            s_new[k] = hist_len + i
-
-        hist_keys = tuple(history) if history else ()  # before record() extends it
-        # State update (CRAFT §4.2 promotion / extension; §4.3 ChunkMap).
-        if use_tree and order:
-            tree.update(order, [tokens[k] for k in order], count, p)
-        if conv_id:
-            self.conversations.record(conv_id, order)
-
-        # 6. loading controller
-        controller = self.controller(model_id)
+            order = self._reorder(order, use_tree)
+        nodes = self.cp_tree.lookup(order) if use_tree else []  # CP-Tree longest live prefix (CRAFT §4.1)
+        plans, by_tier, fresh_tokens, recompute_total, learned = self._chunk_plans(order, tokens, nodes, history)
+        hist_keys = tuple(history) if history else ()  # before _remember extends the history
+        self._remember(conv_id, order, tokens, use_tree, len(nodes))
+        controller = self.controller(model_id)  # the ratio does not depend on the recompute asked
         d = controller.decide(by_tier, fresh_tokens, question_tokens, recompute_total)
         if learned:
-            # The controller's ratio (recompute that hides behind loading, >= r_min) over
-            # the learned variants' tokens, to their highest scores across chunks.
-            lists = allocate(learned, d.ratio)
-            for j, toks in lists.items():
-                sc = learned[j]
-                plans[j] = plans[j]._replace(recompute=tuple(sorted(toks, key=lambda t: (-sc[t], t))))
-                recompute_total += len(toks)
+            recompute_total += _spend_learned(plans, learned, d.ratio)
             d = controller.decide(by_tier, fresh_tokens, question_tokens, recompute_total)
         return Plan(model_id, conv_id, first, tuple(order), tuple(dropped),
                     tuple([nd.variant_id for nd in nodes]), tuple(plans), d.ratio, d.preload_depth,
                     d.load_s_per_layer, d.compute_s_per_layer, hist_keys, retrieved_tokens)
+
+    def _dedup(self, keys: list[str], tokens: dict[str, int],
+               history: dict[str, int] | None) -> tuple[list[str], list[str]]:
+        """Conversation dedup (CRAFT §4.3): (order, dropped), a chunk sent in an earlier
+        turn, or earlier in this request, dropped."""
+        if not self.config.dedup or (not history and len(tokens) == len(keys)):
+            return keys, []  # nothing sent before, no key twice: nothing to drop
+        return dedup(keys, history or ())
+
+    def _reorder(self, order: list[str], use_tree: bool) -> list[str]:
+        """Chunk reordering of a first turn (CRAFT §4.2): a stable sort by descending
+        CA-Table count, then (follow_prefix) a CP-Tree path the chunks already form
+        first, the rest after it in count order, so a chunk set seen before keeps the
+        order its prefix was stored in."""
+        order = reorder_by_count(order, self.ca_table.counts_of(order))
+        if use_tree and self.config.follow_prefix:
+            head = self.cp_tree.follow(order)
+            if head:
+                taken = set(head)
+                order = head + [k for k in order if k not in taken]
+        return order
+
+    def _chunk_plans(self, order: list[str], tokens: dict[str, int], nodes: list[CPNode],
+                     history: dict[str, int] | None
+                     ) -> tuple[list[ChunkPlan], dict[str, int], int, int, dict[int, Sequence[float]]]:
+        """One ChunkPlan per chunk of `order`: the CP-Tree prefix `nodes` as is (CRAFT
+        §4.1, CFO 0), then for every other chunk the lowest-CFO variant (Cache-Craft §3.3),
+        else FRESH; a variant's recompute tokens are its top ceil(CFO |C|) (eq. 14), or,
+        when the chunk has learned scores, left to `_spend_learned`.
+
+        Returns (plans, reused tokens per tier, fresh tokens, recompute tokens, learned:
+        plans index -> merged learned scores).
+
+        `variants.choose_variant` is inlined here, with fast paths for variants behind 0
+        or 1 prefix chunks: this loop is the planner's hot path (tests check it picks
+        what choose_variant picks).
+        """
+        cfg = self.config
+        hist_len = len(history) if history else 0
+        s_new: dict[str, int] = dict(history) if history else {}  # S_new: chunk -> prompt position
+        plans: list[ChunkPlan] = []
+        by_tier: dict[str, int] = {}
+        start = 0
+        new_chunk_plan = tuple.__new__  # ChunkPlan(...) minus NamedTuple's Python-level __new__ call
+        for i, node in enumerate(nodes):
+            k = order[i]
+            n = tokens[k]
+            plans.append(new_chunk_plan(ChunkPlan, (k, n, i, (start, start + n), PREFIX, node.variant_id, node.tier,
+                                                    0.0, ())))
+            start += n
+            by_tier[node.tier] = by_tier.get(node.tier, 0) + n
+            s_new[k] = hist_len + i
+
+        variants_of = self.catalog.variants_of
+        alpha, max_cfo = cfg.alpha, cfg.max_cfo
+        use_variants = cfg.variants
+        fresh_tokens = recompute_total = 0
+        learned: dict[int, Sequence[float]] = {}
+        for i in range(len(nodes), len(order)):
+            k = order[i]
+            n = tokens[k]
+            span = (start, start + n)
+            start += n
+            best = None
+            best_cfo = 2.0
+            learned_lists = []  # every variant's learned scores, not only the best's
+            if use_variants:
+                for v in variants_of(k):
+                    st = v.stats
+                    if len(st.recompute_scores) == n:
+                        learned_lists.append(st.recompute_scores)
+                    pk = v.prefix_keys
+                    if len(pk) > 1:
+                        c = variant_cfo(v, s_new, alpha)
+                    else:
+                        # No prefix, or one chunk: beta' is 1 when that chunk is in S_new
+                        # (or both are empty), else 0 (eq. 6-8 with one key); CFO =
+                        # alpha * CCI * (1 - beta'), clamped (eq. 12).
+                        if (pk[0] in s_new) if pk else not s_new:
+                            c = 0.0
+                        else:
+                            c = v.cci
+                            if c < 0.0:
+                                c = v.cci = cci(st.a, st.b)
+                            c *= alpha
+                            if c > 1.0:
+                                c = 1.0
+                    if c < best_cfo or (c == best_cfo and tie_key(v) < tie_key(best)):
+                        best, best_cfo = v, c
+            if best is None or best_cfo >= max_cfo:
+                plans.append(new_chunk_plan(ChunkPlan, (k, n, i, span, FRESH, None, None, 1.0, ())))
+                fresh_tokens += n
+            else:
+                if learned_lists:
+                    # Learned scores describe the chunk's tokens, whichever variant a request
+                    # stored them with: the budget is spent prompt-wide on them later.
+                    learned[len(plans)] = merged_scores(learned_lists)
+                    rc = ()
+                else:
+                    rc = tuple(best.recompute_order[: recompute_count(best_cfo, n)])
+                plans.append(new_chunk_plan(ChunkPlan, (k, n, i, span, VARIANT, best.variant_id, best.tier,
+                                                        best_cfo, rc)))
+                recompute_total += len(rc)
+                by_tier[best.tier] = by_tier.get(best.tier, 0) + n
+            s_new[k] = hist_len + i
+        return plans, by_tier, fresh_tokens, recompute_total, learned
+
+    def _remember(self, conv_id: str, order: list[str], tokens: dict[str, int], use_tree: bool,
+                  prefix_len: int) -> None:
+        """The state a later request plans with: the CP-Tree promotes or extends this
+        order's path (CRAFT §4.2 promotion), the ChunkMap records the chunks sent (§4.3)."""
+        if use_tree and order:
+            self.cp_tree.update(order, [tokens[k] for k in order], self.ca_table.count, prefix_len)
+        if conv_id:
+            self.conversations.record(conv_id, order)
 
     # ------------------------------------------------------------------ store hooks
     def on_put(self, info: Variant) -> None:

@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -186,3 +188,62 @@ def test_controllers_stay_bounded_and_the_busy_model_keeps_its_estimates():
             planner.plan(busy, "", [ChunkRef(key("c"), 10)], 8)
     assert len(planner._controllers) == MAX_MODELS
     assert planner.controller(busy).compute.predict(100.0) == taught
+
+
+score = st.sampled_from([0.0, 0.25, 1.0, 2.0, 3.5])  # ties and zeros (allocate never picks a 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_merged_scores_is_merge_scores(data):
+    """The planner's inlined merge of a chunk's learned scores equals folding its
+    variants' lists with `kvcraft.recompute.merge_scores` (elementwise max)."""
+    from kvcraft.recompute import merge_scores
+
+    from kvservice.planner.plan import merged_scores
+
+    n = data.draw(st.integers(1, 8))
+    floats = st.one_of(score, st.floats(-2.0, 5.0, allow_nan=False))
+    lists = data.draw(st.lists(st.lists(floats, min_size=n, max_size=n).map(tuple), max_size=5))
+    assert tuple(merged_scores(lists)) == functools.reduce(merge_scores, lists, ())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_plan_learned_recompute_is_allocate_over_merge_scores(data):
+    """A reused chunk whose variants carry learned scores gets its recompute from the
+    scores of all its variants (of the chunk's length) folded with `merge_scores`, the
+    plan's ratio spent on them prompt-wide with `allocate`, highest score first; a chunk
+    without any keeps Cache-Craft's top ceil(CFO |C|) of the chosen variant's order."""
+    from kvcraft.recompute import allocate, merge_scores
+
+    from kvservice.planner.variants import recompute_count
+
+    r_min = data.draw(st.sampled_from([0.15, 0.5, 1.0]))
+    catalog, planner = make(alpha=data.draw(st.sampled_from([0.15, 1.0])), r_min=r_min)
+    names = [f"c{i}" for i in range(5)]
+    for chunk in names:
+        for prefix in data.draw(st.lists(st.sampled_from([(), ("c0",), ("c1", "c2"), ("x",)]), max_size=3,
+                                         unique=True)):
+            learned = data.draw(st.one_of(st.just(()), st.lists(score, min_size=10, max_size=10)))
+            catalog.put(variant(key(chunk), [key(p) for p in prefix if p != chunk], a=0.4,
+                                recompute_scores=learned))
+    asked = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=5, unique=True))
+    n_of = {k: data.draw(st.sampled_from([10, 10, 12])) for k in asked}  # 12: no list of that length
+    p = planner.plan("m", "", [ChunkRef(key(k), n_of[k]) for k in asked], 4)
+
+    want: dict[int, tuple[float, ...]] = {}
+    for j, c in enumerate(p.chunks):
+        if c.source != VARIANT:
+            continue
+        lists = [v.stats.recompute_scores for v in catalog.variants_of(c.chunk_key)
+                 if len(v.stats.recompute_scores) == c.token_count]
+        if lists:
+            want[j] = functools.reduce(merge_scores, lists, ())
+        else:
+            best = catalog.get(c.variant_id)
+            assert c.recompute == tuple(best.recompute_order[: recompute_count(c.cfo, c.token_count)])
+    chosen = allocate(want, p.ratio) if want else {}
+    for j, toks in chosen.items():
+        sc = want[j]
+        assert p.chunks[j].recompute == tuple(sorted(toks, key=lambda t: (-sc[t], t)))
