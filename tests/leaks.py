@@ -2,6 +2,8 @@
 mooncake_master, their helpers), shared-memory segments, and data dirs in the temporary
 folder. The run's first process marks its environment; every process it starts inherits
 the mark, so a process still carrying it after the run is one the run left running.
+Segments carry no such mark: a run beside another run on the same machine counts the
+other's segments too (CI runs one at a time).
 """
 
 from __future__ import annotations

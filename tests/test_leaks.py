@@ -1,0 +1,63 @@
+"""The run's own check (tests/leaks.py, wired in tests/conftest.py) fails a run that passed
+every test but left a process, a /dev/shm segment or a kvcraft temporary dir behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
+    tag = uuid.uuid4().hex[:12]
+    shm = Path("/dev/shm") / f"kvcraft-leak-{tag}"
+    tmp_dir = Path(tempfile.gettempdir()) / f"kvcraft-leak-{tag}"
+    pid_file = tmp_path / "pid"
+    (tmp_path / "test_leaky.py").write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        from pathlib import Path
+
+        def test_passes_but_leaves_three_things():
+            p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+            Path({str(pid_file)!r}).write_text(str(p.pid))
+            Path({str(shm)!r}).write_bytes(b"x")
+            Path({str(tmp_dir)!r}).mkdir()
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    try:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                              str(tmp_path / "test_leaky.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=120)
+        out = run.stdout + run.stderr
+        assert "1 passed" in out, out
+        assert run.returncode == 1, out
+        leaked_pid = pid_file.read_text()
+        assert "left behind by this run" in out and f"process {leaked_pid}:" in out, out
+        assert str(shm) in out and str(tmp_dir) in out, out
+    finally:
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shm.unlink(missing_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def test_a_clean_run_passes(tmp_path):
+    (tmp_path / "test_clean.py").write_text("def test_nothing_left():\n    assert True\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                          str(tmp_path / "test_clean.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
