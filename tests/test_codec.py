@@ -5,6 +5,7 @@ canonical form is left to protobuf (decoders answer None)."""
 from __future__ import annotations
 
 import random
+import uuid
 
 import grpc
 import pytest
@@ -99,18 +100,19 @@ def test_non_canonical_store_messages_are_left_to_protobuf(data):
     assert codec.decode_store_layer(data) is None
 
 
-def test_server_takes_a_layer_in_any_valid_encoding(kvserver):
+def test_server_takes_a_layer_in_any_valid_encoding(shared_server, request):
     """Value before key is valid protobuf: the server's fast parser passes it to protobuf."""
-    model = ModelSpec("codec", num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
+    name = f"codec-{request.node.name}-{uuid.uuid4().hex}"  # in the shared service, a chunk of its own
+    model = ModelSpec(name, num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
     k, v = torch.arange(8, dtype=torch.float32).reshape(1, 2, 4), -torch.arange(8, dtype=torch.float32).reshape(1, 2, 4)
     kb, vb = k.numpy().tobytes(), v.numpy().tobytes()
     inner = b"\x1a" + bytes([len(vb)]) + vb + b"\x12" + bytes([len(kb)]) + kb  # field 3, then field 2
     layer_msg = b"\x12" + bytes([len(inner)]) + inner
     assert pb.StoreRequest.FromString(layer_msg).layer.key == kb
     header = pb.StoreRequest(header=store_header(model, [5, 6], [(k, v)])).SerializeToString()
-    with grpc.insecure_channel(kvserver.address) as ch:
+    with grpc.insecure_channel(shared_server.address) as ch:
         store = ch.stream_unary("/kvcraft.v1.KVCache/Store", response_deserializer=pb.StoreResponse.FromString)
         r = store(iter([header, layer_msg]), timeout=30)
-    with KVClient(kvserver.address) as c:
+    with KVClient(shared_server.address) as c:
         ((gk, gv),) = c.fetch(r.chunk_key)
     assert torch.equal(gk, k) and torch.equal(gv, v)

@@ -28,16 +28,17 @@ def test_serve_through_the_front_runs_the_service(tmp_path):
         assert proc.wait(timeout=30) == 0
 
 
-def test_admin_stats_prints_what_the_client_reads(kvserver, capsys):
-    assert cli.main(["admin", "--address", kvserver.address, "stats"]) == 0
+def test_admin_stats_prints_what_the_client_reads(shared_server, capsys):
+    """The tiers' names only: the settings name them, whatever other tests stored."""
+    assert cli.main(["admin", "--address", shared_server.address, "stats"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    with KVClient(kvserver.address) as c:
+    with KVClient(shared_server.address) as c:
         names = [t.name for t in c.stats().tiers]
     assert [t["name"] for t in printed["tiers"]] == names
 
 
-def test_admin_needs_a_chunk_key_for_get(kvserver, capsys):
-    assert cli.main(["admin", "--address", kvserver.address, "get"]) == 2
+def test_admin_needs_a_chunk_key_for_get(shared_server, capsys):
+    assert cli.main(["admin", "--address", shared_server.address, "get"]) == 2
     assert "give a chunk key" in capsys.readouterr().err
 
 

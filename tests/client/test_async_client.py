@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import uuid
 
 import pytest
 import torch
@@ -19,6 +20,13 @@ from kvclient.errors import InvalidArgumentError, NotFoundError, UnavailableErro
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
 
 MODEL = ModelSpec("async-test", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16").fingerprint()
+
+
+@pytest.fixture
+def model(request) -> str:
+    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
+    name = f"async-test-{request.node.name}-{uuid.uuid4().hex}"
+    return ModelSpec(name, num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16").fingerprint()
 
 
 def make_layers(tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -35,28 +43,28 @@ def assert_same_layers(got, want) -> None:
         assert torch.equal(gv.view(torch.uint8), wv.view(torch.uint8))
 
 
-async def test_store_fetch_lookup_and_match_prefix(kvserver):
+async def test_store_fetch_lookup_and_match_prefix(shared_server, model):
     a, b = make_layers(5, 1), make_layers(7, 2)
-    async with AsyncKVClient(kvserver.address) as c:
-        ra = await c.store(MODEL, [1, 2, 3, 4, 5], a)
-        rb = await c.store(MODEL, list(range(10, 17)), b, prefix_keys=[ra.chunk_key])
-        assert ra.chunk_key == chunk_key(MODEL, [1, 2, 3, 4, 5])
+    async with AsyncKVClient(shared_server.address) as c:
+        ra = await c.store(model, [1, 2, 3, 4, 5], a)
+        rb = await c.store(model, list(range(10, 17)), b, prefix_keys=[ra.chunk_key])
+        assert ra.chunk_key == chunk_key(model, [1, 2, 3, 4, 5])
         assert rb.variant_id == variant_id(rb.chunk_key, [ra.chunk_key])
         assert_same_layers(await c.fetch(ra.chunk_key), a)
         got = [f async for f in c.fetch_layers([Ref(ra.chunk_key), Ref(rb.chunk_key, rb.variant_id)])]
         assert [(f.layer, f.index) for f in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert_same_layers([(got[i].key, got[i].value) for i in (1, 3)], b)
-        found = await c.lookup(MODEL, [1, 2, 3, 4, 5])
+        found = await c.lookup(model, [1, 2, 3, 4, 5])
         assert [v.variant_id for v in found.variants] == [ra.variant_id]
         assert await c.match_prefix([ra.variant_id, rb.variant_id, "f" * 32]) == 2
         with pytest.raises(NotFoundError):
-            await c.fetch(chunk_key(MODEL, [99]))
+            await c.fetch(chunk_key(model, [99]))
 
 
-async def test_fetch_local_aliases_the_stored_bytes_until_released(kvserver):
+async def test_fetch_local_aliases_the_stored_bytes_until_released(shared_server, model):
     layers = make_layers(6, 3)
-    async with AsyncKVClient(kvserver.address) as c:
-        r = await c.store(MODEL, list(range(6)), layers)
+    async with AsyncKVClient(shared_server.address) as c:
+        r = await c.store(model, list(range(6)), layers)
         async with await c.fetch_local([r.chunk_key]) as got:
             assert got.variant_ids == [r.variant_id]
             assert_same_layers(got.layers[0], layers)

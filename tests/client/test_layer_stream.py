@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import signal
 import time
+import uuid
 
+import pytest
 import torch
 
 from kvclient.client import KVClient, Ref
@@ -15,20 +17,28 @@ from kvclient.layer_stream import LayerStream
 MODEL = ModelSpec("layer-stream-test", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32").fingerprint()
 
 
-def stored(c: KVClient, n: int, tokens: int = 4) -> tuple[list[Ref], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+@pytest.fixture
+def model(request) -> str:
+    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
+    name = f"layer-stream-test-{request.node.name}-{uuid.uuid4().hex}"
+    return ModelSpec(name, num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32").fingerprint()
+
+
+def stored(c: KVClient, n: int, tokens: int = 4, model: str = MODEL
+           ) -> tuple[list[Ref], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     refs, kv = [], []
     for i in range(n):
         g = torch.Generator().manual_seed(i)
         layers = [(torch.randn(2, tokens, 8, generator=g), torch.randn(2, tokens, 8, generator=g)) for _ in range(3)]
-        r = c.store(MODEL, [i, i + 1, i + 2, i + 3][:tokens], layers)
+        r = c.store(model, [i, i + 1, i + 2, i + 3][:tokens], layers)
         refs.append(Ref(r.chunk_key, r.variant_id))
         kv.append(layers)
     return refs, kv
 
 
-def test_every_layer_of_every_variant_arrives_as_stored_even_past_one_stream(kvserver):
-    with KVClient(kvserver.address) as c:
-        refs, kv = stored(c, 300)  # > 256: two streams at once
+def test_every_layer_of_every_variant_arrives_as_stored_even_past_one_stream(shared_server, model):
+    with KVClient(shared_server.address) as c:
+        refs, kv = stored(c, 300, model=model)  # > 256: two streams at once
         s = LayerStream(c, refs, deadline=time.monotonic() + 60, depth=1)
         for layer in range(3):
             got = s.wait_layer(layer)
@@ -56,9 +66,9 @@ def test_a_stalled_service_never_holds_the_consumer_past_the_deadline(kvserver):
     assert all(not t.is_alive() for t in s._threads)
 
 
-def test_close_at_any_moment_leaves_no_reader_behind(kvserver):
-    with KVClient(kvserver.address) as c:
-        refs, _ = stored(c, 3)
+def test_close_at_any_moment_leaves_no_reader_behind(shared_server, model):
+    with KVClient(shared_server.address) as c:
+        refs, _ = stored(c, 3, model=model)
         for _ in range(20):  # close races the opening of the stream and its first messages
             s = LayerStream(c, refs, deadline=time.monotonic() + 30)
             s.close()

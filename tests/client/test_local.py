@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 
@@ -12,12 +14,19 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 MODEL = ModelSpec("local-test", num_layers=3, num_kv_heads=1, head_dim=8, dtype="bfloat16").fingerprint()
 
 
-def test_fetch_local_tensors_alias_the_stored_bytes_until_released(kvserver):
+@pytest.fixture
+def model(request) -> str:
+    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
+    name = f"local-test-{request.node.name}-{uuid.uuid4().hex}"
+    return ModelSpec(name, num_layers=3, num_kv_heads=1, head_dim=8, dtype="bfloat16").fingerprint()
+
+
+def test_fetch_local_tensors_alias_the_stored_bytes_until_released(shared_server, model):
     g = torch.Generator().manual_seed(5)
     layers = [(torch.randn(1, 9, 8, generator=g).bfloat16(), torch.randn(1, 9, 8, generator=g).bfloat16())
               for _ in range(3)]
-    with KVClient(kvserver.address) as c:
-        r = c.store(MODEL, list(range(9)), layers)
+    with KVClient(shared_server.address) as c:
+        r = c.store(model, list(range(9)), layers)
         with c.fetch_local([r.chunk_key]) as got:
             lease_id = got.lease_id
             assert got.variant_ids == [r.variant_id]
@@ -57,10 +66,10 @@ def test_a_locate_from_another_service_instance_retires_the_old_mapping():
             s.unlink()
 
 
-def test_offsets_outside_the_segment_are_refused(kvserver):
+def test_offsets_outside_the_segment_are_refused(shared_server, model):
     layers = [(torch.zeros(1, 9, 8).bfloat16(), torch.zeros(1, 9, 8).bfloat16())] * 3
-    with KVClient(kvserver.address) as c:
-        r = c.store(MODEL, list(range(9)), layers)
+    with KVClient(shared_server.address) as c:
+        r = c.store(model, list(range(9)), layers)
         with c.fetch_local([r.chunk_key]) as got:
             slab = next(iter(c.core.mappings()._slabs.values()))  # noqa: SLF001
             bad = pb.VariantLocation()

@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
+import uuid
+
 from kvclient.rag_front import RAGFront
-from kvservice.launcher import ServiceProcess
 
 
-def test_blend_params_name_each_chunk_of_the_prompt_in_order(tmp_path):
+def test_blend_params_name_each_chunk_of_the_prompt_in_order(shared_server):
     chunks = [[10, 11, 12], [20, 21], [30, 31, 32, 33], [20, 21]]  # one duplicate: dropped by the Plan
-    with ServiceProcess(tmp_path / "data") as service:
-        front = RAGFront(service.address, "0" * 32, preamble=[1, 2], timeout_s=5.0)
-        p = front.build("conv-1", chunks, [7, 8, 9])
-        front.close()
+    model_id = uuid.uuid4().hex  # in the shared service: chunk keys and a conversation of this test's own
+    front = RAGFront(shared_server.address, model_id, preamble=[1, 2], timeout_s=5.0)
+    p = front.build(f"conv-1-{model_id}", chunks, [7, 8, 9])
+    front.close()
     assert p.planned
     ask = p.blend_params()["kvcraft"]
     lengths = ask["chunks"]

@@ -3,10 +3,12 @@ serves RAG requests whose chunk KV was stored by earlier requests in other order
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import time
+import uuid
 
 import pytest
 import torch
@@ -21,6 +23,13 @@ from kvcraft.keys import chunk_key
 from kvkernels import RopeConfig
 
 ENGINE = LlamaEngine.random("tiny", seed=0)
+
+
+@pytest.fixture
+def engine(request) -> LlamaEngine:
+    """ENGINE's weights under a model name of this test's own: in the shared service its
+    chunks, plans and controller are its alone."""
+    return LlamaEngine(dataclasses.replace(ENGINE.cfg, name=f"tiny-{request.node.name}-{uuid.uuid4().hex}"), ENGINE.w)
 
 
 def chunks(seed: int, n: int = 4, length: int = 20) -> list[list[int]]:
@@ -47,45 +56,45 @@ def warm(adapter: RAGAdapter, cs: list[list[int]]) -> None:
     assert report.reused_chunks == 0 and report.fresh_chunks == len(cs)
 
 
-def in_plan_order(cs: list[list[int]], order_keys) -> list[list[int]]:
+def in_plan_order(cs: list[list[int]], order_keys, engine: LlamaEngine = ENGINE) -> list[list[int]]:
     """The chunks in the order the plan put them."""
-    by_key = {chunk_key(ENGINE.model_spec().fingerprint(), c): c for c in cs}
+    by_key = {chunk_key(engine.model_spec().fingerprint(), c): c for c in cs}
     return [by_key[k] for k in order_keys]
 
 
-def test_reuse_through_the_service_full_ratio_exact_naive_off_partial_between(kvserver):
+def test_reuse_through_the_service_full_ratio_exact_naive_off_partial_between(shared_server, engine):
     cs = chunks(1)
-    with KVClient(kvserver.address) as client:
-        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+    with KVClient(shared_server.address) as client:
+        warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
         shuffled = [cs[2], cs[0], cs[3], cs[1]]
         devs = {}
         for name, ratio in [("cacheblend", 1.0), ("naive", 0.0), ("cacheblend", 0.3), ("cachecraft", 0.0)]:
             policy = Policy(name, ratio=ratio) if name == "cacheblend" else Policy(name)
-            adapter = RAGAdapter(ENGINE, client, policy, gate=ReuseGate(), store_back=False)
+            adapter = RAGAdapter(engine, client, policy, gate=ReuseGate(), store_back=False)
             result, report = adapter.prefill(shuffled, QUESTION)
             assert report.reused_chunks == 4 and result.reuse
-            order = in_plan_order(cs, report.order)
-            devs[(name, ratio)] = rel(result.logits, full_logits(ENGINE, order, QUESTION))
+            order = in_plan_order(cs, report.order, engine)
+            devs[(name, ratio)] = rel(result.logits, full_logits(engine, order, QUESTION))
     assert devs[("cacheblend", 1.0)] < 1e-4  # 100% recompute == full prefill
     assert devs[("naive", 0.0)] > 0.05  # reusing everything as is is measurably off
     assert devs[("cacheblend", 1.0)] < devs[("cacheblend", 0.3)] < devs[("naive", 0.0)]
     assert devs[("cachecraft", 0.0)] < devs[("naive", 0.0)]
 
 
-def test_chunk_reused_at_a_new_position_equals_computing_it_there(kvserver):
+def test_chunk_reused_at_a_new_position_equals_computing_it_there(shared_server, engine):
     """RoPE exactness through the wire: chunk b, stored computed alone (positions 0..19,
     K without RoPE), reused as is at positions 20..39 behind chunk a, has exactly the
     K/V of b computed alone at 20..39 (attention only looks back; b had no prefix)."""
     a, b = chunks(2, n=2)
-    with KVClient(kvserver.address) as client:
-        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), [b])
-        src = ServiceLayerSource(client, {1: Ref(chunk_key(ENGINE.model_spec().fingerprint(), b))}, local=False,
+    with KVClient(shared_server.address) as client:
+        warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), [b])
+        src = ServiceLayerSource(client, {1: Ref(chunk_key(engine.model_spec().fingerprint(), b))}, local=False,
                                  deadline=time.monotonic() + 60.0)
         segs = [Segment(tuple(a)), Segment(tuple(b), cached=True), Segment(tuple(QUESTION), question=True)]
-        result = blend_prefill(ENGINE, segs, Policy("naive"), src, gate=ReuseGate())
+        result = blend_prefill(engine, segs, Policy("naive"), src, gate=ReuseGate())
         src.close()
     assert result.reuse and not result.fallbacks
-    _, kv_alone = ENGINE.prefill(torch.tensor(b), start_pos=20)
+    _, kv_alone = engine.prefill(torch.tensor(b), start_pos=20)
     for layer, (k, v) in enumerate(result.kv):
         assert torch.allclose(k[:, 20:40], kv_alone[layer][0], atol=1e-5)
         assert torch.allclose(v[:, 20:40], kv_alone[layer][1], atol=1e-6)
@@ -131,17 +140,17 @@ def test_stalled_service_past_the_deadline_is_computed_instead(kvserver, caplog)
     assert len(result.fallbacks) == 4
 
 
-def test_failing_reuse_probe_refuses_reuse_and_answers_match_full_prefill(kvserver, caplog):
+def test_failing_reuse_probe_refuses_reuse_and_answers_match_full_prefill(shared_server, engine, caplog):
     cs = chunks(5)
-    bad = LlamaEngine(ENGINE.cfg, ENGINE.w, rope=RopeConfig(head_dim=16, theta=1e5))  # forward disagrees with its spec
-    with KVClient(kvserver.address) as client:
-        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+    bad = LlamaEngine(engine.cfg, engine.w, rope=RopeConfig(head_dim=16, theta=1e5))  # forward disagrees with its spec
+    with KVClient(shared_server.address) as client:
+        warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
         adapter = RAGAdapter(bad, client, Policy("cacheblend", ratio=0.3), gate=ReuseGate(), store_back=False)
         with caplog.at_level(logging.ERROR):
             result, report = adapter.prefill(cs[::-1], QUESTION)
     assert not result.reuse
     assert "reuse probe FAILED" in caplog.text
-    order = in_plan_order(cs, report.order)
+    order = in_plan_order(cs, report.order, engine)
     assert torch.allclose(result.logits, bad.prefill(torch.tensor([t for c in order for t in c] + QUESTION))[0][-1])
 
 
@@ -197,15 +206,15 @@ def test_same_host_reads_report_their_load_timings(start_server):
         assert client.stats().leases == 0
 
 
-def test_the_report_counts_the_chunks_whose_stored_kv_was_used_not_the_ones_offered(kvserver):
+def test_the_report_counts_the_chunks_whose_stored_kv_was_used_not_the_ones_offered(shared_server, engine):
     """Every chunk is stored and the plan offers all four; policy full computes every
     token, so none is reused; naive reuses all four."""
     cs = chunks(5)
-    with KVClient(kvserver.address) as client:
-        warm(RAGAdapter(ENGINE, client, Policy("full"), gate=ReuseGate()), cs)
+    with KVClient(shared_server.address) as client:
+        warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
         reused = {}
         for name in ("full", "naive"):
-            adapter = RAGAdapter(ENGINE, client, Policy(name), gate=ReuseGate(), store_back=False)
+            adapter = RAGAdapter(engine, client, Policy(name), gate=ReuseGate(), store_back=False)
             plan = client.plan(adapter.model_id, cs, len(QUESTION), first_turn=False)
             offered = sum(1 for cp in plan.chunks if cp.variant_id)
             result, report = adapter.serve(plan, cs, QUESTION)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
+import pytest
 import torch
 
 from engine_adapter.loader import ServiceLayerSource
@@ -19,15 +21,23 @@ SMALL, BIG = 9, 400  # tokens: 1.7 KiB a variant, and 77 KiB, more than the host
 HOST_BUDGET = 64 << 10
 
 
+@pytest.fixture
+def model(request) -> str:
+    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
+    name = f"loader-test-{request.node.name}-{uuid.uuid4().hex}"
+    return ModelSpec(name, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype="bfloat16").fingerprint()
+
+
 def layers_for(seed: int, tokens: int = SMALL) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(HEADS, tokens, DIM, generator=g).bfloat16(),
              torch.randn(HEADS, tokens, DIM, generator=g).bfloat16()) for _ in range(LAYERS)]
 
 
-def store(c: KVClient, seed: int, tokens: int = SMALL) -> tuple[Ref, list[tuple[torch.Tensor, torch.Tensor]]]:
+def store(c: KVClient, seed: int, tokens: int = SMALL, model: str = MODEL
+          ) -> tuple[Ref, list[tuple[torch.Tensor, torch.Tensor]]]:
     layers = layers_for(seed, tokens)
-    r = c.store(MODEL, [seed * 1000 + t for t in range(tokens)], layers)
+    r = c.store(model, [seed * 1000 + t for t in range(tokens)], layers)
     return Ref(r.chunk_key, r.variant_id), layers
 
 
@@ -44,9 +54,10 @@ def deadline() -> float:
     return time.monotonic() + 30.0
 
 
-def test_shared_memory_layers_equal_the_streamed_ones_byte_for_byte(kvserver):
-    with KVClient(kvserver.address) as c:
-        refs = {2: store(c, 1)[0], 5: store(c, 2)[0], 7: store(c, 3)[0]}  # keys: a prompt's segment indices
+def test_shared_memory_layers_equal_the_streamed_ones_byte_for_byte(shared_server, model):
+    with KVClient(shared_server.address) as c:
+        # keys: a prompt's segment indices
+        refs = {2: store(c, 1, model=model)[0], 5: store(c, 2, model=model)[0], 7: store(c, 3, model=model)[0]}
         mapped = ServiceLayerSource(c, refs, local=True, deadline=deadline())
         streamed = ServiceLayerSource(c, refs, local=False, deadline=deadline())
         try:

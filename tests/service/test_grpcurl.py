@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import torch
@@ -60,13 +61,14 @@ def test_kvcraft_admin_prints_the_same_json_as_grpcurl(kvserver):
     assert "layer_checksums" in by_grpcurl["variants"][0]  # the proto's names, not camelCase
 
 
-def test_grpcurl_plans_over_the_stream_as_docs_show(kvserver):
+def test_grpcurl_plans_over_the_stream_as_docs_show(shared_server, request):
     """docs/operations.md's PlanStream command: one answer per request, in order, a bad
     request answered with its status while the next is planned."""
-    model = ModelSpec("m", 2, 1, 4, "float32").fingerprint()
+    model = ModelSpec(f"m-{request.node.name}-{uuid.uuid4().hex}", 2, 1, 4, "float32").fingerprint()  # chunks of its own
     requests = [{"model_id": model, "chunks": [{"token_ids": [1, 2, 3]}]}, {"model_id": "bad"},
                 {"model_id": model, "chunks": [{"token_ids": [4, 5]}], "question_tokens": 3}]
-    out = grpcurl("-d", " ".join(json.dumps(r) for r in requests), kvserver.address, "kvcraft.v1.KVCache/PlanStream")
+    out = grpcurl("-d", " ".join(json.dumps(r) for r in requests), shared_server.address,
+                  "kvcraft.v1.KVCache/PlanStream")
     answers = [json.loads(a) for a in out.replace("}\n{", "}\x00{").split("\x00")]
     assert [list(a) for a in answers] == [["plan"], ["error"], ["plan"]]
     assert answers[1]["error"]["code"] == 3 and "model_id" in answers[1]["error"]["message"]

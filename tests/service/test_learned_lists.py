@@ -4,6 +4,8 @@ and go when the variant goes."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 
@@ -17,6 +19,14 @@ MODEL = ModelSpec("learned-test", num_layers=2, num_kv_heads=1, head_dim=4, dtyp
 T = 20  # tokens per chunk
 TIA = tuple(0.9 - 0.04 * t for t in range(T))  # eq. 14 ranks 0, 1, 2, ...
 LEARNED = tuple({4: 2.0, 2: 0.3, 11: 0.1}.get(t, 0.0) for t in range(T))  # learned: 4, 2, 11; the rest cost nothing
+
+
+@pytest.fixture
+def model(request) -> str:
+    """MODEL's shape under a name of this test's own: in the shared service its chunks, their
+    CA-table entries and its controller are its alone."""
+    name = f"learned-test-{request.node.name}-{uuid.uuid4().hex}"
+    return ModelSpec(name, num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
 
 
 def tokens(i: int) -> list[int]:
@@ -67,64 +77,64 @@ def test_learned_scores_rank_recompute_survive_restart_and_go_with_the_variant(s
         assert again and again == list(range(len(again)))  # eq. 14 order, sized by CFO
 
 
-def test_the_plan_spends_one_budget_on_the_highest_learned_scores_of_the_prompt(kvserver):
+def test_the_plan_spends_one_budget_on_the_highest_learned_scores_of_the_prompt(shared_server, model):
     """Two learned variants in one prompt: the controller's ratio r of their 40 tokens
     goes to the highest scores of both (a prompt-wide budget, not N per chunk)."""
-    with KVClient(kvserver.address) as c:
-        k0 = c.store(MODEL, tokens(0), layers(0)).chunk_key
+    with KVClient(shared_server.address) as c:
+        k0 = c.store(model, tokens(0), layers(0)).chunk_key
         strong = tuple(float(T - t) for t in range(T))  # every token of chunk 1 outranks chunk 3's
         weak = tuple(0.5 if t < 3 else 0.0 for t in range(T))
         for i, sc in ((1, strong), (3, weak)):
-            c.store(MODEL, tokens(i), layers(i), prefix_keys=[k0], stats=VariantStats(
+            c.store(model, tokens(i), layers(i), prefix_keys=[k0], stats=VariantStats(
                 a=0.5, b=0.1, prefix_attention=(0.5,), token_inter_attention=TIA, recompute_scores=sc))
-        plan = c.plan(MODEL, [tokens(9), tokens(1), tokens(3)], question_tokens=4, first_turn=False)
+        plan = c.plan(model, [tokens(9), tokens(1), tokens(3)], question_tokens=4, first_turn=False)
         c.release(plan.lease_id)
         lists = {cp.chunk_key: list(cp.recompute) for cp in plan.chunks}
-        k1, k3 = (c.lookup(MODEL, tokens(i)).chunk_key for i in (1, 3))
+        k1, k3 = (c.lookup(model, tokens(i)).chunk_key for i in (1, 3))
         n = int(plan.ratio * 2 * T + 1e-6)  # floor(r x reused learned tokens)
         assert 0 < n < T
         assert lists[k1] == list(range(n)) and lists[k3] == []
 
 
-def test_recompute_scores_of_the_wrong_length_are_refused(kvserver):
-    with KVClient(kvserver.address) as c:
+def test_recompute_scores_of_the_wrong_length_are_refused(shared_server, model):
+    with KVClient(shared_server.address) as c:
         with pytest.raises(InvalidArgumentError, match="recompute_scores has 2 values for 20 tokens"):
-            c.store(MODEL, tokens(2), layers(2), stats=VariantStats(recompute_scores=(1.0, 2.0)))
+            c.store(model, tokens(2), layers(2), stats=VariantStats(recompute_scores=(1.0, 2.0)))
 
 
-def test_a_variant_without_scores_borrows_its_siblings(kvserver):
+def test_a_variant_without_scores_borrows_its_siblings(shared_server, model):
     """Scores are learned on the variant a request stores; the chunk's older variant, chosen
     by the planner for another prefix, recomputes by them too."""
-    with KVClient(kvserver.address) as c:
-        k0 = c.store(MODEL, tokens(0), layers(0)).chunk_key
-        plain = c.store(MODEL, tokens(1), layers(1), prefix_keys=[k0], stats=VariantStats(
+    with KVClient(shared_server.address) as c:
+        k0 = c.store(model, tokens(0), layers(0)).chunk_key
+        plain = c.store(model, tokens(1), layers(1), prefix_keys=[k0], stats=VariantStats(
             a=0.2, b=0.5, prefix_attention=(0.2,), token_inter_attention=TIA))
-        k5 = c.store(MODEL, tokens(5), layers(5)).chunk_key
-        c.store(MODEL, tokens(1), layers(2), prefix_keys=[k5], stats=VariantStats(
+        k5 = c.store(model, tokens(5), layers(5)).chunk_key
+        c.store(model, tokens(1), layers(2), prefix_keys=[k5], stats=VariantStats(
             a=0.9, b=0.01, prefix_attention=(0.9,), token_inter_attention=TIA, recompute_scores=LEARNED))
         assert len(c.get_chunk(plain.chunk_key)) == 2
-        plan = c.plan(MODEL, [tokens(9), tokens(1)], question_tokens=4, first_turn=False)
+        plan = c.plan(model, [tokens(9), tokens(1)], question_tokens=4, first_turn=False)
         c.release(plan.lease_id)
         (cp,) = [cp for cp in plan.chunks if cp.chunk_key == plain.chunk_key]
         assert cp.variant_id == plain.variant_id  # the lower-CFO variant, stored without scores
         assert list(cp.recompute) == [4, 2, 11]  # ranked by its sibling's learned scores
 
 
-def test_the_plan_merges_the_scores_of_every_variant_of_the_chunk(kvserver):
+def test_the_plan_merges_the_scores_of_every_variant_of_the_chunk(shared_server, model):
     """Each variant holds what the request that stored it learned (often about another
     question); the plan ranks by their elementwise maximum."""
-    with KVClient(kvserver.address) as c:
-        k0 = c.store(MODEL, tokens(0), layers(0)).chunk_key
-        k5 = c.store(MODEL, tokens(5), layers(5)).chunk_key
-        k6 = c.store(MODEL, tokens(6), layers(6)).chunk_key
+    with KVClient(shared_server.address) as c:
+        k0 = c.store(model, tokens(0), layers(0)).chunk_key
+        k5 = c.store(model, tokens(5), layers(5)).chunk_key
+        k6 = c.store(model, tokens(6), layers(6)).chunk_key
         first = tuple({4: 2.0}.get(t, 0.0) for t in range(T))
         second = tuple({2: 0.3, 11: 0.1}.get(t, 0.0) for t in range(T))
-        chosen = c.store(MODEL, tokens(1), layers(1), prefix_keys=[k0], stats=VariantStats(
+        chosen = c.store(model, tokens(1), layers(1), prefix_keys=[k0], stats=VariantStats(
             a=0.2, b=0.5, prefix_attention=(0.2,), token_inter_attention=TIA, recompute_scores=first))
         for k, sc in ((k5, second), (k6, ())):
-            c.store(MODEL, tokens(1), layers(k == k5 and 2 or 3), prefix_keys=[k], stats=VariantStats(
+            c.store(model, tokens(1), layers(k == k5 and 2 or 3), prefix_keys=[k], stats=VariantStats(
                 a=0.9, b=0.01, prefix_attention=(0.9,), token_inter_attention=TIA, recompute_scores=sc))
-        plan = c.plan(MODEL, [tokens(9), tokens(1)], question_tokens=4, first_turn=False)
+        plan = c.plan(model, [tokens(9), tokens(1)], question_tokens=4, first_turn=False)
         c.release(plan.lease_id)
         (cp,) = [cp for cp in plan.chunks if cp.chunk_key == chosen.chunk_key]
         assert cp.variant_id == chosen.variant_id

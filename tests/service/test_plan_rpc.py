@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 import torch
@@ -16,6 +17,14 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.planner import ChunkRef, InMemoryCatalog, Planner, Variant
 
 MODEL = ModelSpec("plan-test", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
+
+
+@pytest.fixture
+def model(request) -> str:
+    """MODEL's shape under a name of this test's own: in the shared service its chunks, their
+    CP-Tree and CA-table entries and its controller are its alone."""
+    name = f"plan-test-{request.node.name}-{uuid.uuid4().hex}"
+    return ModelSpec(name, num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
 
 
 def chunk_tokens(i: int, n: int = 6) -> list[int]:
@@ -58,22 +67,23 @@ def test_plan_leases_reused_variants_until_release(start_server):
         assert sum(bool(c.lookup(chunk_key=k).found) for k in (k0, v1.chunk_key)) == 1
 
 
-def test_plan_over_grpc_matches_the_in_process_planner(kvserver):
+def test_plan_over_grpc_matches_the_in_process_planner(shared_server, model):
     """Same stored variants, same request sequence: the service answers what a planner
     built from scratch beside it answers."""
     catalog = InMemoryCatalog()
     ref = Planner(catalog)
     catalog.listeners.append(ref)
-    keys = [chunk_key(MODEL, chunk_tokens(i)) for i in range(6)]
-    with KVClient(kvserver.address) as c:
+    keys = [chunk_key(model, chunk_tokens(i)) for i in range(6)]
+    with KVClient(shared_server.address) as c:
         for i in (0, 2, 4):
-            r = c.store(MODEL, chunk_tokens(i), layers(seed=i))
+            r = c.store(model, chunk_tokens(i), layers(seed=i))
             catalog.put(Variant.build(r.variant_id, r.chunk_key, (), 6, "host", VariantStats()))
         requests = [[0, 1, 2], [2, 0, 3], [4, 2, 0, 5], [1, 0, 2], [0, 2, 4]]
         for n, idx in enumerate(requests):
-            got = c.plan(MODEL, [(keys[i], 6) for i in idx], question_tokens=4, conversation_id=f"c{n % 2}")
+            conv = f"{model}-c{n % 2}"  # conversations are the service's, across models: ids of this test's own
+            got = c.plan(model, [(keys[i], 6) for i in idx], question_tokens=4, conversation_id=conv)
             c.release(got.lease_id) if got.lease_id else None
-            want = ref.plan(MODEL, f"c{n % 2}", [ChunkRef(keys[i], 6) for i in idx], 4)
+            want = ref.plan(model, conv, [ChunkRef(keys[i], 6) for i in idx], 4)
             assert list(got.order) == list(want.order)
             assert list(got.dropped) == list(want.dropped)
             assert [(cp.source, cp.variant_id, list(cp.recompute)) for cp in got.chunks] == [
@@ -82,12 +92,13 @@ def test_plan_over_grpc_matches_the_in_process_planner(kvserver):
             assert got.preload_depth == want.preload_depth
 
 
-def test_second_turn_drops_chunks_already_sent(kvserver):
-    with KVClient(kvserver.address) as c:
-        t1 = c.plan(MODEL, [chunk_tokens(0), chunk_tokens(1)], 3, conversation_id="conv")
-        t2 = c.plan(MODEL, [chunk_tokens(1), chunk_tokens(2)], 3, conversation_id="conv")
-    assert list(t2.dropped) == [chunk_key(MODEL, chunk_tokens(1))]
-    assert list(t2.order) == [chunk_key(MODEL, chunk_tokens(2))]
+def test_second_turn_drops_chunks_already_sent(shared_server, model):
+    conv = f"conv-{model}"  # conversations are the service's, across models: an id of this test's own
+    with KVClient(shared_server.address) as c:
+        t1 = c.plan(model, [chunk_tokens(0), chunk_tokens(1)], 3, conversation_id=conv)
+        t2 = c.plan(model, [chunk_tokens(1), chunk_tokens(2)], 3, conversation_id=conv)
+    assert list(t2.dropped) == [chunk_key(model, chunk_tokens(1))]
+    assert list(t2.order) == [chunk_key(model, chunk_tokens(2))]
     assert list(t2.history) == list(t1.order)
     assert prefix_keys(t2, t2.chunks[0]) == list(t1.order)
 
@@ -98,19 +109,19 @@ def test_second_turn_drops_chunks_already_sent(kvserver):
     (dict(model_id=MODEL, chunks=[("abc", 3)]), r"chunks\[0\] needs token_ids"),
     (dict(model_id=MODEL, chunks=[("0" * 32, 0)]), r"chunks\[0\].token_count is 0"),
 ])
-def test_malformed_plan_is_invalid_argument(kvserver, kwargs, message):
-    with KVClient(kvserver.address) as c:
+def test_malformed_plan_is_invalid_argument(shared_server, kwargs, message):
+    with KVClient(shared_server.address) as c:
         with pytest.raises(InvalidArgumentError, match=message):
             c.plan(question_tokens=1, **kwargs)
 
 
-def test_plan_names_the_prefix_each_chosen_variant_was_computed_behind(kvserver):
-    with KVClient(kvserver.address) as c:
-        k0 = c.store(MODEL, chunk_tokens(0), layers(seed=0), stats=VariantStats(a=0.0, b=0.5)).chunk_key
-        v1 = c.store(MODEL, chunk_tokens(1), layers(seed=1), prefix_keys=[k0],
+def test_plan_names_the_prefix_each_chosen_variant_was_computed_behind(shared_server, model):
+    with KVClient(shared_server.address) as c:
+        k0 = c.store(model, chunk_tokens(0), layers(seed=0), stats=VariantStats(a=0.0, b=0.5)).chunk_key
+        v1 = c.store(model, chunk_tokens(1), layers(seed=1), prefix_keys=[k0],
                      stats=VariantStats(a=0.1, b=0.8, prefix_attention=(0.1,)))
         # chunk 1 first: its variant was computed behind chunk 0, so it is not exact here
-        plan = c.plan(MODEL, [chunk_tokens(1), chunk_tokens(0)], 2, first_turn=False)
+        plan = c.plan(model, [chunk_tokens(1), chunk_tokens(0)], 2, first_turn=False)
         by_key = {cp.chunk_key: cp for cp in plan.chunks}
         behind = dict(zip((cp.chunk_key for cp in plan.chunks), variant_prefixes(plan)))
         assert behind[v1.chunk_key] == (k0,)

@@ -11,6 +11,7 @@ import dataclasses
 import socket
 import threading
 import time
+import uuid
 from concurrent import futures
 
 import grpc
@@ -26,6 +27,13 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 
 MODEL = ModelSpec("plan-stream", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
+
+
+@pytest.fixture
+def model(request) -> str:
+    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
+    name = f"plan-stream-{request.node.name}-{uuid.uuid4().hex}"
+    return ModelSpec(name, num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
 
 
 def tokens(i: int) -> list[int]:
@@ -129,12 +137,12 @@ def test_blocking_callers_on_many_threads_each_get_their_own_plan(kvserver):
         assert got[i] == [own] * 25, i
 
 
-def test_bytes_that_are_no_request_are_refused_in_the_stream(kvserver):
+def test_bytes_that_are_no_request_are_refused_in_the_stream(shared_server, model):
     """A message that does not parse is answered INVALID_ARGUMENT, and the next one planned."""
-    good = pb.PlanRequest(model_id=MODEL, chunks=[pb.PlanChunk(token_ids=tokens(0))], question_tokens=2)
+    good = pb.PlanRequest(model_id=model, chunks=[pb.PlanChunk(token_ids=tokens(0))], question_tokens=2)
 
     async def run() -> list[pb.PlanStreamResponse]:
-        async with grpc.aio.insecure_channel(kvserver.address) as ch:
+        async with grpc.aio.insecure_channel(shared_server.address) as ch:
             call = ch.stream_stream("/kvcraft.v1.KVCache/PlanStream",
                                     response_deserializer=pb.PlanStreamResponse.FromString)()
             out = []
@@ -247,14 +255,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_blocking_client_dropped_without_close_ends_its_stream(kvserver):
+def test_a_blocking_client_dropped_without_close_ends_its_stream(shared_server, model):
     """Its threads hold the channel, not the client: once the client is collected its
     stream ends and the threads with it, so forgotten clients do not pile up threads."""
     import gc
 
     before = set(_plan_threads())
-    c = KVClient(kvserver.address)
-    assert c.plan(MODEL, [tokens(0)], question_tokens=4).order
+    c = KVClient(shared_server.address)
+    assert c.plan(model, [tokens(0)], question_tokens=4).order
     assert len(set(_plan_threads()) - before) == 2  # reader and watchdog
     del c
     gc.collect()

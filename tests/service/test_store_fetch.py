@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import grpc
 import pytest
@@ -15,6 +16,13 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
 
 MODEL = ModelSpec("test-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16").fingerprint()
+
+
+@pytest.fixture
+def model(request) -> str:
+    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
+    name = f"test-llama-{request.node.name}-{uuid.uuid4().hex}"
+    return ModelSpec(name, num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16").fingerprint()
 
 
 def make_layers(n_layers: int, tokens: int, dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -32,22 +40,22 @@ def assert_bit_identical(got, want) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_store_then_fetch_returns_bit_identical_tensors(kvserver, dtype):
+def test_store_then_fetch_returns_bit_identical_tensors(shared_server, model, dtype):
     layers = make_layers(3, 17, dtype)
     tokens = list(range(100, 117))
-    with KVClient(kvserver.address) as c:
-        r = c.store(MODEL, tokens, layers)
-        assert r.chunk_key == chunk_key(MODEL, tokens)  # independent recomputation of the key
+    with KVClient(shared_server.address) as c:
+        r = c.store(model, tokens, layers)
+        assert r.chunk_key == chunk_key(model, tokens)  # independent recomputation of the key
         assert r.variant_id == variant_id(r.chunk_key, [])
         assert r.bytes_stored == sum(k.numel() * k.element_size() * 2 for k, _ in layers)
         assert_bit_identical(c.fetch(r.chunk_key), layers)
 
 
-def test_fetch_is_layer_major_across_chunks(kvserver):
+def test_fetch_is_layer_major_across_chunks(shared_server, model):
     a, b = make_layers(3, 5, torch.float32, 1), make_layers(3, 9, torch.float32, 2)
-    with KVClient(kvserver.address) as c:
-        ka = c.store(MODEL, [1, 2, 3, 4, 5], a).chunk_key
-        kb = c.store(MODEL, [7] * 9, b).chunk_key
+    with KVClient(shared_server.address) as c:
+        ka = c.store(model, [1, 2, 3, 4, 5], a).chunk_key
+        kb = c.store(model, [7] * 9, b).chunk_key
         got = list(c.fetch_layers([ka, kb]))
     assert [(f.layer, f.index) for f in got] == [(l, i) for l in range(3) for i in range(2)]
     for f in got:
@@ -66,12 +74,12 @@ def test_store_survives_restart(start_server):
         assert c.stats().variants == 1
 
 
-def test_fetch_of_missing_chunk_is_not_found(kvserver):
-    missing = chunk_key(MODEL, [9, 9, 9])
-    with KVClient(kvserver.address) as c:
+def test_fetch_of_missing_chunk_is_not_found(shared_server, model):
+    missing = chunk_key(model, [9, 9, 9])
+    with KVClient(shared_server.address) as c:
         with pytest.raises(NotFoundError, match=missing):
             c.fetch(missing)
-        assert not c.lookup(MODEL, [9, 9, 9]).found
+        assert not c.lookup(model, [9, 9, 9]).found
 
 
 def _raw_store(address: str, requests: list[pb.StoreRequest]) -> grpc.RpcError:
@@ -134,15 +142,15 @@ def test_malformed_store_is_invalid_argument_and_loses_nothing(kvserver, name, r
     (Ref("zz"), "is not a chunk key"),
     (Ref("0" * 32, cfo=2.0), "cfo is 2.0; expected"),
 ])
-def test_malformed_fetch_is_invalid_argument(kvserver, ref, message):
-    with KVClient(kvserver.address) as c:
+def test_malformed_fetch_is_invalid_argument(shared_server, ref, message):
+    with KVClient(shared_server.address) as c:
         with pytest.raises(InvalidArgumentError, match=message):
             list(c.fetch_layers([ref]))
 
 
-def test_fetch_past_last_layer_is_invalid_argument(kvserver):
-    with KVClient(kvserver.address) as c:
-        key = c.store(MODEL, [5], make_layers(3, 1, torch.float16)).chunk_key
+def test_fetch_past_last_layer_is_invalid_argument(shared_server, model):
+    with KVClient(shared_server.address) as c:
+        key = c.store(model, [5], make_layers(3, 1, torch.float16)).chunk_key
         with pytest.raises(InvalidArgumentError, match="the variants have 3 layers"):
             list(c.fetch_layers([key], first_layer=2, num_layers=2))
 
@@ -171,16 +179,16 @@ def test_oversized_stream_is_resource_exhausted(start_server):
         assert_bit_identical(c.fetch(key), keep)
 
 
-def test_match_prefix_counts_the_stored_head_of_a_chain(kvserver):
+def test_match_prefix_counts_the_stored_head_of_a_chain(shared_server, model):
     from kvcraft.keys import variant_id as vid_of
-    with KVClient(kvserver.address) as c:
+    with KVClient(shared_server.address) as c:
         chain, prev = [], []
         for i in range(4):  # block i stored behind block i-1's variant id
             tokens = [i, i + 1]
             if i != 2:
-                r = c.store(MODEL, tokens, make_layers(1, 2, torch.float16, i), prefix_keys=prev)
-                assert r.variant_id == vid_of(chunk_key(MODEL, tokens), prev)
-            vid = vid_of(chunk_key(MODEL, tokens), prev)
+                r = c.store(model, tokens, make_layers(1, 2, torch.float16, i), prefix_keys=prev)
+                assert r.variant_id == vid_of(chunk_key(model, tokens), prev)
+            vid = vid_of(chunk_key(model, tokens), prev)
             chain.append(vid)
             prev = [vid]
         assert c.match_prefix(chain) == 2  # block 2 is missing: the prefix ends there

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -32,6 +33,13 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 
 MODEL = ModelSpec("staged", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32").fingerprint()
 LAYER_BYTES = 2 * 2 * 64 * 64 * 4  # K + V of [2, 64, 64] fp32
+
+
+@pytest.fixture
+def model(request) -> str:
+    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
+    name = f"staged-{request.node.name}-{uuid.uuid4().hex}"
+    return ModelSpec(name, num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32").fingerprint()
 
 
 def _layers(seed: int, dtype=torch.float32, n: int = 4):
@@ -162,26 +170,24 @@ def test_local_store_round_trips_bit_for_bit_through_both_fetch_paths_and_the_di
             assert _equal(c.fetch(keys[i]), layers)
 
 
-def test_local_and_grpc_stores_of_the_same_tensors_are_the_same_variant(start_server):
-    server = start_server()
+def test_local_and_grpc_stores_of_the_same_tensors_are_the_same_variant(shared_server, model):
     layers = _layers(7)
-    with KVClient(server.address, local_store=False) as remote, KVClient(server.address) as local:
-        a = remote.store(MODEL, _tokens(1), layers)
-        b = local.store(MODEL, _tokens(1), layers)
+    with KVClient(shared_server.address, local_store=False) as remote, KVClient(shared_server.address) as local:
+        a = remote.store(model, _tokens(1), layers)
+        b = local.store(model, _tokens(1), layers)
         assert not a.local and b.local and b.already_present and a.variant_id == b.variant_id
-        c = local.store(MODEL, _tokens(2), layers)
-        d = remote.store(MODEL, _tokens(2), layers)
+        c = local.store(model, _tokens(2), layers)
+        d = remote.store(model, _tokens(2), layers)
         assert c.local and not c.already_present and not d.local and d.already_present
         assert _equal(remote.fetch(c.chunk_key), layers)
 
 
-def test_async_client_stores_through_shared_memory(start_server):
-    server = start_server()
+def test_async_client_stores_through_shared_memory(shared_server, model):
     layers = _layers(3, torch.float16)
 
     async def go():
-        async with AsyncKVClient(server.address) as c:
-            r = await c.store(MODEL, _tokens(5), layers)
+        async with AsyncKVClient(shared_server.address) as c:
+            r = await c.store(model, _tokens(5), layers)
             got = await c.fetch(r.chunk_key)
             return r, got
 
@@ -365,9 +371,8 @@ def test_bad_streams_get_invalid_argument_and_leave_nothing(start_server, name, 
         _protocol_error(server, c, steps, match)
 
 
-def test_bytes_that_are_not_a_message_get_invalid_argument(start_server):
-    server = start_server()
-    raw = RawStoreLocal(server.address, serializer=lambda b: b)
+def test_bytes_that_are_not_a_message_get_invalid_argument(shared_server):
+    raw = RawStoreLocal(shared_server.address, serializer=lambda b: b)
     try:
         raw.send(b"\xff\xff\xff")
         with pytest.raises(grpc.RpcError) as e:
