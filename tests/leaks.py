@@ -59,8 +59,13 @@ def _names(folder: Path) -> frozenset[str]:
         return frozenset()
 
 
+# multiprocessing's helpers of this very process (run without workers: -n 0): they end with it.
+OWN_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def _marked(run: str) -> list[tuple[int, str]]:
-    """Live processes, other than this one, whose environment carries the run's mark."""
+    """Live processes, other than this one and its own multiprocessing helpers, whose
+    environment carries the run's mark."""
     needle = f"{MARK}={run}".encode()
     found = []
     for entry in Path("/proc").iterdir():
@@ -69,10 +74,13 @@ def _marked(run: str) -> list[tuple[int, str]]:
         try:
             if needle not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if state == "Z":
                 continue  # exited, not yet reaped by its parent
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if int(ppid) == os.getpid() and any(h in cmd for h in OWN_HELPERS):
             continue
         found.append((int(entry.name), cmd[:200]))
     return found
