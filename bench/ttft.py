@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import platform
 import statistics
@@ -57,6 +56,7 @@ from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
 from engine_adapter.rag import RAGAdapter
 from engine_adapter.source import InMemoryLayerSource
+from kvbench.rows import add_json_argument, print_and_save
 from kvclient.client import KVClient
 from kvcraft.keys import chunk_key
 
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--passages", type=int, default=3, help="with --real: retrieved passages in the prompt")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", help="write the results here")
+    add_json_argument(ap, help="write the results here")
     ap.add_argument("--plot", help="write a bar chart (PNG) here")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -121,9 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             work = random_workload(Path(tmp) / "model", a.layers, a.chunks, a.chunk_len, a.question_len)
         out = run(work, a.repeats, Path(tmp) / "data")
-    print_table(out)
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    print_and_save(out, print_table, a.json)
     if a.plot:
         plot(out, a.plot)
     return 0

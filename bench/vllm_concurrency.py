@@ -18,7 +18,6 @@ at once. CacheBlend at a 15% budget, nothing stored back.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import tempfile
@@ -26,6 +25,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
+
+from kvbench.rows import add_json_argument, print_and_save
 
 LEVELS = (1, 8, 32)
 POLICY = {"name": "cacheblend", "budget": 0.15}
@@ -125,15 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_workload_arguments(ap)
     ap.add_argument("--load-concurrency", type=int, default=2, help="loader threads of the overlapping mode")
     ap.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM's CPU KV cache (32 x 1,312 tokens: ~1 GiB)")
-    ap.add_argument("--json", type=Path)
+    add_json_argument(ap)
     a = ap.parse_args(argv)
     t = time.perf_counter()
     out = run(a)
     out["total_s"] = time.perf_counter() - t
-    print_table(out)
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=1))
-    return 0
+    return print_and_save(out, print_table, a.json)
 
 
 if __name__ == "__main__":

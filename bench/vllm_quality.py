@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 from kvbench.quality import data
 from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
+from kvbench.rows import add_json_argument, print_and_save
 from kvbench.engines import engine_run
 from kvbench.vllm_rag import computed_tokens, report
 
@@ -263,13 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-reference", action="store_true", help="skip the reference engine's rows")
     ap.add_argument("--no-blend", action="store_true", help="vLLM alone + reference engine only")
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile (starts ~15 s sooner)")
-    ap.add_argument("--json", type=Path)
+    add_json_argument(ap)
     a = ap.parse_args(argv)
     out = run(a.examples, a.seed, a.only, reference=not a.no_reference, blend=not a.no_blend, eager=a.eager)
-    print_table(out)
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=1))
-    return 0
+    return print_and_save(out, print_table, a.json)
 
 
 if __name__ == "__main__":

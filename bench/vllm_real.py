@@ -33,7 +33,6 @@ to and including the first stop token (eos of the model folder).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -46,6 +45,7 @@ from typing import Any, Sequence
 
 from kvbench import musique
 from kvbench.engines import engine_run
+from kvbench.rows import add_json_argument, print_and_save
 from kvbench.vllm_quality import BLEND_MODEL, LAYER_WAIT_S, blend_params
 from kvbench.vllm_rag import report
 
@@ -267,13 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--only", nargs="*", help="policies whose label starts with one of these")
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile (starts sooner)")
-    ap.add_argument("--json", type=Path)
+    add_json_argument(ap)
     a = ap.parse_args(argv)
     out = run(a.records, a.data, a.passages, a.max_tokens, a.only, eager=a.eager)
-    print_table(out)
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=1))
-    return 0
+    return print_and_save(out, print_table, a.json)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ cache, vLLM's forward of the last token).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -44,6 +43,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
+
+from kvbench.rows import add_json_argument, print_and_save
 
 POLICIES: dict[str, dict[str, Any]] = {
     "cacheblend budget 15%": {"name": "cacheblend", "budget": 0.15},
@@ -294,13 +295,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-blend", action="store_true", help="vLLM alone only (no kvcraft)")
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile in both modes (starts ~15 s "
                     "sooner; slower per token)")
-    ap.add_argument("--json", type=Path)
+    add_json_argument(ap)
     a = ap.parse_args(argv)
     out = run(a)
-    print_table(out)
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=1))
-    return 0
+    return print_and_save(out, print_table, a.json)
 
 
 if __name__ == "__main__":
