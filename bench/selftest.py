@@ -24,87 +24,15 @@ import json
 import mmap
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
-
-
-@dataclass
-class Result:
-    check: str
-    status: str  # PASS, FAIL or SKIP
-    detail: str = ""
-
-
-@dataclass
-class Rate:
-    path: str  # what moved where
-    gbps: float
-    limit: str  # what the same-run limit is
-    limit_gbps: float | None
-
-    @property
-    def fraction(self) -> float | None:
-        return self.gbps / self.limit_gbps if self.limit_gbps else None
-
-
-@dataclass
-class Report:
-    environment: dict[str, Any] = field(default_factory=dict)
-    results: list[Result] = field(default_factory=list)
-    rates: list[Rate] = field(default_factory=list)
-    kernels: list[dict] = field(default_factory=list)
-
-    def add(self, check: str, fn: Callable[[], str | None]) -> None:
-        """Run a check: returns a detail (PASS), raises Skip (SKIP) or anything (FAIL)."""
-        try:
-            self.results.append(Result(check, "PASS", fn() or ""))
-        except Skip as s:
-            self.results.append(Result(check, "SKIP", str(s)))
-        except Exception as e:  # noqa: BLE001 - a self-test reports every failure and goes on
-            self.results.append(Result(check, "FAIL", f"{type(e).__name__}: {e}"))
-
-    @property
-    def failed(self) -> bool:
-        return any(r.status == "FAIL" for r in self.results)
-
-
-class Skip(Exception):
-    """This check cannot run on this host; the message says why."""
-
-
-def _median_gbps(nbytes: int, run: Callable[[], None], repeat: int,
-                 before: Callable[[], None] = lambda: None) -> float:
-    """Median rate of `run` moving `nbytes`; `before` runs untimed ahead of each run."""
-    before()
-    run()  # warm-up: first-touch, context creation, page cache effects on the destination
-    times = []
-    for _ in range(repeat):
-        before()
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
-
-
-def _payload(nbytes: int) -> bytes:
-    return np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
-
-
-def _torch_cuda() -> Any:
-    try:
-        import torch
-    except ImportError as e:
-        raise Skip(f"torch not importable: {e}") from None
-    if not torch.cuda.is_available():
-        raise Skip("torch sees no CUDA device")
-    return torch
+from kvbench.selftest_report import (Rate, Report, Result, Skip, drop_cache, median_gbps, payload,  # noqa: F401
+                                     print_report, torch_cuda)
 
 
 class SelfTest:
@@ -119,7 +47,7 @@ class SelfTest:
         self.driver_reason = gpu_driver.unavailable_reason() or "no CUDA driver"
         self.kvikio = kvikio
         self.report = Report()
-        self.data = _payload(nbytes)
+        self.data = payload(nbytes)
         self.file = workdir / "payload.kv"
         self.file.write_bytes(self.data)
 
@@ -274,10 +202,10 @@ class SelfTest:
         return pinned
 
     def _rate_host(self, drv: Any, buf: memoryview, dev: int) -> str:
-        gbps = _median_gbps(self.nbytes, lambda: drv.htod(dev, buf), self.repeat)
+        gbps = median_gbps(self.nbytes, lambda: drv.htod(dev, buf), self.repeat)
         limit = None
         try:
-            torch = _torch_cuda()
+            torch = torch_cuda()
             src = torch.frombuffer(bytearray(self.data), dtype=torch.uint8).pin_memory()
             dst = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
 
@@ -285,7 +213,7 @@ class SelfTest:
                 dst.copy_(src, non_blocking=True)
                 torch.cuda.synchronize()
 
-            limit = _median_gbps(self.nbytes, torch_copy, self.repeat)
+            limit = median_gbps(self.nbytes, torch_copy, self.repeat)
         except Skip:
             pass
         self.report.rates.append(Rate("host slab (pinned) -> GPU", gbps, "pinned torch copy", limit))
@@ -311,7 +239,7 @@ class SelfTest:
             def read() -> None:
                 backend.read_into_device(self.file, 0, self.nbytes, DeviceBuffer(dev, size))
 
-            gbps = _median_gbps(self.nbytes, read, self.repeat, before=lambda: _drop_cache(self.file))
+            gbps = median_gbps(self.nbytes, read, self.repeat, before=lambda: drop_cache(self.file))
         finally:
             drv.free(dev)
         limit = self.o_direct_gbps()
@@ -340,7 +268,7 @@ class SelfTest:
                             break
                         got += n
 
-                self._o_direct = _median_gbps(self.nbytes, read, self.repeat)
+                self._o_direct = median_gbps(self.nbytes, read, self.repeat)
             except OSError:  # tmpfs and some filesystems refuse O_DIRECT
                 pass
             finally:
@@ -354,7 +282,7 @@ class SelfTest:
         return f"{gbps:.2f} GB/s into host memory (the drive's limit for the disk rows)"
 
     def check_copy_stream(self) -> str:
-        torch = _torch_cuda()
+        torch = torch_cuda()
         from kvclient.copy_stream import LayerCopyStream
 
         g = torch.Generator().manual_seed(0)
@@ -372,7 +300,7 @@ class SelfTest:
 
     def check_gpu_tier_to_engine(self) -> str:
         drv = self.need_driver()
-        torch = _torch_cuda()
+        torch = torch_cuda()
         from kvservice.tiers.gpu import GpuTier
 
         tier = GpuTier(self.nbytes, drv)
@@ -390,8 +318,8 @@ class SelfTest:
                 other.copy_(dst)
                 torch.cuda.synchronize()
 
-            gbps = _median_gbps(self.nbytes, from_tier, self.repeat)
-            limit = _median_gbps(self.nbytes, d2d, self.repeat)
+            gbps = median_gbps(self.nbytes, from_tier, self.repeat)
+            limit = median_gbps(self.nbytes, d2d, self.repeat)
             if bytes(dst.cpu().numpy()) != self.data:
                 raise AssertionError("bytes copied out of the gpu tier differ")
         finally:
@@ -400,7 +328,7 @@ class SelfTest:
         return f"bit-identical; {gbps:.1f} GB/s"
 
     def kernels(self) -> str:
-        torch = _torch_cuda()
+        torch = torch_cuda()
         from kvbench import kernels
 
         rows = kernels.run(2500, 0.15, torch.bfloat16, 4.8e12, 990e12)
@@ -423,37 +351,6 @@ class SelfTest:
         if with_kernels:
             r.add("Triton kernels vs SDPA/torch (kvbench.kernels)", self.kernels)
         return r
-
-
-def _drop_cache(path: Path) -> None:
-    """Ask the kernel to forget the file's cached pages, so a read goes to the drive."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def print_report(report: Report) -> None:
-    print("kvcraft selftest")
-    for k, v in report.environment.items():
-        print(f"  {k:<14} {v}")
-    print()
-    width = max(len(r.check) for r in report.results)
-    for r in report.results:
-        print(f"  {r.status:<5} {r.check:<{width}}  {r.detail}")
-    if report.rates:
-        print()
-        print(f"  {'into GPU memory':<40} {'GB/s':>8}   {'same-run limit':<30} {'GB/s':>8} {'of limit':>9}")
-        for rate in report.rates:
-            lim = f"{rate.limit_gbps:8.2f}" if rate.limit_gbps else f"{'n/a':>8}"
-            frac = f"{100 * rate.fraction:8.0f}%" if rate.fraction else f"{'':>9}"
-            print(f"  {rate.path:<40} {rate.gbps:8.2f}   {rate.limit:<30} {lim} {frac}")
-    skipped = [r for r in report.results if r.status == "SKIP"]
-    if skipped:
-        print(f"\n  {len(skipped)} check(s) skipped on this host (see SKIP lines); "
-              "nothing was measured for them.")
 
 
 def main(argv: list[str] | None = None) -> int:
