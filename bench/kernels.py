@@ -62,28 +62,37 @@ def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).abs().max())
 
 
-def run(
-    tokens: int,
-    ratio: float,
-    dtype: torch.dtype,
-    peak_bps: float,
-    peak_flops: float,
-    *,
-    device: str = "cuda",
-    timer: Callable[[Callable[[], object]], float] = _time_ms,
-) -> list[Row]:
-    """Time every kernel and its torch alternatives; ``device``/``timer`` exist so the
-    tests can smoke-run this on CPU under the Triton interpreter."""
-    import torch.nn.functional as F
+@dataclass
+class _Layer:
+    """One attention layer's inputs, drawn once: every kernel's rows read the same ones."""
 
-    import kvkernels as K
+    dev: torch.device
+    g: torch.Generator
+    dtype: torch.dtype
+    esize: int
+    Hq: int
+    Hkv: int
+    D: int
+    T: int
+    R: int
+    q_all: torch.Tensor  # [Hq, T, D]
+    k: torch.Tensor  # [Hkv, T, D]
+    v: torch.Tensor
+    pos: torch.Tensor  # [T]
+    sel: torch.Tensor  # [R]: the computed rows
+    q: torch.Tensor  # [Hq, R, D]
+    segments: torch.Tensor  # chunk boundaries
 
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=self.dev, generator=self.g).to(self.dtype)
+
+
+def _layer(tokens: int, ratio: float, dtype: torch.dtype, device: str) -> _Layer:
     dev = torch.device(device)
     g = torch.Generator(device=dev).manual_seed(0)
     Hq, Hkv, D, T = 32, 8, 128, tokens
     R = max(1, math.ceil(ratio * T))
     esize = torch.tensor([], dtype=dtype).element_size()
-    rows: list[Row] = []
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=dev, generator=g).to(dtype)
@@ -96,36 +105,51 @@ def run(
     q = q_all[:, sel].contiguous()  # [Hq, R, D]
     chunk = T // 5
     segments = torch.tensor([0, chunk, 2 * chunk, 3 * chunk, 4 * chunk, T], device=dev)
+    return _Layer(dev, g, dtype, esize, Hq, Hkv, D, T, R, q_all, k, v, pos, sel, q, segments)
 
-    # -- RoPE: move every cached K of the layer to new positions (Cache-Craft §3.4.3) --
+
+def _rope_rows(L: _Layer, peak_bps: float, peak_flops: float, timer: Callable[[Callable[[], object]], float]) -> list[Row]:
+    """RoPE: move every cached K of the layer to new positions (Cache-Craft §3.4.3)."""
+    import kvkernels as K
+
+    k, D = L.k, L.D
     cfg = K.RopeConfig(head_dim=D, theta=500000.0, factor=8.0)
-    new_pos = pos + 4096
-    rope_bytes = 2 * Hkv * T * D * esize + T * 8
+    new_pos = L.pos + 4096
+    rope_bytes = 2 * L.Hkv * L.T * D * L.esize + L.T * 8
     ref = K.apply_rope_reference(k, new_pos, cfg)
     out = torch.empty_like(k)
     tri_err = _err(K.apply_rope_triton(k, new_pos, cfg, out=out), ref)
     # Best torch alternative: HF-style rotate-half with cos/sin already tabulated per
     # position (what an engine caches), in the input dtype.
-    freqs = new_pos.float()[:, None] * K.inv_freq(cfg, dev)[None, :]
-    cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)
-    sin = torch.cat((freqs, freqs), dim=-1).sin().to(dtype)
+    freqs = new_pos.float()[:, None] * K.inv_freq(cfg, L.dev)[None, :]
+    cos = torch.cat((freqs, freqs), dim=-1).cos().to(L.dtype)
+    sin = torch.cat((freqs, freqs), dim=-1).sin().to(L.dtype)
 
     def rope_torch() -> torch.Tensor:
         x1, x2 = k[..., : D // 2], k[..., D // 2:]
         return k * cos + torch.cat((-x2, x1), dim=-1) * sin
 
-    for impl, fn, err in (
-        ("triton", lambda: K.apply_rope_triton(k, new_pos, cfg, out=out), tri_err),
-        ("torch reference (fp32 math)", lambda: K.apply_rope_reference(k, new_pos, cfg), None),
-        ("torch HF-style (cos/sin cached)", rope_torch, _err(rope_torch(), ref)),
-    ):
-        rows.append(_row("rope", impl, timer(fn), rope_bytes, 0.0, "memory", peak_bps, peak_flops, err))
+    return [_row("rope", impl, timer(fn), rope_bytes, 0.0, "memory", peak_bps, peak_flops, err)
+            for impl, fn, err in (
+                ("triton", lambda: K.apply_rope_triton(k, new_pos, cfg, out=out), tri_err),
+                ("torch reference (fp32 math)", lambda: K.apply_rope_reference(k, new_pos, cfg), None),
+                ("torch HF-style (cos/sin cached)", rope_torch, _err(rope_torch(), ref)),
+            )]
 
-    # -- selective attention: R rows over the merged cache, + per-chunk mass --
+
+def _attention_rows(L: _Layer, peak_bps: float, peak_flops: float,
+                    timer: Callable[[Callable[[], object]], float]) -> list[Row]:
+    """Selective attention: R rows over the merged cache, + per-chunk mass."""
+    import torch.nn.functional as F
+
+    import kvkernels as K
+
+    q_all, q, k, v, pos, sel, segments = L.q_all, L.q, L.k, L.v, L.pos, L.sel, L.segments
+    Hq, Hkv, D, T = L.Hq, L.Hkv, L.D, L.T
     visible = int((pos[None, :] <= sel[:, None]).sum())  # (row, key) pairs under the mask
     attn_flops = 4.0 * Hq * D * visible  # QK^T and PV, 2 FLOPs per multiply-add
     mass_flops = 2.0 * Hq * D * visible  # the second QK^T pass that normalises the mass
-    attn_bytes = (2 * Hq * R * D + 2 * Hkv * T * D) * esize
+    attn_bytes = (2 * Hq * L.R * D + 2 * Hkv * T * D) * L.esize
     ref_out, ref_mass = K.selective_attention_reference(q, sel, k, v, pos, segments=segments)
     tri_out, tri_mass = K.selective_attention_triton(q, sel, k, v, pos, segments=segments)
     attn_err = max(_err(tri_out, ref_out), _err(tri_mass, ref_mass))
@@ -143,6 +167,7 @@ def run(
         return F.scaled_dot_product_attention(q[None], k_rep[None], v_rep[None], attn_mask=mask)
 
     sdpa_full_err = _err(sdpa_full()[0][:, sel], ref_out)
+    rows = []
     for impl, fn, flops, err in (
         ("triton + mass", lambda: K.selective_attention_triton(q, sel, k, v, pos, segments=segments),
          attn_flops + mass_flops, attn_err),
@@ -153,21 +178,41 @@ def run(
     ):
         rows.append(_row("selective_attention", impl, timer(fn), attn_bytes, flops, "compute",
                          peak_bps, peak_flops, err))
-
-    # -- KV deviation + HKVD top-k over every token (CacheBlend §4.3, first layer) --
-    k2, v2 = randn(Hkv, T, D), randn(Hkv, T, D)
-    dev_bytes = 4 * Hkv * T * D * esize
-    ref_dev, _ = K.kv_deviation_topk_reference(k, v, k2, v2, ratio)
-    tri_dev, _ = K.kv_deviation_topk_triton(k, v, k2, v2, ratio)
-    for impl, fn, err in (
-        ("triton", lambda: K.kv_deviation_topk_triton(k, v, k2, v2, ratio), _err(tri_dev, ref_dev)),
-        ("torch reference", lambda: K.kv_deviation_topk_reference(k, v, k2, v2, ratio), None),
-    ):
-        rows.append(_row("kv_deviation_topk", impl, timer(fn), dev_bytes, 0.0, "memory",
-                         peak_bps, peak_flops, err))
-
     return rows
 
+
+def _deviation_rows(L: _Layer, ratio: float, peak_bps: float, peak_flops: float,
+                    timer: Callable[[Callable[[], object]], float]) -> list[Row]:
+    """KV deviation + HKVD top-k over every token (CacheBlend §4.3, first layer)."""
+    import kvkernels as K
+
+    k, v = L.k, L.v
+    k2, v2 = L.randn(L.Hkv, L.T, L.D), L.randn(L.Hkv, L.T, L.D)
+    dev_bytes = 4 * L.Hkv * L.T * L.D * L.esize
+    ref_dev, _ = K.kv_deviation_topk_reference(k, v, k2, v2, ratio)
+    tri_dev, _ = K.kv_deviation_topk_triton(k, v, k2, v2, ratio)
+    return [_row("kv_deviation_topk", impl, timer(fn), dev_bytes, 0.0, "memory", peak_bps, peak_flops, err)
+            for impl, fn, err in (
+                ("triton", lambda: K.kv_deviation_topk_triton(k, v, k2, v2, ratio), _err(tri_dev, ref_dev)),
+                ("torch reference", lambda: K.kv_deviation_topk_reference(k, v, k2, v2, ratio), None),
+            )]
+
+
+def run(
+    tokens: int,
+    ratio: float,
+    dtype: torch.dtype,
+    peak_bps: float,
+    peak_flops: float,
+    *,
+    device: str = "cuda",
+    timer: Callable[[Callable[[], object]], float] = _time_ms,
+) -> list[Row]:
+    """Time every kernel and its torch alternatives; ``device``/``timer`` exist so the
+    tests can smoke-run this on CPU under the Triton interpreter."""
+    layer = _layer(tokens, ratio, dtype, device)
+    return (_rope_rows(layer, peak_bps, peak_flops, timer) + _attention_rows(layer, peak_bps, peak_flops, timer)
+            + _deviation_rows(layer, ratio, peak_bps, peak_flops, timer))
 
 def _print_table(rows: list[Row]) -> None:
     header = f"{'kernel':<20} {'impl':<32} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'roofline':>9} {'max err':>9}"

@@ -193,89 +193,102 @@ def real_workload(folder: str | None, record: int, passages: int) -> Workload:
     return Workload(engine, hf, chunks, list(p.question), behind, title, shape)
 
 
-def run(work: Workload, repeats: int, data_dir: Path) -> dict:
-    from kvservice.launcher import ServiceProcess
+def _store_chunks(engine: LlamaEngine, client: KVClient, model_id: str, work: Workload) -> dict:
+    """Each chunk computed behind other chunks and stored; its tokens ranked by inter-attention
+    (what `TopShare` recomputes first), by chunk key."""
+    ranking = {}
+    for c, before in zip(work.chunks, work.behind):
+        segs = [Segment(b) for b in before] + [Segment(c)]
+        fresh = blend_prefill(engine, segs, Policy("full"), InMemoryLayerSource({}),
+                              gate=TRUSTED).fresh[len(before)]
+        client.store(model_id, c, fresh.kv, prefix_keys=list(fresh.prefix), stats=fresh.stats)
+        tia = torch.tensor(fresh.stats.token_inter_attention)
+        ranking[chunk_key(model_id, c)] = tia.argsort(descending=True).tolist()
+    return ranking
 
-    engine, hf, chunks, question = work.engine, work.hf, work.chunks, work.question
-    layers = engine.cfg.num_layers
-    model_id = engine.model_spec().fingerprint()
-    tokens = torch.tensor(sum(chunks, []) + question)
-    ref = engine.prefill(tokens, all_logits=False)[0][-1]
-    with ServiceProcess(data_dir) as service, KVClient(service.address) as client:
-        ranking = {}
-        for c, before in zip(chunks, work.behind):  # each chunk stored behind other chunks
-            segs = [Segment(b) for b in before] + [Segment(c)]
-            fresh = blend_prefill(engine, segs, Policy("full"), InMemoryLayerSource({}),
-                                  gate=TRUSTED).fresh[len(before)]
-            client.store(model_id, c, fresh.kv, prefix_keys=list(fresh.prefix), stats=fresh.stats)
-            tia = torch.tensor(fresh.stats.token_inter_attention)
-            ranking[chunk_key(model_id, c)] = tia.argsort(descending=True).tolist()
 
-        def via_adapter(policy: ReusePolicy, local: bool) -> Callable:
-            def go() -> tuple[float, BlendResult, object]:
-                adapter = RAGAdapter(engine, client, policy, gate=TRUSTED, store_back=False, local=local)
-                try:
-                    r, rep = adapter.prefill(chunks, question, reorder=False)
-                finally:
-                    adapter.close()
-                return rep.ttft_s, r, rep
-            return go
+def _via_adapter(work: Workload, client: KVClient, policy: ReusePolicy, local: bool) -> Callable:
+    """A case's run: the prompt prefilled through the RAG adapter under `policy`."""
+    def go() -> tuple[float, BlendResult, object]:
+        adapter = RAGAdapter(work.engine, client, policy, gate=TRUSTED, store_back=False, local=local)
+        try:
+            r, rep = adapter.prefill(work.chunks, work.question, reorder=False)
+        finally:
+            adapter.close()
+        return rep.ttft_s, r, rep
+    return go
 
-        def timed(f: Callable) -> Callable:
-            def go() -> tuple[float, None, None]:
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    f()
-                return time.perf_counter() - t0, None, None
-            return go
 
-        cases = [
-            Case("transformers SDPA full prefill", timed(lambda: hf(tokens[None], logits_to_keep=1)), "full"),
-            Case("engine full prefill", timed(lambda: engine.prefill(tokens, all_logits=False)), "full"),
-            Case("naive (shm)", via_adapter(Naive(), True)),
-            Case("naive (gRPC)", via_adapter(Naive(), False)),
-        ]
-        for share in (0.05, 0.10, 0.15):
-            cases.append(Case(f"cachecraft top {share:.0%} (shm)", via_adapter(TopShare(share=share, ranking=ranking), True)))
-        cases.append(Case("cachecraft top 10% (gRPC)", via_adapter(TopShare(share=0.10, ranking=ranking), False)))
-        cases.append(Case("cachecraft planned (service alpha) (shm)", via_adapter(CacheCraft(), True)))
-        for budget in (0.12, 0.15, 0.20):
-            if budget * layers >= 1:
-                cases.append(Case(f"cacheblend budget {budget:.0%} (shm)", via_adapter(CacheBlend(budget=budget), True)))
-        if 0.15 * layers >= 1:
-            cases.append(Case("cacheblend budget 15% (gRPC)", via_adapter(CacheBlend(budget=0.15), False)))
+def _timed(f: Callable) -> Callable:
+    """A case's run: `f` timed, no blend result."""
+    def go() -> tuple[float, None, None]:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            f()
+        return time.perf_counter() - t0, None, None
+    return go
 
-        def sample(case: Case) -> None:
-            ttft, r, rep = case.run()
-            s = {"ttft_s": ttft, "computed_share": r.computed_share if r else 1.0,
-                 "recompute_ratio": r.recompute_ratio if r else 0.0,
-                 "reused_chunks": getattr(rep, "reused_chunks", 0),
-                 **_split(ttft, r, getattr(rep, "fetch_wait_s", 0.0))}
-            if r is not None:
-                s["logit_dev"] = float((r.logits - ref).norm() / ref.norm())
-            case.samples.append(s)
 
-        for case in cases:  # warm-up: one untimed run each (allocator, first Locate, probe)
-            case.run()
-        for _ in range(repeats):
-            for case in cases:
-                sample(case)
-        # The prefix cache: exact variants of the first 3 chunks, as a request with the
-        # same leading chunks stores them (the plan prefers them: CFO 0).
-        k = min(3, len(chunks) - 1)
-        lead = blend_prefill(engine, [Segment(c) for c in chunks[:k]], Policy("full"), InMemoryLayerSource({}),
-                             gate=TRUSTED).fresh
-        for i in range(k):
-            client.store(model_id, chunks[i], lead[i].kv, prefix_keys=list(lead[i].prefix), stats=lead[i].stats)
-        prefix = [Case(f"prefix, {k} of {len(chunks)} chunks (shm)", via_adapter(Policy("prefix"), True)),
-                  Case(f"prefix, {k} of {len(chunks)} chunks (gRPC)", via_adapter(Policy("prefix"), False))]
-        for case in prefix:
-            case.run()
-        for _ in range(repeats):
-            for case in prefix:
-                sample(case)
-        cases += prefix
+def _cases(work: Workload, client: KVClient, tokens: torch.Tensor, ranking: dict) -> list[Case]:
+    """Full prefill (transformers, the engine) and every reuse policy, over shm and gRPC."""
+    engine, hf, layers = work.engine, work.hf, work.engine.cfg.num_layers
 
+    def via(policy: ReusePolicy, local: bool) -> Callable:
+        return _via_adapter(work, client, policy, local)
+
+    cases = [
+        Case("transformers SDPA full prefill", _timed(lambda: hf(tokens[None], logits_to_keep=1)), "full"),
+        Case("engine full prefill", _timed(lambda: engine.prefill(tokens, all_logits=False)), "full"),
+        Case("naive (shm)", via(Naive(), True)),
+        Case("naive (gRPC)", via(Naive(), False)),
+    ]
+    for share in (0.05, 0.10, 0.15):
+        cases.append(Case(f"cachecraft top {share:.0%} (shm)", via(TopShare(share=share, ranking=ranking), True)))
+    cases.append(Case("cachecraft top 10% (gRPC)", via(TopShare(share=0.10, ranking=ranking), False)))
+    cases.append(Case("cachecraft planned (service alpha) (shm)", via(CacheCraft(), True)))
+    for budget in (0.12, 0.15, 0.20):
+        if budget * layers >= 1:
+            cases.append(Case(f"cacheblend budget {budget:.0%} (shm)", via(CacheBlend(budget=budget), True)))
+    if 0.15 * layers >= 1:
+        cases.append(Case("cacheblend budget 15% (gRPC)", via(CacheBlend(budget=0.15), False)))
+    return cases
+
+
+def _measure(cases: list[Case], repeats: int, ref: torch.Tensor) -> None:
+    """One untimed run of each case (allocator, first Locate, probe), then `repeats` rounds
+    of samples: TTFT, its split, and the logits' deviation from full prefill."""
+    def sample(case: Case) -> None:
+        ttft, r, rep = case.run()
+        s = {"ttft_s": ttft, "computed_share": r.computed_share if r else 1.0,
+             "recompute_ratio": r.recompute_ratio if r else 0.0,
+             "reused_chunks": getattr(rep, "reused_chunks", 0),
+             **_split(ttft, r, getattr(rep, "fetch_wait_s", 0.0))}
+        if r is not None:
+            s["logit_dev"] = float((r.logits - ref).norm() / ref.norm())
+        case.samples.append(s)
+
+    for case in cases:
+        case.run()
+    for _ in range(repeats):
+        for case in cases:
+            sample(case)
+
+
+def _prefix_cases(work: Workload, client: KVClient, model_id: str) -> list[Case]:
+    """The prefix cache: exact variants of the first 3 chunks stored, as a request with the
+    same leading chunks stores them (the plan prefers them: CFO 0)."""
+    chunks = work.chunks
+    k = min(3, len(chunks) - 1)
+    lead = blend_prefill(work.engine, [Segment(c) for c in chunks[:k]], Policy("full"), InMemoryLayerSource({}),
+                         gate=TRUSTED).fresh
+    for i in range(k):
+        client.store(model_id, chunks[i], lead[i].kv, prefix_keys=list(lead[i].prefix), stats=lead[i].stats)
+    return [Case(f"prefix, {k} of {len(chunks)} chunks (shm)", _via_adapter(work, client, Policy("prefix"), True)),
+            Case(f"prefix, {k} of {len(chunks)} chunks (gRPC)", _via_adapter(work, client, Policy("prefix"), False))]
+
+
+def _rows(cases: list[Case]) -> list[dict]:
+    """Each case's medians and its speedups over the two full prefills (the first two cases)."""
     hf_s = _median(cases[0], "ttft_s")
     eng_s = _median(cases[1], "ttft_s")
     rows = []
@@ -284,6 +297,23 @@ def run(work: Workload, repeats: int, data_dir: Path) -> dict:
         rows.append({"case": c.name, "group": c.group, **med,
                      "speedup_vs_transformers": hf_s / med["ttft_s"], "speedup_vs_engine_full": eng_s / med["ttft_s"],
                      "ideal_speedup": 1.0 / med["computed_share"], "samples": c.samples})
+    return rows
+
+
+def run(work: Workload, repeats: int, data_dir: Path) -> dict:
+    from kvservice.launcher import ServiceProcess
+
+    engine = work.engine
+    model_id = engine.model_spec().fingerprint()
+    tokens = torch.tensor(sum(work.chunks, []) + work.question)
+    ref = engine.prefill(tokens, all_logits=False)[0][-1]
+    with ServiceProcess(data_dir) as service, KVClient(service.address) as client:
+        ranking = _store_chunks(engine, client, model_id, work)
+        cases = _cases(work, client, tokens, ranking)
+        _measure(cases, repeats, ref)
+        prefix = _prefix_cases(work, client, model_id)
+        _measure(prefix, repeats, ref)
+        cases += prefix
     return {
         "benchmark": "kvbench.ttft",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -292,9 +322,8 @@ def run(work: Workload, repeats: int, data_dir: Path) -> dict:
         "title": work.title,
         "shape": work.shape,
         "repeats": repeats,
-        "rows": rows,
+        "rows": _rows(cases),
     }
-
 
 def _median(c: Case, key: str) -> float:
     return statistics.median(s[key] for s in c.samples if key in s) if any(key in s for s in c.samples) else float("nan")

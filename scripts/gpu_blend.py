@@ -100,6 +100,72 @@ def _launches(fn: Callable[[], object], sync: Callable[[], None]) -> int:
     return sum(1 for e in prof.events() if e.name in LAUNCHES)
 
 
+def _reuse_rows(engine: LlamaEngine, cfg, dtype: torch.dtype, texts: list[list[int]], others: list[list[int]],
+                question: list[int], ref: torch.Tensor, full_s: float, repeats: int, sync: Callable[[], None],
+                count: Callable, check: Callable[[str, bool, str], None]) -> list[dict]:
+    """Every reuse case against full prefill (`ref`, `full_s`): the chunks' variants computed
+    alone (exact reuse) or behind another chunk, blended under each policy; a row each, and
+    a FAIL check for a case that raises or gives non-finite logits."""
+    rows: list[dict] = []
+    exact = blend_prefill(engine, [Segment(c) for c in texts], Policy("full"), InMemoryLayerSource({}),
+                          gate=TRUSTED).fresh
+    behind = {i: blend_prefill(engine, [Segment(o), Segment(c)], Policy("full"), InMemoryLayerSource({}),
+                               gate=TRUSTED).fresh[1] for i, (o, c) in enumerate(zip(others, texts))}
+
+    def segments(variants: dict, share: float = 0.0) -> list[Segment]:
+        out = []
+        for i, c in enumerate(texts):
+            tia = torch.tensor(variants[i].stats.token_inter_attention, device="cpu")
+            top = tia.topk(round(share * len(c))).indices.tolist() if share else []
+            out.append(Segment(c, cached=True, cached_prefix=variants[i].prefix, recompute=top))
+        return out + [Segment(question, question=True)]
+
+    cases = [
+        ("exact reuse", exact, 0.0, Policy("naive")),
+        ("naive", behind, 0.0, Policy("naive")),
+        ("cachecraft top 15%", behind, 0.15, Policy("cachecraft")),
+    ]
+    if 0.15 * cfg.num_layers >= 1:  # a budget under one layer in L is refused (CacheBlend.steady_ratio)
+        cases.append(("cacheblend budget 15%", behind, 0.0, CacheBlend(budget=0.15)))
+    cases.append((f"default ({DEFAULT_POLICY}) 15%", behind, 0.0, Policy(DEFAULT_POLICY)))
+    tol = TOLERANCE.get(dtype, 6e-2) * max(1.0, float(ref.abs().max()))
+    for name, variants, share, policy in cases:
+        segs = segments(variants, share)
+        kv = {i: v.kv for i, v in variants.items()}
+        prefill = lambda: blend_prefill(engine, segs, policy, InMemoryLayerSource(kv), gate=TRUSTED,  # noqa: E731
+                                        stats=False)
+        try:
+            s, r = _median_s(prefill, repeats, sync)
+            launches = count(prefill)
+        except Exception as e:  # noqa: BLE001 - report every case, go on with the next
+            check(name, False, f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+            continue
+        logits = r.logits.float()
+        dev = float((logits - ref).norm() / ref.norm())
+        rows.append({"case": name, "ttft_ms": 1e3 * s, "logit_dev": dev,
+                     "top1": bool(logits.argmax() == ref.argmax()), "computed_share": r.computed_share,
+                     "speedup": full_s / s, "launches": launches})
+        if not torch.isfinite(logits).all():
+            check(name, False, "non-finite logits")
+        elif name == "exact reuse":
+            diff = float((logits - ref).abs().max())
+            check(name, diff <= tol, f"max |logit diff| {diff:.3g}, tolerance {tol:.3g} (the reuse probe's)")
+    return rows
+
+
+def _cpu_check(cfg, engine: LlamaEngine, tokens: list[int], ref: torch.Tensor, device: str, dtype: torch.dtype,
+               check: Callable[[str, bool, str], None]) -> None:
+    """The full prefill's logits on `device` against the same weights' on the CPU, in fp32."""
+    names = _hf_names(cfg)
+    cpu = LlamaEngine(cfg, {k: v.to("cpu", torch.float32) for k, v in engine.w.items() if k in names})
+    cpu_ref = cpu.prefill(torch.tensor(tokens), all_logits=False)[0][-1]
+    diff = float((ref.cpu() - cpu_ref).abs().max())
+    ctol = TOLERANCE.get(dtype, 6e-2) * max(1.0, float(cpu_ref.abs().max()))
+    check(f"full prefill on {device} vs cpu (fp32)", diff <= ctol,
+          f"max |logit diff| {diff:.3g}, tolerance {ctol:.3g}")
+
+
 def run(shape: str, dtype_name: str, device: str, chunks: int, chunk_len: int, question_len: int,
         repeats: int, cpu_check: bool) -> dict:
     cfg, dtype = SHAPES[shape], DTYPES[dtype_name]
@@ -129,50 +195,7 @@ def run(shape: str, dtype_name: str, device: str, chunks: int, chunk_len: int, q
                      "computed_share": 1.0, "launches": count(full)})
         check("full prefill logits finite", bool(torch.isfinite(ref).all()), f"{len(tokens)} tokens")
 
-        exact = blend_prefill(engine, [Segment(c) for c in texts], Policy("full"), InMemoryLayerSource({}),
-                              gate=TRUSTED).fresh
-        behind = {i: blend_prefill(engine, [Segment(o), Segment(c)], Policy("full"), InMemoryLayerSource({}),
-                                   gate=TRUSTED).fresh[1] for i, (o, c) in enumerate(zip(others, texts))}
-
-        def segments(variants: dict, share: float = 0.0) -> list[Segment]:
-            out = []
-            for i, c in enumerate(texts):
-                tia = torch.tensor(variants[i].stats.token_inter_attention, device="cpu")
-                top = tia.topk(round(share * len(c))).indices.tolist() if share else []
-                out.append(Segment(c, cached=True, cached_prefix=variants[i].prefix, recompute=top))
-            return out + [Segment(question, question=True)]
-
-        cases = [
-            ("exact reuse", exact, 0.0, Policy("naive")),
-            ("naive", behind, 0.0, Policy("naive")),
-            ("cachecraft top 15%", behind, 0.15, Policy("cachecraft")),
-        ]
-        if 0.15 * cfg.num_layers >= 1:  # a budget under one layer in L is refused (CacheBlend.steady_ratio)
-            cases.append(("cacheblend budget 15%", behind, 0.0, CacheBlend(budget=0.15)))
-        cases.append((f"default ({DEFAULT_POLICY}) 15%", behind, 0.0, Policy(DEFAULT_POLICY)))
-        tol = TOLERANCE.get(dtype, 6e-2) * max(1.0, float(ref.abs().max()))
-        for name, variants, share, policy in cases:
-            segs = segments(variants, share)
-            kv = {i: v.kv for i, v in variants.items()}
-            prefill = lambda: blend_prefill(engine, segs, policy, InMemoryLayerSource(kv), gate=TRUSTED,  # noqa: E731
-                                            stats=False)
-            try:
-                s, r = _median_s(prefill, repeats, sync)
-                launches = count(prefill)
-            except Exception as e:  # noqa: BLE001 - report every case, go on with the next
-                check(name, False, f"{type(e).__name__}: {e}")
-                traceback.print_exc()
-                continue
-            logits = r.logits.float()
-            dev = float((logits - ref).norm() / ref.norm())
-            rows.append({"case": name, "ttft_ms": 1e3 * s, "logit_dev": dev,
-                         "top1": bool(logits.argmax() == ref.argmax()), "computed_share": r.computed_share,
-                         "speedup": full_s / s, "launches": launches})
-            if not torch.isfinite(logits).all():
-                check(name, False, "non-finite logits")
-            elif name == "exact reuse":
-                diff = float((logits - ref).abs().max())
-                check(name, diff <= tol, f"max |logit diff| {diff:.3g}, tolerance {tol:.3g} (the reuse probe's)")
+        rows += _reuse_rows(engine, cfg, dtype, texts, others, question, ref, full_s, repeats, sync, count, check)
         try:
             p = probe(engine)
             check("reuse probe (engine_adapter.probe)", p.ok, f"max |diff| {p.max_diff:.3g}, tolerance {p.tolerance:.3g}")
@@ -182,13 +205,7 @@ def run(shape: str, dtype_name: str, device: str, chunks: int, chunk_len: int, q
     # fp32 only: bf16 on one device against fp32 on another differs by bf16's rounding,
     # which the reuse probe's tolerance was not set for (exact reuse checks bf16 above).
     if cpu_check and device != "cpu" and dtype == torch.float32:
-        names = _hf_names(cfg)
-        cpu = LlamaEngine(cfg, {k: v.to("cpu", torch.float32) for k, v in engine.w.items() if k in names})
-        cpu_ref = cpu.prefill(torch.tensor(sum(texts, []) + question), all_logits=False)[0][-1]
-        diff = float((ref.cpu() - cpu_ref).abs().max())
-        ctol = TOLERANCE.get(dtype, 6e-2) * max(1.0, float(cpu_ref.abs().max()))
-        check(f"full prefill on {device} vs cpu (fp32)", diff <= ctol,
-              f"max |logit diff| {diff:.3g}, tolerance {ctol:.3g}")
+        _cpu_check(cfg, engine, sum(texts, []) + question, ref, device, dtype, check)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
     return {"benchmark": "scripts/gpu_blend.py", "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
             "device": name, "torch": torch.__version__, "python": platform.python_version(),

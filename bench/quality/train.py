@@ -180,7 +180,7 @@ def save(model, tok, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=sorted(TASKS), default="short",
                     help="short: 6 chunks of 7-10 words (data); long: 5-8 chunks of 32-52 words (longdata)")
@@ -201,14 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--init-from", type=Path, default=None, help="continue from a saved model directory")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    task, model_dir, max_positions = TASKS[args.task]
-    args.out = args.out or model_dir
-    rng = random.Random(task.TRAIN_SEED + args.seed)
-    tok = modeling.build_tokenizer(task.vocabulary())
+
+def _model(args: argparse.Namespace, tok, max_positions: int):
+    """A fresh model of the arguments' shape, or the one of --init-from grown to the vocabulary."""
     cfg = modeling.build_config(
         len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=max_positions,
@@ -222,46 +219,54 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model = modeling.LlamaForCausalLM(cfg)
     model.train()
-    n_params = sum(p.numel() for p in model.parameters())
-    # Checkpoints are picked on the default held-out draw; reports use seed 1, never picked on.
-    heldout = task.examples("heldout", args.eval_size)
+    return model
 
+
+def _optimizer(model, lr: float) -> torch.optim.Optimizer:
+    """AdamW, weight decay on the matrices only."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.98),
+        lr=lr, betas=(0.9, 0.98),
     )
+
+
+def _lr_at(args: argparse.Namespace, step: int, elapsed: float, top_since: float | None, budget_s: float) -> float:
+    """Peak rate while the curriculum climbs, then a cosine over the rest of the time
+    budget (step counts vary with machine load, so the schedule runs on the clock)."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    if top_since is None:
+        return args.lr
+    frac = (elapsed - top_since) / max(budget_s - top_since, 1.0)
+    return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def _train(args: argparse.Namespace, model, tok, task, heldout: list[data.Example],
+           rng: random.Random) -> tuple[int, float, dict, list[dict]]:
+    """The training loop, on the clock: (steps, seconds, best held-out EM, evaluation log).
+    Every --eval-every steps the curriculum may climb and the best checkpoint is saved."""
+    opt = _optimizer(model, args.lr)
     budget_s = args.minutes * 60
     curriculum = Curriculum(max(task.CHUNK_COUNTS), task=task)
     top_since: float | None = None  # seconds into the run when contexts reached full length
-
-    # Peak rate while the curriculum climbs, then a cosine over the rest of the time
-    # budget (step counts vary with machine load, so the schedule runs on the clock).
-    def lr_at(step: int, elapsed: float) -> float:
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        if top_since is None:
-            return args.lr
-        frac = (elapsed - top_since) / max(budget_s - top_since, 1.0)
-        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-
     log: list[dict] = []
     t0 = time.time()
-    best = {}
+    best: dict = {}
     ema = None
     with Progress(
         TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}s"),
         TextColumn("{task.fields[msg]}"), TimeElapsedColumn(), TimeRemainingColumn(),
     ) as bar:
-        task = bar.add_task("train", total=budget_s, msg="")
+        bar_task = bar.add_task("train", total=budget_s, msg="")
         step = 0
         while step < args.steps:
             elapsed = time.time() - t0
             if elapsed > budget_s:
                 break
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, elapsed)
+                g["lr"] = _lr_at(args, step, elapsed, top_since, budget_s)
             loss = batch_loss(model, make_batch(rng, tok, args.batch, curriculum))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
             step += 1
             ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-            bar.update(task, completed=min(time.time() - t0, budget_s), msg=f"step {step} loss {ema:.3f}")
+            bar.update(bar_task, completed=min(time.time() - t0, budget_s), msg=f"step {step} loss {ema:.3f}")
             if step % args.eval_every == 0:
                 level = curriculum.level
                 level_em = curriculum.update(model, tok)
@@ -287,7 +292,22 @@ def main(argv: list[str] | None = None) -> None:
                     save(model, tok, args.out)
                 if em["all"] >= args.target:
                     break
-    train_s = time.time() - t0
+    return step, time.time() - t0, best, log
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _arguments(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    task, model_dir, max_positions = TASKS[args.task]
+    args.out = args.out or model_dir
+    rng = random.Random(task.TRAIN_SEED + args.seed)
+    tok = modeling.build_tokenizer(task.vocabulary())
+    model = _model(args, tok, max_positions)
+    n_params = sum(p.numel() for p in model.parameters())
+    # Checkpoints are picked on the default held-out draw; reports use seed 1, never picked on.
+    heldout = task.examples("heldout", args.eval_size)
+    step, train_s, best, log = _train(args, model, tok, task, heldout, rng)
     em = exact_match_full_prefill(model, tok, heldout)
     summary = {"steps": step, "train_seconds": round(train_s, 1), "params": n_params,
                "final_heldout_em": em, "args": {k: str(v) for k, v in vars(args).items()},
@@ -298,7 +318,6 @@ def main(argv: list[str] | None = None) -> None:
         summary["saved"] = f"best checkpoint, held-out EM {best}"
     print(json.dumps(summary))
     (args.out / "training_log.json").write_text(json.dumps({"summary": summary, "log": log}, indent=1))
-
 
 if __name__ == "__main__":
     main()
