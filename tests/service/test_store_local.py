@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -30,9 +29,7 @@ from kvservice.launcher import ServiceProcess
 from kvclient.local_store import StagingBuffer
 from kvcraft.keys import ModelSpec, chunk_key
 from kvcraft.v1 import kvcraft_pb2 as pb
-
-MODEL = ModelSpec("staged", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32").fingerprint()
-LAYER_BYTES = 2 * 2 * 64 * 64 * 4  # K + V of [2, 64, 64] fp32
+from tests.service.store_local_helpers import LAYER_BYTES, MODEL, RawStoreLocal, staged_layers, staged_tokens
 
 
 @pytest.fixture
@@ -40,16 +37,6 @@ def model(request) -> str:
     """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
     name = f"staged-{request.node.name}-{uuid.uuid4().hex}"
     return ModelSpec(name, num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32").fingerprint()
-
-
-def _layers(seed: int, dtype=torch.float32, n: int = 4):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, 64, 64, generator=g).to(dtype), torch.randn(2, 64, 64, generator=g).to(dtype))
-            for _ in range(n)]
-
-
-def _tokens(i: int) -> list[int]:
-    return [i * 1000 + t for t in range(64)]
 
 
 def _equal(got, want) -> bool:
@@ -96,59 +83,18 @@ def _nothing_left(server, client: KVClient, tokens: list[int]) -> None:
     assert _tmp_files(server) == []
 
 
-class RawStoreLocal:
-    """The StoreLocal protocol by hand (what kvclient.local_store does, step by step)."""
-
-    def __init__(self, address: str, serializer=pb.StoreLocalRequest.SerializeToString) -> None:
-        self.channel = grpc.insecure_channel(address)
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
-        method = self.channel.stream_stream(local_store.STORE_LOCAL, request_serializer=serializer,
-                                            response_deserializer=pb.StoreLocalResponse.FromString)
-        self.call = method(iter(self.q.get, None), timeout=60)
-        self.staging: StagingBuffer | None = None
-
-    def send(self, msg) -> None:
-        self.q.put(msg)
-
-    def start(self, tokens: list[int], layers, area: pb.StagingArea | None = None) -> None:
-        """Header + a staging area of the payload's size (or `area` as given); waits
-        for the service to accept."""
-        self.staging = StagingBuffer(len(layers) * LAYER_BYTES // (4 // layers[0][0].element_size()))
-        self.send(pb.StoreLocalRequest(start=pb.StoreLocalStart(header=store_header(MODEL, tokens, layers),
-                                                                staging=area or self.staging.message())))
-        assert next(self.call).WhichOneof("part") == "accepted"
-
-    def put_all(self, layers) -> None:
-        for i, (k, v) in enumerate(layers):
-            self.staging.put(i * LAYER_BYTES, k, v)
-
-    def staged(self, count: int) -> None:
-        self.send(pb.StoreLocalRequest(staged=pb.StagedLayers(layers=count)))
-
-    def end(self):
-        self.q.put(None)
-        return next(self.call)
-
-    def close(self) -> None:
-        self.q.put(None)
-        self.call.cancel()
-        if self.staging is not None:
-            self.staging.close()
-        self.channel.close()
-
-
 # -- round trips -----------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_local_store_round_trips_bit_for_bit_through_both_fetch_paths_and_the_disk(start_server, dtype):
     server = start_server(host_budget_bytes=8 << 20)
-    want = {i: _layers(i, dtype) for i in range(3)}
+    want = {i: staged_layers(i, dtype) for i in range(3)}
     with KVClient(server.address) as c:
         keys = {}
         for i, layers in want.items():
-            r = c.store(MODEL, _tokens(i), layers)
+            r = c.store(MODEL, staged_tokens(i), layers)
             assert r.local and not r.already_present and r.bytes_stored == 4 * LAYER_BYTES // (4 // layers[0][0].element_size())
             keys[i] = r.chunk_key
-        again = c.store(MODEL, _tokens(0), want[0])
+        again = c.store(MODEL, staged_tokens(0), want[0])
         assert again.local and again.already_present
         for i, layers in want.items():
             assert _equal(c.fetch(keys[i]), layers)  # gRPC FetchLayers (host tier)
@@ -171,23 +117,23 @@ def test_local_store_round_trips_bit_for_bit_through_both_fetch_paths_and_the_di
 
 
 def test_local_and_grpc_stores_of_the_same_tensors_are_the_same_variant(shared_server, model):
-    layers = _layers(7)
+    layers = staged_layers(7)
     with KVClient(shared_server.address, local_store=False) as remote, KVClient(shared_server.address) as local:
-        a = remote.store(model, _tokens(1), layers)
-        b = local.store(model, _tokens(1), layers)
+        a = remote.store(model, staged_tokens(1), layers)
+        b = local.store(model, staged_tokens(1), layers)
         assert not a.local and b.local and b.already_present and a.variant_id == b.variant_id
-        c = local.store(model, _tokens(2), layers)
-        d = remote.store(model, _tokens(2), layers)
+        c = local.store(model, staged_tokens(2), layers)
+        d = remote.store(model, staged_tokens(2), layers)
         assert c.local and not c.already_present and not d.local and d.already_present
         assert _equal(remote.fetch(c.chunk_key), layers)
 
 
 def test_async_client_stores_through_shared_memory(shared_server, model):
-    layers = _layers(3, torch.float16)
+    layers = staged_layers(3, torch.float16)
 
     async def go():
         async with AsyncKVClient(shared_server.address) as c:
-            r = await c.store(model, _tokens(5), layers)
+            r = await c.store(model, staged_tokens(5), layers)
             got = await c.fetch(r.chunk_key)
             return r, got
 
@@ -198,23 +144,23 @@ def test_async_client_stores_through_shared_memory(shared_server, model):
 # -- fallback --------------------------------------------------------------------------
 def test_client_falls_back_to_the_grpc_stream_when_the_service_has_it_off(start_server):
     server = start_server(local_store=False)
-    layers = _layers(2)
+    layers = staged_layers(2)
     with KVClient(server.address) as c:
         raw = RawStoreLocal(server.address)
         try:
             with pytest.raises(grpc.RpcError) as e:
-                raw.start(_tokens(9), layers)
+                raw.start(staged_tokens(9), layers)
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "local_store = false" in e.value.details()
         finally:
             raw.close()
-        r = c.store(MODEL, _tokens(1), layers)
+        r = c.store(MODEL, staged_tokens(1), layers)
         assert not r.local and not c.core.local_store  # remembered: later stores go straight to gRPC
-        assert not c.store(MODEL, _tokens(2), layers).local
+        assert not c.store(MODEL, staged_tokens(2), layers).local
         assert _equal(c.fetch(r.chunk_key), layers)
 
     async def go():
         async with AsyncKVClient(server.address) as c:
-            r = await c.store(MODEL, _tokens(3), layers)
+            r = await c.store(MODEL, staged_tokens(3), layers)
             return r, await c.fetch(r.chunk_key)
 
     r, got = asyncio.run(go())
@@ -235,9 +181,9 @@ def test_a_service_in_another_pid_namespace_refuses_and_the_client_falls_back(tm
         pytest.skip(f"cannot make a pid namespace here: {probe.stderr.decode().strip()}")
     server = OtherPidNamespace(tmp_path / "data").start()
     try:
-        layers = _layers(6)
+        layers = staged_layers(6)
         with KVClient(server.address) as c:
-            r = c.store(MODEL, _tokens(6), layers)
+            r = c.store(MODEL, staged_tokens(6), layers)
             assert not r.local and not c.core.local_store  # refused once, gRPC from then on
             assert _equal(c.fetch(r.chunk_key), layers)
         assert "Traceback" not in server.log()
@@ -261,18 +207,18 @@ def test_a_service_in_another_pid_namespace_refuses_and_the_client_falls_back(tm
 ])
 def test_a_staging_area_the_service_must_not_map_is_refused(start_server, name, area, code, match):
     server = start_server()
-    layers = _layers(4)
+    layers = staged_layers(4)
     buf = StagingBuffer(4 * LAYER_BYTES)
     try:
         with KVClient(server.address) as c:
             raw = RawStoreLocal(server.address)
             try:
                 with pytest.raises(grpc.RpcError) as e:
-                    raw.start(_tokens(4), layers, area=area(buf))
+                    raw.start(staged_tokens(4), layers, area=area(buf))
                 assert e.value.code() == code and match in e.value.details(), e.value.details()
             finally:
                 raw.close()
-            _nothing_left(server, c, _tokens(4))
+            _nothing_left(server, c, staged_tokens(4))
     finally:
         buf.close()
         for x in _KEEP:
@@ -300,23 +246,23 @@ def _unsealed_area() -> pb.StagingArea:
 def test_local_stores_are_counted_in_flight_like_streams(start_server):
     """Each open co-located Store counts 4 layers against max_inflight_store_bytes (the
     staging memory is the client's own); past the budget a Store is refused, naming it."""
-    layers = _layers(1, n=8)
+    layers = staged_layers(1, n=8)
     server = start_server(max_inflight_store_bytes=2 * 4 * LAYER_BYTES)
     held = [RawStoreLocal(server.address) for _ in range(2)]
     try:
         for i, raw in enumerate(held):
-            raw.start(_tokens(100 + i), layers)
+            raw.start(staged_tokens(100 + i), layers)
         with KVClient(server.address) as c:
             assert c.stats().inflight_store_bytes == 2 * 4 * LAYER_BYTES
             with pytest.raises(ResourceExhaustedError, match="max_inflight_store_bytes"):
-                c.store(MODEL, _tokens(3), layers)
+                c.store(MODEL, staged_tokens(3), layers)
             for raw in held:
                 raw.put_all(layers)
                 raw.staged(8)
                 assert raw.end().WhichOneof("part") == "result"
-            assert c.store(MODEL, _tokens(3), layers).local
+            assert c.store(MODEL, staged_tokens(3), layers).local
             for i in range(2):
-                assert _equal(c.fetch(chunk_key(MODEL, _tokens(100 + i))), layers)
+                assert _equal(c.fetch(chunk_key(MODEL, staged_tokens(100 + i))), layers)
     finally:
         for raw in held:
             raw.close()
@@ -326,7 +272,7 @@ def test_a_client_keeps_few_staging_areas_and_closes_them(start_server):
     server = start_server()
     c = KVClient(server.address)
     for i in range(5):
-        assert c.store(MODEL, _tokens(i), _layers(i)).local
+        assert c.store(MODEL, staged_tokens(i), staged_layers(i)).local
     assert len(set(_staging_fds(os.getpid()))) <= local_store.IDLE_AREAS  # reused, not one per Store
     assert set(_staging_fds(server.proc.pid)) <= set(_staging_fds(os.getpid()))  # only this client's areas
     c.close()
@@ -336,7 +282,7 @@ def test_a_client_keeps_few_staging_areas_and_closes_them(start_server):
 
 # -- bad input, abandoned and crashed Stores ----------------------------------------------
 def _protocol_error(server, c: KVClient, steps, match: str) -> None:
-    layers = _layers(4)
+    layers = staged_layers(4)
     raw = RawStoreLocal(server.address)
     try:
         with pytest.raises(grpc.RpcError) as e:
@@ -346,20 +292,20 @@ def _protocol_error(server, c: KVClient, steps, match: str) -> None:
         assert match in e.value.details() and "Traceback" not in e.value.details()
     finally:
         raw.close()
-    _nothing_left(server, c, _tokens(4))
+    _nothing_left(server, c, staged_tokens(4))
 
 
 @pytest.mark.parametrize("name,steps,match", [
-    ("past num_layers", lambda raw, L: (raw.start(_tokens(4), L), raw.put_all(L), raw.staged(5)),
+    ("past num_layers", lambda raw, L: (raw.start(staged_tokens(4), L), raw.put_all(L), raw.staged(5)),
      "staged layers 5: expected 1..4"),
-    ("hostile count", lambda raw, L: (raw.start(_tokens(4), L), raw.staged(2**32 - 1)), "staged layers 4294967295"),
-    ("zero", lambda raw, L: (raw.start(_tokens(4), L), raw.staged(0)), "staged layers 0: expected 1..4"),
-    ("backwards", lambda raw, L: (raw.start(_tokens(4), L), raw.put_all(L), raw.staged(2), raw.staged(2)),
+    ("hostile count", lambda raw, L: (raw.start(staged_tokens(4), L), raw.staged(2**32 - 1)), "staged layers 4294967295"),
+    ("zero", lambda raw, L: (raw.start(staged_tokens(4), L), raw.staged(0)), "staged layers 0: expected 1..4"),
+    ("backwards", lambda raw, L: (raw.start(staged_tokens(4), L), raw.put_all(L), raw.staged(2), raw.staged(2)),
      "staged layers 2: expected 3..4"),
-    ("ends early", lambda raw, L: (raw.start(_tokens(4), L), raw.put_all(L), raw.staged(3)),
+    ("ends early", lambda raw, L: (raw.start(staged_tokens(4), L), raw.put_all(L), raw.staged(3)),
      "stream ended after 3 of header.num_layers=4 layers"),
-    ("second start", lambda raw, L: (raw.start(_tokens(4), L), raw.send(pb.StoreLocalRequest(
-        start=pb.StoreLocalStart(header=store_header(MODEL, _tokens(4), L))))),
+    ("second start", lambda raw, L: (raw.start(staged_tokens(4), L), raw.send(pb.StoreLocalRequest(
+        start=pb.StoreLocalStart(header=store_header(MODEL, staged_tokens(4), L))))),
      "unexpected start message after the start"),
     ("no start", lambda raw, L: (raw.staged(1), next(raw.call)), "must be a start"),
     ("bad header", lambda raw, L: (raw.send(pb.StoreLocalRequest(start=pb.StoreLocalStart(
@@ -404,10 +350,10 @@ def test_staging_rewritten_after_it_was_staged_changes_nothing(start_server):
     wrote its own copy, so the payload file, its checksums and the host copy all hold the
     layer as it was staged."""
     server = start_server(host_budget_bytes=8 << 20)
-    layers = _layers(4)
+    layers = staged_layers(4)
     raw = RawStoreLocal(server.address)
     try:
-        raw.start(_tokens(4), layers)
+        raw.start(staged_tokens(4), layers)
         raw.put_all(layers)
         raw.staged(1)
         _wait(lambda: _file_has(server, LAYER_BYTES), "layer 0 in the file")
@@ -424,7 +370,7 @@ def test_staging_scribbled_on_during_the_store_is_stored_consistently(start_serv
     """A client that keeps writing its area while the Store runs gets one version of
     each layer stored, the same in the payload file, its checksums and the host copy."""
     server = start_server(host_budget_bytes=8 << 20)
-    layers = _layers(4)
+    layers = staged_layers(4)
     raw = RawStoreLocal(server.address)
     stop = threading.Event()
 
@@ -435,7 +381,7 @@ def test_staging_scribbled_on_during_the_store_is_stored_consistently(start_serv
                 raw.staging.put(i * LAYER_BYTES, torch.randn(2, 64, 64, generator=g), torch.randn(2, 64, 64, generator=g))
 
     try:
-        raw.start(_tokens(4), layers)
+        raw.start(staged_tokens(4), layers)
         raw.put_all(layers)
         t = threading.Thread(target=scribble)
         t.start()
@@ -454,25 +400,25 @@ def test_staging_scribbled_on_during_the_store_is_stored_consistently(start_serv
 
 def test_abandoned_store_leaves_nothing(start_server):
     server = start_server()
-    layers = _layers(4)
+    layers = staged_layers(4)
     with KVClient(server.address) as c:
         raw = RawStoreLocal(server.address)
-        raw.start(_tokens(4), layers)
+        raw.start(staged_tokens(4), layers)
         raw.put_all(layers)
         raw.staged(2)
         _wait(lambda: _file_has(server, 2 * LAYER_BYTES), "2 layers in the file")
         assert _staging_fds(server.proc.pid) and c.stats().inflight_store_bytes == 4 * LAYER_BYTES
         raw.close()  # cancelled mid-store
-        _nothing_left(server, c, _tokens(4))
-        assert c.store(MODEL, _tokens(4), layers).local  # the same Store afterwards works
+        _nothing_left(server, c, staged_tokens(4))
+        assert c.store(MODEL, staged_tokens(4), layers).local  # the same Store afterwards works
 
 
 _CRASHING_CLIENT = textwrap.dedent("""
     import os, signal, sys
-    from tests.service.test_store_local import RawStoreLocal, _layers, _tokens
+    from tests.service.store_local_helpers import RawStoreLocal, staged_layers, staged_tokens
     raw = RawStoreLocal(sys.argv[1])
-    layers = _layers(4)
-    raw.start(_tokens(4), layers)
+    layers = staged_layers(4)
+    raw.start(staged_tokens(4), layers)
     raw.put_all(layers)
     raw.staged(2)
     print("staged", flush=True)
@@ -496,15 +442,15 @@ def test_client_killed_mid_store_leaves_nothing(start_server):
             assert client.wait(timeout=30) == -signal.SIGKILL
         finally:
             client.kill()
-        _nothing_left(server, c, _tokens(4))  # ... and lets go of it with the Store
+        _nothing_left(server, c, staged_tokens(4))  # ... and lets go of it with the Store
 
 
 def test_service_killed_mid_store_restarts_with_nothing_left(start_server):
     server = start_server()
-    layers = _layers(4)
+    layers = staged_layers(4)
     raw = RawStoreLocal(server.address)
     try:
-        raw.start(_tokens(4), layers)
+        raw.start(staged_tokens(4), layers)
         raw.put_all(layers)
         raw.staged(3)
         _wait(lambda: _file_has(server, 3 * LAYER_BYTES), "3 layers in the file")
@@ -517,6 +463,6 @@ def test_service_killed_mid_store_restarts_with_nothing_left(start_server):
     assert not list(Path("/dev/shm").glob("kvcraft-stage-*"))  # memfds: nothing in any filesystem
     server.start()
     with KVClient(server.address) as c:
-        _nothing_left(server, c, _tokens(4))  # the .tmp debris was deleted at start
-        r = c.store(MODEL, _tokens(4), layers)
+        _nothing_left(server, c, staged_tokens(4))  # the .tmp debris was deleted at start
+        r = c.store(MODEL, staged_tokens(4), layers)
         assert r.local and _equal(c.fetch(r.chunk_key), layers)

