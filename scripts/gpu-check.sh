@@ -265,7 +265,9 @@ if [ -z "$gpu" ]; then
     skip blend-smollm2-135m "$no_gpu"
     skip blend-llama3-8b "$no_gpu"
 else
-    step tests 240 "$py" -m pytest -q -p no:cacheprovider -rs --junitxml "$res/pytest.xml" \
+    # One process (-o addopts: the suite's own start pytest-xdist workers, which a GPU image lacks).
+    step tests 240 "$py" -m pytest -o addopts="--import-mode=importlib" -p no:xdist -q -p no:cacheprovider -rs \
+        --junitxml "$res/pytest.xml" \
         tests/gpu tests/kernels/test_gpu_kernels.py tests/kernels/test_kernels_dispatch.py \
         tests/kernels/test_bench_kernels.py
     rc=$?

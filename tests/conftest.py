@@ -66,6 +66,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(item.path, len(rank)))
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without pytest-xdist (scripts/gpu-check.sh) has no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's scheduler
     """Whole modules in the order above, and a worker's next module only once it is on the
     last test of its current one. (xdist's own loadfile orders modules by their number of
