@@ -125,9 +125,12 @@ class ServiceProcess(ChildProcess):
 
     def close(self) -> None:
         """Kill it if still running, and unlink the host slab a killed instance leaves in
-        /dev/shm (a start does that too, but a data dir nobody starts again would keep it)."""
+        /dev/shm (a start does that too, but a data dir nobody starts again would keep it).
+        Only after an instance of this object served: one refused the data dir (another
+        service holds it) must not unlink the holder's slab."""
         super().close()
-        remove_stale_segments(self.data_dir)
+        if self.address:
+            remove_stale_segments(self.data_dir)
 
     def restart(self, crash: bool = False) -> "ServiceProcess":
         """Stop (SIGTERM; SIGKILL when `crash`) and start again on the same address, as an
