@@ -16,6 +16,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _pytest_with_the_suites_hooks(test_file: Path) -> subprocess.CompletedProcess:
+    """A pytest run of `test_file` alone, in one process, with tests/conftest.py's hooks."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                           str(test_file)], cwd=test_file.parent, env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
     tag = uuid.uuid4().hex[:12]
     shm = Path("/dev/shm") / f"kvcraft-leak-{tag}"
@@ -31,12 +39,8 @@ def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
             Path({str(shm)!r}).write_bytes(b"x")
             Path({str(tmp_dir)!r}).mkdir()
     """))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("PYTEST_XDIST_WORKER", None)
     try:
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
-                              str(tmp_path / "test_leaky.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=120)
+        run = _pytest_with_the_suites_hooks(tmp_path / "test_leaky.py")
         out = run.stdout + run.stderr
         assert "1 passed" in out, out
         assert run.returncode == 1, out
@@ -55,9 +59,5 @@ def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
 
 def test_a_clean_run_passes(tmp_path):
     (tmp_path / "test_clean.py").write_text("def test_nothing_left():\n    assert True\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
-                          str(tmp_path / "test_clean.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
+    run = _pytest_with_the_suites_hooks(tmp_path / "test_clean.py")
     assert run.returncode == 0, run.stdout + run.stderr
