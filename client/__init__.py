@@ -22,6 +22,7 @@ _LAZY = {
     "NotFoundError": "kvclient.errors",
     "InvalidArgumentError": "kvclient.errors",
     "ResourceExhaustedError": "kvclient.errors",
+    "FailedPreconditionError": "kvclient.errors",
     "UnavailableError": "kvclient.errors",
 }
 

@@ -159,9 +159,11 @@ class KVClient(Face):
 
     def fetch_local(self, refs: Sequence[RefLike], ttl_s: float = 0.0, timeout: float | None = None) -> "LocalFetch":
         """Same-host fast path: tensors aliasing the service's shared memory, valid until
-        the returned LocalFetch is released (use it as a context manager). Where the answer
-        cannot be mapped here (OSError: the service runs on another host; ValueError:
-        offsets outside its memory) the lease is released and the error raised."""
+        the returned LocalFetch is released (use it as a context manager). A client the
+        service does not see on its host (not loopback, a unix socket or one of its own
+        addresses) gets FailedPreconditionError: stream instead. Where the answer cannot
+        be mapped here (OSError: the service runs on another host; ValueError: offsets
+        outside its memory) the lease is released and the error raised."""
         from kvclient.local import LocalFetch
 
         r = self.core.locate(refs, ttl_s, timeout).call()

@@ -24,6 +24,12 @@ class ResourceExhaustedError(KVCraftError):
     pass
 
 
+class FailedPreconditionError(KVCraftError):
+    """The service will not do this for this client as things are: e.g. Locate or
+    StoreLocal from a client on another host (its shared memory is not reachable from
+    there: stream instead), or StoreLocal turned off."""
+
+
 class UnavailableError(KVCraftError):
     """The service cannot be reached (down, or the deadline passed)."""
 
@@ -36,6 +42,7 @@ _BY_CODE = {
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }

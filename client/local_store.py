@@ -19,15 +19,18 @@ gRPC Store stream when it is not available. It runs on the client core's public 
 - after the last layer the client ends its stream; the answer comes once the payload is
   durable and its metadata committed, as for Store. Only then is the area reused.
 
-Fallback: a service without StoreLocal (UNIMPLEMENTED), with it off, or that cannot
-open the area (FAILED_PRECONDITION: another host, pid namespace or user) switches the
-client to the gRPC stream for good. `KVClient(..., local_store=False)` always uses gRPC.
+Fallback: a service without StoreLocal (UNIMPLEMENTED), with it off, that sees this
+client's address is not its host's, or that cannot open the area (FAILED_PRECONDITION:
+another host, pid namespace or user) switches the client to the gRPC stream for good,
+logged once (logger kvclient.local_store, with the service's reason).
+`KVClient(..., local_store=False)` always uses gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import mmap
 import os
 import queue
@@ -44,6 +47,8 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)  # kvclient.local_store
 
 STORE_LOCAL = "/kvcraft.v1.KVCache/StoreLocal"
 # The service has no co-located path for this client: use gRPC from now on.
@@ -134,9 +139,12 @@ def _staged(count: int) -> pb.StoreLocalRequest:
 
 def _declined(core: Any, e: grpc.RpcError) -> bool:
     """True: the service has no co-located path for this client: this Store and every
-    later one go the gRPC way. False: a real error of the Store."""
+    later one go the gRPC way (said once per client core). False: a real error of the Store."""
     if e.code() in _OFF:
-        core.local_store = False
+        if core.local_store:
+            core.local_store = False
+            log.info("kvcraft: the service declined co-located Stores (%s: %s); this client stores over "
+                     "the gRPC Store stream from now on", e.code().name, (e.details() or "")[:300])
         return True
     return False
 

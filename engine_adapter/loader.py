@@ -14,9 +14,12 @@ source; the copies each costs can be read off it:
   are tensors aliasing its shared memory (`kvclient.local`): no byte crosses gRPC, 0
   copies. They are valid until `close()` releases the lease.
 - streamed: the variants Locate could not place in host memory, or all of them when
-  `local` is off or Locate failed (logged, never raised), come over one FetchLayers
-  stream (`kvclient.layer_stream.LayerStream`, `depth` layers ahead of the consumer):
-  grpcio's copy, none after.
+  `local` is off or Locate failed (never raised), come over one FetchLayers stream
+  (`kvclient.layer_stream.LayerStream`, `depth` layers ahead of the consumer): grpcio's
+  copy, none after. A Locate that failed because the service is on another host (it
+  answered FAILED_PRECONDITION: this client's address is not its host's; or its shared
+  memory is not here) sets `elsewhere`, and the consumer turns `local` off and logs it
+  once; any other failure is logged here.
 
 The consumer copies what it keeps: the reference engine re-rotates each layer's K into
 its merged cache; the vLLM worker gathers each layer's blocks into one tensor and
@@ -31,10 +34,11 @@ import threading
 import time
 from typing import Any, Mapping
 
+import grpc
 from torch import Tensor
 
 from engine_adapter.source import LayerKV
-from kvclient.errors import KVCraftError
+from kvclient.errors import DeadlineExceededError, FailedPreconditionError, KVCraftError
 from kvclient.layer_stream import LayerStream
 from kvcraft.records import Ref
 
@@ -73,12 +77,18 @@ class ServiceLayerSource:
         left = deadline - time.monotonic()
         try:
             if left <= 0:
-                raise KVCraftError("deadline passed before Locate")
+                raise DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before Locate")
             located = client.fetch_local(list(refs.values()), timeout=min(left, client.timeout))
         except (KVCraftError, OSError, ValueError) as e:
             self.local_error = f"{type(e).__name__}: {e}"[:300]
-            self.elsewhere = isinstance(e, OSError)
-            log.warning("kvcraft Locate failed (%s); streaming over gRPC instead", self.local_error)
+            # Another host: the service refused (FAILED_PRECONDITION: the client's address is
+            # not its host's), or its segment is not here. The consumer says so once and
+            # turns `local` off; any other failure is this load's own.
+            self.elsewhere = isinstance(e, (OSError, FailedPreconditionError))
+            if self.elsewhere:
+                log.debug("kvcraft Locate: the service is on another host (%s); streaming", self.local_error)
+            else:
+                log.warning("kvcraft Locate failed (%s); streaming over gRPC instead", self.local_error)
             return
         self._lease = located
         tiers = set()

@@ -134,7 +134,8 @@ class RAGAdapter:
             log.warning("kvcraft fetch stopped (%s); the layers not received were computed instead", source.error)
         if source.elsewhere:
             self.local = False
-            log.warning("kvcraft: the service's shared memory is not on this host; this adapter streams from now on")
+            log.warning("kvcraft: the service's shared memory is not on this host (%s); this adapter streams "
+                        "from now on", source.local_error)
         if self.store_back and result.fresh:
             self._store_back(segments, result, refs)
         self._learn(source, result)

@@ -192,8 +192,8 @@ class WorkerSide:
                 self._sources.add(source)
             if source.elsewhere and self._local:
                 self._local = False
-                log.warning("kvcraft: the service at %s is not on this host (its shared memory cannot be mapped); "
-                            "loads stream over gRPC from now on", self.settings.address)
+                log.warning("kvcraft: the service at %s is not on this host (its shared memory cannot be mapped: "
+                            "%s); loads stream over gRPC from now on", self.settings.address, source.local_error)
             ids = None
             for i, (kc, vc) in enumerate(self._layers):  # kc, vc: [blocks, heads, block, hd] views
                 got = source.wait_layer(i)

@@ -7,7 +7,8 @@ Servicers are thin: validate the shape of a request, call the store in a worker 
               are INVALID_ARGUMENT) and the per-method codecs of the byte paths
   status.py   domain error -> status code (`rpc`), a full disk, running-RPC count (drain)
   checks.py   bounds of requests the store and planner do not know (ttl, timings, limits)
-  data.py     the byte paths: Store and FetchLayers
+  peers.py    which clients share this host (offered shared memory: Locate, StoreLocal)
+  data.py     the byte paths: Store, StoreLocal and FetchLayers
   lookup.py   finding and holding variants: Plan, Lookup, MatchPrefix, Locate, Lease, Release
   admin.py    the Admin service
   startup.py  start_server (options, auth, TLS, health, reflection), serve and the SIGTERM drain

@@ -20,6 +20,7 @@ from kvservice.errors import FailedPrecondition, InvalidArgument, KVCraftError
 from kvservice.index import Variant
 from kvservice.metrics import Metrics
 from kvservice.server.codecs import as_message, check_parsed, message_bytes
+from kvservice.server.peers import check_same_host
 from kvservice.server.status import InFlight, rpc, storage_error
 from kvservice.store import ChunkStore, staging
 from kvservice.store.session import StagedWriter
@@ -136,6 +137,7 @@ class DataServicer:
                                      "use the Store stream")
         if not staging.supported():
             raise FailedPrecondition("co-located Stores need Linux (memfd, /proc): use the Store stream")
+        check_same_host(context.peer(), "use the Store stream")  # its staging area is this host's memory
         check_parsed(req)
         if req is None or req.WhichOneof("part") != "start":
             raise InvalidArgument("the first message of a StoreLocal stream must be a start (header + staging area)")

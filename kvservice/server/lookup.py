@@ -14,6 +14,7 @@ from kvservice.errors import InvalidArgument, ResourceExhausted
 from kvservice.planning import PlanningService
 from kvservice.server.checks import check_plan_request, check_ttl
 from kvservice.server.codecs import check_parsed
+from kvservice.server.peers import check_same_host
 from kvservice.server.status import InFlight, rpc, status_of
 from kvservice.store import ChunkStore
 
@@ -83,6 +84,8 @@ class LookupServicer:
 
     @rpc
     async def Locate(self, request: pb.LocateRequest, context: Any) -> pb.LocateResponse:
+        # Its answer is mappings of this host's shared memory: only for a client on this host.
+        check_same_host(context.peer(), "stream the layers (FetchLayers)")
         check_ttl("lease_ttl_s", request.lease_ttl_s, self.store.cfg)
         located = await asyncio.to_thread(self.store.locate, wire.refs(request.variants), request.lease_ttl_s)
         return wire.locate_response(located)

@@ -10,6 +10,7 @@ import signal
 import time
 import uuid
 
+import grpc
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from engine_adapter.prompt import Segment
 from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient, Ref
+from kvclient.errors import from_status
 from kvcraft.keys import chunk_key
 from kvkernels import RopeConfig
 
@@ -166,6 +168,34 @@ def test_same_host_fast_path_gives_the_streamed_result(kvserver):
             assert report.reused_chunks == 4 and not report.fallbacks
         assert client.stats().leases == 0  # both the plan's and Locate's leases released
     assert torch.equal(out[True].logits, out[False].logits)
+
+
+def test_a_service_that_refuses_locate_for_another_host_turns_local_off_and_says_so_once(shared_server, engine,
+                                                                                          caplog):
+    """Locate answered FAILED_PRECONDITION (the service does not see this client on its
+    host; on loopback it never does, so the refusal is raised as the client raises the
+    service's): the adapter streams, turns `local` off, and one warning says why."""
+    cs = chunks(8)
+    with KVClient(shared_server.address) as client:
+        warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
+        asked = []
+
+        def refused(*args, **kwargs):  # noqa: ANN002, ANN003
+            asked.append(args)
+            raise from_status(grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                              "the client at 10.1.0.12 is not on this service's host: shared memory is not "
+                              "reachable from there; stream the layers (FetchLayers)")
+
+        client.fetch_local = refused
+        adapter = RAGAdapter(engine, client, Policy("cacheblend", ratio=0.3), gate=ReuseGate(),
+                             store_back=False, local=True)
+        with caplog.at_level(logging.WARNING):
+            for _ in range(2):
+                _, report = adapter.prefill(cs[::-1], QUESTION)
+                assert report.reused_chunks == 4 and not report.fallbacks  # every chunk streamed
+    assert not adapter.local and len(asked) == 1  # Locate asked once, never again
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("engine_adapter")]
+    assert len(said) == 1 and "not on this host" in said[0] and "10.1.0.12" in said[0], said
 
 
 @pytest.mark.parametrize("host_budget,tier", [(1, "disk"), (64 << 20, "host")])

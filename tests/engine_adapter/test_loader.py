@@ -7,11 +7,13 @@ import logging
 import time
 import uuid
 
+import grpc
 import pytest
 import torch
 
 from engine_adapter.loader import ServiceLayerSource
 from kvclient.client import KVClient, Ref
+from kvclient.errors import from_status
 from kvcraft.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -103,9 +105,10 @@ def test_close_releases_the_lease_once_and_hands_out_nothing_after(kvserver):
         assert c.stats().leases == 0
 
 
-def test_a_service_whose_memory_is_not_on_this_host_is_streamed_with_a_warning(kvserver, caplog):
+def test_a_service_whose_memory_is_not_on_this_host_is_streamed_and_said_to_be_elsewhere(kvserver, caplog):
     """Locate answers with a segment this host lacks (a service elsewhere): the source says
-    so, streams every variant, and the lease Locate took is not left to its ttl."""
+    so (its consumer turns `local` off and logs it, so the loader does not warn too),
+    streams every variant, and the lease Locate took is not left to its ttl."""
     with KVClient(kvserver.address) as c:
         (a, la), (b, lb) = store(c, 1), store(c, 2)
         mappings = c.core.mappings()
@@ -127,6 +130,47 @@ def test_a_service_whose_memory_is_not_on_this_host_is_streamed_with_a_warning(k
         finally:
             source.close()
         assert c.stats().leases == 0
-    assert "kvcraft Locate failed" in caplog.text
+    assert "kvcraft Locate failed" not in caplog.text
     for layer, kv in enumerate(got):
         assert same_bytes(kv[0][0], la[layer][0]) and same_bytes(kv[1][1], lb[layer][1])
+
+
+def test_a_service_that_refuses_locate_for_another_host_is_streamed_and_said_to_be_elsewhere(
+        shared_server, model, caplog):
+    """Locate answered FAILED_PRECONDITION (the service sees this client's address is not
+    its host's; on loopback it never does, so the refusal is the service's message, raised
+    as the client raises it): every variant streams, `elsewhere` is set for the consumer,
+    and the loader logs no warning of its own."""
+    with KVClient(shared_server.address) as c:
+        (a, la), (b, lb) = store(c, 1, model=model), store(c, 2, model=model)
+
+        def refused(*args, **kwargs):  # noqa: ANN002, ANN003
+            raise from_status(grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                              "the client at 10.1.0.12 is not on this service's host: shared memory is not "
+                              "reachable from there; stream the layers (FetchLayers)")
+
+        c.fetch_local = refused
+        with caplog.at_level(logging.WARNING, logger="engine_adapter.loader"):
+            source = ServiceLayerSource(c, {0: a, 1: b}, local=True, deadline=deadline())
+        try:
+            assert source.elsewhere and "FailedPreconditionError" in source.local_error
+            assert "10.1.0.12 is not on this service's host" in source.local_error
+            assert (source.mapped, source.streamed) == ([], [0, 1])
+            got = read_all(source)
+        finally:
+            source.close()
+    assert not caplog.records
+    for layer, kv in enumerate(got):
+        assert same_bytes(kv[0][0], la[layer][0]) and same_bytes(kv[1][1], lb[layer][1])
+
+
+def test_another_locate_failure_is_this_loads_own_and_logged(shared_server, model, caplog):
+    """A Locate that fails for another reason (here: the deadline passed) is not a service
+    elsewhere: `local` stays on for later loads, and the loader warns."""
+    with KVClient(shared_server.address) as c:
+        a, _ = store(c, 3, model=model)
+        with caplog.at_level(logging.WARNING, logger="engine_adapter.loader"):
+            source = ServiceLayerSource(c, {0: a}, local=True, deadline=time.monotonic() - 1.0)
+        source.close()
+    assert not source.elsewhere and "deadline passed before Locate" in source.local_error
+    assert "kvcraft Locate failed" in caplog.text

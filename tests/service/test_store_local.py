@@ -8,6 +8,7 @@ checksums the service computed verified, and the gRPC Store of the same tensors.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -142,7 +143,7 @@ def test_async_client_stores_through_shared_memory(shared_server, model):
 
 
 # -- fallback --------------------------------------------------------------------------
-def test_client_falls_back_to_the_grpc_stream_when_the_service_has_it_off(start_server):
+def test_client_falls_back_to_the_grpc_stream_when_the_service_has_it_off(start_server, caplog):
     server = start_server(local_store=False)
     layers = staged_layers(2)
     with KVClient(server.address) as c:
@@ -153,10 +154,14 @@ def test_client_falls_back_to_the_grpc_stream_when_the_service_has_it_off(start_
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "local_store = false" in e.value.details()
         finally:
             raw.close()
-        r = c.store(MODEL, staged_tokens(1), layers)
-        assert not r.local and not c.core.local_store  # remembered: later stores go straight to gRPC
-        assert not c.store(MODEL, staged_tokens(2), layers).local
+        with caplog.at_level(logging.INFO, logger="kvclient.local_store"):
+            r = c.store(MODEL, staged_tokens(1), layers)
+            assert not r.local and not c.core.local_store  # remembered: later stores go straight to gRPC
+            assert not c.store(MODEL, staged_tokens(2), layers).local
         assert _equal(c.fetch(r.chunk_key), layers)
+    said = [m.getMessage() for m in caplog.records if m.name == "kvclient.local_store"]
+    assert len(said) == 1, said  # once per client, with the service's reason
+    assert "declined co-located Stores (FAILED_PRECONDITION" in said[0] and "local_store = false" in said[0]
 
     async def go():
         async with AsyncKVClient(server.address) as c:
