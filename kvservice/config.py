@@ -6,6 +6,7 @@ Validated once, here, at the edge; the rest of the service trusts a `Config`.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 import ssl
@@ -87,14 +88,22 @@ class Config:
     remote_master: str = ""  # host:port of mooncake_master
     remote_protocol: str = "tcp"  # tcp | rdma
     remote_device: str = ""  # RDMA device names (rdma only), e.g. "mlx5_0"
-    remote_local_hostname: str = "127.0.0.1"  # address other nodes reach this node's segment at
+    # Address other nodes reach this node's segment at; "" = the address this host sends
+    # from to reach remote_master (its route's source address).
+    remote_local_hostname: str = ""
     remote_segment_bytes: int = 1 * GiB  # host memory this node contributes to the cluster
     remote_buffer_bytes: int = 64 * MiB  # the Mooncake client's transfer buffer
     remote_budget_bytes: int = 64 * GiB  # payload bytes this node writes to the cluster
     remote_namespace: str = "kvcraft"  # key prefix: deployments sharing a cluster stay apart
     remote_list_slots: int = 8  # entries of a chunk's variant list in the cluster
     remote_write_through: bool = True  # copy each stored variant to the cluster at once
-    remote_advertise: str = ""  # this node's gRPC address in the cluster view; "" = host:port
+    # A transfer to or from another node's segment that makes no progress for this long
+    # fails (the engine gets NOT_FOUND and recomputes), and that node's address is not
+    # tried again for 10 s: a partitioned node costs a request this much, not TCP's minutes.
+    remote_timeout_s: float = 2.0
+    # This node's gRPC address in the cluster view; "" = host:port (with a wildcard host,
+    # 0.0.0.0 or ::, the segment's address remote_local_hostname and the port).
+    remote_advertise: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -127,8 +136,19 @@ class Config:
         for name in ("remote_segment_bytes", "remote_buffer_bytes", "remote_budget_bytes", "remote_list_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.remote_timeout_s <= 600:
+            raise ValueError(f"remote_timeout_s must be within 1..600 seconds, got {self.remote_timeout_s}")
         if self.remote_master and ":" not in self.remote_master:
             raise ValueError(f"remote_master must be host:port, got {self.remote_master!r}")
+        if self.remote_master and not _loopback(self.remote_master.rpartition(":")[0]):
+            # A cluster across hosts: a loopback address would send the other nodes to themselves.
+            for name in ("remote_local_hostname", "remote_advertise"):
+                value = getattr(self, name)
+                if value and _loopback(value.rpartition(":")[0] if name == "remote_advertise" else value):
+                    raise ValueError(f"{name} {value!r} is a loopback address, but remote_master "
+                                     f"{self.remote_master!r} is not: the other nodes could not reach this "
+                                     f"node there; set this host's address on the cluster network (or leave "
+                                     f"{name} empty to derive it)")
 
     @property
     def data_path(self) -> Path:
@@ -168,6 +188,16 @@ class Config:
                 v = "***"
             lines.append(f"{f.name} = {_toml_value(v)}")
         return "\n".join(lines) + "\n"
+
+
+def _loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: resolved where it is used
+        return False
 
 
 def load_config(

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Sequence
 
 from kvservice.segments import remove_stale_segments
 
@@ -27,15 +27,16 @@ class ChildProcess:
 
     what = "process"  # in errors
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, prefix: Sequence[str] = ()) -> None:
         self.log_path = Path(log_path)
+        self.prefix = list(prefix)  # argv before the command: e.g. `ip netns exec <ns>` (kvbench.netns)
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 
     def _launch(self, argv: list[str], ready: Callable[[], bool], timeout: float, **popen: Any) -> None:
         """Start `argv` (its stderr to the log unless `popen` says otherwise) and call
         `ready()` until it is true; a child that exits first or a timeout raise."""
-        self.proc = subprocess.Popen(argv, **{"stderr": self._log_file(), **popen})
+        self.proc = subprocess.Popen(self.prefix + argv, **{"stderr": self._log_file(), **popen})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ready():
@@ -90,9 +91,9 @@ class ServiceProcess(ChildProcess):
     what = "kvcraft serve"
 
     def __init__(self, data_dir: Path, env: dict[str, str] | None = None, cwd: str | None = None,
-                 **settings: object) -> None:
+                 prefix: Sequence[str] = (), **settings: object) -> None:
         self.data_dir = Path(data_dir)
-        super().__init__(self.data_dir.parent / f"{self.data_dir.name}-server.log")
+        super().__init__(self.data_dir.parent / f"{self.data_dir.name}-server.log", prefix)
         self.env = env or {}
         self.cwd = cwd  # where `python -m kvservice.cli` runs (bench/load.py: another checkout)
         self.settings = {"host": "127.0.0.1", "port": 0, "data_dir": str(self.data_dir), **settings}

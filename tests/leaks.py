@@ -1,6 +1,7 @@
 """What a test run must not leave behind: processes it started (kvcraft serve, vLLM engines,
-mooncake_master, their helpers), shared-memory segments, and data dirs in the temporary
-folder. The run's first process marks its environment; every process it starts inherits
+mooncake_master, their helpers), shared-memory segments, data dirs in the temporary
+folder, and the network namespaces of simulated hosts (kvbench.netns; their links and
+addresses go with them). The run's first process marks its environment; every process it starts inherits
 the mark, so a process still carrying it after the run is one the run left running.
 Segments carry no such mark: a run beside another run on the same machine counts the
 other's segments too (CI runs one at a time).
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbench import netns
+
 MARK = "KVCRAFT_TEST_RUN"
 SHM = Path("/dev/shm")
 EXIT_WAIT_S = 10.0  # a process killed at the very end still needs a moment to be reaped
@@ -27,6 +30,7 @@ class Before:
     run: str
     shm: frozenset[str]
     tmp: frozenset[str]
+    namespaces: frozenset[str]
 
 
 BEFORE = pytest.StashKey[Before]()
@@ -37,7 +41,7 @@ def start() -> Before:
     /dev/shm and the temporary folder hold already."""
     run = uuid.uuid4().hex
     os.environ[MARK] = run
-    return Before(run, _names(SHM), _names(Path(tempfile.gettempdir())))
+    return Before(run, _names(SHM), _names(Path(tempfile.gettempdir())), frozenset(netns.namespaces()))
 
 
 def left_behind(before: Before) -> list[str]:
@@ -49,6 +53,7 @@ def left_behind(before: Before) -> list[str]:
     found += [f"/dev/shm/{n}" for n in sorted(_names(SHM) - before.shm)]
     tmp = Path(tempfile.gettempdir())
     found += [str(tmp / n) for n in sorted(_names(tmp) - before.tmp) if n.startswith("kvcraft")]
+    found += [f"network namespace {n}" for n in sorted(set(netns.namespaces()) - before.namespaces)]
     return found
 
 

@@ -1,5 +1,6 @@
 """The run's own check (tests/leaks.py, wired in tests/conftest.py) fails a run that passed
-every test but left a process, a /dev/shm segment or a kvcraft temporary dir behind."""
+every test but left a process, a /dev/shm segment, a kvcraft temporary dir or a simulated
+host's network namespace behind."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import tempfile
 import textwrap
 import uuid
 from pathlib import Path
+
+from kvbench import netns
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,15 +32,18 @@ def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
     shm = Path("/dev/shm") / f"kvcraft-leak-{tag}"
     tmp_dir = Path(tempfile.gettempdir()) / f"kvcraft-leak-{tag}"
     pid_file = tmp_path / "pid"
+    ns = f"{netns.NAME}-leak-{tag}" if netns.unavailable() is None else ""  # a simulated host's namespace, as root
     (tmp_path / "test_leaky.py").write_text(textwrap.dedent(f"""
         import subprocess, sys
         from pathlib import Path
 
-        def test_passes_but_leaves_three_things():
+        def test_passes_but_leaves_things():
             p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
             Path({str(pid_file)!r}).write_text(str(p.pid))
             Path({str(shm)!r}).write_bytes(b"x")
             Path({str(tmp_dir)!r}).mkdir()
+            if {ns!r}:
+                subprocess.run(["ip", "netns", "add", {ns!r}], check=True)
     """))
     try:
         run = _pytest_with_the_suites_hooks(tmp_path / "test_leaky.py")
@@ -47,7 +53,10 @@ def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
         leaked_pid = pid_file.read_text()
         assert "left behind by this run" in out and f"process {leaked_pid}:" in out, out
         assert str(shm) in out and str(tmp_dir) in out, out
+        assert not ns or f"network namespace {ns}" in out, out
     finally:
+        if ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         if pid_file.exists():
             try:
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)

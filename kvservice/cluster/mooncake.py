@@ -18,7 +18,9 @@ benchmarks, a local try-out); production runs the master as its own service
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 import os
 import shutil
 import socket
@@ -28,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -54,11 +56,24 @@ class RemoteSettings:
     """How a node joins a Mooncake Store cluster (Config's `remote_*` settings)."""
 
     master_address: str  # host:port of mooncake_master
-    local_hostname: str = "127.0.0.1"  # address other nodes reach this node's segment at
+    local_hostname: str = ""  # address other nodes reach this node's segment at ("": route_address)
     protocol: str = "tcp"  # tcp | rdma
     device: str = ""  # RDMA device names (rdma only), e.g. "mlx5_0"
     segment_bytes: int = 1 << 30  # host memory this node contributes to the cluster
     buffer_bytes: int = 64 << 20  # the client's own transfer buffer
+    timeout_s: float = 2.0  # a transfer to a peer's segment without progress this long fails
+
+
+PEER_PAUSE_MS = 10_000  # a peer whose transfer failed is not tried again for this long
+
+
+def transfer_env(timeout_s: float) -> dict[str, str]:
+    """The Mooncake transfer engine's timeouts (read once, when its extension loads): its
+    TCP defaults wait 30 s for progress on a connection whose peer went silent (a cut
+    link), and retry a failed peer at once."""
+    t = str(max(1, math.ceil(timeout_s)))
+    return {"MC_TCP_PROGRESS_TIMEOUT_SEC": t, "MC_TCP_STATUS_TIMEOUT_SEC": t, "MC_HANDSHAKE_CONNECT_TIMEOUT": t,
+            "MC_TRANSFER_TIMEOUT": t, "MC_CONN_PAUSE_TTL_MS": str(PEER_PAUSE_MS)}
 
 
 def _view(buf: Buffer) -> np.ndarray:
@@ -73,6 +88,8 @@ class MooncakeClient:
 
     def __init__(self, settings: RemoteSettings) -> None:
         self.settings = settings
+        for k, v in transfer_env(settings.timeout_s).items():
+            os.environ.setdefault(k, v)  # an operator's own MC_* setting wins
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -81,6 +98,9 @@ class MooncakeClient:
                 f"(CPU) or mooncake-transfer-engine (CUDA), and the system library libibverbs1 "
                 f"(apt-get install libibverbs1); import failed: {e}") from None
         self._store = MooncakeDistributedStore()
+        if not settings.local_hostname:
+            settings = dataclasses.replace(settings, local_hostname=route_address(settings.master_address))
+            self.settings = settings
         s = settings
         rc = self._store.setup(s.local_hostname, "P2PHANDSHAKE", s.segment_bytes, s.buffer_bytes,
                                s.protocol, s.device, s.master_address)
@@ -93,9 +113,9 @@ class MooncakeClient:
         # fails: a watcher keeps `up` current (TCP connect to the master every
         # WATCH_INTERVAL_S), and calls fail at once while it is down.
         self.up = True
+        self.on_rejoin: list[Callable[[], None]] = []  # called (watcher thread) when the master answers again
         self._stop = threading.Event()
-        host, _, port = s.master_address.rpartition(":")
-        self._master = (host.strip("[]"), int(port))
+        self._master = _host_port(s.master_address)
         self._watcher = threading.Thread(target=self._watch, name="kvcraft-mooncake-watch", daemon=True)
         self._watcher.start()
 
@@ -103,9 +123,13 @@ class MooncakeClient:
         while not self._stop.wait(WATCH_INTERVAL_S):
             try:
                 socket.create_connection(self._master, timeout=WATCH_INTERVAL_S).close()
-                self.up = True
             except OSError:
                 self.up = False
+                continue
+            if not self.up:
+                self.up = True
+                for call in self.on_rejoin:
+                    call()
 
     def _need_up(self, what: str) -> None:
         if not self.up:
@@ -158,11 +182,32 @@ class MooncakeClient:
         return rc
 
     # -- small records --------------------------------------------------------------------
+    def placement(self, key: str) -> str:
+        """The transport endpoint (host:port) of the segment holding the object's replica
+        ("" when absent)."""
+        self._need_up(f"locate {key}")
+        for r in self._store.get_replica_desc(key):
+            if r.is_memory_replica():
+                return r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+        return ""
+
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
         """Values of small objects; b"" for an absent one (or when the master is down)."""
         if not keys or not self.up:
             return [b""] * len(keys)
         return self._store.get_batch(list(keys))
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each object is stored (a replica on a live segment); Unavailable when
+        the master does not answer."""
+        if not keys:
+            return []
+        self._need_up("look objects up")
+        codes = self._store.batch_is_exist(list(keys))
+        for rc in codes:
+            if rc < 0 and rc not in _GONE:
+                self._check(rc, f"look up {len(keys)} objects")
+        return [rc == 1 for rc in codes]
 
     def upsert(self, key: str, value: bytes) -> None:
         self._need_up(f"write {key}")
@@ -192,6 +237,25 @@ class MooncakeClient:
         raise Unavailable(f"remote tier: cannot {what}: Mooncake error {rc}")
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def route_address(master_address: str) -> str:
+    """The address this host sends from to reach `master_address`: on a cluster network,
+    the one the other nodes reach it at (remote_local_hostname's default). Unavailable if
+    no route leads there."""
+    host, port = _host_port(master_address)
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)  # a datagram socket sends nothing: the kernel only picks the route
+            return s.getsockname()[0]
+    except OSError as e:
+        raise Unavailable(f"no route to the Mooncake master at {master_address}: {e}") from None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -212,38 +276,43 @@ def master_binary() -> str:
 
 
 class MasterProcess(ChildProcess):
-    """`mooncake_master` bound to 127.0.0.1 on free ports, in its own process.
+    """`mooncake_master` bound to `host` (127.0.0.1 unless told) on free ports, in its
+    own process (in a network namespace of its own when `prefix` says so).
 
-    Its RPC and admin/metrics servers listen on loopback only; the HTTP metadata
+    Its RPC and admin/metrics servers listen on that address only; the HTTP metadata
     server is off (clients use P2P handshake). `restart` keeps the RPC port, so the
     nodes reconnect to the same address.
     """
 
     what = "mooncake_master"
 
-    def __init__(self, log_path: Path, *, eviction_high_watermark: float = 0.9) -> None:
-        super().__init__(log_path)
+    def __init__(self, log_path: Path, *, eviction_high_watermark: float = 0.9, host: str = "127.0.0.1",
+                 prefix: Sequence[str] = (), client_ttl_s: int = 10) -> None:
+        super().__init__(log_path, prefix)
+        self.host = host  # the address it binds (and nodes reach it at)
+        self.client_ttl_s = client_ttl_s  # a node silent this long is gone, with its segment's objects
         self.rpc_port = free_port()
         self.metrics_port = free_port()
         self.watermark = eviction_high_watermark
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     def start(self, timeout: float = 30.0) -> "MasterProcess":
         def ready() -> bool:
             try:
-                socket.create_connection(("127.0.0.1", self.rpc_port), 0.2).close()
+                socket.create_connection((self.host, self.rpc_port), 0.2).close()
                 return True
             except OSError:
                 time.sleep(0.02)
                 return False
 
         self._launch(
-            [master_binary(), "-rpc_address=127.0.0.1", f"-rpc_port={self.rpc_port}",
-             "-metrics_host=127.0.0.1", f"-metrics_port={self.metrics_port}",
+            [master_binary(), f"-rpc_address={self.host}", f"-rpc_port={self.rpc_port}",
+             f"-metrics_host={self.host}", f"-metrics_port={self.metrics_port}",
              "-enable_metric_reporting=false", "-enable_http_metadata_server=false",
-             f"-eviction_high_watermark_ratio={self.watermark}", "-rpc_thread_num=2", "-logtostderr"],
+             f"-eviction_high_watermark_ratio={self.watermark}", f"-client_ttl={self.client_ttl_s}",
+             "-rpc_thread_num=2", "-logtostderr"],
             ready, timeout, stdout=self._log_file(), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return self

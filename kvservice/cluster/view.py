@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kvcraft.keys import variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.cluster.mooncake import MooncakeClient
-from kvservice.cluster.records import BadRecord, Entry, decode_entry, encode_entry, slot_key, slot_of
+from kvservice.cluster.records import BadRecord, Entry, decode_entry, encode_entry, payload_key, slot_key, slot_of
 from kvservice.errors import KVCraftError
+
+if TYPE_CHECKING:
+    from kvservice.index import Variant
 
 log = logging.getLogger("kvcraft.cluster")
 
@@ -51,7 +54,7 @@ class ClusterView:
         self.holder = holder
         self.slots = slots
 
-    def publish(self, info: pb.VariantInfo) -> None:
+    def publish(self, info: "pb.VariantInfo | Variant") -> None:
         """Add the variant to its chunk's list (it must already be in the remote tier)."""
         key = slot_key(self.ns, info.chunk_key, slot_of(info.variant_id, self.slots))
         self.client.upsert(key, encode_entry(info, self.holder))
@@ -72,27 +75,45 @@ class ClusterView:
         self.client.remove(slot_key(self.ns, chunk, slot_of(vid, self.slots)))
 
     def discover(self, chunks: Sequence[str]) -> list[Entry]:
-        """Every valid list entry of these chunks; altered entries are removed."""
+        """Every valid list entry of these chunks whose payload is still stored; altered
+        entries, and entries of payloads that are gone (their segment left the cluster
+        with its node: the master drops them once the node's client_ttl has passed), are
+        removed."""
         keys = [slot_key(self.ns, c, s) for c in chunks for s in range(self.slots)]
         try:
             values = self.client.get_many(keys)
+            entries = self._decode(chunks, keys, values)
+            stored = self.client.exists([payload_key(self.ns, e.info.variant_id) for _, e in entries])
         except KVCraftError as e:
             log.warning("cluster view unavailable: %s", e)
             return []
+        out = []
+        for (key, e), there in zip(entries, stored):
+            if there:
+                out.append(e)
+                continue
+            log.info("dropping list entry %s: its payload is gone from the cluster", key)
+            self._remove(key)
+        return out
+
+    def _decode(self, chunks: Sequence[str], keys: Sequence[str], values: Sequence[bytes]) -> list[tuple[str, Entry]]:
         out = []
         for i, raw in enumerate(values):
             if not raw:
                 continue
             chunk = chunks[i // self.slots]
             try:
-                out.append(decode_entry(raw, chunk))
+                out.append((keys[i], decode_entry(raw, chunk)))
             except BadRecord as e:
                 log.warning("dropping list entry %s: %s", keys[i], e)
-                try:
-                    self.client.remove(keys[i])
-                except KVCraftError:
-                    pass
+                self._remove(keys[i])
         return out
+
+    def _remove(self, key: str) -> None:
+        try:
+            self.client.remove(key)
+        except KVCraftError:
+            pass
 
     def longest_prefix(self, order: Sequence[str], entries: Sequence[Entry] | None = None) -> PrefixHit:
         """The global CP-Tree lookup: the longest leading run of `order` whose

@@ -149,8 +149,10 @@ async def start_server(cfg: Config) -> RunningServer:
             port = server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot listen on {address}")
-        if store.cluster is not None and not cfg.remote_advertise:
-            store.cluster.view.holder = f"{cfg.host}:{port}"  # the bound port, for the cluster view
+        if store.cluster is not None and not cfg.remote_advertise:  # the bound port, for the cluster view
+            from kvservice.tiers.remote import advertise
+
+            store.cluster.view.holder = advertise(cfg, store.cluster.view.client.settings.local_hostname, port)
         await server.start()
     except BaseException:
         if metrics is not None:

@@ -17,9 +17,11 @@ lock, payload copies outside it while the variant is held (so it cannot move).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
+from kvservice.cluster.records import payload_key, slot_key, slot_of
 from kvservice.cluster.view import ClusterView
 from kvservice.errors import KVCraftError
 from kvservice.index import Variant
@@ -30,6 +32,7 @@ from kvservice.variant_codec import to_variant
 log = logging.getLogger("kvcraft.cluster")
 
 WRITE_ATTEMPTS = 3
+REPUBLISH_BATCH = 512  # variants looked up in the cluster per call
 
 
 def attach_cluster(state: StoreState) -> "ClusterSync | None":
@@ -51,17 +54,66 @@ class ClusterSync:
         self.remote_index = state.tiers.index(remote)
         self.write_through = write_through
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvcraft-remote")
+        # The view's reads run here, waited for at most remote_timeout_s: a node that
+        # stops answering mid-read (a partition) must not hold a Plan longer than that.
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvcraft-view")
+        self._lookup: Future | None = None
+        self.timeout_s = state.cfg.remote_timeout_s
         remote.bind(state.index.get)
         state.listeners.append(self)
+        view.client.on_rejoin.append(self.republish)
+        self.republish()  # a restart: what this node holds may be gone from the cluster
+
+    # -- putting this node's variants back -------------------------------------------------
+    def republish(self) -> None:
+        """Copy this node's local variants the cluster lost back into it, in the background:
+        after a start, and whenever the master answers again (a restarted master starts
+        empty; one that lost this node during a partition dropped its segment's objects)."""
+        self._pool.submit(self._republish)
+
+    def _republish(self) -> None:
+        s, ns = self.s, self.view.ns
+        with s.lock:
+            local = [v for v in s.index if any(i != self.remote_index for i in s.holders(v))]
+        for at in range(0, len(local), REPUBLISH_BATCH):
+            batch = local[at : at + REPUBLISH_BATCH]
+            try:
+                stored = self.view.client.exists([payload_key(ns, v.variant_id) for v in batch])
+                entered = self.view.client.exists([slot_key(ns, v.chunk_key, slot_of(v.variant_id, self.view.slots))
+                                                   for v in batch])
+            except KVCraftError as e:
+                log.info("republishing stopped (%s): the next rejoin tries again", e)
+                return
+            for v, there, listed in zip(batch, stored, entered):
+                if not there:
+                    self.remote.delete(v.variant_id)  # whatever this node knew of its copy is stale
+                    self._copy_out(v.variant_id)
+                elif not listed:
+                    try:
+                        self.view.publish(v)
+                    except KVCraftError:
+                        return
 
     # -- adopting what other nodes stored ------------------------------------------------
     def discover(self, chunk_keys: Sequence[str]) -> int:
-        """Adopt the listed variants of these chunks this node lacks; how many."""
-        entries = self.view.discover(list(dict.fromkeys(chunk_keys)))
+        """Adopt the listed variants of these chunks this node lacks; how many. Within
+        remote_timeout_s, or nothing: the Plan goes on with what this node holds (and
+        while an earlier lookup still hangs, no new one starts)."""
+        with self.s.lock:
+            if self._lookup is not None and not self._lookup.done():
+                return 0
+            self._lookup = lookup = self._lookups.submit(self.view.discover, list(dict.fromkeys(chunk_keys)))
+        try:
+            entries = lookup.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            log.warning("cluster view did not answer within %.1fs (a node unreachable?): planning from this "
+                        "node's tiers", self.timeout_s)
+            return 0
         if not entries:
             return 0
         s, n = self.s, 0
         cfg = s.cfg
+        bad: list[tuple[str, str]] = []  # (chunk, variant id) of entries that do not describe a variant of theirs: removed, outside the lock
         with s.lock:
             for e in entries:
                 vid = e.info.variant_id
@@ -75,7 +127,7 @@ class ClusterSync:
                     continue  # no room without evicting local variants for remote ones
                 v = to_variant(s.index, e.info)
                 if v is None or v.size_bytes != e.info.size_bytes:
-                    self.view.drop_entry(e.info.chunk_key, vid)
+                    bad.append((e.info.chunk_key, vid))
                     continue
                 now = s.now_ms()
                 v.created_ms, v.last_access_ms = now, now
@@ -86,6 +138,11 @@ class ClusterSync:
                 for lst in s.listeners:
                     lst.on_put(v)
                 n += 1
+        for chunk, vid in bad:
+            try:
+                self.view.drop_entry(chunk, vid)
+            except KVCraftError:
+                pass  # dropped by the next node that reads it
         return n
 
     # -- StoreListener: write-through ----------------------------------------------------
@@ -124,12 +181,12 @@ class ClusterSync:
                 try:
                     for layer in range(v.num_layers):
                         writer.write_layer(src.get_layer(vid, layer, shape))
+                    writer.commit()  # header and list entry: network calls, outside the store's lock
                     with s.lock:
-                        if vid not in s.index:
-                            writer.abort()
+                        if vid in s.index:
+                            s.placed(v, self.remote_index)
                             return
-                        writer.commit()
-                        s.placed(v, self.remote_index)
+                    writer.withdraw()  # deleted meanwhile: its copy goes too
                     return
                 except (KeyError, OSError) as e:  # the local copy went away: nothing to copy
                     writer.abort()
@@ -148,3 +205,4 @@ class ClusterSync:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._lookups.shutdown(wait=False, cancel_futures=True)  # a lookup stuck on a lost node is not waited for

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from collections import OrderedDict
 
 from kvcraft import tiers
@@ -31,12 +33,13 @@ from kvservice.cluster.mooncake import MooncakeClient, ObjectMissing, RemoteSett
 from kvservice.cluster.records import BadRecord, check_header, encode_header, header_length, payload_key, record_bytes
 from kvservice.cluster.view import ClusterView
 from kvservice.config import Config
-from kvservice.errors import KVCraftError
+from kvservice.errors import KVCraftError, Unavailable
 from kvservice.index import Variant
 from kvcraft.layout import layer_checksum
 from kvservice.tiers.base import Buffer, PayloadShape, RecordOf, Tier, TierFull, TierWriter
 
 log = logging.getLogger("kvcraft.remote")
+READERS = 4  # remote reads in flight (each waited for at most remote_timeout_s)
 
 
 def _check_layers(v: Variant, payload: bytearray, shape: PayloadShape) -> None:
@@ -84,6 +87,11 @@ class RemoteWriter(TierWriter):
         self._tier.view.publish(self._info)
         self._tier._committed(self._info.variant_id, self._shape.total_bytes, mine=not self._exists)
 
+    def withdraw(self) -> None:
+        """Remove what `commit` wrote (the variant was deleted while it was copied out)."""
+        if self._tier._is_mine(self._info.variant_id):
+            self._tier._remove(self._info.variant_id, self._info.chunk_key)
+
     def abort(self) -> None:
         if self._open:
             self._open = False
@@ -98,10 +106,18 @@ class RemoteWriter(TierWriter):
 def remote_tier(cfg: Config) -> "RemoteTier":
     """Join the cluster `cfg.remote_master` names; Unavailable if it cannot be reached."""
     client = MooncakeClient(RemoteSettings(cfg.remote_master, cfg.remote_local_hostname, cfg.remote_protocol,
-                                           cfg.remote_device, cfg.remote_segment_bytes, cfg.remote_buffer_bytes))
-    holder = cfg.remote_advertise or f"{cfg.host}:{cfg.port}"  # the server sets the bound port
+                                           cfg.remote_device, cfg.remote_segment_bytes, cfg.remote_buffer_bytes,
+                                           cfg.remote_timeout_s))
+    holder = cfg.remote_advertise or advertise(cfg, client.settings.local_hostname, cfg.port)
     view = ClusterView(client, cfg.remote_namespace, holder, cfg.remote_list_slots)
     return RemoteTier(client, view, cfg.remote_budget_bytes)
+
+
+def advertise(cfg: Config, local_hostname: str, port: int) -> str:
+    """This node's gRPC address for the cluster view when remote_advertise is empty: the
+    address it listens on, or the segment's address where it listens on every interface."""
+    host = local_hostname if cfg.host in ("", "0.0.0.0", "::", "[::]") else cfg.host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class RemoteTier(Tier):
@@ -115,6 +131,9 @@ class RemoteTier(Tier):
                  read_cache_bytes: int = 256 << 20) -> None:
         super().__init__(budget_bytes)
         self.client = client
+        self.timeout_s = client.settings.timeout_s
+        self._reads = ThreadPoolExecutor(READERS, thread_name_prefix="kvcraft-remote-read")
+        self._deletes = ThreadPoolExecutor(1, thread_name_prefix="kvcraft-remote-delete")
         self.view = view
         self.ns = view.ns
         self._record_of: RecordOf = lambda vid: None
@@ -189,7 +208,7 @@ class RemoteTier(Tier):
         header = bytearray(header_length(record))
         payload = bytearray(shape.total_bytes)
         try:
-            self.client.get_into(payload_key(self.ns, vid), [header, payload])
+            self._read(payload_key(self.ns, vid), [header, payload])
             check_header(header, record, shape.total_bytes)
             _check_layers(info, payload, shape)
         except ObjectMissing:
@@ -209,6 +228,15 @@ class RemoteTier(Tier):
                 self._cache_bytes -= len(self._cache.popitem(last=False)[1])
         return payload
 
+    def _read(self, key: str, parts: list[bytearray]) -> None:
+        """get_into, waited for at most timeout_s: a peer cut off mid-read can hold the
+        call much longer. The buffers are this read's own, so a call that finishes after
+        it was given up writes into memory nobody reads."""
+        try:
+            self._reads.submit(self.client.get_into, key, parts).result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise Unavailable(f"no answer within {self.timeout_s:.1f}s reading {key} (its node unreachable?)") from None
+
     # -- bookkeeping ------------------------------------------------------------------
     def _forget(self, vid: str) -> None:
         with self._lock:
@@ -222,13 +250,23 @@ class RemoteTier(Tier):
 
     def delete(self, variant_id: str) -> None:
         """Forget the variant; remove it from the cluster only if this node wrote it
-        (a node's eviction of a variant another node listed is not that node's loss).
-        Altered payloads are removed by the read that finds them, whoever wrote them."""
+        (a node's eviction of a variant another node listed is not that node's loss),
+        in the background: the store calls this under its lock, and a cluster call may
+        wait up to remote_timeout_s. Altered payloads are removed by the read that finds
+        them, whoever wrote them."""
         info = self._record_of(variant_id)
         mine = variant_id in self._mine
         self._forget(variant_id)
         if mine:
-            self._remove(variant_id, info.chunk_key if info is not None else None)
+            self._deletes.submit(self._remove, variant_id, info.chunk_key if info is not None else None)
+
+    def flush(self) -> None:
+        """Wait for the removals `delete` queued so far."""
+        self._deletes.submit(lambda: None).result()
+
+    def _is_mine(self, vid: str) -> bool:
+        with self._lock:
+            return vid in self._mine
 
     def _remove(self, vid: str, chunk: str | None) -> None:
         self._forget(vid)
@@ -253,4 +291,6 @@ class RemoteTier(Tier):
             return list(self._known)
 
     def close(self) -> None:
+        self._reads.shutdown(wait=False, cancel_futures=True)  # a read stuck on a lost node is not waited for
+        self._deletes.shutdown(wait=True)
         self.client.close()

@@ -163,6 +163,7 @@ def test_budget_refuses_and_delete_frees(nodes):
     a.write(info, payload, shape)
     a.tier.delete(info.variant_id)
     assert a.tier.usage() == 0 and info.variant_id not in a.tier
+    a.tier.flush()  # the cluster's copy goes in the background
     assert a.view.discover([info.chunk_key]) == []
 
 
@@ -211,3 +212,48 @@ def test_remote_section_of_the_config_file(tmp_path):
     f.write_text('[remote]\nmastr = "x:1"\n')
     with pytest.raises(ValueError, match="remote_mastr"):
         load_config(f, env={})
+
+
+def test_a_node_of_a_cluster_across_hosts_refuses_loopback_addresses(tmp_path):
+    """A loopback segment or advertised address sends the other nodes to themselves: refused
+    at start when the master is on another host; fine when the cluster is on loopback."""
+    from kvservice.config import load_config
+
+    f = tmp_path / "kvcraft.toml"
+    for line in ('local_hostname = "127.0.0.1"', 'advertise = "localhost:50051"', 'advertise = "[::1]:50051"'):
+        f.write_text(f'[remote]\nmaster = "10.0.0.5:50052"\n{line}\n')
+        with pytest.raises(ValueError, match="is a loopback address, but remote_master '10.0.0.5:50052' is not"):
+            load_config(f, env={})
+    f.write_text('[remote]\nmaster = "127.0.0.1:50052"\nlocal_hostname = "127.0.0.1"\n')
+    assert load_config(f, env={}).remote_local_hostname == "127.0.0.1"
+
+
+def test_the_segment_address_defaults_to_the_route_to_the_master():
+    """remote_local_hostname "" = the source address of this host's route to the master
+    (kernel's choice, as `ip route get` shows it)."""
+    import subprocess
+
+    from kvservice.cluster.mooncake import route_address
+
+    assert route_address("127.0.0.1:50052") == "127.0.0.1"
+    got = subprocess.run(["ip", "-4", "route", "get", "192.0.2.200"], capture_output=True, text=True)
+    if got.returncode != 0:
+        pytest.skip(f"no IPv4 route off this host: {got.stderr.strip()}")
+    words = got.stdout.split()
+    assert route_address("192.0.2.200:50052") == words[words.index("src") + 1]
+
+
+def test_the_node_configuration_docs_scale_out_shows_loads(tmp_path):
+    """docs/scale-out.md's TOML block is a valid node configuration, as written."""
+    import re
+    from pathlib import Path
+
+    from kvservice.config import load_config
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "scale-out.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", doc, re.S)
+    f = tmp_path / "node.toml"
+    f.write_text(block)
+    cfg = load_config(f, env={})
+    assert (cfg.host, cfg.remote_master, cfg.remote_timeout_s) == ("10.0.0.11", "10.0.0.5:50052", 2.0)
+    assert cfg.remote_local_hostname == cfg.remote_advertise == ""  # derived at start
