@@ -86,7 +86,10 @@ class ClusterSync:
                 return
             for v, there, listed in zip(batch, stored, entered):
                 if not there:
-                    self.remote.delete(v.variant_id)  # whatever this node knew of its copy is stale
+                    with s.lock:  # whatever this node knew of its copy is stale
+                        if v.variant_id in self.remote:
+                            self.remote.delete(v.variant_id)
+                            s.retier(v)
                     self._copy_out(v.variant_id)
                 elif not listed:
                     try:
@@ -113,7 +116,7 @@ class ClusterSync:
             return 0
         s, n = self.s, 0
         cfg = s.cfg
-        bad: list[tuple[str, str]] = []  # (chunk, variant id) of entries that do not describe a variant of theirs: removed, outside the lock
+        bad: list[tuple[str, str]] = []  # (chunk, variant id): entries not describing theirs, removed after
         with s.lock:
             for e in entries:
                 vid = e.info.variant_id
