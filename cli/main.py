@@ -31,7 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     admin = sub.add_parser("admin", help="inspect or manage a running service")
     admin.add_argument("--address", default="127.0.0.1:50051")
     admin.add_argument("--admin-token")
-    admin.add_argument("action", choices=["stats", "list", "get", "evict", "pin", "unpin", "flush", "config"])
+    admin.add_argument("action", choices=["stats", "fidelity", "list", "get", "evict", "pin", "unpin", "flush",
+                                          "config"])
     admin.add_argument("target", nargs="?", help="chunk key (get/evict/pin/unpin)")
 
     model = sub.add_parser("model", help="get the real pretrained model, SmolLM2-135M (docs/real-model.md)")
@@ -81,6 +82,9 @@ def _admin(a: argparse.Namespace) -> int:
         try:
             if a.action == "stats":
                 out = MessageToDict(c.stats())
+            elif a.action == "fidelity":
+                print(fidelity_table(c.stats().fidelity), end="")
+                return 0
             elif a.action == "list":
                 out = MessageToDict(c.list_chunks())
             elif a.action == "config":
@@ -103,6 +107,21 @@ def _admin(a: argparse.Namespace) -> int:
             return 1
     print(json.dumps(out, indent=2))
     return 0
+
+
+def fidelity_table(rows: Sequence) -> str:  # noqa: ANN001 - pb.FidelityStats
+    """`kvcraft admin fidelity`: one line per (model, policy) of StatsResponse.fidelity."""
+    if not rows:
+        return "no fidelity samples yet (engines send them with their Plans; docs/quality.md)\n"
+    head = ("model", "policy", "samples", "top1_agree", "agreement", "95% interval", "mean_kl", "computed")
+    lines = [head]
+    for r in rows:
+        rate = r.top1_agree / r.samples if r.samples else 0.0
+        lines.append((r.model_id, r.policy, str(r.samples), str(r.top1_agree), f"{rate:.3f}",
+                      f"[{r.agree_lower:.3f}, {r.agree_upper:.3f}]", f"{r.mean_kl:.4g}",
+                      f"{r.mean_computed_share:.3f}"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n" for line in lines)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ Column family "variants": variant id (ascii) -> the variant's record as bytes
 Column family "access": variant id -> the variant's latest fr and last access (16 bytes,
 `ACCESS`), written on every reuse instead of the whole VariantInfo (hundreds of bytes to
 kilobytes: its per-token statistics). Both only grow, so recovery takes the larger of
-the two records' values. Column family "meta": format version. Writes that make a variant
+the two records' values. Column family "fidelity": model id (32 ascii chars) ++ policy
+(utf-8) -> that pair's sampled-fidelity tally (`FIDELITY`, `kvservice.fidelity`), written
+unsynced. Column family "meta": format version. Writes that make a variant
 are durable before they return; deletes need not be (recovery drops a record whose
 payload is gone, docs/storage.md), and a variant's delete drops its access record in
 the same batch; access updates are unsynced (losing the last few on a crash
@@ -34,11 +36,16 @@ from typing import Callable, Iterable
 from rocksdict import Options, ReadOptions, Rdict, WriteBatch, WriteOptions
 
 from kvservice import variant_codec
+from kvservice.fidelity import Tally
 from kvservice.index import Variant, VariantIndex
 
-FORMAT_VERSION = b"1"  # "access" came later: a database without it has no access records yet
-_CFS = ("variants", "access", "meta")
+# "access" and "fidelity" came later: a database without them has no such records yet
+FORMAT_VERSION = b"1"
+_CFS = ("variants", "access", "fidelity", "meta")
+_WRITTEN = ("variants", "access", "fidelity")  # the families batches write to
 ACCESS = struct.Struct("<dq")  # fr, last access (unix ms)
+FIDELITY = struct.Struct("<QQdd")  # samples, top-1 agreements, sum of KL, sum of computed share
+MODEL_ID_CHARS = 32
 log = logging.getLogger("kvcraft.metadata")
 
 Ops = Callable[[WriteBatch], None]  # adds one write's puts / deletes to a batch
@@ -63,7 +70,7 @@ class MetadataDamaged(Exception):
         super().__init__(
             f"metadata in {path} is damaged: {what}. No payload was deleted. Stop the service and run "
             f"`kvcraft repair --data-dir {path.parent}`: it moves the damaged metadata aside and rebuilds it "
-            "from the self-describing payload files (pins and fr scores start afresh)")
+            "from the self-describing payload files (pins, fr scores and fidelity tallies start afresh)")
         self.path = path
 
 
@@ -115,12 +122,13 @@ class MetadataDB:
             cfs = {cf: db.get_column_family(cf) for cf in _CFS}
             # Write handles by column family, looked up when a batch is built (after a
             # reopen, or the access family made anew, they are new ones).
-            handles = {cf: db.get_column_family_handle(cf) for cf in ("variants", "access")}
+            handles = {cf: db.get_column_family_handle(cf) for cf in _WRITTEN}
         except Exception:
             _close_quietly(db)
             raise
         self._db = db
         self._variants, self._meta, self._access = cfs["variants"], cfs["meta"], cfs["access"]
+        self._fidelity = cfs["fidelity"]
         self._handles = handles
 
     def _write(self, ops: Ops, sync: bool) -> None:
@@ -281,14 +289,52 @@ class MetadataDB:
         del it
         return out
 
+    def load_fidelity(self) -> list[Tally]:
+        """Every fidelity tally (`kvservice.fidelity`). Like access records, not worth refusing
+        a start for: a record that does not unpack is skipped, damage drops them all (warned)."""
+        ro = ReadOptions()
+        ro.set_verify_checksums(True)
+        it = self._fidelity.iter(ro)
+        out: list[Tally] = []
+        try:
+            it.seek_to_first()
+            while it.valid():
+                key, raw = it.key(), it.value()
+                if len(raw) == FIDELITY.size and len(key) > MODEL_ID_CHARS:
+                    samples, agree, kl, share = FIDELITY.unpack(raw)
+                    out.append(Tally(key[:MODEL_ID_CHARS].decode("ascii", "replace"),
+                                     key[MODEL_ID_CHARS:].decode("utf-8", "replace"), samples, agree, kl, share))
+                it.next()
+            it.status()
+        except Exception as e:  # the iterator's status: Corruption, IOError
+            log.warning("fidelity tallies in %s are damaged (%s): sampled fidelity starts afresh", self.path, e)
+            del it
+            self._fidelity.close()
+            self._fidelity = None
+            self._fidelity = self._reset("fidelity")
+            return []
+        del it
+        return out
+
+    def put_fidelity(self, tallies: Iterable[Tally]) -> None:
+        """Fidelity tallies, unsynced (a crash loses the last second's samples)."""
+        self._put("fidelity", [((t.model_id + t.policy).encode(),
+                                FIDELITY.pack(t.samples, t.top1_agree, t.kl_sum, t.computed_share_sum))
+                               for t in tallies], False)
+
     def _reset_access(self) -> None:
-        """Drop the access column family and make it anew: a damaged table file left in
-        it would fail a later compaction, and RocksDB then refuses every write."""
         self._access.close()
-        self._access = self._handles["access"] = None
-        self._db.drop_column_family("access")
-        self._access = self._db.create_column_family("access", Options(raw_mode=True))
-        self._handles["access"] = self._db.get_column_family_handle("access")
+        self._access = None
+        self._access = self._reset("access")
+
+    def _reset(self, cf: str) -> Rdict:
+        """Drop a column family of hints and make it anew: a damaged table file left in
+        it would fail a later compaction, and RocksDB then refuses every write."""
+        self._handles[cf] = None
+        self._db.drop_column_family(cf)
+        family = self._db.create_column_family(cf, Options(raw_mode=True))
+        self._handles[cf] = self._db.get_column_family_handle(cf)
+        return family
 
     def sync(self) -> None:
         """Make every write that returned before this call durable: one group commit
@@ -333,10 +379,10 @@ class MetadataDB:
     def _drop_handles(self) -> None:
         """Let go of the database: RocksDB's lock is released only once no handle is
         left (close() alone keeps it, and raises on a database in an error state)."""
-        for handle in (self._variants, self._access, self._meta, self._db):
+        for handle in (self._variants, self._access, self._fidelity, self._meta, self._db):
             if handle is not None:
                 _close_quietly(handle)
-        self._variants = self._access = self._meta = self._db = None
+        self._variants = self._access = self._fidelity = self._meta = self._db = None
         self._handles = {}
         gc.collect()
 
@@ -346,7 +392,7 @@ class MetadataDB:
             os.close(fd)
         self._wal.clear()
         try:
-            for handle in (self._variants, self._access, self._meta, self._db):
+            for handle in (self._variants, self._access, self._fidelity, self._meta, self._db):
                 if handle is not None:
                     handle.close()
         except Exception as e:  # a full disk cannot take the flush at close

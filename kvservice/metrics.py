@@ -1,5 +1,6 @@
-"""Prometheus metrics: per-tier bytes, entries, hits, misses and layer reads, read from the store
-at scrape time, plus fetch/store traffic and fetch latency measured by the server."""
+"""Prometheus metrics: per-tier bytes, entries, hits, misses and layer reads, and the sampled
+fidelity per model and policy (`kvservice.fidelity`), read from the store at scrape time, plus
+fetch/store traffic and fetch latency measured by the server."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvservice.fidelity import Tally
 from kvservice.store import ChunkStore
 
 
@@ -39,6 +41,31 @@ class _StoreCollector:
         yield GaugeMetricFamily("kvcraft_inflight_store_bytes", "What open Store streams are counted at "
                                 "(max_inflight_store_bytes)", value=s.inflight_store_bytes)
         yield GaugeMetricFamily("kvcraft_inflight_stores", "Store streams open now", value=s.inflight_stores)
+        yield from _fidelity(self.store.fidelity.tallies())
+
+
+def _fidelity(tallies: list[Tally]) -> Iterator[Metric]:
+    labels = ["model", "policy"]
+    samples = CounterMetricFamily("kvcraft_fidelity_samples", "Shadow prefills compared with served requests",
+                                  labels=labels)
+    agree = CounterMetricFamily("kvcraft_fidelity_top1_agree", "Samples whose top-1 token agreed with full prefill",
+                                labels=labels)
+    bounds = GaugeMetricFamily("kvcraft_fidelity_top1_agreement", "Wilson 95% bounds on the top-1 agreement rate",
+                               labels=[*labels, "bound"])
+    kl = GaugeMetricFamily("kvcraft_fidelity_mean_kl", "Mean KL(full || served) of the next token, nats",
+                           labels=labels)
+    share = GaugeMetricFamily("kvcraft_fidelity_mean_computed_share", "Mean share of row-layers the sampled "
+                              "requests computed", labels=labels)
+    for t in tallies:
+        key = [t.model_id, t.policy]
+        lower, upper = t.interval
+        samples.add_metric(key, t.samples)
+        agree.add_metric(key, t.top1_agree)
+        bounds.add_metric([*key, "lower"], lower)
+        bounds.add_metric([*key, "upper"], upper)
+        kl.add_metric(key, t.mean_kl)
+        share.add_metric(key, t.mean_computed_share)
+    yield from (samples, agree, bounds, kl, share)
 
 
 class Metrics:

@@ -16,6 +16,7 @@ from kvcraft.keys import chunk_key, is_key
 from kvcraft.plans import KeyTable
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.errors import InvalidArgument, NotFound, Unavailable
+from kvservice.fidelity import Sample
 from kvservice.index import Variant
 from kvservice.planner import ChunkPlan, ChunkRef, Planner, PlannerConfig
 from kvservice.planner.plan import FRESH, PREFIX, PlanError
@@ -119,6 +120,9 @@ class PlanningService:
         resp.other_keys.extend(table.other)
         for ranges in table.chain_ranges():
             resp.variant_prefixes.add(ranges=ranges)
+        if req.timings.fidelity:  # here, once: a retried plan above returns the retry's answer
+            self.store.fidelity.observe(req.model_id, [Sample(s.policy, s.top1_agree, s.kl, s.computed_share)
+                                                       for s in req.timings.fidelity])
         return resp
 
     def _to_preload(self, chunks: tuple[ChunkPlan, ...]) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.fidelity import Tally
 from kvservice.index import Spec
 from kvcraft.records import Ref, StoreResult
 from kvservice.records import ChunkSummary, Located, Selector, StoreHeader, StoreStats
@@ -55,12 +56,18 @@ def locate_response(r: Located) -> pb.LocateResponse:
     return out
 
 
-def stats_response(s: StoreStats) -> pb.StatsResponse:
-    return pb.StatsResponse(
+def stats_response(s: StoreStats, fidelity: Sequence[Tally] = ()) -> pb.StatsResponse:
+    out = pb.StatsResponse(
         chunks=s.chunks, variants=s.variants, evictions=s.evictions, moves=s.moves, leases=s.leases, pinned=s.pinned,
         inflight_store_bytes=s.inflight_store_bytes, inflight_stores=s.inflight_stores,
         tiers=[pb.TierStats(name=t.name, bytes_used=t.bytes_used, bytes_budget=t.bytes_budget, variants=t.variants,
                             hits=t.hits, misses=t.misses) for t in s.tiers])
+    for t in fidelity:
+        lower, upper = t.interval
+        out.fidelity.add(model_id=t.model_id, policy=t.policy, samples=t.samples, top1_agree=t.top1_agree,
+                         agree_lower=lower, agree_upper=upper, mean_kl=t.mean_kl,
+                         mean_computed_share=t.mean_computed_share)
+    return out
 
 
 def list_chunks_response(chunks: list[ChunkSummary], next_token: str) -> pb.ListChunksResponse:

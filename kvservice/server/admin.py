@@ -22,7 +22,7 @@ class AdminServicer:
 
     @rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        return wire.stats_response(self.store.stats())
+        return wire.stats_response(self.store.stats(), self.store.fidelity.tallies())
 
     @rpc
     async def ListChunks(self, request: pb.ListChunksRequest, context: Any) -> pb.ListChunksResponse:

@@ -4,7 +4,7 @@ the edge before anything is registered (a lease, a timing in an estimator)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.config import Config
@@ -32,8 +32,32 @@ def _check_timing(where: str, t: Any, fields: tuple[str, ...]) -> None:
             raise InvalidArgument(f"{where}.{f} is {v}; expected a finite number in [0, {_MAX_TIMING[f]:g}]")
 
 
+# Fidelity samples (kvservice.fidelity): how many one Plan may carry, how long a policy's
+# name may be (a Prometheus label and part of a metadata key), the largest KL taken (a
+# float64 softmax's KL stays below ~750 nats; the bound keeps the tallies' sums finite).
+MAX_FIDELITY_SAMPLES = 64
+MAX_POLICY_CHARS = 64
+MAX_KL = 1e4
+
+
+def check_fidelity(samples: Sequence[Any]) -> None:
+    """The fidelity samples of a Plan's timings (`pb.FidelitySample`)."""
+    if len(samples) > MAX_FIDELITY_SAMPLES:
+        raise InvalidArgument(f"timings.fidelity has {len(samples)} samples; at most {MAX_FIDELITY_SAMPLES} a Plan")
+    for i, s in enumerate(samples):
+        where = f"timings.fidelity[{i}]"
+        if not (0 < len(s.policy) <= MAX_POLICY_CHARS and s.policy.isprintable()):
+            raise InvalidArgument(f"{where}.policy is {s.policy[:40]!r}; expected a policy name of 1.."
+                                  f"{MAX_POLICY_CHARS} printable characters")
+        if not (math.isfinite(s.kl) and 0 <= s.kl <= MAX_KL):
+            raise InvalidArgument(f"{where}.kl is {s.kl}; expected a finite number in [0, {MAX_KL:g}]")
+        if not 0 <= s.computed_share <= 1:  # NaN fails too
+            raise InvalidArgument(f"{where}.computed_share is {s.computed_share}; expected a number in [0, 1]")
+
+
 def check_plan_request(req: pb.PlanRequest, cfg: Config) -> None:
-    """Bounds of a Plan request the planner itself does not know (limits, ttl, timings)."""
+    """Bounds of a Plan request the planner itself does not know (limits, ttl, timings,
+    fidelity samples)."""
     check_ttl("lease_ttl_s", req.lease_ttl_s, cfg)
     if len(req.chunks) > cfg.max_fetch_variants:
         raise InvalidArgument(f"{len(req.chunks)} chunks; at most max_fetch_variants={cfg.max_fetch_variants}")
@@ -47,3 +71,4 @@ def check_plan_request(req: pb.PlanRequest, cfg: Config) -> None:
         _check_timing(f"timings.loads[{i}]", t, ("bytes_per_layer", "seconds"))
     for i, t in enumerate(req.timings.computes):
         _check_timing(f"timings.computes[{i}]", t, ("tokens_per_layer", "seconds"))
+    check_fidelity(req.timings.fidelity)

@@ -10,6 +10,7 @@ protobuf: `kvservice.server` converts at the edge.
                 reads (the fastest tier's copy filled by the same reads) or after
   recovery.py   start-up recovery (the one function that decides what survived a crash)
   sync.py       scale-out: adopt variants other nodes listed, write-through to the remote tier
+The store also keeps the sampled-fidelity tallies (`kvservice.fidelity`) in its metadata.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvcraft.keys import is_key
 from kvcraft.records import Ref
 from kvservice.config import Config
 from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted, disk_full
+from kvservice.fidelity import FidelityBook
 from kvservice.index import Variant, eviction_key
 from kvservice.metadata import MetadataDB
 from kvservice.planner.variants import fr_increment
@@ -71,6 +73,7 @@ class ChunkStore:
             self._promotion = Promotion(self._s, self._placement)
             self._staging_maps = StagingMaps()  # clients' staging areas (co-located Stores)
             self.recovery = recover(self._s, repair=repair)
+            self.fidelity = FidelityBook(meta)  # sampled fidelity per model (PlanningService feeds it)
             # Scale-out (docs/scale-out.md): adopt other nodes' variants, write-through.
             self.cluster = attach_cluster(self._s)
         except BaseException:
@@ -83,6 +86,7 @@ class ChunkStore:
         self._staging_maps.close()
         if self.cluster is not None:
             self.cluster.close()
+        self.fidelity.close()
         with self._s.lock:
             if self._s.access_writes_lost:
                 self._s.persist_access(list(self.index))

@@ -88,8 +88,20 @@ class PlanChunk(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, chunk_key: _Optional[str] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class FidelitySample(_message.Message):
+    __slots__ = ("policy", "top1_agree", "kl", "computed_share")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    TOP1_AGREE_FIELD_NUMBER: _ClassVar[int]
+    KL_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    top1_agree: bool
+    kl: float
+    computed_share: float
+    def __init__(self, policy: _Optional[str] = ..., top1_agree: _Optional[bool] = ..., kl: _Optional[float] = ..., computed_share: _Optional[float] = ...) -> None: ...
+
 class TimingReport(_message.Message):
-    __slots__ = ("loads", "computes")
+    __slots__ = ("loads", "computes", "fidelity")
     class Load(_message.Message):
         __slots__ = ("tier", "bytes_per_layer", "seconds")
         TIER_FIELD_NUMBER: _ClassVar[int]
@@ -108,9 +120,11 @@ class TimingReport(_message.Message):
         def __init__(self, tokens_per_layer: _Optional[float] = ..., seconds: _Optional[float] = ...) -> None: ...
     LOADS_FIELD_NUMBER: _ClassVar[int]
     COMPUTES_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_FIELD_NUMBER: _ClassVar[int]
     loads: _containers.RepeatedCompositeFieldContainer[TimingReport.Load]
     computes: _containers.RepeatedCompositeFieldContainer[TimingReport.Compute]
-    def __init__(self, loads: _Optional[_Iterable[_Union[TimingReport.Load, _Mapping]]] = ..., computes: _Optional[_Iterable[_Union[TimingReport.Compute, _Mapping]]] = ...) -> None: ...
+    fidelity: _containers.RepeatedCompositeFieldContainer[FidelitySample]
+    def __init__(self, loads: _Optional[_Iterable[_Union[TimingReport.Load, _Mapping]]] = ..., computes: _Optional[_Iterable[_Union[TimingReport.Compute, _Mapping]]] = ..., fidelity: _Optional[_Iterable[_Union[FidelitySample, _Mapping]]] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
     __slots__ = ("model_id", "conversation_id", "chunks", "question_tokens", "lease_ttl_s", "timings", "first_turn")
@@ -480,12 +494,32 @@ class TierStats(_message.Message):
     misses: int
     def __init__(self, name: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., variants: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
+class FidelityStats(_message.Message):
+    __slots__ = ("model_id", "policy", "samples", "top1_agree", "agree_lower", "agree_upper", "mean_kl", "mean_computed_share")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOP1_AGREE_FIELD_NUMBER: _ClassVar[int]
+    AGREE_LOWER_FIELD_NUMBER: _ClassVar[int]
+    AGREE_UPPER_FIELD_NUMBER: _ClassVar[int]
+    MEAN_KL_FIELD_NUMBER: _ClassVar[int]
+    MEAN_COMPUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    policy: str
+    samples: int
+    top1_agree: int
+    agree_lower: float
+    agree_upper: float
+    mean_kl: float
+    mean_computed_share: float
+    def __init__(self, model_id: _Optional[str] = ..., policy: _Optional[str] = ..., samples: _Optional[int] = ..., top1_agree: _Optional[int] = ..., agree_lower: _Optional[float] = ..., agree_upper: _Optional[float] = ..., mean_kl: _Optional[float] = ..., mean_computed_share: _Optional[float] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("chunks", "variants", "tiers", "evictions", "moves", "leases", "pinned", "inflight_store_bytes", "inflight_stores")
+    __slots__ = ("chunks", "variants", "tiers", "evictions", "moves", "leases", "pinned", "inflight_store_bytes", "inflight_stores", "fidelity")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +529,7 @@ class StatsResponse(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_STORES_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     variants: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -504,7 +539,8 @@ class StatsResponse(_message.Message):
     pinned: int
     inflight_store_bytes: int
     inflight_stores: int
-    def __init__(self, chunks: _Optional[int] = ..., variants: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., moves: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ..., inflight_store_bytes: _Optional[int] = ..., inflight_stores: _Optional[int] = ...) -> None: ...
+    fidelity: _containers.RepeatedCompositeFieldContainer[FidelityStats]
+    def __init__(self, chunks: _Optional[int] = ..., variants: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., moves: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ..., inflight_store_bytes: _Optional[int] = ..., inflight_stores: _Optional[int] = ..., fidelity: _Optional[_Iterable[_Union[FidelityStats, _Mapping]]] = ...) -> None: ...
 
 class ListChunksRequest(_message.Message):
     __slots__ = ("model_id", "page_size", "page_token")
