@@ -96,7 +96,9 @@ def run_service(chunk_len: int = 96) -> list[tuple[str, BlendResult, float]]:
             RAGAdapter(eng, c, Policy("naive"), gate=TRUSTED, store_back=False).prefill(chunks, question,
                                                                                        reorder=False)  # warm-up
             for name, policy in cases:
-                adapter = RAGAdapter(eng, c, policy, gate=TRUSTED, store_back=False)
+                # no shadow prefills (engine_adapter.fidelity) beside the timelines recorded
+                adapter = RAGAdapter(eng, c, policy, gate=TRUSTED, store_back=False, fidelity_sample=0.0,
+                                     fidelity_first=0)
                 r, _ = adapter.prefill(chunks, question, reorder=False)
                 out.append((name, r, float((r.logits - ref).norm() / ref.norm())))
     return out

@@ -132,7 +132,9 @@ def engine_split(model: Path, address: str, reqs: list[dict[str, Any]], policy: 
         opts = {k: v for k, v in policy.items() if k != "name"}
         samples = []
         with KVClient(address) as client, torch.no_grad():
-            adapter = RAGAdapter(engine, client, Policy(policy["name"], **opts), store_back=False, local=True)
+            # No shadow prefills (engine_adapter.fidelity) beside the requests being timed.
+            adapter = RAGAdapter(engine, client, Policy(policy["name"], **opts), store_back=False, local=True,
+                                 fidelity_sample=0.0, fidelity_first=0)
             try:
                 for i, r in enumerate(reqs):
                     result, rep = adapter.prefill(r["chunks"], r["question"], reorder=False)

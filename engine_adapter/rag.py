@@ -19,6 +19,11 @@ adding the tokens whose recompute repairs most, `recompute_gain`), merges that w
 variant's own scores and sends the result as the new variant's `recompute_scores`. The
 planner then spends its recompute budget on them. All of it runs on the background
 store-back thread, after the request's first token.
+
+Fidelity on live traffic (`engine_adapter.fidelity`): the first `fidelity_first` requests
+served from stored KV, then a `fidelity_sample` share of them, are computed again by full
+prefill on a background thread after their first token, and the comparisons travel to
+the service with the next Plan, beside the timings.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Mapping, Sequence
 
 from engine_adapter import learned
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
+from engine_adapter.fidelity import DEFAULT_FIRST, DEFAULT_RATE, MAX_SAMPLES_PER_PLAN, SamplingCost, ShadowSampler
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.policy import DEFAULT_POLICY, ReusePolicy, parse_policy
@@ -67,6 +73,7 @@ class RequestReport:
     ttft_s: float  # plan + fetch + prefill, until the first token's logits
     fallbacks: list[tuple[int, int]] = field(default_factory=list)
     plan_error: str = ""
+    sampled: bool = False  # a shadow full prefill measures this request's fidelity (after it)
 
 
 class RAGAdapter:
@@ -74,13 +81,17 @@ class RAGAdapter:
 
     def __init__(self, engine: LlamaEngine, client: KVClient, policy: ReusePolicy | None = None, *,
                  gate: Gate | None = None, store_back: bool = True, local: bool = False,
-                 learn: bool = False) -> None:
+                 learn: bool = False, fidelity_sample: float = DEFAULT_RATE,
+                 fidelity_first: int = DEFAULT_FIRST) -> None:
         """policy: None runs the default (`policy.DEFAULT_POLICY`). local: the service runs
         on this host; read reused KV from its shared memory (Locate) instead of streaming
         it over gRPC. learn: store-back sends learned recompute scores for chunks computed
         in full while a variant of them is stored (for `cachecraft`'s lists; off by default:
         the default policy does not use them, and learning costs (T + 2) x (question +
-        chosen + 1) rows of compute per chunk of T tokens and round, docs/adapter.md)."""
+        chosen + 1) rows of compute per chunk of T tokens and round, docs/adapter.md).
+        fidelity_sample, fidelity_first: the share of requests served from stored KV, and
+        how many of the first ones, measured against full prefill in the background
+        (`engine_adapter.fidelity`; 0 and 0: none)."""
         self.local = local
         self.learn = learn
         self.engine = engine
@@ -93,12 +104,14 @@ class RAGAdapter:
         self._pending: list[Future] = []
         self._timings = pb.TimingReport()
         self._plan_tiers: dict[int, str] = {}  # segment -> tier its variant was in when planned
+        self.fidelity = ShadowSampler(engine, fidelity_sample, fidelity_first)
 
     def prefill(self, chunks: Sequence[Sequence[int]], question: Sequence[int],
                 conversation_id: str = "", reorder: bool = True) -> tuple[BlendResult, RequestReport]:
         """reorder=False keeps the retriever's order (CRAFT reorder off for this request:
         use it when chunk order carries meaning)."""
         t0 = time.perf_counter()
+        self._add_samples()
         try:
             plan = self.client.plan(self.model_id, [list(c) for c in chunks], len(question),
                                     conversation_id=conversation_id, timings=self._timings,
@@ -139,6 +152,7 @@ class RAGAdapter:
         if self.store_back and result.fresh:
             self._store_back(segments, result, refs)
         self._learn(source, result)
+        sampled = self.fidelity.observe([s.tokens for s in segments], result, policy.name)
         report = RequestReport(
             policy=policy.name,
             order=list(plan.order) if plan else [chunk_key(self.model_id, c) for c in chunks],
@@ -152,6 +166,7 @@ class RAGAdapter:
             ttft_s=ttft,
             fallbacks=list(result.fallbacks),
             plan_error="" if plan else "plan failed",
+            sampled=sampled,
         )
         return result, report
 
@@ -239,10 +254,22 @@ class RAGAdapter:
         return dataclasses.replace(stats, recompute_scores=scores)
 
     def flush(self) -> None:
-        """Wait for background store-backs (tests, shutdown)."""
+        """Wait for background store-backs and shadow prefills (tests, shutdown)."""
         for f in self._pending:
             f.result()
         self._pending.clear()
+        self.fidelity.wait()
+
+    def _add_samples(self) -> None:
+        """Finished fidelity samples into the timings the next Plan sends (a failed Plan
+        keeps them there for the one after)."""
+        room = MAX_SAMPLES_PER_PLAN - len(self._timings.fidelity)
+        if room > 0:
+            self._timings.fidelity.extend(self.fidelity.take(room))
+
+    def sampling_cost(self) -> SamplingCost:
+        """The shadow prefills' compute beside the served requests' (`engine_adapter.fidelity`)."""
+        return self.fidelity.cost()
 
     def _learn(self, source: ServiceLayerSource, result: BlendResult) -> None:
         """Timings for the loading controller (CacheBlend §5), sent with the next Plan:
@@ -268,10 +295,13 @@ class RAGAdapter:
 
     def take_timings(self) -> pb.TimingReport:
         """The load/compute timings gathered since the last Plan this adapter sent (and forget
-        them): for a caller that plans by itself (the vLLM connector)."""
+        them, with the fidelity samples finished by now): for a caller that plans by itself
+        (the vLLM connector)."""
+        self._add_samples()
         out, self._timings = self._timings, pb.TimingReport()
         return out
 
     def close(self) -> None:
         self.flush()
         self._stores.shutdown()
+        self.fidelity.close()

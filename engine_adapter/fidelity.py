@@ -1,0 +1,156 @@
+"""Sampled shadow prefills: how far a served request's answer is from full prefill's, on live traffic.
+
+For a sample of the requests served from stored KV (blended: at least one chunk reused),
+`ShadowSampler` computes full prefill of the same prompt tokens in the order served, on a
+background thread after the request's first-token logits exist (the request never waits
+for it), and compares the two next-token distributions at the last prompt position
+(`compare`): top-1 agreement and KL(full || served). Each comparison is a
+`pb.FidelitySample` that the adapter sends with its next Plan (at most
+`MAX_SAMPLES_PER_PLAN`); the service tallies them per model and policy
+(`kvservice.fidelity`, `kvcraft admin fidelity`).
+
+Which requests: the first `first` blended requests of the adapter (a new model is
+measured at once), then each with probability `rate`. The shadows' compute is counted
+beside the served requests' (`SamplingCost`): the sampling's overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from engine_adapter.driver import BlendResult
+from engine_adapter.llama import LlamaEngine
+from kvcraft.v1 import kvcraft_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RATE = 0.03
+DEFAULT_FIRST = 8
+MAX_SAMPLES_PER_PLAN = 64  # the service's bound (kvservice.server.checks)
+MAX_PENDING = 1024  # samples kept while no Plan takes them (service down): the oldest go first
+MAX_QUEUED = 8  # shadows waiting for the worker; a request sampled beyond that is skipped
+
+
+@torch.no_grad()
+def compare(full: Tensor, served: Tensor) -> tuple[bool, float]:
+    """Top-1 agreement and KL(full || served), in nats, of two next-token logit vectors [V]:
+    softmax in float64, so that the KL of near-equal distributions is not rounding noise."""
+    log_p = torch.log_softmax(full.detach().to(torch.float64).cpu(), dim=-1)
+    log_q = torch.log_softmax(served.detach().to(torch.float64).cpu(), dim=-1)
+    kl = float((log_p.exp() * (log_p - log_q)).sum())
+    return int(full.argmax()) == int(served.argmax()), max(kl, 0.0)
+
+
+@dataclass(frozen=True)
+class SamplingCost:
+    """What the sampling cost beside the traffic it measured, since the adapter started."""
+
+    served: int  # requests served
+    blended: int  # of those, served from stored KV
+    sampled: int  # of those, given a shadow prefill (finished or not)
+    served_row_layers: int  # rows computed by the served prefills, summed over layers
+    served_compute_s: float  # their compute time (layer loops; loads excluded)
+    shadow_row_layers: int  # rows the finished shadow prefills computed (prompt x layers)
+    shadow_s: float  # their time
+
+    @property
+    def row_share(self) -> float:
+        """The shadows' row-layers as a share of all row-layers computed (served + shadows)."""
+        total = self.served_row_layers + self.shadow_row_layers
+        return self.shadow_row_layers / total if total else 0.0
+
+
+class ShadowSampler:
+    """Chooses the requests to measure, runs their shadow prefills on one background
+    thread, and keeps the samples until a Plan takes them. Thread-safe."""
+
+    def __init__(self, engine: LlamaEngine, rate: float = DEFAULT_RATE, first: int = DEFAULT_FIRST,
+                 seed: int | None = None) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"fidelity_sample is {rate}; expected a share in [0, 1]")
+        if first < 0:
+            raise ValueError(f"fidelity_first is {first}; expected >= 0")
+        self.engine = engine
+        self.rate = rate
+        self.first = first
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._worker: ThreadPoolExecutor | None = None  # made at the first sample
+        self._queued: list[Future] = []
+        self._samples: list[pb.FidelitySample] = []
+        self._served = self._blended = self._sampled = 0
+        self._served_rows = self._shadow_rows = 0
+        self._served_s = self._shadow_s = 0.0
+
+    def observe(self, spans: Sequence[Sequence[int]], result: BlendResult, policy: str) -> bool:
+        """Count a served request; if it is blended and drawn, queue its shadow prefill.
+        spans: the prompt's token spans in the order served (chunks, then the question).
+        Returns whether it was sampled."""
+        with self._lock:
+            self._served += 1
+            self._served_rows += sum(result.computed_rows) if result.computed_rows else 0
+            self._served_s += sum(t.compute_s for t in result.timings)
+            if not (result.reuse and result.reused_segments):
+                return False
+            self._blended += 1
+            if not (self._blended <= self.first or (self.rate > 0 and self._rng.random() < self.rate)):
+                return False
+            self._queued = [f for f in self._queued if not f.done()]
+            if len(self._queued) >= MAX_QUEUED:
+                log.info("kvcraft fidelity: %d shadow prefills queued; this request is not sampled", MAX_QUEUED)
+                return False
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-fidelity")
+            self._sampled += 1
+            served = result.logits.detach().clone()
+            share = result.computed_share
+            self._queued.append(self._worker.submit(self._shadow, list(spans), served, policy, share))
+            return True
+
+    def _shadow(self, spans: list[Sequence[int]], served: Tensor, policy: str, share: float) -> None:
+        t0 = time.perf_counter()
+        tokens = torch.tensor([t for span in spans for t in span], dtype=torch.long)  # [N]
+        try:
+            logits, _ = self.engine.prefill(tokens, all_logits=False)  # [1, V]
+            agree, kl = compare(logits[-1], served)
+        except Exception as e:  # noqa: BLE001 - a failed shadow never touches the traffic
+            log.warning("kvcraft fidelity: a shadow prefill failed (%s); no sample", e)
+            return
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self._shadow_rows += len(tokens) * self.engine.cfg.num_layers
+            self._shadow_s += seconds
+            self._samples.append(pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, computed_share=share))
+            del self._samples[:-MAX_PENDING]
+
+    def take(self, limit: int = MAX_SAMPLES_PER_PLAN) -> list[pb.FidelitySample]:
+        """The oldest finished samples, at most `limit` (and forget them)."""
+        with self._lock:
+            out, self._samples = self._samples[:max(limit, 0)], self._samples[max(limit, 0):]
+        return out
+
+    def wait(self) -> None:
+        """Until every queued shadow has finished."""
+        with self._lock:
+            queued, self._queued = self._queued, []
+        for f in queued:
+            f.result()
+
+    def cost(self) -> SamplingCost:
+        with self._lock:
+            return SamplingCost(self._served, self._blended, self._sampled, self._served_rows, self._served_s,
+                                self._shadow_rows, self._shadow_s)
+
+    def close(self) -> None:
+        self.wait()
+        if self._worker is not None:
+            self._worker.shutdown()
