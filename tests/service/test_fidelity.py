@@ -109,11 +109,12 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
         assert (got["naive"].samples, got["naive"].top1_agree, got["query"].samples) == (2, 1, 1)
         assert got["naive"].mean_kl == pytest.approx(0.5) and got["naive"].mean_computed_share == pytest.approx(0.375)
         assert (got["naive"].agree_lower, got["naive"].agree_upper) == pytest.approx(wilson(1, 2))
-        _plan(c, model, [pb.FidelitySample(policy="query", top1_agree=True, kl=0.0, computed_share=0.125)])
-    time.sleep(1.5)  # a quiet second: the deferred write happens without another Plan
+        for _ in range(2):  # the first is written at once, the second within the second after it
+            _plan(c, model, [pb.FidelitySample(policy="query", top1_agree=True, kl=0.0, computed_share=0.125)])
+    time.sleep(1.5)  # quiet: the deferred write happens without another Plan
     server.restart(crash=True)
     with KVClient(server.address) as c:
-        assert _of(c.stats(), model)["query"].samples == 2
+        assert _of(c.stats(), model)["query"].samples == 3
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert f'kvcraft_fidelity_samples_total{{model="{model}",policy="naive"}} 2.0' in text
     lower, upper = wilson(1, 2)
