@@ -43,7 +43,7 @@ from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.policy import DEFAULT_POLICY, ReusePolicy, parse_policy
 from engine_adapter.prompt import Segment
 from kvclient.client import KVClient, Ref
-from kvclient.errors import KVCraftError
+from kvclient.errors import InvalidArgumentError, KVCraftError
 from kvcraft.keys import chunk_key
 from kvcraft.plans import Plan, variant_prefixes
 from kvcraft.recompute import merge_scores
@@ -112,10 +112,21 @@ class RAGAdapter:
         use it when chunk order carries meaning)."""
         t0 = time.perf_counter()
         self._add_samples()
-        try:
-            plan = self.client.plan(self.model_id, [list(c) for c in chunks], len(question),
+
+        def plan_it() -> Plan:
+            return self.client.plan(self.model_id, [list(c) for c in chunks], len(question),
                                     conversation_id=conversation_id, timings=self._timings,
                                     first_turn=None if reorder else False)
+
+        try:
+            try:
+                plan = plan_it()
+            except InvalidArgumentError as e:  # timings or samples it refuses: never again
+                if self._timings == pb.TimingReport():
+                    raise
+                log.warning("kvcraft refused this adapter's timings (%s); dropped them", e)
+                self._timings = pb.TimingReport()
+                plan = plan_it()
             self._timings = pb.TimingReport()
         except KVCraftError as e:  # service down or slow: serve by full prefill, never fail
             log.warning("kvcraft Plan failed (%s); serving this request by full prefill", e)

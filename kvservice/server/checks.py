@@ -38,6 +38,9 @@ def _check_timing(where: str, t: Any, fields: tuple[str, ...]) -> None:
 MAX_FIDELITY_SAMPLES = 64
 MAX_POLICY_CHARS = 64
 MAX_KL = 1e4
+# Row-layers computed over the prompt's: above 1 where a two-pass policy, or layers the
+# stream did not deliver in time, compute rows twice.
+MAX_COMPUTED_SHARE = 4.0
 
 
 def check_fidelity(samples: Sequence[Any]) -> None:
@@ -51,8 +54,9 @@ def check_fidelity(samples: Sequence[Any]) -> None:
                                   f"{MAX_POLICY_CHARS} printable characters")
         if not (math.isfinite(s.kl) and 0 <= s.kl <= MAX_KL):
             raise InvalidArgument(f"{where}.kl is {s.kl}; expected a finite number in [0, {MAX_KL:g}]")
-        if not 0 <= s.computed_share <= 1:  # NaN fails too
-            raise InvalidArgument(f"{where}.computed_share is {s.computed_share}; expected a number in [0, 1]")
+        if not 0 <= s.computed_share <= MAX_COMPUTED_SHARE:  # NaN fails too
+            raise InvalidArgument(f"{where}.computed_share is {s.computed_share}; expected a number in "
+                                  f"[0, {MAX_COMPUTED_SHARE:g}]")
 
 
 def check_plan_request(req: pb.PlanRequest, cfg: Config) -> None:

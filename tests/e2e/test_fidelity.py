@@ -67,7 +67,7 @@ def test_sampled_fidelity_reaches_admin_stats_and_counts_what_full_prefill_says(
 
 def test_the_sampled_request_returns_before_its_shadow_runs(shared_server):
     engine = HeldShadows()
-    cs = chunks(12)
+    engine, cs = HeldShadows(), chunks(12)
     with KVClient(shared_server.address) as client:
         warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
         adapter = RAGAdapter(engine, client, Policy("naive"), gate=ReuseGate(), store_back=False,
@@ -85,4 +85,21 @@ def test_the_sampled_request_returns_before_its_shadow_runs(shared_server):
         full = engine.prefill(torch.tensor([t for c in in_plan_order(cs, report.order, engine) for t in c]
                                            + QUESTION))[0][-1]
         assert sample.top1_agree == compare(full, result.logits)[0]
+        adapter.close()
+
+
+def test_samples_the_service_refuses_are_dropped_not_kept_failing_every_plan(shared_server):
+    """A Plan refused over the adapter's timings (here a sample out of bounds) is planned again
+    without them: the request still reuses, and the next Plan does not carry them."""
+    from kvcraft.v1 import kvcraft_pb2 as pb
+
+    engine, cs = HeldShadows(), chunks(12)
+    with KVClient(shared_server.address) as client:
+        warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
+        adapter = RAGAdapter(engine, client, Policy("naive"), gate=ReuseGate(), store_back=False,
+                             fidelity_sample=0.0, fidelity_first=0)
+        adapter._timings.fidelity.append(pb.FidelitySample(policy="naive", kl=-1.0))  # noqa: SLF001 - a sample it refuses
+        for _ in range(2):
+            _, report = adapter.prefill(cs, QUESTION)
+            assert report.plan_error == "" and report.reused_chunks == len(cs), report
         adapter.close()

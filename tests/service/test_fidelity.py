@@ -130,7 +130,7 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     (dict(policy="naive", kl=math.nan, computed_share=0.1), "timings.fidelity[0].kl"),
     (dict(policy="naive", kl=math.inf, computed_share=0.1), "timings.fidelity[0].kl"),
     (dict(policy="naive", kl=-0.5, computed_share=0.1), "timings.fidelity[0].kl"),
-    (dict(policy="naive", kl=0.1, computed_share=1.5), "timings.fidelity[0].computed_share"),
+    (dict(policy="naive", kl=0.1, computed_share=4.5), "timings.fidelity[0].computed_share"),
     (dict(policy="naive", kl=0.1, computed_share=math.nan), "timings.fidelity[0].computed_share"),
 ])
 def test_bad_samples_are_refused_naming_the_field(shared_server, sample, field):
