@@ -17,6 +17,7 @@ lock, payload copies outside it while the variant is held (so it cannot move).
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
@@ -33,6 +34,7 @@ log = logging.getLogger("kvcraft.cluster")
 
 WRITE_ATTEMPTS = 3
 REPUBLISH_BATCH = 512  # variants looked up in the cluster per call
+REPUBLISH_BACKOFF_MAX_S = 30.0
 
 
 def attach_cluster(state: StoreState) -> "ClusterSync | None":
@@ -59,22 +61,34 @@ class ClusterSync:
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvcraft-view")
         self._lookup: Future | None = None
         self.timeout_s = state.cfg.remote_timeout_s
+        self._closed = False
         remote.bind(state.index.get)
         state.listeners.append(self)
         view.client.on_rejoin.append(self.republish)
         self.republish()  # a restart: what this node holds may be gone from the cluster
 
     # -- putting this node's variants back -------------------------------------------------
-    def republish(self) -> None:
+    def republish(self, retry: int = 0) -> None:
         """Copy this node's local variants the cluster lost back into it, in the background:
         after a start, and whenever the master answers again (a restarted master starts
-        empty; one that lost this node during a partition dropped its segment's objects)."""
-        self._pool.submit(self._republish)
+        empty; one that lost this node during a partition dropped its segment's objects).
+        A master that answers before the nodes' segments are back refuses the copies: tried
+        again after 1, 2, 4 ... 30 s (`retry` counts the tries)."""
+        if not self._closed:
+            self._pool.submit(self._republish, retry)
 
-    def _republish(self) -> None:
+    def _retry_republish(self, retry: int) -> None:
+        delay = min(REPUBLISH_BACKOFF_MAX_S, 2.0 ** retry)
+        log.info("the cluster refused a copy; republishing again in %.0fs", delay)
+        timer = threading.Timer(delay, self.republish, (retry + 1,))
+        timer.daemon = True
+        timer.start()
+
+    def _republish(self, retry: int) -> None:
         s, ns = self.s, self.view.ns
         with s.lock:
             local = [v for v in s.index if any(i != self.remote_index for i in s.holders(v))]
+        copied = listed_again = 0
         for at in range(0, len(local), REPUBLISH_BATCH):
             batch = local[at : at + REPUBLISH_BATCH]
             try:
@@ -86,16 +100,28 @@ class ClusterSync:
                 return
             for v, there, listed in zip(batch, stored, entered):
                 if not there:
-                    with s.lock:  # whatever this node knew of its copy is stale
+                    with s.lock:  # whatever this node knew of its copy is stale (not deleted: it is gone)
                         if v.variant_id in self.remote:
-                            self.remote.delete(v.variant_id)
+                            self.remote.forget(v.variant_id)
                             s.retier(v)
-                    self._copy_out(v.variant_id)
-                elif not listed:
-                    try:
-                        self.view.publish(v)
-                    except KVCraftError:
-                        return
+                    done = self._copy_out(v.variant_id)
+                    copied += done
+                else:
+                    done = listed or self._publish(v)
+                    listed_again += done and not listed
+                if not done:
+                    self._retry_republish(retry)
+                    return
+        if copied or listed_again:
+            log.info("republished: of the %d variants this node holds, %d copied into the cluster (or found "
+                     "there), %d listed again", len(local), copied, listed_again)
+
+    def _publish(self, v: Variant) -> bool:
+        try:
+            self.view.publish(v)
+            return True
+        except KVCraftError:
+            return False
 
     # -- adopting what other nodes stored ------------------------------------------------
     def discover(self, chunk_keys: Sequence[str]) -> int:
@@ -156,15 +182,17 @@ class ClusterSync:
     def on_evict(self, variant_id: str) -> None:
         pass
 
-    def _copy_out(self, vid: str) -> None:
+    def _copy_out(self, vid: str) -> bool:
+        """Copy the variant into the cluster; False when every attempt failed on the
+        cluster's side (True: copied, or nothing to copy)."""
         s = self.s
         with s.lock:
             v = s.index.get(vid)
             if v is None or vid in self.remote:
-                return
+                return True
             held = [i for i in s.holders(v) if i != self.remote_index]
             if not held:
-                return
+                return True
             src = s.tiers[held[0]]
             shape = s.shape(v)
             v.holds += 1
@@ -177,7 +205,7 @@ class ClusterSync:
                     writer = self.remote.open_writer(vid, shape)
                 except (TierFull, KeyError) as e:
                     log.info("write-through of %s skipped: %s", vid, e)
-                    return
+                    return True
                 except KVCraftError as e:
                     log.warning("write-through of %s failed (attempt %d): %s", vid, attempt + 1, e)
                     continue
@@ -188,16 +216,17 @@ class ClusterSync:
                     with s.lock:
                         if vid in s.index:
                             s.placed(v, self.remote_index)
-                            return
+                            return True
                     writer.withdraw()  # deleted meanwhile: its copy goes too
-                    return
+                    return True
                 except (KeyError, OSError) as e:  # the local copy went away: nothing to copy
                     writer.abort()
                     log.info("write-through of %s skipped: %s", vid, e)
-                    return
+                    return True
                 except KVCraftError as e:
                     writer.abort()
                     log.warning("write-through of %s failed (attempt %d): %s", vid, attempt + 1, e)
+            return False
         finally:
             with s.lock:
                 v.holds -= 1
@@ -207,5 +236,6 @@ class ClusterSync:
         self._pool.submit(lambda: None).result()
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=True)
         self._lookups.shutdown(wait=False, cancel_futures=True)  # a lookup stuck on a lost node is not waited for

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from collections import OrderedDict
 
 from kvcraft import tiers
-from kvservice.cluster.mooncake import MooncakeClient, ObjectMissing, RemoteSettings
+from kvservice.cluster.mooncake import PEER_PAUSE_MS, MooncakeClient, ObjectMissing, RemoteSettings
 from kvservice.cluster.records import BadRecord, check_header, encode_header, header_length, payload_key, record_bytes
 from kvservice.cluster.view import ClusterView
 from kvservice.config import Config
@@ -83,6 +84,10 @@ class RemoteWriter(TierWriter):
         if not self._exists:
             client.put_range(self._key, 0, [encode_header(self._record, self._shape.total_bytes)])
             client.end_put(self._key)
+        elif not client.exists([self._key])[0]:
+            # Another node's write of the same variant is still open (or failed): listing it
+            # now could name an object that never completes. That node lists it once done.
+            raise Unavailable(f"{self._key}: another node's copy is not complete")
         self._open = False
         self._tier.view.publish(self._info)
         self._tier._committed(self._info.variant_id, self._shape.total_bytes, mine=not self._exists)
@@ -134,6 +139,7 @@ class RemoteTier(Tier):
         self.timeout_s = client.settings.timeout_s
         self._reads = ThreadPoolExecutor(READERS, thread_name_prefix="kvcraft-remote-read")
         self._deletes = ThreadPoolExecutor(1, thread_name_prefix="kvcraft-remote-delete")
+        self._stalled: dict[str, float] = {}  # segment endpoint -> monotonic time its pause ends
         self.view = view
         self.ns = view.ns
         self._record_of: RecordOf = lambda vid: None
@@ -230,14 +236,26 @@ class RemoteTier(Tier):
 
     def _read(self, key: str, parts: list[bytearray]) -> None:
         """get_into, waited for at most timeout_s: a peer cut off mid-read can hold the
-        call much longer. The buffers are this read's own, so a call that finishes after
-        it was given up writes into memory nobody reads."""
+        call much longer. The segment that did not answer is not read from again for
+        PEER_PAUSE_MS (the other variants of a request it holds fail at once). The
+        buffers are this read's own, so a call that finishes after it was given up
+        writes into memory nobody reads."""
+        where = self.client.placement(key)
+        if self._stalled.get(where, 0.0) > time.monotonic():
+            raise Unavailable(f"{key} lies in the segment at {where}, which stopped answering")
         try:
             self._reads.submit(self.client.get_into, key, parts).result(timeout=self.timeout_s)
         except FutureTimeout:
-            raise Unavailable(f"no answer within {self.timeout_s:.1f}s reading {key} (its node unreachable?)") from None
+            self._stalled[where] = time.monotonic() + PEER_PAUSE_MS / 1000
+            raise Unavailable(f"no answer within {self.timeout_s:.1f}s reading {key} from {where}") from None
 
     # -- bookkeeping ------------------------------------------------------------------
+    def forget(self, variant_id: str) -> None:
+        """Drop what this node knew of the variant's copy in the cluster, which is gone (a
+        restarted master): unlike `delete`, nothing is removed there, where another node
+        may be putting it back."""
+        self._forget(variant_id)
+
     def _forget(self, vid: str) -> None:
         with self._lock:
             n = self._known.pop(vid, None)

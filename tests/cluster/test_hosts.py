@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 FIRST_A = range(0, 4)  # engine A computes; B reuses through the cluster
 PARTITIONED = range(4, 8)  # engine B computes; A reads them while B is cut off
 KILLED = range(8, 12)  # engine B computes; A and C read them after B is killed
-LATE_A = range(12, 16)  # engine A computes after the master restart
+LATE_A = range(12, 13)  # engine A computes after the master restart
 
 
 def assert_right(r: dict) -> None:
@@ -43,10 +43,12 @@ def compute(cluster, host: str, prompts) -> list[dict]:
     return out
 
 
-def chunk_vids(cluster, host: str) -> dict[str, list[str]]:
-    """chunk key -> the variant ids node `host` holds."""
+def chunk_vids(cluster, host: str, local: bool = False) -> dict[str, list[str]]:
+    """chunk key -> the variant ids node `host` holds (`local`: in its own tiers, not only
+    known from the cluster)."""
     with KVClient(cluster.address(host)) as c:
-        return {ch.chunk_key: [v.variant_id for v in c.get_chunk(ch.chunk_key)] for ch in c.list_chunks().chunks}
+        return {ch.chunk_key: [v.variant_id for v in c.get_chunk(ch.chunk_key) if not local or v.tier != "remote"]
+                for ch in c.list_chunks().chunks}
 
 
 def listed(cluster, chunk_keys) -> set[str]:
@@ -173,11 +175,14 @@ def test_b_rejoins_with_its_disk_and_serves_its_variants_again(cluster):
     """B restarted on its data dir (same address): its engine reuses what B stored before
     it was killed, from B's own disk."""
     cluster.nodes["b"].restart()
+    recovered = {k for k, vids in chunk_vids(cluster, "b").items() if vids}  # from its disk (the cluster's are not kept)
+    assert recovered
     engine_b, node_b = cluster.engines["b"], cluster.address("b")
     for p in KILLED:
         r = engine_b.prefill(node_b, p)
         cluster.saw("B restarted on its disk", [r])
-        assert r["reused"] == r["chunks"] and r["fresh"] == 0, r
+        mine = [k for k in r["chunk_keys"] if k in recovered]
+        assert mine and r["reused"] >= len(mine), (r, len(mine))  # every chunk B kept is reused
         assert_right(r)
 
 
@@ -192,25 +197,19 @@ def test_master_killed_and_restarted_nodes_rejoin_without_a_restart(cluster):
         assert r["reused"] == r["chunks"] and r["fallbacks"] == 0, r
         assert_right(r)
     cluster.master.start()
-    deadline = time.monotonic() + 60
-    for p in LATE_A:  # a write-through tried before A rejoined is lost: the next prompt tries again
-        (r,) = compute(cluster, "a", [p])
-        held = chunk_vids(cluster, "a")
-        want = {v for k in r["chunk_keys"] for v in held[k]}
-        if _listed_within(cluster, r["chunk_keys"], want, deadline):
-            break
-    else:
-        raise AssertionError("node A did not write to the restarted master")
-    r = cluster.engines["c"].prefill(cluster.address("c"), p)
-    cluster.saw("master restarted: C reads what A wrote after", [r])
-    assert r["reused"] == r["chunks"] and r["fresh"] == 0, r  # C rejoined too, and reads what A wrote
-    assert_right(r)
-
-
-def _listed_within(cluster, chunk_keys, want: set[str], deadline: float) -> bool:
-    end = min(deadline, time.monotonic() + 5)
-    while time.monotonic() < end:
-        if listed(cluster, chunk_keys) >= want:
-            return True
-        time.sleep(0.2)
-    return False
+    # The nodes rejoin by themselves and put back what they hold: every chunk A holds is
+    # listed again (a chunk's list has remote_list_slots entries, so two variants of one
+    # chunk can share an entry: the chunk, not each variant, is what must come back).
+    held = chunk_vids(cluster, "a", local=True)
+    wait_for("the restarted master refilled from the nodes",
+             lambda: {e.info.chunk_key for e in cluster.view.discover(list(held))} == set(held), 60)
+    engine_c, node_c = cluster.engines["c"], cluster.address("c")
+    refilled = engine_c.prefill(node_c, FIRST_A[0])  # C never computed it: it reads the refilled cluster
+    (late,) = compute(cluster, "a", [LATE_A[0]])  # stored after the restart
+    wait_for("A's new chunks listed",
+             lambda: {e.info.chunk_key for e in cluster.view.discover(late["chunk_keys"])} == set(late["chunk_keys"]), 30)
+    after = engine_c.prefill(node_c, LATE_A[0])
+    cluster.saw("master restarted: C reads what A held before and wrote after", [refilled, after])
+    for r in (refilled, after):
+        assert r["reused"] == r["chunks"] and r["fresh"] == 0, r
+        assert_right(r)
