@@ -210,7 +210,9 @@ def _store_chunks(engine: LlamaEngine, client: KVClient, model_id: str, work: Wo
 def _via_adapter(work: Workload, client: KVClient, policy: ReusePolicy, local: bool) -> Callable:
     """A case's run: the prompt prefilled through the RAG adapter under `policy`."""
     def go() -> tuple[float, BlendResult, object]:
-        adapter = RAGAdapter(work.engine, client, policy, gate=TRUSTED, store_back=False, local=local)
+        # no shadow prefills: one would run beside the next timed case
+        adapter = RAGAdapter(work.engine, client, policy, gate=TRUSTED, store_back=False, local=local,
+                             fidelity_sample=0.0, fidelity_first=0)
         try:
             r, rep = adapter.prefill(work.chunks, work.question, reorder=False)
         finally:
