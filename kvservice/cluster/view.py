@@ -72,7 +72,9 @@ class ClusterView:
             self.client.remove(key)
 
     def drop_entry(self, chunk: str, vid: str) -> None:
-        self.client.remove(slot_key(self.ns, chunk, slot_of(vid, self.slots)))
+        """Remove the variant's list entry (best effort: the next node to read it drops it
+        otherwise)."""
+        self._remove(slot_key(self.ns, chunk, slot_of(vid, self.slots)))
 
     def discover(self, chunks: Sequence[str]) -> list[Entry]:
         """Every valid list entry of these chunks whose payload is still stored; altered

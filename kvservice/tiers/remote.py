@@ -139,7 +139,7 @@ class RemoteTier(Tier):
         self.timeout_s = client.settings.timeout_s
         self._reads = ThreadPoolExecutor(READERS, thread_name_prefix="kvcraft-remote-read")
         self._deletes = ThreadPoolExecutor(1, thread_name_prefix="kvcraft-remote-delete")
-        self._stalled: dict[str, float] = {}  # segment endpoint -> monotonic time its pause ends
+        self._stalled: dict[str, float] = {}  # segment endpoint -> monotonic time its pause ends (live ones)
         self.view = view
         self.ns = view.ns
         self._record_of: RecordOf = lambda vid: None
@@ -237,17 +237,26 @@ class RemoteTier(Tier):
     def _read(self, key: str, parts: list[bytearray]) -> None:
         """get_into, waited for at most timeout_s: a peer cut off mid-read can hold the
         call much longer. The segment that did not answer is not read from again for
-        PEER_PAUSE_MS (the other variants of a request it holds fail at once). The
+        PEER_PAUSE_MS (the other variants of a request it holds fail at once); where a
+        segment is paused, each read first asks the master where its object lies. The
         buffers are this read's own, so a call that finishes after it was given up
         writes into memory nobody reads."""
-        where = self.client.placement(key)
-        if self._stalled.get(where, 0.0) > time.monotonic():
+        now = time.monotonic()
+        self._stalled = {w: t for w, t in self._stalled.items() if t > now}
+        where = self.client.placement(key) if self._stalled else ""
+        if where in self._stalled:
             raise Unavailable(f"{key} lies in the segment at {where}, which stopped answering")
         try:
             self._reads.submit(self.client.get_into, key, parts).result(timeout=self.timeout_s)
         except FutureTimeout:
-            self._stalled[where] = time.monotonic() + PEER_PAUSE_MS / 1000
-            raise Unavailable(f"no answer within {self.timeout_s:.1f}s reading {key} from {where}") from None
+            try:
+                where = where or self.client.placement(key)
+            except KVCraftError:
+                pass  # the master is not answering either: nothing to pause
+            if where:
+                self._stalled[where] = time.monotonic() + PEER_PAUSE_MS / 1000
+            raise Unavailable(f"no answer within {self.timeout_s:.1f}s reading {key} "
+                              f"from {where or 'its node'}") from None
 
     # -- bookkeeping ------------------------------------------------------------------
     def forget(self, variant_id: str) -> None:

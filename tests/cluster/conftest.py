@@ -99,8 +99,9 @@ class Cluster:
         """Per fault: requests, chunks reused / computed, wrong answers, slowest request."""
         lines = ["fault | requests | chunks reused | chunks computed | wrong answers | max request s"]
         for fault, rs in self.seen.items():
+            computed, fallbacks = sum(r["chunks"] - r["reused"] for r in rs), sum(r["fallbacks"] for r in rs)
             lines.append(f"{fault} | {len(rs)} | {sum(r['reused'] for r in rs)} | "
-                         f"{sum(r['chunks'] - r['reused'] for r in rs)} (+{sum(r['fallbacks'] for r in rs)} layer fallbacks) | "
+                         f"{computed} (+{fallbacks} layer fallbacks) | "
                          f"{sum(r['answer'] != r['full_answer'] for r in rs)} | {max(r['ttft_s'] for r in rs):.2f}")
         return "\n".join(lines)
 

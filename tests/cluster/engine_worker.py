@@ -57,7 +57,8 @@ def main() -> None:
             "max_logit_diff": float((result.logits - full).abs().max()),
             "reused": report.reused_chunks, "fresh": report.fresh_chunks, "chunks": len(p.chunk_ids),
             "fallbacks": len(report.fallbacks), "plan_error": report.plan_error,
-            "ttft_s": report.ttft_s, "chunk_keys": [chunk_key(adapter.model_id, c) for c in p.chunk_ids], "tried_local": tried_local, "local_after": adapter.local,
+            "ttft_s": report.ttft_s, "chunk_keys": [chunk_key(adapter.model_id, c) for c in p.chunk_ids],
+            "tried_local": tried_local, "local_after": adapter.local,
         }), flush=True)
 
 

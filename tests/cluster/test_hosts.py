@@ -55,11 +55,21 @@ def listed(cluster, chunk_keys) -> set[str]:
     return {e.info.variant_id for e in cluster.view.discover(list(chunk_keys))}
 
 
+def all_listed(cluster, held: dict[str, list[str]]) -> bool:
+    """Every variant of `held` (chunk key -> variant ids) is in the cluster's view."""
+    return listed(cluster, held) >= {v for vs in held.values() for v in vs}
+
+
+def chunks_listed(cluster, chunk_keys) -> bool:
+    """Every chunk has some variant in the cluster's view."""
+    return {e.info.chunk_key for e in cluster.view.discover(list(chunk_keys))} == set(chunk_keys)
+
+
 def test_chunks_computed_on_a_are_reused_on_b_with_a_s_answers(cluster):
     mine = compute(cluster, "a", FIRST_A)
     assert all(r["fresh"] == r["chunks"] for r in mine)
     held = chunk_vids(cluster, "a")
-    wait_for("A's variants listed in the cluster", lambda: listed(cluster, held) >= {v for vs in held.values() for v in vs}, 30)
+    wait_for("A's variants listed in the cluster", lambda: all_listed(cluster, held), 30)
     engine_b, node_b = cluster.engines["b"], cluster.address("b")
     for p, a in zip(FIRST_A, mine):
         r = engine_b.prefill(node_b, p)
@@ -92,7 +102,7 @@ def on_segment_of(cluster, host: str, prompts) -> dict[int, list[str]]:
     assert all(r["fresh"] > 0 for r in computed)  # (a chunk another prompt shares, at its place, is reused)
     keys = {k for r in computed for k in r["chunk_keys"]}
     held = {k: vs for k, vs in chunk_vids(cluster, host).items() if k in keys}
-    wait_for(f"{host}'s variants listed", lambda: listed(cluster, held) >= {v for vs in held.values() for v in vs}, 30)
+    wait_for(f"{host}'s variants listed", lambda: all_listed(cluster, held), 30)
     where = cluster.net.address(host) + ":"
     out: dict[int, list[str]] = {}
     for p, r in zip(prompts, computed):
@@ -177,7 +187,8 @@ def test_b_rejoins_with_its_disk_and_serves_its_variants_again(cluster):
     """B restarted on its data dir (same address): its engine reuses what B stored before
     it was killed, from B's own disk."""
     cluster.nodes["b"].restart()
-    recovered = {k for k, vids in chunk_vids(cluster, "b").items() if vids}  # from its disk (the cluster's are not kept)
+    # what B recovered from its disk (variants known only from the cluster are not kept)
+    recovered = {k for k, vids in chunk_vids(cluster, "b").items() if vids}
     assert recovered
     engine_b, node_b = cluster.engines["b"], cluster.address("b")
     for p in KILLED:
@@ -203,13 +214,11 @@ def test_master_killed_and_restarted_nodes_rejoin_without_a_restart(cluster):
     # listed again (a chunk's list has remote_list_slots entries, so two variants of one
     # chunk can share an entry: the chunk, not each variant, is what must come back).
     held = chunk_vids(cluster, "a", local=True)
-    wait_for("the restarted master refilled from the nodes",
-             lambda: {e.info.chunk_key for e in cluster.view.discover(list(held))} == set(held), 60)
+    wait_for("the restarted master refilled from the nodes", lambda: chunks_listed(cluster, held), 60)
     engine_c, node_c = cluster.engines["c"], cluster.address("c")
     refilled = engine_c.prefill(node_c, FIRST_A[0])  # C never computed it: it reads the refilled cluster
     (late,) = compute(cluster, "a", [LATE_A[0]])  # stored after the restart
-    wait_for("A's new chunks listed",
-             lambda: {e.info.chunk_key for e in cluster.view.discover(late["chunk_keys"])} == set(late["chunk_keys"]), 30)
+    wait_for("A's new chunks listed", lambda: chunks_listed(cluster, late["chunk_keys"]), 30)
     after = engine_c.prefill(node_c, LATE_A[0])
     cluster.saw("master restarted: C reads what A held before and wrote after", [refilled, after])
     for r in (refilled, after):
