@@ -113,7 +113,7 @@ def _real(console, client, folder: Path) -> bool:  # noqa: ANN001 - rich Console
     full = greedy(engine, logits, kv, REAL_ANSWER_TOKENS, stop)
     # No shadow prefills (engine_adapter.fidelity) beside the requests whose TTFT it shows.
     adapter = RAGAdapter(engine, client, REAL_POLICY, gate=gate, store_back=False, local=True,
-                         fidelity_sample=0.0, fidelity_first=0)
+                         shadows=False)
     first = adapter.prefill(p.chunks(), p.question, reorder=False)[1].ttft_s  # maps the service's shared memory
     r, rep = adapter.prefill(p.chunks(), p.question, reorder=False)
     adapter.close()

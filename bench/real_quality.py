@@ -124,7 +124,7 @@ def run(model_dir: Path, records: Sequence[musique.Record], specs: Sequence[str]
                 # no shadow prefills: full prefill is this benchmark's own reference, and a
                 # shadow would run beside the next policy's timed request
                 adapter = RAGAdapter(engine, client, ps.policy, store_back=False, local=True,
-                                     fidelity_sample=0.0, fidelity_first=0)
+                                     shadows=False)
                 result, report = adapter.prefill(p.chunks(), p.question, reorder=False)
                 gen = greedy(engine, result.logits, result.kv, new_tokens, stop)
                 served[ps.spec] = {"answer": tok.decode(gen.tokens, skip_special_tokens=True).strip(),

@@ -97,8 +97,7 @@ def run_service(chunk_len: int = 96) -> list[tuple[str, BlendResult, float]]:
                                                                                        reorder=False)  # warm-up
             for name, policy in cases:
                 # no shadow prefills (engine_adapter.fidelity) beside the timelines recorded
-                adapter = RAGAdapter(eng, c, policy, gate=TRUSTED, store_back=False, fidelity_sample=0.0,
-                                     fidelity_first=0)
+                adapter = RAGAdapter(eng, c, policy, gate=TRUSTED, store_back=False, shadows=False)
                 r, _ = adapter.prefill(chunks, question, reorder=False)
                 out.append((name, r, float((r.logits - ref).norm() / ref.norm())))
     return out

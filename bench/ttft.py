@@ -212,7 +212,7 @@ def _via_adapter(work: Workload, client: KVClient, policy: ReusePolicy, local: b
     def go() -> tuple[float, BlendResult, object]:
         # no shadow prefills: one would run beside the next timed case
         adapter = RAGAdapter(work.engine, client, policy, gate=TRUSTED, store_back=False, local=local,
-                             fidelity_sample=0.0, fidelity_first=0)
+                             shadows=False)
         try:
             r, rep = adapter.prefill(work.chunks, work.question, reorder=False)
         finally:

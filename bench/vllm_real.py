@@ -128,7 +128,7 @@ def reference(engine: Any, client: Any, prompts: list[musique.Prompt], policy: d
 
     # no shadow prefills: full prefill is this benchmark's own reference
     adapter = RAGAdapter(engine, client, to_policy(policy), store_back=False, local=True,
-                         fidelity_sample=0.0, fidelity_first=0)
+                         shadows=False)
     out = []
     layers = engine.cfg.num_layers
     with torch.no_grad():

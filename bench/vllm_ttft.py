@@ -134,7 +134,7 @@ def engine_split(model: Path, address: str, reqs: list[dict[str, Any]], policy: 
         with KVClient(address) as client, torch.no_grad():
             # No shadow prefills (engine_adapter.fidelity) beside the requests being timed.
             adapter = RAGAdapter(engine, client, Policy(policy["name"], **opts), store_back=False, local=True,
-                                 fidelity_sample=0.0, fidelity_first=0)
+                                 shadows=False)
             try:
                 for i, r in enumerate(reqs):
                     result, rep = adapter.prefill(r["chunks"], r["question"], reorder=False)

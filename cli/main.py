@@ -83,7 +83,7 @@ def _admin(a: argparse.Namespace) -> int:
             if a.action == "stats":
                 out = MessageToDict(c.stats())
             elif a.action == "fidelity":
-                print(fidelity_table(c.stats().fidelity), end="")
+                print(fidelity_table(c.stats()), end="")
                 return 0
             elif a.action == "list":
                 out = MessageToDict(c.list_chunks())
@@ -109,17 +109,30 @@ def _admin(a: argparse.Namespace) -> int:
     return 0
 
 
-def fidelity_table(rows: Sequence) -> str:  # noqa: ANN001 - pb.FidelityStats
-    """`kvcraft admin fidelity`: one line per (model, policy) of StatsResponse.fidelity."""
-    if not rows:
-        return "no fidelity samples yet (engines send them with their Plans; docs/quality.md)\n"
-    head = ("model", "policy", "samples", "top1_agree", "agreement", "95% interval", "mean_kl", "computed")
-    lines = [head]
-    for r in rows:
+def fidelity_table(stats) -> str:  # noqa: ANN001 - pb.StatsResponse
+    """`kvcraft admin fidelity`: the controller's budget per (model, policy) of adaptive
+    engines, then one line per (model, policy, budget) of the samples."""
+    target = (f"fidelity target: first-token agreement >= {stats.fidelity_target:.3f}\n" if stats.fidelity_target
+              else "fidelity target: none (fidelity_target = 0): engines spend budgets of their own\n")
+    out = target + _table(("model", "policy", "budget", "state"),
+                          [(c.model_id, c.policy, f"{c.budget:.2f}", c.state) for c in stats.budgets])
+    if not stats.fidelity:
+        return out + "no fidelity samples yet (engines send them with their Plans; docs/quality.md)\n"
+    rows = []
+    for r in stats.fidelity:
         rate = r.top1_agree / r.samples if r.samples else 0.0
-        lines.append((r.model_id, r.policy, str(r.samples), str(r.top1_agree), f"{rate:.3f}",
-                      f"[{r.agree_lower:.3f}, {r.agree_upper:.3f}]", f"{r.mean_kl:.4g}",
-                      f"{r.mean_computed_share:.3f}"))
+        rows.append((r.model_id, r.policy, f"{r.budget:.2f}" if r.budget else "-", str(r.samples), str(r.top1_agree),
+                     f"{rate:.3f}", f"[{r.agree_lower:.3f}, {r.agree_upper:.3f}]", f"{r.mean_kl:.4g}",
+                     f"{r.mean_computed_share:.3f}"))
+    head = ("model", "policy", "budget", "samples", "top1_agree", "agreement", "95% interval", "mean_kl", "computed")
+    return out + _table(head, rows)
+
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell; nothing when there are no rows."""
+    if not rows:
+        return ""
+    lines = [head, *rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n" for line in lines)
 

@@ -123,21 +123,22 @@ class KVClient(Face):
 
     def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
              conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
-             timings: pb.TimingReport | None = None) -> Plan:
+             timings: pb.TimingReport | None = None, policy: str = "", adaptive: bool = False) -> Plan:
         """Plan a RAG request (chunks in retriever order): a `kvcraft.plans.Plan` record;
         Release its lease. Sent over one long-lived PlanStream call (kvclient.plan_stream)."""
         return self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
-                                             lease_ttl_s, timings), self.core.deadline())
+                                             lease_ttl_s, timings, policy, adaptive), self.core.deadline())
 
     def plan_future(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                     conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
-                    timings: pb.TimingReport | None = None, timeout: float | None = None) -> Future:
+                    timings: pb.TimingReport | None = None, timeout: float | None = None, policy: str = "",
+                    adaptive: bool = False) -> Future:
         """Plan without blocking (the vLLM connector's scheduler side): a
         concurrent.futures.Future of the Plan, whose exception is a KVCraftError
         (DeadlineExceededError past the timeout). Cancelling it releases the lease its
         answer holds."""
         return self._plans.plan_future(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
-                                                    lease_ttl_s, timings), self.core.deadline(timeout))
+                                                    lease_ttl_s, timings, policy, adaptive), self.core.deadline(timeout))
 
     def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                      device: str | torch.device = "cpu", timeout: float | None = None) -> FetchStream:
@@ -246,21 +247,21 @@ class AsyncKVClient(Face):
 
     async def plan(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                    conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
-                   timings: pb.TimingReport | None = None) -> Plan:
+                   timings: pb.TimingReport | None = None, policy: str = "", adaptive: bool = False) -> Plan:
         """Plan a RAG request (chunks in retriever order): a `kvcraft.plans.Plan` record;
         Release its lease."""
         return await self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id, first_turn,
-                                                   lease_ttl_s, timings), self.core.deadline())
+                                                   lease_ttl_s, timings, policy, adaptive), self.core.deadline())
 
     def plan_future(self, model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, *,
                     conversation_id: str = "", first_turn: bool | None = None, lease_ttl_s: float = 0.0,
-                    timings: pb.TimingReport | None = None,
-                    timeout: float | None = None) -> asyncio.Task[Plan]:
+                    timings: pb.TimingReport | None = None, timeout: float | None = None, policy: str = "",
+                    adaptive: bool = False) -> asyncio.Task[Plan]:
         """Plan without awaiting it here (called in a running loop): an asyncio.Task of the
         Plan, whose exception is a KVCraftError (DeadlineExceededError past the
         timeout). Cancelling it releases the lease its answer holds."""
         return self._task(self._plans.plan(plan_request(model_id, chunks, question_tokens, conversation_id,
-                                                        first_turn, lease_ttl_s, timings), self.core.deadline(timeout)))
+                                                        first_turn, lease_ttl_s, timings, policy, adaptive), self.core.deadline(timeout)))
 
     async def fetch_layers(self, refs: Sequence[RefLike], *, first_layer: int = 0, num_layers: int = 0,
                            device: str | torch.device = "cpu",

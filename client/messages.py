@@ -121,9 +121,9 @@ def fetched_layer(msg: codec.LayerChunkView | pb.LayerChunk, device: str | torch
 # -- Plan, Lookup, leases, Admin --------------------------------------------------------
 def plan_request(model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, conversation_id: str = "",
                  first_turn: bool | None = None, lease_ttl_s: float = 0.0,
-                 timings: pb.TimingReport | None = None) -> pb.PlanRequest:
+                 timings: pb.TimingReport | None = None, policy: str = "", adaptive: bool = False) -> pb.PlanRequest:
     req = pb.PlanRequest(model_id=model_id, conversation_id=conversation_id, question_tokens=question_tokens,
-                         lease_ttl_s=lease_ttl_s, timings=timings)
+                         lease_ttl_s=lease_ttl_s, timings=timings, policy=policy, adaptive=adaptive)
     for c in chunks:
         if isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str):
             req.chunks.add(chunk_key=c[0], token_count=c[1])
@@ -150,7 +150,8 @@ def plan_of(r: pb.PlanResponse) -> Plan:
         ratio=r.ratio, preload_depth=r.preload_depth, load_s_per_layer=r.load_s_per_layer,
         compute_s_per_layer=r.compute_s_per_layer, lease_id=r.lease_id,
         lease_expires_unix_ms=r.lease_expires_unix_ms, computed_tokens=r.computed_tokens,
-        other_keys=tuple(r.other_keys), variant_prefixes=tuple(KeyChain(tuple(c.ranges)) for c in r.variant_prefixes))
+        other_keys=tuple(r.other_keys), variant_prefixes=tuple(KeyChain(tuple(c.ranges)) for c in r.variant_prefixes),
+        recompute_budget=round(r.recompute_budget, 6), fidelity_sample=r.fidelity_sample)  # float32 on the wire
 
 
 def variant_ref(r: RefLike) -> pb.VariantRef:

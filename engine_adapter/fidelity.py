@@ -1,6 +1,7 @@
 """Sampled shadow prefills: how far a served request's answer is from full prefill's, on live traffic.
 
-For a sample of the requests served from stored KV (blended: at least one chunk reused),
+For the requests served from stored KV (blended: at least one chunk reused) whose Plan
+asks for it (`Plan.fidelity_sample`: the service chooses, `kvservice.fidelity`),
 `ShadowSampler` computes full prefill of the same prompt tokens in the order served, on a
 background thread after the request's first-token logits exist (the request never waits
 for it), and compares the two next-token distributions at the last prompt position
@@ -9,15 +10,13 @@ for it), and compares the two next-token distributions at the last prompt positi
 `MAX_SAMPLES_PER_PLAN`); the service tallies them per model and policy
 (`kvservice.fidelity`, `kvcraft admin fidelity`).
 
-Which requests: the first `first` blended requests of the adapter (a new model is
-measured at once), then each with probability `rate`. The shadows' compute is counted
-beside the served requests' (`SamplingCost`): the sampling's overhead.
+The shadows' compute is counted beside the served requests' (`SamplingCost`): the
+sampling's overhead.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,8 +32,6 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RATE = 0.03
-DEFAULT_FIRST = 8
 MAX_SAMPLES_PER_PLAN = 64  # the service's bound (kvservice.server.checks)
 MAX_PENDING = 1024  # samples kept while no Plan takes them (service down): the oldest go first
 MAX_QUEUED = 8  # shadows waiting for the worker; a request sampled beyond that is skipped
@@ -73,16 +70,8 @@ class ShadowSampler:
     """Chooses the requests to measure, runs their shadow prefills on one background
     thread, and keeps the samples until a Plan takes them. Thread-safe."""
 
-    def __init__(self, engine: LlamaEngine, rate: float = DEFAULT_RATE, first: int = DEFAULT_FIRST,
-                 seed: int | None = None) -> None:
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"fidelity_sample is {rate}; expected a share in [0, 1]")
-        if first < 0:
-            raise ValueError(f"fidelity_first is {first}; expected >= 0")
+    def __init__(self, engine: LlamaEngine) -> None:
         self.engine = engine
-        self.rate = rate
-        self.first = first
-        self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None  # made at the first sample
         self._queued: list[Future] = []
@@ -91,9 +80,11 @@ class ShadowSampler:
         self._served_rows = self._shadow_rows = 0
         self._served_s = self._shadow_s = 0.0
 
-    def observe(self, spans: Sequence[Sequence[int]], result: BlendResult, policy: str) -> bool:
-        """Count a served request; if it is blended and drawn, queue its shadow prefill.
-        spans: the prompt's token spans in the order served (chunks, then the question).
+    def observe(self, spans: Sequence[Sequence[int]], result: BlendResult, policy: str, budget: float,
+                sample: bool) -> bool:
+        """Count a served request; if it is blended and `sample` (its Plan asked), queue its
+        shadow prefill. spans: the prompt's token spans in the order served (chunks, then the
+        question); budget: the recompute budget it ran with (0: its policy has none).
         Returns whether it was sampled."""
         with self._lock:
             self._served += 1
@@ -102,7 +93,7 @@ class ShadowSampler:
             if not (result.reuse and result.reused_segments):
                 return False
             self._blended += 1
-            if not (self._blended <= self.first or (self.rate > 0 and self._rng.random() < self.rate)):
+            if not sample:
                 return False
             self._queued = [f for f in self._queued if not f.done()]
             if len(self._queued) >= MAX_QUEUED:
@@ -113,10 +104,10 @@ class ShadowSampler:
             self._sampled += 1
             served = result.logits.detach().clone()
             share = result.computed_share
-            self._queued.append(self._worker.submit(self._shadow, list(spans), served, policy, share))
+            self._queued.append(self._worker.submit(self._shadow, list(spans), served, policy, budget, share))
             return True
 
-    def _shadow(self, spans: list[Sequence[int]], served: Tensor, policy: str, share: float) -> None:
+    def _shadow(self, spans: list[Sequence[int]], served: Tensor, policy: str, budget: float, share: float) -> None:
         t0 = time.perf_counter()
         tokens = torch.tensor([t for span in spans for t in span], dtype=torch.long)  # [N]
         try:
@@ -129,7 +120,8 @@ class ShadowSampler:
         with self._lock:
             self._shadow_rows += len(tokens) * self.engine.cfg.num_layers
             self._shadow_s += seconds
-            self._samples.append(pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, computed_share=share))
+            self._samples.append(pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, computed_share=share,
+                                                  budget=budget))
             del self._samples[:-MAX_PENDING]
 
     def take(self, limit: int = MAX_SAMPLES_PER_PLAN) -> list[pb.FidelitySample]:

@@ -20,10 +20,14 @@ variant's own scores and sends the result as the new variant's `recompute_scores
 planner then spends its recompute budget on them. All of it runs on the background
 store-back thread, after the request's first token.
 
-Fidelity on live traffic (`engine_adapter.fidelity`): the first `fidelity_first` requests
-served from stored KV, then a `fidelity_sample` share of them, are computed again by full
-prefill on a background thread after their first token, and the comparisons travel to
-the service with the next Plan, beside the timings.
+Fidelity on live traffic (`engine_adapter.fidelity`, `kvservice.fidelity`): the requests
+served from stored KV whose Plan says `fidelity_sample` are computed again by full prefill
+on a background thread after their first token, and the comparisons travel to the service
+with the next Plan, beside the timings. An adapter that runs the default policy is
+*adaptive*: it spends the recompute budget its Plan gives (`Plan.recompute_budget`, the
+service's fidelity controller; 1 means full prefill), so the service holds its model's
+first-token agreement at `fidelity_target`. An adapter given a policy spends that policy's
+budget.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ from typing import Mapping, Sequence
 
 from engine_adapter import learned
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
-from engine_adapter.fidelity import DEFAULT_FIRST, DEFAULT_RATE, MAX_SAMPLES_PER_PLAN, SamplingCost, ShadowSampler
+from engine_adapter.fidelity import MAX_SAMPLES_PER_PLAN, SamplingCost, ShadowSampler
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.loader import ServiceLayerSource
-from engine_adapter.policy import DEFAULT_POLICY, ReusePolicy, parse_policy
+from engine_adapter.policy import DEFAULT_POLICY, Full, ReusePolicy, parse_policy
 from engine_adapter.prompt import Segment
 from kvclient.client import KVClient, Ref
 from kvclient.errors import InvalidArgumentError, KVCraftError
@@ -74,6 +78,7 @@ class RequestReport:
     fallbacks: list[tuple[int, int]] = field(default_factory=list)
     plan_error: str = ""
     sampled: bool = False  # a shadow full prefill measures this request's fidelity (after it)
+    budget: float = 0.0  # the recompute budget it ran with (1: full prefill); 0: its policy has none
 
 
 class RAGAdapter:
@@ -81,22 +86,24 @@ class RAGAdapter:
 
     def __init__(self, engine: LlamaEngine, client: KVClient, policy: ReusePolicy | None = None, *,
                  gate: Gate | None = None, store_back: bool = True, local: bool = False,
-                 learn: bool = False, fidelity_sample: float = DEFAULT_RATE,
-                 fidelity_first: int = DEFAULT_FIRST) -> None:
-        """policy: None runs the default (`policy.DEFAULT_POLICY`). local: the service runs
+                 learn: bool = False, shadows: bool = True) -> None:
+        """policy: None runs the default (`policy.DEFAULT_POLICY`) with the recompute budget
+        each Plan gives (the service's fidelity controller); a policy given runs as given.
+        local: the service runs
         on this host; read reused KV from its shared memory (Locate) instead of streaming
         it over gRPC. learn: store-back sends learned recompute scores for chunks computed
         in full while a variant of them is stored (for `cachecraft`'s lists; off by default:
         the default policy does not use them, and learning costs (T + 2) x (question +
         chosen + 1) rows of compute per chunk of T tokens and round, docs/adapter.md).
-        fidelity_sample, fidelity_first: the share of requests served from stored KV, and
-        how many of the first ones, measured against full prefill in the background
-        (`engine_adapter.fidelity`; 0 and 0: none)."""
+        shadows: run the shadow full prefills Plans ask for (`engine_adapter.fidelity`); off
+        only where something else computes full prefill of every prompt (benchmarks)."""
         self.local = local
         self.learn = learn
         self.engine = engine
         self.client = client
         self.policy = policy if policy is not None else parse_policy(DEFAULT_POLICY)
+        self.adaptive = policy is None  # spends the Plans' recompute_budget
+        self.shadows = shadows
         self.gate = gate
         self.store_back = store_back
         self.model_id = engine.model_spec().fingerprint()
@@ -104,7 +111,7 @@ class RAGAdapter:
         self._pending: list[Future] = []
         self._timings = pb.TimingReport()
         self._plan_tiers: dict[int, str] = {}  # segment -> tier its variant was in when planned
-        self.fidelity = ShadowSampler(engine, fidelity_sample, fidelity_first)
+        self.fidelity = ShadowSampler(engine)
 
     def prefill(self, chunks: Sequence[Sequence[int]], question: Sequence[int],
                 conversation_id: str = "", reorder: bool = True) -> tuple[BlendResult, RequestReport]:
@@ -116,7 +123,8 @@ class RAGAdapter:
         def plan_it() -> Plan:
             return self.client.plan(self.model_id, [list(c) for c in chunks], len(question),
                                     conversation_id=conversation_id, timings=self._timings,
-                                    first_turn=None if reorder else False)
+                                    first_turn=None if reorder else False, policy=self.policy.name,
+                                    adaptive=self.adaptive)
 
         try:
             try:
@@ -140,7 +148,7 @@ class RAGAdapter:
         `policy`: this request's (default: the adapter's). The vLLM connector's worker side
         calls it with the plan its scheduler side obtained."""
         t0 = time.perf_counter() if t0 is None else t0
-        policy = policy or self.policy
+        policy = policy or self._budgeted(plan)
         by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
         segments, refs = self._segments(plan, by_key, chunks, question)
         source = ServiceLayerSource(self.client, refs, local=self.local,
@@ -163,7 +171,9 @@ class RAGAdapter:
         if self.store_back and result.fresh:
             self._store_back(segments, result, refs)
         self._learn(source, result)
-        sampled = self.fidelity.observe([s.tokens for s in segments], result, policy.name)
+        budget = 1.0 if isinstance(policy, Full) and self.adaptive else float(getattr(policy, "budget", 0.0) or 0.0)
+        sampled = self.fidelity.observe([s.tokens for s in segments], result, policy.name, budget,
+                                        bool(plan and plan.fidelity_sample and self.shadows))
         report = RequestReport(
             policy=policy.name,
             order=list(plan.order) if plan else [chunk_key(self.model_id, c) for c in chunks],
@@ -178,8 +188,19 @@ class RAGAdapter:
             fallbacks=list(result.fallbacks),
             plan_error="" if plan else "plan failed",
             sampled=sampled,
+            budget=budget,
         )
         return result, report
+
+    def _budgeted(self, plan: Plan | None) -> ReusePolicy:
+        """The policy this request runs: an adaptive adapter's default policy with its Plan's
+        recompute budget (1: full prefill), else the adapter's own."""
+        budget = plan.recompute_budget if plan is not None and self.adaptive else 0.0
+        if budget <= 0:
+            return self.policy
+        if budget >= 1:
+            return Full(layer_budget_s=self.policy.layer_budget_s)
+        return dataclasses.replace(self.policy, budget=budget)
 
     def _segments(self, plan: Plan | None, by_key: dict[str, tuple[int, ...]],
                   chunks: Sequence[Sequence[int]], question: Sequence[int]) -> tuple[list[Segment], dict[int, Ref]]:

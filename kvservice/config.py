@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvcraft.recompute import DEFAULT_BUDGET
+from kvservice.fidelity import DEFAULT_SAMPLE as DEFAULT_FIDELITY_SAMPLE
+from kvservice.fidelity import DEFAULT_TARGET as DEFAULT_FIDELITY_TARGET
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -70,6 +72,13 @@ class Config:
     # recomputed (planner.variants.DEFAULT_ALPHA, the default recompute budget); set
     # against answer quality.
     cfo_alpha: float = DEFAULT_BUDGET
+    # Fidelity on live traffic (docs/quality.md): the share of an adaptive engine's requests
+    # whose first token must agree with full prefill's; the controller sets each model's
+    # recompute budget to hold it (0: no controller, engines spend budgets of their own).
+    fidelity_target: float = DEFAULT_FIDELITY_TARGET
+    # Share of requests measured against full prefill once a model's budget is settled
+    # (every request is measured while it is not, and a model's first FIRST_SAMPLES).
+    fidelity_sample: float = DEFAULT_FIDELITY_SAMPLE
     # Prometheus metrics over HTTP on this port; 0 = off.
     metrics_port: int = 0
     # Bearer tokens; empty = no auth. Admin RPCs need admin_token when it is set.
@@ -121,6 +130,11 @@ class Config:
             raise ValueError(f"disk_backend must be \"posix\" or \"kvikio\", got {self.disk_backend!r}")
         if self.cfo_alpha < 0:
             raise ValueError(f"cfo_alpha must be >= 0, got {self.cfo_alpha}")
+        if not 0 <= self.fidelity_target < 1:
+            raise ValueError(f"fidelity_target must be in [0, 1) (a share of requests; 1 can never be shown "
+                             f"by samples), got {self.fidelity_target}")
+        if not 0 <= self.fidelity_sample <= 1:
+            raise ValueError(f"fidelity_sample must be a share in [0, 1], got {self.fidelity_sample}")
         if not 0 < self.lease_timeout_s <= self.max_lease_ttl_s < math.inf:
             raise ValueError(f"need 0 < lease_timeout_s ({self.lease_timeout_s}) <= max_lease_ttl_s "
                              f"({self.max_lease_ttl_s}), both finite")

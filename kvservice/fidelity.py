@@ -1,9 +1,28 @@
-"""Fidelity per model, measured on live traffic (docs/quality.md, "Fidelity on live traffic").
+"""Fidelity per model, measured on live traffic, and the budget that holds a target
+(docs/quality.md, "Fidelity on live traffic").
 
-Engines compute full prefill for a sample of the requests they served from stored KV
-(`engine_adapter.fidelity`) and send each comparison with their next Plan. `FidelityBook`
-adds them up per (model id, policy): samples, top-1 agreements, the sums of KL and of
-the computed share; it answers with the Wilson score interval on the agreement rate.
+Engines compute full prefill for the requests a Plan marks (`fidelity_sample`) when they
+served them from stored KV (`engine_adapter.fidelity`), and send each comparison with
+their next Plan. `FidelityBook` adds them up per (model id, policy, recompute budget):
+samples, top-1 agreements, the sums of KL and of the computed share; it answers with the
+Wilson score interval on the agreement rate.
+
+The controller (`FidelityBook.decide`) gives an adaptive engine's Plans their recompute
+budget, one of `LADDER`, per (model, policy). Each budget of the ladder is judged by its
+own samples against the target t: *short* when the interval's upper bound is below t,
+*held* when its lower bound is at or above t, *measuring* otherwise. The budget given is
+a function of the tallies alone:
+
+    start at COLD_START; climb while the budget is short (full prefill, 1, is exact and
+    never short); then descend while the budget is held and the one below is not short.
+
+Plans mark every request while the budget given is measuring, and `fidelity_sample` of
+them once it is held. Samples arrive only for the budget given, so it moves only when its
+own verdict changes: down one step when it is shown held (to a budget not shown short),
+up when it is shown short. A short budget stays short (no samples reach it again): the
+budget settles after at most 2 x len(LADDER) moves and never oscillates. A model on which
+no budget below 1 holds the target ends at full prefill, logged once and shown in the
+metrics (`kvcraft_fidelity_budget` = 1).
 
 The tallies persist in the metadata database (`MetadataDB.put_fidelity`), unsynced and at
 most once a second (`PERSIST_EVERY_S`) while samples arrive, and at close: a crash loses
@@ -14,15 +33,36 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, NamedTuple, Protocol
 
 log = logging.getLogger("kvcraft.fidelity")
 
 Z95 = 1.959964  # the standard normal's 97.5% quantile: a two-sided 95% interval
 PERSIST_EVERY_S = 1.0
+
+# The recompute budgets the controller gives (1: full prefill, no reuse), and where a model
+# starts: one step above kvcraft.recompute.DEFAULT_BUDGET, the budget the synthetic tasks
+# were tuned at (docs/quality.md): conservative until its own samples say more.
+LADDER = (0.05, 0.10, 0.15, 0.25, 0.40, 0.60, 1.0)
+COLD_START = 0.25
+FULL = 1.0
+# The default target: a request's first token agrees with full prefill's in at least 95% of
+# requests (docs/quality.md says why), and once a budget is settled 3% of requests measured.
+DEFAULT_TARGET = 0.95
+DEFAULT_SAMPLE = 0.03
+FIRST_SAMPLES = 8  # a non-adaptive (model, policy)'s first requests are all measured
+# Samples a budget needs before a verdict. The interval is looked at after every sample, and
+# repeated looks make a 95% interval err more often: simulated, a budget whose requests agree
+# 97% against a 0.95 target is shown short at some point within 2000 samples 12% of the time
+# judged from the first sample, 7% from the tenth; one agreeing 93% is shown held 0.6-0.8%.
+# Fewer wrong "short"s cost compute, and a budget that fails is still left after 10 requests.
+MIN_VERDICT_SAMPLES = 10
+
+MEASURING, HELD, SHORT = "measuring", "held", "short"
 
 
 def wilson(agree: int, samples: int, z: float = Z95) -> tuple[float, float]:
@@ -43,6 +83,15 @@ def wilson(agree: int, samples: int, z: float = Z95) -> tuple[float, float]:
     return lower, upper
 
 
+def ladder_budget(budget: float) -> float:
+    """The ladder's budget a sample's (float32) budget stands for, else the budget rounded
+    to 4 places (a policy's own budget, off the ladder; 0: none)."""
+    for b in LADDER:
+        if abs(budget - b) < 1e-4:
+            return b
+    return round(budget, 4)
+
+
 @dataclass(frozen=True)
 class Sample:
     """One shadow prefill's comparison (the proto's FidelitySample, checked at the edge)."""
@@ -51,11 +100,12 @@ class Sample:
     top1_agree: bool
     kl: float
     computed_share: float
+    budget: float = 0.0  # the recompute budget the request ran with; 0: its policy has none
 
 
 @dataclass(frozen=True)
 class Tally:
-    """Every sample of one (model, policy) so far."""
+    """Every sample of one (model, policy, budget) so far."""
 
     model_id: str
     policy: str
@@ -63,10 +113,18 @@ class Tally:
     top1_agree: int = 0
     kl_sum: float = 0.0
     computed_share_sum: float = 0.0
+    budget: float = 0.0
 
     def add(self, s: Sample) -> "Tally":
         return Tally(self.model_id, self.policy, self.samples + 1, self.top1_agree + int(s.top1_agree),
-                     self.kl_sum + s.kl, self.computed_share_sum + s.computed_share)
+                     self.kl_sum + s.kl, self.computed_share_sum + s.computed_share, self.budget)
+
+    def verdict(self, target: float) -> str:
+        """SHORT, HELD or MEASURING against a target agreement rate."""
+        if self.samples < MIN_VERDICT_SAMPLES:
+            return MEASURING
+        lower, upper = self.interval
+        return SHORT if upper < target else HELD if lower >= target else MEASURING
 
     @property
     def interval(self) -> tuple[float, float]:
@@ -90,32 +148,48 @@ class TallyStore(Protocol):
     def put_fidelity(self, tallies: Iterable[Tally]) -> None: ...
 
 
-class FidelityBook:
-    """Tallies per (model id, policy); thread-safe (Plans arrive on several threads)."""
+class Choice(NamedTuple):
+    """The controller's answer for one (model, policy)."""
 
-    def __init__(self, db: TallyStore | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 every_s: float = PERSIST_EVERY_S) -> None:
+    model_id: str
+    policy: str
+    budget: float  # one of LADDER
+    state: str  # MEASURING, HELD, or "full": no budget below 1 holds the target
+
+
+class FidelityBook:
+    """Tallies per (model id, policy, budget), and the controller that reads them;
+    thread-safe (Plans arrive on several threads)."""
+
+    def __init__(self, db: TallyStore | None = None, *, target: float = DEFAULT_TARGET,
+                 sample: float = DEFAULT_SAMPLE, clock: Callable[[], float] = time.monotonic,
+                 every_s: float = PERSIST_EVERY_S, seed: int | None = None) -> None:
         self._db = db
+        self.target = target
+        self.sample = sample
+        self._rng = random.Random(seed)
         self._clock = clock
         self._every_s = every_s
         self._lock = threading.Lock()
-        self._tallies: dict[tuple[str, str], Tally] = {}
-        self._dirty: set[tuple[str, str]] = set()
+        self._tallies: dict[tuple[str, str, float], Tally] = {}
+        self._choices: dict[tuple[str, str], Choice] = {}  # the last answer per adaptive (model, policy)
+        self._dirty: set[tuple[str, str, float]] = set()
         self._written = float("-inf")  # clock of the last write
         self._timer: threading.Timer | None = None
         self._closed = False
         self._failing = False
         if db is not None:
             for t in db.load_fidelity():
-                self._tallies[(t.model_id, t.policy)] = t
+                self._tallies[(t.model_id, t.policy, t.budget)] = t
 
     def observe(self, model_id: str, samples: Iterable[Sample]) -> None:
         """Count samples of `model_id`; persist now if the last write is a second old,
         else once it is (a timer), so that a quiet service still writes them soon."""
         with self._lock:
             for s in samples:
-                key = (model_id, s.policy)
-                self._tallies[key] = self._tallies.get(key, Tally(model_id, s.policy)).add(s)
+                budget = ladder_budget(s.budget)
+                key = (model_id, s.policy, budget)
+                self._tallies[key] = self._tallies.get(key, Tally(model_id, s.policy, budget=budget)).add(s)
                 self._dirty.add(key)
             if not self._dirty or self._db is None or self._closed:
                 return
@@ -128,9 +202,68 @@ class FidelityBook:
                 self._timer.start()
 
     def tallies(self) -> list[Tally]:
-        """Every tally, by model id then policy."""
+        """Every tally, by model id, policy, then budget."""
         with self._lock:
             return [self._tallies[k] for k in sorted(self._tallies)]
+
+    def decide(self, model_id: str, policy: str, adaptive: bool) -> tuple[float, bool]:
+        """A Plan's (recompute budget, measure it) for an engine of `model_id` serving by
+        `policy`. Adaptive: the controller's budget (module docstring); else budget 0 (the
+        engine's own) and the (model, policy)'s first FIRST_SAMPLES requests measured, then
+        `sample` of them. No target (0): no budget; requests measured as if not adaptive."""
+        with self._lock:
+            if not (adaptive and policy and self.target > 0):
+                seen = sum(t.samples for (m, p, _), t in self._tallies.items() if m == model_id and p == policy)
+                return 0.0, seen < FIRST_SAMPLES or self._rng.random() < self.sample
+            choice = self._choose_locked(model_id, policy)
+            if choice.state == "full":
+                return FULL, False  # full prefill: nothing served from stored KV to measure
+            return choice.budget, choice.state == MEASURING or self._rng.random() < self.sample
+
+    def choices(self) -> list[Choice]:
+        """The controller's current budget of every adaptive (model, policy) that planned."""
+        with self._lock:
+            return [self._choices[k] for k in sorted(self._choices)]
+
+    def _choose_locked(self, model_id: str, policy: str) -> Choice:
+        def verdict(b: float) -> str:
+            if b == FULL:
+                return HELD  # full prefill is the reference itself
+            t = self._tallies.get((model_id, policy, b))
+            return t.verdict(self.target) if t is not None else MEASURING
+
+        i = LADDER.index(COLD_START)
+        while verdict(LADDER[i]) == SHORT:
+            i += 1
+        while i > 0 and verdict(LADDER[i]) == HELD and verdict(LADDER[i - 1]) != SHORT:
+            i -= 1
+        budget = LADDER[i]
+        state = "full" if budget == FULL else verdict(budget)
+        choice = Choice(model_id, policy, budget, state)
+        last = self._choices.get((model_id, policy))
+        if last != choice:
+            self._choices[(model_id, policy)] = choice
+            self._log_change(last, choice)
+        return choice
+
+    def _log_change(self, last: Choice | None, now: Choice) -> None:
+        def seen(b: float) -> str:
+            t = self._tallies.get((now.model_id, now.policy, b))
+            if t is None:
+                return "no samples"
+            lower, upper = t.interval
+            return f"{t.top1_agree}/{t.samples} agreed, 95% interval [{lower:.3f}, {upper:.3f}]"
+
+        who = f"model {now.model_id} policy {now.policy}"
+        if now.state == "full":
+            below = LADDER[-2]
+            log.warning("kvcraft fidelity: %s cannot hold first-token agreement >= %.3f with reuse (budget %.2f: %s); "
+                        "its requests are served by full prefill from now on", who, self.target, below, seen(below))
+        elif last is None:
+            log.info("kvcraft fidelity: %s starts at recompute budget %.2f (%s)", who, now.budget, now.state)
+        elif last.budget != now.budget:
+            log.info("kvcraft fidelity: %s recompute budget %.2f -> %.2f (at %.2f: %s; target %.3f)", who,
+                     last.budget, now.budget, last.budget, seen(last.budget), self.target)
 
     def _persist_due(self) -> None:
         with self._lock:

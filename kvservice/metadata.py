@@ -6,8 +6,8 @@ Column family "access": variant id -> the variant's latest fr and last access (1
 `ACCESS`), written on every reuse instead of the whole VariantInfo (hundreds of bytes to
 kilobytes: its per-token statistics). Both only grow, so recovery takes the larger of
 the two records' values. Column family "fidelity": model id (32 ascii chars) ++ policy
-(utf-8) -> that pair's sampled-fidelity tally (`FIDELITY`, `kvservice.fidelity`), written
-unsynced. Column family "meta": format version. Writes that make a variant
+(utf-8) ++ NUL ++ recompute budget ("0.1500") -> that sampled-fidelity tally (`FIDELITY`,
+`kvservice.fidelity`; a key without the budget: budget 0), written unsynced. Column family "meta": format version. Writes that make a variant
 are durable before they return; deletes need not be (recovery drops a record whose
 payload is gone, docs/storage.md), and a variant's delete drops its access record in
 the same batch; access updates are unsynced (losing the last few on a crash
@@ -72,6 +72,15 @@ class MetadataDamaged(Exception):
             f"`kvcraft repair --data-dir {path.parent}`: it moves the damaged metadata aside and rebuilds it "
             "from the self-describing payload files (pins, fr scores and fidelity tallies start afresh)")
         self.path = path
+
+
+def _budget(raw: bytes) -> float:
+    """A fidelity key's budget ("0.1500"); 0 where it is missing or not a number in [0, 1]."""
+    try:
+        b = float(raw.decode("ascii")) if raw else 0.0
+    except (UnicodeDecodeError, ValueError):
+        return 0.0
+    return b if 0.0 <= b <= 1.0 else 0.0
 
 
 def _nothing(wb: WriteBatch) -> None:
@@ -302,8 +311,9 @@ class MetadataDB:
                 key, raw = it.key(), it.value()
                 if len(raw) == FIDELITY.size and len(key) > MODEL_ID_CHARS:
                     samples, agree, kl, share = FIDELITY.unpack(raw)
-                    out.append(Tally(key[:MODEL_ID_CHARS].decode("ascii", "replace"),
-                                     key[MODEL_ID_CHARS:].decode("utf-8", "replace"), samples, agree, kl, share))
+                    policy, _, budget = key[MODEL_ID_CHARS:].partition(b"\0")
+                    out.append(Tally(key[:MODEL_ID_CHARS].decode("ascii", "replace"), policy.decode("utf-8", "replace"),
+                                     samples, agree, kl, share, _budget(budget)))
                 it.next()
             it.status()
         except Exception as e:  # the iterator's status: Corruption, IOError
@@ -318,7 +328,7 @@ class MetadataDB:
 
     def put_fidelity(self, tallies: Iterable[Tally]) -> None:
         """Fidelity tallies, unsynced (a crash loses the last second's samples)."""
-        self._put("fidelity", [((t.model_id + t.policy).encode(),
+        self._put("fidelity", [(f"{t.model_id}{t.policy}\0{t.budget:.4f}".encode(),
                                 FIDELITY.pack(t.samples, t.top1_agree, t.kl_sum, t.computed_share_sum))
                                for t in tallies], False)
 

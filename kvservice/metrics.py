@@ -9,7 +9,7 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvservice.fidelity import Tally
+from kvservice.fidelity import MEASURING, Choice, Tally
 from kvservice.store import ChunkStore
 
 
@@ -42,10 +42,23 @@ class _StoreCollector:
                                 "(max_inflight_store_bytes)", value=s.inflight_store_bytes)
         yield GaugeMetricFamily("kvcraft_inflight_stores", "Store streams open now", value=s.inflight_stores)
         yield from _fidelity(self.store.fidelity.tallies())
+        yield from _budgets(self.store.fidelity.choices())
+
+
+def _budgets(choices: list[Choice]) -> Iterator[Metric]:
+    budget = GaugeMetricFamily("kvcraft_fidelity_budget", "Recompute budget the fidelity controller gives adaptive "
+                               "engines (1: full prefill, no budget holds the target)", labels=["model", "policy"])
+    held = GaugeMetricFamily("kvcraft_fidelity_held", "1 when that budget's agreement is shown at or above "
+                             "fidelity_target (or it is full prefill), 0 while it is being measured",
+                             labels=["model", "policy"])
+    for c in choices:
+        budget.add_metric([c.model_id, c.policy], c.budget)
+        held.add_metric([c.model_id, c.policy], 0.0 if c.state == MEASURING else 1.0)
+    yield from (budget, held)
 
 
 def _fidelity(tallies: list[Tally]) -> Iterator[Metric]:
-    labels = ["model", "policy"]
+    labels = ["model", "policy", "budget"]
     samples = CounterMetricFamily("kvcraft_fidelity_samples", "Shadow prefills compared with served requests",
                                   labels=labels)
     agree = CounterMetricFamily("kvcraft_fidelity_top1_agree", "Samples whose top-1 token agreed with full prefill",
@@ -57,7 +70,7 @@ def _fidelity(tallies: list[Tally]) -> Iterator[Metric]:
     share = GaugeMetricFamily("kvcraft_fidelity_mean_computed_share", "Mean share of row-layers the sampled "
                               "requests computed", labels=labels)
     for t in tallies:
-        key = [t.model_id, t.policy]
+        key = [t.model_id, t.policy, f"{t.budget:g}"]
         lower, upper = t.interval
         samples.add_metric(key, t.samples)
         agree.add_metric(key, t.top1_agree)

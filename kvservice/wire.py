@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.fidelity import Tally
+from kvservice.fidelity import Choice, Tally
 from kvservice.index import Spec
 from kvcraft.records import Ref, StoreResult
 from kvservice.records import ChunkSummary, Located, Selector, StoreHeader, StoreStats
@@ -56,7 +56,8 @@ def locate_response(r: Located) -> pb.LocateResponse:
     return out
 
 
-def stats_response(s: StoreStats, fidelity: Sequence[Tally] = ()) -> pb.StatsResponse:
+def stats_response(s: StoreStats, fidelity: Sequence[Tally] = (), budgets: Sequence[Choice] = (),
+                   target: float = 0.0) -> pb.StatsResponse:
     out = pb.StatsResponse(
         chunks=s.chunks, variants=s.variants, evictions=s.evictions, moves=s.moves, leases=s.leases, pinned=s.pinned,
         inflight_store_bytes=s.inflight_store_bytes, inflight_stores=s.inflight_stores,
@@ -66,7 +67,10 @@ def stats_response(s: StoreStats, fidelity: Sequence[Tally] = ()) -> pb.StatsRes
         lower, upper = t.interval
         out.fidelity.add(model_id=t.model_id, policy=t.policy, samples=t.samples, top1_agree=t.top1_agree,
                          agree_lower=lower, agree_upper=upper, mean_kl=t.mean_kl,
-                         mean_computed_share=t.mean_computed_share)
+                         mean_computed_share=t.mean_computed_share, budget=t.budget)
+    for c in budgets:
+        out.budgets.add(model_id=c.model_id, policy=c.policy, budget=c.budget, state=c.state)
+    out.fidelity_target = target
     return out
 
 

@@ -100,7 +100,7 @@ def evaluate(n_examples: int, settings: Sequence[Setting] = SETTINGS, model_dir:
                         # (computing it instead would change what is measured).
                         policy = dataclasses.replace(s.policy, layer_budget_s=LAYER_WAIT_S)
                         adapter = RAGAdapter(engine, client, policy, gate=_GATE, store_back=False,
-                                             fidelity_sample=0.0, fidelity_first=0)  # its own reference below
+                                             shadows=False)  # its own reference below
                         result, rep = adapter.prefill(chunks, list(e.question_ids), reorder=s.reorder)
                         ordered = _in_order(engine, chunks, rep.order)
                         ref = engine.prefill(torch.tensor([t for c in ordered for t in c] + list(e.question_ids)))[0][-1]

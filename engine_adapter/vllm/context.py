@@ -75,7 +75,7 @@ class ContextBuilder:
             # No shadow prefills on this path yet (issue 50): vLLM does not schedule them beside its batches.
             adapter = RAGAdapter(self._model_engine(), self._client, Policy("full"),
                                  store_back=self.settings.blend_store_back, local=self.settings.local,
-                                 fidelity_sample=0.0, fidelity_first=0)
+                                 shadows=False)
             adapter.model_id = self.chunk_model_id
             self._thread.adapter = adapter
             with self._lock:

@@ -22,7 +22,8 @@ class AdminServicer:
 
     @rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        return wire.stats_response(self.store.stats(), self.store.fidelity.tallies())
+        book = self.store.fidelity
+        return wire.stats_response(self.store.stats(), book.tallies(), book.choices(), book.target)
 
     @rpc
     async def ListChunks(self, request: pb.ListChunksRequest, context: Any) -> pb.ListChunksResponse:

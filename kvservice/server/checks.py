@@ -57,6 +57,17 @@ def check_fidelity(samples: Sequence[Any]) -> None:
         if not 0 <= s.computed_share <= MAX_COMPUTED_SHARE:  # NaN fails too
             raise InvalidArgument(f"{where}.computed_share is {s.computed_share}; expected a number in "
                                   f"[0, {MAX_COMPUTED_SHARE:g}]")
+        if not 0 <= s.budget <= 1:
+            raise InvalidArgument(f"{where}.budget is {s.budget}; expected a number in [0, 1]")
+
+
+def check_policy(req: Any) -> None:
+    """A Plan request's policy name, and `adaptive` only with one."""
+    if req.policy and not (len(req.policy) <= MAX_POLICY_CHARS and req.policy.isprintable()):
+        raise InvalidArgument(f"policy is {req.policy[:40]!r}; expected a policy name of 1..{MAX_POLICY_CHARS} "
+                              f"printable characters")
+    if req.adaptive and not req.policy:
+        raise InvalidArgument("adaptive needs policy: the recompute budget is held per model and policy")
 
 
 def check_plan_request(req: pb.PlanRequest, cfg: Config) -> None:
@@ -76,3 +87,4 @@ def check_plan_request(req: pb.PlanRequest, cfg: Config) -> None:
     for i, t in enumerate(req.timings.computes):
         _check_timing(f"timings.computes[{i}]", t, ("tokens_per_layer", "seconds"))
     check_fidelity(req.timings.fidelity)
+    check_policy(req)

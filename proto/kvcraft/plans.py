@@ -94,6 +94,8 @@ class Plan:
     computed_tokens: int = 0            # chunk tokens the engine computes (fresh + recompute)
     other_keys: tuple[str, ...] = ()    # the key table's tail (module docstring)
     variant_prefixes: tuple[KeyChain, ...] = ()  # the prefixes chosen variants were computed behind
+    recompute_budget: float = 0.0       # the fidelity controller's budget (1: full prefill); 0: none set
+    fidelity_sample: bool = False       # measure this request against full prefill (docs/quality.md)
 
 
 class _Chain(Protocol):

@@ -1,5 +1,6 @@
-"""Fidelity on live traffic end to end: a RAGAdapter samples its blended requests with shadow
-full prefills, off the request's path, and the service tallies what the next Plan carries."""
+"""Fidelity on live traffic end to end: a RAGAdapter measures the blended requests its Plans
+mark with shadow full prefills, off the request's path; the service tallies what the next Plan
+carries, and an adaptive adapter's budget follows them (to full prefill where reuse fails)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 
 from engine_adapter import LlamaEngine, Policy, ReuseGate
 from engine_adapter.fidelity import compare
+from engine_adapter.probe import TRUSTED
 from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient
+from kvservice.fidelity import COLD_START
 from tests.e2e.test_adapter_service import ENGINE, QUESTION, chunks, in_plan_order, warm
 
 
@@ -40,9 +43,8 @@ def test_sampled_fidelity_reaches_admin_stats_and_counts_what_full_prefill_says(
     model = engine.model_spec().fingerprint()
     with KVClient(shared_server.address) as client:
         warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
-        adapter = RAGAdapter(engine, client, Policy("naive"), gate=ReuseGate(), store_back=False,
-                             fidelity_sample=1.0)
-        agree, kls = 0, []
+        adapter = RAGAdapter(engine, client, Policy("naive"), gate=ReuseGate(), store_back=False)
+        agree, kls = 0, []  # a new model: its first 8 requests are measured
         orders = list(itertools.permutations(range(4)))[1:24:4]  # 6 orders, none the stored one
         for order in orders:
             result, report = adapter.prefill([cs[i] for i in order], QUESTION, reorder=False)
@@ -70,14 +72,11 @@ def test_the_sampled_request_returns_before_its_shadow_runs(shared_server):
     engine, cs = HeldShadows(), chunks(12)
     with KVClient(shared_server.address) as client:
         warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
-        adapter = RAGAdapter(engine, client, Policy("naive"), gate=ReuseGate(), store_back=False,
-                             fidelity_sample=0.0, fidelity_first=1)
+        adapter = RAGAdapter(engine, client, Policy("naive"), gate=ReuseGate(), store_back=False)
         engine.release.clear()
         result, report = adapter.prefill(cs[::-1], QUESTION)  # returns although its shadow cannot finish
         assert report.sampled and engine.waiting.wait(30)
         assert adapter.sampling_cost().shadow_row_layers == 0 and not adapter.take_timings().fidelity
-        _, second = adapter.prefill(cs[1:] + cs[:1], QUESTION)
-        assert not second.sampled  # the first request only; the rate is 0
         engine.release.set()
         adapter.flush()
         assert adapter.sampling_cost().shadow_row_layers == report.prompt_tokens * engine.cfg.num_layers
@@ -96,10 +95,53 @@ def test_samples_the_service_refuses_are_dropped_not_kept_failing_every_plan(sha
     engine, cs = HeldShadows(), chunks(12)
     with KVClient(shared_server.address) as client:
         warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
-        adapter = RAGAdapter(engine, client, Policy("naive"), gate=ReuseGate(), store_back=False,
-                             fidelity_sample=0.0, fidelity_first=0)
+        adapter = RAGAdapter(engine, client, Policy("naive"), gate=ReuseGate(), store_back=False, shadows=False)
         adapter._timings.fidelity.append(pb.FidelitySample(policy="naive", kl=-1.0))  # noqa: SLF001 - a sample it refuses
         for _ in range(2):
             _, report = adapter.prefill(cs, QUESTION)
             assert report.plan_error == "" and report.reused_chunks == len(cs), report
         adapter.close()
+
+
+# Plans an adaptive adapter may take, when reuse gives wrong answers, before its model is
+# served by full prefill: three budgets (COLD_START and the two above) shown short, each after
+# MIN_VERDICT_SAMPLES samples when they all disagree (31 Plans here), more when some agree.
+PLANS_TO_FULL = 60
+
+
+def test_an_adaptive_adapter_on_broken_kv_ends_at_full_prefill_with_full_prefills_answers(shared_server):
+    """Every stored chunk's KV replaced by noise (as a broken rotation or a corrupted writer
+    would store it) and no reuse probe: the default policy's answers disagree with full
+    prefill's, the samples say so, and within PLANS_TO_FULL requests the service's budget is 1:
+    the adapter serves full prefill, whose logits equal the engine's own."""
+    engine, cs = HeldShadows(), chunks(13, n=6)
+    model = engine.model_spec().fingerprint()
+    g = torch.Generator().manual_seed(5)
+    with KVClient(shared_server.address) as client:
+        for i, c in enumerate(cs):  # stored alone, so that every order reuses them
+            kv = engine.prefill(torch.tensor(c))[1]
+            client.store(model, c, [(torch.randn(k.shape, generator=g) * 4, torch.randn(v.shape, generator=g) * 4)
+                                    for k, v in kv])
+        adapter = RAGAdapter(engine, client, gate=TRUSTED, store_back=False)
+        orders = itertools.cycle(itertools.permutations(range(len(cs)), 4))
+        budgets, sampled = [], 0
+        for _ in range(PLANS_TO_FULL):
+            order = next(orders)
+            result, report = adapter.prefill([cs[i] for i in order], QUESTION, reorder=False)
+            adapter.flush()  # its sample goes with the next Plan
+            budgets.append(report.budget)
+            sampled += report.sampled
+            if report.budget == 1.0:
+                break
+        assert budgets[0] == COLD_START and budgets[-1] == 1.0, budgets
+        assert sorted(set(budgets)) == budgets[:1] + sorted(set(budgets) - {budgets[0]})  # only ever up
+        for order in [(5, 4, 3, 2), (0, 2, 4, 1)]:
+            prompt = [cs[i] for i in order]
+            result, report = adapter.prefill(prompt, QUESTION, reorder=False)
+            assert report.budget == 1.0 and report.reused_chunks == 0 and not report.sampled
+            full = engine.prefill(torch.tensor([t for c in prompt for t in c] + QUESTION))[0][-1]
+            assert torch.allclose(result.logits, full, atol=1e-5, rtol=0)
+        adapter.close()
+        (choice,) = [b for b in client.stats().budgets if b.model_id == model]
+    assert (choice.policy, choice.budget, choice.state) == ("query", 1.0, "full")
+    assert sampled >= 3  # the budgets were left on evidence

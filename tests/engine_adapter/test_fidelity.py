@@ -24,32 +24,21 @@ def _result(engine, tokens: int, reused: bool) -> BlendResult:  # noqa: ANN001
                        computed_rows=[tokens // 4] * L, reused_segments=[0] if reused else [])
 
 
-def test_first_blended_requests_are_sampled_then_the_rate(engine):
-    sampler = ShadowSampler(engine, rate=0.0, first=2)
+def test_blended_requests_whose_plan_asks_are_sampled_with_their_budget(engine):
+    sampler = ShadowSampler(engine)
     spans = [(1, 2, 3, 4), (5, 6)]
-    got = [sampler.observe(spans, _result(engine, 6, reused), "naive") for reused in (False, True, True, True)]
+    asked = [(False, True), (True, True), (True, False), (True, True)]  # (blended, the plan asks)
+    got = [sampler.observe(spans, _result(engine, 6, reused), "query", 0.25, ask) for reused, ask in asked]
     sampler.wait()
-    assert got == [False, True, True, False]  # a request served without stored KV is not blended
+    assert got == [False, True, False, True]  # a request served without stored KV is not blended
     cost = sampler.cost()
     assert (cost.served, cost.blended, cost.sampled) == (4, 3, 2)
     assert cost.shadow_row_layers == 2 * 6 * engine.cfg.num_layers
     assert cost.served_row_layers == 4 * 1 * engine.cfg.num_layers
     assert cost.row_share == pytest.approx(12 / 16)
     samples = sampler.take()
-    assert [s.policy for s in samples] == ["naive", "naive"] and sampler.take() == []
+    assert [(s.policy, s.budget) for s in samples] == [("query", 0.25)] * 2 and sampler.take() == []
     full = engine.prefill(torch.tensor([1, 2, 3, 4, 5, 6]), all_logits=False)[0][-1]
     assert samples[0].kl == pytest.approx(compare(full, torch.zeros(engine.cfg.vocab_size))[1])
     assert samples[0].computed_share == pytest.approx(1 / 6)  # 1 row of 6 at every layer
     sampler.close()
-
-
-def test_a_rate_of_one_samples_every_blended_request_and_zero_none(engine):
-    spans = [(1, 2, 3), (4,)]
-    every, none = ShadowSampler(engine, rate=1.0, first=0), ShadowSampler(engine, rate=0.0, first=0)
-    assert [every.observe(spans, _result(engine, 4, True), "naive") for _ in range(3)] == [True] * 3
-    assert [none.observe(spans, _result(engine, 4, True), "naive") for _ in range(3)] == [False] * 3
-    every.close()
-    none.close()
-    assert len(every.take()) == 3 and none.take() == []
-    with pytest.raises(ValueError, match="fidelity_sample"):
-        ShadowSampler(engine, rate=1.5)

@@ -1,9 +1,12 @@
-"""Sampled fidelity in the service: tallies per model and policy, Wilson bounds, persistence
-across restarts, the edge's checks, the metrics and `kvcraft admin fidelity`."""
+"""Sampled fidelity in the service: tallies per model, policy and budget, Wilson bounds, the
+controller that holds the target, persistence across restarts, the edge's checks, the metrics
+and `kvcraft admin fidelity`."""
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 import socket
 import time
 import urllib.request
@@ -16,7 +19,8 @@ from kvcli import main as cli
 from kvclient.client import KVClient
 from kvclient.errors import InvalidArgumentError
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.fidelity import FidelityBook, Sample, Tally, wilson
+from kvservice.fidelity import (COLD_START, FIRST_SAMPLES, FULL, LADDER, MIN_VERDICT_SAMPLES, FidelityBook, Sample,
+                                Tally, wilson)
 from kvservice.metadata import MetadataDB
 
 
@@ -71,22 +75,98 @@ def test_book_writes_a_quiet_services_samples_within_the_interval():
 
 def test_metadata_keeps_tallies(tmp_path):
     db = MetadataDB(tmp_path / "metadata")
-    db.put_fidelity([Tally("a" * 32, "naive", 5, 3, 1.25, 0.5), Tally("a" * 32, "cacheblend", 2, 2, 0.0, 0.3)])
+    kept = [Tally("a" * 32, "cacheblend", 2, 2, 0.0, 0.3), Tally("a" * 32, "naive", 5, 3, 1.25, 0.5),
+            Tally("a" * 32, "query", 4, 4, 0.5, 0.2, budget=0.25), Tally("a" * 32, "query", 1, 0, 0.5, 0.2, budget=0.4)]
+    db.put_fidelity(kept)
     db.close()
     db = MetadataDB(tmp_path / "metadata")
     try:
-        got = sorted(db.load_fidelity(), key=lambda t: t.policy)
+        got = sorted(db.load_fidelity(), key=lambda t: (t.policy, t.budget))
     finally:
         db.close()
-    assert got == [Tally("a" * 32, "cacheblend", 2, 2, 0.0, 0.3), Tally("a" * 32, "naive", 5, 3, 1.25, 0.5)]
+    assert got == kept
+
+
+def _stream(book: FidelityBook, model: str, agreement: dict[float, float], n: int, seed: int = 0) -> list[float]:
+    """n Plans of an adaptive engine whose requests served at budget b agree with full prefill
+    with probability agreement[b]; a measured request's sample goes with the next Plan, as an
+    engine's does. The budgets the Plans gave, in order."""
+    rng, pending, given = random.Random(seed), [], []
+    for _ in range(n):
+        book.observe(model, pending)
+        pending = []
+        budget, sample = book.decide(model, "query", True)
+        given.append(budget)
+        if sample:
+            assert budget < FULL  # full prefill has nothing to measure
+            pending.append(Sample("query", rng.random() < agreement[budget], 0.0, budget, budget))
+    return given
+
+
+def _moves(given: list[float]) -> list[tuple[float, float]]:
+    return [(a, b) for a, b in zip(given, given[1:]) if a != b]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_controller_settles_at_the_cheapest_budget_that_holds_and_stays(seed):
+    """Budgets 0.15 and up agree 99%, 0.10 90%, 0.05 80%; target 0.95. The budget ends at
+    0.15, is never 0.05 (0.10 is never shown to hold), and moves at most twice per budget."""
+    book = FidelityBook(target=0.95, sample=0.03, seed=seed)
+    agreement = {0.05: 0.80, 0.10: 0.90, 0.15: 0.99, 0.25: 0.99, 0.40: 0.99, 0.60: 0.99}
+    given = _stream(book, "m" * 32, agreement, 4000, seed)
+    assert given[0] == COLD_START and given[-1] == 0.15 and 0.05 not in given
+    assert len(set(given[-1500:])) == 1  # settled
+    assert len(_moves(given)) <= 2 * len(LADDER)
+    (choice,) = book.choices()
+    assert (choice.budget, choice.state) == (0.15, "held")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_model_reuse_cannot_serve_ends_at_full_prefill_logged_once(seed, caplog):
+    """Agreement 50% at every budget: full prefill within 60 Plans, then nothing sampled."""
+    book = FidelityBook(target=0.95, sample=0.03, seed=seed)
+    with caplog.at_level(logging.INFO, logger="kvcraft.fidelity"):
+        given = _stream(book, "m" * 32, dict.fromkeys(LADDER[:-1], 0.5), 400, seed)
+    assert FULL in given[:60] and set(given[given.index(FULL):]) == {FULL}
+    assert [m for m in _moves(given)] == [(0.25, 0.40), (0.40, 0.60), (0.60, FULL)]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "full prefill" in warned[0].getMessage()
+    assert book.decide("m" * 32, "query", True) == (FULL, False)
+
+
+def test_the_budget_a_restart_finds_is_the_one_the_samples_say(tmp_path):
+    db = MetadataDB(tmp_path / "metadata")
+    book = FidelityBook(db, target=0.95, sample=0.0)
+    given = _stream(book, "m" * 32, dict.fromkeys(LADDER[:-1], 1.0), 1000)
+    assert given[-1] == LADDER[0]  # every budget holds: down to the least
+    book.close()
+    db.close()
+    db = MetadataDB(tmp_path / "metadata")
+    try:
+        again = FidelityBook(db, target=0.95, sample=0.0)
+        assert again.decide("m" * 32, "query", True) == (LADDER[0], False)  # held: measured at the rate, 0
+        assert again.decide("n" * 32, "query", True) == (COLD_START, True)  # another model starts cold
+    finally:
+        db.close()
+
+
+def test_engines_that_keep_their_own_budget_get_none_and_their_first_requests_measured():
+    book = FidelityBook(target=0.95, sample=0.0)
+    assert book.decide("m" * 32, "naive", False) == (0.0, True)
+    book.observe("m" * 32, [Sample("naive", True, 0.0, 0.1)] * (FIRST_SAMPLES - 1))
+    assert book.decide("m" * 32, "naive", False) == (0.0, True)
+    book.observe("m" * 32, [Sample("naive", True, 0.0, 0.1)])
+    assert book.decide("m" * 32, "naive", False) == (0.0, False)  # rate 0 after the first ones
+    assert book.choices() == []
+    assert FidelityBook(target=0.0).decide("m" * 32, "query", True) == (0.0, True)  # no target: no budget
 
 
 def _model() -> str:
     return uuid.uuid4().hex
 
 
-def _plan(c: KVClient, model: str, samples: list[pb.FidelitySample]) -> None:
-    c.plan(model, [[1, 2, 3, 4]], 2, timings=pb.TimingReport(fidelity=samples))
+def _plan(c: KVClient, model: str, samples: list[pb.FidelitySample], **fields: object):  # noqa: ANN202
+    return c.plan(model, [[1, 2, 3, 4]], 2, timings=pb.TimingReport(fidelity=samples), **fields)
 
 
 def _of(stats: pb.StatsResponse, model: str) -> dict[str, pb.FidelityStats]:
@@ -116,11 +196,12 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     with KVClient(server.address) as c:
         assert _of(c.stats(), model)["query"].samples == 3
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert f'kvcraft_fidelity_samples_total{{model="{model}",policy="naive"}} 2.0' in text
+    labels = f'budget="0",model="{model}",policy="naive"'
+    assert f'kvcraft_fidelity_samples_total{{{labels}}} 2.0' in text
     lower, upper = wilson(1, 2)
-    assert f'kvcraft_fidelity_top1_agreement{{bound="lower",model="{model}",policy="naive"}} {lower!r}' in text
-    assert f'kvcraft_fidelity_top1_agreement{{bound="upper",model="{model}",policy="naive"}} {upper!r}' in text
-    assert f'kvcraft_fidelity_mean_kl{{model="{model}",policy="naive"}} 0.5' in text
+    assert f'kvcraft_fidelity_top1_agreement{{bound="lower",{labels}}} {lower!r}' in text
+    assert f'kvcraft_fidelity_top1_agreement{{bound="upper",{labels}}} {upper!r}' in text
+    assert f'kvcraft_fidelity_mean_kl{{{labels}}} 0.5' in text
 
 
 @pytest.mark.parametrize("sample,field", [
@@ -132,6 +213,8 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     (dict(policy="naive", kl=-0.5, computed_share=0.1), "timings.fidelity[0].kl"),
     (dict(policy="naive", kl=0.1, computed_share=4.5), "timings.fidelity[0].computed_share"),
     (dict(policy="naive", kl=0.1, computed_share=math.nan), "timings.fidelity[0].computed_share"),
+    (dict(policy="naive", kl=0.1, computed_share=0.1, budget=1.5), "timings.fidelity[0].budget"),
+    (dict(policy="naive", kl=0.1, computed_share=0.1, budget=math.nan), "timings.fidelity[0].budget"),
 ])
 def test_bad_samples_are_refused_naming_the_field(shared_server, sample, field):
     model = _model()
@@ -150,15 +233,37 @@ def test_more_than_64_samples_in_a_plan_are_refused(shared_server):
         assert _of(c.stats(), model)["naive"].samples == 64
 
 
-def test_admin_fidelity_prints_a_line_per_model_and_policy(shared_server, capsys):
+def test_a_plan_request_names_its_policy_to_be_adaptive(shared_server):
+    with KVClient(shared_server.address) as c:
+        with pytest.raises(InvalidArgumentError, match="adaptive needs policy"):
+            _plan(c, _model(), [], adaptive=True)
+        with pytest.raises(InvalidArgumentError, match="policy is 'x.*expected a policy name"):
+            _plan(c, _model(), [], policy="x\nx")
+
+
+def test_adaptive_plans_carry_the_controllers_budget_and_admin_fidelity_shows_it(shared_server, capsys):
+    """The service's default target: a new model starts at COLD_START, measured; samples that
+    show that budget short move the next Plan up a step."""
     model = _model()
     with KVClient(shared_server.address) as c:
+        plan = _plan(c, model, [], policy="query", adaptive=True)
+        assert (plan.recompute_budget, plan.fidelity_sample) == (COLD_START, True)
+        up = LADDER[LADDER.index(COLD_START) + 1]
+        short = [pb.FidelitySample(policy="query", top1_agree=False, kl=2.0, computed_share=0.3, budget=COLD_START)]
+        assert _plan(c, model, short * (MIN_VERDICT_SAMPLES - 1), policy="query", adaptive=True).recompute_budget \
+            == COLD_START  # too few samples for a verdict
+        assert _plan(c, model, short, policy="query", adaptive=True).recompute_budget == up
         _plan(c, model, [pb.FidelitySample(policy="cacheblend", top1_agree=a, kl=0.5, computed_share=0.2)
                          for a in (True, True, False)])
     assert cli.main(["admin", "--address", shared_server.address, "fidelity"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:4] == ["model", "policy", "samples", "top1_agree"]
-    (row,) = [line.split() for line in lines if line.startswith(model)]
+    assert lines[0] == "fidelity target: first-token agreement >= 0.950"
+    assert lines[1].split() == ["model", "policy", "budget", "state"]
+    assert [line.split() for line in lines if line.startswith(model)][0] == [model, "query", f"{up:.2f}", "measuring"]
+    (head,) = [line.split()[:5] for line in lines if line.startswith("model") and "samples" in line]
+    assert head == ["model", "policy", "budget", "samples", "top1_agree"]
+    rows = {tuple(line.split()[1:3]): line.split() for line in lines if line.startswith(model)}
     lower, upper = wilson(2, 3)
-    assert row[:5] == [model, "cacheblend", "3", "2", "0.667"]
-    assert " ".join(row[5:7]) == f"[{lower:.3f}, {upper:.3f}]"
+    assert rows[("cacheblend", "-")][3:6] == ["3", "2", "0.667"]
+    assert " ".join(rows[("cacheblend", "-")][6:8]) == f"[{lower:.3f}, {upper:.3f}]"
+    assert rows[("query", f"{COLD_START:.2f}")][3:5] == [str(MIN_VERDICT_SAMPLES), "0"]

@@ -89,16 +89,18 @@ class PlanChunk(_message.Message):
     def __init__(self, chunk_key: _Optional[str] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FidelitySample(_message.Message):
-    __slots__ = ("policy", "top1_agree", "kl", "computed_share")
+    __slots__ = ("policy", "top1_agree", "kl", "computed_share", "budget")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TOP1_AGREE_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
     policy: str
     top1_agree: bool
     kl: float
     computed_share: float
-    def __init__(self, policy: _Optional[str] = ..., top1_agree: _Optional[bool] = ..., kl: _Optional[float] = ..., computed_share: _Optional[float] = ...) -> None: ...
+    budget: float
+    def __init__(self, policy: _Optional[str] = ..., top1_agree: _Optional[bool] = ..., kl: _Optional[float] = ..., computed_share: _Optional[float] = ..., budget: _Optional[float] = ...) -> None: ...
 
 class TimingReport(_message.Message):
     __slots__ = ("loads", "computes", "fidelity")
@@ -127,7 +129,7 @@ class TimingReport(_message.Message):
     def __init__(self, loads: _Optional[_Iterable[_Union[TimingReport.Load, _Mapping]]] = ..., computes: _Optional[_Iterable[_Union[TimingReport.Compute, _Mapping]]] = ..., fidelity: _Optional[_Iterable[_Union[FidelitySample, _Mapping]]] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("model_id", "conversation_id", "chunks", "question_tokens", "lease_ttl_s", "timings", "first_turn")
+    __slots__ = ("model_id", "conversation_id", "chunks", "question_tokens", "lease_ttl_s", "timings", "first_turn", "policy", "adaptive")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +137,8 @@ class PlanRequest(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TURN_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     conversation_id: str
     chunks: _containers.RepeatedCompositeFieldContainer[PlanChunk]
@@ -142,7 +146,9 @@ class PlanRequest(_message.Message):
     lease_ttl_s: float
     timings: TimingReport
     first_turn: bool
-    def __init__(self, model_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[PlanChunk, _Mapping]]] = ..., question_tokens: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., timings: _Optional[_Union[TimingReport, _Mapping]] = ..., first_turn: _Optional[bool] = ...) -> None: ...
+    policy: str
+    adaptive: bool
+    def __init__(self, model_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[PlanChunk, _Mapping]]] = ..., question_tokens: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., timings: _Optional[_Union[TimingReport, _Mapping]] = ..., first_turn: _Optional[bool] = ..., policy: _Optional[str] = ..., adaptive: _Optional[bool] = ...) -> None: ...
 
 class KeyChain(_message.Message):
     __slots__ = ("ranges",)
@@ -187,7 +193,7 @@ class ChunkPlan(_message.Message):
     def __init__(self, chunk_key: _Optional[str] = ..., position: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., source: _Optional[_Union[ChunkPlan.Source, str]] = ..., variant_id: _Optional[str] = ..., tier: _Optional[str] = ..., cfo: _Optional[float] = ..., recompute: _Optional[_Iterable[int]] = ..., variant_prefix_chain: _Optional[int] = ..., variant_prefix_length: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("order", "dropped", "chunks", "history", "ratio", "preload_depth", "load_s_per_layer", "compute_s_per_layer", "lease_id", "lease_expires_unix_ms", "computed_tokens", "other_keys", "variant_prefixes")
+    __slots__ = ("order", "dropped", "chunks", "history", "ratio", "preload_depth", "load_s_per_layer", "compute_s_per_layer", "lease_id", "lease_expires_unix_ms", "computed_tokens", "other_keys", "variant_prefixes", "recompute_budget", "fidelity_sample")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +207,8 @@ class PlanResponse(_message.Message):
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OTHER_KEYS_FIELD_NUMBER: _ClassVar[int]
     VARIANT_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     order: _containers.RepeatedScalarFieldContainer[str]
     dropped: _containers.RepeatedScalarFieldContainer[str]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlan]
@@ -214,7 +222,9 @@ class PlanResponse(_message.Message):
     computed_tokens: int
     other_keys: _containers.RepeatedScalarFieldContainer[str]
     variant_prefixes: _containers.RepeatedCompositeFieldContainer[KeyChain]
-    def __init__(self, order: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., history: _Optional[_Iterable[str]] = ..., ratio: _Optional[float] = ..., preload_depth: _Optional[int] = ..., load_s_per_layer: _Optional[float] = ..., compute_s_per_layer: _Optional[float] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., other_keys: _Optional[_Iterable[str]] = ..., variant_prefixes: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ...) -> None: ...
+    recompute_budget: float
+    fidelity_sample: bool
+    def __init__(self, order: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., history: _Optional[_Iterable[str]] = ..., ratio: _Optional[float] = ..., preload_depth: _Optional[int] = ..., load_s_per_layer: _Optional[float] = ..., compute_s_per_layer: _Optional[float] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., other_keys: _Optional[_Iterable[str]] = ..., variant_prefixes: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ..., recompute_budget: _Optional[float] = ..., fidelity_sample: _Optional[bool] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
     __slots__ = ("model_id", "token_ids", "prefix_keys", "num_layers", "key_spec", "value_spec", "stats")
@@ -495,7 +505,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., variants: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class FidelityStats(_message.Message):
-    __slots__ = ("model_id", "policy", "samples", "top1_agree", "agree_lower", "agree_upper", "mean_kl", "mean_computed_share")
+    __slots__ = ("model_id", "policy", "samples", "top1_agree", "agree_lower", "agree_upper", "mean_kl", "mean_computed_share", "budget")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -504,6 +514,7 @@ class FidelityStats(_message.Message):
     AGREE_UPPER_FIELD_NUMBER: _ClassVar[int]
     MEAN_KL_FIELD_NUMBER: _ClassVar[int]
     MEAN_COMPUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     policy: str
     samples: int
@@ -512,14 +523,27 @@ class FidelityStats(_message.Message):
     agree_upper: float
     mean_kl: float
     mean_computed_share: float
-    def __init__(self, model_id: _Optional[str] = ..., policy: _Optional[str] = ..., samples: _Optional[int] = ..., top1_agree: _Optional[int] = ..., agree_lower: _Optional[float] = ..., agree_upper: _Optional[float] = ..., mean_kl: _Optional[float] = ..., mean_computed_share: _Optional[float] = ...) -> None: ...
+    budget: float
+    def __init__(self, model_id: _Optional[str] = ..., policy: _Optional[str] = ..., samples: _Optional[int] = ..., top1_agree: _Optional[int] = ..., agree_lower: _Optional[float] = ..., agree_upper: _Optional[float] = ..., mean_kl: _Optional[float] = ..., mean_computed_share: _Optional[float] = ..., budget: _Optional[float] = ...) -> None: ...
+
+class FidelityBudget(_message.Message):
+    __slots__ = ("model_id", "policy", "budget", "state")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    policy: str
+    budget: float
+    state: str
+    def __init__(self, model_id: _Optional[str] = ..., policy: _Optional[str] = ..., budget: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("chunks", "variants", "tiers", "evictions", "moves", "leases", "pinned", "inflight_store_bytes", "inflight_stores", "fidelity")
+    __slots__ = ("chunks", "variants", "tiers", "evictions", "moves", "leases", "pinned", "inflight_store_bytes", "inflight_stores", "fidelity", "budgets", "fidelity_target")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -530,6 +554,8 @@ class StatsResponse(_message.Message):
     INFLIGHT_STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_STORES_FIELD_NUMBER: _ClassVar[int]
     FIDELITY_FIELD_NUMBER: _ClassVar[int]
+    BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_TARGET_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     variants: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -540,7 +566,9 @@ class StatsResponse(_message.Message):
     inflight_store_bytes: int
     inflight_stores: int
     fidelity: _containers.RepeatedCompositeFieldContainer[FidelityStats]
-    def __init__(self, chunks: _Optional[int] = ..., variants: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., moves: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ..., inflight_store_bytes: _Optional[int] = ..., inflight_stores: _Optional[int] = ..., fidelity: _Optional[_Iterable[_Union[FidelityStats, _Mapping]]] = ...) -> None: ...
+    budgets: _containers.RepeatedCompositeFieldContainer[FidelityBudget]
+    fidelity_target: float
+    def __init__(self, chunks: _Optional[int] = ..., variants: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., moves: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ..., inflight_store_bytes: _Optional[int] = ..., inflight_stores: _Optional[int] = ..., fidelity: _Optional[_Iterable[_Union[FidelityStats, _Mapping]]] = ..., budgets: _Optional[_Iterable[_Union[FidelityBudget, _Mapping]]] = ..., fidelity_target: _Optional[float] = ...) -> None: ...
 
 class ListChunksRequest(_message.Message):
     __slots__ = ("model_id", "page_size", "page_token")
