@@ -81,6 +81,22 @@ class RequestReport:
     budget: float = 0.0  # the recompute budget it ran with (1: full prefill); 0: its policy has none
 
 
+def with_budget(policy: ReusePolicy, budget: float) -> ReusePolicy:
+    """`policy` spending the fidelity controller's recompute budget (`Plan.recompute_budget`):
+    1 is full prefill, 0 leaves the policy as it is."""
+    if budget <= 0:
+        return policy
+    if budget >= 1:
+        return Full(layer_budget_s=policy.layer_budget_s)
+    return dataclasses.replace(policy, budget=budget)
+
+
+def spent_budget(policy: ReusePolicy) -> float:
+    """The recompute budget a request served by `policy` ran with: 1 for full prefill, 0 for a
+    policy without one (or CacheBlend named by its ratio)."""
+    return 1.0 if isinstance(policy, Full) else float(getattr(policy, "budget", None) or 0.0)
+
+
 class RAGAdapter:
     """An engine plus a kvcraft service: serves RAG prefills with stored chunk KV."""
 
@@ -171,7 +187,7 @@ class RAGAdapter:
         if self.store_back and result.fresh:
             self._store_back(segments, result, refs)
         self._learn(source, result)
-        budget = 1.0 if isinstance(policy, Full) and self.adaptive else float(getattr(policy, "budget", 0.0) or 0.0)
+        budget = spent_budget(policy)
         sampled = self.fidelity.observe([s.tokens for s in segments], result, policy.name, budget,
                                         bool(plan and plan.fidelity_sample and self.shadows))
         report = RequestReport(
@@ -194,13 +210,8 @@ class RAGAdapter:
 
     def _budgeted(self, plan: Plan | None) -> ReusePolicy:
         """The policy this request runs: an adaptive adapter's default policy with its Plan's
-        recompute budget (1: full prefill), else the adapter's own."""
-        budget = plan.recompute_budget if plan is not None and self.adaptive else 0.0
-        if budget <= 0:
-            return self.policy
-        if budget >= 1:
-            return Full(layer_budget_s=self.policy.layer_budget_s)
-        return dataclasses.replace(self.policy, budget=budget)
+        recompute budget, else the adapter's own."""
+        return with_budget(self.policy, plan.recompute_budget) if plan is not None and self.adaptive else self.policy
 
     def _segments(self, plan: Plan | None, by_key: dict[str, tuple[int, ...]],
                   chunks: Sequence[Sequence[int]], question: Sequence[int]) -> tuple[list[Segment], dict[int, Ref]]:

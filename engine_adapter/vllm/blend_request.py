@@ -38,6 +38,13 @@ class Blend:
     result: dict[str, Any] | None = None  # RequestOutput.kv_transfer_params["kvcraft"]
     plan_s: float | None = None        # Plan RPC sent -> answered (or failed)
     lease_id: str = ""                 # the Plan's lease, until a blend load takes it over
+    budget: float = 0.0                # the Plan's recompute budget (adaptive: the fidelity controller's)
+
+    @property
+    def adaptive(self) -> bool:
+        """The default policy without options: it spends the recompute budget the service's
+        fidelity controller gives (docs/quality.md), as RAGAdapter(policy=None) does."""
+        return is_adaptive(self.policy, self.options)
 
     def release(self, client: Any) -> None:
         """Free the Plan's lease unless a blend load took it (the worker side releases that one)."""
@@ -75,7 +82,8 @@ class Blend:
                 report = take_timings()
                 timings = pb.TimingReport.FromString(report) if report else None
                 self.future = client.plan_future(chunk_model_id, chunks, len(tokens) - at, first_turn=False,
-                                                 timings=timings, timeout=settings.plan_timeout_s)
+                                                 timings=timings, timeout=settings.plan_timeout_s,
+                                                 policy=self.policy, adaptive=self.adaptive)
                 if timings is not None:
                     metrics.add(blend_timing_reports=1)
                 def answered(_f: Any) -> None:
@@ -107,6 +115,11 @@ class Blend:
             return False
         breaker.failures = 0
         self.lease_id = plan.lease_id
+        self.budget = plan.recompute_budget
+        if self.adaptive and plan.recompute_budget >= 1:
+            self.declined = "the fidelity controller serves this model by full prefill (docs/quality.md)"
+            self.release(client)
+            return False
         keys = [chunk_key(chunk_model_id, c) for c in chunks]
         if list(plan.order) != keys or plan.dropped:
             self.declined = "the Plan changed the chunk order or dropped chunks (duplicates in the prompt?)"
@@ -197,6 +210,13 @@ def parse_blend(request: "Request", tokens: list[int], settings: ConnectorSettin
     if settings.blend_policy == "off":
         return Blend(checked.chunks, name, (), declined="blending is off (blend_policy)")
     return Blend(checked.chunks, name, tuple(sorted(options.items())))
+
+
+def is_adaptive(policy: str, options: Any) -> bool:
+    """A blend by kvcraft's default policy without options (`Blend.adaptive`)."""
+    from engine_adapter.policy import DEFAULT_POLICY
+
+    return policy == DEFAULT_POLICY and not options
 
 
 def _policy_named(ask: Any, settings: ConnectorSettings) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from engine_adapter.vllm.blend_request import is_adaptive
 from engine_adapter.vllm.blocks import BlendLoad
 from engine_adapter.vllm.config import ConnectorSettings, make_blend_policy
 
@@ -72,10 +73,10 @@ class ContextBuilder:
             from engine_adapter.policy import Policy
             from engine_adapter.rag import RAGAdapter
 
-            # No shadow prefills on this path yet (issue 50): vLLM does not schedule them beside its batches.
+            # Each request runs the policy its BlendLoad names (`build`); shadow prefills of the
+            # requests Plans mark run on this adapter's background thread, over vLLM's weights.
             adapter = RAGAdapter(self._model_engine(), self._client, Policy("full"),
-                                 store_back=self.settings.blend_store_back, local=self.settings.local,
-                                 shadows=False)
+                                 store_back=self.settings.blend_store_back, local=self.settings.local)
             adapter.model_id = self.chunk_model_id
             self._thread.adapter = adapter
             with self._lock:
@@ -137,6 +138,10 @@ class ContextBuilder:
         options = dict(ld.options)
         options.setdefault("layer_budget_s", DEFAULT_LAYER_WAIT_S)
         policy = make_blend_policy(ld.policy, options)
+        if is_adaptive(ld.policy, ld.options):
+            from engine_adapter.rag import with_budget
+
+            policy = with_budget(policy, ld.plan.recompute_budget)
         at, chunks = 0, []
         for n in ld.chunk_tokens:
             chunks.append(list(ld.prompt[at:at + n]))
@@ -167,7 +172,8 @@ class ContextBuilder:
         return {"blended": True, "policy": ld.policy, "prompt_tokens": n, "claimed_tokens": ld.tokens,
                 "vllm_computed_tokens": vllm_tokens, "kvcraft_row_layers": int(row_layers), "num_layers": L,
                 "computed_share": (row_layers / L + vllm_tokens) / n, "reused_chunks": report.reused_chunks,
-                "fresh_chunks": report.fresh_chunks, "fallback": "", "timings": timings}
+                "fresh_chunks": report.fresh_chunks, "fallback": "", "budget": report.budget,
+                "sampled": report.sampled, "timings": timings}
 
     def _write(self, kv: list[tuple[torch.Tensor, torch.Tensor]], ld: BlendLoad, attn: list[Any]) -> None:
         """Rows [first_token, first_token + tokens) of every layer into the blocks (the last

@@ -178,7 +178,7 @@ class SchedulerSide:
         return {"kvcraft": {"blended": False, "policy": b.policy, "prompt_tokens": n, "claimed_tokens": 0,
                             "vllm_computed_tokens": n, "kvcraft_row_layers": 0, "num_layers": self.num_layers,
                             "computed_share": 1.0, "reused_chunks": 0, "fresh_chunks": 0,
-                            "fallback": b.declined or "not blended"}}
+                            "fallback": b.declined or "not blended", "budget": b.budget, "sampled": False}}
 
     def _take_timings(self) -> bytes:
         out, self._timings = self._timings, b""

@@ -159,7 +159,8 @@ class WorkerSide:
         if numbers is None:
             numbers = {"blended": False, "policy": bl.policy, "prompt_tokens": n, "claimed_tokens": 0,
                        "vllm_computed_tokens": n, "kvcraft_row_layers": 0, "num_layers": len(self._layers),
-                       "computed_share": 1.0, "reused_chunks": 0, "fresh_chunks": 0, "fallback": why}
+                       "computed_share": 1.0, "reused_chunks": 0, "fresh_chunks": 0, "fallback": why,
+                       "budget": bl.plan.recompute_budget, "sampled": False}
         with self._lock:
             self._finished.add(bl.req_id)
             self._blend_results[bl.req_id] = numbers
