@@ -195,6 +195,7 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     server.restart(crash=True)
     with KVClient(server.address) as c:
         assert _of(c.stats(), model)["query"].samples == 3
+        _plan(c, model, [], policy="query", adaptive=True)  # the controller's budget: a metric
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     labels = f'budget="0",model="{model}",policy="naive"'
     assert f'kvcraft_fidelity_samples_total{{{labels}}} 2.0' in text
@@ -202,6 +203,8 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     assert f'kvcraft_fidelity_top1_agreement{{bound="lower",{labels}}} {lower!r}' in text
     assert f'kvcraft_fidelity_top1_agreement{{bound="upper",{labels}}} {upper!r}' in text
     assert f'kvcraft_fidelity_mean_kl{{{labels}}} 0.5' in text
+    assert f'kvcraft_fidelity_budget{{model="{model}",policy="query"}} {COLD_START!r}' in text
+    assert f'kvcraft_fidelity_held{{model="{model}",policy="query"}} 0.0' in text
 
 
 @pytest.mark.parametrize("sample,field", [
