@@ -19,8 +19,8 @@ from kvcli import main as cli
 from kvclient.client import KVClient
 from kvclient.errors import InvalidArgumentError
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.fidelity import (COLD_START, FIRST_SAMPLES, FULL, LADDER, MIN_VERDICT_SAMPLES, FidelityBook, Sample,
-                                Tally, wilson)
+from kvservice.fidelity import (COLD_START, FIRST_SAMPLES, FULL, LADDER, MAX_MEASURING_SAMPLES, MIN_VERDICT_SAMPLES,
+                                FidelityBook, Sample, Tally, wilson)
 from kvservice.metadata import MetadataDB
 
 
@@ -270,3 +270,15 @@ def test_adaptive_plans_carry_the_controllers_budget_and_admin_fidelity_shows_it
     assert rows[("cacheblend", "-")][3:6] == ["3", "2", "0.667"]
     assert " ".join(rows[("cacheblend", "-")][6:8]) == f"[{lower:.3f}, {upper:.3f}]"
     assert rows[("query", f"{COLD_START:.2f}")][3:5] == [str(MIN_VERDICT_SAMPLES), "0"]
+
+
+def test_a_budget_that_sits_at_the_target_is_left_after_the_measuring_cap():
+    """Agreement just below the target everywhere below full prefill (0.93 against 0.95: an
+    interval needs about 600 samples to exclude it): the controller does not measure every
+    request for so long; each budget counts as short after MAX_MEASURING_SAMPLES samples at
+    most, and the model ends at full prefill, then sampled no more."""
+    book = FidelityBook(target=0.95, sample=0.0)
+    agreement = dict.fromkeys(LADDER[:-1], 0.93)
+    given = _stream(book, "m" * 32, agreement, 4 * MAX_MEASURING_SAMPLES, seed=3)
+    assert given[-1] == FULL
+    assert given.index(FULL) <= 3 * MAX_MEASURING_SAMPLES + 3  # three budgets, each at most the cap
