@@ -20,7 +20,9 @@ query       query-aware (engine_adapter/query.py): a question pass with naive re
             ones from layer 0, as many as the `budget` leaves (share of the row-layers of the
             reused chunks and the question computed, both passes counted), each with its
             chunk's rows before it (its head) through the first `head_layers` of the layers
-            (default half). The default.
+            (default half). `deviation` > 0 joins CacheBlend's signal to the reads: the
+            question pass also runs layer 0 of every reused row and scores each by the
+            deviation of its stored layer-1 K/V. The default (deviation 0).
 cacheblend  HKVD with gradual filtering (CacheBlend §4.3): all reused tokens on layer 0,
             then the highest-KV-deviation r1 > r2 > ... > r of them. Named either by the
             paper's steady-state r (`ratio`) or by its whole `budget`: the share of the
@@ -122,6 +124,11 @@ class QueryAware(ReusePolicy):
     budget: float = DEFAULT_BUDGET  # share of the reused chunks' and question's row-layers, both passes
     heads: int = 1  # 1: the most-read token, then read tokens with their chunk's head (query.most_read); 0: single tokens
     head_layers: float = 0.5  # share of the layers a head row the question did not read is recomputed through
+    # Weight of CacheBlend's signal in the picks' score (query.joined_score): 0, the question's
+    # reads alone; 1, the deviation of the stored layer-1 K/V alone; between, both, each as a
+    # share of its candidates' total. Paid from the budget (layer 0 of every reused row), and
+    # only where that is at most DEVIATION_MAX_SHARE of it.
+    deviation: float = 0.0
 
     name = "query"
     asks_question_first = True
@@ -134,14 +141,17 @@ class QueryAware(ReusePolicy):
             raise ValueError(f"heads must be 0 or 1, got {self.heads}")
         if not 0.0 < self.head_layers <= 1.0:
             raise ValueError(f"head_layers {self.head_layers} outside (0, 1]")
+        if not 0.0 <= self.deviation <= 1.0:
+            raise ValueError(f"deviation {self.deviation} outside [0, 1]")
 
     def first_rows(self, layout: Layout, s: int) -> Sequence[int]:
         return layout.segments[s].recompute  # the question pass's picks (query.most_read)
 
     def label(self) -> str:
+        joined = f", KV deviation weighted {self.deviation:g}" if self.deviation else ""
         if not self.heads:
-            return f"query budget {self.budget:.0%}, single tokens"
-        return f"query budget {self.budget:.0%}, chunk heads through {self.head_layers:.0%} of the layers"
+            return f"query budget {self.budget:.0%}, single tokens{joined}"
+        return f"query budget {self.budget:.0%}, chunk heads through {self.head_layers:.0%} of the layers{joined}"
 
     def head_depth(self, num_layers: int) -> int:
         """Layers 0..depth-1 are those a head row runs (at least 2: a row stopped after layer

@@ -27,6 +27,16 @@ in pass 2. The picks fill what remains of the policy's budget (a share of the ro
 of the reused chunks and the question, both passes counted) once the question is paid for
 (`picks_budget`); where nothing remains, no question pass runs (naive reuse).
 
+The joined selection (`QueryAware.deviation` > 0) adds CacheBlend's signal (§4.3: the
+tokens whose stored K/V deviate most from recomputed ones are those whose cross-attention
+matters; its first check layer is layer 1, since layer-0 K/V do not depend on the prefix):
+the question pass also runs layer 0 for every reused row, projects their layer-1 K/V, and
+drops them (`_QuestionPass.hkvd_keep`); each row's score is then a weighted sum of its
+share of the reads and its share of the deviation (`joined_score`), spent as above. The
+layer-0 rows are paid from the budget; where they would take more than
+DEVIATION_MAX_SHARE of it (shallow models: one layer of every reused row is a large share),
+the reads alone are used.
+
 Measured on the real model and the trained synthetic task in docs/quality.md.
 """
 
@@ -46,13 +56,20 @@ from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import Naive, QueryAware
 from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
+from kvkernels import kv_deviation_topk
+
+# The most of a budget the deviation signal may take (layer 0 of every reused row); beyond
+# it the picks would be too few for either signal to pay off.
+DEVIATION_MAX_SHARE = 1 / 2
 
 
 class _QuestionPass(_Blend):
     """Pass 1: naive reuse that records what arrived and what the question read."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, deviation: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # deviation: every reused row also runs layer 0, for its layer-1 K/V's deviation.
+        self.deviation = torch.zeros(self.n) if deviation else None  # [N]
         # Only the question runs here. Rows of fresh chunks (computed once, in pass 2) are
         # hidden: placed after every row, so the position-causal mask keeps them out.
         self.hidden = ~self.reused_mask & ~self.asker_mask
@@ -63,7 +80,25 @@ class _QuestionPass(_Blend):
         self.layer0: Layer0 | None = None  # the question rows after layer 0 (pass 2 starts them at 1)
 
     def initial_rows(self) -> Tensor:
-        return (~self.reused_mask & ~self.hidden).nonzero().squeeze(1)
+        want = ~self.reused_mask & ~self.hidden
+        if self.deviation is not None:
+            want |= self.live_mask
+        return want.nonzero().squeeze(1)
+
+    def hkvd_keep(self, layer: int, rows: Tensor, k_rot: Tensor, v: Tensor) -> Tensor | None:
+        """Layer 1 with the deviation on: record the deviation of the reused rows' recomputed
+        K/V from the stored ones (CacheBlend §4.1: |K - K'| + |V - V'| summed over heads and
+        dims; K at this prompt's positions), and stop those rows. Called before the scatter:
+        the merged cache still holds the stored K/V. (Fresh chunks are not seen in this pass:
+        behind one, a reused row's layer 0 reads less context than full prefill's.)"""
+        if self.deviation is None or layer != 1:
+            return None
+        reused = self.live_mask[rows]
+        at = rows[reused]
+        K, V = self.kv[layer]
+        dev, _ = kv_deviation_topk(k_rot[:, reused], v[:, reused], K[:, at], V[:, at], 0.0)
+        self.deviation[at] = dev
+        return ~reused
 
     def wait(self, layer: int) -> LayerKV:
         got = super().wait(layer)
@@ -112,7 +147,7 @@ class _Replay:
         pass  # the caller closes the source
 
 
-def picks_budget(policy: QueryAware, lay: Layout, reused_tokens: int, num_layers: int) -> int:
+def picks_budget(policy: QueryAware, lay: Layout, reused_tokens: int, num_layers: int, measured: int = 0) -> int:
     """Tokens the second pass may recompute from layer 0.
 
     The budget is a share of the row-layers of the reused chunks and the question: what
@@ -122,11 +157,12 @@ def picks_budget(policy: QueryAware, lay: Layout, reused_tokens: int, num_layers
     K/V do not depend on a chunk's prefix; with fresh chunks, which the question pass does
     not see, pass 2 runs the question's layer 0 again); the rest, counted in rows through
     every layer, is the picks' (`most_read` spends it in row-layers: a head row through half
-    the layers costs half)."""
+    the layers costs half). measured: reused rows the question pass ran through layer 0 for
+    the deviation signal, paid from the budget too."""
     L = num_layers
     question = len(lay.segments[-1].tokens) if lay.segments[-1].question else 1  # else the last row
     fresh = lay.n - reused_tokens - question
-    spent = question * (L - 1) + question * (L if fresh else L - 1)
+    spent = question * (L - 1) + question * (L if fresh else L - 1) + measured
     return max(0, min(reused_tokens, int((policy.budget * (reused_tokens + question) * L - spent) // L)))
 
 
@@ -139,14 +175,40 @@ class QuestionReads:
     received: list[LayerKV]  # per layer, the stored KV that arrived
     result: BlendResult  # pass 1 as a prefill (its row counts, timings, fallbacks)
     layer0: Layer0 | None  # the question rows through layer 0
+    deviation: Tensor | None = None  # [N] the stored layer-1 K/V's deviation per reused row (None: not measured)
 
 
 def question_reads(engine: LlamaEngine, lay: Layout, source: LayerSource, reused: Sequence[int],
-                   layer_budget_s: float) -> QuestionReads:
-    """Pass 1: naive reuse of `reused`, recording what the question reads."""
-    qpass = _QuestionPass(engine, lay, Naive(layer_budget_s=layer_budget_s), source, list(reused), stats=False)
+                   layer_budget_s: float, deviation: bool = False) -> QuestionReads:
+    """Pass 1: naive reuse of `reused`, recording what the question reads (and with
+    `deviation`, the deviation of the reused rows' stored layer-1 K/V)."""
+    qpass = _QuestionPass(engine, lay, Naive(layer_budget_s=layer_budget_s), source, list(reused), stats=False,
+                          deviation=deviation)
     first = qpass.run(False, depth=engine.cfg.num_layers - 1)
-    return QuestionReads(qpass.reads, qpass.live_mask.clone(), qpass.received, first, qpass.layer0)
+    return QuestionReads(qpass.reads, qpass.live_mask.clone(), qpass.received, first, qpass.layer0, qpass.deviation)
+
+
+def joined_score(q: QuestionReads, weight: float) -> Tensor:
+    """[N] the picks' score: (1 - weight) x each live row's share of the live rows' reads +
+    weight x its share of their deviation (each signal summing to 1 over the candidates, so
+    the weight is the split between them whatever their units)."""
+    if q.deviation is None or weight <= 0:
+        return q.reads
+    live = q.live.float()
+
+    def share(x: Tensor) -> Tensor:
+        x = x * live
+        total = x.sum()
+        return x / total if float(total) > 0 else x
+
+    return (1 - weight) * share(q.reads) + weight * share(q.deviation)
+
+
+def uses_deviation(policy: QueryAware, lay: Layout, reused_tokens: int, num_layers: int) -> bool:
+    """The deviation signal is measured: weighted, and its cost (layer 0 of every reused row)
+    at most DEVIATION_MAX_SHARE (half) of the row-layers the picks could spend without it."""
+    picks = picks_budget(policy, lay, reused_tokens, num_layers) * num_layers
+    return policy.deviation > 0 and 0 < reused_tokens <= DEVIATION_MAX_SHARE * picks
 
 
 @dataclass
@@ -277,8 +339,12 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
     if picks_budget(policy, lay, sum(len(lay.segments[s].tokens) for s in reused), L) == 0:
         naive = Naive(layer_budget_s=policy.layer_budget_s)  # nothing to spend (not the plan's lists either)
         return run_blend(engine, lay, naive, source, reused, all_logits, stats)
-    q = question_reads(engine, lay, source, reused, policy.layer_budget_s)
-    picks = most_read(q, lay, picks_budget(policy, lay, int(q.live.sum()), L), heads=bool(policy.heads),
+    reused_tokens = sum(len(lay.segments[s].tokens) for s in reused)
+    q = question_reads(engine, lay, source, reused, policy.layer_budget_s,
+                       deviation=uses_deviation(policy, lay, reused_tokens, L))
+    measured = reused_tokens if q.deviation is not None else 0
+    q = dataclasses.replace(q, reads=joined_score(q, policy.deviation))
+    picks = most_read(q, lay, picks_budget(policy, lay, int(q.live.sum()), L, measured), heads=bool(policy.heads),
                       num_layers=L, depth=policy.head_depth(L))
     # With no pick (every chunk stored behind its very prefix), layer 0 would have no row
     # left to run: the question runs it again instead.

@@ -12,7 +12,8 @@ from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
 from engine_adapter.driver import run_blend
-from engine_adapter.query import Picks, QuestionReads, _Repair, _Replay, most_read, picks_budget, question_reads
+from engine_adapter.query import (Picks, QuestionReads, _Repair, _Replay, most_read, picks_budget, question_reads,
+                                  repair)
 from kvkernels import apply_rope
 from engine_adapter.source import InMemoryLayerSource
 from tests.engine_adapter.adapter_helpers import make_prompt, rel_dev, variant
@@ -281,3 +282,59 @@ def test_head_rows_through_half_the_layers_follow_the_worked_example(n, rows, sh
     q, lay = _worked_example_reads()
     got = most_read(q, lay, n, heads=True, num_layers=4, depth=2)
     assert got.rows == rows and got.shallow.tolist() == shallow and got.depth == 2
+
+
+@torch.no_grad()
+def reference_deviation(engine, p) -> torch.Tensor:
+    """[context rows] CacheBlend's |K - K'| + |V - V'| (summed over heads and dims) at layer 1
+    between full prefill's K/V and each chunk's stored K/V, K rotated to the chunk's rows."""
+    _, kv = engine.prefill(torch.as_tensor(p.tokens), all_logits=False)
+    starts = [sum(map(len, p.chunks[:i])) for i in range(len(p.chunks))]
+    stored = [p.cache[i].kv[1] for i in range(len(p.chunks))]
+    K = torch.cat([apply_rope(k, torch.arange(s, s + k.shape[1]), engine.rope) for (k, _), s in zip(stored, starts)], 1)
+    V = torch.cat([v for _, v in stored], 1)
+    n_ctx = K.shape[1]
+    return (kv[1][0][:, :n_ctx] - K).abs().sum((0, 2)) + (kv[1][1][:, :n_ctx] - V).abs().sum((0, 2))
+
+
+def test_the_joined_selection_measures_the_stored_kvs_deviation_at_layer_1(engine, prompts):
+    """The question pass with the deviation on runs layer 0 of every reused row: their layer-1
+    K/V are full prefill's (layer-0 K/V do not depend on the prefix), so the deviation it
+    records is the stored K/V's from full prefill's; from layer 1 only the question runs."""
+    p, L = prompts[1], engine.cfg.num_layers
+    q = question_reads(engine, _layout(engine, p), p.source(), range(len(p.chunks)), 0.05, deviation=True)
+    n_ctx = len(p.tokens) - len(p.question)
+    assert torch.allclose(q.deviation[:n_ctx], reference_deviation(engine, p), rtol=1e-4, atol=1e-4)
+    assert not q.deviation[n_ctx:].any()
+    assert q.result.computed_rows == [len(p.tokens)] + [len(p.question)] * (L - 2)
+
+
+def test_the_joined_selection_picks_by_deviation_and_pays_for_its_layer_0(engine, prompts):
+    """Weight 1, single rows: pass 2 recomputes the rows of largest reference deviation (its
+    logits equal pass 2 run with those picks), and the budget pays for the layer 0 of every
+    reused row beside the question's two passes and the picks."""
+    p, L = prompts[0], engine.cfg.num_layers
+    policy = Policy("query", budget=0.9, deviation=1.0, heads=0)
+    lay = _layout(engine, p)
+    n_ctx = len(p.tokens) - len(p.question)
+    n = picks_budget(policy, lay, n_ctx, L, measured=n_ctx)
+    assert 0 < n < n_ctx
+    r = blend_prefill(engine, p.segments(), policy, p.source(), gate=TRUSTED)
+    assert r.computed_share <= policy.budget + 1e-9
+    assert sum(r.computed_rows) == 2 * len(p.question) * (L - 1) + n_ctx + n * L
+    top = set(reference_deviation(engine, p).topk(n).indices.tolist())
+    q = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
+    rows = {s: tuple(i - lay.edges[s] for i in sorted(top) if lay.edges[s] <= i < lay.edges[s + 1])
+            for s in range(len(p.chunks))}
+    want = repair(engine, lay, policy, _Replay(q.received, p.source()), range(len(p.chunks)),
+                  Picks(rows, torch.tensor([], dtype=torch.long), L), carry=q.layer0)
+    assert torch.allclose(r.logits, want.logits, atol=1e-5, rtol=0)
+    naive_reads = blend_prefill(engine, p.segments(), Policy("query", budget=0.9, heads=0), p.source(), gate=TRUSTED)
+    assert not torch.allclose(r.logits, naive_reads.logits, atol=1e-5, rtol=0)  # the reads pick other rows
+
+
+def test_where_the_deviation_would_take_most_of_the_budget_the_reads_alone_are_used(engine, prompts):
+    p = prompts[0]
+    joined = blend_prefill(engine, p.segments(), Policy("query", deviation=0.5), p.source(), gate=TRUSTED)
+    reads = blend_prefill(engine, p.segments(), Policy("query"), p.source(), gate=TRUSTED)
+    assert torch.equal(joined.logits, reads.logits) and joined.computed_rows == reads.computed_rows
