@@ -11,19 +11,27 @@
 #   project    kvcraft as installed from this checkout, else this checkout installed into the
 #              target (pip --no-index --no-build-isolation; linked folders if that fails)
 #   imports    every package of the project and its gRPC, RocksDB and kvikio dependencies
+#   then the issue's numbers first (scripts/gpu_blend.py; random-weight Llamas, 5 and 16 chunks
+#   of 512 tokens + a 32-token question = 2,592 and 8,224 tokens; per case TTFT, speed-up over
+#   the same run's full prefill, GPU-busy share and launches from the profiler, logit deviation):
+#   blend-llama3-8b      Llama-3-8B's shape, bf16, both lengths, KV in GPU memory and streamed
+#                        from pinned host memory layer by layer
+#   blend-smollm2-135m   SmolLM2-135M's shape, the same
+#   serve-llama3-8b      kvcraft serve as a process with gpu_budget_bytes set, this engine
+#                        storing, planning and serving blended prefills with the KV from the
+#                        gpu tier (CUDA IPC), 2,592 tokens: TTFT beside full prefill, answer
+#   blend-smollm2-135m-fp32  fp32, 2,592 tokens: exact reuse and the GPU against the CPU
 #   selftest   kvcraft selftest: round trips bit for bit per tier, GB/s into GPU memory
 #   tests      the CUDA tests: tests/gpu, tests/kernels/test_gpu_kernels.py and the CUDA cases
 #              of the kernel dispatch and benchmark tests
 #   kernels    the Triton kernels against torch SDPA and their references (kvbench.kernels)
-#   blend-*    blended vs full prefill on the GPU, random-weight Llama: SmolLM2-135M's shape
-#              (bf16, fp32), then Llama-3-8B's (bf16): TTFT and logit deviation
 # Without CUDA every GPU step is SKIPped with its reason and selftest runs its CPU half.
 # Output: stdout; with $OUT set, also $OUT/gpu-check.log, $OUT/summary.txt and the JSON/XML
 # reports (otherwise those go to a directory named at the end). Exit 1 if a step FAILed or
 # hit its cap, else 0.
 #
 # Env: PYTHON (python3), GPU_CHECK_WHEELS (.gpu-wheels), GPU_CHECK_BUDGET_S (450),
-#      GPU_CHECK_DIR (/var/tmp: selftest's payload file; O_DIRECT needs a real filesystem).
+#      GPU_CHECK_DIR (/var/tmp: selftest's payload file, the served step's data dir; O_DIRECT needs a real filesystem).
 set -uo pipefail  # no -e: a failed step is recorded and the next one runs
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
@@ -104,13 +112,17 @@ elif kind == "kernels":
     print(f"{len(tri)} Triton rows on {data['device']}, max err {max(r['max_abs_err'] for r in tri):.1e}"
           + (f"; attention {att[0]['ms']:.3f} ms" if att else "") + (f"; WRONG: {bad}" if bad else ""))
     sys.exit(1 if bad else 0)
-elif kind == "blend":
+elif kind == "blend":  # scripts/gpu_blend.py: per run (dtype, prompt length) each case's TTFT, x full, GPU busy
     parts = []
     for run in data:
-        cases = ", ".join(f"{r['case'].replace('full prefill', 'full')} {r['ttft_ms']:.1f} ms"
-                          + (f" (dev {r['logit_dev']:.1e})" if r["case"] != "full prefill" else "") for r in run["rows"])
+        def case(r):
+            busy = r.get("gpu_busy_share")
+            return (f"{r['case'].replace('full prefill', 'full')} {r['ttft_ms']:.1f} ms"
+                    + (f" {r['speedup']:.2f}x" if not r["case"].startswith("full prefill") else "")
+                    + (f" busy {100 * busy:.0f}%" if busy is not None else ""))
         fails = [c["check"] for c in run["checks"] if c["status"] == "FAIL"]
-        parts.append(f"{run['dtype']}: {cases}" + (f"; FAILED: {', '.join(fails)}" if fails else ""))
+        parts.append(f"{run['dtype']} {run.get('prompt_tokens', '')} tokens: {', '.join(case(r) for r in run['rows'])}"
+                     + (f"; FAILED: {', '.join(fails)}" if fails else ""))
     print("; ".join(parts))
 EOF
 }
@@ -244,6 +256,28 @@ open(sys.argv[1], "w").write(", ".join(note))
 EOF
 [ -f "$tmp/imports" ] && amend "${statuses[-1]}" "$(cat "$tmp/imports")"
 
+# -- the issue's numbers first: blended vs full prefill, the service as users run it -------
+# Caps: the 8B shape draws 16 GB of random weights on the device and runs both lengths
+# (measured on an H100 at 2,592 tokens: 14 s for the whole step); the service step starts
+# kvcraft serve, stores 320 MiB of KV and serves 4 cases x 5 requests.
+if [ -z "$gpu" ]; then
+    skip blend-llama3-8b "$no_gpu"
+    skip blend-smollm2-135m "$no_gpu"
+    skip serve-llama3-8b "$no_gpu (scripts/gpu_blend.py --serve --device cpu runs the same on CPU)"
+    skip blend-smollm2-135m-fp32 "$no_gpu"
+else
+    blend() {  # blend STEP CAP ARGS...: scripts/gpu_blend.py, its JSON report summarised
+        local name=$1 cap=$2
+        shift 2
+        step "$name" "$cap" "$py" scripts/gpu_blend.py "$@" --json "$res/$name.json"
+        [ -f "$res/$name.json" ] && amend "${statuses[-1]}" "$(report blend "$res/$name.json")"
+    }
+    blend blend-llama3-8b 150 --shape llama3-8b --dtype bf16 --chunks 5 16 --repeats 3
+    blend blend-smollm2-135m 100 --shape smollm2-135m --dtype bf16 --chunks 5 16 --repeats 5
+    blend serve-llama3-8b 120 --serve --shape llama3-8b --dtype bf16 --chunks 5 --repeats 3 --data-dir "$workdir"
+    blend blend-smollm2-135m-fp32 90 --shape smollm2-135m --dtype fp32 --chunks 5 --repeats 3
+fi
+
 # -- selftest ----------------------------------------------------------------------------
 if [ -n "$gpu" ]; then
     sizes=(--mib 256 --repeat 5)
@@ -258,12 +292,10 @@ if [ -f "$res/selftest.json" ]; then
     amend "${statuses[-1]}" "$note"
 fi
 
-# -- CUDA tests, kernels, blended prefill ------------------------------------------------
+# -- CUDA tests, kernels -----------------------------------------------------------------
 if [ -z "$gpu" ]; then
     skip tests "$no_gpu (CI runs the CPU halves of tests/gpu and tests/kernels)"
     skip kernels "$no_gpu (the Triton kernels run on CPU only in the interpreter, in CI)"
-    skip blend-smollm2-135m "$no_gpu"
-    skip blend-llama3-8b "$no_gpu"
 else
     # One process (-o addopts: the suite's own start pytest-xdist workers, which a GPU image lacks).
     step tests 240 "$py" -m pytest -o addopts="--import-mode=importlib" -p no:xdist -q -p no:cacheprovider -rs \
@@ -278,20 +310,16 @@ else
     fi
 
     peaks=()
-    case "$gpu" in *H100*) peaks=(--peak-tbps 3.35 --peak-tflops 989) ;; esac  # H100 SXM datasheet
+    case "$gpu" in  # datasheet peaks (dense bf16): H100 SXM, H200 SXM
+        *H100*) peaks=(--peak-tbps 3.35 --peak-tflops 989) ;;
+        *H200*) peaks=(--peak-tbps 4.8 --peak-tflops 989) ;;
+    esac
     step kernels 150 "$py" -m kvbench.kernels --json "$res/kernels.json" "${peaks[@]}"
     rc=$?
     if [ -f "$res/kernels.json" ]; then
         note=$(report kernels "$res/kernels.json") && ok=$rc || ok=1
         amend "$([ "$ok" -eq 0 ] && echo PASS || { [ "${statuses[-1]}" = TIMEOUT ] && echo TIMEOUT || echo FAIL; })" "$note"
     fi
-
-    for shape in smollm2-135m llama3-8b; do
-        if [ "$shape" = llama3-8b ]; then args=(--dtype bf16 --repeats 3); cap=150; else args=(--dtype bf16 fp32); cap=150; fi
-        step "blend-$shape" "$cap" "$py" scripts/gpu_blend.py --shape "$shape" "${args[@]}" --json "$res/blend-$shape.json"
-        rc=$?
-        [ -f "$res/blend-$shape.json" ] && amend "${statuses[-1]}" "$(report blend "$res/blend-$shape.json")"
-    done
 fi
 
 # -- summary -----------------------------------------------------------------------------
@@ -303,7 +331,7 @@ done
     echo
     echo "== summary: kvcraft GPU check, ${gpu:-no CUDA device}, $((SECONDS - start)) s"
     for i in "${!names[@]}"; do
-        printf '  %-7s %-20s %4ss  %s\n' "${statuses[i]}" "${names[i]}" "${secs[i]}" "${notes[i]}"
+        printf '  %-7s %-24s %4ss  %s\n' "${statuses[i]}" "${names[i]}" "${secs[i]}" "${notes[i]}"
     done
     echo "  ran $((passed + failed)), passed $passed, failed or stopped $failed, skipped $skipped; reports in $res"
 } | tee "$res/summary.txt"
