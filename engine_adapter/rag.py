@@ -167,6 +167,8 @@ class RAGAdapter:
         policy = policy or self._budgeted(plan)
         by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
         segments, refs = self._segments(plan, by_key, chunks, question)
+        if isinstance(policy, Full):
+            refs = {}  # it reads no stored KV: nothing to Locate or stream
         source = ServiceLayerSource(self.client, refs, local=self.local,
                                     deadline=time.monotonic() + FETCH_TIMEOUT_S,
                                     depth=max(1, plan.preload_depth) if plan else 1)
