@@ -75,6 +75,7 @@ def _admin(a: argparse.Namespace) -> int:
 
     from kvclient.client import KVClient
     from kvclient.errors import KVCraftError
+    from kvclient.fidelity import fidelity_table
 
     # The proto's own field names, as grpcurl prints them (not JSON camelCase).
     MessageToDict = partial(json_format.MessageToDict, preserving_proto_field_name=True)
@@ -107,34 +108,6 @@ def _admin(a: argparse.Namespace) -> int:
             return 1
     print(json.dumps(out, indent=2))
     return 0
-
-
-def fidelity_table(stats) -> str:  # noqa: ANN001 - pb.StatsResponse
-    """`kvcraft admin fidelity`: the controller's budget per (model, policy) of adaptive
-    engines, then one line per (model, policy, budget) of the samples."""
-    target = (f"fidelity target: first-token agreement >= {stats.fidelity_target:.3f}\n" if stats.fidelity_target
-              else "fidelity target: none (fidelity_target = 0): engines spend budgets of their own\n")
-    out = target + _table(("model", "policy", "budget", "state"),
-                          [(c.model_id, c.policy, f"{c.budget:.2f}", c.state) for c in stats.budgets])
-    if not stats.fidelity:
-        return out + "no fidelity samples yet (engines send them with their Plans; docs/quality.md)\n"
-    rows = []
-    for r in stats.fidelity:
-        rate = r.top1_agree / r.samples if r.samples else 0.0
-        rows.append((r.model_id, r.policy, f"{r.budget:.2f}" if r.budget else "-", str(r.samples), str(r.top1_agree),
-                     f"{rate:.3f}", f"[{r.agree_lower:.3f}, {r.agree_upper:.3f}]", f"{r.mean_kl:.4g}",
-                     f"{r.mean_computed_share:.3f}"))
-    head = ("model", "policy", "budget", "samples", "top1_agree", "agreement", "95% interval", "mean_kl", "computed")
-    return out + _table(head, rows)
-
-
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    """Columns padded to their widest cell; nothing when there are no rows."""
-    if not rows:
-        return ""
-    lines = [head, *rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() + "\n" for line in lines)
 
 
 if __name__ == "__main__":
