@@ -2,10 +2,11 @@
 
 The names without a suffix are dispatchers: the Triton kernel when the inputs are CUDA
 tensors, the torch reference otherwise (CPU, CI). ``selective_attention_sdpa`` is the
-same attention through torch's fused SDPA: what a prefill on CPU runs (the reference
-materialises every score; the Triton interpreter is slower still). ``*_triton`` and ``*_reference`` are
-the explicit variants; tests run the Triton ones on CPU tensors under
-``TRITON_INTERPRET=1``, which must be set before this package is first imported.
+same attention through torch's fused SDPA, the fast one on CPU (the reference
+materialises every score; the Triton interpreter is slower still); the blend loop's CPU
+step calls SDPA itself, with a mask it builds once per set of rows (`LlamaEngine.attend`).
+``*_triton`` and ``*_reference`` are the explicit variants; tests run the Triton ones on CPU
+tensors under ``TRITON_INTERPRET=1``, which must be set before this package is first imported.
 
 Modules: ``rope`` (apply/remove RoPE at arbitrary positions), ``attention`` (selective
 attention with a position-causal mask and per-chunk attention mass)
@@ -84,8 +85,8 @@ def selective_attention(
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Selected query rows over the merged cache, and per-segment mass
-    (contract: :func:`selective_attention_triton`). A prefill on CPU wants
-    :func:`selective_attention_sdpa` (the engine calls it), the fast one there."""
+    (contract: :func:`selective_attention_triton`). On CPU
+    :func:`selective_attention_sdpa` is the fast one."""
     if q.is_cuda:
         return selective_attention_triton(q, q_pos, k, v, k_pos, scale=scale, segments=segments)
     return selective_attention_reference(q, q_pos, k, v, k_pos, scale=scale, segments=segments)
