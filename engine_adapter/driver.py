@@ -1,15 +1,15 @@
 """The per-layer loop of a blended prefill (no reuse gate: `blend.blend_prefill` asks it first).
 
 Before the first layer (docs/adapter.md, "One layer step"): the computed rows, everything
-derived from them (their RoPE tables, the position-causal mask, where each prompt row's K/V
-comes from) and the merged cache of every layer, preallocated. Then per layer l, one step
+derived from them (their RoPE tables, the position-causal mask, HKVD's candidates) and the
+merged cache of every layer, preallocated. Then per layer l, one step
 (`_Blend.step`; Cache-Craft §3.4.3; CacheBlend §4), whatever the policy:
   1. wait for layer l of the reused chunks, until a deadline (`layer_budget_s`);
   2. Q/K/V for the computed rows only (fresh chunks, the question, the recompute set);
-  3. the merged cache [Hkv, N, D]: the stored RoPE-free K/V of the live chunks and the
-     computed rows' pre-RoPE K/V in one concatenation, put in prompt order by one gather
-     (the computed rows' K/V where a row is both), then K rotated to the prompt's
-     positions in one batched op (cos/sin tables computed once per prompt);
+  3. the merged cache [Hkv, N, D]: the stored RoPE-free K/V of the live chunks, in prompt
+     order with zeros between them, in one concatenation; the computed rows' pre-RoPE K/V
+     written over their rows in one indexed copy; then K rotated to the prompt's positions
+     in one batched op (cos/sin tables computed once per prompt);
   4. HKVD (CacheBlend §4.3) at its filter layers only: of the rows whose K/V were just
      computed, the highest-deviation ones, a count known from the layout, stay (a top-k on
      the device, no read of it);
@@ -161,7 +161,7 @@ class _Rotation:
         xf = x.float()
         turned = xf.roll(xf.shape[-1] // 2, -1).mul_(b)
         if out is not None and out.dtype == torch.float32:
-            return torch.add(xf * a, turned, out=out)
+            return torch.mul(xf, a, out=out).add_(turned)
         r = (xf * a + turned).to(x.dtype)
         return r if out is None else out.copy_(r)
 
@@ -175,7 +175,6 @@ class _Rows:
     host: tuple[int, ...] | None  # the same rows on the host, where known without a read of the device
     rot: _Rotation  # RoPE tables at the rows
     mask: Tensor | None  # CPU: [R, N] additive position-causal mask; None: CUDA, or every row in order (causal)
-    perm: Tensor  # [N] where the merge takes each prompt row's K/V from (`_Blend.merged`)
     cand: Tensor  # [C] indices into `rows` of the rows still served from stored KV (HKVD's candidates)
     n_cand: int  # C
     others: Tensor  # the rows that are not candidates (prompt rows, sorted)
@@ -219,7 +218,7 @@ class _Blend:
         self.asker_mask = torch.zeros(self.n, dtype=torch.bool).index_fill_(0, self.asker, True)
         self.chunks = torch.tensor(lay.chunk_indices(), dtype=torch.long)
         self.focus = FocusTracker(lay.chunk_indices(), policy.focus_window)
-        self.zero = torch.zeros(self.hkv, 1, self.hd, dtype=engine.dtype)  # K/V of rows neither stored nor computed
+        self._zeros = torch.zeros(self.hkv, self.n, self.hd, dtype=engine.dtype)  # rows neither stored nor computed
         self.kv: list[tuple[Tensor, Tensor]] = []
         self.res = BlendResult(logits=torch.empty(0), kv=self.kv, reuse=bool(reused),
                                reused_tokens=self.reused_tokens, prompt_tokens=self.n)
@@ -227,15 +226,19 @@ class _Blend:
         self._stats_init()
 
     def _live_changed(self) -> None:
-        """`perm_base`: where each prompt row's K/V sits in a layer's concatenation of the
-        zero row and the live chunks' stored K/V (`merged`), the zero row for rows not stored."""
-        base, at = [0] * self.n, 1
-        for s in self.live:
-            a, b = self.lay.edges[s], self.lay.edges[s + 1]
-            base[a:b] = range(at, at + b - a)
-            at += b - a
-        self.perm_base = torch.tensor(base)
-        self.stored = at  # the computed rows' K/V follow the stored ones
+        """`pieces`: the prompt in order as a layer's merge concatenates it, a live chunk's index
+        (its stored K/V) or zeros for a run of rows not stored (views made here, not per layer)."""
+        self.pieces: list[int | Tensor] = []
+        live, zeros = set(self.live), 0
+        for s in range(len(self.lay.segments) + 1):
+            if s < len(self.lay.segments) and s not in live:
+                zeros += len(self.lay.segments[s].tokens)
+                continue
+            if zeros:
+                self.pieces.append(self._zeros[:, :zeros])
+                zeros = 0
+            if s < len(self.lay.segments):
+                self.pieces.append(s)
 
     # ---- rows -------------------------------------------------------------------
 
@@ -260,9 +263,7 @@ class _Blend:
             others = torch.tensor([r for r in host if not self.live_host[r]], dtype=torch.long)
             recomputed = sum(self.reused_host[r] for r in host)
         assert rows is not None and cand is not None and others is not None
-        R = rows.shape[0]
-        perm = self.perm_base.index_copy(0, rows, torch.arange(self.stored, self.stored + R))
-        return _Rows(rows, host, self.rot.at(rows), self._mask(rows, host), perm, cand, n_cand, others, recomputed)
+        return _Rows(rows, host, self.rot.at(rows), self._mask(rows, host), cand, n_cand, others, recomputed)
 
     def _mask(self, rows: Tensor, host: tuple[int, ...] | None) -> Tensor | None:
         """The additive position-causal mask of `rows` over every key (CPU; the Triton kernel
@@ -294,6 +295,7 @@ class _Blend:
         e, lay = self.e, self.lay
         depth = self.L if depth is None else depth
         # The merged cache of every layer, allocated once: [Hkv, N, D] views.
+        self._Kraw = torch.empty(self.hkv, self.n, self.hd, dtype=e.dtype)  # a layer's K before the rotation
         self._K = torch.empty(depth, self.hkv, self.n, self.hd, dtype=e.dtype).unbind(0)
         self._V = torch.empty(depth, self.hkv, self.n, self.hd, dtype=e.dtype).unbind(0)
         host = self.initial_rows()  # sorted
@@ -369,21 +371,21 @@ class _Blend:
 
     def merged(self, layer: int, got: LayerKV, p: _Rows, k: Tensor, v: Tensor,
                carry: "Layer0 | None" = None) -> tuple[Tensor, Tensor]:
-        """The merged cache of `layer`: one concatenation of a zero row, the live chunks' stored
-        K/V and the computed rows' (and carried rows') k/v, one gather into prompt order
-        (`perm`), K rotated to the prompt's positions. Into the layer's preallocated views."""
-        Kl, Vl = self._K[layer], self._V[layer]
-        ks = [self.zero, *(got[s][0] for s in self.live), k]
-        vs = [self.zero, *(got[s][1] for s in self.live), v]
-        perm = p.perm
+        """The merged cache of `layer`: the live chunks' stored K/V and zeros in prompt order
+        (one concatenation each, `pieces`), the computed rows' (and carried rows') k/v written
+        over their rows, K rotated to the prompt's positions; into the layer's preallocated views."""
+        K, Kl, Vl = self._Kraw, self._K[layer], self._V[layer]
+        torch.cat([got[x][0] if isinstance(x, int) else x for x in self.pieces], 1, out=K)
+        torch.cat([got[x][1] if isinstance(x, int) else x for x in self.pieces], 1, out=Vl)
+        if self.policy.hkvd_share(layer, self.L) is not None and p.n_cand:  # HKVD compares with the stored K/V
+            at = p.rows.index_select(0, p.cand)
+            self._stored = at, K.index_select(1, at), Vl.index_select(1, at)
+        K.index_copy_(1, p.rows, k)
+        Vl.index_copy_(1, p.rows, v)
         if carry is not None:
-            ks.append(carry.k)
-            vs.append(carry.v)
-            R = p.rows.shape[0]
-            perm = perm.index_copy(0, carry.rows, torch.arange(self.stored + R, self.stored + R + carry.rows.shape[0]))
-        self._cat = torch.cat(ks, 1), torch.cat(vs, 1)  # HKVD compares the stored K/V in them
-        self.rot(self._cat[0].index_select(1, perm), out=Kl)
-        torch.index_select(self._cat[1], 1, perm, out=Vl)
+            K.index_copy_(1, carry.rows, carry.k)
+            Vl.index_copy_(1, carry.rows, carry.v)
+        self.rot(K, out=Kl)
         self.kv.append((Kl, Vl))
         return Kl, Vl
 
@@ -469,11 +471,9 @@ class _Blend:
         n = num_selected(want, p.n_cand)
         if n == p.n_cand:
             return p, None
-        at = p.rows.index_select(0, p.cand)  # [C] prompt rows
-        slots = self.perm_base.index_select(0, at)  # their stored K/V in the layer's concatenation
-        k_old = self.rot.at(at)(self._cat[0].index_select(1, slots))
-        _, top = kv_deviation_topk(K.index_select(1, at), V.index_select(1, at),
-                                   k_old, self._cat[1].index_select(1, slots), want)  # [n] sorted
+        at, k_old, v_old = self._stored  # [C] prompt rows, their stored K (RoPE-free) and V (`merged`)
+        _, top = kv_deviation_topk(K.index_select(1, at), V.index_select(1, at), self.rot.at(at)(k_old), v_old,
+                                   want)  # [n] sorted
         chosen = at.index_select(0, top)
         rows = torch.cat((p.others, chosen)).sort().values
         q = self.rows_of(rows=rows, cand=torch.searchsorted(rows, chosen), n_cand=n, others=p.others,
