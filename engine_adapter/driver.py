@@ -1,18 +1,28 @@
 """The per-layer loop of a blended prefill (no reuse gate: `blend.blend_prefill` asks it first).
 
-Per layer l (docs/adapter.md; Cache-Craft §3.4.3; CacheBlend §4):
+Before the first layer (docs/adapter.md, "One layer step"): the computed rows, everything
+derived from them (their RoPE tables, the position-causal mask, HKVD's candidates) and the
+merged cache of every layer, preallocated. Then per layer l, one step
+(`_Blend.step`; Cache-Craft §3.4.3; CacheBlend §4), whatever the policy:
   1. wait for layer l of the reused chunks, until a deadline (`layer_budget_s`);
-  2. merge their RoPE-free K/V into one cache [Hkv, N, D] and rotate all of it to the
-     prompt's positions in one batched op (cos/sin tables computed once per prompt);
-  3. Q/K/V for the computed rows only (fresh chunks, the question, the recompute set);
-  4. scatter the computed K/V into the merged cache, attention of the computed rows
-     over it (fused SDPA, position-causal mask); attention mass per segment only for
-     the rows that need it: fresh chunks (their variant statistics) and, while
-     Cache-Craft Alg. 1 is deciding, the question;
-  5. o-proj + MLP for the computed rows; choose the rows of layer l+1 (focused-chunk
-     early termination). The last prompt row is always computed.
-  HKVD (CacheBlend) selects between 3 and 4: of the rows whose K/V were just computed,
-  only the highest-deviation ones run attention + MLP on.
+  2. Q/K/V for the computed rows only (fresh chunks, the question, the recompute set);
+  3. the merged cache [Hkv, N, D]: the stored RoPE-free K/V of the live chunks, in prompt
+     order with zeros between them, in one concatenation; the computed rows' pre-RoPE K/V
+     written over their rows in one indexed copy; then K rotated to the prompt's positions
+     in one batched op (cos/sin tables computed once per prompt);
+  4. HKVD (CacheBlend §4.3) at its filter layers only: of the rows whose K/V were just
+     computed, the highest-deviation ones, a count known from the layout, stay (a top-k on
+     the device, no read of it);
+  5. attention of the computed rows over the merged cache (fused SDPA, the position-causal
+     mask built once per set of rows); attention mass per segment only for the rows that
+     need it: fresh chunks (their variant statistics) and, while Cache-Craft Alg. 1 is
+     deciding, the question;
+  6. o-proj + MLP for the computed rows; the rows of layer l+1 (Alg. 1's focused-chunk
+     early termination, off by default). The last prompt row is always computed.
+Within a layer nothing reads a device value on the host, and the operations dispatched per
+layer do not depend on the number of chunks or rows (tests/engine_adapter/test_op_count.py);
+what changes the rows (HKVD's filter layers, Alg. 1 once it decides, a fallback) rebuilds
+what derives from them once, not per layer.
 After the last layer: logits of the last prompt row only (all rows on request).
 
 A reused chunk whose layer l is absent (late, missing, corrupt) is computed from then on.
@@ -30,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -41,11 +51,9 @@ from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
 from kvcraft.records import VariantStats
 from kvkernels import attention_mass, kv_deviation_topk, rope_tables, rotate
+from kvkernels.deviation import num_selected
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
 @dataclass(frozen=True)
 class LayerTiming:
     wait_s: float  # blocked in LayerSource.wait_layer
@@ -69,7 +77,7 @@ class Layer0:
 
     rows: Tensor  # [R] sorted prompt rows
     h: Tensor  # [R, d] their hidden states after layer 0
-    k: Tensor  # [Hkv, R, D] their layer-0 K (post-RoPE)
+    k: Tensor  # [Hkv, R, D] their layer-0 K (RoPE-free: the merge rotates it with the rest)
     v: Tensor  # [Hkv, R, D]
 
 
@@ -111,6 +119,8 @@ class BlendResult:
         return sum(self.computed_rows) / (self.prompt_tokens * len(self.computed_rows))
 
 
+
+
 @torch.no_grad()
 def run_blend(engine: LlamaEngine, lay: Layout, policy: ReusePolicy, source: LayerSource,
               reused: Sequence[int], all_logits: bool = False, stats: bool = True,
@@ -121,8 +131,65 @@ def run_blend(engine: LlamaEngine, lay: Layout, policy: ReusePolicy, source: Lay
     return _Blend(engine, lay, policy, source, list(reused), stats).run(all_logits, carry=carry)
 
 
+class _Rotation:
+    """RoPE tables of some positions, laid out to rotate rows at those positions in one op.
+
+    CUDA: `kvkernels.rotate` (one Triton launch) with the [T, D/2] cos and sin tables. CPU:
+    the arithmetic of `kvkernels.rotate_reference` (x1 cos - x2 sin, x2 cos + x1 sin in fp32,
+    rounded once), bit for bit, in four operations instead of its nine:
+    x [cos, cos] + roll(x, D/2) [-sin, sin] (x2 (-sin) is -(x2 sin) exactly, a + -b is a - b)."""
+
+    def __init__(self, tables: tuple[Tensor, Tensor]):
+        self.tables = tables  # CUDA: cos, sin [T, D/2]; CPU: [cos, cos], [-sin, sin] [T, D]
+
+    @classmethod
+    def of(cls, cos: Tensor, sin: Tensor) -> "_Rotation":
+        if cos.is_cuda:
+            return cls((cos, sin))
+        return cls((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)))
+
+    def at(self, idx: Tensor) -> "_Rotation":
+        """The tables of rows `idx` of these."""
+        return _Rotation((self.tables[0].index_select(0, idx), self.tables[1].index_select(0, idx)))
+
+    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x [H, T, D] rotated (T = the tables' rows), into `out` if given."""
+        a, b = self.tables
+        if x.is_cuda:
+            r = rotate(x, a, b)
+            return r if out is None else out.copy_(r)
+        xf = x.float()
+        turned = xf.roll(xf.shape[-1] // 2, -1).mul_(b)
+        if out is not None and out.dtype == torch.float32:
+            return torch.mul(xf, a, out=out).add_(turned)
+        r = (xf * a + turned).to(x.dtype)
+        return r if out is None else out.copy_(r)
+
+
+@dataclass
+class _Rows:
+    """One set of computed rows and what the layer step derives from it, made once per set
+    (at the start, and where a policy changes the set), never per layer."""
+
+    rows: Tensor  # [R] sorted prompt rows
+    host: tuple[int, ...] | None  # the same rows on the host, where known without a read of the device
+    rot: _Rotation  # RoPE tables at the rows
+    mask: Tensor | None  # CPU: [R, N] additive position-causal mask; None: CUDA, or every row in order (causal)
+    cand: Tensor  # [C] indices into `rows` of the rows still served from stored KV (HKVD's candidates)
+    n_cand: int  # C
+    others: Tensor  # the rows that are not candidates (prompt rows, sorted)
+    recomputed: int  # rows of reused chunks among the rows
+    _memo: dict[str, Tensor] = field(default_factory=dict)
+
+    def memo(self, what: str, make: Callable[[], Tensor]) -> Tensor:
+        """`make()` once for this set of rows (what one policy derives from them besides)."""
+        if what not in self._memo:
+            self._memo[what] = make()
+        return self._memo[what]
+
+
 class _Blend:
-    """State of one blended prefill; `run` is the per-layer loop."""
+    """State of one blended prefill; `run` is the per-layer loop, `step` one layer of it."""
 
     def __init__(self, engine: LlamaEngine, lay: Layout, policy: ReusePolicy,
                  source: LayerSource, reused: list[int], stats: bool = True):
@@ -130,41 +197,95 @@ class _Blend:
         self.e, self.lay, self.policy, self.source = engine, lay, policy, source
         self.L, self.n = c.num_layers, lay.n
         self.hkv, self.hd = c.num_kv_heads, c.head_dim
-        self.pos = torch.arange(self.n)  # [N]
-        self.cos, self.sin = rope_tables(rope_for_spec(engine.model_spec()), self.pos)  # [N, D/2] each
+        self.pos = torch.arange(self.n)  # [N] key positions
+        self.causal = True  # the keys sit at their prompt positions (`_QuestionPass` moves some)
+        self.rot = _Rotation.of(*rope_tables(rope_for_spec(engine.model_spec()), self.pos))  # [N] tables
         self.live = list(reused)  # reused chunks still served from the cache
-        self.reused_mask = torch.zeros(self.n, dtype=torch.bool)  # [N] rows of reused chunks
+        # Row sets on the host (spans are `Layout.edges`, ints): tensors made from them once.
+        self.reused_host = [False] * self.n  # rows of reused chunks
         for s in reused:
-            self.reused_mask[lay.span(s)] = True
-        self.live_mask = self.reused_mask.clone()  # [N] rows still served from the cache
-        self.live_mask[-1] = False  # the last row is always computed
-        self.reused_tokens = int(self.reused_mask.sum())
+            self.reused_host[lay.span(s)] = [True] * len(lay.segments[s].tokens)
+        self.live_host = list(self.reused_host)  # rows still served from the cache
+        self.live_host[-1] = False  # the last row is always computed
+        self.reused_mask = torch.tensor(self.reused_host)  # [N]
+        self.live_mask = torch.tensor(self.live_host)  # [N]
+        self.reused_tokens = sum(self.reused_host)
         self.fresh = [s for s, seg in enumerate(lay.segments)
                       if stats and not seg.question and s not in reused]  # new variants to return
-        self.fresh_mask = torch.zeros(self.n, dtype=torch.bool)  # rows whose mass feeds statistics
-        for s in self.fresh:
-            self.fresh_mask[lay.span(s)] = True
-        self.asker = (lay.rows(len(lay.segments) - 1) if lay.segments[-1].question
-                      else torch.tensor([self.n - 1]))  # rows whose attention defines inter(C_i, U)
-        self.asker_mask = torch.zeros(self.n, dtype=torch.bool)
-        self.asker_mask[self.asker] = True
+        self.asker_host = (list(range(*lay.edges[-2:])) if lay.segments[-1].question
+                           else [self.n - 1])  # rows whose attention defines inter(C_i, U)
+        self.asker = torch.tensor(self.asker_host)
+        self.asker_mask = torch.zeros(self.n, dtype=torch.bool).index_fill_(0, self.asker, True)
         self.chunks = torch.tensor(lay.chunk_indices(), dtype=torch.long)
         self.focus = FocusTracker(lay.chunk_indices(), policy.focus_window)
-        self.blank = torch.zeros(self.hkv, self.n, self.hd, dtype=engine.dtype)  # rows not served
+        self._zeros = torch.zeros(self.hkv, self.n, self.hd, dtype=engine.dtype)  # rows neither stored nor computed
         self.kv: list[tuple[Tensor, Tensor]] = []
         self.res = BlendResult(logits=torch.empty(0), kv=self.kv, reuse=bool(reused),
                                reused_tokens=self.reused_tokens, prompt_tokens=self.n)
+        self._live_changed()
         self._stats_init()
+
+    def _live_changed(self) -> None:
+        """`pieces`: the prompt in order as a layer's merge concatenates it, a live chunk's index
+        (its stored K/V) or zeros for a run of rows not stored (views made here, not per layer)."""
+        self.pieces: list[int | Tensor] = []
+        live, zeros = set(self.live), 0
+        for s in range(len(self.lay.segments) + 1):
+            if s < len(self.lay.segments) and s not in live:
+                zeros += len(self.lay.segments[s].tokens)
+                continue
+            if zeros:
+                self.pieces.append(self._zeros[:, :zeros])
+                zeros = 0
+            if s < len(self.lay.segments):
+                self.pieces.append(s)
 
     # ---- rows -------------------------------------------------------------------
 
-    def initial_rows(self) -> Tensor:
-        want = ~self.reused_mask
+    def initial_rows(self) -> list[int]:
+        want = [not r for r in self.reused_host]
         want[-1] = True  # the last prompt token is always computed
         for s in self.live:
-            first = torch.as_tensor(self.policy.first_rows(self.lay, s), dtype=torch.long)
-            want[self.lay.edges[s] + first] = True
-        return want.nonzero().squeeze(1)
+            for i in self.policy.first_rows(self.lay, s):
+                want[self.lay.edges[s] + i] = True
+        return [i for i, w in enumerate(want) if w]
+
+    def rows_of(self, host: Sequence[int] | None = None, *, rows: Tensor | None = None,
+                cand: Tensor | None = None, n_cand: int = 0, others: Tensor | None = None,
+                recomputed: int = 0) -> _Rows:
+        """What the step derives from a set of rows: from the host's `host` (sorted), or from
+        a device tensor `rows` with its candidates and counts (HKVD's choice)."""
+        if host is not None:
+            host = tuple(host)
+            rows = torch.tensor(host, dtype=torch.long)
+            cand_h = [i for i, r in enumerate(host) if self.live_host[r]]
+            cand, n_cand = torch.tensor(cand_h, dtype=torch.long), len(cand_h)
+            others = torch.tensor([r for r in host if not self.live_host[r]], dtype=torch.long)
+            recomputed = sum(self.reused_host[r] for r in host)
+        assert rows is not None and cand is not None and others is not None
+        return _Rows(rows, host, self.rot.at(rows), self._mask(rows, host), cand, n_cand, others, recomputed)
+
+    def _mask(self, rows: Tensor, host: tuple[int, ...] | None) -> Tensor | None:
+        """The additive position-causal mask of `rows` over every key (CPU; the Triton kernel
+        masks by position itself): key j visible to row r iff pos[j] <= pos[r], which every
+        computed row's own key is, so no row sees nothing. None where causal SDPA is exact."""
+        if rows.is_cuda or (self.causal and host is not None and len(host) == self.n):
+            return None
+        qpos = self.pos.index_select(0, rows)
+        return torch.zeros(rows.shape[0], self.n, dtype=self.e.dtype).masked_fill_(
+            self.pos[None, :] > qpos[:, None], float("-inf"))
+
+    def host_rows(self, p: _Rows) -> tuple[int, ...]:
+        """The rows on the host: a read of the device where only it knows them (HKVD chose
+        them); only Alg. 1 once it decides and a fallback ask for them then."""
+        return p.host if p.host is not None else tuple(p.rows.tolist())
+
+    def kept(self, p: _Rows, h: Tensor, keep: list[int]) -> tuple[_Rows, Tensor]:
+        """Rows `keep` (indices into p's rows) alone, with their hidden states."""
+        if len(keep) == p.rows.shape[0]:
+            return p, h
+        host = self.host_rows(p)
+        return self.rows_of([host[i] for i in keep]), h.index_select(0, torch.tensor(keep, dtype=torch.long))
 
     # ---- the loop ---------------------------------------------------------------
 
@@ -172,100 +293,120 @@ class _Blend:
         """depth: stop after that many layers (no logits then). carry: rows whose layer 0 an
         earlier pass over the same stored KV computed: they join at layer 1."""
         e, lay = self.e, self.lay
-        rows = self.initial_rows()  # [R] sorted
+        depth = self.L if depth is None else depth
+        # The merged cache of every layer, allocated once: [Hkv, N, D] views.
+        self._Kraw = torch.empty(self.hkv, self.n, self.hd, dtype=e.dtype)  # a layer's K before the rotation
+        self._K = torch.empty(depth, self.hkv, self.n, self.hd, dtype=e.dtype).unbind(0)
+        self._V = torch.empty(depth, self.hkv, self.n, self.hd, dtype=e.dtype).unbind(0)
+        host = self.initial_rows()  # sorted
         if carry is not None:
-            rows = rows[~torch.isin(rows, carry.rows)]
-        h = e.embed(lay.tokens[rows])  # [R, d]
-        for layer in range(self.L if depth is None else depth):
+            carried = carry.rows.tolist()  # on the host already: the question's rows
+            host = [r for r in host if r not in set(carried)]
+            self._carry = (carried, carry)
+        p = self.rows_of(host)
+        h = e.embed(lay.tokens.index_select(0, p.rows))  # [R, d]
+        for layer in range(depth):
             t0 = time.perf_counter()
             got = self.wait(layer)
             t1 = time.perf_counter()
-            rows, h = self.fall_back(layer, got, rows, h)
-            t2 = time.perf_counter()
-            self.kv.append(self.merged(got))
-            if layer == 0 and carry is not None:  # before the attention: these rows are keys too
-                self.kv[0][0][:, carry.rows], self.kv[0][1][:, carry.rows] = carry.k, carry.v
-            t3 = time.perf_counter()
-            rows, h, k_raw, v, mass = self.layer(layer, rows, h)
-            to_question = self.record_stats(rows, k_raw, v, mass)
-            self.res.computed_rows.append(len(rows))
-            self._recomputed.append(self.per_rows("recomputed", rows, lambda: self.reused_mask[rows].sum()))
-            keep = self.continuing(layer, rows, to_question)
-            if keep is not None:
-                rows, h = rows[keep], h[keep]
+            p, h = self.fall_back(layer, got, p, h)
+            p, h, k, v, mass = self.step(layer, p, h, self.merging(layer, got, carry if layer == 0 else None))
+            to_question = self.record_stats(p, k, v, mass)
+            self.res.computed_rows.append(p.rows.shape[0])
+            self._recomputed.append(p.recomputed)
+            p, h = self.continuing(layer, p, h, to_question)
             if layer == 0 and carry is not None:
-                rows, order = torch.cat([rows, carry.rows]).sort()
-                h = torch.cat([h, carry.h])[order]
+                p, h = self.joined(p, h, carry)
             t4 = time.perf_counter()
-            self.res.timings.append(LayerTiming(wait_s=t1 - t0, compute_s=t4 - t1, rotate_s=t3 - t2,
+            self.res.timings.append(LayerTiming(wait_s=t1 - t0, compute_s=t4 - t1, rotate_s=self._merge_s,
                                                 attend_s=self._attend_s))
-        self.res.recomputed_rows = torch.stack(self._recomputed).tolist() if self._recomputed else []
-        if depth is not None and depth < self.L:
+        self.res.recomputed_rows = list(self._recomputed)
+        if depth < self.L:
             self.res.reused_segments = list(self.live)
             return self.res
         t5 = time.perf_counter()
-        logits = e.logits(h if all_logits else h[-1:])  # rows[-1] is the last prompt row
+        logits = e.logits(h if all_logits else h[-1:])  # the rows are sorted: the last is the last prompt row
         self.res.logits = logits[-1]
         self.res.logits_s = time.perf_counter() - t5
         if all_logits:
-            self.res.rows, self.res.row_logits = rows, logits
+            self.res.rows, self.res.row_logits = p.rows, logits
         self.res.fresh = self.fresh_chunks()
         self.res.reused_segments = list(self.live)
         self.res.focused, self.res.focus_layer = self.focus.focused, self.focus.layer
         return self.res
 
-    def merged(self, got: LayerKV) -> tuple[Tensor, Tensor]:
-        """The merged cache of one layer: stored K/V of live chunks at their spans (K rotated
-        to the prompt's positions), zeros elsewhere until the computed rows are scattered in."""
-        if not self.live:
-            return self.blank.clone(), self.blank.clone()
-        segs = range(len(self.lay.segments))
-        spans = [self.lay.span(s) for s in segs]
-        K = torch.cat([got[s][0] if s in got else self.blank[:, spans[s]] for s in segs], dim=1)  # [Hkv, N, D]
-        V = torch.cat([got[s][1] if s in got else self.blank[:, spans[s]] for s in segs], dim=1)
-        return rotate(K, self.cos, self.sin), V
+    def step(self, layer: int, p: _Rows, h: Tensor, merge: Callable[[_Rows, Tensor, Tensor], tuple[Tensor, Tensor]],
+             select: bool = True) -> tuple[_Rows, Tensor, Tensor, Tensor, Tensor | None]:
+        """One layer of rows p, every policy's: Q/K/V of the rows, `merge` their K/V into the
+        layer's cache (returns it: K post-RoPE, V), HKVD where the policy selects at this layer
+        (`select`), attention of the rows that stay over the cache, o-proj + MLP.
 
-    def layer(self, layer: int, rows: Tensor, h: Tensor, select: bool = True
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-        """One layer: K/V of `rows` into the merged cache, then attention + MLP for those
-        of them that stay (all, except where HKVD selects at this layer).
-
-        Returns the rows that ran the layer, their hidden states, pre-RoPE k, v and the
-        attention mass [M, S] of the rows among them that need it (None if none do).
+        Returns the rows that ran the layer, their hidden states, their pre-RoPE k and v (only
+        where fresh chunks want them: else those of every computed row) and the attention mass
+        [M, S] of the rows among them that need it (None if none do).
         """
-        e, (K, V) = self.e, self.kv[layer]
-        qk, v = e.qk_v(layer, h)  # [Hq+Hkv,R,D] pre-RoPE, [Hkv,R,D]
-        k = qk[e.cfg.num_heads:]  # pre-RoPE: what a fresh chunk's variant stores
-        q, k_rot = e.rotated_qk(qk, *self.per_rows("tables", rows, lambda: (self.cos[rows], self.sin[rows])))
-        keep = self.hkvd_keep(layer, rows, k_rot, v) if select else None
-        # Every computed K/V goes in, selected or not: it came from right hidden states.
-        K[:, rows] = k_rot
-        V[:, rows] = v
-        if keep is not None:
-            rows, h, q, k, v = rows[keep], h[keep], q[:, keep], k[:, keep], v[:, keep]
+        e = self.e
+        q, k, v = e.qkv(layer, h)  # [Hq,R,D], [Hkv,R,D] pre-RoPE: what a fresh chunk's variant stores
         t0 = time.perf_counter()
+        K, V = merge(p, k, v)
+        self._merge_s = time.perf_counter() - t0
+        if select:
+            p, keep = self.hkvd(layer, p, K, V)
+            if keep is not None:
+                h, q = h.index_select(0, keep), q.index_select(1, keep)
+                if self.fresh:
+                    k, v = k.index_select(1, keep), v.index_select(1, keep)
+        t1 = time.perf_counter()
+        q = p.rot(q)
         self.q = q  # the rotated queries of the rows that ran this layer (the question pass reads them)
-        o, _ = e.attend(q, rows, K, V, self.pos)
-        mass = None
-        if select and (self.fresh or self.focus.active):
-            need = self.fresh_mask | self.asker_mask if self.focus.active else self.fresh_mask
-            m = need[rows]
-            # Rows of fresh chunks run every layer: with one, some row needs mass without
-            # asking the device (a read of it waits for the GPU).
-            if self.fresh or bool(m.any()):
-                mass = attention_mass(q[:, m], rows[m], K, self.pos, self.lay.bounds, scale=e.scale)
-        self._attend_s = time.perf_counter() - t0
-        return rows, e.mlp(layer, e.attn_out(layer, h, o)), k, v, mass
+        o = e.attend(q, p.rows, K, V, self.pos, p.mask)
+        mass = self.mass(p, q, K) if select else None
+        self._attend_s = time.perf_counter() - t1
+        return p, e.mlp(layer, e.attn_out(layer, h, o)), k, v, mass
 
-    def per_rows(self, what: str, rows: Tensor, make: Callable[[], T]) -> T:
-        """`make()`, made again only when `rows` is another tensor: the loop keeps one rows
-        tensor layer after layer until a policy drops some or a chunk falls back, and on a GPU
-        each derived tensor is a launch, each read of one a wait. (The memo holds the rows it
-        was made for, so no other tensor can take its identity.)"""
-        hit = self._per_rows.get(what)
-        if hit is None or hit[0] is not rows:
-            hit = self._per_rows[what] = (rows, make())
-        return hit[1]
+    def merging(self, layer: int, got: LayerKV, carry: "Layer0 | None"
+                ) -> Callable[[_Rows, Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """`step`'s merge at `layer` of the loop: `merged` with what arrived."""
+        return lambda p, k, v: self.merged(layer, got, p, k, v, carry)
+
+    def merged(self, layer: int, got: LayerKV, p: _Rows, k: Tensor, v: Tensor,
+               carry: "Layer0 | None" = None) -> tuple[Tensor, Tensor]:
+        """The merged cache of `layer`: the live chunks' stored K/V and zeros in prompt order
+        (one concatenation each, `pieces`), the computed rows' (and carried rows') k/v written
+        over their rows, K rotated to the prompt's positions; into the layer's preallocated views."""
+        K, Kl, Vl = self._Kraw, self._K[layer], self._V[layer]
+        torch.cat([got[x][0] if isinstance(x, int) else x for x in self.pieces], 1, out=K)
+        torch.cat([got[x][1] if isinstance(x, int) else x for x in self.pieces], 1, out=Vl)
+        if self.compares_stored(layer) and p.n_cand:  # HKVD compares with the stored K/V
+            at = p.rows.index_select(0, p.cand)
+            self._stored = at, K.index_select(1, at), Vl.index_select(1, at)
+        K.index_copy_(1, p.rows, k)
+        Vl.index_copy_(1, p.rows, v)
+        if carry is not None:
+            K.index_copy_(1, carry.rows, carry.k)
+            Vl.index_copy_(1, carry.rows, carry.v)
+        self.rot(K, out=Kl)
+        self.kv.append((Kl, Vl))
+        return Kl, Vl
+
+    def written(self, layer: int, p: _Rows, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """`merge` of a catch-up (`fall_back`): rows p's K/V written over the layer's merged cache."""
+        K, V = self.kv[layer]
+        K.index_copy_(1, p.rows, p.rot(k))
+        V.index_copy_(1, p.rows, v)
+        return K, V
+
+    def mass(self, p: _Rows, q: Tensor, K: Tensor) -> Tensor | None:
+        """Attention mass per segment [M, S] of the rows that need it: fresh chunks' rows and,
+        while Alg. 1 decides, the question's (`need_rows`; all of them are computed rows)."""
+        if not (self.fresh or self.focus.active):
+            return None
+        need = self.need_rows()
+        at = p.memo("need_focus" if self.focus.active else "need_fresh", lambda: torch.searchsorted(p.rows, need))
+        return attention_mass(q.index_select(1, at), need, K, self.pos, self.lay.bounds, scale=self.e.scale)
+
+    def need_rows(self) -> Tensor:
+        return self._need_focus if self.focus.active else self._need_fresh
 
     def wait(self, layer: int) -> LayerKV:
         if not self.live:
@@ -277,111 +418,152 @@ class _Blend:
     def _valid(self, kv: tuple[Tensor, Tensor], t: int) -> bool:
         return len(kv) == 2 and all(x.shape == (self.hkv, t, self.hd) and x.dtype == self.e.dtype for x in kv)
 
-    def fall_back(self, layer: int, got: LayerKV, rows: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    def fall_back(self, layer: int, got: LayerKV, p: _Rows, h: Tensor) -> tuple[_Rows, Tensor]:
         """Chunks absent at `layer` are computed from now on; catch their rows up through 0..layer-1."""
         absent = [s for s in self.live if s not in got]
         if not absent:
-            return rows, h
+            return p, h
         self.live = [s for s in self.live if s in got]
         self.res.fallbacks += [(s, layer) for s in absent]
-        new = torch.cat([self.lay.rows(s) for s in absent])
-        self.live_mask[new] = False
-        new = new[~torch.isin(new, rows)]  # rows already computed have their hidden states
+        fallen = [r for s in absent for r in range(self.lay.edges[s], self.lay.edges[s + 1])]
+        for r in fallen:
+            self.live_host[r] = False
+        self.live_mask.index_fill_(0, torch.tensor(fallen), False)
+        self._live_changed()
+        host = self.host_rows(p)
+        have = set(host)
+        new = [r for r in fallen if r not in have]  # rows already computed have their hidden states
         log.warning("blend: layer %d of chunk(s) %s absent (late/missing/corrupt); computing them "
                     "from here on%s", layer, absent,
-                    f", catching up {len(new)} rows through layers 0..{layer - 1}" if layer and len(new) else "")
-        if len(new) == 0:
-            return rows, h
-        hn = self.e.embed(self.lay.tokens[new])
+                    f", catching up {len(new)} rows through layers 0..{layer - 1}" if layer and new else "")
+        if not new:
+            return self.rows_of(host), h
+        pn = self.rows_of(new)
+        hn = self.e.embed(self.lay.tokens.index_select(0, pn.rows))
         for l2 in range(layer):
-            hn = self.layer(l2, new, hn, select=False)[1]
-        rows, order = torch.cat([rows, new]).sort()
-        return rows, torch.cat([h, hn])[order]
+            hn = self.step(l2, pn, hn, lambda p_, k_, v_, l=l2: self.written(l, p_, k_, v_), select=False)[1]
+        rows = sorted(host + tuple(new))
+        at = {r: i for i, r in enumerate(host + tuple(new))}
+        order = torch.tensor([at[r] for r in rows], dtype=torch.long)
+        return self.rows_of(rows), torch.cat([h, hn]).index_select(0, order)
 
-    def hkvd_keep(self, layer: int, rows: Tensor, k_rot: Tensor, v: Tensor) -> Tensor | None:
-        """CacheBlend §4.3 gradual filtering: which of `rows` run this layer (bool mask;
-        None: all of them).
+    def joined(self, p: _Rows, h: Tensor, carry: Layer0) -> tuple[_Rows, Tensor]:
+        """Rows p and the carried rows, which join after layer 0 with their hidden states."""
+        both = self.host_rows(p) + tuple(self._carry[0])
+        rows = sorted(both)
+        at = {r: i for i, r in enumerate(both)}
+        order = torch.tensor([at[r] for r in rows], dtype=torch.long)
+        return self.rows_of(rows), torch.cat([h, carry.h]).index_select(0, order)
+
+    def compares_stored(self, layer: int) -> bool:
+        """`hkvd` at `layer` reads the candidates' stored K/V (`merged` keeps them aside)."""
+        return self.policy.hkvd_share(layer, self.L) is not None
+
+    def hkvd(self, layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
+        """CacheBlend §4.3 gradual filtering: which of rows p run this layer (the new rows and
+        indices into p's rows; None: all of them).
 
         Among the reused rows still computed, keep the share `hkvd_share` of the reused
-        tokens with the highest deviation between this layer's K/V from the current
-        hidden states (k_rot, v) and the stored K/V (both K at the new positions).
-        Called before the scatter, so the merged cache still holds the stored K/V.
+        tokens with the highest deviation between this layer's K/V from the current hidden
+        states (in the merged cache now) and the stored K/V (both K at the new positions).
+        How many stay is known from the layout; which, only on the device (a top-k there).
         """
         share = self.policy.hkvd_share(layer, self.L)
-        if share is None:
-            return None
-        cand = self.live_mask[rows].nonzero().squeeze(1)  # indices into rows
-        if not len(cand):
-            return None
-        K, V = self.kv[layer]
-        want = share * self.reused_tokens / len(cand)
-        at = rows[cand]
-        _, top = kv_deviation_topk(k_rot[:, cand], v[:, cand], K[:, at], V[:, at], min(1.0, want))
-        keep = torch.ones(len(rows), dtype=torch.bool)
-        keep[cand] = False
-        keep[cand[top]] = True
-        return keep
+        if share is None or not p.n_cand:
+            return p, None
+        want = min(1.0, share * self.reused_tokens / p.n_cand)
+        n = num_selected(want, p.n_cand)
+        if n == p.n_cand:
+            return p, None
+        at, k_old, v_old = self._stored  # [C] prompt rows, their stored K (RoPE-free) and V (`merged`)
+        _, top = kv_deviation_topk(K.index_select(1, at), V.index_select(1, at), self.rot.at(at)(k_old), v_old,
+                                   want)  # [n] sorted
+        chosen = at.index_select(0, top)
+        rows = torch.cat((p.others, chosen)).sort().values
+        q = self.rows_of(rows=rows, cand=torch.searchsorted(rows, chosen), n_cand=n, others=p.others,
+                         recomputed=p.recomputed - p.n_cand + n)
+        return q, torch.searchsorted(p.rows, rows)
 
-    def continuing(self, layer: int, rows: Tensor, to_question: Tensor | None) -> Tensor | None:
-        """Which of `rows` run layer+1 (bool mask; None: all of them)."""
-        return self.focus_keep(layer, rows, to_question)
+    def continuing(self, layer: int, p: _Rows, h: Tensor, to_question: Tensor | None) -> tuple[_Rows, Tensor]:
+        """The rows that run layer+1, with their hidden states."""
+        return self.focus_keep(layer, p, h, to_question)
 
-    def focus_keep(self, layer: int, rows: Tensor, to_question: Tensor | None) -> Tensor | None:
-        """Cache-Craft Alg. 1: which of `rows` continue to layer+1 (bool mask; None: all);
-        to_question: inter(C_i, U) of this layer per chunk."""
+    def focus_keep(self, layer: int, p: _Rows, h: Tensor, to_question: Tensor | None) -> tuple[_Rows, Tensor]:
+        """Cache-Craft Alg. 1: which rows continue to layer+1; to_question: inter(C_i, U) of
+        this layer per chunk (only while Alg. 1 decides, `focus_window` > 0: its reads)."""
         if to_question is None:
-            return None
+            return p, h
         focused = self.focus.update(layer, to_question.tolist())
         if focused is None:
-            return None
+            return p, h
         # Stop recomputing tokens of unfocused reused chunks.
-        unfocused = torch.zeros(self.n, dtype=torch.bool)
+        unfocused = [False] * self.n
         for s in self.live:
             if s not in focused:
-                unfocused[self.lay.span(s)] = True
-        return ~(unfocused & self.live_mask)[rows]
+                unfocused[self.lay.span(s)] = [True] * len(self.lay.segments[s].tokens)
+        host = self.host_rows(p)
+        return self.kept(p, h, [i for i, r in enumerate(host) if not (unfocused[r] and self.live_host[r])])
 
     # ---- statistics (Cache-Craft §3.1, `kvcraft.records.VariantStats`) -----------------
 
     def _stats_init(self) -> None:
-        self._attend_s = 0.0
-        self._recomputed: list[Tensor] = []  # per layer, rows of reused chunks computed (0-d; read at the end)
-        self._per_rows: dict[str, tuple[Tensor, object]] = {}  # `per_rows`: what -> (rows, made)
-        self.q: Tensor | None = None  # set by `layer`
-        self.fresh_kv: dict[int, list[tuple[Tensor, Tensor]]] = {s: [] for s in self.fresh}
-        self.inter: dict[int, Tensor] = {}  # s -> [|C_s|, s] sum over layers of mass to prefix chunks
-        self.intra: dict[int, float] = {s: 0.0 for s in self.fresh}
+        self._merge_s = self._attend_s = 0.0
+        self._recomputed: list[int] = []  # per layer, rows of reused chunks computed
+        self.q: Tensor | None = None  # set by `step`
+        fresh_rows = [r for s in self.fresh for r in range(self.lay.edges[s], self.lay.edges[s + 1])]
+        need = sorted(set(fresh_rows) | set(self.asker_host))
+        self._need_fresh = torch.tensor(fresh_rows, dtype=torch.long)  # sorted: fresh chunks in prompt order
+        self._need_focus = torch.tensor(need, dtype=torch.long)
+        where = {r: i for i, r in enumerate(need)}  # while Alg. 1 decides, mass has the rows `need`
+        self._fresh_in_need = torch.tensor([where[r] for r in fresh_rows], dtype=torch.long)
+        self._asker_in_need = torch.tensor([where[r] for r in self.asker_host], dtype=torch.long)
+        self._fresh_span: dict[int, tuple[int, int]] = {}  # s -> its rows among the fresh rows
+        at = 0
+        for s in self.fresh:
+            t = len(self.lay.segments[s].tokens)
+            self._fresh_span[s] = (at, at + t)
+            at += t
+        self.fresh_kv: list[tuple[Tensor, Tensor]] = []  # per layer, k and v of every fresh row
+        self._inter: Tensor | None = None  # [fresh rows, S] sum over layers of their mass per segment
+        self._intra: dict[int, list[Tensor]] = {s: [] for s in self.fresh}  # per layer, mass to own chunk (0-d)
 
-    def record_stats(self, rows: Tensor, k_raw: Tensor, v: Tensor, mass: Tensor | None) -> Tensor | None:
+    def record_stats(self, p: _Rows, k: Tensor, v: Tensor, mass: Tensor | None) -> Tensor | None:
         """Accumulate fresh chunks' KV and stats; return this layer's inter(C_i, U) per chunk
         while Alg. 1 is deciding (None otherwise)."""
         if mass is None:
             return None
-        need = self.fresh_mask | self.asker_mask if self.focus.active else self.fresh_mask
-        mass_rows = rows[need[rows]]  # the rows `mass` belongs to, in order
-        for s in self.fresh:  # every row of a fresh chunk is computed at every layer
-            idx = torch.searchsorted(rows, self.lay.rows(s))
-            self.fresh_kv[s].append((k_raw[:, idx].clone(), v[:, idx].clone()))
-            m = mass[torch.searchsorted(mass_rows, self.lay.rows(s))]  # [|C_s|, S]
-            self.inter[s] = self.inter.get(s, 0) + m[:, :s]  # eq. 3 per token and prefix chunk
-            self.intra[s] += float(m[:, s].sum())  # eq. 4
+        if self.fresh:  # every row of a fresh chunk is computed at every layer
+            at = p.memo("fresh", lambda: torch.searchsorted(p.rows, self._need_fresh))
+            self.fresh_kv.append((k.index_select(1, at), v.index_select(1, at)))
+            m = mass.index_select(0, self._fresh_in_need) if self.focus.active else mass  # [fresh rows, S]
+            self._inter = m if self._inter is None else self._inter + m  # eq. 3 per token and segment
+            for s, (a, b) in self._fresh_span.items():
+                self._intra[s].append(m[a:b, s].sum())  # eq. 4
         if not self.focus.active:
             return None
-        q = torch.searchsorted(mass_rows, self.asker)
-        return mass[q][:, self.chunks].sum(0)  # [chunks]
+        return mass.index_select(0, self._asker_in_need).index_select(1, self.chunks).sum(0)  # [chunks]
 
     def fresh_chunks(self) -> dict[int, FreshChunk]:
         out = {}
+        # eq. 4's sums, one read for every layer and chunk, added up in that order as floats
+        flat = torch.stack([x for s in self.fresh for x in self._intra[s]]).tolist() if self.fresh else []
+        intra, at = {}, 0
+        for s in self.fresh:
+            intra[s], at = flat[at:at + len(self._intra[s])], at + len(self._intra[s])
         for s in self.fresh:
             t = len(self.lay.segments[s].tokens)
-            inter = self.inter[s]  # [t, s]
+            a, b = self._fresh_span[s]
+            inter = self._inter[a:b, :s].contiguous()  # [t, s]
             per_chunk = inter.sum(0) / (self.L * t)  # eq. 9-10, one per prefix chunk
+            b_sum = 0.0
+            for x in intra[s]:
+                b_sum += x
             out[s] = FreshChunk(
                 prefix=self.lay.keys[:s],
-                kv=self.fresh_kv[s],
+                kv=[(k[:, a:b].contiguous(), v[:, a:b].contiguous()) for k, v in self.fresh_kv],
                 stats=VariantStats(
                     a=float(per_chunk.sum()),
-                    b=self.intra[s] / (self.L * t),
+                    b=b_sum / (self.L * t),
                     prefix_attention=tuple(float(x) for x in per_chunk),
                     token_inter_attention=tuple(float(x) for x in inter.sum(1)),  # eq. 14 input
                 ),

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from kvcraft.keys import ModelSpec
 
-from kvkernels import RopeConfig, rope_tables, rotate, selective_attention, selective_attention_sdpa
+from kvkernels import RopeConfig, rope_tables, rotate, selective_attention
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -220,32 +220,39 @@ class LlamaEngine:
 
     def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Pre-RoPE q [Hq,R,D], k [Hkv,R,D], v [Hkv,R,D] for hidden rows h [R, d]."""
-        qk, v = self.qk_v(layer, h)
-        q, k = qk.split([self.cfg.num_heads, self.cfg.num_kv_heads])
-        return q, k, v
+        c = self.cfg
+        return self._qkv(layer, h).split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
 
     def qk_v(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor]:
         """Pre-RoPE q and k as one [Hq+Hkv, R, D] (one rotation turns both: on a GPU each
         rotation is a kernel launch) and v [Hkv, R, D], for hidden rows h [R, d]."""
         c = self.cfg
-        x = self._norm(h, f"model.layers.{layer}.input_layernorm.weight")  # [R, d]
-        qkv = (x @ self.w_qkv[layer].T).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(0, 1)
+        qkv = self._qkv(layer, h)
         return qkv[:c.num_heads + c.num_kv_heads], qkv[c.num_heads + c.num_kv_heads:]  # [H, R, D]
+
+    def _qkv(self, layer: int, h: Tensor) -> Tensor:
+        """[Hq+2Hkv, R, D]: q, k, v heads of hidden rows h [R, d] in one matmul (pre-RoPE)."""
+        c = self.cfg
+        x = self._norm(h, f"model.layers.{layer}.input_layernorm.weight")  # [R, d]
+        return (x @ self.w_qkv[layer].T).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(0, 1)
 
     def rotated_qk(self, qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """q, k of `qk_v` rotated by the tables' rows, as [Hq,R,D], [Hkv,R,D]."""
         return rotate(qk, cos, sin).split([self.cfg.num_heads, self.cfg.num_kv_heads])
 
     def attend(self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
-               segments: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Selective attention of rotated q [Hq,R,D] over rotated k/v [Hkv,T,D] (position-causal).
+               mask: Tensor | None = None) -> Tensor:
+        """Attention of rotated q [Hq,R,D] over rotated k/v [Hkv,T,D], position-causal: key j
+        is visible to row r iff k_pos[j] <= q_pos[r]. -> o [Hq,R,D].
 
-        CPU: torch's fused SDPA; CUDA: the Triton kernel (mass in the same pass). Mass per
-        segment only when `segments` is given (`kvkernels.attention_mass` for a few rows).
+        CUDA: the Triton kernel, which masks by the positions. CPU: one fused SDPA call with
+        `mask`, the same visibility as an additive [R, T] mask in q's dtype (0 or -inf; the
+        caller builds it once per set of rows); None: the rows are all T keys, in order (causal).
         """
         if q.is_cuda:
-            return selective_attention(q, q_pos, k, v, k_pos, scale=self.scale, segments=segments)
-        return selective_attention_sdpa(q, q_pos, k, v, k_pos, scale=self.scale, segments=segments)
+            return selective_attention(q, q_pos, k, v, k_pos, scale=self.scale)[0]
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                              scale=self.scale, enable_gqa=q.shape[0] != k.shape[0])[0]
 
     def attn_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
         """Residual + o_proj of attention output o [Hq,R,D] -> h [R, d]."""

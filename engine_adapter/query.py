@@ -51,7 +51,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from engine_adapter.driver import BlendResult, Layer0, LayerTiming, _Blend, run_blend
+from engine_adapter.driver import BlendResult, Layer0, LayerTiming, _Blend, _Rows, run_blend
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import Naive, QueryAware
 from engine_adapter.prompt import Layout
@@ -72,61 +72,70 @@ class _QuestionPass(_Blend):
         self.deviation = torch.zeros(self.n) if deviation else None  # [N]
         # Only the question runs here. Rows of fresh chunks (computed once, in pass 2) are
         # hidden: placed after every row, so the position-causal mask keeps them out.
-        self.hidden = ~self.reused_mask & ~self.asker_mask
-        self.hidden[-1] = False
-        self.pos = torch.where(self.hidden, self.n, self.pos)
+        asks = set(self.asker_host) | {self.n - 1}
+        self.asking = [r for r, reused in enumerate(self.reused_host) if not reused and r in asks]
+        self.any_hidden = len(self.asking) < self.n - self.reused_tokens
+        hidden = ~self.reused_mask & ~self.asker_mask
+        hidden[-1] = False
+        self.pos = torch.where(hidden, self.n, self.pos)
+        self.causal = False
         self.received: list[LayerKV] = []
         self.reads = torch.zeros(self.n)  # [N] attention the question rows put on each row
         self.layer0: Layer0 | None = None  # the question rows after layer 0 (pass 2 starts them at 1)
 
-    def initial_rows(self) -> Tensor:
-        want = ~self.reused_mask & ~self.hidden
-        if self.deviation is not None:
-            want |= self.live_mask
-        return want.nonzero().squeeze(1)
+    def initial_rows(self) -> list[int]:
+        if self.deviation is None:
+            return self.asking
+        return sorted(set(self.asking) | {r for r, live in enumerate(self.live_host) if live})
 
-    def hkvd_keep(self, layer: int, rows: Tensor, k_rot: Tensor, v: Tensor) -> Tensor | None:
+    def compares_stored(self, layer: int) -> bool:
+        return self.deviation is not None and layer == 1
+
+    def hkvd(self, layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
         """Layer 1 with the deviation on: record the deviation of the reused rows' recomputed
-        K/V from the stored ones (CacheBlend §4.1: |K - K'| + |V - V'| summed over heads and
-        dims; K at this prompt's positions), and stop those rows. Called before the scatter:
-        the merged cache still holds the stored K/V. (Fresh chunks are not seen in this pass:
-        behind one, a reused row's layer 0 reads less context than full prefill's.)"""
-        if self.deviation is None or layer != 1:
-            return None
-        reused = self.live_mask[rows]
-        at = rows[reused]
-        K, V = self.kv[layer]
-        dev, _ = kv_deviation_topk(k_rot[:, reused], v[:, reused], K[:, at], V[:, at], 0.0)
-        self.deviation[at] = dev
-        return ~reused
+        K/V (in the merged cache now) from the stored ones (CacheBlend §4.1: |K - K'| + |V - V'|
+        summed over heads and dims, both K at this prompt's positions), and stop those rows:
+        the question's rows alone run on. (Fresh chunks are not seen in this pass: behind one,
+        a reused row's layer 0 reads less context than full prefill's.)"""
+        if not self.compares_stored(layer) or not p.n_cand:
+            return p, None
+        at, k_old, v_old = self._stored  # [C] prompt rows, their stored K (RoPE-free) and V (`merged`)
+        dev, _ = kv_deviation_topk(K.index_select(1, at), V.index_select(1, at), self.rot.at(at)(k_old), v_old, 0.0)
+        self.deviation.index_copy_(0, at, dev)
+        host = self.host_rows(p)
+        keep = [i for i, r in enumerate(host) if not self.live_host[r]]
+        return self.rows_of([host[i] for i in keep]), torch.tensor(keep, dtype=torch.long)
 
     def wait(self, layer: int) -> LayerKV:
         got = super().wait(layer)
         self.received.append(got)
         return got
 
-    def layer(self, layer: int, rows: Tensor, h: Tensor, select: bool = True):  # noqa: ANN201
-        out = super().layer(layer, rows, h, select)
+    def step(self, layer: int, p: _Rows, h: Tensor, merge, select: bool = True):  # noqa: ANN001, ANN201
+        out = super().step(layer, p, h, merge, select)
         if select and layer > 0:
             self.reads += self._question_reads(layer, out[0])
-        if select and layer == 0 and self.lay.segments[-1].question and not self.hidden.any():
+        if select and layer == 0 and self.lay.segments[-1].question and not self.any_hidden:
             q = self.lay.rows(len(self.lay.segments) - 1)
-            at = torch.searchsorted(out[0], q)
-            K, V = self.kv[0]
-            self.layer0 = Layer0(q, out[1][at].clone(), K[:, q].clone(), V[:, q].clone())
+            at = torch.searchsorted(out[0].rows, q)
+            self.layer0 = Layer0(q, out[1].index_select(0, at), out[2].index_select(1, at),
+                                 out[3].index_select(1, at))
         return out
 
-    def _question_reads(self, layer: int, rows: Tensor) -> Tensor:
+    def _question_reads(self, layer: int, p: _Rows) -> Tensor:
         """[N] this layer's attention probabilities of the question rows, summed over heads
         and rows (plain torch: one [Hq, Rq, N] score matrix, the question is a few rows).
-        rows: the rows that ran the layer, whose rotated queries `layer` left in self.q."""
+        p: the rows that ran the layer, whose rotated queries `step` left in self.q."""
         e = self.e
-        at = self.per_rows("question", rows, lambda: torch.isin(rows, self.asker).nonzero().squeeze(1))
-        q = self.q[:, at]  # [Hq, Rq, D]
-        k = self.kv[layer][0]  # merged: stored K of reused rows, this pass's computed rows
-        k = k.repeat_interleave(e.cfg.num_heads // e.cfg.num_kv_heads, 0)  # [Hq, N, D]
-        s = (q.float() @ k.float().transpose(1, 2)) * e.scale  # [Hq, Rq, N]
-        s = s.masked_fill(self.pos[None, None, :] > rows[at][None, :, None], float("-inf"))
+        at = p.memo("question", lambda: torch.tensor(
+            [i for i, r in enumerate(self.host_rows(p)) if r in set(self.asker_host)], dtype=torch.long))
+        hidden = p.memo("question_mask", lambda: self.pos[None, None, :] > p.rows.index_select(0, at)[None, :, None])
+        q = self.q.index_select(1, at).float()  # [Hq, Rq, D]
+        Hq, Rq, D = q.shape
+        k = self.kv[layer][0].float()  # [Hkv, N, D] merged: stored K of reused rows, this pass's computed rows
+        # query heads h*G..h*G+G-1 read kv head h: one batched matmul per kv head, no repeated K
+        s = torch.bmm(q.view(k.shape[0], -1, D), k.transpose(1, 2)).view(Hq, Rq, -1) * e.scale  # [Hq, Rq, N]
+        s = s.masked_fill(hidden, float("-inf"))
         return s.softmax(-1).sum((0, 1))
 
 
@@ -308,16 +317,15 @@ class _Repair(_Blend):
 
     def __init__(self, *args, picks: Picks, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.shallow, self.depth = picks.shallow, picks.depth
+        self.shallow, self.depth = set(picks.shallow.tolist()), picks.depth
 
-    def continuing(self, layer: int, rows: Tensor, to_question: Tensor | None) -> Tensor | None:
-        keep = super().continuing(layer, rows, to_question)
-        if layer != self.depth - 1 or not len(self.shallow):
-            return keep
+    def continuing(self, layer: int, p: _Rows, h: Tensor, to_question: Tensor | None) -> tuple[_Rows, Tensor]:
+        p, h = super().continuing(layer, p, h, to_question)
+        if layer != self.depth - 1 or not self.shallow:
+            return p, h
         # Every chunk here was live through pass 1's layers 0..L-2, so none falls back before
         # its head rows stop; one late at layer L-1 catches them up (`fall_back`).
-        stay = ~torch.isin(rows, self.shallow)
-        return stay if keep is None else keep & stay
+        return self.kept(p, h, [i for i, r in enumerate(self.host_rows(p)) if r not in self.shallow])
 
 
 def repair(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSource, live: Sequence[int],

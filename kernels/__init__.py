@@ -1,11 +1,12 @@
 """kvkernels: Triton kernels of blended prefill, each beside its plain-torch reference.
 
 The names without a suffix are dispatchers: the Triton kernel when the inputs are CUDA
-tensors, the torch reference otherwise (CPU, CI). ``selective_attention_sdpa`` is the
-same attention through torch's fused SDPA: what a prefill on CPU runs (the reference
-materialises every score; the Triton interpreter is slower still). ``*_triton`` and ``*_reference`` are
-the explicit variants; tests run the Triton ones on CPU tensors under
-``TRITON_INTERPRET=1``, which must be set before this package is first imported.
+tensors, the torch reference otherwise (CPU, CI); on CPU a prefill's attention is
+torch's fused SDPA with a mask its caller builds once per set of rows
+(`engine_adapter.llama.LlamaEngine.attend`: the reference materialises every score, the
+Triton interpreter is slower still). ``*_triton`` and ``*_reference`` are the explicit
+variants; tests run the Triton ones on CPU tensors under ``TRITON_INTERPRET=1``, which
+must be set before this package is first imported.
 
 Modules: ``rope`` (apply/remove RoPE at arbitrary positions), ``attention`` (selective
 attention with a position-causal mask and per-chunk attention mass)
@@ -21,7 +22,6 @@ from .attention import (
     attention_mass_blocked,
     attention_mass_reference,
     selective_attention_reference,
-    selective_attention_sdpa,
     selective_attention_triton,
 )
 from .deviation import kv_deviation_topk_reference, kv_deviation_topk_triton
@@ -49,7 +49,6 @@ __all__ = [
     "selective_attention",
     "selective_attention_triton",
     "selective_attention_reference",
-    "selective_attention_sdpa",
     "attention_mass",
     "attention_mass_reference",
     "attention_mass_blocked",
@@ -84,8 +83,8 @@ def selective_attention(
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Selected query rows over the merged cache, and per-segment mass
-    (contract: :func:`selective_attention_triton`). A prefill on CPU wants
-    :func:`selective_attention_sdpa` (the engine calls it), the fast one there."""
+    (contract: :func:`selective_attention_triton`). On CPU a prefill wants torch's fused
+    SDPA with a position mask (`LlamaEngine.attend`), the fast one there."""
     if q.is_cuda:
         return selective_attention_triton(q, q_pos, k, v, k_pos, scale=scale, segments=segments)
     return selective_attention_reference(q, q_pos, k, v, k_pos, scale=scale, segments=segments)

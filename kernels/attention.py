@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -124,21 +123,6 @@ def attention_mass_reference(
     return mass.index_add_(1, _segment_ids(segments, T), per_key)  # [R, S]
 
 
-SDPA_BLOCK_ROWS = 64  # query rows per SDPA call when the keys are in position order
-
-
-def _sdpa(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
-          scale: float) -> torch.Tensor:
-    """One fused SDPA call over every key, with the position-causal mask."""
-    visible = k_pos[None, :] <= q_pos[:, None]  # [R, T]
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=scale,
-                                         enable_gqa=q.shape[0] != k.shape[0])[0]  # [Hq, R, D]
-    blind = ~visible.any(dim=1)  # a row that sees no key outputs 0, as the reference does
-    if bool(blind.any()):
-        out[:, blind] = 0
-    return out
-
-
 def _row_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, rows: int):  # -> Iterator[(idx, pos, t)]
     """Query rows in position order, `rows` at a time: (their indices, positions, the number
     of leading keys they can see), for keys in position order."""
@@ -148,21 +132,6 @@ def _row_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, rows: int):  # -> Iter
     for a in range(0, len(order), rows):
         b = min(a + rows, len(order))
         yield order[a:b], pos[a:b], ends[b - 1]
-
-
-def _sdpa_blocked(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """Keys in position order: rows in position order, `SDPA_BLOCK_ROWS` at a time, each block
-    over the keys up to its last row's position only. The mask hides the keys past a row's
-    position, but the fused kernel still computes them: recomputed rows spread over the
-    prompt see half the keys on average, so one call over all keys does twice the work."""
-    out = q.new_empty(q.shape)
-    for idx, pos, t in _row_blocks(q_pos, k_pos, SDPA_BLOCK_ROWS):
-        if t == 0:  # the block's rows see no key: 0, as the reference gives
-            out[:, idx] = 0
-            continue
-        out[:, idx] = _sdpa(q[:, idx], pos, k[:, :t], v[:, :t], k_pos[:t], scale)
-    return out
 
 
 MASS_BLOCK_ROWS = 256  # query rows per scores matrix of attention_mass_blocked
@@ -189,38 +158,6 @@ def attention_mass_blocked(
             mass[idx] = attention_mass_reference(q[:, idx], pos, k[:, :t], k_pos[:t], segments.clamp(max=t),
                                                  scale=scale)
     return mass
-
-
-def selective_attention_sdpa(
-    q: torch.Tensor,
-    q_pos: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_pos: torch.Tensor,
-    *,
-    scale: float | None = None,
-    segments: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Selective attention through torch's fused SDPA. Same contract as
-    :func:`selective_attention_triton`.
-
-    Inputs go in as [1, H, R, D] / [1, Hkv, T, D] with a boolean [R, T] mask and GQA
-    left to SDPA: on CPU that selects the fused flash kernel (given 3-D tensors it takes
-    the unfused math path, ~6x slower at 1.3k keys). Keys in position order (the blend's
-    merged cache) and many rows: blocks of rows over the keys they can see
-    (:func:`_sdpa_blocked`). Mass, when asked for, is a second pass
-    (:func:`attention_mass_reference`): ask only for the rows that need it.
-    """
-    _check(q, q_pos, k, v, k_pos, segments)
-    Hq, R, D = q.shape
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    if R >= 2 * SDPA_BLOCK_ROWS and bool((k_pos[1:] >= k_pos[:-1]).all()):
-        out = _sdpa_blocked(q, q_pos, k, v, k_pos, scale)
-    else:
-        out = _sdpa(q, q_pos, k, v, k_pos, scale)
-    if segments is None:
-        return out, None
-    return out, attention_mass_reference(q, q_pos, k, k_pos, segments, scale=scale)
 
 
 @triton.jit

@@ -1,5 +1,6 @@
-"""Selective attention: reference vs SDPA and vs a naive softmax, Triton and the fused-SDPA
-path vs reference, attention mass alone vs a naive softmax."""
+"""Selective attention: reference vs SDPA and vs a naive softmax, Triton vs reference,
+attention mass alone vs a naive softmax. (The CPU prefill's fused-SDPA path,
+`LlamaEngine.attend`, vs the reference: tests/engine_adapter/test_llama_engine.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch.nn.functional as F
 from kvkernels import (
     attention_mass_reference,
     selective_attention_reference,
-    selective_attention_sdpa,
     selective_attention_triton,
 )
 
@@ -161,53 +161,6 @@ def test_rejects_bad_segments_and_head_ratio() -> None:
     q, k, v = _qkv(2, 2, 2, 8, 16, torch.float32, seed=10)
     with pytest.raises(ValueError, match="segments"):
         selective_attention_triton(q, pos[:2], k, v, pos, segments=torch.tensor([0, 5, 7]))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 1), (12, 4)], ids=["mha", "gqa4", "gqa3"])
-@pytest.mark.parametrize("R,T", [(1, 37), (13, 45), (50, 50)], ids=["one_row", "subset", "all_rows"])
-def test_sdpa_matches_reference(dtype: torch.dtype, Hq: int, Hkv: int, R: int, T: int) -> None:
-    seed = R * 1000 + T + Hq + 1
-    q, k, v = _qkv(Hq, Hkv, R, T, 32, dtype, seed)
-    k_pos = torch.arange(T) + 100
-    q_pos = k_pos[torch.randperm(T, generator=torch.Generator().manual_seed(seed))[:R]]
-    segments = torch.tensor([0, 7, 7, T // 2, T])
-    expected, expected_mass = selective_attention_reference(q, q_pos, k, v, k_pos, segments=segments)
-    got, mass = selective_attention_sdpa(q, q_pos, k, v, k_pos, segments=segments)
-    assert got.dtype == dtype and got.shape == (Hq, R, 32) and mass.shape == (R, 4)
-    torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
-    torch.testing.assert_close(mass, expected_mass, **MASS_TOL)
-
-
-def test_sdpa_keys_out_of_position_order_strided_inputs_and_blind_rows() -> None:
-    T, D = 29, 24
-    k = torch.randn(T, 2, D).transpose(0, 1)  # [Hkv, T, D] views of [T, H, D] buffers
-    v = torch.randn(T, 2, D).transpose(0, 1)
-    q = torch.randn(8, 4, D).transpose(0, 1)
-    k_pos = torch.arange(T) + 3
-    q_pos = torch.tensor([31, 0, 14, 5, 21, 9, 2, 17])  # row 1 precedes every key
-    perm = torch.randperm(T, generator=torch.Generator().manual_seed(8))
-    got, mass = selective_attention_sdpa(q, q_pos, k[:, perm], v[:, perm], k_pos[perm], scale=0.3)
-    expected, _ = selective_attention_reference(q.contiguous(), q_pos, k.contiguous(), v.contiguous(), k_pos,
-                                                scale=0.3)
-    assert mass is None and torch.all(got[:, 1] == 0) and torch.isfinite(got).all()
-    torch.testing.assert_close(got, expected, **TOL[torch.float32])
-
-
-def test_sdpa_rows_in_blocks_over_position_ordered_keys_equal_the_reference() -> None:
-    """Many rows over keys in position order take the blocked path (each block of rows over
-    the keys it can see); rows in any order, some before every key, some seeing all."""
-    from kvkernels.attention import SDPA_BLOCK_ROWS
-
-    T, D, R = 300, 32, 3 * SDPA_BLOCK_ROWS + 5
-    q, k, v = _qkv(6, 2, R, T, D, torch.float32, seed=11)
-    k_pos = torch.arange(T) + 10
-    q_pos = torch.randint(0, T + 20, (R,), generator=torch.Generator().manual_seed(12))
-    q_pos[:SDPA_BLOCK_ROWS + 1] = 3  # more than a whole block sees no key
-    got, _ = selective_attention_sdpa(q, q_pos, k, v, k_pos, scale=0.2)
-    expected, _ = selective_attention_reference(q, q_pos, k, v, k_pos, scale=0.2)
-    assert torch.all(got[:, :SDPA_BLOCK_ROWS + 1] == 0)
-    torch.testing.assert_close(got, expected, **TOL[torch.float32])
 
 
 def test_attention_mass_in_blocks_over_position_ordered_keys_equals_the_reference() -> None:
