@@ -1,0 +1,102 @@
+"""`kvbench.fidelity_stream`: its report against brute force, and one short stream as deployed
+(30 requests of the short task) whose service tallies are checked against the benchmark's own
+full prefill of every request."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from kvbench import fidelity_stream as fs
+from kvbench.quality.modeling import MODEL_DIR
+from kvservice.fidelity import wilson
+
+
+def _rows(budgets, seed=0):
+    rng = random.Random(seed)
+    return [{"budget": b, "blended": i > 0, "sampled": i > 0 and rng.random() < 0.5, "agree": rng.random() < 0.9,
+             "share": b + 0.1 * rng.random(), "ttft_s": rng.random(), "prompt_tokens": 40, "fallbacks": 0,
+             "plan_failed": False} for i, b in enumerate(budgets)]
+
+
+def test_trajectory_and_settle():
+    budgets = [0.25] * 11 + [0.4] * 12 + [0.25] * 3 + [0.15] * 4
+    assert fs.trajectory(budgets) == [{"request": 0, "from": None, "to": 0.25},
+                                      {"request": 11, "from": 0.25, "to": 0.4},
+                                      {"request": 23, "from": 0.4, "to": 0.25},
+                                      {"request": 26, "from": 0.25, "to": 0.15}]
+    assert fs.settled_from(budgets) == 26
+    assert fs.settled_from([0.25] * 5) == 0
+    assert fs.settled_from([0.25]) == 0
+
+
+def test_adaptive_report_against_brute_force():
+    budgets = [0.25] * 40 + [0.15] * 60
+    rows = _rows(budgets)
+    tallies = []
+    for b in (0.25, 0.15):
+        mine = [r for r in rows if r["budget"] == b and r["sampled"]]
+        agree = sum(r["agree"] for r in mine)
+        lo, hi = wilson(agree, len(mine))
+        tallies.append({"policy": "query", "budget": b, "samples": len(mine), "top1_agree": agree,
+                        "agree_lower": lo, "agree_upper": hi})
+    run = {"requests": rows, "service": {"fidelity": tallies, "budgets": []},
+           "sampling_cost": {"row_share": 0.5, "shadow_s": 1.0, "served_compute_s": 2.0, "shadow_row_layers": 1,
+                             "served_row_layers": 1}}
+    rep = fs.adaptive_report(run, "query")
+    after = rows[40:]
+    assert rep["settled_budget"] == 0.15 and rep["settled_from_request"] == 40
+    assert rep["settled"]["requests"] == 60
+    assert rep["settled"]["agreement"] == pytest.approx(sum(r["agree"] for r in after) / 60)
+    assert rep["settled"]["computed_share"] == pytest.approx(sum(r["share"] for r in after) / 60)
+    p = rep["settled"]["agreement"]
+    assert rep["settled"]["se"] == pytest.approx(math.sqrt(p * (1 - p) / 60))
+    for h in rep["honesty"]:
+        at = [r for r in rows if r["budget"] == h["budget"]]
+        true = sum(r["agree"] for r in at) / len(at)
+        lo, hi = wilson(h["service_top1_agree"], h["service_samples"])
+        assert h["true_agreement_all"] == pytest.approx(true)
+        assert h["covers_all"] == (lo <= true <= hi)
+        assert h["sampled"] == h["service_samples"]
+    # the sweep: the smallest budget meeting the target, and the ratio to it
+    sweep = [{"policy": f"query:budget={b}", "requests": [{"agree": a, "share": s, "ttft_s": 0.0}
+                                                          for a, s in zip(agree, [b] * len(agree))]}
+             for b, agree in ((0.05, [1] * 90 + [0] * 10), (0.1, [1] * 96 + [0] * 4), (0.15, [1] * 100))]
+    s = fs.sweep_report(sweep, rep["settled"]["computed_share"])
+    assert s["smallest_budget_meeting_target"] == 0.1
+    assert s["settled_share_ratio"] == pytest.approx(rep["settled"]["computed_share"] / 0.1)
+
+
+def test_columns_round_trip():
+    rows = _rows([0.25, 0.4])
+    back = fs.unpack(json.loads(json.dumps(fs.columns(rows))))
+    assert [r["agree"] for r in back] == [int(r["agree"]) for r in rows]
+    assert back[1]["share"] == pytest.approx(rows[1]["share"], abs=1e-5)
+
+
+@pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="no trained model committed")
+def test_a_short_stream_as_deployed():
+    """Every sample the service tallied is a request the benchmark saw sampled, and its
+    agreement is the one the benchmark's own full prefill gives (the shadow computes the same
+    thing); the last request's sample may still be waiting for a next Plan."""
+    from engine_adapter import LlamaEngine
+
+    engine = LlamaEngine.from_pretrained(MODEL_DIR)
+    reqs = fs.synthetic_stream("short", 30, seed=1)
+    assert len(reqs) == 30
+    run = fs.serve(engine, reqs, fs.ADAPTIVE, progress=False)
+    rows = run["requests"]
+    assert len(rows) == 30 and len(run["reference"]["tokens"]) == 30
+    assert all(r["blended"] or not r["sampled"] for r in rows)
+    rep = fs.adaptive_report(run, "query")
+    pending = rows[-1]["sampled"]
+    for h in rep["honesty"]:
+        last = int(pending and fs._key(rows[-1]["budget"]) == h["budget"])
+        assert h.get("service_samples", 0) == h["sampled"] - last
+        if not last:
+            assert h.get("service_top1_agree", 0) == h["sampled_agree_by_reference"]
+    assert 0 < run["sampling_cost"]["row_share"] < 1
+    assert rep["trajectory"][0] == {"request": 0, "from": None, "to": 0.25}  # the cold start
