@@ -31,7 +31,7 @@ The joined selection (`QueryAware.deviation` > 0) adds CacheBlend's signal (§4.
 tokens whose stored K/V deviate most from recomputed ones are those whose cross-attention
 matters; its first check layer is layer 1, since layer-0 K/V do not depend on the prefix):
 the question pass also runs layer 0 for every reused row, projects their layer-1 K/V, and
-drops them (`_QuestionPass.hkvd_keep`); each row's score is then a weighted sum of its
+drops them (`_QuestionPass.hkvd`); each row's score is then a weighted sum of its
 share of the reads and its share of the deviation (`joined_score`), spent as above. The
 layer-0 rows are paid from the budget; where they would take more than
 DEVIATION_MAX_SHARE of it (shallow models: one layer of every reused row is a large share),
@@ -72,7 +72,8 @@ class _QuestionPass(_Blend):
         self.deviation = torch.zeros(self.n) if deviation else None  # [N]
         # Only the question runs here. Rows of fresh chunks (computed once, in pass 2) are
         # hidden: placed after every row, so the position-causal mask keeps them out.
-        asks = set(self.asker_host) | {self.n - 1}
+        self.asker_set = set(self.asker_host)
+        asks = self.asker_set | {self.n - 1}
         self.asking = [r for r, reused in enumerate(self.reused_host) if not reused and r in asks]
         self.any_hidden = len(self.asking) < self.n - self.reused_tokens
         hidden = ~self.reused_mask & ~self.asker_mask
@@ -128,7 +129,7 @@ class _QuestionPass(_Blend):
         p: the rows that ran the layer, whose rotated queries `step` left in self.q."""
         e = self.e
         at = p.memo("question", lambda: torch.tensor(
-            [i for i, r in enumerate(self.host_rows(p)) if r in set(self.asker_host)], dtype=torch.long))
+            [i for i, r in enumerate(self.host_rows(p)) if r in self.asker_set], dtype=torch.long))
         hidden = p.memo("question_mask", lambda: self.pos[None, None, :] > p.rows.index_select(0, at)[None, :, None])
         q = self.q.index_select(1, at).float()  # [Hq, Rq, D]
         Hq, Rq, D = q.shape
@@ -213,11 +214,10 @@ def joined_score(q: QuestionReads, weight: float) -> Tensor:
     return (1 - weight) * share(q.reads) + weight * share(q.deviation)
 
 
-def uses_deviation(policy: QueryAware, lay: Layout, reused_tokens: int, num_layers: int) -> bool:
+def uses_deviation(policy: QueryAware, reused_tokens: int, picks_row_layers: int) -> bool:
     """The deviation signal is measured: weighted, and its cost (layer 0 of every reused row)
     at most DEVIATION_MAX_SHARE (half) of the row-layers the picks could spend without it."""
-    picks = picks_budget(policy, lay, reused_tokens, num_layers) * num_layers
-    return policy.deviation > 0 and 0 < reused_tokens <= DEVIATION_MAX_SHARE * picks
+    return policy.deviation > 0 and 0 < reused_tokens <= DEVIATION_MAX_SHARE * picks_row_layers
 
 
 @dataclass
@@ -344,12 +344,13 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
     """The two passes of the module docstring; one BlendResult whose row counts and timings
     cover both (`computed_share` is what the prefill computed in all)."""
     L = engine.cfg.num_layers
-    if picks_budget(policy, lay, sum(len(lay.segments[s].tokens) for s in reused), L) == 0:
+    reused_tokens = sum(len(lay.segments[s].tokens) for s in reused)
+    picks = picks_budget(policy, lay, reused_tokens, L)
+    if picks == 0:
         naive = Naive(layer_budget_s=policy.layer_budget_s)  # nothing to spend (not the plan's lists either)
         return run_blend(engine, lay, naive, source, reused, all_logits, stats)
-    reused_tokens = sum(len(lay.segments[s].tokens) for s in reused)
     q = question_reads(engine, lay, source, reused, policy.layer_budget_s,
-                       deviation=uses_deviation(policy, lay, reused_tokens, L))
+                       deviation=uses_deviation(policy, reused_tokens, picks * L))
     measured = reused_tokens if q.deviation is not None else 0
     q = dataclasses.replace(q, reads=joined_score(q, policy.deviation))
     picks = most_read(q, lay, picks_budget(policy, lay, int(q.live.sum()), L, measured), heads=bool(policy.heads),

@@ -69,7 +69,8 @@ MIN_VERDICT_SAMPLES = 10
 # a step up, never fidelity.
 MAX_MEASURING_SAMPLES = 400
 
-MEASURING, HELD, SHORT = "measuring", "held", "short"
+MEASURING, HELD, SHORT = "measuring", "held", "short"  # a budget's verdict
+AT_FULL = "full"  # a Choice's state where no budget below 1 holds the target
 
 
 def wilson(agree: int, samples: int, z: float = Z95) -> tuple[float, float]:
@@ -163,7 +164,7 @@ class Choice(NamedTuple):
     model_id: str
     policy: str
     budget: float  # one of LADDER
-    state: str  # MEASURING, HELD, or "full": no budget below 1 holds the target
+    state: str  # MEASURING, HELD, or AT_FULL
 
 
 class FidelityBook:
@@ -180,16 +181,16 @@ class FidelityBook:
         self._clock = clock
         self._every_s = every_s
         self._lock = threading.Lock()
-        self._tallies: dict[tuple[str, str, float], Tally] = {}
+        self._tallies: dict[tuple[str, str], dict[float, Tally]] = {}  # (model id, policy) -> budget -> tally
         self._choices: dict[tuple[str, str], Choice] = {}  # the last answer per adaptive (model, policy)
-        self._dirty: set[tuple[str, str, float]] = set()
+        self._dirty: set[tuple[str, str, float]] = set()  # (model id, policy, budget) written since
         self._written = float("-inf")  # clock of the last write
         self._timer: threading.Timer | None = None
         self._closed = False
         self._failing = False
         if db is not None:
             for t in db.load_fidelity():
-                self._tallies[(t.model_id, t.policy, t.budget)] = t
+                self._tallies.setdefault((t.model_id, t.policy), {})[t.budget] = t
 
     def observe(self, model_id: str, samples: Iterable[Sample]) -> None:
         """Count samples of `model_id`; persist now if the last write is a second old,
@@ -197,9 +198,9 @@ class FidelityBook:
         with self._lock:
             for s in samples:
                 budget = ladder_budget(s.budget)
-                key = (model_id, s.policy, budget)
-                self._tallies[key] = self._tallies.get(key, Tally(model_id, s.policy, budget=budget)).add(s)
-                self._dirty.add(key)
+                by_budget = self._tallies.setdefault((model_id, s.policy), {})
+                by_budget[budget] = by_budget.get(budget, Tally(model_id, s.policy, budget=budget)).add(s)
+                self._dirty.add((model_id, s.policy, budget))
             if not self._dirty or self._db is None or self._closed:
                 return
             wait = self._written + self._every_s - self._clock()
@@ -213,7 +214,7 @@ class FidelityBook:
     def tallies(self) -> list[Tally]:
         """Every tally, by model id, policy, then budget."""
         with self._lock:
-            return [self._tallies[k] for k in sorted(self._tallies)]
+            return [t for k in sorted(self._tallies) for _, t in sorted(self._tallies[k].items())]
 
     def decide(self, model_id: str, policy: str, adaptive: bool) -> tuple[float, bool]:
         """A Plan's (recompute budget, measure it) for an engine of `model_id` serving by
@@ -222,10 +223,10 @@ class FidelityBook:
         `sample` of them. No target (0): no budget; requests measured as if not adaptive."""
         with self._lock:
             if not (adaptive and policy and self.target > 0):
-                seen = sum(t.samples for (m, p, _), t in self._tallies.items() if m == model_id and p == policy)
+                seen = sum(t.samples for t in self._tallies.get((model_id, policy), {}).values())
                 return 0.0, seen < FIRST_SAMPLES or self._rng.random() < self.sample
             choice = self._choose_locked(model_id, policy)
-            if choice.state == "full":
+            if choice.state == AT_FULL:
                 return FULL, False  # full prefill: nothing served from stored KV to measure
             return choice.budget, choice.state == MEASURING or self._rng.random() < self.sample
 
@@ -235,10 +236,12 @@ class FidelityBook:
             return [self._choices[k] for k in sorted(self._choices)]
 
     def _choose_locked(self, model_id: str, policy: str) -> Choice:
+        by_budget = self._tallies.get((model_id, policy), {})
+
         def verdict(b: float) -> str:
             if b == FULL:
                 return HELD  # full prefill is the reference itself
-            t = self._tallies.get((model_id, policy, b))
+            t = by_budget.get(b)
             return t.verdict(self.target) if t is not None else MEASURING
 
         i = LADDER.index(COLD_START)
@@ -247,7 +250,7 @@ class FidelityBook:
         while i > 0 and verdict(LADDER[i]) == HELD and verdict(LADDER[i - 1]) != SHORT:
             i -= 1
         budget = LADDER[i]
-        state = "full" if budget == FULL else verdict(budget)
+        state = AT_FULL if budget == FULL else verdict(budget)
         choice = Choice(model_id, policy, budget, state)
         last = self._choices.get((model_id, policy))
         if last != choice:
@@ -257,14 +260,14 @@ class FidelityBook:
 
     def _log_change(self, last: Choice | None, now: Choice) -> None:
         def seen(b: float) -> str:
-            t = self._tallies.get((now.model_id, now.policy, b))
+            t = self._tallies.get((now.model_id, now.policy), {}).get(b)
             if t is None:
                 return "no samples"
             lower, upper = t.interval
             return f"{t.top1_agree}/{t.samples} agreed, 95% interval [{lower:.3f}, {upper:.3f}]"
 
         who = f"model {now.model_id} policy {now.policy}"
-        if now.state == "full":
+        if now.state == AT_FULL:
             below = LADDER[-2]
             log.warning("kvcraft fidelity: %s cannot hold first-token agreement >= %.3f with reuse (budget %.2f: %s); "
                         "its requests are served by full prefill from now on", who, self.target, below, seen(below))
@@ -286,7 +289,7 @@ class FidelityBook:
         if not self._dirty or self._db is None:
             return
         try:
-            self._db.put_fidelity([self._tallies[k] for k in self._dirty])
+            self._db.put_fidelity([self._tallies[(m, p)][b] for m, p, b in self._dirty])
         except Exception as e:  # rocksdict raises plain Exception for RocksDB statuses
             if not self._failing:
                 log.warning("fidelity tallies are not persisted (%s); they are kept in memory", e)

@@ -7,11 +7,11 @@ Column family "access": variant id -> the variant's latest fr and last access (1
 kilobytes: its per-token statistics). Both only grow, so recovery takes the larger of
 the two records' values. Column family "fidelity": model id (32 ascii chars) ++ policy
 (utf-8) ++ NUL ++ recompute budget ("0.1500") -> that sampled-fidelity tally (`FIDELITY`,
-`kvservice.fidelity`; a key without the budget: budget 0), written unsynced. Column family "meta": format version. Writes that make a variant
-are durable before they return; deletes need not be (recovery drops a record whose
-payload is gone, docs/storage.md), and a variant's delete drops its access record in
-the same batch; access updates are unsynced (losing the last few on a crash
-only makes eviction slightly less informed).
+`kvservice.fidelity`; a key without the budget: budget 0), written unsynced. Column family
+"meta": format version. Writes that make a variant are durable before they return;
+deletes need not be (recovery drops a record whose payload is gone, docs/storage.md), and a
+variant's delete drops its access record in the same batch; access updates are unsynced
+(losing the last few on a crash only makes eviction slightly less informed).
 
 Durable writes are group-committed, off the GIL: rocksdict holds the GIL through a
 RocksDB write with sync=True, so a synced write per Store would stop every thread of

@@ -43,15 +43,19 @@ MAX_KL = 1e4
 MAX_COMPUTED_SHARE = 4.0
 
 
+def _check_policy_name(where: str, name: str) -> None:
+    if not (0 < len(name) <= MAX_POLICY_CHARS and name.isprintable()):
+        raise InvalidArgument(f"{where} is {name[:40]!r}; expected a policy name of 1..{MAX_POLICY_CHARS} "
+                              f"printable characters")
+
+
 def check_fidelity(samples: Sequence[Any]) -> None:
     """The fidelity samples of a Plan's timings (`pb.FidelitySample`)."""
     if len(samples) > MAX_FIDELITY_SAMPLES:
         raise InvalidArgument(f"timings.fidelity has {len(samples)} samples; at most {MAX_FIDELITY_SAMPLES} a Plan")
     for i, s in enumerate(samples):
         where = f"timings.fidelity[{i}]"
-        if not (0 < len(s.policy) <= MAX_POLICY_CHARS and s.policy.isprintable()):
-            raise InvalidArgument(f"{where}.policy is {s.policy[:40]!r}; expected a policy name of 1.."
-                                  f"{MAX_POLICY_CHARS} printable characters")
+        _check_policy_name(f"{where}.policy", s.policy)
         if not (math.isfinite(s.kl) and 0 <= s.kl <= MAX_KL):
             raise InvalidArgument(f"{where}.kl is {s.kl}; expected a finite number in [0, {MAX_KL:g}]")
         if not 0 <= s.computed_share <= MAX_COMPUTED_SHARE:  # NaN fails too
@@ -63,9 +67,8 @@ def check_fidelity(samples: Sequence[Any]) -> None:
 
 def check_policy(req: Any) -> None:
     """A Plan request's policy name, and `adaptive` only with one."""
-    if req.policy and not (len(req.policy) <= MAX_POLICY_CHARS and req.policy.isprintable()):
-        raise InvalidArgument(f"policy is {req.policy[:40]!r}; expected a policy name of 1..{MAX_POLICY_CHARS} "
-                              f"printable characters")
+    if req.policy:
+        _check_policy_name("policy", req.policy)
     if req.adaptive and not req.policy:
         raise InvalidArgument("adaptive needs policy: the recompute budget is held per model and policy")
 
