@@ -21,10 +21,12 @@ def fidelity_table(stats: pb.StatsResponse, model_id: str | None = None) -> str:
     rows = []
     for r in fidelity:
         rate = r.top1_agree / r.samples if r.samples else 0.0
+        answer = f"{r.answer_agree / r.answer_tokens:.3f} of {r.answer_tokens}" if r.answer_tokens else "-"
         rows.append((r.model_id, r.policy, f"{r.budget:.2f}" if r.budget else "-", str(r.samples), str(r.top1_agree),
                      f"{rate:.3f}", f"[{r.agree_lower:.3f}, {r.agree_upper:.3f}]", f"{r.mean_kl:.4g}",
-                     f"{r.mean_computed_share:.3f}"))
-    head = ("model", "policy", "budget", "samples", "top1_agree", "agreement", "95% interval", "mean_kl", "computed")
+                     f"{r.mean_computed_share:.3f}", answer))
+    head = ("model", "policy", "budget", "samples", "top1_agree", "agreement", "95% interval", "mean_kl", "computed",
+            "answer_agree")
     return out + _table(head, rows)
 
 

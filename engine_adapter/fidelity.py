@@ -5,7 +5,12 @@ asks for it (`Plan.fidelity_sample`: the service chooses, `kvservice.fidelity`),
 `ShadowSampler` computes full prefill of the same prompt tokens in the order served, on a
 background thread after the request's first-token logits exist (the request never waits
 for it), and compares the two next-token distributions at the last prompt position
-(`compare`): top-1 agreement and KL(full || served). Each comparison is a
+(`compare`): top-1 agreement and KL(full || served). For a request that generated
+(`RAGAdapter.generate`) the shadow runs after its answer and also feeds full prefill the
+answer's first ANSWER_TOKENS tokens after the first (teacher forcing: a few rows more than
+the prompt's): `answer_agreement` counts the positions where full prefill predicts the
+token the served request chose next, the drift the first token alone does not show. Each
+comparison is a
 `pb.FidelitySample` that the adapter sends with its next Plan (at most
 `MAX_SAMPLES_PER_PLAN`); the service tallies them per model and policy
 (`kvservice.fidelity`, `kvcraft admin fidelity`).
@@ -35,6 +40,7 @@ log = logging.getLogger(__name__)
 MAX_SAMPLES_PER_PLAN = 64  # the service's bound (kvservice.server.checks)
 MAX_PENDING = 1024  # samples kept while no Plan takes them (service down): the oldest go first
 MAX_QUEUED = 8  # shadows waiting for the worker; a request sampled beyond that is skipped
+ANSWER_TOKENS = 16  # answer tokens after the first a shadow compares under teacher forcing
 
 
 @torch.no_grad()
@@ -45,6 +51,15 @@ def compare(full: Tensor, served: Tensor) -> tuple[bool, float]:
     log_q = torch.log_softmax(served.detach().to(torch.float64).cpu(), dim=-1)
     kl = float((log_p.exp() * (log_p - log_q)).sum())
     return int(full.argmax()) == int(served.argmax()), max(kl, 0.0)
+
+
+def answer_agreement(full: Tensor, answer: Sequence[int]) -> tuple[int, int]:
+    """Teacher forcing: full: the logits [m, V] of full prefill over prompt + answer[:m-1],
+    at the last prompt position and the m-1 positions after it; answer: the served tokens,
+    answer[0] the first. Returns (tokens compared, agreeing): the positions i in 1..m-1 where
+    full prefill's argmax is answer[i]."""
+    picks = full[1:].argmax(dim=-1).tolist()
+    return len(picks), sum(int(p == int(t)) for p, t in zip(picks, answer[1:]))
 
 
 @dataclass(frozen=True)
@@ -81,11 +96,12 @@ class ShadowSampler:
         self._served_s = self._shadow_s = 0.0
 
     def observe(self, spans: Sequence[Sequence[int]], result: BlendResult, policy: str, budget: float,
-                sample: bool) -> bool:
+                sample: bool, answer: Sequence[int] = ()) -> bool:
         """Count a served request; if it is blended and `sample` (its Plan asked), queue its
         shadow prefill. spans: the prompt's token spans in the order served (chunks, then the
-        question); budget: the recompute budget it ran with (0: its policy has none).
-        Returns whether it was sampled."""
+        question); budget: the recompute budget it ran with (0: its policy has none); answer:
+        the tokens it generated, if any (the first from `result.logits`), compared under
+        teacher forcing. Returns whether it was sampled."""
         with self._lock:
             self._served += 1
             self._served_rows += sum(result.computed_rows) if result.computed_rows else 0
@@ -104,15 +120,19 @@ class ShadowSampler:
             self._sampled += 1
             served = result.logits.detach().clone()
             share = result.computed_share
-            self._queued.append(self._worker.submit(self._shadow, list(spans), served, policy, budget, share))
+            answer = [int(t) for t in answer[:ANSWER_TOKENS + 1]]
+            self._queued.append(self._worker.submit(self._shadow, list(spans), served, policy, budget, share, answer))
             return True
 
-    def _shadow(self, spans: list[Sequence[int]], served: Tensor, policy: str, budget: float, share: float) -> None:
+    def _shadow(self, spans: list[Sequence[int]], served: Tensor, policy: str, budget: float, share: float,
+                answer: list[int]) -> None:
         t0 = time.perf_counter()
-        tokens = torch.tensor([t for span in spans for t in span], dtype=torch.long)  # [N]
+        fed = max(len(answer) - 1, 0)  # the last answer token is predicted, never fed
+        tokens = torch.tensor([t for span in spans for t in span] + answer[:fed], dtype=torch.long)  # [N + fed]
         try:
-            logits, _ = self.engine.prefill(tokens, all_logits=False)  # [1, V]
-            agree, kl = compare(logits[-1], served)
+            logits, _ = self.engine.prefill(tokens, all_logits=False, last=fed + 1)  # [fed + 1, V]
+            agree, kl = compare(logits[0], served)
+            compared, answer_agree = answer_agreement(logits, answer)
         except Exception as e:  # noqa: BLE001 - a failed shadow never touches the traffic
             log.warning("kvcraft fidelity: a shadow prefill failed (%s); no sample", e)
             return
@@ -121,7 +141,7 @@ class ShadowSampler:
             self._shadow_rows += len(tokens) * self.engine.cfg.num_layers
             self._shadow_s += seconds
             self._samples.append(pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, computed_share=share,
-                                                  budget=budget))
+                                                  budget=budget, answer_tokens=compared, answer_agree=answer_agree))
             del self._samples[:-MAX_PENDING]
 
     def take(self, limit: int = MAX_SAMPLES_PER_PLAN) -> list[pb.FidelitySample]:

@@ -272,13 +272,13 @@ class LlamaEngine:
     # ---- plain full prefill ------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, tokens: Tensor, start_pos: int = 0, *, all_logits: bool = True
+    def prefill(self, tokens: Tensor, start_pos: int = 0, *, all_logits: bool = True, last: int = 1
                 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """Logits and per-layer KV (K post-RoPE [Hkv,T,D], V) of tokens at start_pos..
 
-        Logits are [T, V], or [1, V] for the last token alone with all_logits=False
-        (what serving needs: the first output token; the vocabulary projection of every
-        row is a large share of a small model's prefill).
+        Logits are [T, V], or [last, V] for the last `last` tokens alone with
+        all_logits=False (what serving needs: the first output token; the vocabulary
+        projection of every row is a large share of a small model's prefill).
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         cos, sin = rope_tables(self.rope, torch.arange(start_pos, start_pos + len(tokens)))  # [T, D/2]
@@ -292,7 +292,7 @@ class LlamaEngine:
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=self.scale,
                                                enable_gqa=gqa)[0]  # [Hq, T, D]
             h = self.mlp(layer, self.attn_out(layer, h, o))
-        return self.logits(h if all_logits else h[-1:]), kv
+        return self.logits(h if all_logits else h[-last:]), kv
 
 
 __all__ = ["LlamaConfig", "LlamaEngine", "rope_for_spec"]

@@ -27,7 +27,8 @@ with the next Plan, beside the timings. An adapter that runs the default policy 
 *adaptive*: it spends the recompute budget its Plan gives (`Plan.recompute_budget`, the
 service's fidelity controller; 1 means full prefill), so the service holds its model's
 first-token agreement at `fidelity_target`. An adapter given a policy spends that policy's
-budget.
+budget. `RAGAdapter.generate` also decodes the answer; a sampled request's shadow then
+compares the answer's first tokens under teacher forcing too.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from engine_adapter import learned
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
 from engine_adapter.fidelity import MAX_SAMPLES_PER_PLAN, SamplingCost, ShadowSampler
+from engine_adapter.generate import Generation, greedy
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.policy import DEFAULT_POLICY, Full, ReusePolicy, parse_policy
@@ -133,6 +135,27 @@ class RAGAdapter:
                 conversation_id: str = "", reorder: bool = True) -> tuple[BlendResult, RequestReport]:
         """reorder=False keeps the retriever's order (CRAFT reorder off for this request:
         use it when chunk order carries meaning)."""
+        return self._request(chunks, question, conversation_id, reorder)
+
+    def generate(self, chunks: Sequence[Sequence[int]], question: Sequence[int], max_new_tokens: int,
+                 stop: Iterable[int] = (), conversation_id: str = "", reorder: bool = True
+                 ) -> tuple[Generation, BlendResult, RequestReport]:
+        """`prefill`, then greedy decoding of the answer (`generate.greedy`, up to
+        max_new_tokens, a stop token included). A sampled request's shadow prefill runs after
+        the answer and compares its first tokens too, under teacher forcing
+        (`engine_adapter.fidelity`)."""
+        answers: list[Generation] = []
+
+        def answer(result: BlendResult) -> Sequence[int]:
+            answers.append(greedy(self.engine, result.logits, result.kv, max_new_tokens, stop))
+            return answers[0].tokens
+
+        result, report = self._request(chunks, question, conversation_id, reorder, answer)
+        return answers[0], result, report
+
+    def _request(self, chunks: Sequence[Sequence[int]], question: Sequence[int], conversation_id: str,
+                 reorder: bool, answer: Callable[[BlendResult], Sequence[int]] | None = None
+                 ) -> tuple[BlendResult, RequestReport]:
         t0 = time.perf_counter()
         self._add_samples()
 
@@ -155,14 +178,16 @@ class RAGAdapter:
         except KVCraftError as e:  # service down or slow: serve by full prefill, never fail
             log.warning("kvcraft Plan failed (%s); serving this request by full prefill", e)
             plan = None
-        return self.serve(plan, chunks, question, t0=t0)
+        return self.serve(plan, chunks, question, t0=t0, answer=answer)
 
     def serve(self, plan: Plan | None, chunks: Sequence[Sequence[int]], question: Sequence[int], *,
-              policy: ReusePolicy | None = None, t0: float | None = None) -> tuple[BlendResult, RequestReport]:
+              policy: ReusePolicy | None = None, t0: float | None = None,
+              answer: Callable[[BlendResult], Sequence[int]] | None = None) -> tuple[BlendResult, RequestReport]:
         """What `prefill` does after its Plan: fetch (shared memory when `local`), blend, release
         the leases, store fresh chunks back. `plan`: a Plan of `chunks` (None: full prefill);
-        `policy`: this request's (default: the adapter's). The vLLM connector's worker side
-        calls it with the plan its scheduler side obtained."""
+        `policy`: this request's (default: the adapter's); `answer`: decodes the answer after
+        the prefill (its tokens go to the shadow prefill, if sampled). The vLLM connector's
+        worker side calls it with the plan its scheduler side obtained."""
         t0 = time.perf_counter() if t0 is None else t0
         policy = policy or self._budgeted(plan)
         by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
@@ -190,8 +215,9 @@ class RAGAdapter:
             self._store_back(segments, result, refs)
         self._learn(source, result)
         budget = spent_budget(policy)
+        tokens = answer(result) if answer is not None else ()
         sampled = self.fidelity.observe([s.tokens for s in segments], result, policy.name, budget,
-                                        bool(plan and plan.fidelity_sample and self.shadows))
+                                        bool(plan and plan.fidelity_sample and self.shadows), tokens)
         report = RequestReport(
             policy=policy.name,
             order=list(plan.order) if plan else [chunk_key(self.model_id, c) for c in chunks],

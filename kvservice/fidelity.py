@@ -109,6 +109,8 @@ class Sample:
     kl: float
     computed_share: float
     budget: float = 0.0  # the recompute budget the request ran with; 0: its policy has none
+    answer_tokens: int = 0  # answer tokens after the first compared under teacher forcing
+    answer_agree: int = 0  # of those, predicted by full prefill as the served request chose
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,13 @@ class Tally:
     kl_sum: float = 0.0
     computed_share_sum: float = 0.0
     budget: float = 0.0
+    answer_tokens: int = 0
+    answer_agree: int = 0
 
     def add(self, s: Sample) -> "Tally":
         return Tally(self.model_id, self.policy, self.samples + 1, self.top1_agree + int(s.top1_agree),
-                     self.kl_sum + s.kl, self.computed_share_sum + s.computed_share, self.budget)
+                     self.kl_sum + s.kl, self.computed_share_sum + s.computed_share, self.budget,
+                     self.answer_tokens + s.answer_tokens, self.answer_agree + s.answer_agree)
 
     def verdict(self, target: float) -> str:
         """SHORT, HELD or MEASURING against a target agreement rate."""
@@ -148,6 +153,14 @@ class Tally:
     @property
     def mean_computed_share(self) -> float:
         return self.computed_share_sum / self.samples if self.samples else 0.0
+
+    @property
+    def answer_agreement(self) -> float | None:
+        """The share of the answers' tokens after the first that full prefill, fed the served
+        answer, predicts as served (teacher forcing); None: no answer compared. Tokens of one
+        answer are not independent draws: no interval, and the controller reads only the
+        first token's agreement."""
+        return self.answer_agree / self.answer_tokens if self.answer_tokens else None
 
 
 class TallyStore(Protocol):

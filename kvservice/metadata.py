@@ -44,7 +44,10 @@ FORMAT_VERSION = b"1"
 _CFS = ("variants", "access", "fidelity", "meta")
 _WRITTEN = ("variants", "access", "fidelity")  # the families batches write to
 ACCESS = struct.Struct("<dq")  # fr, last access (unix ms)
-FIDELITY = struct.Struct("<QQdd")  # samples, top-1 agreements, sum of KL, sum of computed share
+# samples, top-1 agreements, sum of KL, sum of computed share, answer tokens compared, of
+# them agreeing (a record of the first four alone: no answer compared)
+FIDELITY = struct.Struct("<QQddQQ")
+FIDELITY_FIRST = struct.Struct("<QQdd")
 MODEL_ID_CHARS = 32
 log = logging.getLogger("kvcraft.metadata")
 
@@ -309,11 +312,12 @@ class MetadataDB:
             it.seek_to_first()
             while it.valid():
                 key, raw = it.key(), it.value()
-                if len(raw) == FIDELITY.size and len(key) > MODEL_ID_CHARS:
-                    samples, agree, kl, share = FIDELITY.unpack(raw)
+                if len(raw) in (FIDELITY.size, FIDELITY_FIRST.size) and len(key) > MODEL_ID_CHARS:
+                    samples, agree, kl, share, *answer = (FIDELITY if len(raw) == FIDELITY.size
+                                                          else FIDELITY_FIRST).unpack(raw)
                     policy, _, budget = key[MODEL_ID_CHARS:].partition(b"\0")
                     out.append(Tally(key[:MODEL_ID_CHARS].decode("ascii", "replace"), policy.decode("utf-8", "replace"),
-                                     samples, agree, kl, share, _budget(budget)))
+                                     samples, agree, kl, share, _budget(budget), *answer))
                 it.next()
             it.status()
         except Exception as e:  # the iterator's status: Corruption, IOError
@@ -329,7 +333,8 @@ class MetadataDB:
     def put_fidelity(self, tallies: Iterable[Tally]) -> None:
         """Fidelity tallies, unsynced (a crash loses the last second's samples)."""
         self._put("fidelity", [(f"{t.model_id}{t.policy}\0{t.budget:.4f}".encode(),
-                                FIDELITY.pack(t.samples, t.top1_agree, t.kl_sum, t.computed_share_sum))
+                                FIDELITY.pack(t.samples, t.top1_agree, t.kl_sum, t.computed_share_sum,
+                                              t.answer_tokens, t.answer_agree))
                                for t in tallies], False)
 
     def _reset_access(self) -> None:

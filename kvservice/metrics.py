@@ -69,6 +69,10 @@ def _fidelity(tallies: list[Tally]) -> Iterator[Metric]:
                            labels=labels)
     share = GaugeMetricFamily("kvcraft_fidelity_mean_computed_share", "Mean share of row-layers the sampled "
                               "requests computed", labels=labels)
+    answer = CounterMetricFamily("kvcraft_fidelity_answer_tokens", "Answer tokens after the first compared with "
+                                 "full prefill under teacher forcing", labels=labels)
+    answer_agree = CounterMetricFamily("kvcraft_fidelity_answer_agree", "Answer tokens full prefill, fed the "
+                                       "served answer, predicts as served", labels=labels)
     for t in tallies:
         key = [t.model_id, t.policy, f"{t.budget:g}"]
         lower, upper = t.interval
@@ -78,7 +82,9 @@ def _fidelity(tallies: list[Tally]) -> Iterator[Metric]:
         bounds.add_metric([*key, "upper"], upper)
         kl.add_metric(key, t.mean_kl)
         share.add_metric(key, t.mean_computed_share)
-    yield from (samples, agree, bounds, kl, share)
+        answer.add_metric(key, t.answer_tokens)
+        answer_agree.add_metric(key, t.answer_agree)
+    yield from (samples, agree, bounds, kl, share, answer, answer_agree)
 
 
 class Metrics:

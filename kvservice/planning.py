@@ -121,7 +121,8 @@ class PlanningService:
         for ranges in table.chain_ranges():
             resp.variant_prefixes.add(ranges=ranges)
         if req.timings.fidelity:  # here, once: a retried plan above returns the retry's answer
-            self.store.fidelity.observe(req.model_id, [Sample(s.policy, s.top1_agree, s.kl, s.computed_share, s.budget)
+            self.store.fidelity.observe(req.model_id, [Sample(s.policy, s.top1_agree, s.kl, s.computed_share, s.budget,
+                                                              s.answer_tokens, s.answer_agree)
                                                        for s in req.timings.fidelity])
         if req.policy:  # after the samples: the budget follows what they say
             resp.recompute_budget, resp.fidelity_sample = self.store.fidelity.decide(req.model_id, req.policy,

@@ -41,6 +41,8 @@ MAX_KL = 1e4
 # Row-layers computed over the prompt's: above 1 where a two-pass policy, or layers the
 # stream did not deliver in time, compute rows twice.
 MAX_COMPUTED_SHARE = 4.0
+# Answer tokens one sample compares under teacher forcing (engines compare at most 16).
+MAX_ANSWER_TOKENS = 4096
 
 
 def _check_policy_name(where: str, name: str) -> None:
@@ -63,6 +65,11 @@ def check_fidelity(samples: Sequence[Any]) -> None:
                                   f"[0, {MAX_COMPUTED_SHARE:g}]")
         if not 0 <= s.budget <= 1:
             raise InvalidArgument(f"{where}.budget is {s.budget}; expected a number in [0, 1]")
+        if s.answer_tokens > MAX_ANSWER_TOKENS:
+            raise InvalidArgument(f"{where}.answer_tokens is {s.answer_tokens}; at most {MAX_ANSWER_TOKENS}")
+        if s.answer_agree > s.answer_tokens:
+            raise InvalidArgument(f"{where}.answer_agree is {s.answer_agree}, more than its answer_tokens "
+                                  f"({s.answer_tokens})")
 
 
 def check_policy(req: Any) -> None:

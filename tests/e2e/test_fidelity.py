@@ -30,11 +30,11 @@ class HeldShadows(LlamaEngine):
         self.release.set()
         self.waiting = threading.Event()
 
-    def prefill(self, tokens, start_pos=0, *, all_logits=True):  # noqa: ANN001, ANN201
+    def prefill(self, tokens, start_pos=0, **kw):  # noqa: ANN001, ANN003, ANN201
         if threading.current_thread().name.startswith("kvcraft-fidelity"):
             self.waiting.set()
             assert self.release.wait(60)
-        return super().prefill(tokens, start_pos, all_logits=all_logits)
+        return super().prefill(tokens, start_pos, **kw)
 
 
 def test_sampled_fidelity_reaches_admin_stats_and_counts_what_full_prefill_says(shared_server):
@@ -44,14 +44,18 @@ def test_sampled_fidelity_reaches_admin_stats_and_counts_what_full_prefill_says(
     with KVClient(shared_server.address) as client:
         warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
         adapter = RAGAdapter(engine, client, Policy("naive"), gate=ReuseGate(), store_back=False)
-        agree, kls = 0, []  # a new model: its first 8 requests are measured
+        agree, kls, answer = 0, [], [0, 0]  # a new model: its first 8 requests are measured
         orders = list(itertools.permutations(range(4)))[1:24:4]  # 6 orders, none the stored one
         for order in orders:
-            result, report = adapter.prefill([cs[i] for i in order], QUESTION, reorder=False)
+            gen, result, report = adapter.generate([cs[i] for i in order], QUESTION, 6, reorder=False)
             assert report.sampled and report.reused_chunks > 0
-            served = in_plan_order(cs, report.order, engine)
-            full = engine.prefill(torch.tensor([t for c in served for t in c] + QUESTION))[0][-1]
+            served = [t for c in in_plan_order(cs, report.order, engine) for t in c] + QUESTION
+            full = engine.prefill(torch.tensor(served))[0][-1]
             agree += int(full.argmax()) == int(result.logits.argmax())
+            for i in range(1, len(gen.tokens)):  # teacher forcing: full prefill fed the served answer
+                answer[0] += 1
+                answer[1] += int(engine.prefill(torch.tensor(served + list(gen.tokens[:i])))[0][-1].argmax()) \
+                    == gen.tokens[i]
             p, q = torch.log_softmax(full.double(), 0), torch.log_softmax(result.logits.double(), 0)
             kls.append(float((p.exp() * (p - q)).sum()))
         adapter.flush()
@@ -62,6 +66,7 @@ def test_sampled_fidelity_reaches_admin_stats_and_counts_what_full_prefill_says(
         (got,) = [f for f in client.stats().fidelity if f.model_id == model]
     assert max(kls) > 1e-3  # naive reuse is measurably off: agreement is not 1 by construction
     assert (got.policy, got.samples, got.top1_agree) == ("naive", len(orders), agree)
+    assert (got.answer_tokens, got.answer_agree) == tuple(answer) and answer[0] == 5 * len(orders)
     assert abs(got.mean_kl - sum(kls) / len(kls)) < 1e-3 * max(1.0, got.mean_kl)
     assert 0 < got.mean_computed_share < 1
     assert got.agree_lower <= agree / len(orders) <= got.agree_upper

@@ -21,7 +21,7 @@ from kvclient.errors import InvalidArgumentError
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.fidelity import (COLD_START, FIRST_SAMPLES, FULL, LADDER, MAX_MEASURING_SAMPLES, MIN_VERDICT_SAMPLES,
                                 FidelityBook, Sample, Tally, wilson)
-from kvservice.metadata import MetadataDB
+from kvservice.metadata import FIDELITY_FIRST, MetadataDB
 
 
 @pytest.mark.parametrize("agree,samples", [(0, 1), (1, 1), (0, 12), (12, 12), (3, 7), (97, 100), (1, 300),
@@ -76,15 +76,19 @@ def test_book_writes_a_quiet_services_samples_within_the_interval():
 def test_metadata_keeps_tallies(tmp_path):
     db = MetadataDB(tmp_path / "metadata")
     kept = [Tally("a" * 32, "cacheblend", 2, 2, 0.0, 0.3), Tally("a" * 32, "naive", 5, 3, 1.25, 0.5),
-            Tally("a" * 32, "query", 4, 4, 0.5, 0.2, budget=0.25), Tally("a" * 32, "query", 1, 0, 0.5, 0.2, budget=0.4)]
+            Tally("a" * 32, "query", 4, 4, 0.5, 0.2, budget=0.25, answer_tokens=60, answer_agree=51),
+            Tally("a" * 32, "query", 1, 0, 0.5, 0.2, budget=0.4)]
     db.put_fidelity(kept)
+    # a record of a data dir from before answers were compared: its first four fields alone
+    db._put("fidelity", [(b"b" * 32 + b"naive\x000.0000", FIDELITY_FIRST.pack(3, 2, 0.75, 0.25))], True)
     db.close()
     db = MetadataDB(tmp_path / "metadata")
     try:
-        got = sorted(db.load_fidelity(), key=lambda t: (t.policy, t.budget))
+        got = sorted(db.load_fidelity(), key=lambda t: (t.model_id, t.policy, t.budget))
     finally:
         db.close()
-    assert got == kept
+    assert got == [*kept, Tally("b" * 32, "naive", 3, 2, 0.75, 0.25)]
+    assert got[2].answer_agreement == pytest.approx(51 / 60) and got[0].answer_agreement is None
 
 
 def _stream(book: FidelityBook, model: str, agreement: dict[float, float], n: int, seed: int = 0) -> list[float]:
@@ -181,12 +185,14 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     model = _model()
     with KVClient(server.address) as c:
         _plan(c, model, [pb.FidelitySample(policy="naive", top1_agree=True, kl=0.25, computed_share=0.5)])
-        _plan(c, model, [pb.FidelitySample(policy="naive", top1_agree=False, kl=0.75, computed_share=0.25),
+        _plan(c, model, [pb.FidelitySample(policy="naive", top1_agree=False, kl=0.75, computed_share=0.25,
+                                           answer_tokens=16, answer_agree=9),
                          pb.FidelitySample(policy="query", top1_agree=True, kl=0.0, computed_share=0.125)])
     server.restart()  # SIGTERM: the close writes what the once-a-second writes had not
     with KVClient(server.address) as c:
         got = _of(c.stats(), model)
         assert (got["naive"].samples, got["naive"].top1_agree, got["query"].samples) == (2, 1, 1)
+        assert (got["naive"].answer_tokens, got["naive"].answer_agree, got["query"].answer_tokens) == (16, 9, 0)
         assert got["naive"].mean_kl == pytest.approx(0.5) and got["naive"].mean_computed_share == pytest.approx(0.375)
         assert (got["naive"].agree_lower, got["naive"].agree_upper) == pytest.approx(wilson(1, 2))
         for _ in range(2):  # the first is written at once, the second within the second after it
@@ -203,6 +209,8 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     assert f'kvcraft_fidelity_top1_agreement{{bound="lower",{labels}}} {lower!r}' in text
     assert f'kvcraft_fidelity_top1_agreement{{bound="upper",{labels}}} {upper!r}' in text
     assert f'kvcraft_fidelity_mean_kl{{{labels}}} 0.5' in text
+    assert f'kvcraft_fidelity_answer_tokens_total{{{labels}}} 16.0' in text
+    assert f'kvcraft_fidelity_answer_agree_total{{{labels}}} 9.0' in text
     assert f'kvcraft_fidelity_budget{{model="{model}",policy="query"}} {COLD_START!r}' in text
     assert f'kvcraft_fidelity_held{{model="{model}",policy="query"}} 0.0' in text
 
@@ -218,6 +226,9 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     (dict(policy="naive", kl=0.1, computed_share=math.nan), "timings.fidelity[0].computed_share"),
     (dict(policy="naive", kl=0.1, computed_share=0.1, budget=1.5), "timings.fidelity[0].budget"),
     (dict(policy="naive", kl=0.1, computed_share=0.1, budget=math.nan), "timings.fidelity[0].budget"),
+    (dict(policy="naive", kl=0.1, computed_share=0.1, answer_tokens=4097), "timings.fidelity[0].answer_tokens"),
+    (dict(policy="naive", kl=0.1, computed_share=0.1, answer_tokens=3, answer_agree=4),
+     "timings.fidelity[0].answer_agree"),
 ])
 def test_bad_samples_are_refused_naming_the_field(shared_server, sample, field):
     model = _model()
@@ -256,8 +267,8 @@ def test_adaptive_plans_carry_the_controllers_budget_and_admin_fidelity_shows_it
         assert _plan(c, model, short * (MIN_VERDICT_SAMPLES - 1), policy="query", adaptive=True).recompute_budget \
             == COLD_START  # too few samples for a verdict
         assert _plan(c, model, short, policy="query", adaptive=True).recompute_budget == up
-        _plan(c, model, [pb.FidelitySample(policy="cacheblend", top1_agree=a, kl=0.5, computed_share=0.2)
-                         for a in (True, True, False)])
+        _plan(c, model, [pb.FidelitySample(policy="cacheblend", top1_agree=a, kl=0.5, computed_share=0.2,
+                                           answer_tokens=8, answer_agree=n) for a, n in ((True, 8), (True, 5), (False, 1))])
     assert cli.main(["admin", "--address", shared_server.address, "fidelity"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "fidelity target: first-token agreement >= 0.950"
@@ -269,6 +280,8 @@ def test_adaptive_plans_carry_the_controllers_budget_and_admin_fidelity_shows_it
     lower, upper = wilson(2, 3)
     assert rows[("cacheblend", "-")][3:6] == ["3", "2", "0.667"]
     assert " ".join(rows[("cacheblend", "-")][6:8]) == f"[{lower:.3f}, {upper:.3f}]"
+    assert rows[("cacheblend", "-")][-3:] == [f"{14 / 24:.3f}", "of", "24"]  # answer tokens after the first
+    assert rows[("query", f"{COLD_START:.2f}")][-1] == "-"  # no answer compared
     assert rows[("query", f"{COLD_START:.2f}")][3:5] == [str(MIN_VERDICT_SAMPLES), "0"]
 
 

@@ -89,18 +89,22 @@ class PlanChunk(_message.Message):
     def __init__(self, chunk_key: _Optional[str] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FidelitySample(_message.Message):
-    __slots__ = ("policy", "top1_agree", "kl", "computed_share", "budget")
+    __slots__ = ("policy", "top1_agree", "kl", "computed_share", "budget", "answer_tokens", "answer_agree")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TOP1_AGREE_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_AGREE_FIELD_NUMBER: _ClassVar[int]
     policy: str
     top1_agree: bool
     kl: float
     computed_share: float
     budget: float
-    def __init__(self, policy: _Optional[str] = ..., top1_agree: _Optional[bool] = ..., kl: _Optional[float] = ..., computed_share: _Optional[float] = ..., budget: _Optional[float] = ...) -> None: ...
+    answer_tokens: int
+    answer_agree: int
+    def __init__(self, policy: _Optional[str] = ..., top1_agree: _Optional[bool] = ..., kl: _Optional[float] = ..., computed_share: _Optional[float] = ..., budget: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., answer_agree: _Optional[int] = ...) -> None: ...
 
 class TimingReport(_message.Message):
     __slots__ = ("loads", "computes", "fidelity")
@@ -505,7 +509,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., variants: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class FidelityStats(_message.Message):
-    __slots__ = ("model_id", "policy", "samples", "top1_agree", "agree_lower", "agree_upper", "mean_kl", "mean_computed_share", "budget")
+    __slots__ = ("model_id", "policy", "samples", "top1_agree", "agree_lower", "agree_upper", "mean_kl", "mean_computed_share", "budget", "answer_tokens", "answer_agree")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -515,6 +519,8 @@ class FidelityStats(_message.Message):
     MEAN_KL_FIELD_NUMBER: _ClassVar[int]
     MEAN_COMPUTED_SHARE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_AGREE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     policy: str
     samples: int
@@ -524,7 +530,9 @@ class FidelityStats(_message.Message):
     mean_kl: float
     mean_computed_share: float
     budget: float
-    def __init__(self, model_id: _Optional[str] = ..., policy: _Optional[str] = ..., samples: _Optional[int] = ..., top1_agree: _Optional[int] = ..., agree_lower: _Optional[float] = ..., agree_upper: _Optional[float] = ..., mean_kl: _Optional[float] = ..., mean_computed_share: _Optional[float] = ..., budget: _Optional[float] = ...) -> None: ...
+    answer_tokens: int
+    answer_agree: int
+    def __init__(self, model_id: _Optional[str] = ..., policy: _Optional[str] = ..., samples: _Optional[int] = ..., top1_agree: _Optional[int] = ..., agree_lower: _Optional[float] = ..., agree_upper: _Optional[float] = ..., mean_kl: _Optional[float] = ..., mean_computed_share: _Optional[float] = ..., budget: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., answer_agree: _Optional[int] = ...) -> None: ...
 
 class FidelityBudget(_message.Message):
     __slots__ = ("model_id", "policy", "budget", "state")
