@@ -3,8 +3,8 @@ at what compute, against every fixed budget on the same stream?
 
     python -m kvbench.fidelity_stream --task short --requests 300 --json bench/quality/results/fidelity-short-seed1.json
     python -m kvbench.fidelity_stream --task long --requests 300 --json bench/quality/results/fidelity-long-seed1.json
-    python -m kvbench.fidelity_stream --task musique --data musique_s.json --requests 240 \\
-        --json bench/quality/results/fidelity-musique-heldout.json
+    python -m kvbench.fidelity_stream --task musique --data musique_s.json --requests 360 --new-tokens 16 \\
+        --json bench/quality/results/fidelity-musique-360.json
     (--sweep query:budget=0.05 ... narrows the fixed-budget sweep; --sweep none skips it)
 
 A stream of N requests, each served once, in order, every request counted (the first ones
@@ -17,7 +17,10 @@ too), on held-out draws:
   (0-119 of CacheBlend's `musique_s.json`), `--passages` (3) passages a prompt in the layout
   of `kvbench.musique.prompt`; per record: its passages shuffled among `--neighbours` (1)
   passages of the next record (record 0's for the last), behind the instruction, with its
-  question; then the record as retrieved. 120 records give at most 240 requests.
+  question; then the record as retrieved. After every record's two, a second retrieval of
+  each record's question, in the same order of records: its passages 2..k+1 (the first
+  dropped, the next one in the file's ranking added: a chunk no request stored). 120
+  records give at most 360 requests.
 
 Runs, each on a fresh `kvcraft serve` (its default configuration, an empty data dir):
 
@@ -27,7 +30,10 @@ Runs, each on a fresh `kvcraft serve` (its default configuration, an empty data 
    and its `flush()` (store-back and the shadow: as a slower stream would, so the next Plan
    carries the sample; never inside TTFT). Per request: the budget it ran with, whether it
    was blended (stored KV used) and sampled, the true top-1 agreement (served first-token
-   argmax == full prefill's at the last prompt position), the computed share (row-layers
+   argmax == full prefill's at the last prompt position); with `--new-tokens` the request
+   also decodes its answer (`RAGAdapter.generate`, greedy) and the benchmark counts the
+   answer's tokens after the first that full prefill, fed the served answer, predicts as
+   served (teacher forcing, the first 16: what the shadows measure); the computed share (row-layers
    computed / prompt tokens x layers; 1 when served by plain prefill), TTFT (`ttft_s`). At
    the end the service's Admin Stats (`fidelity` per policy and budget, `budgets`) and the
    adapter's `sampling_cost()`.
@@ -49,6 +55,7 @@ target, and the adaptive run's settled computed share over that budget's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -70,6 +77,7 @@ ADAPTIVE = "adaptive"
 TASKS = ("short", "long", "musique")
 
 Request = tuple[list[list[int]], list[int]]  # (chunks in retriever order, question)
+ANSWER_TOKENS = 16  # engine_adapter.fidelity.ANSWER_TOKENS (checked in main)
 
 
 @dataclass
@@ -85,6 +93,9 @@ class Served:
     prompt_tokens: int
     fallbacks: int = 0
     plan_failed: bool = False
+    as_retrieved: bool = False  # every chunk of its prompt stored before (the stream's second request of each)
+    answer_tokens: int = 0  # answer tokens after the first compared with full prefill (teacher forcing)
+    answer_agree: int = 0  # of those, full prefill's next token is the served one
 
 
 # -- the streams ---------------------------------------------------------------------
@@ -96,13 +107,15 @@ def synthetic_stream(task: str, n: int, seed: int) -> list[Request]:
     return [(chunks, question) for chunks, question, _ in requests(task, (n + 1) // 2, seed)][:n]
 
 
-def musique_stream(tok, records: Sequence, n: int, seed: int, neighbours: int = 1) -> list[Request]:  # noqa: ANN001
-    """Per record: its passages shuffled among `neighbours` passages of the next record (of
-    the first, for the last), behind the instruction, its question; then the record as
-    retrieved. The first n requests."""
+def musique_stream(tok, records: Sequence, n: int, seed: int, neighbours: int = 1,  # noqa: ANN001
+                   passages: int = 3) -> list[Request]:
+    """Per record: its first `passages` passages shuffled among `neighbours` passages of the
+    next record (of the first, for the last), behind the instruction, its question; then the
+    record as retrieved. Then per record, in the same order, a second retrieval: its passages
+    2..passages+1 (records need passages + 1 of them). The first n requests."""
     from kvbench import musique
 
-    prompts = [musique.prompt(tok, r) for r in records]
+    prompts = [musique.prompt(tok, dataclasses.replace(r, passages=r.passages[:passages])) for r in records]
     rng = random.Random(seed)
     out: list[Request] = []
     for i, p in enumerate(prompts):
@@ -111,9 +124,24 @@ def musique_stream(tok, records: Sequence, n: int, seed: int, neighbours: int = 
         rng.shuffle(mixed)
         out.append(([list(p.instruction), *mixed], list(p.question)))
         out.append(([list(c) for c in p.chunks()], list(p.question)))
+    if n > len(out):
+        for r in records:
+            if len(r.passages) <= passages:
+                raise SystemExit(f"record {r.id} has {len(r.passages)} passages: a second retrieval needs "
+                                 f"{passages + 1}")
+            p = musique.prompt(tok, dataclasses.replace(r, passages=r.passages[1:passages + 1]))
+            out.append(([list(c) for c in p.chunks()], list(p.question)))
     if len(out) < n:
         raise SystemExit(f"{len(records)} records give {len(out)} requests, fewer than {n}")
     return out[:n]
+
+
+def retrieved(n: int, records: int | None = None) -> list[bool]:
+    """Which of a stream's n requests are served as retrieved, every chunk stored before: the
+    second of each example's (record's) two; a second retrieval brings a chunk no request
+    stored, and `records` (musique) says where those begin."""
+    last = n if records is None else 2 * records
+    return [i % 2 == 1 and i < last for i in range(n)]
 
 
 # -- the runs ------------------------------------------------------------------------
@@ -130,29 +158,37 @@ def reference(engine, reqs: Sequence[Request], progress: bool = True) -> tuple[l
     return tokens, seconds
 
 
-def _full(engine, chunks, question, seconds: list[float], memo: "ShadowMemo | None" = None) -> int:  # noqa: ANN001
+def _full(engine, chunks, question, seconds: list[float], memo: "ShadowMemo | None" = None,  # noqa: ANN001
+          answer: Sequence[int] = ()) -> tuple[int, int, int]:
+    """Full prefill's next token after the prompt, and teacher forcing over the served answer
+    (its first ANSWER_TOKENS after the first): (token, answer tokens compared, agreeing)."""
     import torch
 
     tokens = [t for c in chunks for t in c] + list(question)
-    if memo is not None and (hit := memo.take(tokens)) is not None:
+    answer = list(answer[:ANSWER_TOKENS + 1])
+    fed = max(len(answer) - 1, 0)
+    if memo is not None and (hit := memo.take(tokens, answer[:fed])) is not None:
         seconds.append(None)  # timed beside the store-back thread: not a clean full-prefill time
-        return hit
-    t0 = time.perf_counter()
-    logits, _ = engine.prefill(torch.tensor(tokens), all_logits=False)
-    seconds.append(time.perf_counter() - t0)
-    return int(logits[-1].argmax())
+        picks = hit
+    else:
+        t0 = time.perf_counter()
+        logits, _ = engine.prefill(torch.tensor(tokens + answer[:fed]), all_logits=False, last=fed + 1)
+        seconds.append(time.perf_counter() - t0)
+        picks = logits.argmax(dim=-1).tolist()
+    return picks[0], fed, sum(int(p == t) for p, t in zip(picks[1:], answer[1:]))
 
 
 class ShadowMemo:
-    """The next token of the full prefills the adapter's shadow thread ran (`engine.prefill`,
-    the same call on the same tokens as the reference's): the reference of a sampled request
-    is its shadow's own full prefill, not computed a second time. Keyed by the prompt's
-    tokens, so a shadow of other tokens (another order) is never taken for the reference."""
+    """The next tokens of the full prefills the adapter's shadow thread ran (`engine.prefill`,
+    the same call on the same tokens as the reference's: the prompt, then the answer fed
+    under teacher forcing): the reference of a sampled request is its shadow's own full
+    prefill, not computed a second time. Keyed by the prompt's and the fed answer's tokens,
+    so a shadow of other tokens (another order) is never taken for the reference."""
 
     def __init__(self, engine) -> None:  # noqa: ANN001
         self._engine = engine
         self._prefill = engine.prefill
-        self._got: dict[tuple[int, ...], int] = {}
+        self._got: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
         self.hits = 0
         engine.prefill = self  # the instance attribute hides the method, for this engine only
 
@@ -162,11 +198,14 @@ class ShadowMemo:
         out = self._prefill(tokens, *args, **kwargs)
         if threading.current_thread().name.startswith("kvcraft-fidelity") and kwargs.get("all_logits") is False \
                 and not args:
-            self._got[tuple(int(t) for t in tokens)] = int(out[0][-1].argmax())
+            tokens = [int(t) for t in tokens]
+            cut = len(tokens) - (kwargs.get("last", 1) - 1)
+            self._got[(tuple(tokens[:cut]), tuple(tokens[cut:]))] = out[0].argmax(dim=-1).tolist()
         return out
 
-    def take(self, tokens: Sequence[int]) -> int | None:
-        hit = self._got.pop(tuple(tokens), None)
+    def take(self, tokens: Sequence[int], fed: Sequence[int] = ()) -> list[int] | None:
+        """The argmax after the prompt and after each fed answer token, if a shadow ran them."""
+        hit = self._got.pop((tuple(tokens), tuple(fed)), None)
         self.hits += hit is not None
         return hit
 
@@ -175,10 +214,12 @@ class ShadowMemo:
 
 
 def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = None,  # noqa: ANN001
-          ref_s: list[float] | None = None, progress: bool = True) -> dict:
+          ref_s: list[float] | None = None, progress: bool = True, as_retrieved: Sequence[bool] = (),
+          new_tokens: int = 0, stop: Sequence[int] = ()) -> dict:
     """One run on a fresh service. spec: ADAPTIVE (the default adapter, shadows on) or a
     policy spec (shadows off). ref: full prefill's tokens; None: computed beside each request
-    (appended to `ref` / `ref_s` lists returned in the result)."""
+    (appended to `ref` / `ref_s` lists returned in the result), with teacher forcing over the
+    answer when `new_tokens` (each request decodes up to that many: `RAGAdapter.generate`)."""
     import torch
 
     from engine_adapter.policy import parse_policy
@@ -201,15 +242,24 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
         else:
             adapter = RAGAdapter(engine, client, parse_policy(spec), shadows=False)
         for i, (chunks, question) in enumerate(_track(reqs, spec, progress)):
-            result, report = adapter.prefill(chunks, question, reorder=False)
+            answer: Sequence[int] = ()
+            if new_tokens:
+                gen, result, report = adapter.generate(chunks, question, new_tokens, stop, reorder=False)
+                answer = gen.tokens
+            else:
+                result, report = adapter.prefill(chunks, question, reorder=False)
             adapter.flush()  # store-back and the shadow: the next Plan sees both (not in TTFT)
+            compared = agreeing = 0
             if own_ref:
-                ref.append(_full(engine, chunks, question, ref_s, memo))
+                token, compared, agreeing = _full(engine, chunks, question, ref_s, memo, answer)
+                ref.append(token)
             share = report.computed_rows / (report.prompt_tokens * layers) if result.computed_rows else 1.0
             rows.append(Served(budget=report.budget, blended=report.reused_chunks > 0, sampled=report.sampled,
                                agree=int(result.logits.argmax()) == ref[i], share=share, ttft_s=report.ttft_s,
                                prompt_tokens=report.prompt_tokens, fallbacks=len(report.fallbacks),
-                               plan_failed=bool(report.plan_error)))
+                               plan_failed=bool(report.plan_error),
+                               as_retrieved=bool(as_retrieved[i]) if as_retrieved else i % 2 == 1,
+                               answer_tokens=compared, answer_agree=agreeing))
         stats = client.stats()
         cost = adapter.sampling_cost()
         adapter.close()
@@ -221,7 +271,9 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
                        "fidelity": [{"policy": f.policy, "budget": round(f.budget, 4), "samples": f.samples,
                                      "top1_agree": f.top1_agree, "agree_lower": f.agree_lower,
                                      "agree_upper": f.agree_upper, "mean_kl": f.mean_kl,
-                                     "mean_computed_share": f.mean_computed_share} for f in stats.fidelity],
+                                     "mean_computed_share": f.mean_computed_share,
+                                     "answer_tokens": f.answer_tokens, "answer_agree": f.answer_agree}
+                                    for f in stats.fidelity],
                        "budgets": [{"policy": b.policy, "budget": round(b.budget, 4), "state": b.state}
                                    for b in stats.budgets]},
            "sampling_cost": {**asdict(cost), "row_share": cost.row_share}}
@@ -248,13 +300,18 @@ def mean(xs: Sequence[float]) -> float:
 
 def rate(rows: Sequence[dict], start: int = 0) -> dict:
     """True agreement of rows with its standard error sqrt(p(1-p)/n), computed share, TTFT;
-    and the computed share of the requests as retrieved (the stream's odd requests: every
-    chunk stored before; `start`: the index of rows[0] in the stream)."""
+    the computed share of the requests as retrieved (every chunk stored before: a row's
+    `as_retrieved`, else the stream's odd requests; `start`: the index of rows[0] in the
+    stream); the answers' true agreement under teacher forcing where they were compared."""
     n = len(rows)
     p = sum(r["agree"] for r in rows) / n if n else float("nan")
+    tokens = sum(r.get("answer_tokens", 0) for r in rows)
     return {"requests": n, "agreement": p, "se": math.sqrt(p * (1 - p) / n) if n else float("nan"),
             "computed_share": mean([r["share"] for r in rows]), "ttft_s": mean([r["ttft_s"] for r in rows]),
-            "computed_share_as_retrieved": mean([r["share"] for i, r in enumerate(rows, start) if i % 2])}
+            "computed_share_as_retrieved": mean([r["share"] for i, r in enumerate(rows, start)
+                                                 if r.get("as_retrieved", i % 2 == 1)]),
+            "answer_tokens": tokens,
+            "answer_agreement": sum(r.get("answer_agree", 0) for r in rows) / tokens if tokens else None}
 
 
 def trajectory(budgets: Sequence[float]) -> list[dict]:
@@ -303,12 +360,15 @@ def adaptive_report(run: dict, policy: str) -> dict:
         true_blended = sum(r["agree"] for r in blended) / len(blended) if blended else float("nan")
         row = {"budget": b, "requests": len(at), "blended": len(blended), "sampled": len(mine),
                "sampled_agree_by_reference": sum(r["agree"] for r in mine),
-               "true_agreement_all": true_all, "true_agreement_blended": true_blended}
+               "true_agreement_all": true_all, "true_agreement_blended": true_blended,
+               "true_answer_agreement": rate(at)["answer_agreement"]}
         if t is not None:
             lo, hi = t["agree_lower"], t["agree_upper"]
             row.update(service_samples=t["samples"], service_top1_agree=t["top1_agree"], wilson_lower=lo,
                        wilson_upper=hi, covers_all=lo <= true_all <= hi,
-                       covers_blended=(lo <= true_blended <= hi) if blended else None)
+                       covers_blended=(lo <= true_blended <= hi) if blended else None,
+                       service_answer_agreement=(t["answer_agree"] / t["answer_tokens"]
+                                                 if t.get("answer_tokens") else None))
         honesty.append(row)
     cost = run["sampling_cost"]
     return {
@@ -394,6 +454,8 @@ def print_report(rep: dict, title: str) -> None:
               f"{h['true_agreement_all']:>10.3f} {str(h.get('covers_all', '-')):>7} "
               f"{h['true_agreement_blended']:>14.3f} {str(h.get('covers_blended', '-')):>7}"
               + (f"   fixed run: {h['fixed_agreement']:.3f} covered {h['covers_fixed']}" if "covers_fixed" in h else ""))
+    if a["overall"].get("answer_tokens"):
+        print(answers_line(a))
     print(f"{'policy':<26} {'reqs':>5} {'agreement':>10} {'s.e.':>6} {'computed':>9} {'TTFT ms':>8}")
     for t in s["table"]:
         print(f"{t['policy']:<26} {t['requests']:>5} {t['agreement']:>10.3f} {t['se']:>6.3f} "
@@ -404,6 +466,20 @@ def print_report(rep: dict, title: str) -> None:
     else:
         print(f"smallest fixed budget with agreement >= target: {b:.2f} (computed {pct(s['its_computed_share'])}); "
               f"adaptive settled share / that: {s['settled_share_ratio']:.2f}x")
+
+
+def answers_line(a: dict) -> str:
+    """The answers' agreement under teacher forcing: whole stream, settled, and per budget the
+    service's tally against the truth of all its requests."""
+    per = "; ".join(f"{h['budget']:.2f}: service {_ratio(h.get('service_answer_agreement'))}, true "
+                    f"{_ratio(h['true_answer_agreement'])}" for h in a["honesty"])
+    return (f"Answers under teacher forcing (the first {ANSWER_TOKENS} tokens after the first): true agreement "
+            f"{_ratio(a['overall']['answer_agreement'])} over the stream ({a['overall']['answer_tokens']} tokens), "
+            f"{_ratio(a['settled']['answer_agreement'])} settled; per budget, {per}.")
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 # -- the command ---------------------------------------------------------------------
@@ -451,6 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               "cacheblend); `none`: no sweep")
     p.add_argument("--sweep-requests", type=int, help="serve the sweep's policies the stream's first M requests "
                                                        "alone (default: all)")
+    p.add_argument("--new-tokens", type=int, default=0,
+                   help="the adaptive run decodes each answer (greedy, up to N tokens) and compares its first "
+                        f"{ANSWER_TOKENS} after the first under teacher forcing; 0: first tokens alone")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
     p.add_argument("--resume", type=Path, help="a result JSON of the same stream: its adaptive run and reference are "
@@ -459,11 +538,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     import torch
 
-    from engine_adapter import LlamaEngine
-    from engine_adapter.policy import DEFAULT_POLICY, parse_policy
+    from engine_adapter import LlamaEngine, stop_tokens
+    from engine_adapter.fidelity import ANSWER_TOKENS as SHADOW_ANSWER_TOKENS
+    from engine_adapter.policy import parse_policy
     from kvservice import fidelity
 
     assert fidelity.LADDER == LADDER and fidelity.DEFAULT_TARGET == TARGET, "kvservice.fidelity changed"
+    assert SHADOW_ANSWER_TOKENS == ANSWER_TOKENS, "engine_adapter.fidelity changed"
     torch.set_num_threads(a.threads)
     sweep = default_sweep(a.task) if a.sweep is None else [] if a.sweep == ["none"] else a.sweep
     for spec in sweep:
@@ -477,13 +558,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.data is None:
             p.error("--task musique needs --data musique_s.json (records 0-119 are the held-out split)")
         model_dir = fetch(a.model_dir).path
-        records = musique.load(a.data, passages=a.passages)[a.first:a.first + a.records]
-        reqs = musique_stream(AutoTokenizer.from_pretrained(model_dir), records, a.requests, a.seed, a.neighbours)
+        records = musique.load(a.data, passages=a.passages + 1)[a.first:a.first + a.records]
+        reqs = musique_stream(AutoTokenizer.from_pretrained(model_dir), records, a.requests, a.seed, a.neighbours,
+                              a.passages)
+        flags = retrieved(len(reqs), len(records))
     else:
         from kvbench.quality.deployed import TASKS as SYNTH
 
         model_dir = SYNTH[a.task][1]
         reqs = synthetic_stream(a.task, a.requests, a.seed)
+        flags = retrieved(len(reqs))
     engine = LlamaEngine.from_pretrained(model_dir)
     progress = not a.quiet
     commands, runs, first_date = [], [], None
@@ -496,7 +580,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(adaptive["requests"]) != len(reqs) or old["meta"]["task"] != a.task:
             p.error(f"{a.resume} is another stream ({old['meta']['task']}, {len(adaptive['requests'])} requests)")
     else:
-        adaptive = serve(engine, reqs, ADAPTIVE, progress=progress)
+        adaptive = serve(engine, reqs, ADAPTIVE, progress=progress, as_retrieved=flags, new_tokens=a.new_tokens,
+                         stop=sorted(stop_tokens(model_dir)))
         if a.json:
             write(a, adaptive, runs, adaptive["reference"]["seconds"], reqs, commands, model_dir, first_date)
     ref, ref_s = adaptive["reference"]["tokens"], adaptive["reference"]["seconds"]
@@ -504,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     m = a.sweep_requests or len(reqs)
     for spec in sweep:
         if spec not in have:
-            runs.append(serve(engine, reqs[:m], spec, ref[:m], ref_s[:m], progress=progress))
+            runs.append(serve(engine, reqs[:m], spec, ref[:m], ref_s[:m], progress=progress, as_retrieved=flags[:m]))
             if a.json:  # each run saved as it ends
                 write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date)
     write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date, show=True)
@@ -584,7 +669,8 @@ def markdown(result: dict) -> str:
               f"after the settle); the shadows computed {pct(c['row_share'])} of all row-layers (served + shadows), "
               f"{c['shadow_s']:.1f} s beside {c['served_compute_s']:.1f} s of served compute ({c['served_ttft_s']:.1f} s "
               f"of TTFT); TTFT of sampled requests {a['ttft_sampled_s'] * 1e3:.1f} ms, of unsampled "
-              f"{a['ttft_unsampled_s'] * 1e3:.1f} ms.", "",
+              f"{a['ttft_unsampled_s'] * 1e3:.1f} ms." + (" " + answers_line(a) if a["overall"].get("answer_tokens")
+                                                          else ""), "",
               "| budget served | requests (blended) | service's samples | Wilson 95% | true, all its requests | covered "
               "| fixed run at that budget | covered |", "|---|---|---|---|---|---|---|---|"]
     for h in a["honesty"]:

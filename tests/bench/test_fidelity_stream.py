@@ -70,6 +70,24 @@ def test_adaptive_report_against_brute_force():
     assert s["settled_share_ratio"] == pytest.approx(rep["settled"]["computed_share"] / 0.1)
 
 
+def test_answer_agreement_and_requests_as_retrieved_against_brute_force():
+    rows = _rows([0.25] * 30)
+    rng = random.Random(3)
+    for r in rows:
+        r["answer_tokens"] = rng.randrange(0, 17)
+        r["answer_agree"] = rng.randrange(0, r["answer_tokens"] + 1)
+    flags = fs.retrieved(30, records=10)  # 10 records: 20 requests, then 10 second retrievals
+    assert flags == [i % 2 == 1 and i < 20 for i in range(30)] and fs.retrieved(4) == [False, True, False, True]
+    for r, f in zip(rows, flags):
+        r["as_retrieved"] = f
+    got = fs.rate(rows)
+    assert got["answer_tokens"] == sum(r["answer_tokens"] for r in rows)
+    assert got["answer_agreement"] == pytest.approx(sum(r["answer_agree"] for r in rows) / got["answer_tokens"])
+    assert got["computed_share_as_retrieved"] == pytest.approx(
+        sum(r["share"] for r in rows[1:20:2]) / 10)  # the second retrievals bring a fresh chunk: not counted
+    assert fs.rate(_rows([0.25] * 4))["answer_agreement"] is None  # no answers compared
+
+
 def test_columns_round_trip():
     rows = _rows([0.25, 0.4])
     back = fs.unpack(json.loads(json.dumps(fs.columns(rows))))
