@@ -3,8 +3,8 @@ at what compute, against every fixed budget on the same stream?
 
     python -m kvbench.fidelity_stream --task short --requests 300 --json bench/quality/results/fidelity-short-seed1.json
     python -m kvbench.fidelity_stream --task long --requests 300 --json bench/quality/results/fidelity-long-seed1.json
-    python -m kvbench.fidelity_stream --task musique --data musique_s.json --requests 360 --new-tokens 16 \\
-        --json bench/quality/results/fidelity-musique-360.json
+    python -m kvbench.fidelity_stream --task musique --data musique_s.json --requests 300 --new-tokens 16 \\
+        --json bench/quality/results/fidelity-musique-300.json
     (--sweep query:budget=0.05 ... narrows the fixed-budget sweep; --sweep none skips it)
 
 A stream of N requests, each served once, in order, every request counted (the first ones
