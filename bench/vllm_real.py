@@ -22,23 +22,36 @@ behind other chunks. Then, with nothing stored back:
    (the policy in the request's kv_transfer_params), vLLM's prefix cache reset before each
    request and a salt per request, so only kvcraft supplies KV.
 
+The `adaptive` setting runs the service's fidelity controller (docs/quality.md, "Fidelity on
+live traffic") on both paths: the reference engine as `RAGAdapter(engine, client)` (no
+policy: the default policy at the budget each Plan gives, shadow prefills on), vLLM with
+requests naming the default policy and no options (`blend_request.is_adaptive`), shadows as
+the connector runs them. The controller's tallies live in the service, so each path gets a
+fresh service of its own, warmed as above, and a vLLM instance of its own: neither path's
+samples move the other's budget. Per request the budget it ran with and whether it was
+sampled; at the end each service's Admin Stats (`budgets`, `fidelity`).
+
 Per policy it prints: the share of records whose greedy output is identical to vLLM alone's,
 the share identical to the reference engine's (and, in the JSON, the first differing token
 of each record that differs), ROUGE-L of the answer against vLLM alone's (Cache-Craft's
 fidelity measure), SQuAD F1 against the gold answers, and the share of prompt token-layers
-computed (kvcraft's rows + vLLM's tokens, as the connector reports). Outputs are compared up
+computed (kvcraft's rows + vLLM's tokens, as the connector reports), and the mean difference
+of ROUGE-L, vLLM + kvcraft's minus the reference engine's, with its paired standard error;
+per path the budgets the requests ran with and how many were sampled. Outputs are compared up
 to and including the first stop token (eos of the model folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import random
 import tempfile
 import time
 from dataclasses import dataclass
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
@@ -57,16 +70,37 @@ ENGINE_TIMEOUT_S = 4 * 3600  # one vLLM instance serves every policy's requests
 class Setting:
     label: str
     policy: dict[str, Any]  # name + options, as a request's kv_transfer_params carry them
+    adaptive: bool = False  # the default policy without options: the fidelity controller's budget
 
 
 def settings() -> list[Setting]:
     """The policies: full (100% recompute), naive, CacheBlend at a 15% budget, Cache-Craft
-    (the service's cfo_alpha, default 0.15). Both paths wait LAYER_WAIT_S per stored layer."""
+    (the service's cfo_alpha, default 0.15), the default policy at its own budget (its
+    options make it a policy as given, not adaptive), and the default policy adaptive.
+    Both paths wait LAYER_WAIT_S per stored layer, but for the adaptive setting, which
+    takes no options: the connector's own wait (DEFAULT_LAYER_WAIT_S, the same 0.5 s) and
+    the reference engine's default policy's (0.05 s; shared memory has every layer mapped
+    before the blend starts, and a miss shows as a fallback)."""
+    from engine_adapter.policy import DEFAULT_POLICY
+
     w = {"layer_budget_s": LAYER_WAIT_S}
     return [Setting("full", {"name": "full"}), Setting("naive", {"name": "naive", **w}),
             Setting("cacheblend budget=0.15", {"name": "cacheblend", "budget": 0.15, **w}),
             Setting("cachecraft", {"name": "cachecraft", **w}),
-            Setting("query (default)", {"name": "query", **w})]
+            Setting("query (default)", {"name": DEFAULT_POLICY, **w}),
+            Setting("adaptive", {"name": DEFAULT_POLICY}, adaptive=True)]
+
+
+def request_params(setting: Setting, chunks: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """A request's kv_transfer_params: an adaptive setting names the default policy and no
+    options (which the connector reads as adaptive), the others their policy and options."""
+    from engine_adapter.vllm.blend_request import is_adaptive
+
+    if not setting.adaptive:
+        return blend_params(setting.policy, chunks)
+    ask = {"chunks": [len(c) for c in chunks], "policy": setting.policy["name"]}
+    assert is_adaptive(ask["policy"], ask.get("options")), ask
+    return {"kvcraft": ask}
 
 
 def to_policy(policy: dict[str, Any]) -> Any:
@@ -118,17 +152,20 @@ def warm(engine: Any, client: Any, prompts: list[musique.Prompt], seed: int = 0)
     adapter.close()
 
 
-def reference(engine: Any, client: Any, prompts: list[musique.Prompt], policy: dict[str, Any], max_tokens: int,
-              stop: frozenset[int]) -> list[dict[str, Any]]:
-    """kvcraft's own engine on each record: Plan (prompt order kept), blend, greedy decode."""
+def reference(engine: Any, client: Any, prompts: list[musique.Prompt], setting: Setting, max_tokens: int,
+              stop: frozenset[int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """kvcraft's own engine on each record: Plan (prompt order kept), blend, greedy decode.
+    Per record its output and what the request did; and the shadow prefills' cost."""
     import torch
 
     from engine_adapter.generate import greedy
     from engine_adapter.rag import RAGAdapter
 
-    # no shadow prefills: full prefill is this benchmark's own reference
-    adapter = RAGAdapter(engine, client, to_policy(policy), store_back=False, local=True,
-                         shadows=False)
+    if setting.adaptive:  # as deployed: the Plans' budgets, shadow prefills on
+        adapter = RAGAdapter(engine, client, store_back=False, local=True)
+    else:  # no shadow prefills: full prefill is this benchmark's own reference
+        adapter = RAGAdapter(engine, client, to_policy(setting.policy), store_back=False, local=True,
+                             shadows=False)
     out = []
     layers = engine.cfg.num_layers
     with torch.no_grad():
@@ -136,16 +173,52 @@ def reference(engine: Any, client: Any, prompts: list[musique.Prompt], policy: d
             result, rep = adapter.prefill([list(c) for c in p.chunks()], list(p.question), reorder=False)
             gen = greedy(engine, result.logits, result.kv, max_tokens, stop)
             out.append({"output": list(gen.tokens), "computed_share": rep.computed_rows / (rep.prompt_tokens * layers),
-                        "reused_chunks": rep.reused_chunks, "fallbacks": len(rep.fallbacks)})
+                        "reused_chunks": rep.reused_chunks, "fallbacks": len(rep.fallbacks),
+                        "budget": round(rep.budget, 4), "sampled": rep.sampled})
+        adapter.flush()
+    cost = adapter.sampling_cost()
     adapter.close()
-    return out
+    return out, {"shadow_prefills": cost.sampled, "shadow_row_share": cost.row_share, "shadow_s": cost.shadow_s}
+
+
+def service_fidelity(client: Any) -> dict[str, Any]:
+    """The service's Admin Stats on fidelity: its target, the controller's budget per
+    (model, policy) of adaptive engines, and the samples per (model, policy, budget)."""
+    s = client.stats()
+    return {"fidelity_target": s.fidelity_target,
+            "budgets": [{"policy": b.policy, "budget": round(b.budget, 4), "state": b.state} for b in s.budgets],
+            "fidelity": [{"policy": f.policy, "budget": round(f.budget, 4), "samples": f.samples,
+                          "top1_agree": f.top1_agree, "agree_lower": f.agree_lower, "agree_upper": f.agree_upper,
+                          "mean_kl": f.mean_kl, "mean_computed_share": f.mean_computed_share} for f in s.fidelity]}
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """Mean of a[i] - b[i] and its standard error (sample standard deviation / sqrt(n))."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    n = len(d)
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var / n)
+
+
+def budget_runs(budgets: Sequence[float]) -> list[list[float]]:
+    """Where the budget moved along the requests: [first request, budget] of each run of equal
+    budgets."""
+    return [[i, b] for i, b in enumerate(budgets) if i == 0 or b != budgets[i - 1]]
+
+
+def budget_path(budgets: Sequence[float], sampled: Sequence[bool]) -> dict[str, Any]:
+    """The budgets a path's requests ran with: the runs, the count per budget, the sampled."""
+    return {"runs": budget_runs(budgets), "requests_per_budget": {str(b): n for b, n in sorted(Counter(budgets).items())},
+            "sampled": sum(sampled)}
 
 
 def score(setting: Setting, vllm: list[dict[str, Any]], alone: list[list[int]], ref: list[dict[str, Any]] | None,
           records: list[musique.Record], tok: Any, stop: frozenset[int]) -> dict[str, Any]:
     n = len(vllm)
     same_alone = same_ref = blended = 0
-    rouge = f1 = share = 0.0
+    f1 = share = 0.0
+    rouge, ref_rouge = [], []
     diffs = []
     for i, o in enumerate(vllm):
         got = until_stop(o["output"], stop)
@@ -154,24 +227,33 @@ def score(setting: Setting, vllm: list[dict[str, Any]], alone: list[list[int]], 
         share += rep.get("computed_share", 1.0)
         same_alone += got == alone[i]
         text = tok.decode(got, skip_special_tokens=True)
-        rouge += musique.rouge_l(text, tok.decode(alone[i], skip_special_tokens=True))
+        full = tok.decode(alone[i], skip_special_tokens=True)
+        rouge.append(musique.rouge_l(text, full))
         f1 += musique.f1(text, records[i].answers)
         if ref is not None:
             want = ref[i]["output"]
+            ref_rouge.append(musique.rouge_l(tok.decode(want, skip_special_tokens=True), full))
             same_ref += got == want
             at = first_difference(got, want)
             if at is not None:
                 diffs.append({"record": records[i].id, "first_differing_token": at, "vllm": got, "reference": want,
                               "fallback": rep.get("fallback", "")})
-    row = {"setting": setting.label, "policy": setting.policy, "records": n,
-           "identical_to_vllm_alone": same_alone / n, "rouge_l_vs_full": rouge / n, "f1": f1 / n,
+    reps = [report(o) for o in vllm]
+    row = {"setting": setting.label, "policy": setting.policy, "adaptive": setting.adaptive, "records": n,
+           "identical_to_vllm_alone": same_alone / n, "rouge_l_vs_full": sum(rouge) / n, "f1": f1 / n,
            "computed_share": share / n, "blended_requests": blended,
-           "fallbacks": sorted({report(o).get("fallback", "") for o in vllm} - {""})}
+           "fallbacks": sorted({r.get("fallback", "") for r in reps} - {""}),
+           "budgets": budget_path([round(r.get("budget", 0.0), 4) for r in reps],
+                                  [bool(r.get("sampled")) for r in reps])}
     if ref is not None:
+        diff, se = paired_difference(rouge, ref_rouge)
         row |= {"identical_to_reference": same_ref / n,
+                "reference_rouge_l_vs_full": sum(ref_rouge) / n, "rouge_l_diff": diff, "rouge_l_diff_se": se,
                 "reference_computed_share": sum(r["computed_share"] for r in ref) / n,
                 "reference_f1": sum(musique.f1(tok.decode(r["output"], skip_special_tokens=True), rec.answers)
                                     for r, rec in zip(ref, records)) / n,
+                "reference_fallbacks": sum(r["fallbacks"] for r in ref),
+                "reference_budgets": budget_path([r["budget"] for r in ref], [r["sampled"] for r in ref]),
                 "differences": diffs}
     return row
 
@@ -208,42 +290,68 @@ def run(records: int | None = 30, data: str | Path = musique.SAMPLE, passages: i
         "data": Path(data).name, "records": len(recs), "passages": passages, "max_tokens": max_tokens,
         "prompt_tokens_mean": sum(len(p.tokens) for p in prompts) / len(prompts), "eager": eager, "rows": []}
     engine = LlamaEngine.from_pretrained(model)
+    vllm_spec = {"model": str(model), "max_model_len": max_len, "enforce_eager": eager}
+    refs: dict[str, list[dict[str, Any]]] = {}
+    phases: dict[str, dict[str, Any]] = {}
+    extra: dict[str, dict[str, Any]] = {}
+
+    def warmed(client: Any, key: str) -> None:
+        say(f"warming the service ({key})")
+        t = time.perf_counter()
+        with torch.no_grad():
+            warm(engine, client, prompts)
+        out[key] = time.perf_counter() - t
+
+    def referenced(client: Any, s: Setting) -> dict[str, Any]:
+        say(f"reference engine, {s.label}")
+        t = time.perf_counter()
+        refs[s.label], shadows = reference(engine, client, prompts, s, max_tokens, stop)
+        out[f"reference_s/{s.label}"] = time.perf_counter() - t
+        return shadows
+
+    def blended(name: str, address: str, group: list[Setting], key: str) -> None:
+        say(f"vLLM + kvcraft, {', '.join(s.label for s in group)}")
+        t = time.perf_counter()
+        res = engine_run(tmp, name, {**vllm_spec, **BLEND_MODEL, "phases": [
+            {"max_tokens": max_tokens, "requests": [
+                {"prompt": list(p.tokens), "reset_prefix_cache": True, "cache_salt": f"{s.label}-{i}",
+                 "kv_transfer_params": request_params(s, p.chunks())} for i, p in enumerate(prompts)]}
+            for s in group],
+            "kv": {"address": address, "blend_policy": "full", "blend_store_back": False}},
+            timeout=ENGINE_TIMEOUT_S)
+        phases.update(zip((s.label for s in group), res["phases"]))
+        out[key] = time.perf_counter() - t
+
     with tempfile.TemporaryDirectory(prefix="kvcraft-vllm-real-") as td:
         tmp = Path(td)
         say(f"vLLM alone on {len(recs)} records")
         t = time.perf_counter()
         plain = [{"prompt": list(p.tokens), "cache_salt": f"alone-{i}"} for i, p in enumerate(prompts)]
-        res = engine_run(tmp, "alone", {"model": str(model), "max_model_len": max_len, "enforce_eager": eager,
-                                        "phases": [{"requests": plain, "max_tokens": max_tokens}]},
+        res = engine_run(tmp, "alone", {**vllm_spec, "phases": [{"requests": plain, "max_tokens": max_tokens}]},
                          timeout=ENGINE_TIMEOUT_S)
         alone = [until_stop(o["output"], stop) for o in res["phases"][0]["outputs"]]
         out["vllm_alone_s"] = time.perf_counter() - t
-        with ServiceProcess(tmp / "data") as service, KVClient(service.address) as client:
-            say("warming the service")
-            t = time.perf_counter()
-            with torch.no_grad():
-                warm(engine, client, prompts)
-            out["warm_s"] = time.perf_counter() - t
-            refs = {}
-            for s in chosen:
-                say(f"reference engine, {s.label}")
-                t = time.perf_counter()
-                refs[s.label] = reference(engine, client, prompts, s.policy, max_tokens, stop)
-                out[f"reference_s/{s.label}"] = time.perf_counter() - t
-            say(f"vLLM + kvcraft, {len(chosen)} policies")
-            t = time.perf_counter()
-            phases = [{"max_tokens": max_tokens, "requests": [
-                {"prompt": list(p.tokens), "reset_prefix_cache": True, "cache_salt": f"{s.label}-{i}",
-                 "kv_transfer_params": blend_params(s.policy, p.chunks())} for i, p in enumerate(prompts)]}
-                for s in chosen]
-            res = engine_run(tmp, "blend", {
-                "model": str(model), "max_model_len": max_len, "enforce_eager": eager, **BLEND_MODEL,
-                "kv": {"address": service.address, "blend_policy": "full", "blend_store_back": False},
-                "phases": phases}, timeout=ENGINE_TIMEOUT_S)
-            out["vllm_blend_s"] = time.perf_counter() - t
-    for s, ph in zip(chosen, res["phases"]):
+        shared = [s for s in chosen if not s.adaptive]
+        if shared:  # policies as given: one service (the reference engine runs no shadow prefills)
+            with ServiceProcess(tmp / "data") as service, KVClient(service.address) as client:
+                warmed(client, "warm_s")
+                for s in shared:
+                    referenced(client, s)
+                blended("blend", service.address, shared, "vllm_blend_s")
+        for n, s in enumerate(c for c in chosen if c.adaptive):
+            # The controller's tallies live in the service: a fresh one per path, warmed alike.
+            with ServiceProcess(tmp / f"data-adaptive{n}-reference") as service, KVClient(service.address) as client:
+                warmed(client, f"warm_s/{s.label} reference")
+                shadows = referenced(client, s)
+                extra[s.label] = {"reference_shadows": shadows, "reference_service": service_fidelity(client)}
+            with ServiceProcess(tmp / f"data-adaptive{n}-vllm") as service, KVClient(service.address) as client:
+                warmed(client, f"warm_s/{s.label} vllm")
+                blended(f"blend-adaptive{n}", service.address, [s], f"vllm_blend_s/{s.label}")
+                extra[s.label]["vllm_service"] = service_fidelity(client)
+    for s in chosen:
+        ph = phases[s.label]
         row = score(s, ph["outputs"], alone, refs[s.label], recs, tok, stop)
-        out["rows"].append(row | {"connector": ph["metrics"]})
+        out["rows"].append(row | {"connector": ph["metrics"]} | extra.get(s.label, {}))
     out["answers"] = [{"record": r.id, "gold": list(r.answers), "vllm_alone": tok.decode(a, skip_special_tokens=True)}
                       for r, a in zip(recs, alone)]
     return out
@@ -252,12 +360,24 @@ def run(records: int | None = 30, data: str | Path = musique.SAMPLE, passages: i
 def print_table(out: dict[str, Any]) -> None:
     print(f"{out['records']} records, {out['prompt_tokens_mean']:.0f} prompt tokens on average, "
           f"greedy up to {out['max_tokens']} tokens")
-    print(f"{'policy':<24} {'= vLLM alone':>12} {'= reference':>11} {'ROUGE-L':>8} {'F1':>6} {'ref F1':>6} "
-          f"{'computed':>9} {'ref comp':>9} {'blended':>8}")
+    print(f"{'policy':<24} {'= vLLM alone':>12} {'= reference':>11} {'ROUGE-L':>8} {'ref ROUGE-L':>11} "
+          f"{'diff (se)':>16} {'F1':>6} {'ref F1':>6} {'computed':>9} {'ref comp':>9} {'blended':>8}")
     for r in out["rows"]:
+        diff = f"{r['rouge_l_diff']:+.3f} ({r['rouge_l_diff_se']:.3f})"
         print(f"{r['setting']:<24} {r['identical_to_vllm_alone']:>12.1%} {r['identical_to_reference']:>11.1%} "
-              f"{r['rouge_l_vs_full']:>8.3f} {r['f1']:>6.3f} {r['reference_f1']:>6.3f} {r['computed_share']:>9.1%} "
-              f"{r['reference_computed_share']:>9.1%} {r['blended_requests']:>8}")
+              f"{r['rouge_l_vs_full']:>8.3f} {r['reference_rouge_l_vs_full']:>11.3f} {diff:>16} {r['f1']:>6.3f} "
+              f"{r['reference_f1']:>6.3f} {r['computed_share']:>9.1%} {r['reference_computed_share']:>9.1%} "
+              f"{r['blended_requests']:>8}")
+    for r in out["rows"]:
+        if not r["adaptive"]:
+            continue
+        for path, b, service in (("vLLM + kvcraft", r["budgets"], r["vllm_service"]),
+                                 ("reference", r["reference_budgets"], r["reference_service"])):
+            controller = ", ".join(f"{c['budget']:.2f} {c['state']}" for c in service["budgets"]) or "none"
+            samples = ", ".join(f"{f['budget']:.2f}: {f['top1_agree']}/{f['samples']} agreed"
+                                for f in service["fidelity"]) or "none"
+            print(f"{r['setting']}, {path}: budgets {b['requests_per_budget']} (runs {b['runs']}), "
+                  f"{b['sampled']} sampled; its service: controller {controller}; samples received {samples}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

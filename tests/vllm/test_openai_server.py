@@ -138,12 +138,14 @@ def test_report_counts_the_chunks_really_reused(server):
     n = 3 * 40 + 12
     assert (report["blended"], report["reused_chunks"], report["fresh_chunks"], report["fallback"]) == (True, 0, 3, "")
     assert (report["prompt_tokens"], report["claimed_tokens"], report["vllm_computed_tokens"]) == (n, n - 1, 1)
+    assert (report["budget"], report["sampled"]) == (0.0, False)  # CacheBlend by its ratio; nothing reused to measure
     wait_stored(server["address"], [a, b, c])
     code, body = complete(server, [c, d, a], tokens(10, 12), "r2")  # two stored chunks, elsewhere; one new
     assert code == 200, body
     report = json.loads(body)["kv_transfer_params"]["kvcraft"]
     assert (report["blended"], report["reused_chunks"], report["fresh_chunks"]) == (True, 2, 1)
     assert report["claimed_tokens"] == n - 1
+    assert (report["budget"], report["sampled"]) == (0.0, True)  # a (model, policy)'s first requests are measured
     code, body = complete(server, [a, b, c], tokens(11, 12), "r3", kv_transfer_params={"kvcraft": {
         "chunks": [40, 40, 40], "policy": "full"}})  # every chunk stored, none reused: kvcraft computes all
     assert code == 200, body
@@ -151,6 +153,23 @@ def test_report_counts_the_chunks_really_reused(server):
     # fresh: chunks the service had no variant for (stored back); full reuses none of the three stored
     assert (report["blended"], report["policy"], report["reused_chunks"], report["fresh_chunks"]) == \
         (True, "full", 0, 0)
+
+
+def test_report_carries_the_fidelity_controllers_budget_for_the_default_policy_without_options(server):
+    """`query` named without options is adaptive: its Plan carries the controller's budget
+    (the cold start on a model it has no samples of) and marks it for a shadow prefill."""
+    from kvservice.fidelity import COLD_START
+
+    a, b = tokens(21, 40), tokens(22, 40)
+    code, body = complete(server, [a, b], tokens(23, 12), "f1")  # stores both chunks
+    assert code == 200, body
+    wait_stored(server["address"], [a, b])
+    code, body = complete(server, [b, a], tokens(24, 12), "f2",
+                          kv_transfer_params={"kvcraft": {"chunks": [40, 40], "policy": "query"}})
+    assert code == 200, body
+    report = json.loads(body)["kv_transfer_params"]["kvcraft"]
+    assert (report["blended"], report["policy"], report["reused_chunks"]) == (True, "query", 2), report
+    assert (report["budget"], report["sampled"]) == (COLD_START, True)
 
 
 def test_streamed_response_carries_the_report_in_its_last_event(server):

