@@ -71,8 +71,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
-LADDER = (0.05, 0.10, 0.15, 0.25, 0.40, 0.60, 1.0)  # kvservice.fidelity.LADDER (checked in main)
-TARGET = 0.95  # kvservice.fidelity.DEFAULT_TARGET
+from kvclient.fidelity import fidelity_record
+from kvservice.fidelity import DEFAULT_TARGET as TARGET
+from kvservice.fidelity import LADDER, ladder_budget
+
 ADAPTIVE = "adaptive"
 TASKS = ("short", "long", "musique")
 
@@ -267,15 +269,7 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
             memo.close()
     out = {"policy": spec, "commit": commit, "seconds": time.perf_counter() - t_run,
            "requests": [asdict(r) for r in rows],
-           "service": {"fidelity_target": stats.fidelity_target,
-                       "fidelity": [{"policy": f.policy, "budget": round(f.budget, 4), "samples": f.samples,
-                                     "top1_agree": f.top1_agree, "agree_lower": f.agree_lower,
-                                     "agree_upper": f.agree_upper, "mean_kl": f.mean_kl,
-                                     "mean_computed_share": f.mean_computed_share,
-                                     "answer_tokens": f.answer_tokens, "answer_agree": f.answer_agree}
-                                    for f in stats.fidelity],
-                       "budgets": [{"policy": b.policy, "budget": round(b.budget, 4), "state": b.state}
-                                   for b in stats.budgets]},
+           "service": fidelity_record(stats),
            "sampling_cost": {**asdict(cost), "row_share": cost.row_share}}
     if own_ref:
         out["reference"] = {"tokens": ref, "seconds": ref_s, "from_shadows": memo.hits if memo else 0}
@@ -334,25 +328,18 @@ def settled_from(budgets: Sequence[float]) -> int:
     return max(i, 0)
 
 
-def _key(b: float) -> float:
-    for x in LADDER:
-        if abs(b - x) < 1e-4:
-            return x
-    return round(b, 4)
-
-
 def adaptive_report(run: dict, policy: str) -> dict:
     rows = run["requests"]
-    budgets = [_key(r["budget"]) for r in rows]
+    budgets = [ladder_budget(r["budget"]) for r in rows]
     s = settled_from(budgets)
     after = rows[s:]
     sampled = [r for r in rows if r["sampled"]]
     unsampled = [r for r in rows if not r["sampled"]]
     blended_unsampled = [r for r in unsampled if r["blended"]]
-    tallies = {_key(f["budget"]): f for f in run["service"]["fidelity"] if f["policy"] == policy}
+    tallies = {ladder_budget(f["budget"]): f for f in run["service"]["fidelity"] if f["policy"] == policy}
     honesty = []
     for b in sorted(set(budgets)):
-        at = [r for r in rows if _key(r["budget"]) == b]
+        at = [r for r in rows if ladder_budget(r["budget"]) == b]
         blended = [r for r in at if r["blended"]]
         mine = [r for r in at if r["sampled"]]
         t = tallies.get(b)
@@ -417,7 +404,7 @@ def report(adaptive: dict, sweep: Sequence[dict], policy: str, reference_s: Sequ
     full = {"policy": "full prefill (engine alone)", "requests": len(reference_s), "agreement": 1.0, "se": 0.0,
             "computed_share": 1.0, "ttft_s": mean(timed), "timed": len(timed)}
     s = sweep_report(sweep, a["settled"]["computed_share"], target)
-    fixed = {_key(float(t["policy"].split("budget=")[1])): t for t in s["table"]
+    fixed = {ladder_budget(float(t["policy"].split("budget=")[1])): t for t in s["table"]
              if t["policy"].startswith(f"{policy}:budget=")}
     for h in a["honesty"]:  # the interval against the fixed run of the same budget, where swept
         t = fixed.get(h["budget"])
@@ -541,9 +528,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine_adapter import LlamaEngine, stop_tokens
     from engine_adapter.fidelity import ANSWER_TOKENS as SHADOW_ANSWER_TOKENS
     from engine_adapter.policy import parse_policy
-    from kvservice import fidelity
-
-    assert fidelity.LADDER == LADDER and fidelity.DEFAULT_TARGET == TARGET, "kvservice.fidelity changed"
     assert SHADOW_ANSWER_TOKENS == ANSWER_TOKENS, "engine_adapter.fidelity changed"
     torch.set_num_threads(a.threads)
     sweep = default_sweep(a.task) if a.sweep is None else [] if a.sweep == ["none"] else a.sweep

@@ -50,15 +50,17 @@ import platform
 import random
 import tempfile
 import time
-from dataclasses import dataclass
 from collections import Counter
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
 from kvbench import musique
 from kvbench.engines import engine_run
+from kvbench.fidelity_stream import trajectory
 from kvbench.rows import add_json_argument, print_and_save
+from kvclient.fidelity import fidelity_record
 from kvbench.vllm_quality import BLEND_MODEL, LAYER_WAIT_S, blend_params
 from kvbench.vllm_rag import report
 
@@ -181,17 +183,6 @@ def reference(engine: Any, client: Any, prompts: list[musique.Prompt], setting: 
     return out, {"shadow_prefills": cost.sampled, "shadow_row_share": cost.row_share, "shadow_s": cost.shadow_s}
 
 
-def service_fidelity(client: Any) -> dict[str, Any]:
-    """The service's Admin Stats on fidelity: its target, the controller's budget per
-    (model, policy) of adaptive engines, and the samples per (model, policy, budget)."""
-    s = client.stats()
-    return {"fidelity_target": s.fidelity_target,
-            "budgets": [{"policy": b.policy, "budget": round(b.budget, 4), "state": b.state} for b in s.budgets],
-            "fidelity": [{"policy": f.policy, "budget": round(f.budget, 4), "samples": f.samples,
-                          "top1_agree": f.top1_agree, "agree_lower": f.agree_lower, "agree_upper": f.agree_upper,
-                          "mean_kl": f.mean_kl, "mean_computed_share": f.mean_computed_share} for f in s.fidelity]}
-
-
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
     """Mean of a[i] - b[i] and its standard error (sample standard deviation / sqrt(n))."""
     d = [x - y for x, y in zip(a, b, strict=True)]
@@ -201,15 +192,10 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, fl
     return mean, math.sqrt(var / n)
 
 
-def budget_runs(budgets: Sequence[float]) -> list[list[float]]:
-    """Where the budget moved along the requests: [first request, budget] of each run of equal
-    budgets."""
-    return [[i, b] for i, b in enumerate(budgets) if i == 0 or b != budgets[i - 1]]
-
-
 def budget_path(budgets: Sequence[float], sampled: Sequence[bool]) -> dict[str, Any]:
     """The budgets a path's requests ran with: the runs, the count per budget, the sampled."""
-    return {"runs": budget_runs(budgets), "requests_per_budget": {str(b): n for b, n in sorted(Counter(budgets).items())},
+    return {"runs": [[t["request"], t["to"]] for t in trajectory(budgets)],
+            "requests_per_budget": {str(b): n for b, n in sorted(Counter(budgets).items())},
             "sampled": sum(sampled)}
 
 
@@ -343,11 +329,11 @@ def run(records: int | None = 30, data: str | Path = musique.SAMPLE, passages: i
             with ServiceProcess(tmp / f"data-adaptive{n}-reference") as service, KVClient(service.address) as client:
                 warmed(client, f"warm_s/{s.label} reference")
                 shadows = referenced(client, s)
-                extra[s.label] = {"reference_shadows": shadows, "reference_service": service_fidelity(client)}
+                extra[s.label] = {"reference_shadows": shadows, "reference_service": fidelity_record(client.stats())}
             with ServiceProcess(tmp / f"data-adaptive{n}-vllm") as service, KVClient(service.address) as client:
                 warmed(client, f"warm_s/{s.label} vllm")
                 blended(f"blend-adaptive{n}", service.address, [s], f"vllm_blend_s/{s.label}")
-                extra[s.label]["vllm_service"] = service_fidelity(client)
+                extra[s.label]["vllm_service"] = fidelity_record(client.stats())
     for s in chosen:
         ph = phases[s.label]
         row = score(s, ph["outputs"], alone, refs[s.label], recs, tok, stop)

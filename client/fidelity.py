@@ -1,5 +1,6 @@
 """Admin Stats' sampled fidelity and the fidelity controller's budgets as text tables
-(`kvcraft admin fidelity`, the demo; docs/quality.md, "Fidelity on live traffic")."""
+(`kvcraft admin fidelity`, the demo; docs/quality.md, "Fidelity on live traffic"), and as
+plain data for benchmarks' JSON."""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ def fidelity_table(stats: pb.StatsResponse, model_id: str | None = None) -> str:
     head = ("model", "policy", "budget", "samples", "top1_agree", "agreement", "95% interval", "mean_kl", "computed",
             "answer_agree")
     return out + _table(head, rows)
+
+
+def fidelity_record(stats: pb.StatsResponse) -> dict:
+    """Admin Stats' fidelity as plain data (benchmarks keep it in their JSON): the target, the
+    controller's budget per (policy) of adaptive engines, the samples per (policy, budget);
+    budgets rounded to 4 places (they travel as float32)."""
+    return {"fidelity_target": stats.fidelity_target,
+            "fidelity": [{"policy": f.policy, "budget": round(f.budget, 4), "samples": f.samples,
+                          "top1_agree": f.top1_agree, "agree_lower": f.agree_lower, "agree_upper": f.agree_upper,
+                          "mean_kl": f.mean_kl, "mean_computed_share": f.mean_computed_share,
+                          "answer_tokens": f.answer_tokens, "answer_agree": f.answer_agree} for f in stats.fidelity],
+            "budgets": [{"policy": b.policy, "budget": round(b.budget, 4), "state": b.state} for b in stats.budgets]}
 
 
 def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
