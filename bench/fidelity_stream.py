@@ -338,21 +338,22 @@ def adaptive_report(run: dict, policy: str) -> dict:
     blended_unsampled = [r for r in unsampled if r["blended"]]
     tallies = {ladder_budget(f["budget"]): f for f in run["service"]["fidelity"] if f["policy"] == policy}
     honesty = []
-    for b in sorted(set(budgets)):
+    for b in sorted(set(budgets) | {b for b in tallies if b > 0}):  # served, or measured by shadow blends alone
         at = [r for r in rows if ladder_budget(r["budget"]) == b]
         blended = [r for r in at if r["blended"]]
         mine = [r for r in at if r["sampled"]]
         t = tallies.get(b)
-        true_all = sum(r["agree"] for r in at) / len(at)
+        true_all = sum(r["agree"] for r in at) / len(at) if at else None
         true_blended = sum(r["agree"] for r in blended) / len(blended) if blended else float("nan")
         row = {"budget": b, "requests": len(at), "blended": len(blended), "sampled": len(mine),
                "sampled_agree_by_reference": sum(r["agree"] for r in mine),
                "true_agreement_all": true_all, "true_agreement_blended": true_blended,
-               "true_answer_agreement": rate(at)["answer_agreement"]}
+               "true_answer_agreement": rate(at)["answer_agreement"] if at else None}
         if t is not None:
             lo, hi = t["agree_lower"], t["agree_upper"]
             row.update(service_samples=t["samples"], service_top1_agree=t["top1_agree"], wilson_lower=lo,
-                       wilson_upper=hi, covers_all=lo <= true_all <= hi,
+                       wilson_upper=hi, service_shadow_blends=t.get("shadow_blends", 0),
+                       covers_all=lo <= true_all <= hi if at else None,
                        covers_blended=(lo <= true_blended <= hi) if blended else None,
                        service_answer_agreement=(t["answer_agree"] / t["answer_tokens"]
                                                  if t.get("answer_tokens") else None))
@@ -370,6 +371,7 @@ def adaptive_report(run: dict, policy: str) -> dict:
         "sampled": len(sampled),
         "sampled_after_settle": sum(r["sampled"] for r in after),
         "sampling_cost": {"row_share": cost["row_share"], "shadow_s": cost["shadow_s"],
+                          "shadow_blends": cost.get("shadow_blends", 0),
                           "served_compute_s": cost["served_compute_s"], "shadow_row_layers": cost["shadow_row_layers"],
                           "served_row_layers": cost["served_row_layers"],
                           "served_ttft_s": sum(r["ttft_s"] for r in rows)},
@@ -429,16 +431,17 @@ def print_report(rep: dict, title: str) -> None:
           f"whole stream {a['overall']['agreement']:.3f}, computed {pct(a['overall']['computed_share'])}")
     c = a["sampling_cost"]
     print(f"sampled {a['sampled']} of {a['requests']} ({a['blended']} blended, {a['sampled_after_settle']} after the "
-          f"settle); shadow row-layers {pct(c['row_share'])} of all; shadow {c['shadow_s']:.1f} s beside "
+          f"settle, {c.get('shadow_blends', 0)} shadow blends); shadow row-layers {pct(c['row_share'])} of all; shadow {c['shadow_s']:.1f} s beside "
           f"{c['served_compute_s']:.1f} s served compute ({c['served_ttft_s']:.1f} s TTFT); TTFT sampled "
           f"{a['ttft_sampled_s'] * 1e3:.1f} ms, unsampled {a['ttft_unsampled_s'] * 1e3:.1f} ms "
           f"(blended {a['ttft_unsampled_blended_s'] * 1e3:.1f} ms)")
-    print(f"{'budget':>7} {'reqs':>5} {'blended':>7} {'samples':>7} {'Wilson 95%':>15} {'true (all)':>10} "
-          f"{'covered':>7} {'true (blended)':>14} {'covered':>7}")
+    print(f"{'budget':>7} {'reqs':>5} {'blended':>7} {'samples':>7} {'shadow blends':>13} {'Wilson 95%':>15} "
+          f"{'true (all)':>10} {'covered':>7} {'true (blended)':>14} {'covered':>7}")
     for h in a["honesty"]:
         iv = f"[{h['wilson_lower']:.3f}, {h['wilson_upper']:.3f}]" if "wilson_lower" in h else "no samples"
-        print(f"{h['budget']:>7.2f} {h['requests']:>5} {h['blended']:>7} {h.get('service_samples', 0):>7} {iv:>15} "
-              f"{h['true_agreement_all']:>10.3f} {str(h.get('covers_all', '-')):>7} "
+        print(f"{h['budget']:>7.2f} {h['requests']:>5} {h['blended']:>7} {h.get('service_samples', 0):>7} "
+              f"{h.get('service_shadow_blends', 0):>13} {iv:>15} {_ratio(h['true_agreement_all']):>10} "
+              f"{str(h.get('covers_all', '-')):>7} "
               f"{h['true_agreement_blended']:>14.3f} {str(h.get('covers_blended', '-')):>7}"
               + (f"   fixed run: {h['fixed_agreement']:.3f} covered {h['covers_fixed']}" if "covers_fixed" in h else ""))
     if a["overall"].get("answer_tokens"):
@@ -650,22 +653,25 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {r['requests']} | {r['agreement']:.3f} ({r['se']:.3f}) | {pct(r['computed_share'])} "
                      f"| {pct(r['computed_share_as_retrieved'])} | {r['ttft_s'] * 1e3:.1f} |")
     lines += ["", f"Sampled {a['sampled']} of {a['requests']} requests ({a['blended']} blended; {a['sampled_after_settle']} "
-              f"after the settle); the shadows computed {pct(c['row_share'])} of all row-layers (served + shadows), "
+              f"after the settle; {c.get('shadow_blends', 0)} of the shadows also blended at a budget below); the "
+              f"shadows computed {pct(c['row_share'])} of all row-layers (served + shadows), "
               f"{c['shadow_s']:.1f} s beside {c['served_compute_s']:.1f} s of served compute ({c['served_ttft_s']:.1f} s "
               f"of TTFT); TTFT of sampled requests {a['ttft_sampled_s'] * 1e3:.1f} ms, of unsampled "
               f"{a['ttft_unsampled_s'] * 1e3:.1f} ms." + (" " + answers_line(a) if a["overall"].get("answer_tokens")
                                                           else ""), "",
-              "| budget served | requests (blended) | service's samples | Wilson 95% | true, all its requests | covered "
-              "| fixed run at that budget | covered |", "|---|---|---|---|---|---|---|---|"]
+              "| budget | requests served (blended) | service's samples (shadow blends) | Wilson 95% | true, all its "
+              "requests | covered | fixed run at that budget | covered |", "|---|---|---|---|---|---|---|---|"]
     for h in a["honesty"]:
         iv = f"[{h['wilson_lower']:.3f}, {h['wilson_upper']:.3f}]" if "wilson_lower" in h else "no samples"
         fewer = f" (its first {h['fixed_requests']} requests)" if h.get("fixed_requests", a["requests"]) < a["requests"] \
             else ""
         fixed = (f"{h['fixed_agreement']:.3f}{fewer} | {'yes' if h['covers_fixed'] else 'no'}" if "covers_fixed" in h
                  else "- | -")
+        served = (f"{h['true_agreement_all']:.3f} | {'yes' if h.get('covers_all') else 'no'}"
+                  if h["true_agreement_all"] is not None else "- | -")
         lines.append(f"| {h['budget']:.2f} | {h['requests']} ({h['blended']}) | {h.get('service_samples', 0)} "
-                     f"({h.get('service_top1_agree', 0)} agree) | {iv} | {h['true_agreement_all']:.3f} | "
-                     f"{'yes' if h.get('covers_all') else 'no'} | {fixed} |")
+                     f"({h.get('service_top1_agree', 0)} agree; {h.get('service_shadow_blends', 0)}) | {iv} | "
+                     f"{served} | {fixed} |")
     lines += ["", "| fixed policy | requests | true agreement (s.e.) | computed | computed, as retrieved | TTFT (ms) |",
               "|---|---|---|---|---|---|"]
     for t in s["table"]:

@@ -13,9 +13,9 @@ def fidelity_table(stats: pb.StatsResponse, model_id: str | None = None) -> str:
     samples; `model_id`: that model's lines only."""
     target = (f"fidelity target: first-token agreement >= {stats.fidelity_target:.3f}\n" if stats.fidelity_target
               else "fidelity target: none (fidelity_target = 0): engines spend budgets of their own\n")
-    out = target + _table(("model", "policy", "budget", "state"),
-                          [(c.model_id, c.policy, f"{c.budget:.2f}", c.state) for c in stats.budgets
-                           if model_id in (None, c.model_id)])
+    out = target + _table(("model", "policy", "budget", "state", "measuring below"),
+                          [(c.model_id, c.policy, f"{c.budget:.2f}", c.state, f"{c.below:.2f}" if c.below else "-")
+                           for c in stats.budgets if model_id in (None, c.model_id)])
     fidelity = [r for r in stats.fidelity if model_id in (None, r.model_id)]
     if not fidelity:
         return out + "no fidelity samples yet (engines send them with their Plans; docs/quality.md)\n"
@@ -23,11 +23,11 @@ def fidelity_table(stats: pb.StatsResponse, model_id: str | None = None) -> str:
     for r in fidelity:
         rate = r.top1_agree / r.samples if r.samples else 0.0
         answer = f"{r.answer_agree / r.answer_tokens:.3f} of {r.answer_tokens}" if r.answer_tokens else "-"
-        rows.append((r.model_id, r.policy, f"{r.budget:.2f}" if r.budget else "-", str(r.samples), str(r.top1_agree),
-                     f"{rate:.3f}", f"[{r.agree_lower:.3f}, {r.agree_upper:.3f}]", f"{r.mean_kl:.4g}",
-                     f"{r.mean_computed_share:.3f}", answer))
-    head = ("model", "policy", "budget", "samples", "top1_agree", "agreement", "95% interval", "mean_kl", "computed",
-            "answer_agree")
+        rows.append((r.model_id, r.policy, f"{r.budget:.2f}" if r.budget else "-", str(r.samples),
+                     str(r.shadow_blends), str(r.top1_agree), f"{rate:.3f}", f"[{r.agree_lower:.3f}, {r.agree_upper:.3f}]",
+                     f"{r.mean_kl:.4g}", f"{r.mean_computed_share:.3f}", answer))
+    head = ("model", "policy", "budget", "samples", "shadow_blends", "top1_agree", "agreement", "95% interval",
+            "mean_kl", "computed", "answer_agree")
     return out + _table(head, rows)
 
 
@@ -39,8 +39,10 @@ def fidelity_record(stats: pb.StatsResponse) -> dict:
             "fidelity": [{"policy": f.policy, "budget": round(f.budget, 4), "samples": f.samples,
                           "top1_agree": f.top1_agree, "agree_lower": f.agree_lower, "agree_upper": f.agree_upper,
                           "mean_kl": f.mean_kl, "mean_computed_share": f.mean_computed_share,
-                          "answer_tokens": f.answer_tokens, "answer_agree": f.answer_agree} for f in stats.fidelity],
-            "budgets": [{"policy": b.policy, "budget": round(b.budget, 4), "state": b.state} for b in stats.budgets]}
+                          "answer_tokens": f.answer_tokens, "answer_agree": f.answer_agree,
+                          "shadow_blends": f.shadow_blends} for f in stats.fidelity],
+            "budgets": [{"policy": b.policy, "budget": round(b.budget, 4), "state": b.state, "below": round(b.below, 4)}
+                        for b in stats.budgets]}
 
 
 def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

@@ -151,7 +151,8 @@ def plan_of(r: pb.PlanResponse) -> Plan:
         compute_s_per_layer=r.compute_s_per_layer, lease_id=r.lease_id,
         lease_expires_unix_ms=r.lease_expires_unix_ms, computed_tokens=r.computed_tokens,
         other_keys=tuple(r.other_keys), variant_prefixes=tuple(KeyChain(tuple(c.ranges)) for c in r.variant_prefixes),
-        recompute_budget=round(r.recompute_budget, 6), fidelity_sample=r.fidelity_sample)  # float32 on the wire
+        recompute_budget=round(r.recompute_budget, 6), fidelity_sample=r.fidelity_sample,  # float32 on the wire
+        fidelity_below=round(r.fidelity_below, 6))
 
 
 def variant_ref(r: RefLike) -> pb.VariantRef:

@@ -9,11 +9,15 @@ for it), and compares the two next-token distributions at the last prompt positi
 (`RAGAdapter.generate`) the shadow runs after its answer and also feeds full prefill the
 answer's first ANSWER_TOKENS tokens after the first (teacher forcing: a few rows more than
 the prompt's): `answer_agreement` counts the positions where full prefill predicts the
-token the served request chose next, the drift the first token alone does not show. Each
-comparison is a
-`pb.FidelitySample` that the adapter sends with its next Plan (at most
-`MAX_SAMPLES_PER_PLAN`); the service tallies them per model and policy
-(`kvservice.fidelity`, `kvcraft admin fidelity`).
+token the served request chose next, the drift the first token alone does not show.
+
+A Plan may also name the budget one step below the one served (`Plan.fidelity_below`: the
+service measures it before serving it, `kvservice.fidelity`). The request's stored KV is
+then copied as it arrives (`source.RecordingLayerSource`), and the shadow blends the request
+again at that budget from the same KV and compares that blend with full prefill too (a
+*shadow blend*; first token only). Each comparison is a `pb.FidelitySample` that the adapter
+sends with its next Plan (at most `MAX_SAMPLES_PER_PLAN`); the service tallies them per
+model, policy and budget (`kvservice.fidelity`, `kvcraft admin fidelity`).
 
 The shadows' compute is counted beside the served requests' (`SamplingCost`): the
 sampling's overhead.
@@ -31,8 +35,13 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from engine_adapter.blend import blend_prefill
 from engine_adapter.driver import BlendResult
 from engine_adapter.llama import LlamaEngine
+from engine_adapter.policy import ReusePolicy
+from engine_adapter.probe import TRUSTED
+from engine_adapter.prompt import Segment
+from engine_adapter.source import RecordedLayerSource
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -40,6 +49,10 @@ log = logging.getLogger(__name__)
 MAX_SAMPLES_PER_PLAN = 64  # the service's bound (kvservice.server.checks)
 MAX_PENDING = 1024  # samples kept while no Plan takes them (service down): the oldest go first
 MAX_QUEUED = 8  # shadows waiting for the worker; a request sampled beyond that is skipped
+# Shadows holding a copy of their request's stored KV for a shadow blend (a prompt's KV in
+# the engine's dtype: ~90 MB for SmolLM2-135M at 2,000 tokens in float32); beyond that a
+# sampled request gets its full prefill alone.
+MAX_SHADOW_BLENDS = 2
 ANSWER_TOKENS = 16  # answer tokens after the first a shadow compares under teacher forcing
 
 
@@ -63,6 +76,18 @@ def answer_agreement(full: Tensor, answer: Sequence[int]) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class ShadowBlend:
+    """A shadow blend to compute beside a shadow prefill: the request's segments as served,
+    the policy at the budget below (`Plan.fidelity_below`), and the stored KV the request was
+    served from, copied."""
+
+    segments: Sequence[Segment]
+    policy: ReusePolicy
+    budget: float
+    source: RecordedLayerSource
+
+
+@dataclass(frozen=True)
 class SamplingCost:
     """What the sampling cost beside the traffic it measured, since the adapter started."""
 
@@ -71,8 +96,9 @@ class SamplingCost:
     sampled: int  # of those, given a shadow prefill (finished or not)
     served_row_layers: int  # rows computed by the served prefills, summed over layers
     served_compute_s: float  # their compute time (layer loops; loads excluded)
-    shadow_row_layers: int  # rows the finished shadow prefills computed (prompt x layers)
+    shadow_row_layers: int  # rows the finished shadows computed (their prefills' prompt x layers, and blends')
     shadow_s: float  # their time
+    shadow_blends: int = 0  # of the finished shadows, those that also blended at the budget below
 
     @property
     def row_share(self) -> float:
@@ -91,17 +117,25 @@ class ShadowSampler:
         self._worker: ThreadPoolExecutor | None = None  # made at the first sample
         self._queued: list[Future] = []
         self._samples: list[pb.FidelitySample] = []
-        self._served = self._blended = self._sampled = 0
+        self._served = self._blended = self._sampled = self._blends = 0
+        self._blends_held = 0  # queued shadows holding a copy of stored KV
         self._served_rows = self._shadow_rows = 0
         self._served_s = self._shadow_s = 0.0
 
+    def can_blend(self) -> bool:
+        """Whether a request sampled now may copy its stored KV for a shadow blend."""
+        with self._lock:
+            return self._blends_held < MAX_SHADOW_BLENDS
+
     def observe(self, spans: Sequence[Sequence[int]], result: BlendResult, policy: str, budget: float,
-                sample: bool, answer: Sequence[int] = ()) -> bool:
+                sample: bool, answer: Sequence[int] = (), below: ShadowBlend | None = None) -> bool:
         """Count a served request; if it is blended and `sample` (its Plan asked), queue its
         shadow prefill. spans: the prompt's token spans in the order served (chunks, then the
         question); budget: the recompute budget it ran with (0: its policy has none); answer:
         the tokens it generated, if any (the first from `result.logits`), compared under
-        teacher forcing. Returns whether it was sampled."""
+        teacher forcing; below: the shadow blend to compute as well, if the Plan named a
+        budget below (its stored KV is let go if the request is not sampled). Returns whether
+        it was sampled."""
         with self._lock:
             self._served += 1
             self._served_rows += sum(result.computed_rows) if result.computed_rows else 0
@@ -121,11 +155,13 @@ class ShadowSampler:
             served = result.logits.detach().clone()
             share = result.computed_share
             answer = [int(t) for t in answer[:ANSWER_TOKENS + 1]]
-            self._queued.append(self._worker.submit(self._shadow, list(spans), served, policy, budget, share, answer))
+            self._blends_held += below is not None
+            self._queued.append(self._worker.submit(self._shadow, list(spans), served, policy, budget, share, answer,
+                                                    below))
             return True
 
     def _shadow(self, spans: list[Sequence[int]], served: Tensor, policy: str, budget: float, share: float,
-                answer: list[int]) -> None:
+                answer: list[int], below: ShadowBlend | None) -> None:
         t0 = time.perf_counter()
         fed = max(len(answer) - 1, 0)  # the last answer token is predicted, never fed
         tokens = torch.tensor([t for span in spans for t in span] + answer[:fed], dtype=torch.long)  # [N + fed]
@@ -135,14 +171,35 @@ class ShadowSampler:
             compared, answer_agree = answer_agreement(logits, answer)
         except Exception as e:  # noqa: BLE001 - a failed shadow never touches the traffic
             log.warning("kvcraft fidelity: a shadow prefill failed (%s); no sample", e)
+            self._let_go(below)
             return
+        samples = [pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, computed_share=share, budget=budget,
+                                     answer_tokens=compared, answer_agree=answer_agree)]
+        rows = len(tokens) * self.engine.cfg.num_layers
+        if below is not None:
+            try:
+                blended = blend_prefill(self.engine, below.segments, below.policy, below.source, gate=TRUSTED,
+                                        stats=False)
+                agree, kl = compare(logits[0], blended.logits)
+                samples.append(pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, budget=below.budget,
+                                                 computed_share=blended.computed_share, shadow_blend=True))
+                rows += sum(blended.computed_rows)
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvcraft fidelity: a shadow blend failed (%s); its sample is skipped", e)
+            finally:
+                self._let_go(below)
         seconds = time.perf_counter() - t0
         with self._lock:
-            self._shadow_rows += len(tokens) * self.engine.cfg.num_layers
+            self._shadow_rows += rows
             self._shadow_s += seconds
-            self._samples.append(pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, computed_share=share,
-                                                  budget=budget, answer_tokens=compared, answer_agree=answer_agree))
+            self._blends += len(samples) - 1
+            self._samples.extend(samples)
             del self._samples[:-MAX_PENDING]
+
+    def _let_go(self, below: ShadowBlend | None) -> None:
+        if below is not None:
+            with self._lock:
+                self._blends_held -= 1
 
     def take(self, limit: int = MAX_SAMPLES_PER_PLAN) -> list[pb.FidelitySample]:
         """The oldest finished samples, at most `limit` (and forget them)."""
@@ -160,7 +217,7 @@ class ShadowSampler:
     def cost(self) -> SamplingCost:
         with self._lock:
             return SamplingCost(self._served, self._blended, self._sampled, self._served_rows, self._served_s,
-                                self._shadow_rows, self._shadow_s)
+                                self._shadow_rows, self._shadow_s, self._blends)
 
     def close(self) -> None:
         self.wait()

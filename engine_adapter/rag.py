@@ -42,12 +42,13 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from engine_adapter import learned
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
-from engine_adapter.fidelity import MAX_SAMPLES_PER_PLAN, SamplingCost, ShadowSampler
+from engine_adapter.fidelity import MAX_SAMPLES_PER_PLAN, SamplingCost, ShadowBlend, ShadowSampler
 from engine_adapter.generate import Generation, greedy
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.policy import DEFAULT_POLICY, Full, ReusePolicy, parse_policy
 from engine_adapter.prompt import Segment
+from engine_adapter.source import RecordingLayerSource
 from kvclient.client import KVClient, Ref
 from kvclient.errors import InvalidArgumentError, KVCraftError
 from kvcraft.keys import chunk_key
@@ -197,8 +198,12 @@ class RAGAdapter:
         source = ServiceLayerSource(self.client, refs, local=self.local,
                                     deadline=time.monotonic() + FETCH_TIMEOUT_S,
                                     depth=max(1, plan.preload_depth) if plan else 1)
+        sample = bool(plan and plan.fidelity_sample and self.shadows)
+        recording = None  # the stored KV copied as it arrives, for the shadow's blend at the budget below
+        if sample and refs and 0 < plan.fidelity_below < spent_budget(policy) and self.fidelity.can_blend():
+            recording = RecordingLayerSource(source)
         try:
-            result = blend_prefill(self.engine, segments, policy, source, gate=self.gate,
+            result = blend_prefill(self.engine, segments, policy, recording or source, gate=self.gate,
                                    stats=self.store_back)
         finally:
             source.close()
@@ -216,8 +221,10 @@ class RAGAdapter:
         self._learn(source, result)
         budget = spent_budget(policy)
         tokens = answer(result) if answer is not None else ()
-        sampled = self.fidelity.observe([s.tokens for s in segments], result, policy.name, budget,
-                                        bool(plan and plan.fidelity_sample and self.shadows), tokens)
+        below = (ShadowBlend(segments, with_budget(policy, plan.fidelity_below), plan.fidelity_below, recording.replay())
+                 if recording else None)
+        sampled = self.fidelity.observe([s.tokens for s in segments], result, policy.name, budget, sample, tokens,
+                                        below)
         report = RequestReport(
             policy=policy.name,
             order=list(plan.order) if plan else [chunk_key(self.model_id, c) for c in chunks],

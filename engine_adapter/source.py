@@ -48,6 +48,43 @@ class InMemoryLayerSource:
         pass
 
 
+class RecordingLayerSource:
+    """Another source's layers, passed through and copied as they arrive: the stored KV one
+    request was served from, for the shadow's blend of the same request at another budget
+    (`engine_adapter.fidelity`). The copies are taken before the prefill touches the layers
+    (and before a shared-memory lease is released)."""
+
+    def __init__(self, source: LayerSource):
+        self.source = source
+        self.kv: dict[int, dict[int, tuple[Tensor, Tensor]]] = {}  # chunk -> layer -> (K, V)
+
+    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
+        got = self.source.wait_layer(layer, deadline)
+        for chunk, (k, v) in got.items():
+            self.kv.setdefault(chunk, {})[layer] = (k.clone(), v.clone())
+        return got
+
+    def close(self) -> None:
+        self.source.close()
+
+    def replay(self) -> "RecordedLayerSource":
+        return RecordedLayerSource(self.kv)
+
+
+class RecordedLayerSource:
+    """The layers a `RecordingLayerSource` saw, served again at once; a (chunk, layer) that
+    did not arrive then does not arrive now."""
+
+    def __init__(self, kv: Mapping[int, Mapping[int, tuple[Tensor, Tensor]]]):
+        self.kv = kv
+
+    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
+        return {c: layers[layer] for c, layers in self.kv.items() if layer in layers}
+
+    def close(self) -> None:
+        pass
+
+
 class ScheduledLayerSource(InMemoryLayerSource):
     """In memory, but layer l only "arrives" at start + (l + 1) * layer_interval_s: a stand-in
     for a layer-wise fetch from a slower tier (benchmarks, the docs timeline). Blocks until

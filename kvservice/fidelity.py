@@ -15,15 +15,20 @@ MAX_MEASURING_SAMPLES samples, *measuring* otherwise. The budget given is a func
 tallies alone:
 
     start at COLD_START; climb while the budget is short (full prefill, 1, is exact and
-    never short); then descend while the budget is held and the one below is not short.
+    never short); then, if the least budget below it and above every short one is held,
+    go there.
 
-Plans mark every request while the budget given is measuring, and `fidelity_sample` of
-them once it is held. Samples arrive only for the budget given, so it moves only when its
-own verdict changes: down one step when it is shown held (to a budget not shown short),
-up when it is shown short. A short budget stays short (no samples reach it again): the
-budget settles after at most 2 x len(LADDER) moves and never oscillates. A model on which
-no budget below 1 holds the target ends at full prefill, logged once and shown in the
-metrics (`kvcraft_fidelity_budget` = 1).
+That least budget below is measured without serving it: while it is measuring, every Plan
+asks for a sample and names it (`fidelity_below`), and the engine's shadow blends the
+request again at that budget from the same stored KV and compares that blend with full
+prefill too (a *shadow blend*: `engine_adapter.fidelity`). So a budget below the cold start
+is served only once its own samples show it holds the target; the cheapest is tried first
+(one verdict when it holds, as on a model where reuse costs little), and when it is shown
+short the next one up is measured. Plans mark every request while the budget given or the
+one below is measuring, and `fidelity_sample` of them otherwise. A short budget stays short
+(no samples reach it again): the budget settles after at most 2 x len(LADDER) moves and
+never oscillates. A model on which no budget below 1 holds the target ends at full
+prefill, logged once and shown in the metrics (`kvcraft_fidelity_budget` = 1).
 
 The tallies persist in the metadata database (`MetadataDB.put_fidelity`), unsynced and at
 most once a second (`PERSIST_EVERY_S`) while samples arrive, and at close: a crash loses
@@ -111,6 +116,7 @@ class Sample:
     budget: float = 0.0  # the recompute budget the request ran with; 0: its policy has none
     answer_tokens: int = 0  # answer tokens after the first compared under teacher forcing
     answer_agree: int = 0  # of those, predicted by full prefill as the served request chose
+    shadow_blend: bool = False  # the shadow's blend at `budget` (Plan.fidelity_below), not the served request
 
 
 @dataclass(frozen=True)
@@ -126,11 +132,13 @@ class Tally:
     budget: float = 0.0
     answer_tokens: int = 0
     answer_agree: int = 0
+    shadow_blends: int = 0  # of the samples, the shadows' blends at this budget (never served)
 
     def add(self, s: Sample) -> "Tally":
         return Tally(self.model_id, self.policy, self.samples + 1, self.top1_agree + int(s.top1_agree),
                      self.kl_sum + s.kl, self.computed_share_sum + s.computed_share, self.budget,
-                     self.answer_tokens + s.answer_tokens, self.answer_agree + s.answer_agree)
+                     self.answer_tokens + s.answer_tokens, self.answer_agree + s.answer_agree,
+                     self.shadow_blends + int(s.shadow_blend))
 
     def verdict(self, target: float) -> str:
         """SHORT, HELD or MEASURING against a target agreement rate."""
@@ -178,6 +186,15 @@ class Choice(NamedTuple):
     policy: str
     budget: float  # one of LADDER
     state: str  # MEASURING, HELD, or AT_FULL
+    below: float = 0.0  # the least budget below tried, measured by shadow blends; 0: none
+
+
+class Decision(NamedTuple):
+    """A Plan's fidelity fields."""
+
+    budget: float  # recompute_budget: one of LADDER; 0: the engine's own
+    sample: bool  # fidelity_sample: measure this request
+    below: float = 0.0  # fidelity_below: with sample, the budget its shadow also blends at; 0: none
 
 
 class FidelityBook:
@@ -229,19 +246,22 @@ class FidelityBook:
         with self._lock:
             return [t for k in sorted(self._tallies) for _, t in sorted(self._tallies[k].items())]
 
-    def decide(self, model_id: str, policy: str, adaptive: bool) -> tuple[float, bool]:
-        """A Plan's (recompute budget, measure it) for an engine of `model_id` serving by
-        `policy`. Adaptive: the controller's budget (module docstring); else budget 0 (the
-        engine's own) and the (model, policy)'s first FIRST_SAMPLES requests measured, then
-        `sample` of them. No target (0): no budget; requests measured as if not adaptive."""
+    def decide(self, model_id: str, policy: str, adaptive: bool) -> Decision:
+        """A Plan's fidelity fields for an engine of `model_id` serving by `policy`. Adaptive:
+        the controller's budget, the one below while it is measured (module docstring); else
+        budget 0 (the engine's own) and the (model, policy)'s first FIRST_SAMPLES requests
+        measured, then `sample` of them. No target (0): no budget; requests measured as if
+        not adaptive."""
         with self._lock:
             if not (adaptive and policy and self.target > 0):
                 seen = sum(t.samples for t in self._tallies.get((model_id, policy), {}).values())
-                return 0.0, seen < FIRST_SAMPLES or self._rng.random() < self.sample
+                return Decision(0.0, seen < FIRST_SAMPLES or self._rng.random() < self.sample)
             choice = self._choose_locked(model_id, policy)
             if choice.state == AT_FULL:
-                return FULL, False  # full prefill: nothing served from stored KV to measure
-            return choice.budget, choice.state == MEASURING or self._rng.random() < self.sample
+                return Decision(FULL, False)  # full prefill: nothing served from stored KV to measure
+            if choice.state == MEASURING or choice.below:
+                return Decision(choice.budget, True, choice.below)
+            return Decision(choice.budget, self._rng.random() < self.sample)
 
     def choices(self) -> list[Choice]:
         """The controller's current budget of every adaptive (model, policy) that planned."""
@@ -260,11 +280,15 @@ class FidelityBook:
         i = LADDER.index(COLD_START)
         while verdict(LADDER[i]) == SHORT:
             i += 1
-        while i > 0 and verdict(LADDER[i]) == HELD and verdict(LADDER[i - 1]) != SHORT:
-            i -= 1
+        # The least budget below that is tried: above every short one (a budget below a short
+        # one is not tried, as less recompute rarely agrees more).
+        least = max((j for j in range(i) if verdict(LADDER[j]) == SHORT), default=-1) + 1
+        if least < i and verdict(LADDER[least]) == HELD:
+            i = least
         budget = LADDER[i]
         state = AT_FULL if budget == FULL else verdict(budget)
-        choice = Choice(model_id, policy, budget, state)
+        below = LADDER[least] if least < i and state != AT_FULL else 0.0
+        choice = Choice(model_id, policy, budget, state, below)
         last = self._choices.get((model_id, policy))
         if last != choice:
             self._choices[(model_id, policy)] = choice
@@ -287,8 +311,9 @@ class FidelityBook:
         elif last is None:
             log.info("kvcraft fidelity: %s starts at recompute budget %.2f (%s)", who, now.budget, now.state)
         elif last.budget != now.budget:
+            why = min(last.budget, now.budget)  # down: the one below held; up: the one given fell short
             log.info("kvcraft fidelity: %s recompute budget %.2f -> %.2f (at %.2f: %s; target %.3f)", who,
-                     last.budget, now.budget, last.budget, seen(last.budget), self.target)
+                     last.budget, now.budget, why, seen(why), self.target)
 
     def _persist_due(self) -> None:
         with self._lock:

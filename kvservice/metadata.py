@@ -46,8 +46,10 @@ _WRITTEN = ("variants", "access", "fidelity")  # the families batches write to
 ACCESS = struct.Struct("<dq")  # fr, last access (unix ms)
 # samples, top-1 agreements, sum of KL, sum of computed share, answer tokens compared, of
 # them agreeing (a record of the first four alone: no answer compared)
-FIDELITY = struct.Struct("<QQddQQ")
-FIDELITY_FIRST = struct.Struct("<QQdd")
+FIDELITY = struct.Struct("<QQddQQQ")
+FIDELITY_ANSWERS = struct.Struct("<QQddQQ")  # a record from before shadow blends were counted
+FIDELITY_FIRST = struct.Struct("<QQdd")  # from before answers were compared
+_FIDELITY_BY_SIZE = {f.size: f for f in (FIDELITY, FIDELITY_ANSWERS, FIDELITY_FIRST)}
 MODEL_ID_CHARS = 32
 log = logging.getLogger("kvcraft.metadata")
 
@@ -312,12 +314,11 @@ class MetadataDB:
             it.seek_to_first()
             while it.valid():
                 key, raw = it.key(), it.value()
-                if len(raw) in (FIDELITY.size, FIDELITY_FIRST.size) and len(key) > MODEL_ID_CHARS:
-                    samples, agree, kl, share, *answer = (FIDELITY if len(raw) == FIDELITY.size
-                                                          else FIDELITY_FIRST).unpack(raw)
+                if len(raw) in _FIDELITY_BY_SIZE and len(key) > MODEL_ID_CHARS:
+                    samples, agree, kl, share, *rest = _FIDELITY_BY_SIZE[len(raw)].unpack(raw)
                     policy, _, budget = key[MODEL_ID_CHARS:].partition(b"\0")
                     out.append(Tally(key[:MODEL_ID_CHARS].decode("ascii", "replace"), policy.decode("utf-8", "replace"),
-                                     samples, agree, kl, share, _budget(budget), *answer))
+                                     samples, agree, kl, share, _budget(budget), *rest))
                 it.next()
             it.status()
         except Exception as e:  # the iterator's status: Corruption, IOError
@@ -334,7 +335,7 @@ class MetadataDB:
         """Fidelity tallies, unsynced (a crash loses the last second's samples)."""
         self._put("fidelity", [(f"{t.model_id}{t.policy}\0{t.budget:.4f}".encode(),
                                 FIDELITY.pack(t.samples, t.top1_agree, t.kl_sum, t.computed_share_sum,
-                                              t.answer_tokens, t.answer_agree))
+                                              t.answer_tokens, t.answer_agree, t.shadow_blends))
                                for t in tallies], False)
 
     def _reset_access(self) -> None:

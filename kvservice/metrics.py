@@ -73,6 +73,8 @@ def _fidelity(tallies: list[Tally]) -> Iterator[Metric]:
                                  "full prefill under teacher forcing", labels=labels)
     answer_agree = CounterMetricFamily("kvcraft_fidelity_answer_agree", "Answer tokens full prefill, fed the "
                                        "served answer, predicts as served", labels=labels)
+    shadow = CounterMetricFamily("kvcraft_fidelity_shadow_blends", "Samples of a budget below the one served, "
+                                 "blended by the shadows from the same stored KV", labels=labels)
     for t in tallies:
         key = [t.model_id, t.policy, f"{t.budget:g}"]
         lower, upper = t.interval
@@ -84,7 +86,8 @@ def _fidelity(tallies: list[Tally]) -> Iterator[Metric]:
         share.add_metric(key, t.mean_computed_share)
         answer.add_metric(key, t.answer_tokens)
         answer_agree.add_metric(key, t.answer_agree)
-    yield from (samples, agree, bounds, kl, share, answer, answer_agree)
+        shadow.add_metric(key, t.shadow_blends)
+    yield from (samples, agree, bounds, kl, share, answer, answer_agree, shadow)
 
 
 class Metrics:

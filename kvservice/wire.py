@@ -68,9 +68,9 @@ def stats_response(s: StoreStats, fidelity: Sequence[Tally] = (), budgets: Seque
         out.fidelity.add(model_id=t.model_id, policy=t.policy, samples=t.samples, top1_agree=t.top1_agree,
                          agree_lower=lower, agree_upper=upper, mean_kl=t.mean_kl,
                          mean_computed_share=t.mean_computed_share, budget=t.budget,
-                         answer_tokens=t.answer_tokens, answer_agree=t.answer_agree)
+                         answer_tokens=t.answer_tokens, answer_agree=t.answer_agree, shadow_blends=t.shadow_blends)
     for c in budgets:
-        out.budgets.add(model_id=c.model_id, policy=c.policy, budget=c.budget, state=c.state)
+        out.budgets.add(model_id=c.model_id, policy=c.policy, budget=c.budget, state=c.state, below=c.below)
     out.fidelity_target = target
     return out
 

@@ -96,6 +96,7 @@ class Plan:
     variant_prefixes: tuple[KeyChain, ...] = ()  # the prefixes chosen variants were computed behind
     recompute_budget: float = 0.0       # the fidelity controller's budget (1: full prefill); 0: none set
     fidelity_sample: bool = False       # measure this request against full prefill (docs/quality.md)
+    fidelity_below: float = 0.0         # with fidelity_sample: the budget the shadow also blends at; 0: none
 
 
 class _Chain(Protocol):

@@ -97,9 +97,10 @@ def test_columns_round_trip():
 
 @pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="no trained model committed")
 def test_a_short_stream_as_deployed():
-    """Every sample the service tallied is a request the benchmark saw sampled, and its
-    agreement is the one the benchmark's own full prefill gives (the shadow computes the same
-    thing); the last request's sample may still be waiting for a next Plan."""
+    """Every sample the service tallied is a request the benchmark saw sampled, or a shadow
+    blend at a budget below the one served, and a served request's agreement is the one the
+    benchmark's own full prefill gives (the shadow computes the same thing); the last
+    request's samples may still be waiting for a next Plan."""
     from engine_adapter import LlamaEngine
 
     engine = LlamaEngine.from_pretrained(MODEL_DIR)
@@ -113,8 +114,11 @@ def test_a_short_stream_as_deployed():
     pending = rows[-1]["sampled"]
     for h in rep["honesty"]:
         last = int(pending and ladder_budget(rows[-1]["budget"]) == h["budget"])
-        assert h.get("service_samples", 0) == h["sampled"] - last
-        if not last:
+        blends = h.get("service_shadow_blends", 0)
+        assert h.get("service_samples", 0) - blends == h["sampled"] - last
+        if not last and not blends:
             assert h.get("service_top1_agree", 0) == h["sampled_agree_by_reference"]
+    blends, finished = sum(h.get("service_shadow_blends", 0) for h in rep["honesty"]), run["sampling_cost"]["shadow_blends"]
+    assert 0 < finished and finished - int(pending) <= blends <= finished  # the cold start tries the least budget
     assert 0 < run["sampling_cost"]["row_share"] < 1
     assert rep["trajectory"][0] == {"request": 0, "from": None, "to": 0.25}  # the cold start

@@ -9,6 +9,7 @@ import itertools
 import threading
 import uuid
 
+import pytest
 import torch
 
 from engine_adapter import LlamaEngine, Policy, ReuseGate
@@ -16,7 +17,7 @@ from engine_adapter.fidelity import compare
 from engine_adapter.probe import TRUSTED
 from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient
-from kvservice.fidelity import COLD_START
+from kvservice.fidelity import COLD_START, LADDER
 from tests.e2e.test_adapter_service import ENGINE, QUESTION, chunks, in_plan_order, warm
 
 
@@ -106,6 +107,38 @@ def test_samples_the_service_refuses_are_dropped_not_kept_failing_every_plan(sha
             _, report = adapter.prefill(cs, QUESTION)
             assert report.plan_error == "" and report.reused_chunks == len(cs), report
         adapter.close()
+
+
+def test_an_adaptive_adapter_measures_the_least_budget_by_a_shadow_blend_the_service_counts(shared_server):
+    """A new model starts at COLD_START, and its Plans name the least budget: the shadow
+    blends the request at that budget from the KV it was served from. The sample the service
+    tallies under that budget is what an adapter serving that budget itself (its own Plan and
+    fetch) gives against full prefill."""
+    engine, cs = HeldShadows(), chunks(14)
+    model = engine.model_spec().fingerprint()
+    with KVClient(shared_server.address) as client:
+        warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
+        adapter = RAGAdapter(engine, client, gate=TRUSTED, store_back=False)
+        prompt = cs[::-1]
+        _, report = adapter.prefill(prompt, QUESTION, reorder=False)
+        adapter.flush()
+        assert report.sampled and report.budget == COLD_START and report.reused_chunks == len(cs)
+        assert adapter.sampling_cost().shadow_blends == 1
+        adapter.prefill(prompt, QUESTION, reorder=False)  # its Plan carries both samples
+        adapter.close()
+        least = LADDER[0]
+        alone = RAGAdapter(engine, client, Policy("query", budget=least), gate=TRUSTED, store_back=False, shadows=False)
+        served, report = alone.prefill(prompt, QUESTION, reorder=False)
+        alone.close()
+        tallies = {round(f.budget, 4): f for f in client.stats().fidelity if f.model_id == model}
+    full = engine.prefill(torch.tensor([t for c in in_plan_order(cs, report.order, engine) for t in c]
+                                       + QUESTION))[0][-1]
+    agree, kl = compare(full, served.logits)
+    assert kl > 1e-4  # the least budget is off: the comparison is not trivially exact
+    blended = tallies[least]
+    assert (blended.samples, blended.shadow_blends, blended.top1_agree) == (1, 1, int(agree))
+    assert blended.mean_kl == pytest.approx(kl, rel=1e-3)
+    assert (tallies[COLD_START].samples, tallies[COLD_START].shadow_blends) == (1, 0)
 
 
 # Plans an adaptive adapter may take, when reuse gives wrong answers, before its model is

@@ -1,15 +1,22 @@
-"""Sampled shadow prefills (engine_adapter.fidelity): the comparison and which requests are sampled."""
+"""Sampled shadow prefills (engine_adapter.fidelity): the comparison, which requests are
+sampled, and the shadow blend at a budget below."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 
+from engine_adapter.blend import blend_prefill
 from engine_adapter.driver import BlendResult
-from engine_adapter.fidelity import ANSWER_TOKENS, ShadowSampler, compare
+from engine_adapter.fidelity import ANSWER_TOKENS, ShadowBlend, ShadowSampler, compare
 from engine_adapter.generate import greedy
+from engine_adapter.policy import Policy
+from engine_adapter.probe import TRUSTED
+from engine_adapter.source import InMemoryLayerSource, RecordingLayerSource
+from tests.engine_adapter.adapter_helpers import make_prompt
 
 
 def test_compare_gives_top1_agreement_and_kl_of_full_from_served():
@@ -69,4 +76,37 @@ def test_a_generated_answer_is_compared_under_teacher_forcing_as_prefill_token_b
     assert short.top1_agree and short.kl == pytest.approx(compare(logits[-1], served)[1])
     assert long_.answer_tokens == ANSWER_TOKENS  # at most 16 tokens after the first
     assert sampler.cost().shadow_row_layers == (8 + 6 + 8 + ANSWER_TOKENS) * engine.cfg.num_layers
+    sampler.close()
+
+
+def test_a_shadow_blend_compares_the_budget_below_from_the_kv_the_request_was_served_from(engine):
+    """A Plan naming a budget below: the request's stored KV is copied as it arrives, and the
+    shadow blends the request again at that budget from the copy. Its sample equals a blend at
+    that budget from the stored KV itself, compared with full prefill in plain torch."""
+    p = make_prompt(engine, seed=4, behind="other", chunk_len=24, n_chunks=4)
+    segments = p.segments()
+    stored = {i: v.kv for i, v in p.cache.items()}
+    reference = blend_prefill(engine, segments, Policy("query", budget=0.05), InMemoryLayerSource(copy.deepcopy(stored)),
+                              gate=TRUSTED, stats=False)
+    recording = RecordingLayerSource(InMemoryLayerSource(stored))
+    served = blend_prefill(engine, segments, Policy("query", budget=0.25), recording, gate=TRUSTED, stats=False)
+    below = ShadowBlend(segments, Policy("query", budget=0.05), 0.05, recording.replay())
+    sampler = ShadowSampler(engine)
+    spans = [s.tokens for s in segments]
+    assert sampler.can_blend()
+    assert sampler.observe(spans, served, "query", 0.25, True, below=below)
+    sampler.wait()
+    mine, blended = sampler.take()
+    full = engine.prefill(torch.tensor([t for s in spans for t in s]), all_logits=False)[0][-1]
+    p_full, q = torch.log_softmax(full.double(), 0), torch.log_softmax(reference.logits.double(), 0)
+    assert (mine.budget, mine.shadow_blend, blended.shadow_blend) == (0.25, False, True)
+    assert blended.budget == pytest.approx(0.05) and blended.policy == "query" and blended.answer_tokens == 0
+    assert blended.top1_agree == (int(full.argmax()) == int(reference.logits.argmax()))
+    assert blended.kl == pytest.approx(float((p_full.exp() * (p_full - q)).sum()), rel=1e-6, abs=1e-9)
+    assert blended.computed_share == pytest.approx(reference.computed_share)
+    assert mine.kl != pytest.approx(blended.kl)  # the two budgets are told apart
+    cost = sampler.cost()
+    n, layers = sum(map(len, spans)), engine.cfg.num_layers
+    assert cost.shadow_blends == 1 and cost.shadow_row_layers == n * layers + sum(reference.computed_rows)
+    assert sampler.can_blend()  # the copy is let go once its blend ran
     sampler.close()

@@ -21,7 +21,7 @@ from kvclient.errors import InvalidArgumentError
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.fidelity import (COLD_START, FIRST_SAMPLES, FULL, LADDER, MAX_MEASURING_SAMPLES, MIN_VERDICT_SAMPLES,
                                 FidelityBook, Sample, Tally, wilson)
-from kvservice.metadata import FIDELITY_FIRST, MetadataDB
+from kvservice.metadata import FIDELITY_ANSWERS, FIDELITY_FIRST, MetadataDB
 
 
 @pytest.mark.parametrize("agree,samples", [(0, 1), (1, 1), (0, 12), (12, 12), (3, 7), (97, 100), (1, 300),
@@ -76,34 +76,49 @@ def test_book_writes_a_quiet_services_samples_within_the_interval():
 def test_metadata_keeps_tallies(tmp_path):
     db = MetadataDB(tmp_path / "metadata")
     kept = [Tally("a" * 32, "cacheblend", 2, 2, 0.0, 0.3), Tally("a" * 32, "naive", 5, 3, 1.25, 0.5),
+            Tally("a" * 32, "query", 3, 2, 0.5, 0.2, budget=0.05, shadow_blends=3),
             Tally("a" * 32, "query", 4, 4, 0.5, 0.2, budget=0.25, answer_tokens=60, answer_agree=51),
             Tally("a" * 32, "query", 1, 0, 0.5, 0.2, budget=0.4)]
     db.put_fidelity(kept)
-    # a record of a data dir from before answers were compared: its first four fields alone
-    db._put("fidelity", [(b"b" * 32 + b"naive\x000.0000", FIDELITY_FIRST.pack(3, 2, 0.75, 0.25))], True)
+    # records of data dirs from before answers were compared (four fields) and before shadow
+    # blends were counted (six)
+    db._put("fidelity", [(b"b" * 32 + b"naive\x000.0000", FIDELITY_FIRST.pack(3, 2, 0.75, 0.25)),
+                         (b"c" * 32 + b"naive\x000.0000", FIDELITY_ANSWERS.pack(3, 2, 0.75, 0.25, 16, 9))], True)
     db.close()
     db = MetadataDB(tmp_path / "metadata")
     try:
         got = sorted(db.load_fidelity(), key=lambda t: (t.model_id, t.policy, t.budget))
     finally:
         db.close()
-    assert got == [*kept, Tally("b" * 32, "naive", 3, 2, 0.75, 0.25)]
-    assert got[2].answer_agreement == pytest.approx(51 / 60) and got[0].answer_agreement is None
+    assert got == [*kept, Tally("b" * 32, "naive", 3, 2, 0.75, 0.25),
+                   Tally("c" * 32, "naive", 3, 2, 0.75, 0.25, answer_tokens=16, answer_agree=9)]
+    assert got[3].answer_agreement == pytest.approx(51 / 60) and got[0].answer_agreement is None
 
 
-def _stream(book: FidelityBook, model: str, agreement: dict[float, float], n: int, seed: int = 0) -> list[float]:
-    """n Plans of an adaptive engine whose requests served at budget b agree with full prefill
-    with probability agreement[b]; a measured request's sample goes with the next Plan, as an
-    engine's does. The budgets the Plans gave, in order."""
+def _stream(book: FidelityBook, model: str, agreement: dict[float, float], n: int, seed: int = 0,
+            proven: list[bool] | None = None) -> list[float]:
+    """n Plans of an adaptive engine whose requests served (or blended by a shadow) at budget
+    b agree with full prefill with probability agreement[b]; a measured request's samples go
+    with the next Plan, as an engine's do, with the shadow blend's when the Plan names a
+    budget below. The budgets the Plans gave, in order; `proven`, if given, gets whether each
+    budget given was shown held by its own samples when given."""
     rng, pending, given = random.Random(seed), [], []
     for _ in range(n):
         book.observe(model, pending)
         pending = []
-        budget, sample = book.decide(model, "query", True)
+        budget, sample, below = book.decide(model, "query", True)
         given.append(budget)
+        if proven is not None:
+            held = {t.budget for t in book.tallies() if t.model_id == model and t.verdict(book.target) == "held"}
+            proven.append(budget in held)
         if sample:
             assert budget < FULL  # full prefill has nothing to measure
             pending.append(Sample("query", rng.random() < agreement[budget], 0.0, budget, budget))
+            if below:
+                assert below < budget
+                pending.append(Sample("query", rng.random() < agreement[below], 0.0, below, below, shadow_blend=True))
+        else:
+            assert below == 0.0  # a budget below is measured only on sampled requests
     return given
 
 
@@ -114,15 +129,34 @@ def _moves(given: list[float]) -> list[tuple[float, float]]:
 @pytest.mark.parametrize("seed", range(5))
 def test_the_controller_settles_at_the_cheapest_budget_that_holds_and_stays(seed):
     """Budgets 0.15 and up agree 99%, 0.10 90%, 0.05 80%; target 0.95. The budget ends at
-    0.15, is never 0.05 (0.10 is never shown to hold), and moves at most twice per budget."""
+    0.15 and never serves 0.05 or 0.10 (measured by shadow blends alone, shown short), and
+    moves at most twice per budget."""
     book = FidelityBook(target=0.95, sample=0.03, seed=seed)
     agreement = {0.05: 0.80, 0.10: 0.90, 0.15: 0.99, 0.25: 0.99, 0.40: 0.99, 0.60: 0.99}
     given = _stream(book, "m" * 32, agreement, 4000, seed)
-    assert given[0] == COLD_START and given[-1] == 0.15 and 0.05 not in given
+    assert given[0] == COLD_START and given[-1] == 0.15 and not {0.05, 0.10} & set(given)
     assert len(set(given[-1500:])) == 1  # settled
     assert len(_moves(given)) <= 2 * len(LADDER)
     (choice,) = book.choices()
-    assert (choice.budget, choice.state) == (0.15, "held")
+    assert (choice.budget, choice.state, choice.below) == (0.15, "held", 0.0)
+    shadow = {t.budget: t.shadow_blends for t in book.tallies()}
+    assert shadow[0.05] >= MIN_VERDICT_SAMPLES and shadow[0.10] >= MIN_VERDICT_SAMPLES and shadow[COLD_START] == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_budget_below_the_cold_start_is_served_only_once_its_samples_hold_the_target(seed):
+    """Agreement 96% everywhere (just above the target: verdicts take hundreds of samples)
+    and a model where every budget agrees: the controller never serves a budget below the
+    cold start that its own samples do not yet show held; where everything agrees it goes to
+    the least budget in one step, as soon as that budget's 73 agreeing samples put Wilson's
+    lower bound at the target."""
+    for agreement, n in ((0.96, 3000), (1.0, 200)):
+        book, proven = FidelityBook(target=0.95, sample=0.03, seed=seed), []
+        given = _stream(book, "m" * 32, dict.fromkeys(LADDER[:-1], agreement), n, seed, proven)
+        assert all(ok for b, ok in zip(given, proven) if b < COLD_START)
+    assert _moves(given) == [(COLD_START, LADDER[0])]
+    first = given.index(LADDER[0])
+    assert wilson(first, first)[0] >= 0.95 > wilson(first - 1, first - 1)[0]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -135,7 +169,7 @@ def test_a_model_reuse_cannot_serve_ends_at_full_prefill_logged_once(seed, caplo
     assert [m for m in _moves(given)] == [(0.25, 0.40), (0.40, 0.60), (0.60, FULL)]
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "full prefill" in warned[0].getMessage()
-    assert book.decide("m" * 32, "query", True) == (FULL, False)
+    assert book.decide("m" * 32, "query", True) == (FULL, False, 0.0)
 
 
 def test_the_budget_a_restart_finds_is_the_one_the_samples_say(tmp_path):
@@ -148,21 +182,22 @@ def test_the_budget_a_restart_finds_is_the_one_the_samples_say(tmp_path):
     db = MetadataDB(tmp_path / "metadata")
     try:
         again = FidelityBook(db, target=0.95, sample=0.0)
-        assert again.decide("m" * 32, "query", True) == (LADDER[0], False)  # held: measured at the rate, 0
-        assert again.decide("n" * 32, "query", True) == (COLD_START, True)  # another model starts cold
+        assert again.decide("m" * 32, "query", True) == (LADDER[0], False, 0.0)  # held: measured at the rate, 0
+        # another model starts cold, the least budget measured beside it
+        assert again.decide("n" * 32, "query", True) == (COLD_START, True, LADDER[0])
     finally:
         db.close()
 
 
 def test_engines_that_keep_their_own_budget_get_none_and_their_first_requests_measured():
     book = FidelityBook(target=0.95, sample=0.0)
-    assert book.decide("m" * 32, "naive", False) == (0.0, True)
+    assert book.decide("m" * 32, "naive", False) == (0.0, True, 0.0)
     book.observe("m" * 32, [Sample("naive", True, 0.0, 0.1)] * (FIRST_SAMPLES - 1))
-    assert book.decide("m" * 32, "naive", False) == (0.0, True)
+    assert book.decide("m" * 32, "naive", False) == (0.0, True, 0.0)
     book.observe("m" * 32, [Sample("naive", True, 0.0, 0.1)])
-    assert book.decide("m" * 32, "naive", False) == (0.0, False)  # rate 0 after the first ones
+    assert book.decide("m" * 32, "naive", False) == (0.0, False, 0.0)  # rate 0 after the first ones
     assert book.choices() == []
-    assert FidelityBook(target=0.0).decide("m" * 32, "query", True) == (0.0, True)  # no target: no budget
+    assert FidelityBook(target=0.0).decide("m" * 32, "query", True) == (0.0, True, 0.0)  # no target: no budget
 
 
 def _model() -> str:
@@ -174,7 +209,8 @@ def _plan(c: KVClient, model: str, samples: list[pb.FidelitySample], **fields: o
 
 
 def _of(stats: pb.StatsResponse, model: str) -> dict[str, pb.FidelityStats]:
-    return {f.policy: f for f in stats.fidelity if f.model_id == model}
+    """A model's tallies without a budget, by policy."""
+    return {f.policy: f for f in stats.fidelity if f.model_id == model and not f.budget}
 
 
 def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
@@ -187,11 +223,15 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
         _plan(c, model, [pb.FidelitySample(policy="naive", top1_agree=True, kl=0.25, computed_share=0.5)])
         _plan(c, model, [pb.FidelitySample(policy="naive", top1_agree=False, kl=0.75, computed_share=0.25,
                                            answer_tokens=16, answer_agree=9),
-                         pb.FidelitySample(policy="query", top1_agree=True, kl=0.0, computed_share=0.125)])
+                         pb.FidelitySample(policy="query", top1_agree=True, kl=0.0, computed_share=0.125),
+                         pb.FidelitySample(policy="query", top1_agree=True, kl=0.0, computed_share=0.1, budget=0.05,
+                                           shadow_blend=True)])
     server.restart()  # SIGTERM: the close writes what the once-a-second writes had not
     with KVClient(server.address) as c:
         got = _of(c.stats(), model)
         assert (got["naive"].samples, got["naive"].top1_agree, got["query"].samples) == (2, 1, 1)
+        (blend,) = [f for f in c.stats().fidelity if f.model_id == model and f.budget > 0]
+        assert (blend.budget, blend.samples, blend.shadow_blends) == (pytest.approx(0.05), 1, 1)
         assert (got["naive"].answer_tokens, got["naive"].answer_agree, got["query"].answer_tokens) == (16, 9, 0)
         assert got["naive"].mean_kl == pytest.approx(0.5) and got["naive"].mean_computed_share == pytest.approx(0.375)
         assert (got["naive"].agree_lower, got["naive"].agree_upper) == pytest.approx(wilson(1, 2))
@@ -211,6 +251,7 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     assert f'kvcraft_fidelity_mean_kl{{{labels}}} 0.5' in text
     assert f'kvcraft_fidelity_answer_tokens_total{{{labels}}} 16.0' in text
     assert f'kvcraft_fidelity_answer_agree_total{{{labels}}} 9.0' in text
+    assert f'kvcraft_fidelity_shadow_blends_total{{budget="0.05",model="{model}",policy="query"}} 1.0' in text
     assert f'kvcraft_fidelity_budget{{model="{model}",policy="query"}} {COLD_START!r}' in text
     assert f'kvcraft_fidelity_held{{model="{model}",policy="query"}} 0.0' in text
 
@@ -261,7 +302,7 @@ def test_adaptive_plans_carry_the_controllers_budget_and_admin_fidelity_shows_it
     model = _model()
     with KVClient(shared_server.address) as c:
         plan = _plan(c, model, [], policy="query", adaptive=True)
-        assert (plan.recompute_budget, plan.fidelity_sample) == (COLD_START, True)
+        assert (plan.recompute_budget, plan.fidelity_sample, plan.fidelity_below) == (COLD_START, True, LADDER[0])
         up = LADDER[LADDER.index(COLD_START) + 1]
         short = [pb.FidelitySample(policy="query", top1_agree=False, kl=2.0, computed_share=0.3, budget=COLD_START)]
         assert _plan(c, model, short * (MIN_VERDICT_SAMPLES - 1), policy="query", adaptive=True).recompute_budget \
@@ -269,20 +310,25 @@ def test_adaptive_plans_carry_the_controllers_budget_and_admin_fidelity_shows_it
         assert _plan(c, model, short, policy="query", adaptive=True).recompute_budget == up
         _plan(c, model, [pb.FidelitySample(policy="cacheblend", top1_agree=a, kl=0.5, computed_share=0.2,
                                            answer_tokens=8, answer_agree=n) for a, n in ((True, 8), (True, 5), (False, 1))])
+        _plan(c, model, [pb.FidelitySample(policy="query", top1_agree=True, kl=0.1, computed_share=0.1,
+                                           budget=LADDER[0], shadow_blend=True)])
     assert cli.main(["admin", "--address", shared_server.address, "fidelity"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "fidelity target: first-token agreement >= 0.950"
-    assert lines[1].split() == ["model", "policy", "budget", "state"]
-    assert [line.split() for line in lines if line.startswith(model)][0] == [model, "query", f"{up:.2f}", "measuring"]
-    (head,) = [line.split()[:5] for line in lines if line.startswith("model") and "samples" in line]
-    assert head == ["model", "policy", "budget", "samples", "top1_agree"]
+    assert lines[1].split() == ["model", "policy", "budget", "state", "measuring", "below"]
+    # up a step from a short cold start: nothing below it is tried
+    assert [line.split() for line in lines if line.startswith(model)][0] == [model, "query", f"{up:.2f}", "measuring",
+                                                                             "-"]
+    (head,) = [line.split()[:6] for line in lines if line.startswith("model") and "samples" in line]
+    assert head == ["model", "policy", "budget", "samples", "shadow_blends", "top1_agree"]
     rows = {tuple(line.split()[1:3]): line.split() for line in lines if line.startswith(model)}
     lower, upper = wilson(2, 3)
-    assert rows[("cacheblend", "-")][3:6] == ["3", "2", "0.667"]
-    assert " ".join(rows[("cacheblend", "-")][6:8]) == f"[{lower:.3f}, {upper:.3f}]"
+    assert rows[("cacheblend", "-")][3:7] == ["3", "0", "2", "0.667"]
+    assert " ".join(rows[("cacheblend", "-")][7:9]) == f"[{lower:.3f}, {upper:.3f}]"
     assert rows[("cacheblend", "-")][-3:] == [f"{14 / 24:.3f}", "of", "24"]  # answer tokens after the first
     assert rows[("query", f"{COLD_START:.2f}")][-1] == "-"  # no answer compared
-    assert rows[("query", f"{COLD_START:.2f}")][3:5] == [str(MIN_VERDICT_SAMPLES), "0"]
+    assert rows[("query", f"{COLD_START:.2f}")][3:6] == [str(MIN_VERDICT_SAMPLES), "0", "0"]
+    assert rows[("query", f"{LADDER[0]:.2f}")][3:6] == ["1", "1", "1"]  # a shadow blend's sample
 
 
 def test_a_budget_that_sits_at_the_target_is_left_after_the_measuring_cap():
