@@ -1,8 +1,8 @@
 """The per-layer loop of a blended prefill (no reuse gate: `blend.blend_prefill` asks it first).
 
 Before the first layer (docs/adapter.md, "One layer step"): the computed rows, everything
-derived from them (their RoPE tables, the position-causal mask, HKVD's candidates) and the
-merged cache of every layer, preallocated. Then per layer l, one step
+derived from them (their RoPE tables, the position-causal mask in runs of rows, HKVD's
+candidates) and one buffer for a layer's K before its rotation. Then per layer l, one step
 (`_Blend.step`; Cache-Craft §3.4.3; CacheBlend §4), whatever the policy:
   1. wait for layer l of the reused chunks, until a deadline (`layer_budget_s`);
   2. Q/K/V for the computed rows only (fresh chunks, the question, the recompute set);
@@ -13,8 +13,11 @@ merged cache of every layer, preallocated. Then per layer l, one step
   4. HKVD (CacheBlend §4.3) at its filter layers only: of the rows whose K/V were just
      computed, the highest-deviation ones, a count known from the layout, stay (a top-k on
      the device, no read of it);
-  5. attention of the computed rows over the merged cache (fused SDPA, the position-causal
-     mask built once per set of rows); attention mass per segment only for the rows that
+  5. attention of the computed rows over the merged cache (CUDA: the Triton kernel, masking
+     by position; CPU: fused SDPA in a fixed number of runs of rows, each over the keys up
+     to its last row, with the position-causal mask built once per set of rows, `RowBlocks`:
+     on the CPU, where the rows are HKVD's, that set is read from memory once per choice);
+     attention mass per segment only for the rows that
      need it: fresh chunks (their variant statistics) and, while Cache-Craft Alg. 1 is
      deciding, the question;
   6. o-proj + MLP for the computed rows; the rows of layer l+1 (Alg. 1's focused-chunk
@@ -45,7 +48,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from engine_adapter.llama import LlamaEngine, rope_for_spec
+from engine_adapter.llama import LlamaEngine, RowBlocks, rope_for_spec
 from engine_adapter.policy import FocusTracker, ReusePolicy
 from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
@@ -162,7 +165,7 @@ class _Rotation:
         turned = xf.roll(xf.shape[-1] // 2, -1).mul_(b)
         if out is not None and out.dtype == torch.float32:
             return torch.mul(xf, a, out=out).add_(turned)
-        r = (xf * a + turned).to(x.dtype)
+        r = torch.mul(xf, a).add_(turned).to(x.dtype)
         return r if out is None else out.copy_(r)
 
 
@@ -174,7 +177,8 @@ class _Rows:
     rows: Tensor  # [R] sorted prompt rows
     host: tuple[int, ...] | None  # the same rows on the host, where known without a read of the device
     rot: _Rotation  # RoPE tables at the rows
-    mask: Tensor | None  # CPU: [R, N] additive position-causal mask; None: CUDA, or every row in order (causal)
+    mask: Tensor | RowBlocks | None  # CPU: the position-causal mask, in runs or [R, N] whole; None: CUDA,
+    # or every row in order (causal)
     cand: Tensor  # [C] indices into `rows` of the rows still served from stored KV (HKVD's candidates)
     n_cand: int  # C
     others: Tensor  # the rows that are not candidates (prompt rows, sorted)
@@ -190,6 +194,8 @@ class _Rows:
 
 class _Blend:
     """State of one blended prefill; `run` is the per-layer loop, `step` one layer of it."""
+
+    runs = True  # CPU attention in runs of rows (`RowBlocks`); False: one call over every key
 
     def __init__(self, engine: LlamaEngine, lay: Layout, policy: ReusePolicy,
                  source: LayerSource, reused: list[int], stats: bool = True):
@@ -265,15 +271,23 @@ class _Blend:
         assert rows is not None and cand is not None and others is not None
         return _Rows(rows, host, self.rot.at(rows), self._mask(rows, host), cand, n_cand, others, recomputed)
 
-    def _mask(self, rows: Tensor, host: tuple[int, ...] | None) -> Tensor | None:
-        """The additive position-causal mask of `rows` over every key (CPU; the Triton kernel
-        masks by position itself): key j visible to row r iff pos[j] <= pos[r], which every
-        computed row's own key is, so no row sees nothing. None where causal SDPA is exact."""
+    def _mask(self, rows: Tensor, host: tuple[int, ...] | None) -> Tensor | RowBlocks | None:
+        """The position-causal mask of `rows` over every key, in runs (`RowBlocks`; CPU: the
+        Triton kernel masks by position itself): key j visible to row r iff pos[j] <= pos[r],
+        which every computed row's own key is, so no row sees nothing. None where causal SDPA
+        is exact. A run reads the keys up to its last row: a computed row sits at its prompt
+        position and no key sits before its own (the question pass moves keys past the end),
+        so no key past row r is visible to it. Rows HKVD chose are read here: on the CPU a read
+        of memory, not a wait for a device."""
         if rows.is_cuda or (self.causal and host is not None and len(host) == self.n):
             return None
         qpos = self.pos.index_select(0, rows)
-        return torch.zeros(rows.shape[0], self.n, dtype=self.e.dtype).masked_fill_(
+        mask = torch.zeros(rows.shape[0], self.n, dtype=self.e.dtype).masked_fill_(
             self.pos[None, :] > qpos[:, None], float("-inf"))
+        if not self.runs:
+            return mask
+        return RowBlocks.of([r + 1 for r in (host if host is not None else rows.tolist())], mask,
+                            self.e.cfg.num_heads, self.hd)
 
     def host_rows(self, p: _Rows) -> tuple[int, ...]:
         """The rows on the host: a read of the device where only it knows them (HKVD chose
@@ -294,10 +308,11 @@ class _Blend:
         earlier pass over the same stored KV computed: they join at layer 1."""
         e, lay = self.e, self.lay
         depth = self.L if depth is None else depth
-        # The merged cache of every layer, allocated once: [Hkv, N, D] views.
-        self._Kraw = torch.empty(self.hkv, self.n, self.hd, dtype=e.dtype)  # a layer's K before the rotation
-        self._K = torch.empty(depth, self.hkv, self.n, self.hd, dtype=e.dtype).unbind(0)
-        self._V = torch.empty(depth, self.hkv, self.n, self.hd, dtype=e.dtype).unbind(0)
+        # A layer's K before its rotation, one buffer for every layer. The merged K and V of a
+        # layer are the outputs of its rotation and concatenation: one block of every layer's
+        # cache, made here, would be mapped afresh by the OS for each prefill (page faults
+        # on every first write), where a layer's size is reused from the process heap.
+        self._Kraw = torch.empty(self.hkv, self.n, self.hd, dtype=e.dtype)
         host = self.initial_rows()  # sorted
         if carry is not None:
             carried = carry.rows.tolist()  # on the host already: the question's rows
@@ -373,10 +388,10 @@ class _Blend:
                carry: "Layer0 | None" = None) -> tuple[Tensor, Tensor]:
         """The merged cache of `layer`: the live chunks' stored K/V and zeros in prompt order
         (one concatenation each, `pieces`), the computed rows' (and carried rows') k/v written
-        over their rows, K rotated to the prompt's positions; into the layer's preallocated views."""
-        K, Kl, Vl = self._Kraw, self._K[layer], self._V[layer]
+        over their rows, K rotated to the prompt's positions (from the one buffer `_Kraw`)."""
+        K = self._Kraw
         torch.cat([got[x][0] if isinstance(x, int) else x for x in self.pieces], 1, out=K)
-        torch.cat([got[x][1] if isinstance(x, int) else x for x in self.pieces], 1, out=Vl)
+        Vl = torch.cat([got[x][1] if isinstance(x, int) else x for x in self.pieces], 1)
         if self.compares_stored(layer) and p.n_cand:  # HKVD compares with the stored K/V
             at = p.rows.index_select(0, p.cand)
             self._stored = at, K.index_select(1, at), Vl.index_select(1, at)
@@ -385,7 +400,7 @@ class _Blend:
         if carry is not None:
             K.index_copy_(1, carry.rows, carry.k)
             Vl.index_copy_(1, carry.rows, carry.v)
-        self.rot(K, out=Kl)
+        Kl = self.rot(K)
         self.kv.append((Kl, Vl))
         return Kl, Vl
 

@@ -20,6 +20,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +128,48 @@ def _hf_names(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = (cfg.vocab_size, d)
     return names
+
+
+ATTENTION_RUNS = 2  # runs of rows per CPU attention call (`RowBlocks`)
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """A set of rows in position order as the CPU attention reads it: ATTENTION_RUNS runs of
+    consecutive rows, each over the keys up to its last row only (keys in position order).
+    One masked SDPA call over every key computes the hidden keys too (the CPU kernel skips
+    blocks only when causal): rows spread over the prompt see about half the keys, so one
+    call does nearly twice the work. The number of runs is fixed, whatever the rows, so a
+    layer dispatches the same operations; made once per set of rows, not per layer."""
+
+    sizes: tuple[int, ...]  # rows per run, in order (they sum to R; a run may be empty)
+    ends: tuple[int, ...]  # keys each run but the last reads (the last reads every key)
+    masks: tuple[Tensor, ...]  # per run, the additive mask over the keys it reads [r, end]
+    # [Hq, R, D] the runs' outputs, rows-major in memory as SDPA's own output (the o-proj
+    # then reads it without a copy); written by each layer's attention, read before the next
+    out: Tensor
+    out4: Tensor  # the same as [1, Hq, R, D]
+
+    @classmethod
+    def of(cls, ends: Sequence[int], mask: Tensor, heads: int, head_dim: int) -> "RowBlocks":
+        """ends[i]: the keys row i reads (no key past them is visible to it), ascending;
+        mask [R, T]: the rows' additive position-causal mask. The cuts between runs are those
+        that read the fewest keys (rows times keys summed over the runs)."""
+        R, T = mask.shape
+
+        def reads(a: int, b: int) -> int:  # rows a..b-1 as one run (the last run reads every key)
+            return (b - a) * (ends[b - 1] if b < R else T)
+
+        cuts = [0, R]
+        for _ in range(ATTENTION_RUNS - 1):  # one cut at a time, each the best given those before
+            best = min(((reads(a, i) + reads(i, b) - reads(a, b), i)
+                        for a, b in zip(cuts, cuts[1:]) for i in range(a + 1, b)), default=(0, 0))
+            cuts = sorted(cuts + [best[1]])  # no row to cut: an empty run first
+        sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+        last = [max(1, ends[b - 1]) if b > a else 1 for a, b in zip(cuts, cuts[1:])]
+        masks = tuple(mask[a:b, :t].contiguous() for a, b, t in zip(cuts, cuts[1:], last[:-1] + [mask.shape[1]]))
+        out = torch.empty(R, heads, head_dim, dtype=mask.dtype).transpose(0, 1)
+        return cls(sizes, tuple(last[:-1]), masks, out, out[None])
 
 
 class LlamaEngine:
@@ -241,18 +284,30 @@ class LlamaEngine:
         return rotate(qk, cos, sin).split([self.cfg.num_heads, self.cfg.num_kv_heads])
 
     def attend(self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
-               mask: Tensor | None = None) -> Tensor:
+               mask: "Tensor | RowBlocks | None" = None) -> Tensor:
         """Attention of rotated q [Hq,R,D] over rotated k/v [Hkv,T,D], position-causal: key j
         is visible to row r iff k_pos[j] <= q_pos[r]. -> o [Hq,R,D].
 
-        CUDA: the Triton kernel, which masks by the positions. CPU: one fused SDPA call with
-        `mask`, the same visibility as an additive [R, T] mask in q's dtype (0 or -inf; the
-        caller builds it once per set of rows); None: the rows are all T keys, in order (causal).
+        CUDA: the Triton kernel, which masks by the positions. CPU: fused SDPA with `mask`, the
+        same visibility as an additive [R, T] mask in q's dtype (0 or -inf; the caller builds it
+        once per set of rows), or `RowBlocks` of it (the rows in runs, each over the keys up to
+        its last row); None: the rows are all T keys, in order (causal).
         """
         if q.is_cuda:
             return selective_attention(q, q_pos, k, v, k_pos, scale=self.scale)[0]
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
-                                              scale=self.scale, enable_gqa=q.shape[0] != k.shape[0])[0]
+        gqa = q.shape[0] != k.shape[0]
+        if not isinstance(mask, RowBlocks):
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                                  scale=self.scale, enable_gqa=gqa)[0]
+        k, v = k[None], v[None]  # [1, Hkv, T, D]
+        runs = q[None].split(mask.sizes, 2)  # [1, Hq, r, D] each
+        o = [F.scaled_dot_product_attention(run, k.narrow(2, 0, end), v.narrow(2, 0, end), attn_mask=m,
+                                            scale=self.scale, enable_gqa=gqa)
+             for run, end, m in zip(runs, mask.ends, mask.masks)]
+        o.append(F.scaled_dot_product_attention(runs[-1], k, v, attn_mask=mask.masks[-1], scale=self.scale,
+                                                enable_gqa=gqa))  # the last run reads every key
+        torch.cat(o, 2, out=mask.out4)
+        return mask.out
 
     def attn_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
         """Residual + o_proj of attention output o [Hq,R,D] -> h [R, d]."""
@@ -295,4 +350,4 @@ class LlamaEngine:
         return self.logits(h if all_logits else h[-last:]), kv
 
 
-__all__ = ["LlamaConfig", "LlamaEngine", "rope_for_spec"]
+__all__ = ["LlamaConfig", "LlamaEngine", "RowBlocks", "rope_for_spec"]

@@ -66,6 +66,8 @@ DEVIATION_MAX_SHARE = 1 / 2
 class _QuestionPass(_Blend):
     """Pass 1: naive reuse that records what arrived and what the question read."""
 
+    runs = False  # its rows are the question's, at the end of the prompt: they read (nearly) every key
+
     def __init__(self, *args, deviation: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # deviation: every reused row also runs layer 0, for its layer-1 K/V's deviation.

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from engine_adapter.llama import LlamaConfig, LlamaEngine
+from engine_adapter.llama import ATTENTION_RUNS, LlamaConfig, LlamaEngine, RowBlocks
 from kvkernels import selective_attention_reference
 
 LLAMA3_SCALING = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
@@ -107,6 +107,35 @@ def test_attend_on_cpu_with_the_callers_mask_matches_the_reference(dtype, Hq, Hk
     got = engine.attend(q, q_pos, k, v, k_pos, _position_mask(q_pos, k_pos, dtype))
     assert got.dtype == dtype and got.shape == (Hq, R, 16)
     torch.testing.assert_close(got.float(), expected.float(), **ATTEND_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R", [1, 2, 9, 40])
+def test_attend_on_cpu_in_runs_of_rows_matches_the_reference(dtype, R):
+    # The blend's rows: sorted prompt rows, the keys at their positions, the last row computed.
+    engine = LlamaEngine.random("tiny")
+    T = 60
+    g = torch.Generator().manual_seed(R)
+    q = torch.randn(4, R, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, T, 16, generator=g).to(dtype) for _ in range(2))
+    pos = torch.arange(T)
+    q_pos = torch.cat((torch.randperm(T - 1, generator=g)[:R - 1].sort().values, torch.tensor([T - 1])))
+    blocks = RowBlocks.of((q_pos + 1).tolist(), _position_mask(q_pos, pos, dtype), 4, 16)
+    assert len(blocks.sizes) == ATTENTION_RUNS and sum(blocks.sizes) == R
+    expected, _ = selective_attention_reference(q, q_pos, k, v, pos, scale=engine.scale)
+    for _ in range(2):  # the runs' output buffer is written again by the next layer
+        got = engine.attend(q, q_pos, k, v, pos, blocks)
+        assert got.dtype == dtype and got.shape == (4, R, 16)
+        torch.testing.assert_close(got.float(), expected.float(), **ATTEND_TOL[dtype])
+
+
+def test_runs_of_rows_read_the_keys_up_to_their_last_row_cut_where_that_reads_fewest():
+    # rows 0..9 then 90..99 of 100 keys (two runs): the cut between them, 10 x 10 + 10 x 100 keys
+    assert ATTENTION_RUNS == 2
+    rows = list(range(10)) + list(range(90, 100))
+    blocks = RowBlocks.of([r + 1 for r in rows], torch.zeros(20, 100), 4, 16)
+    assert blocks.sizes == (10, 10) and blocks.ends == (10,)
+    assert [m.shape for m in blocks.masks] == [(10, 10), (10, 100)]
 
 
 def test_attend_on_cpu_keys_out_of_position_order_and_strided_inputs():
