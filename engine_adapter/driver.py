@@ -22,7 +22,8 @@ candidates) and one buffer for a layer's K before its rotation. Then per layer l
      deciding, the question;
   6. o-proj + MLP for the computed rows; the rows of layer l+1 (Alg. 1's focused-chunk
      early termination, off by default). The last prompt row is always computed.
-Within a layer nothing reads a device value on the host, and the operations dispatched per
+Within a layer nothing reads a device value on the host (on the CPU, the runs of HKVD's
+rows read them, once per choice: memory there, no device), and the operations dispatched per
 layer do not depend on the number of chunks or rows (tests/engine_adapter/test_op_count.py);
 what changes the rows (HKVD's filter layers, Alg. 1 once it decides, a fallback) rebuilds
 what derives from them once, not per layer.
