@@ -11,8 +11,8 @@ answer's first ANSWER_TOKENS tokens after the first (teacher forcing: a few rows
 the prompt's): `answer_agreement` counts the positions where full prefill predicts the
 token the served request chose next, the drift the first token alone does not show.
 
-A Plan may also name the budget one step below the one served (`Plan.fidelity_below`: the
-service measures it before serving it, `kvservice.fidelity`). The request's stored KV is
+A Plan may also name a budget below the one served (`Plan.fidelity_below`: the service
+measures it before serving it, `kvservice.fidelity`). The request's stored KV is
 then copied as it arrives (`source.RecordingLayerSource`), and the shadow blends the request
 again at that budget from the same KV and compares that blend with full prefill too (a
 *shadow blend*; first token only). Each comparison is a `pb.FidelitySample` that the adapter

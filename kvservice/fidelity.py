@@ -16,7 +16,7 @@ tallies alone:
 
     start at COLD_START; climb while the budget is short (full prefill, 1, is exact and
     never short); then, if the least budget below it and above every short one is held,
-    go there.
+    or was held and is not short, go there.
 
 That least budget below is measured without serving it: while it is measuring, every Plan
 asks for a sample and names it (`fidelity_below`), and the engine's shadow blends the
@@ -24,10 +24,12 @@ request again at that budget from the same stored KV and compares that blend wit
 prefill too (a *shadow blend*: `engine_adapter.fidelity`). So a budget below the cold start
 is served only once its own samples show it holds the target; the cheapest is tried first
 (one verdict when it holds, as on a model where reuse costs little), and when it is shown
-short the next one up is measured. Plans mark every request while the budget given or the
-one below is measuring, and `fidelity_sample` of them otherwise. A short budget stays short
-(no samples reach it again): the budget settles after at most 2 x len(LADDER) moves and
-never oscillates. A model on which no budget below 1 holds the target ends at full
+short the next one up is measured. A budget given once shown held stays given while later
+samples leave it measuring (its interval straddling the target), and moves up only once it
+is shown short. Plans mark every request while the budget given or the one below is
+measuring, and `fidelity_sample` of them otherwise. A short budget stays short (no samples
+reach it again): the budget settles after at most 2 x len(LADDER) moves and never
+oscillates. A model on which no budget below 1 holds the target ends at full
 prefill, logged once and shown in the metrics (`kvcraft_fidelity_budget` = 1).
 
 The tallies persist in the metadata database (`MetadataDB.put_fidelity`), unsynced and at
@@ -280,10 +282,15 @@ class FidelityBook:
         i = LADDER.index(COLD_START)
         while verdict(LADDER[i]) == SHORT:
             i += 1
+        def served(b: float) -> bool:  # Plans gave it: it was shown held then
+            t = by_budget.get(b)
+            return t is not None and t.samples > t.shadow_blends
+
         # The least budget below that is tried: above every short one (a budget below a short
-        # one is not tried, as less recompute rarely agrees more).
+        # one is not tried, as less recompute rarely agrees more). Given once shown held, and
+        # kept while its later samples leave it measuring: only a short verdict moves it up.
         least = max((j for j in range(i) if verdict(LADDER[j]) == SHORT), default=-1) + 1
-        if least < i and verdict(LADDER[least]) == HELD:
+        if least < i and (verdict(LADDER[least]) == HELD or served(LADDER[least])):
             i = least
         budget = LADDER[i]
         state = AT_FULL if budget == FULL else verdict(budget)

@@ -146,14 +146,15 @@ def test_the_controller_settles_at_the_cheapest_budget_that_holds_and_stays(seed
 @pytest.mark.parametrize("seed", range(5))
 def test_a_budget_below_the_cold_start_is_served_only_once_its_samples_hold_the_target(seed):
     """Agreement 96% everywhere (just above the target: verdicts take hundreds of samples)
-    and a model where every budget agrees: the controller never serves a budget below the
+    and a model where every budget agrees: the controller never moves to a budget below the
     cold start that its own samples do not yet show held; where everything agrees it goes to
     the least budget in one step, as soon as that budget's 73 agreeing samples put Wilson's
     lower bound at the target."""
     for agreement, n in ((0.96, 3000), (1.0, 200)):
         book, proven = FidelityBook(target=0.95, sample=0.03, seed=seed), []
         given = _stream(book, "m" * 32, dict.fromkeys(LADDER[:-1], agreement), n, seed, proven)
-        assert all(ok for b, ok in zip(given, proven) if b < COLD_START)
+        moved_to = [i for i, b in enumerate(given) if b < COLD_START and (i == 0 or given[i - 1] != b)]
+        assert all(proven[i] for i in moved_to)
     assert _moves(given) == [(COLD_START, LADDER[0])]
     first = given.index(LADDER[0])
     assert wilson(first, first)[0] >= 0.95 > wilson(first - 1, first - 1)[0]
@@ -341,3 +342,21 @@ def test_a_budget_that_sits_at_the_target_is_left_after_the_measuring_cap():
     given = _stream(book, "m" * 32, agreement, 4 * MAX_MEASURING_SAMPLES, seed=3)
     assert given[-1] == FULL
     assert given.index(FULL) <= 3 * MAX_MEASURING_SAMPLES + 3  # three budgets, each at most the cap
+
+
+def test_a_budget_given_once_held_stays_while_measuring_and_moves_up_only_when_short():
+    """5% shown held by shadow blends is given; served samples that pull its lower bound under
+    the target (its interval straddling it) keep it given, every request measured; once its
+    upper bound falls under the target it is short: back to 25%, 10% tried below."""
+    model, least = "m" * 32, LADDER[0]
+    book = FidelityBook(target=0.95, sample=0.0)
+    book.observe(model, [Sample("query", True, 0.0, 0.25, COLD_START)] * 80
+                 + [Sample("query", True, 0.0, least, least, shadow_blend=True)] * 80)
+    assert book.decide(model, "query", True) == (least, False, 0.0)  # held: at the rate, 0
+    book.observe(model, [Sample("query", False, 0.0, least, least)] * 3)  # 80 of 83: [0.899, 0.988]
+    lower, upper = wilson(80, 83)
+    assert lower < 0.95 <= upper
+    assert book.decide(model, "query", True) == (least, True, 0.0)  # still given, measured
+    book.observe(model, [Sample("query", False, 0.0, least, least)] * 10)  # 80 of 93: upper < 0.95
+    assert wilson(80, 93)[1] < 0.95
+    assert book.decide(model, "query", True) == (COLD_START, True, LADDER[1])  # 10% measured below
