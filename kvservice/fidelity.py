@@ -279,13 +279,13 @@ class FidelityBook:
             t = by_budget.get(b)
             return t.verdict(self.target) if t is not None else MEASURING
 
-        i = LADDER.index(COLD_START)
-        while verdict(LADDER[i]) == SHORT:
-            i += 1
         def served(b: float) -> bool:  # Plans gave it: it was shown held then
             t = by_budget.get(b)
             return t is not None and t.samples > t.shadow_blends
 
+        i = LADDER.index(COLD_START)
+        while verdict(LADDER[i]) == SHORT:
+            i += 1
         # The least budget below that is tried: above every short one (a budget below a short
         # one is not tried, as less recompute rarely agrees more). Given once shown held, and
         # kept while its later samples leave it measuring: only a short verdict moves it up.
