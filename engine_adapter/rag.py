@@ -199,8 +199,9 @@ class RAGAdapter:
                                     deadline=time.monotonic() + FETCH_TIMEOUT_S,
                                     depth=max(1, plan.preload_depth) if plan else 1)
         sample = bool(plan and plan.fidelity_sample and self.shadows)
+        budget = spent_budget(policy)
         recording = None  # the stored KV copied as it arrives, for the shadow's blend at the budget below
-        if sample and refs and 0 < plan.fidelity_below < spent_budget(policy) and self.fidelity.can_blend():
+        if sample and refs and 0 < plan.fidelity_below < budget and self.fidelity.can_blend():
             recording = RecordingLayerSource(source)
         try:
             result = blend_prefill(self.engine, segments, policy, recording or source, gate=self.gate,
@@ -219,7 +220,6 @@ class RAGAdapter:
         if self.store_back and result.fresh:
             self._store_back(segments, result, refs)
         self._learn(source, result)
-        budget = spent_budget(policy)
         tokens = answer(result) if answer is not None else ()
         below = (ShadowBlend(segments, with_budget(policy, plan.fidelity_below), plan.fidelity_below, recording.replay())
                  if recording else None)
