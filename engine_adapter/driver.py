@@ -9,12 +9,15 @@ candidates) and one buffer for a layer's K before its rotation. Then per layer l
   3. the merged cache [Hkv, N, D]: the stored RoPE-free K/V of the live chunks, in prompt
      order with zeros between them, in one concatenation; the computed rows' pre-RoPE K/V
      written over their rows in one indexed copy; then K rotated to the prompt's positions
-     in one batched op (cos/sin tables computed once per prompt);
+     in one batched op (cos/sin tables computed once per prompt). With the engine's Triton
+     kernels (CUDA) the stored K is rotated alone and one launch rotates the rows' q and k
+     and writes their K/V over their rows (`kvkernels.layer.rope_write`);
   4. HKVD (CacheBlend §4.3) at its filter layers only: of the rows whose K/V were just
      computed, the highest-deviation ones, a count known from the layout, stay (a top-k on
      the device, no read of it);
-  5. attention of the computed rows over the merged cache (CUDA: the Triton kernel, masking
-     by position; CPU: fused SDPA in a fixed number of runs of rows, each over the keys up
+  5. attention of the computed rows over the merged cache (Triton: the kernel, masking
+     by position, which returns the attention mass per segment in the same launch where
+     rows need it; CPU: fused SDPA in a fixed number of runs of rows, each over the keys up
      to its last row, with the position-causal mask built once per set of rows, `RowBlocks`:
      on the CPU, where the rows are HKVD's, that set is read from memory once per choice);
      attention mass per segment only for the rows that
@@ -54,10 +57,16 @@ from engine_adapter.policy import FocusTracker, ReusePolicy
 from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
 from kvcraft.records import VariantStats
-from kvkernels import attention_mass, kv_deviation_topk, rope_tables, rotate
+from kvkernels import attention_mass, kv_deviation_topk, rope_tables, rotate_triton, selective_attention_triton
+from kvkernels.layer import rope_write_triton
 from kvkernels.deviation import num_selected
 
 log = logging.getLogger(__name__)
+
+# A layer's merge (`_Blend.merged`, `_Blend.written`): rows p, their pre-RoPE q/k/v heads
+# [Hq+2Hkv, R, D] and its k and v views -> (their q rotated if the merge rotated it, else
+# None; the layer's K post-RoPE, V).
+Merge = Callable[["_Rows", Tensor, Tensor, Tensor], tuple[Tensor | None, Tensor, Tensor]]
 @dataclass(frozen=True)
 class LayerTiming:
     wait_s: float  # blocked in LayerSource.wait_layer
@@ -138,29 +147,30 @@ def run_blend(engine: LlamaEngine, lay: Layout, policy: ReusePolicy, source: Lay
 class _Rotation:
     """RoPE tables of some positions, laid out to rotate rows at those positions in one op.
 
-    CUDA: `kvkernels.rotate` (one Triton launch) with the [T, D/2] cos and sin tables. CPU:
-    the arithmetic of `kvkernels.rotate_reference` (x1 cos - x2 sin, x2 cos + x1 sin in fp32,
-    rounded once), bit for bit, in four operations instead of its nine:
-    x [cos, cos] + roll(x, D/2) [-sin, sin] (x2 (-sin) is -(x2 sin) exactly, a + -b is a - b)."""
+    `triton` (the engine's kernels): `kvkernels.rotate_triton` (one launch) with the [T, D/2]
+    cos and sin tables. Else the arithmetic of `kvkernels.rotate_reference` (x1 cos - x2 sin,
+    x2 cos + x1 sin in fp32, rounded once), bit for bit, in four operations instead of its
+    nine: x [cos, cos] + roll(x, D/2) [-sin, sin] (x2 (-sin) is -(x2 sin) exactly, a + -b is a - b)."""
 
-    def __init__(self, tables: tuple[Tensor, Tensor]):
-        self.tables = tables  # CUDA: cos, sin [T, D/2]; CPU: [cos, cos], [-sin, sin] [T, D]
+    def __init__(self, tables: tuple[Tensor, Tensor], triton: bool):
+        self.tables = tables  # triton: cos, sin [T, D/2]; else [cos, cos], [-sin, sin] [T, D]
+        self.triton = triton
 
     @classmethod
-    def of(cls, cos: Tensor, sin: Tensor) -> "_Rotation":
-        if cos.is_cuda:
-            return cls((cos, sin))
-        return cls((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)))
+    def of(cls, cos: Tensor, sin: Tensor, triton: bool) -> "_Rotation":
+        if triton:
+            return cls((cos, sin), True)
+        return cls((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), False)
 
     def at(self, idx: Tensor) -> "_Rotation":
         """The tables of rows `idx` of these."""
-        return _Rotation((self.tables[0].index_select(0, idx), self.tables[1].index_select(0, idx)))
+        return _Rotation((self.tables[0].index_select(0, idx), self.tables[1].index_select(0, idx)), self.triton)
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x [H, T, D] rotated (T = the tables' rows), into `out` if given."""
         a, b = self.tables
-        if x.is_cuda:
-            r = rotate(x, a, b)
+        if self.triton:
+            r = rotate_triton(x, a, b)
             return r if out is None else out.copy_(r)
         xf = x.float()
         turned = xf.roll(xf.shape[-1] // 2, -1).mul_(b)
@@ -206,7 +216,8 @@ class _Blend:
         self.hkv, self.hd = c.num_kv_heads, c.head_dim
         self.pos = torch.arange(self.n)  # [N] key positions
         self.causal = True  # the keys sit at their prompt positions (`_QuestionPass` moves some)
-        self.rot = _Rotation.of(*rope_tables(rope_for_spec(engine.model_spec()), self.pos))  # [N] tables
+        self.rot = _Rotation.of(*rope_tables(rope_for_spec(engine.model_spec()), self.pos),
+                                engine.triton)  # [N] tables
         self.live = list(reused)  # reused chunks still served from the cache
         # Row sets on the host (spans are `Layout.edges`, ints): tensors made from them once.
         self.reused_host = [False] * self.n  # rows of reused chunks
@@ -280,7 +291,7 @@ class _Blend:
         position and no key sits before its own (the question pass moves keys past the end),
         so no key past row r is visible to it. Rows HKVD chose are read here: on the CPU a read
         of memory, not a wait for a device."""
-        if rows.is_cuda or (self.causal and host is not None and len(host) == self.n):
+        if self.e.triton or (self.causal and host is not None and len(host) == self.n):
             return None
         qpos = self.pos.index_select(0, rows)
         mask = torch.zeros(rows.shape[0], self.n, dtype=self.e.dtype).masked_fill_(
@@ -351,7 +362,7 @@ class _Blend:
         self.res.focused, self.res.focus_layer = self.focus.focused, self.focus.layer
         return self.res
 
-    def step(self, layer: int, p: _Rows, h: Tensor, merge: Callable[[_Rows, Tensor, Tensor], tuple[Tensor, Tensor]],
+    def step(self, layer: int, p: _Rows, h: Tensor, merge: Merge,
              select: bool = True) -> tuple[_Rows, Tensor, Tensor, Tensor, Tensor | None]:
         """One layer of rows p, every policy's: Q/K/V of the rows, `merge` their K/V into the
         layer's cache (returns it: K post-RoPE, V), HKVD where the policy selects at this layer
@@ -361,11 +372,13 @@ class _Blend:
         where fresh chunks want them: else those of every computed row) and the attention mass
         [M, S] of the rows among them that need it (None if none do).
         """
-        e = self.e
-        q, k, v = e.qkv(layer, h)  # [Hq,R,D], [Hkv,R,D] pre-RoPE: what a fresh chunk's variant stores
+        e, c = self.e, self.e.cfg
+        qkv = e.qkv_heads(layer, h)  # [Hq+2Hkv, R, D] pre-RoPE
+        q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads])  # k, v: what a fresh chunk stores
         t0 = time.perf_counter()
-        K, V = merge(p, k, v)
+        rotated, K, V = merge(p, qkv, k, v)
         self._merge_s = time.perf_counter() - t0
+        q = q if rotated is None else rotated
         if select:
             p, keep = self.hkvd(layer, p, K, V)
             if keep is not None:
@@ -373,53 +386,67 @@ class _Blend:
                 if self.fresh:
                     k, v = k.index_select(1, keep), v.index_select(1, keep)
         t1 = time.perf_counter()
-        q = p.rot(q)
+        q = p.rot(q) if rotated is None else q
         self.q = q  # the rotated queries of the rows that ran this layer (the question pass reads them)
-        o = e.attend(q, p.rows, K, V, self.pos, p.mask)
-        mass = self.mass(p, q, K) if select else None
+        o, mass = self.attend(p, q, K, V, select)
         self._attend_s = time.perf_counter() - t1
-        return p, e.mlp(layer, e.attn_out(layer, h, o)), k, v, mass
+        return p, e.layer_out(layer, h, o), k, v, mass
 
-    def merging(self, layer: int, got: LayerKV, carry: "Layer0 | None"
-                ) -> Callable[[_Rows, Tensor, Tensor], tuple[Tensor, Tensor]]:
+    def merging(self, layer: int, got: LayerKV, carry: "Layer0 | None") -> "Merge":
         """`step`'s merge at `layer` of the loop: `merged` with what arrived."""
-        return lambda p, k, v: self.merged(layer, got, p, k, v, carry)
+        return lambda p, qkv, k, v: self.merged(layer, got, p, qkv, k, v, carry)
 
-    def merged(self, layer: int, got: LayerKV, p: _Rows, k: Tensor, v: Tensor,
-               carry: "Layer0 | None" = None) -> tuple[Tensor, Tensor]:
+    def merged(self, layer: int, got: LayerKV, p: _Rows, qkv: Tensor, k: Tensor, v: Tensor,
+               carry: "Layer0 | None" = None) -> tuple[Tensor | None, Tensor, Tensor]:
         """The merged cache of `layer`: the live chunks' stored K/V and zeros in prompt order
         (one concatenation each, `pieces`), the computed rows' (and carried rows') k/v written
-        over their rows, K rotated to the prompt's positions (from the one buffer `_Kraw`)."""
+        over their rows, K rotated to the prompt's positions (from the one buffer `_Kraw`).
+        Triton: the stored K rotated, then one launch rotates the rows' q and k and writes
+        their K/V; returns the rotated q then (else None: `step` rotates the rows it keeps)."""
+        c = self.e.cfg
         K = self._Kraw
         torch.cat([got[x][0] if isinstance(x, int) else x for x in self.pieces], 1, out=K)
         Vl = torch.cat([got[x][1] if isinstance(x, int) else x for x in self.pieces], 1)
         if self.compares_stored(layer) and p.n_cand:  # HKVD compares with the stored K/V
             at = p.rows.index_select(0, p.cand)
             self._stored = at, K.index_select(1, at), Vl.index_select(1, at)
-        K.index_copy_(1, p.rows, k)
-        Vl.index_copy_(1, p.rows, v)
         if carry is not None:
             K.index_copy_(1, carry.rows, carry.k)
             Vl.index_copy_(1, carry.rows, carry.v)
-        Kl = self.rot(K)
+        if self.e.triton:
+            Kl = self.rot(K)
+            rotated = rope_write_triton(qkv, c.num_heads, *p.rot.tables, p.rows, Kl, Vl)
+        else:
+            K.index_copy_(1, p.rows, k)
+            Vl.index_copy_(1, p.rows, v)
+            Kl, rotated = self.rot(K), None
         self.kv.append((Kl, Vl))
-        return Kl, Vl
+        return rotated, Kl, Vl
 
-    def written(self, layer: int, p: _Rows, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def written(self, layer: int, p: _Rows, qkv: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
         """`merge` of a catch-up (`fall_back`): rows p's K/V written over the layer's merged cache."""
         K, V = self.kv[layer]
+        if self.e.triton:
+            return rope_write_triton(qkv, self.e.cfg.num_heads, *p.rot.tables, p.rows, K, V), K, V
         K.index_copy_(1, p.rows, p.rot(k))
         V.index_copy_(1, p.rows, v)
-        return K, V
+        return None, K, V
 
-    def mass(self, p: _Rows, q: Tensor, K: Tensor) -> Tensor | None:
-        """Attention mass per segment [M, S] of the rows that need it: fresh chunks' rows and,
-        while Alg. 1 decides, the question's (`need_rows`; all of them are computed rows)."""
-        if not (self.fresh or self.focus.active):
-            return None
+    def attend(self, p: _Rows, q: Tensor, K: Tensor, V: Tensor, select: bool) -> tuple[Tensor, Tensor | None]:
+        """Attention of rows p over the layer's cache, and the attention mass per segment
+        [M, S] of the rows that need it where the policy selects (`select`): fresh chunks'
+        rows and, while Alg. 1 decides, the question's (`need_rows`; all are computed rows).
+        Triton: one launch returns both (the mass of every row, the needed ones taken)."""
+        e = self.e
+        if not (select and (self.fresh or self.focus.active)):
+            return e.attend(q, p.rows, K, V, self.pos, p.mask), None
         need = self.need_rows()
         at = p.memo("need_focus" if self.focus.active else "need_fresh", lambda: torch.searchsorted(p.rows, need))
-        return attention_mass(q.index_select(1, at), need, K, self.pos, self.lay.bounds, scale=self.e.scale)
+        if e.triton:
+            o, mass = selective_attention_triton(q, p.rows, K, V, self.pos, scale=e.scale, segments=self.lay.bounds)
+            return o, mass.index_select(0, at)
+        return (e.attend(q, p.rows, K, V, self.pos, p.mask),
+                attention_mass(q.index_select(1, at), need, K, self.pos, self.lay.bounds, scale=e.scale))
 
     def need_rows(self) -> Tensor:
         return self._need_focus if self.focus.active else self._need_fresh
@@ -457,7 +484,7 @@ class _Blend:
         pn = self.rows_of(new)
         hn = self.e.embed(self.lay.tokens.index_select(0, pn.rows))
         for l2 in range(layer):
-            hn = self.step(l2, pn, hn, lambda p_, k_, v_, l=l2: self.written(l, p_, k_, v_), select=False)[1]
+            hn = self.step(l2, pn, hn, lambda p_, qkv_, k_, v_, l=l2: self.written(l, p_, qkv_, k_, v_), select=False)[1]
         rows = sorted(host + tuple(new))
         at = {r: i for i, r in enumerate(host + tuple(new))}
         order = torch.tensor([at[r] for r in rows], dtype=torch.long)

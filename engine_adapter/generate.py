@@ -84,7 +84,7 @@ def greedy(engine: LlamaEngine, logits: Tensor, kv: list[tuple[Tensor, Tensor]],
             ck[:, pos], cv[:, pos] = k[:, 0], v[:, 0]
             o = F.scaled_dot_product_attention(q[None], ck[None, :, :pos + 1], cv[None, :, :pos + 1],
                                                scale=engine.scale, enable_gqa=gqa)[0]  # [Hq, 1, D]
-            h = engine.mlp(layer, engine.attn_out(layer, h, o))
+            h = engine.layer_out(layer, h, o)
         out.append(int(engine.logits(h)[0].argmax()))
     return Generation(tuple(out), out[-1] in stop, time.perf_counter() - t0)
 

@@ -167,7 +167,7 @@ def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_
         att = (q @ Ka.transpose(3, 4)) * engine.scale  # [C, V, Hq, Q, P+Q]
         att = att.masked_fill(~keys_ok[:, None, None], float("-inf")).softmax(-1)
         o = (att @ Va).permute(2, 0, 1, 3, 4).reshape(c.num_heads, C * NV * Q, -1)  # [Hq, C*V*Q, D]
-        h = engine.mlp(layer, engine.attn_out(layer, h, o))
+        h = engine.layer_out(layer, h, o)
     last = h.view(C, NV, Q, -1)[torch.arange(C, device=dev), :, qlen - 1]  # [C, V, d] each case's last question row
     logp = engine.logits(last.reshape(C * NV, -1)).float().log_softmax(-1).view(C, NV, -1)
     ref = logp[:, M + 1:]  # [C, 1, vocab] the request's own answer distribution
@@ -342,7 +342,7 @@ def _recompute_batch(engine, cases: Sequence[GainCase], chosen: Sequence[Sequenc
         att = (qh @ Ka.transpose(3, 4)) * engine.scale
         att = att.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1)
         o = (att @ Va).permute(2, 0, 1, 3, 4).reshape(c.num_heads, C * NV * rows, c.head_dim)
-        h = engine.mlp(layer, engine.attn_out(layer, h, o))
+        h = engine.layer_out(layer, h, o)
     hl = h.view(C, NV, rows, -1)[torch.arange(C, device=dev), :, last.to(dev)]  # [C, NV, d]
     logp = engine.logits(hl.reshape(C * NV, -1)).float().log_softmax(-1).view(C, NV, -1)
     ref = logp[:, M + 1:]

@@ -11,6 +11,12 @@ when nothing is reused. Attention is torch's fused SDPA with 4-D inputs [1, H, T
 for both (3-D inputs send CPU SDPA down its unfused math path, ~6x slower); Q/K/V and
 gate/up are one matmul each (the HF weights are views into the fused ones).
 
+On CUDA (`triton`) the steps between the matmuls are fused Triton kernels
+(`kvkernels.layer`): a layer's residual add + RMSNorm, SiLU-mul, and the blend's rotation of
+q and k with the write of its K/V into the cache; attention is the position-masked Triton
+kernel. On CPU the same steps are plain torch (each kernel's reference); tests run the
+Triton path on CPU too, under ``TRITON_INTERPRET=1``, against it.
+
 Shapes: T prompt tokens, R selected rows, d hidden, Hq/Hkv heads, D head dim, V vocab.
 """
 
@@ -28,7 +34,9 @@ from torch import Tensor
 
 from kvcraft.keys import ModelSpec
 
-from kvkernels import RopeConfig, rope_tables, rotate, selective_attention
+from kvkernels import RopeConfig, rope_tables, rotate, rotate_triton, selective_attention_triton
+from kvkernels.layer import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, silu_mul_reference
+from kvkernels.layer import silu_mul_triton
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -177,9 +185,12 @@ class LlamaEngine:
 
     `rope` is the RoPE the engine's own `prefill` uses (default: from `cfg`). It exists
     separately so a misconfigured engine can be built on purpose (the reuse probe's test).
+    `triton`: the layer's steps run as Triton kernels (default: where the weights are on
+    CUDA; True on CPU needs ``TRITON_INTERPRET=1``, for tests).
     """
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, Tensor], *, rope: RopeConfig | None = None):
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, Tensor], *, rope: RopeConfig | None = None,
+                 triton: bool | None = None):
         missing = set(_hf_names(cfg)) - set(weights)
         if missing:
             raise ValueError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -188,6 +199,7 @@ class LlamaEngine:
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.rope = rope or cfg.rope()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.triton = weights["model.embed_tokens.weight"].is_cuda if triton is None else triton
         self._fuse()
 
     def _fuse(self) -> None:
@@ -254,9 +266,7 @@ class LlamaEngine:
     # ---- per-layer primitives on selected rows -------------------------------------------
 
     def _norm(self, x: Tensor, name: str) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return self.w[name] * xf.to(x.dtype)
+        return rms_norm_reference(x, self.w[name], self.cfg.rms_norm_eps)
 
     def embed(self, tokens: Tensor) -> Tensor:
         return self.w["model.embed_tokens.weight"][tokens]  # [R, d]
@@ -264,16 +274,16 @@ class LlamaEngine:
     def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Pre-RoPE q [Hq,R,D], k [Hkv,R,D], v [Hkv,R,D] for hidden rows h [R, d]."""
         c = self.cfg
-        return self._qkv(layer, h).split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
+        return self.qkv_heads(layer, h).split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
 
     def qk_v(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor]:
         """Pre-RoPE q and k as one [Hq+Hkv, R, D] (one rotation turns both: on a GPU each
         rotation is a kernel launch) and v [Hkv, R, D], for hidden rows h [R, d]."""
         c = self.cfg
-        qkv = self._qkv(layer, h)
+        qkv = self.qkv_heads(layer, h)
         return qkv[:c.num_heads + c.num_kv_heads], qkv[c.num_heads + c.num_kv_heads:]  # [H, R, D]
 
-    def _qkv(self, layer: int, h: Tensor) -> Tensor:
+    def qkv_heads(self, layer: int, h: Tensor) -> Tensor:
         """[Hq+2Hkv, R, D]: q, k, v heads of hidden rows h [R, d] in one matmul (pre-RoPE)."""
         c = self.cfg
         x = self._norm(h, f"model.layers.{layer}.input_layernorm.weight")  # [R, d]
@@ -281,20 +291,21 @@ class LlamaEngine:
 
     def rotated_qk(self, qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """q, k of `qk_v` rotated by the tables' rows, as [Hq,R,D], [Hkv,R,D]."""
-        return rotate(qk, cos, sin).split([self.cfg.num_heads, self.cfg.num_kv_heads])
+        return (rotate_triton if self.triton else rotate)(qk, cos, sin).split([self.cfg.num_heads,
+                                                                              self.cfg.num_kv_heads])
 
     def attend(self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
                mask: "Tensor | RowBlocks | None" = None) -> Tensor:
         """Attention of rotated q [Hq,R,D] over rotated k/v [Hkv,T,D], position-causal: key j
         is visible to row r iff k_pos[j] <= q_pos[r]. -> o [Hq,R,D].
 
-        CUDA: the Triton kernel, which masks by the positions. CPU: fused SDPA with `mask`, the
+        `triton`: the Triton kernel, which masks by the positions. Else fused SDPA with `mask`, the
         same visibility as an additive [R, T] mask in q's dtype (0 or -inf; the caller builds it
         once per set of rows), or `RowBlocks` of it (the rows in runs, each over the keys up to
         its last row); None: the rows are all T keys, in order (causal).
         """
-        if q.is_cuda:
-            return selective_attention(q, q_pos, k, v, k_pos, scale=self.scale)[0]
+        if self.triton:
+            return selective_attention_triton(q, q_pos, k, v, k_pos, scale=self.scale)[0]
         gqa = q.shape[0] != k.shape[0]
         if not isinstance(mask, RowBlocks):
             return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
@@ -309,16 +320,16 @@ class LlamaEngine:
         torch.cat(o, 2, out=mask.out4)
         return mask.out
 
-    def attn_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
-        """Residual + o_proj of attention output o [Hq,R,D] -> h [R, d]."""
-        o = o.transpose(0, 1).reshape(o.shape[1], -1)  # [R, Hq*D]
-        return h + o @ self.w[f"model.layers.{layer}.self_attn.o_proj.weight"].T
-
-    def mlp(self, layer: int, h: Tensor) -> Tensor:
+    def layer_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
+        """The rest of the layer after attention, for hidden rows h [R, d] and their attention
+        output o [Hq,R,D]: o_proj, residual, RMSNorm, MLP (gate/up, SiLU-mul, down), residual."""
         p = f"model.layers.{layer}."
-        x = self._norm(h, p + "post_attention_layernorm.weight")
-        gate, up = (x @ self.w_gate_up[layer].T).chunk(2, dim=-1)  # [R, I] each
-        return h + (F.silu(gate) * up) @ self.w[p + "mlp.down_proj.weight"].T  # [R, d]
+        o = o.transpose(0, 1).reshape(o.shape[1], -1)  # [R, Hq*D]
+        add_norm, act = ((add_rms_norm_triton, silu_mul_triton) if self.triton
+                         else (add_rms_norm_reference, silu_mul_reference))
+        h, x = add_norm(h, o @ self.w[p + "self_attn.o_proj.weight"].T, self.w[p + "post_attention_layernorm.weight"],
+                        self.cfg.rms_norm_eps)  # [R, d] each
+        return h + act(x @ self.w_gate_up[layer].T) @ self.w[p + "mlp.down_proj.weight"].T  # [R, d]
 
     def logits(self, h: Tensor) -> Tensor:
         head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
@@ -346,7 +357,7 @@ class LlamaEngine:
             kv.append((k, v))
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=self.scale,
                                                enable_gqa=gqa)[0]  # [Hq, T, D]
-            h = self.mlp(layer, self.attn_out(layer, h, o))
+            h = self.layer_out(layer, h, o)
         return self.logits(h if all_logits else h[-last:]), kv
 
 

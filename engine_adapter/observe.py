@@ -96,7 +96,7 @@ def observe(engine, tokens: Sequence[int], span: tuple[int, int], readers: tuple
         p = ((q @ k.transpose(1, 2)) * engine.scale).masked_fill(causal, float("-inf")).softmax(-1)  # [Hq, T, T]
         if layer in use:
             got[layer] = p[:, readers[0]:readers[1], span[0]:span[1]].float().mean(0).sum(0)
-        h = engine.mlp(layer, engine.attn_out(layer, h, p @ v))
+        h = engine.layer_out(layer, h, p @ v)
     return Observation(kv, got.sum(0), got)
 
 
@@ -141,7 +141,7 @@ def observe_many(engine, requests: Sequence[Request], layers: Sequence[int] | No
             if layer in use:
                 reads[layer] = (p.float().mean(1) * readers[:, :, None]).sum(1)  # [B, T] per key
             o = (p @ vr).transpose(0, 1).reshape(c.num_heads, b * t, -1)  # [Hq, B*T, D]
-            h = engine.mlp(layer, engine.attn_out(layer, h, o))
+            h = engine.layer_out(layer, h, o)
         for i, (tokens, (s0, s1), (r0, r1)) in enumerate(part):
             per_layer = reads[:, i, s0:s1].clone()
             ctx = ([(rotate(k[i, :, :r0], cos[:r0], sin[:r0]), v[i, :, :r0].clone()) for k, v in kvs]

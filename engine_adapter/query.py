@@ -51,7 +51,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from engine_adapter.driver import BlendResult, Layer0, LayerTiming, _Blend, _Rows, run_blend
+from engine_adapter.driver import BlendResult, Layer0, LayerTiming, Merge, _Blend, _Rows, run_blend
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import Naive, QueryAware
 from engine_adapter.prompt import Layout
@@ -114,7 +114,7 @@ class _QuestionPass(_Blend):
         self.received.append(got)
         return got
 
-    def step(self, layer: int, p: _Rows, h: Tensor, merge, select: bool = True):  # noqa: ANN001, ANN201
+    def step(self, layer: int, p: _Rows, h: Tensor, merge: Merge, select: bool = True):  # noqa: ANN201
         out = super().step(layer, p, h, merge, select)
         if select and layer > 0:
             self.reads += self._question_reads(layer, out[0])

@@ -8,7 +8,8 @@ Triton interpreter is slower still). ``*_triton`` and ``*_reference`` are the ex
 variants; tests run the Triton ones on CPU tensors under ``TRITON_INTERPRET=1``, which
 must be set before this package is first imported.
 
-Modules: ``rope`` (apply/remove RoPE at arbitrary positions), ``attention`` (selective
+Modules: ``rope`` (apply/remove RoPE at arbitrary positions), ``layer`` (a layer's fused
+element-wise steps), ``attention`` (selective
 attention with a position-causal mask and per-chunk attention mass)
 and ``deviation`` (CacheBlend KV deviation + HKVD top-k).
 """

@@ -53,7 +53,7 @@ def reference_reads(engine, p) -> torch.Tensor:
         if 0 < layer < c.num_layers - 1:
             reads += prob.sum((0, 1))
         o = prob @ V
-        h = engine.mlp(layer, engine.attn_out(layer, h, o))
+        h = engine.layer_out(layer, h, o)
     return reads
 
 
@@ -159,7 +159,7 @@ def reference_shallow_rows(engine, p, depth: int) -> tuple[torch.Tensor, list]:
         kv.append((k, v))
         s = (q @ k.repeat_interleave(g, 0).transpose(1, 2)) * engine.scale
         s = s.masked_fill(torch.arange(k.shape[1])[None, None, :] > rows[None, :, None], float("-inf"))
-        h = engine.mlp(layer, engine.attn_out(layer, h, s.softmax(-1) @ v.repeat_interleave(g, 0)))
+        h = engine.layer_out(layer, h, s.softmax(-1) @ v.repeat_interleave(g, 0))
         if layer == depth - 1:  # the chunks' rows stop here
             rows, h = rows[n_ctx:], h[n_ctx:]
     return engine.logits(h[-1:])[-1], kv

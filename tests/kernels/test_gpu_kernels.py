@@ -63,3 +63,31 @@ def test_rotate_llama3_8b_shape_bit_for_bit(dtype: torch.dtype) -> None:
     x = torch.randn(375, 32, 128, device="cuda", generator=g).to(dtype).transpose(0, 1)  # [H, R, D] strided
     assert torch.equal(K.rotate_triton(x, cos[rows], sin[rows]), K.rotate_reference(x, cos[rows], sin[rows]))
     assert torch.equal(K.rotate(x, cos[rows], sin[rows]), K.rotate_triton(x, cos[rows], sin[rows]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_kernels_llama3_8b_shape(dtype: torch.dtype) -> None:
+    # The fused element-wise steps of a layer (kvkernels.layer): round as torch does
+    # (round to nearest on the GPU), so only a reduction's order and the sigmoid differ.
+    from kvkernels import layer
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    R, d, inter = 375, 4096, 14336
+    h, delta = (torch.randn(R, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype)
+    s, y = layer.add_rms_norm_triton(h, delta, w, 1e-5)
+    s0, y0 = layer.add_rms_norm_reference(h, delta, w, 1e-5)
+    assert torch.equal(s, s0)
+    torch.testing.assert_close(y.float(), y0.float(), **TOL[dtype])
+    gate_up = torch.randn(R, 2 * inter, device="cuda", generator=g).to(dtype)
+    torch.testing.assert_close(layer.silu_mul_triton(gate_up).float(), layer.silu_mul_reference(gate_up).float(),
+                               **TOL[dtype])
+    T = 2500
+    cos, sin = K.rope_tables(K.RopeConfig(head_dim=128, theta=500000.0, factor=8.0), torch.arange(T, device="cuda"))
+    rows = torch.randperm(T, device="cuda", generator=g)[:R]
+    qkv = torch.randn(R, 48, 128, device="cuda", generator=g).to(dtype).transpose(0, 1)  # [32+8+8, R, D] strided
+    caches = [torch.randn(8, T, 128, device="cuda", generator=g).to(dtype) for _ in range(2)]
+    copies = [c.clone() for c in caches]
+    q = layer.rope_write_triton(qkv, 32, cos[rows], sin[rows], rows, *caches)
+    q0 = layer.rope_write_reference(qkv, 32, cos[rows], sin[rows], rows, *copies)
+    assert torch.equal(q, q0) and torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])
