@@ -1,12 +1,12 @@
 """How close any choice of recomputed rows comes on the real model: selections made with full
 prefill's KV in hand (oracles no deployment has), beside naive reuse and the default policy.
 
-    python -m kvbench.real_bound [--data musique_s.json] [--first 0 --prompts 100]
+    python -m kvbench.real_bound [--data musique_s.json] [--first 0 --prompts 100] [--passages 1]
         [--budgets 0.15 0.3 0.5] [--new-tokens 16] [--json OUT]
 
 `kvbench.real_quality` measures the policies as deployed; none keeps ROUGE-L >= 0.90 against
 full prefill's answer at <= 15% of the row-layers computed (docs/quality.md). This asks
-whether a better selection could: per record, the rows of the reused passage to recompute
+whether a better selection could: per record, the rows of the reused passages to recompute
 from layer 0 are chosen knowing what full prefill computes, three ways:
 
   deviation   the rows whose stored K and V deviate most from full prefill's, summed over
@@ -26,11 +26,11 @@ fp32: how far a change that keeps every row exact in all but rounding moves the 
 
 Each gets `budget` of the prompt's row-layers with the question paid once (the default pays
 it twice), so n = budget x N - |question| rows through every layer. The prompts are
-`kvbench.real_quality`'s with `--passages 1` (instruction, one ~600-token passage, question),
+`kvbench.real_quality`'s with as many `--passages` (instruction, ~600-token passages, question),
 and so are the stored variants, computed here in process (no service: the bound is about the
-selection, not the serving): the instruction's behind nothing (exact), the passage's behind the
-instruction and a passage of the neighbouring record (the previous; the next, for the first),
-as `real_quality`'s warm request leaves them.
+selection, not the serving): the instruction's behind nothing (exact), each passage's behind the
+instruction, a passage of the neighbouring record (the previous; the next, for the first) and
+the record's later passages, as `real_quality`'s warm request (the passages reversed) leaves them.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[fl
 class Served:
     """A record's prompt with the stored variants a reuse policy would be served."""
 
-    segments: list[Segment]  # the instruction, the passage (both cached), the question
+    segments: list[Segment]  # the instruction, the passages (all cached), the question
     layout: Layout
     stored: dict[int, list[tuple[Tensor, Tensor]]]  # segment -> the stored variant's per-layer (K RoPE-free, V)
 
@@ -102,35 +102,42 @@ class Served:
         """The stored variants, fresh for each prefill."""
         return InMemoryLayerSource(self.stored)
 
+    @property
+    def reused(self) -> list[int]:
+        """The stored segments: the instruction and the passages."""
+        return sorted(self.stored)
+
 
 def served(engine: LlamaEngine, prompts: Sequence[musique.Prompt], i: int) -> Served:
     """Record i with the variants `real_quality`'s warm request leaves (its chunks: the
-    instruction, the neighbour's passage, the record's passage, computed in full)."""
+    instruction, the neighbour's passage, the record's passages reversed, computed in full)."""
     model_id = engine.model_spec().fingerprint()
     p = prompts[i]
     warm = [Segment(c) for c in warm_chunks(prompts, i)]
     warmed = run_blend(engine, Layout.of(warm, model_id), Policy("full"), InMemoryLayerSource({}), [])
-    inst, mine = warmed.fresh[0], warmed.fresh[len(warm) - 1]
-    segments = [Segment(p.instruction, cached=True), Segment(p.passages[0], cached=True, cached_prefix=mine.prefix),
+    mine = [warmed.fresh[len(warm) - 1 - k] for k in range(len(p.passages))]  # passage k's variant
+    segments = [Segment(p.instruction, cached=True),
+                *(Segment(c, cached=True, cached_prefix=v.prefix) for c, v in zip(p.passages, mine)),
                 Segment(p.question, question=True)]
-    return Served(segments, Layout.of(segments, model_id), {0: inst.kv, 1: mine.kv})
+    stored = {0: warmed.fresh[0].kv} | {1 + k: v.kv for k, v in enumerate(mine)}
+    return Served(segments, Layout.of(segments, model_id), stored)
 
 
 def oracle_scores(engine: LlamaEngine, s: Served, full: BlendResult, naive: BlendResult) -> dict[str, Tensor]:
-    """Per prompt row [N], what the oracles rank the passage's rows by (module docstring):
-    `deviation` (stored vs full prefill's K/V, zero outside the passage) and `reads` (the
+    """Per prompt row [N], what the oracles rank the passages' rows by (module docstring):
+    `deviation` (stored vs full prefill's K/V, zero outside the passages) and `reads` (the
     question's attention in full prefill, layers 1..L-2). full: `s`'s full prefill (with its
     fresh variants), naive: its naive reuse."""
-    span = s.layout.span(1)
+    span = slice(s.layout.edges[1], s.layout.edges[-2])  # the passages
     deviation = torch.zeros(s.layout.n)
     for (fk, fv), (nk, nv) in zip(full.kv, naive.kv):
         fk, fv, nk, nv = (x[:, span].float() for x in (fk, fv, nk, nv))
         norm = (fk.pow(2).sum((0, 2)) + fv.pow(2).sum((0, 2))).mean()
         deviation[span] += ((fk - nk).pow(2).sum((0, 2)) + (fv - nv).pow(2).sum((0, 2))) / norm
-    # The passage as full prefill computed it (behind the instruction): the question pass over
-    # it reads what full prefill's question reads.
-    exact = InMemoryLayerSource({0: s.stored[0], 1: full.fresh[1].kv})
-    return {"deviation": deviation, "reads": question_reads(engine, s.layout, exact, [0, 1], 1.0).reads}
+    # The passages as full prefill computed them (behind the instruction and each other): the
+    # question pass over them reads what full prefill's question reads.
+    exact = InMemoryLayerSource({0: s.stored[0]} | {j: full.fresh[j].kv for j in s.reused if j})
+    return {"deviation": deviation, "reads": question_reads(engine, s.layout, exact, s.reused, 1.0).reads}
 
 
 def _record(engine: LlamaEngine, bf16: LlamaEngine, prompts: Sequence[musique.Prompt], i: int,
@@ -148,17 +155,18 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine, prompts: Sequence[musique.Pr
 
     full = run_blend(engine, lay, Policy("full"), InMemoryLayerSource({}), [])
     answer("full", full)
-    logits, kv = bf16.prefill(lay.tokens, all_logits=False)
-    gen = greedy(bf16, logits[-1], kv, new_tokens, stop)
-    out["full, bf16"] = {"tokens": list(gen.tokens), "computed_share": 1.0}
-    naive = run_blend(engine, lay, Naive(), s.source(), [0, 1])
+    if not budgets:  # bf16 on a CPU is slow: its row is a run of its own
+        logits, kv = bf16.prefill(lay.tokens, all_logits=False)
+        gen = greedy(bf16, logits[-1], kv, new_tokens, stop)
+        out["full, bf16"] = {"tokens": list(gen.tokens), "computed_share": 1.0}
+    naive = run_blend(engine, lay, Naive(), s.source(), s.reused)
     answer("naive", naive)
     answer(f"{DEFAULT_POLICY} (default)", blend_prefill(engine, s.segments, Policy(DEFAULT_POLICY), s.source(),
                                                         gate=TRUSTED, stats=False))
     if not budgets:
         return out
     oracle = oracle_scores(engine, s, full, naive)
-    asked = question_reads(engine, lay, s.source(), [0, 1], 1.0)
+    asked = question_reads(engine, lay, s.source(), s.reused, 1.0)
     for b in budgets:
         policy = QueryAware(budget=b)
         n = max(0, int(b * lay.n) - question)  # rows through every layer; the question paid once
@@ -166,7 +174,7 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine, prompts: Sequence[musique.Pr
                                    ("free question pass", asked.reads, True)):
             q = QuestionReads(score, asked.live, asked.received, asked.result, asked.layer0)
             picks = most_read(q, lay, n, heads=heads, num_layers=L, depth=policy.head_depth(L))
-            answer(f"{name} {b:.0%}", repair(engine, lay, policy, s.source(), [0, 1], picks, stats=False))
+            answer(f"{name} {b:.0%}", repair(engine, lay, policy, s.source(), s.reused, picks, stats=False))
     return out
 
 
@@ -195,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="a MuSiQue file: musique_s.json of YaoJiayi/CacheBlend (default: the 30 dev records)")
     p.add_argument("--first", type=int, default=0, help="index of the first record")
     p.add_argument("--prompts", type=int, help="records (default: all from --first)")
+    p.add_argument("--passages", type=int, default=1, help="passages per prompt, the record's first")
     p.add_argument("--budgets", type=float, nargs="*", default=list(BUDGETS), metavar="SHARE",
                    help="shares of the prompt's row-layers each selection may compute (0 < share <= 1); "
                         "none: only full prefill (fp32 and bf16), naive reuse and the default")
@@ -203,14 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model-dir", help="the model folder (default: as `kvcraft model fetch`; fetched if absent)")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    if a.first < 0 or (a.prompts is not None and a.prompts < 1) or a.new_tokens < 1:
-        p.error("--first must be >= 0, --prompts and --new-tokens >= 1")
+    if a.first < 0 or (a.prompts is not None and a.prompts < 1) or a.new_tokens < 1 or a.passages < 1:
+        p.error("--first must be >= 0, --prompts, --passages and --new-tokens >= 1")
     if not all(0 < b <= 1 for b in a.budgets):
         p.error(f"--budgets must lie in (0, 1], got {a.budgets}")
     from kvbench.realmodel import fetch
 
     torch.set_num_threads(a.threads)
-    records = musique.load(a.data, passages=1)[a.first:]
+    records = musique.load(a.data, passages=a.passages)[a.first:]
     records = records[:a.prompts]
     if len(records) < 2:
         p.error(f"fewer than 2 records from index {a.first} in {a.data} (each needs a neighbour's passage)")

@@ -66,7 +66,8 @@ def test_recomputing_every_passage_row_gives_full_prefill(case):
     assert got.logits.argmax() == full.logits.argmax()
 
 
-@pytest.mark.parametrize("argv", [["--budgets", "1.5"], ["--budgets", "0"], ["--prompts", "0"], ["--first", "-1"]])
+@pytest.mark.parametrize("argv", [["--budgets", "1.5"], ["--budgets", "0"], ["--prompts", "0"], ["--first", "-1"],
+                                  ["--passages", "0"]])
 def test_refuses_bad_arguments_before_loading_anything(argv, capsys):
     with pytest.raises(SystemExit) as e:
         real_bound.main(argv)

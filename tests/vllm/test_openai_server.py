@@ -172,6 +172,40 @@ def test_report_carries_the_fidelity_controllers_budget_for_the_default_policy_w
     assert (report["budget"], report["sampled"]) == (COLD_START, True)
 
 
+def test_an_adaptive_requests_shadow_blends_it_at_the_least_budget_and_the_service_counts_it(server):
+    """Through vLLM's server (the worker side's adapter, its shadow thread over vLLM's weights):
+    on a model with no budget shown to hold the target, an adaptive request's Plan names the
+    least budget below the one served (`fidelity_below`), the shadow blends the request at it
+    from the stored KV the request was served from, and a later Plan carries the sample: the
+    service tallies it under that budget as a shadow blend, a budget never served."""
+    from kvclient.client import KVClient
+    from kvservice.fidelity import COLD_START, LADDER
+
+    a, b = tokens(31, 40), tokens(32, 40)
+    code, body = complete(server, [a, b], tokens(33, 12), "g0")
+    assert code == 200, body
+    wait_stored(server["address"], [a, b])
+
+    def tallies() -> dict:
+        with KVClient(server["address"]) as c:
+            return {round(f.budget, 4): f for f in c.stats().fidelity
+                    if f.model_id == CHUNK_MODEL and f.policy == "query"}
+
+    deadline = time.monotonic() + 120
+    for i in range(40):  # each Plan carries the samples of the shadows finished by then
+        code, body = complete(server, [b, a], tokens(34 + i, 12), f"g{i + 1}",
+                              kv_transfer_params={"kvcraft": {"chunks": [40, 40], "policy": "query"}})
+        assert code == 200, body
+        report = json.loads(body)["kv_transfer_params"]["kvcraft"]
+        assert (report["blended"], report["budget"]) == (True, COLD_START), report
+        least = tallies().get(round(LADDER[0], 4))
+        if least is not None and least.shadow_blends:
+            break
+        assert time.monotonic() < deadline, "no shadow blend tallied"
+    assert least.samples == least.shadow_blends >= 1  # measured, never served
+    assert tallies()[round(COLD_START, 4)].shadow_blends == 0  # the budget served: shadow prefills only
+
+
 def test_streamed_response_carries_the_report_in_its_last_event(server):
     """/v1/responses streams `response.completed` last, with the whole response and its
     kv_transfer_params: the one streaming API of vLLM 0.32 that carries the report."""
