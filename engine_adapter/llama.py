@@ -13,7 +13,7 @@ gate/up are one matmul each (the HF weights are views into the fused ones).
 
 On CUDA (`triton`) the steps between the matmuls are fused Triton kernels
 (`kvkernels.layer`): a layer's residual add + RMSNorm, SiLU-mul, and the blend's rotation of
-q and k with the write of its K/V into the cache; attention is the position-masked Triton
+q and k with the write of its K/V into the cache, RMSNorm; attention is the position-masked Triton
 kernel. On CPU the same steps are plain torch (each kernel's reference); tests run the
 Triton path on CPU too, under ``TRITON_INTERPRET=1``, against it.
 
@@ -35,8 +35,8 @@ from torch import Tensor
 from kvcraft.keys import ModelSpec
 
 from kvkernels import RopeConfig, rope_tables, rotate, rotate_triton, selective_attention_triton
-from kvkernels.layer import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, silu_mul_reference
-from kvkernels.layer import silu_mul_triton
+from kvkernels.layer import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
+from kvkernels.layer import silu_mul_reference, silu_mul_triton
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -266,7 +266,7 @@ class LlamaEngine:
     # ---- per-layer primitives on selected rows -------------------------------------------
 
     def _norm(self, x: Tensor, name: str) -> Tensor:
-        return rms_norm_reference(x, self.w[name], self.cfg.rms_norm_eps)
+        return (rms_norm_triton if self.triton else rms_norm_reference)(x, self.w[name], self.cfg.rms_norm_eps)
 
     def embed(self, tokens: Tensor) -> Tensor:
         return self.w["model.embed_tokens.weight"][tokens]  # [R, d]

@@ -3,7 +3,8 @@ small launches, each bound by the host rather than the device (docs/gpu.md).
 
 - :func:`add_rms_norm`: the residual add of the attention output and the MLP's RMSNorm
   in one pass over the rows (torch: an add, a cast, a square, a mean, an rsqrt, two
-  multiplies and casts: ~8 launches).
+  multiplies and casts: ~8 launches); :func:`rms_norm` without the add (a layer's input,
+  the final norm).
 - :func:`silu_mul`: SiLU of the gate times the up projection, read from the one fused
   [gate | up] matmul output (torch: a split, a SiLU, a multiply).
 - :func:`rope_write`: the computed rows' q and k rotated to their positions and their
@@ -54,15 +55,18 @@ def add_rms_norm_reference(h: torch.Tensor, delta: torch.Tensor, weight: torch.T
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, N, eps,
-                         stride_h, stride_d, stride_s, stride_y, BLOCK: tl.constexpr):
+                         stride_h, stride_d, stride_s, stride_y, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     # One program: one row, all of its N features (a hidden size fits one block).
     r = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    h = tl.load(h_ptr + r * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-    d = tl.load(d_ptr + r * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (h + d).to(s_ptr.dtype.element_ty)  # the residual stream, rounded as torch's add rounds it
-    tl.store(s_ptr + r * stride_s + offs, s, mask=mask)
+    h = tl.load(h_ptr + r * stride_h + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + r * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (h.to(tl.float32) + d).to(s_ptr.dtype.element_ty)  # the residual stream, rounded as torch's add
+        tl.store(s_ptr + r * stride_s + offs, s, mask=mask)
+    else:
+        s = h
     sf = s.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -83,8 +87,22 @@ def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
         return s, y
     _add_rms_norm_kernel[(R,)](h, delta, weight.contiguous(), s, y, N, eps,
                                h.stride(0), delta.stride(0), s.stride(0), y.stride(0),
-                               BLOCK=triton.next_power_of_2(N))
+                               HAS_DELTA=True, BLOCK=triton.next_power_of_2(N))
     return s, y
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm_reference` as one Triton launch (one program per row of x [R, d])."""
+    _check_norm(x, x, weight)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    check_launchable(_add_rms_norm_kernel, x, weight)
+    R, N = x.shape
+    y = torch.empty_like(x)
+    if R:
+        _add_rms_norm_kernel[(R,)](x, x, weight.contiguous(), x, y, N, eps, x.stride(0), x.stride(0), x.stride(0),
+                                   y.stride(0), HAS_DELTA=False, BLOCK=triton.next_power_of_2(N))
+    return y
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,

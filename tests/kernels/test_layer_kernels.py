@@ -17,6 +17,8 @@ from kvkernels.layer import (
     rope_write,
     rope_write_reference,
     rope_write_triton,
+    rms_norm_reference,
+    rms_norm_triton,
     silu_mul,
     silu_mul_reference,
     silu_mul_triton,
@@ -61,6 +63,15 @@ def test_add_rms_norm_triton_matches_reference(dtype: torch.dtype, rows: int, d:
     _close_or_ulp(y, y0, ulps=4)  # s's rounding carried, the normalised row's, the product's
     s1, y1 = add_rms_norm(h, delta, w, 1e-5)  # CPU tensors: the reference
     assert torch.equal(s1, s0) and torch.equal(y1, y0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_triton_matches_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(23, 96, generator=g) * 3).to(dtype)
+    w = (1 + 0.2 * torch.randn(96, generator=g)).to(dtype)
+    _close_or_ulp(rms_norm_triton(x, w, 1e-5), rms_norm_reference(x, w, 1e-5), ulps=2)  # normalised row, product
+    _close_or_ulp(rms_norm_triton(x.t().contiguous().t(), w, 1e-5), rms_norm_reference(x, w, 1e-5), ulps=2)
 
 
 def test_add_rms_norm_strided_rows_and_refusals() -> None:
