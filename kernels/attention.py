@@ -34,6 +34,7 @@ def _check(
     v: torch.Tensor,
     k_pos: torch.Tensor,
     segments: torch.Tensor | None,
+    validate: bool = True,
 ) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError("q must be [Hq, R, D], k and v [Hkv, T, D]")
@@ -53,6 +54,8 @@ def _check(
         T = k.shape[1]
         if segments.dim() != 1 or segments.shape[0] < 2 or segments.dtype not in (torch.int64, torch.int32):
             raise ValueError("segments must be an integer tensor [S+1] with S >= 1")
+        if not validate:  # the caller's own bounds: reading them would wait for the device
+            return
         ok = (segments[0] == 0) & (segments[-1] == T) & (segments.diff() >= 0).all()
         if not bool(ok):
             raise ValueError(f"segments must be nondecreasing from 0 to T={T}")
@@ -267,6 +270,7 @@ def selective_attention_triton(
     *,
     scale: float | None = None,
     segments: torch.Tensor | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of selected query rows over a merged cache, with per-segment mass (Triton).
 
@@ -279,6 +283,8 @@ def selective_attention_triton(
         scale: score scale, default 1 / sqrt(D).
         segments: optional [S+1] integer key-index boundaries of chunks in key order,
             segments[0] == 0, segments[-1] == T, nondecreasing (empty spans allowed).
+        validate: check the segments' values (a read of the device); False where the caller
+            made them so (the blend loop's `Layout.bounds`), inside a loop that must not wait.
 
     Key j is visible to row r iff ``k_pos[j] <= q_pos[r]``. fp16/bf16/fp32 inputs of one
     dtype, fp32 accumulation.
@@ -289,7 +295,7 @@ def selective_attention_triton(
             segment's keys, averaged over the Hq query heads. A row's mass sums to 1 over
             segments that cover all its visible keys (0 for a row that sees no key).
     """
-    _check(q, q_pos, k, v, k_pos, segments)
+    _check(q, q_pos, k, v, k_pos, segments, validate)
     check_launchable(_attn_fwd_kernel, q, q_pos, k, v, k_pos)
     Hq, R, D = q.shape
     Hkv, T, _ = k.shape

@@ -3,7 +3,8 @@ t.nonzero(), t.cpu()) waits for the GPU to drain, and the blend loop is bound by
 (docs/gpu.md: 450 such reads per naive prefill and 6,195 per default prefill made reuse
 slower than full prefill on an H100). Here, on the CPU, the same calls are counted where the
 project's engine code makes them: a prefill of twice the layers, or of chunks twice as long,
-must make no more of them."""
+must make no more of them. On the Triton path (`LlamaEngine(triton=True)`, the kernels in
+Triton's interpreter) the kernels' launchers are counted too: that path is the GPU's."""
 
 from __future__ import annotations
 
@@ -20,37 +21,47 @@ from engine_adapter.blend import blend_prefill
 from engine_adapter.llama import LlamaConfig, LlamaEngine
 from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
+from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource
 from tests.engine_adapter.adapter_helpers import make_prompt
 
 HOST_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "nonzero", "cpu"}
 ENGINE_CODE = Path(__file__).resolve().parents[2] / "engine_adapter"
+KERNEL_CODE = Path(__file__).resolve().parents[2] / "kernels"
 
 
 class HostReads(TorchFunctionMode):
     """Counts host reads of tensors made directly by engine_adapter code, by call site.
     (kvkernels' CPU attention reads its mask on the CPU; on CUDA the Triton kernel runs.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, code: tuple[Path, ...] = (ENGINE_CODE,)) -> None:
         super().__init__()
+        self.code = code
         self.sites: collections.Counter[str] = collections.Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if getattr(func, "__name__", "") in HOST_READS:
             caller = traceback.extract_stack(limit=2)[0]
-            if Path(caller.filename).resolve().parent == ENGINE_CODE:
+            if Path(caller.filename).resolve().parent in self.code:
                 self.sites[f"{Path(caller.filename).name}:{caller.lineno} {func.__name__}"] += 1
         return func(*args, **(kwargs or {}))
 
 
-def _reads(num_layers: int, policy: str, chunk_len: int = 24) -> collections.Counter[str]:
+def _reads(num_layers: int, policy: str, chunk_len: int = 24, triton: bool = False) -> collections.Counter[str]:
+    """triton: the engine's Triton path, with a fresh chunk (its statistics read the attention
+    mass, which that path takes from the attention kernel's launch), kernels' reads counted."""
     cfg = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=num_layers)
     engine = LlamaEngine.random(cfg, seed=0, std=0.1)
-    p = make_prompt(engine, seed=1, behind="other", chunk_len=chunk_len)
+    p = make_prompt(engine, seed=1, behind="other", chunk_len=chunk_len, n_chunks=3 if triton else 4)
+    engine = LlamaEngine(cfg, engine.w, triton=triton)  # the stored variants made by the torch path, faster
+    segments = p.segments()
+    if triton:
+        segments[-2] = Segment(p.chunks[-1])
     source = InMemoryLayerSource({i: v.kv for i, v in p.cache.items()})
-    with torch.no_grad(), HostReads() as spy:
-        r = blend_prefill(engine, p.segments(), Policy(policy), source, gate=TRUSTED, stats=False)
+    with torch.no_grad(), HostReads((ENGINE_CODE, KERNEL_CODE) if triton else (ENGINE_CODE,)) as spy:
+        r = blend_prefill(engine, segments, Policy(policy), source, gate=TRUSTED, stats=triton)
     assert r.reuse and r.computed_share < 1.0
+    assert bool(r.fresh) == triton
     return spy.sites
 
 
@@ -58,6 +69,14 @@ def _reads(num_layers: int, policy: str, chunk_len: int = 24) -> collections.Cou
 def test_host_reads_grow_with_neither_layers_nor_rows(policy: str) -> None:
     base = _reads(4, policy)
     deeper, longer = _reads(8, policy), _reads(4, policy, chunk_len=48)
+    assert deeper == base, f"reads per layer: {deeper - base}"
+    assert longer == base, f"reads per row: {longer - base}"
+
+
+def test_on_the_triton_path_host_reads_grow_with_neither_layers_nor_rows() -> None:
+    # the default policy: both passes, the picks, HKVD-free rows (naive's loop is a subset of it)
+    base = _reads(2, "query", chunk_len=12, triton=True)
+    deeper, longer = _reads(4, "query", chunk_len=12, triton=True), _reads(2, "query", chunk_len=24, triton=True)
     assert deeper == base, f"reads per layer: {deeper - base}"
     assert longer == base, f"reads per row: {longer - base}"
 

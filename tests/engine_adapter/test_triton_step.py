@@ -7,11 +7,13 @@ statistics (which read the mass) and a fallback's catch-up."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engine_adapter.blend import blend_prefill
-from engine_adapter.llama import LlamaEngine
+from engine_adapter.llama import LlamaConfig, LlamaEngine
 from engine_adapter.policy import POLICIES, Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
@@ -20,7 +22,7 @@ from tests.engine_adapter.adapter_helpers import make_prompt
 
 @pytest.fixture(scope="module")
 def engines() -> tuple[LlamaEngine, LlamaEngine]:
-    torch_step = LlamaEngine.random("tiny", seed=3, std=0.1)
+    torch_step = LlamaEngine.random(dataclasses.replace(LlamaConfig.named("tiny"), num_layers=3), seed=3, std=0.1)
     return torch_step, LlamaEngine(torch_step.cfg, torch_step.w, triton=True)
 
 
@@ -42,7 +44,7 @@ def test_full_prefill_on_the_triton_path_equals_the_torch_path(engines):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_each_policy_on_the_triton_path_equals_the_torch_path(engines, policy: str):
     torch_step, triton_step = engines
-    p = make_prompt(torch_step, seed=5, n_chunks=3, chunk_len=12, question_len=4)
+    p = make_prompt(torch_step, seed=5, n_chunks=3, chunk_len=8, question_len=4)
     segments = p.segments()
     segments[2] = Segment(p.chunks[2])  # one fresh chunk: its statistics read the attention mass
     options = {"ratio": 0.3} if policy == "cacheblend" else {}
