@@ -159,10 +159,18 @@ def _score(record: musique.Record, prompt_tokens: int, transformers_s: float, se
             "prompt_tokens": prompt_tokens, "transformers_prefill_s": transformers_s, "served": served}
 
 
+def standard_error(xs: Sequence[float]) -> float:
+    """The standard error of the mean of xs (sample standard deviation / sqrt(n); 0 below 2)."""
+    return statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else 0.0
+
+
 def summarize(records: Sequence[dict], labels: Sequence[str]) -> list[dict]:
     """One row per policy: means over the records; the speed-up is mean transformers
-    prefill time over the policy's mean TTFT."""
+    prefill time over the policy's mean TTFT. ROUGE-L vs full carries its standard error and,
+    where the default policy ran too, the paired difference from it per record (mean, s.e.):
+    the records are the same, so the pairing removes what they share."""
     hf_s = statistics.fmean(r["transformers_prefill_s"] for r in records)
+    default = policy.DEFAULT_POLICY if policy.DEFAULT_POLICY in labels else None
     rows = []
     for label in labels:
         got = [r["served"][label] for r in records]
@@ -172,6 +180,10 @@ def summarize(records: Sequence[dict], labels: Sequence[str]) -> list[dict]:
                 row[key] = statistics.fmean(g[key] for g in got)
         row["speedup_vs_transformers"] = hf_s / row["ttft_s"]
         row["fallbacks"] = sum(g["fallbacks"] for g in got)
+        row["rouge_l_se"] = standard_error([g["rouge_l_vs_full"] for g in got])
+        if default is not None and label != default:
+            diff = [r["served"][label]["rouge_l_vs_full"] - r["served"][default]["rouge_l_vs_full"] for r in records]
+            row["rouge_l_vs_default"], row["rouge_l_vs_default_se"] = statistics.fmean(diff), standard_error(diff)
         rows.append(row)
     return rows
 
@@ -191,10 +203,14 @@ def meta(model_dir: Path, n: int, new_tokens: int, threads: int, prog: str = "kv
 
 def table(result: dict) -> str:
     """The summary as a markdown table, with the transformers reference under it."""
-    lines = ["| policy | " + " | ".join(COLUMNS.values()) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    names = list(COLUMNS.values())
+    names[3:3] = ["s.e.", "vs the default, paired (s.e.)"]
+    lines = ["| policy | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for row in result["policies"]:
+        paired = (f"{row['rouge_l_vs_default']:+.3f} ({row['rouge_l_vs_default_se']:.3f})"
+                  if "rouge_l_vs_default" in row else "")
         cells = [f"{row['f1']:.3f}", f"{row['exact_match']:.1%}", f"{row['rouge_l_vs_full']:.3f}",
-                 f"{row['identical_to_full']:.0%}", f"{row['first_token_agrees']:.0%}",
+                 f"{row['rouge_l_se']:.3f}", paired, f"{row['identical_to_full']:.0%}", f"{row['first_token_agrees']:.0%}",
                  f"{row['computed_share']:.1%}", f"{row['ttft_s']:.2f}", f"{row['speedup_vs_transformers']:.2f}x"]
         lines.append(f"| {row['policy']} | " + " | ".join(cells) + " |")
     recs = result["records"]

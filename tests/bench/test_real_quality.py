@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from engine_adapter.policy import CacheBlend, CacheCraft, Full, QueryAware
@@ -76,6 +78,29 @@ def test_the_summary_compares_with_full_and_times_against_transformers():
     assert rows["naive"]["f1"] == rows["naive"]["rouge_l_vs_full"] == rows["naive"]["first_token_agrees"] == 0.0
     assert rows["naive"]["speedup_vs_transformers"] == pytest.approx(4.0)
     assert rows["full"]["speedup_vs_transformers"] == pytest.approx(1.0)
+
+
+def test_the_summary_gives_rouge_ls_standard_error_and_the_paired_difference_from_the_default():
+    from engine_adapter.policy import DEFAULT_POLICY
+
+    record = musique.Record(0, "q?", ("Paris",), ("p",))
+    answers = {"full": ["a b c d", "a b", "x y z"], DEFAULT_POLICY: ["a b c d", "a q", "x y q"],
+               "naive": ["a b q q", "q q", "x y z"]}
+    recs = [real_quality._score(record, 50, 1.0, {label: {"answer": got[i], "tokens": got[i].split(), "ttft_s": 1.0,
+                                                          "computed_share": 0.2, "fallbacks": 0}
+                                                  for label, got in answers.items()})
+            for i in range(3)]
+    rows = {r["policy"]: r for r in real_quality.summarize(recs, list(answers))}
+    rouge = {label: [musique.rouge_l(a, f) for a, f in zip(got, answers["full"])] for label, got in answers.items()}
+    naive, default = rouge["naive"], rouge[DEFAULT_POLICY]
+    assert rows["naive"]["rouge_l_se"] == pytest.approx(statistics.stdev(naive) / 3 ** 0.5)
+    diff = [n - d for n, d in zip(naive, default)]
+    assert rows["naive"]["rouge_l_vs_default"] == pytest.approx(sum(diff) / 3)
+    assert rows["naive"]["rouge_l_vs_default_se"] == pytest.approx(statistics.stdev(diff) / 3 ** 0.5)
+    assert rows["full"]["rouge_l_se"] == 0.0 and "rouge_l_vs_default" not in rows[DEFAULT_POLICY]
+    text = real_quality.table({"meta": {}, "policies": list(rows.values()), "records": recs})
+    mean, se = sum(diff) / 3, statistics.stdev(diff) / 3 ** 0.5
+    assert f"| {statistics.fmean(naive):.3f} | {statistics.stdev(naive) / 3 ** 0.5:.3f} | {mean:+.3f} ({se:.3f}) |" in text
 
 
 def test_table_and_plot_show_every_policy(tmp_path):
