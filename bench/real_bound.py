@@ -56,7 +56,7 @@ from engine_adapter.prompt import Layout, Segment
 from engine_adapter.query import QuestionReads, most_read, question_reads, repair
 from engine_adapter.source import InMemoryLayerSource
 from kvbench import musique
-from kvbench.real_quality import meta, warm_chunks
+from kvbench.real_quality import meta, standard_error, warm_chunks
 
 BUDGETS = (0.15, 0.3, 0.5)
 COLUMNS = {"rouge_l_vs_full": "ROUGE-L vs full", "identical_to_full": "identical to full",
@@ -83,11 +83,23 @@ def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[fl
             for got in served.values():
                 got["answer"] = tok.decode(got["tokens"], skip_special_tokens=True).strip()
             out.append(_score(records[i], served))
-    labels = list(out[0]["served"]) if out else []
-    rows = [{"case": label, **{k: statistics.fmean(r["served"][label][k] for r in out) for k in COLUMNS}}
-            for label in labels]
     return {"meta": meta(model_dir, len(records), new_tokens, torch.get_num_threads(), "kvbench.real_bound"),
-            "cases": rows, "records": out}
+            "cases": summarize(out), "records": out}
+
+
+def summarize(records: Sequence[dict]) -> list[dict]:
+    """One row per case: `COLUMNS` averaged over the records, ROUGE-L's standard error and the
+    paired difference from the default policy per record (mean, standard error)."""
+    labels = list(records[0]["served"]) if records else []
+    default = f"{DEFAULT_POLICY} (default)"
+    rows = []
+    for label in labels:
+        row = {"case": label, **{k: statistics.fmean(r["served"][label][k] for r in records) for k in COLUMNS}}
+        row["rouge_l_se"] = standard_error([r["served"][label]["rouge_l_vs_full"] for r in records])
+        diff = [r["served"][label]["rouge_l_vs_full"] - r["served"][default]["rouge_l_vs_full"] for r in records]
+        row["rouge_l_vs_default"], row["rouge_l_vs_default_se"] = statistics.fmean(diff), standard_error(diff)
+        rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -189,9 +201,12 @@ def _score(record: musique.Record, served: dict) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| case | " + " | ".join(COLUMNS.values()) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    names = list(COLUMNS.values())
+    names[1:1] = ["s.e.", "vs the default, paired (s.e.)"]
+    lines = ["| case | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for row in result["cases"]:
-        cells = [f"{row['rouge_l_vs_full']:.3f}", f"{row['identical_to_full']:.0%}",
+        cells = [f"{row['rouge_l_vs_full']:.3f}", f"{row['rouge_l_se']:.3f}",
+                 f"{row['rouge_l_vs_default']:+.3f} ({row['rouge_l_vs_default_se']:.3f})", f"{row['identical_to_full']:.0%}",
                  f"{row['first_token_agrees']:.0%}", f"{row['f1']:.3f}", f"{row['computed_share']:.1%}"]
         lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
