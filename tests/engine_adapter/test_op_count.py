@@ -12,7 +12,10 @@ question's attention, 10), its second pass 51. Both passes counted together, the
 dispatches 108 a layer, 2.3x full prefill: it runs two layer steps a layer by design (it reads
 the question before it chooses the rows), within twice the target (its own test).
 Cache-Craft's Alg. 1 (`focus_window` > 0, off by default and not counted here) adds the
-question's attention mass and a read of it on the layers while it decides."""
+question's attention mass and a read of it on the layers while it decides.
+
+On the engine's Triton path (the GPU's; its kernels in the interpreter here) what counts is
+kernel launches: 11 a layer of full prefill, 14 of naive reuse, whatever the rows."""
 
 from __future__ import annotations
 
@@ -124,3 +127,61 @@ def test_the_default_policy_dispatches_no_more_than_two_full_prefills_plus_the_c
     assert mine <= 2 * (full + OVERHEAD_PER_LAYER), f"query: {mine} ops per layer, full prefill {full}"
     assert _ops("query", 4, chunk_len=48) == _ops("query", 4), "query: the count grows with rows"
     assert _ops("query", 4, chunks=6) == _ops("query", 4), "query: the count grows with chunks"
+
+
+# Dispatched ops that launch no device work: views, allocations (the caching allocator's).
+NO_LAUNCH = {"empty", "empty_like", "permute", "view", "transpose", "split_with_sizes", "unsqueeze", "slice", "select",
+             "_unsafe_view", "t", "expand", "alias", "as_strided", "detach", "narrow", "squeeze"}
+TRITON_LAUNCHES_PER_LAYER = 14  # docs/gpu.md, naive reuse: norm, QKV, 2 concatenations, rotation,
+# rotate-and-write, attention, the output's reshape, o-proj, add+RMSNorm, gate/up, SiLU-mul, down, the
+# residual add (full prefill: 11)
+
+
+class Launches(TorchDispatchMode):
+    """Kernel launches of a prefill on the engine's Triton path, in the interpreter: each Triton
+    kernel run is one (the torch ops the interpreter makes inside it are not counted), each
+    dispatched op that computes is one (views and allocations launch nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches = 0
+        self._inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if not self._inside and func.overloadpacket.__name__ not in NO_LAUNCH:
+            self.launches += 1
+        return func(*args, **(kwargs or {}))
+
+    def kernel(self, run):  # noqa: ANN001, ANN201
+        def counted(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            self.launches += 1
+            self._inside += 1
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                self._inside -= 1
+        return counted
+
+
+def _triton_launches(policy: str | None, layers: int, chunk_len: int = 12) -> int:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    cfg = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=layers)
+    torch_step = LlamaEngine.random(cfg, seed=0, std=0.1)
+    p = make_prompt(torch_step, seed=1, behind="other", chunk_len=chunk_len, n_chunks=3)
+    engine = LlamaEngine(cfg, torch_step.w, triton=True)
+    source = InMemoryLayerSource({i: v.kv for i, v in p.cache.items()})
+    spy = Launches()
+    with torch.no_grad(), spy, mock.patch.object(InterpretedFunction, "run", spy.kernel(InterpretedFunction.run)):
+        if policy is None:
+            engine.prefill(p.tokens, all_logits=False)
+        else:
+            blend_prefill(engine, p.segments(), Policy(policy), source, gate=TRUSTED, stats=False)
+    return spy.launches
+
+
+def test_the_triton_path_launches_a_constant_few_kernels_per_layer():
+    for policy in (None, "naive"):
+        per = (_triton_launches(policy, 4) - _triton_launches(policy, 2)) // 2
+        assert 8 <= per <= TRITON_LAUNCHES_PER_LAYER, f"{policy or 'full prefill'}: {per} launches a layer"
+    assert _triton_launches("naive", 2, chunk_len=24) == _triton_launches("naive", 2), "the count grows with rows"
