@@ -199,7 +199,7 @@ class LlamaEngine:
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.rope = rope or cfg.rope()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        self.triton = weights["model.embed_tokens.weight"].is_cuda if triton is None else triton
+        self.triton = self.device.type == "cuda" if triton is None else triton
         self._fuse()
 
     def _fuse(self) -> None:
@@ -256,6 +256,11 @@ class LlamaEngine:
         hf = self.cfg.to_hf() | {"dtype": str(self.dtype).removeprefix("torch.")}
         (path / "config.json").write_text(json.dumps(hf, indent=2))
         save_file({k: v.clone() for k, v in self.w.items()}, str(path / "model.safetensors"))  # clone: no shared views
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (and so where a prefill computes)."""
+        return self.w["model.embed_tokens.weight"].device
 
     def model_spec(self) -> ModelSpec:
         c = self.cfg

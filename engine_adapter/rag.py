@@ -50,6 +50,7 @@ from engine_adapter.policy import DEFAULT_POLICY, Full, ReusePolicy, parse_polic
 from engine_adapter.prompt import Segment
 from engine_adapter.source import RecordingLayerSource
 from kvclient.client import KVClient, Ref
+from kvclient.copy_stream import GpuLayerSource
 from kvclient.errors import InvalidArgumentError, KVCraftError
 from kvcraft.keys import chunk_key
 from kvcraft.plans import Plan, variant_prefixes
@@ -198,15 +199,22 @@ class RAGAdapter:
         source = ServiceLayerSource(self.client, refs, local=self.local,
                                     deadline=time.monotonic() + FETCH_TIMEOUT_S,
                                     depth=max(1, plan.preload_depth) if plan else 1)
+        # An engine on a GPU takes the layers in its memory: host-tier and streamed layers are
+        # copied on a side stream while it computes the layer before (a gpu tier's are there).
+        feed = (GpuLayerSource(source, self.engine.cfg.num_layers, self.engine.device)
+                if refs and self.engine.device.type == "cuda" else source)
         sample = bool(plan and plan.fidelity_sample and self.shadows)
         budget = spent_budget(policy)
         recording = None  # the stored KV copied as it arrives, for the shadow's blend at the budget below
         if sample and refs and 0 < plan.fidelity_below < budget and self.fidelity.can_blend():
-            recording = RecordingLayerSource(source)
+            recording = RecordingLayerSource(feed)
         try:
-            result = blend_prefill(self.engine, segments, policy, recording or source, gate=self.gate,
+            result = blend_prefill(self.engine, segments, policy, recording or feed, gate=self.gate,
                                    stats=self.store_back)
         finally:
+            if feed is not source:
+                source.cancel()  # a copy feeder waiting on the stream returns
+                feed.close()  # every copy done before the lease goes: mapped layers alias the service's memory
             source.close()
             if plan is not None and plan.lease_id:
                 self._release(plan.lease_id)
