@@ -27,7 +27,7 @@ in pass 2. The picks fill what remains of the policy's budget (a share of the ro
 of the reused chunks and the question, both passes counted) once the question is paid for
 (`picks_budget`); where nothing remains, no question pass runs (naive reuse).
 
-The joined selection (`QueryAware.deviation` > 0) adds CacheBlend's signal (§4.3: the
+The joined selection (`QueryAware.deviation` > 0, the default 0.5) adds CacheBlend's signal (§4.3: the
 tokens whose stored K/V deviate most from recomputed ones are those whose cross-attention
 matters; its first check layer is layer 1, since layer-0 K/V do not depend on the prefix):
 the question pass also runs layer 0 for every reused row, projects their layer-1 K/V, and

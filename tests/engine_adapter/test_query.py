@@ -68,10 +68,11 @@ def test_the_question_pass_measures_what_the_question_reads_over_the_stored_kv(e
 
 @pytest.mark.parametrize("budget", [0.15, 0.3, 0.6])
 def test_both_passes_together_stay_within_the_budget_and_spend_it(engine, prompts, budget):
+    policy = Policy("query", budget=budget, deviation=0)  # the reads alone (the joined's layer 0: below)
     for p in prompts:
-        r = blend_prefill(engine, p.segments(), Policy("query", budget=budget), p.source(), gate=TRUSTED)
+        r = blend_prefill(engine, p.segments(), policy, p.source(), gate=TRUSTED)
         n, L = len(p.tokens), engine.cfg.num_layers
-        picks = picks_budget(Policy("query", budget=budget), _layout(engine, p), n - len(p.question), L)
+        picks = picks_budget(policy, _layout(engine, p), n - len(p.question), L)
         assert picks > 0
         assert r.computed_share <= budget + 1e-9
         assert budget - r.computed_share < 1 / n  # less than one more pick would have fitted
@@ -335,6 +336,6 @@ def test_the_joined_selection_picks_by_deviation_and_pays_for_its_layer_0(engine
 
 def test_where_the_deviation_would_take_most_of_the_budget_the_reads_alone_are_used(engine, prompts):
     p = prompts[0]
-    joined = blend_prefill(engine, p.segments(), Policy("query", deviation=0.5), p.source(), gate=TRUSTED)
-    reads = blend_prefill(engine, p.segments(), Policy("query"), p.source(), gate=TRUSTED)
+    joined = blend_prefill(engine, p.segments(), Policy("query"), p.source(), gate=TRUSTED)  # the default: joined
+    reads = blend_prefill(engine, p.segments(), Policy("query", deviation=0), p.source(), gate=TRUSTED)
     assert torch.equal(joined.logits, reads.logits) and joined.computed_rows == reads.computed_rows
