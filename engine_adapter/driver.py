@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 # [Hq+2Hkv, R, D] and its k and v views -> (their q rotated if the merge rotated it, else
 # None; the layer's K post-RoPE, V).
 Merge = Callable[["_Rows", Tensor, Tensor, Tensor], tuple[Tensor | None, Tensor, Tensor]]
+
+
 @dataclass(frozen=True)
 class LayerTiming:
     wait_s: float  # blocked in LayerSource.wait_layer

@@ -12,9 +12,9 @@ for both (3-D inputs send CPU SDPA down its unfused math path, ~6x slower); Q/K/
 gate/up are one matmul each (the HF weights are views into the fused ones).
 
 On CUDA (`triton`) the steps between the matmuls are fused Triton kernels
-(`kvkernels.layer`): a layer's residual add + RMSNorm, SiLU-mul, and the blend's rotation of
-q and k with the write of its K/V into the cache, RMSNorm; attention is the position-masked Triton
-kernel. On CPU the same steps are plain torch (each kernel's reference); tests run the
+(`kvkernels.layer`): RMSNorm, the residual add with the next RMSNorm, SiLU-mul, and in the
+blend the rotation of q and k with the write of their K/V into the cache; attention is the
+position-masked Triton kernel. On CPU the same steps are plain torch (each kernel's reference); tests run the
 Triton path on CPU too, under ``TRITON_INTERPRET=1``, against it.
 
 Shapes: T prompt tokens, R selected rows, d hidden, Hq/Hkv heads, D head dim, V vocab.
