@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._triton_util import check_launchable
+from .rope import rotate_reference
 
 # ---- residual add + RMSNorm ------------------------------------------------------------
 
@@ -192,8 +193,6 @@ def _check_rope_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: tor
 def rope_write_reference(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                          K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
     """:func:`rope_write` in plain torch: a rotation of q and k, two index copies."""
-    from .rope import rotate_reference
-
     _check_rope_write(qkv, heads, cos, sin, rows, K, V)
     hkv = K.shape[0]
     qk = rotate_reference(qkv[:heads + hkv], cos, sin)
