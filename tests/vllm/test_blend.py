@@ -8,7 +8,8 @@ Every chunk variant is stored behind other chunks by a warm pass of the referenc
 (a) policy full through the blend path (kvcraft computes every context token with the
     model's weights and writes them into vLLM's cache) gives vLLM-alone greedy outputs;
 (b) the K/V vLLM's cache holds after a blend equal the reference engine's blended K/V for
-    the same policy, plan and prompt, and vLLM's first token equals the reference's;
+    the same policy, plan and prompt, and vLLM's first token equals the reference's
+    (CacheBlend; the default `query` at a budget where its joined selection runs);
 (c) faults (service down, stalled mid-load, variants evicted after the Plan): every
     request answers as vLLM alone, within the bounded waits, with a clear log line;
 (d) the service restarted (SIGTERM, then SIGKILL) under the live vLLM, which blends from
@@ -89,6 +90,9 @@ def world(tmp_path_factory):
 # wait makes that side compute the chunk itself (right, but another KV), which a loaded CI
 # machine did with the 0.05 s default. So both wait up to 30 s per layer here.
 BLEND_OPTIONS = {"ratio": 0.3, "layer_budget_s": 30.0}
+# The default policy at a budget where its joined selection (reads + KV deviation) runs: on this
+# 4-layer model its layer-0 pass over the reused rows fits half of the picks' budget only so high.
+QUERY_OPTIONS = {"budget": 0.6, "layer_budget_s": 30.0}
 
 
 def _blend_spec(w: dict, phases: list[dict], **kv) -> dict:
@@ -100,13 +104,16 @@ def _blend_spec(w: dict, phases: list[dict], **kv) -> dict:
 @pytest.fixture(scope="module")
 def blended(world):
     """One blending vLLM: policy full on every request, then CacheBlend r=30% one request at a
-    time (KV dumped), then the same CacheBlend requests all in one generate call."""
+    time (KV dumped), then the same CacheBlend requests all in one generate call, then the
+    default policy (`QUERY_OPTIONS`) one at a time (KV dumped)."""
     full = [{**r, "policy": "full", "salt": "full"} for r in world["requests"]]
     blend = [{**r, "salt": "cacheblend"} for r in world["requests"]]
     together = [{**r, "salt": "together"} for r in world["requests"]]
+    query = [{**r, "policy": "query", "options": QUERY_OPTIONS, "salt": "query"} for r in world["requests"]]
     spec = _blend_spec(world, [{"requests": full, "max_tokens": MAX_TOKENS},
                                {"requests": blend, "max_tokens": MAX_TOKENS},
-                               {"requests": together, "max_tokens": MAX_TOKENS, "batch": True}],
+                               {"requests": together, "max_tokens": MAX_TOKENS, "batch": True},
+                               {"requests": query, "max_tokens": MAX_TOKENS}],
                        blend_store_back=False, blend_options=BLEND_OPTIONS, load_concurrency=2)
     spec["dump"] = str(world["tmp"] / "blend-kv.pt")
     out, log = run_engine(world["tmp"], "blend", spec)
@@ -133,6 +140,17 @@ def test_full_recompute_through_the_blend_path_is_vllm_alone(world, blended):
         assert k["kvcraft_row_layers"] == len(r["prompt"]) * k["num_layers"], k
 
 
+def _assert_cache_is_the_references(dump: dict, layout: dict, result) -> None:  # noqa: ANN001
+    """The blocks a blend wrote into vLLM's cache equal the reference engine's blended K/V."""
+    a, n = dump["first_token"], dump["tokens"]
+    for layer, ((kc, vc), (K, V)) in enumerate(zip(dump["layers"], result.kv)):
+        # vLLM's blocks as the backend stores them -> [heads, tokens, hd]
+        got_k = torch.cat([_tokens_major(b, layout["k"]) for b in kc])[:n].transpose(0, 1)
+        got_v = torch.cat([_tokens_major(b, layout["v"]) for b in vc])[:n].transpose(0, 1)
+        torch.testing.assert_close(got_k, K[:, a:a + n], rtol=0, atol=1e-5, msg=f"K layer {layer}")
+        torch.testing.assert_close(got_v, V[:, a:a + n], rtol=0, atol=1e-5, msg=f"V layer {layer}")
+
+
 def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
     """CacheBlend r=30%: vLLM's cache after the blend vs the reference engine's blended
     prefill of the same prompt with the same plan (RAGAdapter, same policy, same service)."""
@@ -157,13 +175,7 @@ def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
             result, rep = ref.prefill([list(c) for c in e.chunk_ids], list(e.question_ids), reorder=False)
             assert rep.reused_chunks == k["reused_chunks"]
             assert 0 < sum(result.recomputed_rows) < result.reused_tokens * len(result.kv)  # a real blend
-            a, n = d["first_token"], d["tokens"]
-            for layer, ((kc, vc), (K, V)) in enumerate(zip(d["layers"], result.kv)):
-                # vLLM's blocks as the backend stores them -> [heads, tokens, hd]
-                got_k = torch.cat([_tokens_major(b, layout["k"]) for b in kc])[:n].transpose(0, 1)
-                got_v = torch.cat([_tokens_major(b, layout["v"]) for b in vc])[:n].transpose(0, 1)
-                torch.testing.assert_close(got_k, K[:, a:a + n], rtol=0, atol=1e-5, msg=f"K layer {layer}")
-                torch.testing.assert_close(got_v, V[:, a:a + n], rtol=0, atol=1e-5, msg=f"V layer {layer}")
+            _assert_cache_is_the_references(d, layout, result)
             assert o["output"][0] == int(result.logits.argmax())  # vLLM's question over the blended KV
             assert k["computed_share"] < 1.0, k
             t = k["timings"]  # where the time went (docs/vllm.md)
@@ -174,6 +186,37 @@ def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
     # The blends' per-layer timings went to the service's loading controller with later
     # Plans (CacheBlend §5), which the service accepted (every request above blended).
     assert phase["metrics"]["blend_timing_reports"] >= 1, phase["metrics"]
+
+
+def test_the_default_policys_joined_selection_in_vllms_cache_is_the_reference_engines(world, blended):
+    """`query` at QUERY_OPTIONS, where the joined selection runs (checked per prompt): vLLM's
+    cache after the blend and its first token equal the reference engine's."""
+    from engine_adapter import Policy
+    from engine_adapter.prompt import Layout, Segment
+    from engine_adapter.query import picks_budget, uses_deviation
+    from engine_adapter.rag import RAGAdapter
+    from kvclient.client import KVClient
+
+    out, _, dumps = blended
+    phase = out["phases"][3]
+    blends = [d for d in dumps["blends"] if d["policy"] == "query"]
+    assert len(blends) == EXAMPLES
+    engine, policy = world["engine"], Policy("query", **QUERY_OPTIONS)
+    L = engine.cfg.num_layers
+    with KVClient(world["server"].address) as client:
+        ref = RAGAdapter(engine, client, policy, store_back=False, shadows=False)
+        for d, o, e in zip(blends, phase["outputs"], world["exs"]):
+            k = o["kv"]["kvcraft"]
+            assert k["blended"] and k["reused_chunks"] >= 1 and k["policy"] == "query", k
+            result, rep = ref.prefill([list(c) for c in e.chunk_ids], list(e.question_ids), reorder=False)
+            assert rep.reused_chunks == k["reused_chunks"]
+            lay = Layout.of([Segment(list(c), cached=True) for c in e.chunk_ids]
+                            + [Segment(list(e.question_ids), question=True)], "m")
+            picks = picks_budget(policy, lay, result.reused_tokens, L)
+            assert uses_deviation(policy, result.reused_tokens, picks * L)  # the joined selection ran
+            _assert_cache_is_the_references(d, dumps["layout"], result)
+            assert o["output"][0] == int(result.logits.argmax())
+        ref.close()
 
 
 def test_blends_of_requests_sent_at_once_overlap_and_answer_as_one_at_a_time(world, blended):
