@@ -56,7 +56,7 @@ from engine_adapter.prompt import Layout, Segment
 from engine_adapter.query import QuestionReads, most_read, question_reads, repair
 from engine_adapter.source import InMemoryLayerSource
 from kvbench import musique
-from kvbench.real_quality import meta, standard_error, warm_chunks
+from kvbench.real_quality import meta, rouge_l_stats, warm_chunks
 
 BUDGETS = (0.15, 0.3, 0.5)
 COLUMNS = {"rouge_l_vs_full": "ROUGE-L vs full", "identical_to_full": "identical to full",
@@ -72,7 +72,7 @@ def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[fl
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = LlamaEngine.from_pretrained(model_dir)
-    bf16 = LlamaEngine.from_pretrained(model_dir, dtype=torch.bfloat16)
+    bf16 = None if budgets else LlamaEngine.from_pretrained(model_dir, dtype=torch.bfloat16)  # its own run
     stop = stop_tokens(model_dir)
     prompts = [musique.prompt(tok, r) for r in records]
     out = []
@@ -94,11 +94,8 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     default = f"{DEFAULT_POLICY} (default)"
     rows = []
     for label in labels:
-        row = {"case": label, **{k: statistics.fmean(r["served"][label][k] for r in records) for k in COLUMNS}}
-        row["rouge_l_se"] = standard_error([r["served"][label]["rouge_l_vs_full"] for r in records])
-        diff = [r["served"][label]["rouge_l_vs_full"] - r["served"][default]["rouge_l_vs_full"] for r in records]
-        row["rouge_l_vs_default"], row["rouge_l_vs_default_se"] = statistics.fmean(diff), standard_error(diff)
-        rows.append(row)
+        rows.append({"case": label, **{k: statistics.fmean(r["served"][label][k] for r in records) for k in COLUMNS},
+                     **rouge_l_stats(records, label, default)})
     return rows
 
 
@@ -152,10 +149,10 @@ def oracle_scores(engine: LlamaEngine, s: Served, full: BlendResult, naive: Blen
     return {"deviation": deviation, "reads": question_reads(engine, s.layout, exact, s.reused, 1.0).reads}
 
 
-def _record(engine: LlamaEngine, bf16: LlamaEngine, prompts: Sequence[musique.Prompt], i: int,
+def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[musique.Prompt], i: int,
             budgets: Sequence[float], new_tokens: int, stop: frozenset[int]) -> dict[str, dict]:
     """Record i's answers per case: tokens and computed share. bf16: the engine in bfloat16,
-    whose full prefill measures how far another precision moves an answer."""
+    whose full prefill measures how far another precision moves an answer (None: no such row)."""
     L = engine.cfg.num_layers
     s = served(engine, prompts, i)
     lay, question = s.layout, len(prompts[i].question)
@@ -167,7 +164,7 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine, prompts: Sequence[musique.Pr
 
     full = run_blend(engine, lay, Policy("full"), InMemoryLayerSource({}), [])
     answer("full", full)
-    if not budgets:  # bf16 on a CPU is slow: its row is a run of its own
+    if bf16 is not None:  # bf16 on a CPU is slow: its row is a run of its own (no budgets)
         logits, kv = bf16.prefill(lay.tokens, all_logits=False)
         gen = greedy(bf16, logits[-1], kv, new_tokens, stop)
         out["full, bf16"] = {"tokens": list(gen.tokens), "computed_share": 1.0}

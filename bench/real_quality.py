@@ -164,11 +164,22 @@ def standard_error(xs: Sequence[float]) -> float:
     return statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else 0.0
 
 
+def rouge_l_stats(records: Sequence[dict], label: str, reference: str | None) -> dict:
+    """`label`'s ROUGE-L vs full: its standard error and, with a `reference` label, the paired
+    difference from it record by record (mean, standard error: the records are shared, so the
+    pairing removes what they have in common)."""
+    rouge = [r["served"][label]["rouge_l_vs_full"] for r in records]
+    out = {"rouge_l_se": standard_error(rouge)}
+    if reference is not None:
+        diff = [x - r["served"][reference]["rouge_l_vs_full"] for x, r in zip(rouge, records)]
+        out["rouge_l_vs_default"], out["rouge_l_vs_default_se"] = statistics.fmean(diff), standard_error(diff)
+    return out
+
+
 def summarize(records: Sequence[dict], labels: Sequence[str]) -> list[dict]:
     """One row per policy: means over the records; the speed-up is mean transformers
     prefill time over the policy's mean TTFT. ROUGE-L vs full carries its standard error and,
-    where the default policy ran too, the paired difference from it per record (mean, s.e.):
-    the records are the same, so the pairing removes what they share."""
+    where the default policy ran too, the paired difference from it (`rouge_l_stats`)."""
     hf_s = statistics.fmean(r["transformers_prefill_s"] for r in records)
     default = policy.DEFAULT_POLICY if policy.DEFAULT_POLICY in labels else None
     rows = []
@@ -180,10 +191,7 @@ def summarize(records: Sequence[dict], labels: Sequence[str]) -> list[dict]:
                 row[key] = statistics.fmean(g[key] for g in got)
         row["speedup_vs_transformers"] = hf_s / row["ttft_s"]
         row["fallbacks"] = sum(g["fallbacks"] for g in got)
-        row["rouge_l_se"] = standard_error([g["rouge_l_vs_full"] for g in got])
-        if default is not None and label != default:
-            diff = [r["served"][label]["rouge_l_vs_full"] - r["served"][default]["rouge_l_vs_full"] for r in records]
-            row["rouge_l_vs_default"], row["rouge_l_vs_default_se"] = statistics.fmean(diff), standard_error(diff)
+        row.update(rouge_l_stats(records, label, default if label != default else None))
         rows.append(row)
     return rows
 
