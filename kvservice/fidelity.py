@@ -10,13 +10,15 @@ Wilson score interval on the agreement rate.
 The controller (`FidelityBook.decide`) gives an adaptive engine's Plans their recompute
 budget, one of `LADDER`, per (model, policy). Each budget of the ladder is judged by its
 own samples against the target t: *held* when the interval's lower bound is at or above t,
-*short* when its upper bound is below t or it was not shown held within
-MAX_MEASURING_SAMPLES samples, *measuring* otherwise. The budget given is a function of the
-tallies alone:
+*short* when its upper bound is below t, *measuring* otherwise. A budget still measuring
+after MAX_MEASURING_SAMPLES samples is judged by its observed agreement: *kept* at or above
+t, short below it. A kept budget that Plans gave stays given (it is more likely above the
+target than below, and no interval said it fell short); one only tried below is not given
+(nothing showed it holds the target). The budget given is a function of the tallies alone:
 
-    start at COLD_START; climb while the budget is short (full prefill, 1, is exact and
-    never short); then, if the least budget below it and above every short one is held,
-    or was held and is not short, go there.
+    start at COLD_START; climb while the budget is short, or kept and never given (full
+    prefill, 1, is exact and never short); then, if the least budget below it and above
+    every such one is held, or was given and is not short, go there.
 
 That least budget below is measured without serving it: while it is measuring, every Plan
 asks for a sample and names it (`fidelity_below`), and the engine's shadow blends the
@@ -73,14 +75,15 @@ FIRST_SAMPLES = 8  # a non-adaptive (model, policy)'s first requests are all mea
 # judged from the first sample, 7% from the tenth; one agreeing 93% is shown held 0.6-0.8%.
 # Fewer wrong "short"s cost compute, and a budget that fails is still left after 10 requests.
 MIN_VERDICT_SAMPLES = 10
-# A budget not shown to hold the target within this many samples counts as short: a model
-# whose agreement sits at the target would otherwise be measured on every request for good
-# (the shadows' compute doubling the traffic's). Held within 400 samples needs an observed
-# agreement of about 0.972 against a 0.95 target; a budget between that and the target costs
-# a step up, never fidelity.
+# A budget whose interval still straddles the target after this many samples is judged by
+# its observed agreement (kept or short): a model whose agreement sits at the target would
+# otherwise be measured on every request for good (the shadows' compute doubling the
+# traffic's). Held within 400 samples needs an observed agreement of about 0.972 against a
+# 0.95 target: a budget tried below the one given that sits between the two is not given
+# (a step up, never fidelity), while the budget given stays given at or above the target.
 MAX_MEASURING_SAMPLES = 400
 
-MEASURING, HELD, SHORT = "measuring", "held", "short"  # a budget's verdict
+MEASURING, HELD, SHORT, KEPT = "measuring", "held", "short", "kept"  # a budget's verdict
 AT_FULL = "full"  # a Choice's state where no budget below 1 holds the target
 
 
@@ -147,13 +150,17 @@ class Tally:
                      self.shadow_blends + int(s.shadow_blend))
 
     def verdict(self, target: float) -> str:
-        """SHORT, HELD or MEASURING against a target agreement rate."""
+        """HELD, SHORT, MEASURING, or at the cap KEPT, against a target agreement rate."""
         if self.samples < MIN_VERDICT_SAMPLES:
             return MEASURING
         lower, upper = self.interval
         if lower >= target:
             return HELD
-        return SHORT if upper < target or self.samples >= MAX_MEASURING_SAMPLES else MEASURING
+        if upper < target:
+            return SHORT
+        if self.samples < MAX_MEASURING_SAMPLES:
+            return MEASURING
+        return KEPT if self.top1_agree >= target * self.samples else SHORT
 
     @property
     def interval(self) -> tuple[float, float]:
@@ -191,7 +198,7 @@ class Choice(NamedTuple):
     model_id: str
     policy: str
     budget: float  # one of LADDER
-    state: str  # MEASURING, HELD, or AT_FULL
+    state: str  # MEASURING, HELD, KEPT, or AT_FULL
     below: float = 0.0  # the least budget below tried, measured by shadow blends; 0: none
 
 
@@ -283,17 +290,21 @@ class FidelityBook:
             t = by_budget.get(b)
             return t.verdict(self.target) if t is not None else MEASURING
 
-        def served(b: float) -> bool:  # Plans gave it: it was shown held then
+        def served(b: float) -> bool:  # Plans gave it: the cold start, or it was shown held then
             t = by_budget.get(b)
             return t is not None and t.samples > t.shadow_blends
 
+        def left(b: float) -> bool:  # not given (again): short, or kept at the cap without being given
+            v = verdict(b)
+            return v == SHORT or (v == KEPT and not served(b))
+
         i = LADDER.index(COLD_START)
-        while verdict(LADDER[i]) == SHORT:
+        while left(LADDER[i]):
             i += 1
-        # The least budget below that is tried: above every short one (a budget below a short
+        # The least budget below that is tried: above every one left (a budget below a short
         # one is not tried, as less recompute rarely agrees more). Given once shown held, and
-        # kept while its later samples leave it measuring: only a short verdict moves it up.
-        least = max((j for j in range(i) if verdict(LADDER[j]) == SHORT), default=-1) + 1
+        # kept while its later samples leave it measuring or kept: only a short verdict moves it up.
+        least = max((j for j in range(i) if left(LADDER[j])), default=-1) + 1
         if least < i and (verdict(LADDER[least]) == HELD or served(LADDER[least])):
             i = least
         budget = LADDER[i]

@@ -360,3 +360,39 @@ def test_a_budget_given_once_held_stays_while_measuring_and_moves_up_only_when_s
     book.observe(model, [Sample("query", False, 0.0, least, least)] * 10)  # 80 of 93: upper < 0.95
     assert wilson(80, 93)[1] < 0.95
     assert book.decide(model, "query", True) == (COLD_START, True, LADDER[1])  # 10% measured below
+
+
+def test_at_the_cap_the_budget_given_is_kept_at_or_above_the_target_and_a_budget_below_is_not_given():
+    """A budget still straddling the target after MAX_MEASURING_SAMPLES samples: the one Plans
+    give (here the cold start) stays given while its observed agreement is at or above the
+    target (dense sampling ends; a later short verdict still moves it up); one only tried
+    below by shadow blends is not given at the same agreement, and the next one up is tried.
+    An observed agreement below the target at the cap is short."""
+    model, n = "m" * 32, MAX_MEASURING_SAMPLES
+    above, under = round(0.9625 * n), round(0.9375 * n)  # both intervals straddle 0.95 at n
+    for agree in (above, under):
+        lower, upper = wilson(agree, n)
+        assert lower < 0.95 <= upper
+
+    def served(budget: float, agree: int, count: int) -> list[Sample]:
+        return [Sample("query", i < agree, 0.0, budget, budget) for i in range(count)]
+
+    def tried(budget: float, agree: int, count: int) -> list[Sample]:
+        return [Sample("query", i < agree, 0.0, budget, budget, shadow_blend=True) for i in range(count)]
+
+    book = FidelityBook(target=0.95, sample=0.0)
+    book.observe(model, served(COLD_START, above, n) + tried(LADDER[0], 0, MIN_VERDICT_SAMPLES)
+                 + tried(LADDER[1], above, n))
+    assert book.decide(model, "query", True) == (COLD_START, True, LADDER[2])  # 10% kept unserved: 15% tried
+    (choice,) = book.choices()
+    assert choice.state == "kept"
+    book.observe(model, tried(LADDER[2], above, n) + tried(LADDER[3], above, n))
+    assert book.decide(model, "query", True) == (COLD_START, False, 0.0)  # nothing left to try: at the rate
+    # served samples that take its upper bound under the target: short, up a rung
+    book.observe(model, served(COLD_START, 0, 60))
+    assert wilson(above, n + 60)[1] < 0.95
+    assert book.decide(model, "query", True)[0] == LADDER[LADDER.index(COLD_START) + 1]
+
+    below_target = FidelityBook(target=0.95, sample=0.0)
+    below_target.observe(model, served(COLD_START, under, n))
+    assert below_target.decide(model, "query", True)[0] == LADDER[LADDER.index(COLD_START) + 1]
