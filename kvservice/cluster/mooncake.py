@@ -43,6 +43,7 @@ _GONE = {-703, -704, -707, -710, -712}
 OBJECT_ALREADY_EXISTS = -705
 _RPC_FAILED = {-900, -901}  # RPC_FAIL, RPC_TIMEOUT: the master did not answer
 WATCH_INTERVAL_S = 0.25
+_PROBE_KEY = "kvcraft/probe"  # never stored: a lookup of it only asks the master
 
 Buffer = bytes | bytearray | memoryview
 
@@ -126,10 +127,17 @@ class MooncakeClient:
             except OSError:
                 self.up = False
                 continue
-            if not self.up:
+            if not self.up and self._answers():
                 self.up = True
                 for call in self.on_rejoin:
                     call()
+
+    def _answers(self) -> bool:
+        """Whether the master answers a call, not only a connection: after a restart the
+        client's first call fails on the connection it kept to the master that died (end
+        of file); this call takes that failure, so that the node is up, and rejoins, only
+        once its calls reach the master again."""
+        return self._store.batch_is_exist([_PROBE_KEY])[0] not in _RPC_FAILED
 
     def _need_up(self, what: str) -> None:
         if not self.up:
