@@ -7,8 +7,9 @@
   2. the home writer commits: fsync, rename into place, fsync the directory. Meanwhile
      another thread fills the copy of every cache tier above home that stores new
      variants (the host slab) and admits this one: each layer read back from the file
-     (page cache) straight into the copy's room and checked against the checksum of
-     the layer as it arrived (a mismatch: the file is deleted, the Store fails);
+     (page cache or disk) straight into the copy's room and checked against the
+     checksum of the layer as it arrived (a mismatch: the file is deleted, the Store
+     fails);
   3. one synced RocksDB WriteBatch with the variant's metadata (group-committed with
      other Stores', `MetadataDB`);
   4. the copies are published, the index and listeners learn of the variant; only
@@ -65,8 +66,8 @@ def commit(s: StoreState, placement: Placement, session: Arrived) -> StoreResult
     The fsyncs and the synced batch run outside the store lock, so fetches,
     lookups and other stores go on meanwhile (bench/load.py); an identical store
     committing at the same time is waited for (both would rename onto one file).
-    The cache tiers' copies are read back from the payload file (page cache) in
-    another thread while this one waits for the file's fsync."""
+    The cache tiers' copies are read back from the payload file in another thread
+    while this one waits for the file's fsync."""
     h = session.header
     now = s.now_ms()
     idx = s.index
@@ -150,11 +151,12 @@ def _open_copies(s: StoreState, placement: Placement, v: Variant, into: list[Tie
 class _Filler(threading.Thread):
     """Fills a committing Store's cache-tier copies from its payload file while the
     committing thread waits for the file's fsync: each layer is read straight into the
-    copy's room (page cache -> slab, one copy; `SlabWriter.fill_layer`). Bytes that come
-    from the page cache are the ones this Store wrote; a layer any of whose bytes had
-    to be read from the disk is checked against the checksum of the layer as it
-    arrived. `error` is set (OSError) if the file does not read back as it was written;
-    a copy that cannot be filled in place is left out (aborted by the session)."""
+    copy's room (page cache -> slab, one copy; `SlabWriter.fill_layer`) and checked
+    against the checksum of the layer as it arrived: a page evicted meanwhile comes
+    back from the disk, by the read itself or by the kernel's readahead for an earlier
+    one, so a page found in the cache is not proof of the bytes written. `error` is
+    set (OSError) if the file does not read back as it was written; a copy that cannot
+    be filled in place is left out (aborted by the session)."""
 
     def __init__(self, session: Arrived, copies: list[TierWriter]) -> None:
         super().__init__(name="kvcraft-store-fill", daemon=True)
@@ -173,16 +175,11 @@ class _Filler(threading.Thread):
         home, layout = sess.home, sess.layout
         try:
             for w in self._copies if home.reads_back else ():
-                cached = [True]
-
-                def read(into: memoryview, off: int) -> None:
-                    cached[0] = home.read_back(off, into)
-
                 for layer, expected in enumerate(sess.checksums):
-                    room = w.fill_layer(lambda into, off=layer * layout.layer_bytes: read(into, off))
+                    room = w.fill_layer(lambda into, off=layer * layout.layer_bytes: home.read_back(off, into))
                     if room is None:
                         break
-                    if not cached[0] and layer_checksum(room[:layout.key_bytes], room[layout.key_bytes:]) != expected:
+                    if layer_checksum(room[:layout.key_bytes], room[layout.key_bytes:]) != expected:
                         raise OSError(f"variant {sess.variant_id}: layer {layer} of its payload file does not "
                                       "read back as it arrived (disk or memory fault); not stored")
                 else:

@@ -78,7 +78,7 @@ class TierWriter(ABC):
     """Streams one variant's payload, layer by layer in order, into one tier."""
 
     # `read_back` answers: the bytes written so far can be read again before and while
-    # `commit` runs (the disk writer: from the page cache, docs/storage.md "Write order").
+    # `commit` runs (the disk writer: from the page cache or the disk, docs/storage.md "Write order").
     reads_back: bool = False
 
     @abstractmethod
@@ -121,11 +121,10 @@ class TierWriter(ABC):
         """Get ready for `read_back` (the disk writer opens its temporary file before
         `commit` renames it). Default: nothing to do."""
 
-    def read_back(self, offset: int, into: memoryview) -> bool:
+    def read_back(self, offset: int, into: memoryview) -> None:
         """Bytes written so far, from `offset`, straight into `into`, while `commit` may
-        run in another thread; only where `reads_back` is set, after `open_reader`. True
-        if they are the very bytes written (from memory: no check needed), False if they
-        were read from the medium (the caller verifies them). Default: raises."""
+        run in another thread; only where `reads_back` is set, after `open_reader`. They
+        may have been read from the medium: the caller verifies them. Default: raises."""
         raise NotImplementedError(f"{type(self).__name__} does not read back (reads_back is False)")
 
     def close_reader(self) -> None:

@@ -58,13 +58,12 @@ def _sync_file_range():  # noqa: ANN202 - libc's sync_file_range, or None
 
 _SYNC_FILE_RANGE = _sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
-_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # a read that answers only from the page cache
 
 
 class DiskWriter(TierWriter):
     """Streams one variant's payload into a temporary file; `commit` makes it durable."""
 
-    reads_back = True  # from the page cache, while commit's fsync runs
+    reads_back = True  # while commit's fsync runs
 
     def __init__(self, tier: "DiskTier", variant_id: str, shape: PayloadShape) -> None:
         self._tier = tier
@@ -98,23 +97,13 @@ class DiskWriter(TierWriter):
         if self._read_fd < 0:
             self._read_fd = os.open(self.tmp, os.O_RDONLY)
 
-    def read_back(self, offset: int, into: memoryview) -> bool:
+    def read_back(self, offset: int, into: memoryview) -> None:
         """Read back bytes written so far, from `offset`, straight into `into`. After
         `open_reader`; callable while `commit` runs in another thread, until
-        `close_reader`. True if every byte came from the page cache (no disk read:
-        they are the bytes this writer wrote), False if some were read from the disk
-        (evicted meanwhile: the caller verifies them)."""
-        into = into.cast("B")
-        got = 0
-        if _RWF_NOWAIT:
-            try:
-                got = os.preadv(self._read_fd, [into], offset, _RWF_NOWAIT)
-            except OSError:  # not (all) in the page cache (EAGAIN), or a filesystem without
-                got = 0  # RWF_NOWAIT (EOPNOTSUPP: tmpfs): the plain read below says what is wrong
-            if got == into.nbytes:
-                return True
-        _pread_into(self._read_fd, into[got:], offset + got, self.final.name)
-        return False
+        `close_reader`. The bytes may come from the page cache or from the disk: a
+        page evicted meanwhile is read again, by this read or by the kernel's
+        readahead for an earlier one, so the caller checks them."""
+        _pread_into(self._read_fd, into.cast("B"), offset, self.final.name)
 
     def close_reader(self) -> None:
         if self._read_fd >= 0:

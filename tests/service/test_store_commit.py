@@ -1,7 +1,7 @@
 """A Store's commit (kvservice/store/commit.py): the host slab's copy is read back from
-the payload file while the file is fsynced, straight into the slab; bytes the page cache
-no longer held are checked against the layers as they arrived, and a payload file that
-does not read back is never acknowledged. The disk writer hands written ranges to the kernel's writeback as the
+the payload file while the file is fsynced, straight into the slab; each layer is checked
+against the layer as it arrived, and a payload file that does not read back is never
+acknowledged. The disk writer hands written ranges to the kernel's writeback as the
 stream goes on. ChunkStore in process, real files, real RocksDB, real shared memory."""
 
 from __future__ import annotations
@@ -45,6 +45,34 @@ def _store(tmp_path, host_budget: int) -> ChunkStore:
     return ChunkStore(cfg)
 
 
+def _damage_on_disk(path, offset: int) -> None:
+    """Overwrite the 4 KiB block at `offset` on the disk, around the page cache
+    (O_DIRECT), as a disk fault would. The kernel drops the cached pages of a direct
+    write's range, but not always (a large folio reaching past the range, a page it
+    cannot drop at that moment), so once the file is on the disk the test drops it
+    from the cache and checks that a plain read sees the damage."""
+    block = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT wants
+    block.write(b"\xff" * 4096)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError as e:  # e.g. a tmpfs /tmp
+        pytest.skip(f"no O_DIRECT on the filesystem of {path}: {e}")
+    try:
+        assert os.pwrite(fd, block, offset) == 4096
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(100):
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if os.pread(fd, 4096, offset) == block[:]:
+                return
+        pytest.skip(f"the page cache of {path} keeps the block's old bytes; cannot stage a disk fault")
+    finally:
+        os.close(fd)
+
+
 def _begin(store: ChunkStore, seed: int):
     spec = Spec(pb.FLOAT32, (HEADS, TOKENS, DIM))
     session = store.begin_store(StoreHeader(MODEL, [seed * 1000 + t for t in range(TOKENS)], (), LAYERS, spec, spec))
@@ -86,19 +114,9 @@ def test_a_payload_file_that_does_not_read_back_is_never_acknowledged(tmp_path, 
     store = _store(tmp_path, host_budget=4 * TOTAL)
     try:
         session = _begin(store, 3)
-        # The disk now holds other bytes than arrived in one block of layer 4's value
-        # (a disk fault): written around the page cache (O_DIRECT), which drops the
-        # cached pages of that range, so the commit's read-back comes from the disk.
-        block = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT wants
-        block.write(b"\xff" * 4096)
-        try:
-            fd = os.open(session.home.tmp, os.O_WRONLY | os.O_DIRECT)
-        except OSError as e:  # e.g. a tmpfs /tmp
-            pytest.skip(f"no O_DIRECT on the filesystem of {tmp_path}: {e}")
-        try:
-            assert os.pwrite(fd, block, 4 * 2 * HALF + HALF + 4096) == 4096
-        finally:
-            os.close(fd)
+        # The file now holds other bytes than arrived in one block of layer 4's value
+        # (a disk fault).
+        _damage_on_disk(session.home.tmp, 4 * 2 * HALF + HALF + 4096)
         with pytest.raises(Unavailable, match="layer 4 of its payload file does not read back.*retry"):
             session.finish()
         assert store.index.get(session.variant_id) is None
