@@ -48,9 +48,9 @@ def _store(tmp_path, host_budget: int) -> ChunkStore:
 def _damage_on_disk(path, offset: int) -> None:
     """Overwrite the 4 KiB block at `offset` on the disk, around the page cache
     (O_DIRECT), as a disk fault would. The kernel drops the cached pages of a direct
-    write's range, but not always (a large folio reaching past the range, a page it
-    cannot drop at that moment), so once the file is on the disk the test drops it
-    from the cache and checks that a plain read sees the damage."""
+    write's range; should a page of the old bytes stay cached, no read would see the
+    fault, so once the file is on the disk the test drops it from the cache and checks
+    that a plain read sees the damage (a skip, not a verdict, if it never does)."""
     block = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT wants
     block.write(b"\xff" * 4096)
     try:
