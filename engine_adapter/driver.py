@@ -12,9 +12,10 @@ candidates) and one buffer for a layer's K before its rotation. Then per layer l
      in one batched op (cos/sin tables computed once per prompt). With the engine's Triton
      kernels (CUDA) the stored K is rotated alone and one launch rotates the rows' q and k
      and writes their K/V over their rows (`kvkernels.layer.rope_write`);
-  4. HKVD (CacheBlend §4.3) at its filter layers only: of the rows whose K/V were just
-     computed, the highest-deviation ones, a count known from the layout, stay (a top-k on
-     the device, no read of it);
+  4. the selections' `select` (the hook, `Selection`): which of the rows whose K/V were
+     just computed attend and run the MLP. CacheBlend's `Hkvd` (§4.3), at its filter layers
+     only: the highest-deviation ones, a count known from the layout (a top-k on the
+     device, no read of it); the default's question phase (`query.QuestionPhase`);
   5. attention of the computed rows over the merged cache (Triton: the kernel, masking
      by position, which returns the attention mass per segment in the same launch where
      rows need it; CPU: fused SDPA in a fixed number of runs of rows, each over the keys up
@@ -23,8 +24,9 @@ candidates) and one buffer for a layer's K before its rotation. Then per layer l
      attention mass per segment only for the rows that
      need it: fresh chunks (their variant statistics) and, while Cache-Craft Alg. 1 is
      deciding, the question;
-  6. o-proj + MLP for the computed rows; the rows of layer l+1 (Alg. 1's focused-chunk
-     early termination, off by default). The last prompt row is always computed.
+  6. o-proj + MLP for the computed rows; the selections' `next`, the rows of layer l+1
+     (`Focus`: Alg. 1's focused-chunk early termination, off by default; the default's
+     chunk-head rows, `query.HeadStop`). The last prompt row is always computed.
 Within a layer nothing reads a device value on the host (on the CPU, the runs of HKVD's
 rows read them, once per choice: memory there, no device), and the operations dispatched per
 layer do not depend on the number of chunks or rows (tests/engine_adapter/test_op_count.py);
@@ -139,11 +141,12 @@ class BlendResult:
 @torch.no_grad()
 def run_blend(engine: LlamaEngine, lay: Layout, policy: ReusePolicy, source: LayerSource,
               reused: Sequence[int], all_logits: bool = False, stats: bool = True,
-              carry: Layer0 | None = None) -> BlendResult:
+              carry: Layer0 | None = None, selections: Sequence["Selection"] | None = None) -> BlendResult:
     """The loop, trusted: no reuse probe is asked here. stats=False: no new variants are
     wanted (nothing will be stored), so fresh chunks get no KV copies and no attention mass.
-    carry: rows whose layer 0 is already computed (`_Blend.run`)."""
-    return _Blend(engine, lay, policy, source, list(reused), stats).run(all_logits, carry=carry)
+    carry: rows whose layer 0 is already computed (`_Blend.run`). selections: the choice of
+    rows (`Selection`); None: the policy's (`policy_selections`)."""
+    return _Blend(engine, lay, policy, source, list(reused), stats, selections).run(all_logits, carry=carry)
 
 
 class _Rotation:
@@ -205,19 +208,117 @@ class _Rows:
         return self._memo[what]
 
 
-class _Blend:
-    """State of one blended prefill; `run` is the per-layer loop, `step` one layer of it."""
+@dataclass
+class Stepped:
+    """What one layer step made (`_Blend.step`)."""
 
-    runs = True  # CPU attention in runs of rows (`RowBlocks`); False: one call over every key
+    rows: _Rows  # the rows that ran the layer (after the selections' `select`)
+    h: Tensor  # [R, d] their hidden states after it
+    q: Tensor  # [Hq, R, D] their queries, rotated
+    k: Tensor  # [Hkv, R', D] pre-RoPE k of the computed rows: those that ran the layer where fresh
+    v: Tensor  # chunks want them (`record_stats`), else every row whose K/V the layer wrote
+    mass: Tensor | None  # [M, S] attention mass per segment of the rows that need it (None: none do)
+
+
+class Selection:
+    """The layer step's one hook: a policy's choice of rows (docs/adapter.md, "The select hook").
+
+    The loop (`_Blend.run`) asks its selections, in order: `prepare` once, before anything
+    is derived from the rows; `first`, the rows that run layer 0 (given those of the policy's
+    recompute lists); then per layer `compares` (will `select` read the candidates' stored
+    K/V? the merge keeps them aside), `select` once the computed rows' K/V are in the layer's
+    cache (which of them attend and run the MLP: the new rows and the indices kept into the
+    old ones, None where unchanged), `observe` once the layer ran, and `next` (the rows that
+    run layer+1, with their hidden states). A selection makes rows with `_Blend.rows_of` or
+    `_Blend.kept`, which derive their tables once per set of rows. Each default changes
+    nothing. Plug-ins: `Hkvd` (CacheBlend), `Focus` (Cache-Craft Alg. 1), and the default
+    policy's `query.QuestionPhase` and `query.HeadStop`."""
+
+    def prepare(self, b: "_Blend") -> None:
+        pass
+
+    def first(self, b: "_Blend", rows: list[int]) -> list[int]:
+        return rows
+
+    def compares(self, b: "_Blend", layer: int) -> bool:
+        return False
+
+    def select(self, b: "_Blend", layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
+        return p, None
+
+    def observe(self, b: "_Blend", layer: int, out: Stepped) -> None:
+        pass
+
+    def next(self, b: "_Blend", layer: int, p: _Rows, h: Tensor) -> tuple[_Rows, Tensor]:
+        return p, h
+
+
+class Hkvd(Selection):
+    """CacheBlend §4.3 gradual filtering, at the layers where `policy.hkvd_share` says so:
+    which of the computed rows run the layer.
+
+    Among the reused rows still computed, keep the share `hkvd_share` of the reused tokens
+    with the highest deviation between this layer's K/V from the current hidden states (in
+    the merged cache now) and the stored K/V (both K at the new positions). How many stay is
+    known from the layout; which, only on the device (a top-k there)."""
+
+    def compares(self, b: "_Blend", layer: int) -> bool:
+        return b.policy.hkvd_share(layer, b.L) is not None
+
+    def select(self, b: "_Blend", layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
+        share = b.policy.hkvd_share(layer, b.L)
+        if share is None or not p.n_cand:
+            return p, None
+        want = min(1.0, share * b.reused_tokens / p.n_cand)
+        n = num_selected(want, p.n_cand)
+        if n == p.n_cand:
+            return p, None
+        at, k_old, v_old = b.stored  # [C] prompt rows, their stored K (RoPE-free) and V (`merged`)
+        _, top = kv_deviation_topk(K.index_select(1, at), V.index_select(1, at), b.rot.at(at)(k_old), v_old,
+                                   want)  # [n] sorted
+        chosen = at.index_select(0, top)
+        rows = torch.cat((p.others, chosen)).sort().values
+        q = b.rows_of(rows=rows, cand=torch.searchsorted(rows, chosen), n_cand=n, others=p.others,
+                      recomputed=p.recomputed - p.n_cand + n)
+        return q, torch.searchsorted(p.rows, rows)
+
+
+class Focus(Selection):
+    """Cache-Craft Alg. 1's early termination (`focus_window` > 0): once the loop's
+    `FocusTracker` decides the focused chunks F* at layer L* (from the question's attention
+    to each chunk, eq. 15), the reused chunks out of focus stop recomputing their tokens."""
+
+    def next(self, b: "_Blend", layer: int, p: _Rows, h: Tensor) -> tuple[_Rows, Tensor]:
+        if b.focus.focused is None or b.focus.layer != layer:
+            return p, h
+        unfocused = [False] * b.n
+        for s in b.live:
+            if s not in b.focus.focused:
+                unfocused[b.lay.span(s)] = [True] * len(b.lay.segments[s].tokens)
+        host = b.host_rows(p)
+        return b.kept(p, h, [i for i, r in enumerate(host) if not (unfocused[r] and b.live_host[r])])
+
+
+def policy_selections() -> list[Selection]:
+    """What every policy's loop selects with; each acts only where its policy asks
+    (`hkvd_share`, `focus_window`)."""
+    return [Hkvd(), Focus()]
+
+
+class _Blend:
+    """State of one blended prefill; `run` is the per-layer loop, `step` one layer of it,
+    `selections` the choice of its rows (`Selection`)."""
 
     def __init__(self, engine: LlamaEngine, lay: Layout, policy: ReusePolicy,
-                 source: LayerSource, reused: list[int], stats: bool = True):
+                 source: LayerSource, reused: list[int], stats: bool = True,
+                 selections: Sequence[Selection] | None = None):
         c = engine.cfg
         self.e, self.lay, self.policy, self.source = engine, lay, policy, source
         self.L, self.n = c.num_layers, lay.n
         self.hkv, self.hd = c.num_kv_heads, c.head_dim
         self.pos = torch.arange(self.n)  # [N] key positions
-        self.causal = True  # the keys sit at their prompt positions (`_QuestionPass` moves some)
+        self.causal = True  # the keys sit at their prompt positions (`query.QuestionPhase` moves some)
+        self.runs = True  # CPU attention in runs of rows (`RowBlocks`); False: one call over every key
         self.rot = _Rotation.of(*rope_tables(rope_for_spec(engine.model_spec()), self.pos),
                                 engine.triton)  # [N] tables
         self.live = list(reused)  # reused chunks still served from the cache
@@ -244,6 +345,9 @@ class _Blend:
                                reused_tokens=self.reused_tokens, prompt_tokens=self.n)
         self._live_changed()
         self._stats_init()
+        self.selections = policy_selections() if selections is None else list(selections)
+        for sel in self.selections:
+            sel.prepare(self)
 
     def _live_changed(self) -> None:
         """`pieces`: the prompt in order as a layer's merge concatenates it, a live chunk's index
@@ -268,7 +372,10 @@ class _Blend:
         for s in self.live:
             for i in self.policy.first_rows(self.lay, s):
                 want[self.lay.edges[s] + i] = True
-        return [i for i, w in enumerate(want) if w]
+        rows = [i for i, w in enumerate(want) if w]
+        for sel in self.selections:
+            rows = sel.first(self, rows)
+        return rows
 
     def rows_of(self, host: Sequence[int] | None = None, *, rows: Tensor | None = None,
                 cand: Tensor | None = None, n_cand: int = 0, others: Tensor | None = None,
@@ -339,11 +446,17 @@ class _Blend:
             got = self.wait(layer)
             t1 = time.perf_counter()
             p, h = self.fall_back(layer, got, p, h)
-            p, h, k, v, mass = self.step(layer, p, h, self.merging(layer, got, carry if layer == 0 else None))
-            to_question = self.record_stats(p, k, v, mass)
-            self.res.computed_rows.append(p.rows.shape[0])
-            self._recomputed.append(p.recomputed)
-            p, h = self.continuing(layer, p, h, to_question)
+            out = self.step(layer, p, h, self.merging(layer, got, carry if layer == 0 else None))
+            to_question = self.record_stats(out.rows, out.k, out.v, out.mass)
+            if to_question is not None:  # Alg. 1 deciding: its read of the question's attention
+                self.focus.update(layer, to_question.tolist())
+            self.res.computed_rows.append(out.rows.rows.shape[0])
+            self._recomputed.append(out.rows.recomputed)
+            p, h = out.rows, out.h
+            for sel in self.selections:
+                sel.observe(self, layer, out)
+            for sel in self.selections:
+                p, h = sel.next(self, layer, p, h)
             if layer == 0 and carry is not None:
                 p, h = self.joined(p, h, carry)
             t4 = time.perf_counter()
@@ -364,16 +477,10 @@ class _Blend:
         self.res.focused, self.res.focus_layer = self.focus.focused, self.focus.layer
         return self.res
 
-    def step(self, layer: int, p: _Rows, h: Tensor, merge: Merge,
-             select: bool = True) -> tuple[_Rows, Tensor, Tensor, Tensor, Tensor | None]:
+    def step(self, layer: int, p: _Rows, h: Tensor, merge: Merge, select: bool = True) -> Stepped:
         """One layer of rows p, every policy's: Q/K/V of the rows, `merge` their K/V into the
-        layer's cache (returns it: K post-RoPE, V), HKVD where the policy selects at this layer
-        (`select`), attention of the rows that stay over the cache, o-proj + MLP.
-
-        Returns the rows that ran the layer, their hidden states, their pre-RoPE k and v (only
-        where fresh chunks want them: else those of every computed row) and the attention mass
-        [M, S] of the rows among them that need it (None if none do).
-        """
+        layer's cache (returns it: K post-RoPE, V), the selections' `select` (`select` False:
+        a catch-up, none), attention of the rows that stay over the cache, o-proj + MLP."""
         e, c = self.e, self.e.cfg
         qkv = e.qkv_heads(layer, h)  # [Hq+2Hkv, R, D] pre-RoPE
         q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads])  # k, v: what a fresh chunk stores
@@ -381,18 +488,17 @@ class _Blend:
         rotated, K, V = merge(p, qkv, k, v)
         self._merge_s = time.perf_counter() - t0
         q = q if rotated is None else rotated
-        if select:
-            p, keep = self.hkvd(layer, p, K, V)
+        for sel in self.selections if select else ():
+            p, keep = sel.select(self, layer, p, K, V)
             if keep is not None:
                 h, q = h.index_select(0, keep), q.index_select(1, keep)
                 if self.fresh:
                     k, v = k.index_select(1, keep), v.index_select(1, keep)
         t1 = time.perf_counter()
         q = p.rot(q) if rotated is None else q
-        self.q = q  # the rotated queries of the rows that ran this layer (the question pass reads them)
         o, mass = self.attend(p, q, K, V, select)
         self._attend_s = time.perf_counter() - t1
-        return p, e.layer_out(layer, h, o), k, v, mass
+        return Stepped(p, e.layer_out(layer, h, o), q, k, v, mass)
 
     def merging(self, layer: int, got: LayerKV, carry: "Layer0 | None") -> "Merge":
         """`step`'s merge at `layer` of the loop: `merged` with what arrived."""
@@ -409,9 +515,9 @@ class _Blend:
         K = self._Kraw
         torch.cat([got[x][0] if isinstance(x, int) else x for x in self.pieces], 1, out=K)
         Vl = torch.cat([got[x][1] if isinstance(x, int) else x for x in self.pieces], 1)
-        if self.compares_stored(layer) and p.n_cand:  # HKVD compares with the stored K/V
-            at = p.rows.index_select(0, p.cand)
-            self._stored = at, K.index_select(1, at), Vl.index_select(1, at)
+        if p.n_cand and any(sel.compares(self, layer) for sel in self.selections):
+            at = p.rows.index_select(0, p.cand)  # a selection compares with the candidates' stored K/V
+            self.stored = at, K.index_select(1, at), Vl.index_select(1, at)
         if carry is not None:
             K.index_copy_(1, carry.rows, carry.k)
             Vl.index_copy_(1, carry.rows, carry.v)
@@ -487,7 +593,8 @@ class _Blend:
         pn = self.rows_of(new)
         hn = self.e.embed(self.lay.tokens.index_select(0, pn.rows))
         for l2 in range(layer):
-            hn = self.step(l2, pn, hn, lambda p_, qkv_, k_, v_, l=l2: self.written(l, p_, qkv_, k_, v_), select=False)[1]
+            hn = self.step(l2, pn, hn, lambda p_, qkv_, k_, v_, l=l2: self.written(l, p_, qkv_, k_, v_),
+                           select=False).h
         rows = sorted(host + tuple(new))
         at = {r: i for i, r in enumerate(host + tuple(new))}
         order = torch.tensor([at[r] for r in rows], dtype=torch.long)
@@ -501,61 +608,11 @@ class _Blend:
         order = torch.tensor([at[r] for r in rows], dtype=torch.long)
         return self.rows_of(rows), torch.cat([h, carry.h]).index_select(0, order)
 
-    def compares_stored(self, layer: int) -> bool:
-        """`hkvd` at `layer` reads the candidates' stored K/V (`merged` keeps them aside)."""
-        return self.policy.hkvd_share(layer, self.L) is not None
-
-    def hkvd(self, layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
-        """CacheBlend §4.3 gradual filtering: which of rows p run this layer (the new rows and
-        indices into p's rows; None: all of them).
-
-        Among the reused rows still computed, keep the share `hkvd_share` of the reused
-        tokens with the highest deviation between this layer's K/V from the current hidden
-        states (in the merged cache now) and the stored K/V (both K at the new positions).
-        How many stay is known from the layout; which, only on the device (a top-k there).
-        """
-        share = self.policy.hkvd_share(layer, self.L)
-        if share is None or not p.n_cand:
-            return p, None
-        want = min(1.0, share * self.reused_tokens / p.n_cand)
-        n = num_selected(want, p.n_cand)
-        if n == p.n_cand:
-            return p, None
-        at, k_old, v_old = self._stored  # [C] prompt rows, their stored K (RoPE-free) and V (`merged`)
-        _, top = kv_deviation_topk(K.index_select(1, at), V.index_select(1, at), self.rot.at(at)(k_old), v_old,
-                                   want)  # [n] sorted
-        chosen = at.index_select(0, top)
-        rows = torch.cat((p.others, chosen)).sort().values
-        q = self.rows_of(rows=rows, cand=torch.searchsorted(rows, chosen), n_cand=n, others=p.others,
-                         recomputed=p.recomputed - p.n_cand + n)
-        return q, torch.searchsorted(p.rows, rows)
-
-    def continuing(self, layer: int, p: _Rows, h: Tensor, to_question: Tensor | None) -> tuple[_Rows, Tensor]:
-        """The rows that run layer+1, with their hidden states."""
-        return self.focus_keep(layer, p, h, to_question)
-
-    def focus_keep(self, layer: int, p: _Rows, h: Tensor, to_question: Tensor | None) -> tuple[_Rows, Tensor]:
-        """Cache-Craft Alg. 1: which rows continue to layer+1; to_question: inter(C_i, U) of
-        this layer per chunk (only while Alg. 1 decides, `focus_window` > 0: its reads)."""
-        if to_question is None:
-            return p, h
-        focused = self.focus.update(layer, to_question.tolist())
-        if focused is None:
-            return p, h
-        # Stop recomputing tokens of unfocused reused chunks.
-        unfocused = [False] * self.n
-        for s in self.live:
-            if s not in focused:
-                unfocused[self.lay.span(s)] = [True] * len(self.lay.segments[s].tokens)
-        host = self.host_rows(p)
-        return self.kept(p, h, [i for i, r in enumerate(host) if not (unfocused[r] and self.live_host[r])])
-
     # ---- statistics (Cache-Craft §3.1, `kvcraft.records.VariantStats`) -----------------
 
     def _stats_init(self) -> None:
         self._merge_s = self._attend_s = 0.0
         self._recomputed: list[int] = []  # per layer, rows of reused chunks computed
-        self.q: Tensor | None = None  # set by `step`
         fresh_rows = [r for s in self.fresh for r in range(self.lay.edges[s], self.lay.edges[s + 1])]
         need = sorted(set(fresh_rows) | set(self.asker_host))
         self._need_fresh = torch.tensor(fresh_rows, dtype=torch.long)  # sorted: fresh chunks in prompt order

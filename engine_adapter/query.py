@@ -16,7 +16,7 @@ runs in two passes over the same stored KV:
      from layer 0 (`QueryAware.first_rows`: the picks, as a Cache-Craft recompute list),
      each with its chunk's tokens before it where the budget allows (`most_read`: a token
      recomputed alone still reads its chunk's earlier tokens stale; those head tokens run
-     only the first half of the layers, `_Repair`), everything else as in pass 1, fresh
+     only the first half of the layers, `HeadStop`), everything else as in pass 1, fresh
      chunks computed in full. Where the prompt has no fresh chunk, the question's rows
      start at layer 1 from the question pass's layer 0, which is exact for the same
      reason (`driver.Layer0`).
@@ -31,7 +31,7 @@ The joined selection (`QueryAware.deviation` > 0, the default 0.5) adds CacheBle
 tokens whose stored K/V deviate most from recomputed ones are those whose cross-attention
 matters; its first check layer is layer 1, since layer-0 K/V do not depend on the prefix):
 the question pass also runs layer 0 for every reused row, projects their layer-1 K/V, and
-drops them (`_QuestionPass.hkvd`); each row's score is then a weighted sum of its
+drops them (`QuestionPhase.select`); each row's score is then a weighted sum of its
 share of the reads and its share of the deviation (`joined_score`), spent as above. The
 layer-0 rows are paid from the budget; where they would take more than
 DEVIATION_MAX_SHARE of it (shallow models: one layer of every reused row is a large share),
@@ -51,7 +51,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from engine_adapter.driver import BlendResult, Layer0, LayerTiming, Merge, _Blend, _Rows, run_blend
+from engine_adapter.driver import (BlendResult, Layer0, LayerTiming, Selection, Stepped, _Blend, _Rows,
+                                   policy_selections, run_blend)
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import Naive, QueryAware
 from engine_adapter.prompt import Layout
@@ -63,97 +64,98 @@ from kvkernels import kv_deviation_topk
 DEVIATION_MAX_SHARE = 1 / 2
 
 
-class _QuestionPass(_Blend):
-    """Pass 1: naive reuse that records what arrived and what the question read."""
+class QuestionPhase(Selection):
+    """The first phase: naive reuse that runs the question alone and records what it reads
+    (`reads`), the question rows after layer 0 (`layer0`) and, with `deviation`, the deviation
+    of every reused row's stored layer-1 K/V."""
 
-    runs = False  # its rows are the question's, at the end of the prompt: they read (nearly) every key
+    def __init__(self, deviation: bool = False) -> None:
+        self.measures_deviation = deviation
+        self.reads = torch.empty(0)  # [N] attention the question rows put on each row (`prepare`)
+        self.deviation: Tensor | None = None  # [N] with `deviation` (`prepare`)
+        self.layer0: Layer0 | None = None  # the question rows after layer 0 (phase 2 starts them at 1)
 
-    def __init__(self, *args, deviation: bool = False, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        # deviation: every reused row also runs layer 0, for its layer-1 K/V's deviation.
-        self.deviation = torch.zeros(self.n) if deviation else None  # [N]
-        # Only the question runs here. Rows of fresh chunks (computed once, in pass 2) are
-        # hidden: placed after every row, so the position-causal mask keeps them out.
-        self.asker_set = set(self.asker_host)
-        asks = self.asker_set | {self.n - 1}
-        self.asking = [r for r, reused in enumerate(self.reused_host) if not reused and r in asks]
-        self.any_hidden = len(self.asking) < self.n - self.reused_tokens
-        hidden = ~self.reused_mask & ~self.asker_mask
+    def prepare(self, b: _Blend) -> None:
+        """Only the question runs here. Rows of fresh chunks (computed once, in phase 2) are
+        hidden: placed after every row, so the position-causal mask keeps them out. The
+        question's rows, at the end of the prompt, read (nearly) every key: one attention
+        call, not runs of rows."""
+        self.reads = torch.zeros(b.n)
+        self.deviation = torch.zeros(b.n) if self.measures_deviation else None
+        self.asker_set = set(b.asker_host)
+        asks = self.asker_set | {b.n - 1}
+        self.asking = [r for r, reused in enumerate(b.reused_host) if not reused and r in asks]
+        self.any_hidden = len(self.asking) < b.n - b.reused_tokens
+        hidden = ~b.reused_mask & ~b.asker_mask
         hidden[-1] = False
-        self.pos = torch.where(hidden, self.n, self.pos)
-        self.causal = False
-        self.received: list[LayerKV] = []
-        self.reads = torch.zeros(self.n)  # [N] attention the question rows put on each row
-        self.layer0: Layer0 | None = None  # the question rows after layer 0 (pass 2 starts them at 1)
+        b.pos = torch.where(hidden, b.n, b.pos)
+        b.causal = b.runs = False
 
-    def initial_rows(self) -> list[int]:
+    def first(self, b: _Blend, rows: list[int]) -> list[int]:
+        """The question's rows; with the deviation on, every reused row too (layer 0 only)."""
         if self.deviation is None:
             return self.asking
-        return sorted(set(self.asking) | {r for r, live in enumerate(self.live_host) if live})
+        return sorted(set(self.asking) | {r for r, live in enumerate(b.live_host) if live})
 
-    def compares_stored(self, layer: int) -> bool:
+    def compares(self, b: _Blend, layer: int) -> bool:
         return self.deviation is not None and layer == 1
 
-    def hkvd(self, layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
+    def select(self, b: _Blend, layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
         """Layer 1 with the deviation on: record the deviation of the reused rows' recomputed
         K/V (in the merged cache now) from the stored ones (CacheBlend §4.1: |K - K'| + |V - V'|
         summed over heads and dims, both K at this prompt's positions), and stop those rows:
-        the question's rows alone run on. (Fresh chunks are not seen in this pass: behind one,
+        the question's rows alone run on. (Fresh chunks are not seen in this phase: behind one,
         a reused row's layer 0 reads less context than full prefill's.)"""
-        if not self.compares_stored(layer) or not p.n_cand:
+        if not self.compares(b, layer) or not p.n_cand:
             return p, None
-        at, k_old, v_old = self._stored  # [C] prompt rows, their stored K (RoPE-free) and V (`merged`)
-        dev, _ = kv_deviation_topk(K.index_select(1, at), V.index_select(1, at), self.rot.at(at)(k_old), v_old, 0.0)
+        at, k_old, v_old = b.stored  # [C] prompt rows, their stored K (RoPE-free) and V (`merged`)
+        dev, _ = kv_deviation_topk(K.index_select(1, at), V.index_select(1, at), b.rot.at(at)(k_old), v_old, 0.0)
         self.deviation.index_copy_(0, at, dev)
-        host = self.host_rows(p)
-        keep = [i for i, r in enumerate(host) if not self.live_host[r]]
-        return self.rows_of([host[i] for i in keep]), torch.tensor(keep, dtype=torch.long)
+        host = b.host_rows(p)
+        keep = [i for i, r in enumerate(host) if not b.live_host[r]]
+        return b.rows_of([host[i] for i in keep]), torch.tensor(keep, dtype=torch.long)
 
-    def wait(self, layer: int) -> LayerKV:
-        got = super().wait(layer)
-        self.received.append(got)
-        return got
+    def observe(self, b: _Blend, layer: int, out: Stepped) -> None:
+        if layer > 0:
+            self.reads += self._question_reads(b, layer, out)
+        if layer == 0 and b.lay.segments[-1].question and not self.any_hidden:
+            q = b.lay.rows(len(b.lay.segments) - 1)
+            at = torch.searchsorted(out.rows.rows, q)
+            self.layer0 = Layer0(q, out.h.index_select(0, at), out.k.index_select(1, at), out.v.index_select(1, at))
 
-    def step(self, layer: int, p: _Rows, h: Tensor, merge: Merge, select: bool = True):  # noqa: ANN201
-        out = super().step(layer, p, h, merge, select)
-        if select and layer > 0:
-            self.reads += self._question_reads(layer, out[0])
-        if select and layer == 0 and self.lay.segments[-1].question and not self.any_hidden:
-            q = self.lay.rows(len(self.lay.segments) - 1)
-            at = torch.searchsorted(out[0].rows, q)
-            self.layer0 = Layer0(q, out[1].index_select(0, at), out[2].index_select(1, at),
-                                 out[3].index_select(1, at))
-        return out
-
-    def _question_reads(self, layer: int, p: _Rows) -> Tensor:
+    def _question_reads(self, b: _Blend, layer: int, out: Stepped) -> Tensor:
         """[N] this layer's attention probabilities of the question rows, summed over heads
-        and rows (plain torch: one [Hq, Rq, N] score matrix, the question is a few rows).
-        p: the rows that ran the layer, whose rotated queries `step` left in self.q."""
-        e = self.e
+        and rows (plain torch: one [Hq, Rq, N] score matrix, the question is a few rows)."""
+        p = out.rows
         at = p.memo("question", lambda: torch.tensor(
-            [i for i, r in enumerate(self.host_rows(p)) if r in self.asker_set], dtype=torch.long))
-        hidden = p.memo("question_mask", lambda: self.pos[None, None, :] > p.rows.index_select(0, at)[None, :, None])
-        q = self.q.index_select(1, at).float()  # [Hq, Rq, D]
+            [i for i, r in enumerate(b.host_rows(p)) if r in self.asker_set], dtype=torch.long))
+        hidden = p.memo("question_mask", lambda: b.pos[None, None, :] > p.rows.index_select(0, at)[None, :, None])
+        q = out.q.index_select(1, at).float()  # [Hq, Rq, D]
         Hq, Rq, D = q.shape
-        k = self.kv[layer][0].float()  # [Hkv, N, D] merged: stored K of reused rows, this pass's computed rows
+        k = b.kv[layer][0].float()  # [Hkv, N, D] merged: stored K of reused rows, this phase's computed rows
         # query heads h*G..h*G+G-1 read kv head h: one batched matmul per kv head, no repeated K
-        s = torch.bmm(q.view(k.shape[0], -1, D), k.transpose(1, 2)).view(Hq, Rq, -1) * e.scale  # [Hq, Rq, N]
+        s = torch.bmm(q.view(k.shape[0], -1, D), k.transpose(1, 2)).view(Hq, Rq, -1) * b.e.scale  # [Hq, Rq, N]
         s = s.masked_fill(hidden, float("-inf"))
         return s.softmax(-1).sum((0, 1))
 
 
 class _Replay:
-    """A LayerSource that hands out, per layer, what pass 1 received at that layer; the
-    layers pass 1 did not run come from the source itself."""
+    """The first phase's source, then the second's: a layer asked for the first time comes
+    from `source` and is kept (`received`, in layer order: the loop asks for each layer
+    once, while a chunk is live); asked again, it is handed out as kept, so the service is
+    read once. Layers the first phase did not ask for come from `source`."""
 
-    def __init__(self, received: Sequence[LayerKV], source: LayerSource) -> None:
-        self.received = list(received)
+    def __init__(self, source: LayerSource, received: Sequence[LayerKV] = ()) -> None:
         self.source = source
+        self.received = list(received)
 
     def wait_layer(self, layer: int, deadline: float) -> LayerKV:
         if layer < len(self.received):
             return self.received[layer]
-        return self.source.wait_layer(layer, deadline)
+        got = self.source.wait_layer(layer, deadline)
+        if layer == len(self.received):
+            self.received.append(got)
+        return got
 
     def close(self) -> None:
         pass  # the caller closes the source
@@ -194,10 +196,11 @@ def question_reads(engine: LlamaEngine, lay: Layout, source: LayerSource, reused
                    layer_budget_s: float, deviation: bool = False) -> QuestionReads:
     """Pass 1: naive reuse of `reused`, recording what the question reads (and with
     `deviation`, the deviation of the reused rows' stored layer-1 K/V)."""
-    qpass = _QuestionPass(engine, lay, Naive(layer_budget_s=layer_budget_s), source, list(reused), stats=False,
-                          deviation=deviation)
-    first = qpass.run(False, depth=engine.cfg.num_layers - 1)
-    return QuestionReads(qpass.reads, qpass.live_mask.clone(), qpass.received, first, qpass.layer0, qpass.deviation)
+    phase, replay = QuestionPhase(deviation), _Replay(source)
+    loop = _Blend(engine, lay, Naive(layer_budget_s=layer_budget_s), replay, list(reused), stats=False,
+                  selections=[phase])
+    first = loop.run(False, depth=engine.cfg.num_layers - 1)
+    return QuestionReads(phase.reads, loop.live_mask.clone(), replay.received, first, phase.layer0, phase.deviation)
 
 
 def joined_score(q: QuestionReads, weight: float) -> Tensor:
@@ -314,20 +317,18 @@ def _heads(score: Tensor, lay: Layout, budget: int, L: int, depth: int) -> tuple
     return sorted(deep | shallow), sorted(shallow)
 
 
-class _Repair(_Blend):
-    """Pass 2: the blend with the picks, whose chunk-head rows stop after `picks.depth` layers."""
+class HeadStop(Selection):
+    """The second phase's chunk-head rows (`Picks.shallow`) stop after `picks.depth` layers.
+    Every chunk here was live through the first phase's layers 0..L-2, so none falls back
+    before its head rows stop; one late at layer L-1 catches them up (`_Blend.fall_back`)."""
 
-    def __init__(self, *args, picks: Picks, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, picks: Picks) -> None:
         self.shallow, self.depth = set(picks.shallow.tolist()), picks.depth
 
-    def continuing(self, layer: int, p: _Rows, h: Tensor, to_question: Tensor | None) -> tuple[_Rows, Tensor]:
-        p, h = super().continuing(layer, p, h, to_question)
+    def next(self, b: _Blend, layer: int, p: _Rows, h: Tensor) -> tuple[_Rows, Tensor]:
         if layer != self.depth - 1 or not self.shallow:
             return p, h
-        # Every chunk here was live through pass 1's layers 0..L-2, so none falls back before
-        # its head rows stop; one late at layer L-1 catches them up (`fall_back`).
-        return self.kept(p, h, [i for i, r in enumerate(self.host_rows(p)) if r not in self.shallow])
+        return b.kept(p, h, [i for i, r in enumerate(b.host_rows(p)) if r not in self.shallow])
 
 
 def repair(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSource, live: Sequence[int],
@@ -338,7 +339,8 @@ def repair(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSo
     for s, rows in picks.rows.items():
         segments[s] = dataclasses.replace(segments[s], recompute=rows)
     lay2 = dataclasses.replace(lay, segments=tuple(segments))
-    return _Repair(engine, lay2, policy, source, list(live), stats, picks=picks).run(all_logits, carry=carry)
+    return _Blend(engine, lay2, policy, source, list(live), stats,
+                  selections=[*policy_selections(), HeadStop(picks)]).run(all_logits, carry=carry)
 
 
 def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSource,
@@ -360,7 +362,7 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
     # With no pick (every chunk stored behind its very prefix), layer 0 would have no row
     # left to run: the question runs it again instead.
     carry = q.layer0 if any(picks.rows.values()) else None
-    res = repair(engine, lay, policy, _Replay(q.received, source), q.result.reused_segments, picks,
+    res = repair(engine, lay, policy, _Replay(source, q.received), q.result.reused_segments, picks,
                  all_logits, stats, carry)
     # One prefill, two passes: count both.
     first = q.result

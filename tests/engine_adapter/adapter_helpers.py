@@ -12,6 +12,7 @@ from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource
+from kvkernels import apply_rope
 
 
 def variant(engine: LlamaEngine, prefix: list[list[int]], chunk: list[int]) -> FreshChunk:
@@ -63,3 +64,32 @@ def make_prompt(engine: LlamaEngine, seed: int, *, behind: str = "other", n_chun
 
 def rel_dev(logits: torch.Tensor, ref: torch.Tensor) -> float:
     return float((logits - ref).norm() / ref.norm())
+
+
+@torch.no_grad()
+def reference_shallow_rows(engine, p, depth: int) -> tuple[torch.Tensor, list]:
+    """Plain torch: every row through layers 0..depth-1 as in full prefill, then the question's
+    rows alone over the chunks' stored KV (K rotated to their rows). The last row's logits
+    and, per layer, K (rotated) and V of every row."""
+    c = engine.cfg
+    g = c.num_heads // c.num_kv_heads
+    n_ctx = sum(map(len, p.chunks))
+    starts = [sum(map(len, p.chunks[:i])) for i in range(len(p.chunks))]
+    rows = torch.arange(len(p.tokens))
+    h = engine.embed(torch.as_tensor(p.tokens))
+    kv = []
+    for layer in range(c.num_layers):
+        q, k, v = engine.qkv(layer, h)
+        q, k = apply_rope(q, rows, engine.rope), apply_rope(k, rows, engine.rope)
+        if layer >= depth:
+            stored = [p.cache[i].kv[layer] for i in range(len(p.chunks))]
+            k = torch.cat([apply_rope(sk, torch.arange(s, s + sk.shape[1]), engine.rope)
+                           for (sk, _), s in zip(stored, starts)] + [k], dim=1)
+            v = torch.cat([sv for _, sv in stored] + [v], dim=1)
+        kv.append((k, v))
+        s = (q @ k.repeat_interleave(g, 0).transpose(1, 2)) * engine.scale
+        s = s.masked_fill(torch.arange(k.shape[1])[None, None, :] > rows[None, :, None], float("-inf"))
+        h = engine.layer_out(layer, h, s.softmax(-1) @ v.repeat_interleave(g, 0))
+        if layer == depth - 1:  # the chunks' rows stop here
+            rows, h = rows[n_ctx:], h[n_ctx:]
+    return engine.logits(h[-1:])[-1], kv

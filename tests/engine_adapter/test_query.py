@@ -12,11 +12,10 @@ from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
 from engine_adapter.driver import run_blend
-from engine_adapter.query import (Picks, QuestionReads, _Repair, _Replay, most_read, picks_budget, question_reads,
-                                  repair)
+from engine_adapter.query import Picks, QuestionReads, _Replay, most_read, picks_budget, question_reads, repair
 from kvkernels import apply_rope
 from engine_adapter.source import InMemoryLayerSource
-from tests.engine_adapter.adapter_helpers import make_prompt, rel_dev, variant
+from tests.engine_adapter.adapter_helpers import make_prompt, reference_shallow_rows, rel_dev, variant
 
 
 @pytest.fixture(scope="module")
@@ -130,40 +129,11 @@ def test_every_reused_row_picked_is_full_prefill(engine, prompts):
     q = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
     segs = [dataclasses.replace(s, recompute=range(len(s.tokens))) if not s.question else s for s in lay.segments]
     r = run_blend(engine, Layout.of(segs, engine.model_spec().fingerprint()), Policy("query"),
-                  _Replay(q.received, p.source()), range(len(p.chunks)), carry=q.layer0)
+                  _Replay(p.source(), q.received), range(len(p.chunks)), carry=q.layer0)
     logits, kv = engine.prefill(p.tokens, all_logits=False)
     assert rel_dev(r.logits, logits[-1]) < 1e-5
     for (k, v), (rk, rv) in zip(kv, r.kv):
         assert torch.allclose(k, rk, atol=1e-4) and torch.allclose(v, rv, atol=1e-4)
-
-
-@torch.no_grad()
-def reference_shallow_rows(engine, p, depth: int) -> tuple[torch.Tensor, list]:
-    """Plain torch: every row through layers 0..depth-1 as in full prefill, then the question's
-    rows alone over the chunks' stored KV (K rotated to their rows). The last row's logits
-    and, per layer, K (rotated) and V of every row."""
-    c = engine.cfg
-    g = c.num_heads // c.num_kv_heads
-    n_ctx = sum(map(len, p.chunks))
-    starts = [sum(map(len, p.chunks[:i])) for i in range(len(p.chunks))]
-    rows = torch.arange(len(p.tokens))
-    h = engine.embed(torch.as_tensor(p.tokens))
-    kv = []
-    for layer in range(c.num_layers):
-        q, k, v = engine.qkv(layer, h)
-        q, k = apply_rope(q, rows, engine.rope), apply_rope(k, rows, engine.rope)
-        if layer >= depth:
-            stored = [p.cache[i].kv[layer] for i in range(len(p.chunks))]
-            k = torch.cat([apply_rope(sk, torch.arange(s, s + sk.shape[1]), engine.rope)
-                           for (sk, _), s in zip(stored, starts)] + [k], dim=1)
-            v = torch.cat([sv for _, sv in stored] + [v], dim=1)
-        kv.append((k, v))
-        s = (q @ k.repeat_interleave(g, 0).transpose(1, 2)) * engine.scale
-        s = s.masked_fill(torch.arange(k.shape[1])[None, None, :] > rows[None, :, None], float("-inf"))
-        h = engine.layer_out(layer, h, s.softmax(-1) @ v.repeat_interleave(g, 0))
-        if layer == depth - 1:  # the chunks' rows stop here
-            rows, h = rows[n_ctx:], h[n_ctx:]
-    return engine.logits(h[-1:])[-1], kv
 
 
 def test_chunk_head_rows_run_the_first_layers_then_keep_the_stored_kv(engine, prompts):
@@ -175,10 +145,8 @@ def test_chunk_head_rows_run_the_first_layers_then_keep_the_stored_kv(engine, pr
     q = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
     n_ctx = sum(map(len, p.chunks))
     picks = Picks({s: tuple(range(len(c))) for s, c in enumerate(p.chunks)}, torch.arange(n_ctx), depth)
-    segs = [dataclasses.replace(s, recompute=picks.rows[i]) if not s.question else s
-            for i, s in enumerate(lay.segments)]
-    r = _Repair(engine, Layout.of(segs, engine.model_spec().fingerprint()), Policy("query"),
-                _Replay(q.received, p.source()), list(range(len(p.chunks))), picks=picks).run(False, carry=q.layer0)
+    r = repair(engine, lay, Policy("query"), _Replay(p.source(), q.received), range(len(p.chunks)), picks,
+               carry=q.layer0)
     logits, kv = reference_shallow_rows(engine, p, depth)
     assert r.recomputed_rows == [n_ctx] * depth + [0] * (engine.cfg.num_layers - depth)
     assert rel_dev(r.logits, logits) < 1e-5
@@ -327,7 +295,7 @@ def test_the_joined_selection_picks_by_deviation_and_pays_for_its_layer_0(engine
     q = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
     rows = {s: tuple(i - lay.edges[s] for i in sorted(top) if lay.edges[s] <= i < lay.edges[s + 1])
             for s in range(len(p.chunks))}
-    want = repair(engine, lay, policy, _Replay(q.received, p.source()), range(len(p.chunks)),
+    want = repair(engine, lay, policy, _Replay(p.source(), q.received), range(len(p.chunks)),
                   Picks(rows, torch.tensor([], dtype=torch.long), L), carry=q.layer0)
     assert torch.allclose(r.logits, want.logits, atol=1e-5, rtol=0)
     naive_reads = blend_prefill(engine, p.segments(), Policy("query", budget=0.9, heads=0), p.source(), gate=TRUSTED)
