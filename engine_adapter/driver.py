@@ -228,7 +228,8 @@ class Selection:
     recompute lists); then per layer `compares` (will `select` read the candidates' stored
     K/V? the merge keeps them aside), `select` once the computed rows' K/V are in the layer's
     cache (which of them attend and run the MLP: the new rows and the indices kept into the
-    old ones, None where unchanged), `observe` once the layer ran, and `next` (the rows that
+    old ones, None where unchanged), `reads_into` (where the attention should add up what the rows
+    read of each key), `observe` once the layer ran, and `next` (the rows that
     run layer+1, with their hidden states). A selection makes rows with `_Blend.rows_of` or
     `_Blend.kept`, which derive their tables once per set of rows. Each default changes
     nothing. Plug-ins: `Hkvd` (CacheBlend), `Focus` (Cache-Craft Alg. 1), and the default
@@ -245,6 +246,12 @@ class Selection:
 
     def select(self, b: "_Blend", layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
         return p, None
+
+    def reads_into(self, b: "_Blend", layer: int, p: _Rows) -> Tensor | None:
+        """A [N] fp32 buffer into which this layer's attention adds how much rows p (those
+        that attend, after `select`) read each key, summed over rows and heads; only on the
+        engine's Triton path, where it comes from the attention's own launch. None: not wanted."""
+        return None
 
     def observe(self, b: "_Blend", layer: int, out: Stepped) -> None:
         pass
@@ -494,9 +501,11 @@ class _Blend:
                 h, q = h.index_select(0, keep), q.index_select(1, keep)
                 if self.fresh:
                     k, v = k.index_select(1, keep), v.index_select(1, keep)
+        reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, p)) is not None),
+                     None) if select else None
         t1 = time.perf_counter()
         q = p.rot(q) if rotated is None else q
-        o, mass = self.attend(p, q, K, V, select)
+        o, mass = self.attend(p, q, K, V, select, reads)
         self._attend_s = time.perf_counter() - t1
         return Stepped(p, e.layer_out(layer, h, o), q, k, v, mass)
 
@@ -540,19 +549,21 @@ class _Blend:
         V.index_copy_(1, p.rows, v)
         return None, K, V
 
-    def attend(self, p: _Rows, q: Tensor, K: Tensor, V: Tensor, select: bool) -> tuple[Tensor, Tensor | None]:
+    def attend(self, p: _Rows, q: Tensor, K: Tensor, V: Tensor, select: bool,
+               reads: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Attention of rows p over the layer's cache, and the attention mass per segment
         [M, S] of the rows that need it where the policy selects (`select`): fresh chunks'
         rows and, while Alg. 1 decides, the question's (`need_rows`; all are computed rows).
-        Triton: one launch returns both (the mass of every row, the needed ones taken)."""
+        Triton: one launch returns both (the mass of every row, the needed ones taken), and
+        adds the rows' reads of each key into `reads` where given (`Selection.reads_into`)."""
         e = self.e
         if not (select and (self.fresh or self.focus.active)):
-            return e.attend(q, p.rows, K, V, self.pos, p.mask), None
+            return e.attend(q, p.rows, K, V, self.pos, p.mask, reads=reads), None
         need = self.need_rows()
         at = p.memo("need_focus" if self.focus.active else "need_fresh", lambda: torch.searchsorted(p.rows, need))
         if e.triton:
             o, mass = selective_attention_triton(q, p.rows, K, V, self.pos, scale=e.scale, segments=self.lay.bounds,
-                                                 validate=False)
+                                                 reads=reads, validate=False)
             return o, mass.index_select(0, at)
         return (e.attend(q, p.rows, K, V, self.pos, p.mask),
                 attention_mass(q.index_select(1, at), need, K, self.pos, self.lay.bounds, scale=e.scale))

@@ -300,17 +300,21 @@ class LlamaEngine:
                                                                               self.cfg.num_kv_heads])
 
     def attend(self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
-               mask: "Tensor | RowBlocks | None" = None) -> Tensor:
+               mask: "Tensor | RowBlocks | None" = None, reads: Tensor | None = None) -> Tensor:
         """Attention of rotated q [Hq,R,D] over rotated k/v [Hkv,T,D], position-causal: key j
         is visible to row r iff k_pos[j] <= q_pos[r]. -> o [Hq,R,D].
 
-        `triton`: the Triton kernel, which masks by the positions. Else fused SDPA with `mask`, the
+        `triton`: the Triton kernel, which masks by the positions; `reads` (fp32 [T]): each key's
+        attention probability summed over the rows and heads is added into it, from the same
+        launch. Else fused SDPA with `mask`, the
         same visibility as an additive [R, T] mask in q's dtype (0 or -inf; the caller builds it
         once per set of rows), or `RowBlocks` of it (the rows in runs, each over the keys up to
         its last row); None: the rows are all T keys, in order (causal).
         """
         if self.triton:
-            return selective_attention_triton(q, q_pos, k, v, k_pos, scale=self.scale)[0]
+            return selective_attention_triton(q, q_pos, k, v, k_pos, scale=self.scale, reads=reads)[0]
+        if reads is not None:
+            raise ValueError("reads come with the Triton attention only (LlamaEngine(triton=True))")
         gqa = q.shape[0] != k.shape[0]
         if not isinstance(mask, RowBlocks):
             return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,

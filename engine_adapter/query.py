@@ -74,6 +74,7 @@ class QuestionPhase(Selection):
         self.reads = torch.empty(0)  # [N] attention the question rows put on each row (`prepare`)
         self.deviation: Tensor | None = None  # [N] with `deviation` (`prepare`)
         self.layer0: Layer0 | None = None  # the question rows after layer 0 (phase 2 starts them at 1)
+        self.kernel_read = -1  # the last layer whose reads the Triton attention added (`reads_into`)
 
     def prepare(self, b: _Blend) -> None:
         """Only the question runs here. Rows of fresh chunks (computed once, in phase 2) are
@@ -115,20 +116,33 @@ class QuestionPhase(Selection):
         keep = [i for i, r in enumerate(host) if not b.live_host[r]]
         return b.rows_of([host[i] for i in keep]), torch.tensor(keep, dtype=torch.long)
 
+    def reads_into(self, b: _Blend, layer: int, p: _Rows) -> Tensor | None:
+        """On the engine's Triton path, the attention adds the question's reads of layer
+        1..L-2 into `reads` from its own launch; where rows other than the question's run the
+        layer (a chunk caught up after a fallback), the plain-torch reads count the question's alone."""
+        if not (b.e.triton and layer > 0) or self._askers(b, p).shape[0] != p.rows.shape[0]:
+            return None
+        self.kernel_read = layer
+        return self.reads
+
     def observe(self, b: _Blend, layer: int, out: Stepped) -> None:
-        if layer > 0:
+        if layer > 0 and self.kernel_read != layer:
             self.reads += self._question_reads(b, layer, out)
         if layer == 0 and b.lay.segments[-1].question and not self.any_hidden:
             q = b.lay.rows(len(b.lay.segments) - 1)
             at = torch.searchsorted(out.rows.rows, q)
             self.layer0 = Layer0(q, out.h.index_select(0, at), out.k.index_select(1, at), out.v.index_select(1, at))
 
+    def _askers(self, b: _Blend, p: _Rows) -> Tensor:
+        """Indices into p's rows of the question's rows."""
+        return p.memo("question", lambda: torch.tensor(
+            [i for i, r in enumerate(b.host_rows(p)) if r in self.asker_set], dtype=torch.long))
+
     def _question_reads(self, b: _Blend, layer: int, out: Stepped) -> Tensor:
         """[N] this layer's attention probabilities of the question rows, summed over heads
         and rows (plain torch: one [Hq, Rq, N] score matrix, the question is a few rows)."""
         p = out.rows
-        at = p.memo("question", lambda: torch.tensor(
-            [i for i, r in enumerate(b.host_rows(p)) if r in self.asker_set], dtype=torch.long))
+        at = self._askers(b, p)
         hidden = p.memo("question_mask", lambda: b.pos[None, None, :] > p.rows.index_select(0, at)[None, :, None])
         q = out.q.index_select(1, at).float()  # [Hq, Rq, D]
         Hq, Rq, D = q.shape

@@ -166,13 +166,13 @@ def attention_mass_blocked(
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, out_ptr,
-    seg_ptr, mass_ptr,
+    seg_ptr, mass_ptr, reads_ptr,
     R, T, D, GROUP, qk_scale, S,
     stride_qh, stride_qr, stride_qd,
     stride_kh, stride_kt, stride_kd,
     stride_vh, stride_vt, stride_vd,
     stride_oh, stride_or, stride_od,
-    HAS_SEGMENTS: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, HAS_READS: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program: BLOCK_R query rows of one query head, over every key block.
@@ -230,16 +230,19 @@ def _attn_fwd_kernel(
         mask=mask_r[:, None] & mask_d[None, :],
     )
 
-    if HAS_SEGMENTS:
+    if HAS_SEGMENTS or HAS_READS:
         # Mass needs the final normaliser, which only exists after the last key block:
         # a second pass recomputes each score block (no V) and turns it into exact
         # probabilities p = exp2(s - m) / l. Within a key block the probabilities are
         # summed per segment the block touches (usually one or two: chunks are long
         # spans of keys). This program alone owns rows offs_r of head h in the
         # per-head buffer [Hq, R, S], so plain load-add-store suffices, no atomics; the
-        # launcher averages over heads.
+        # launcher averages over heads. Reads: the probabilities summed over this
+        # program's rows, per key, into its own row of [row blocks x Hq, T] (every key
+        # block written once; rows past R see no key, so add nothing); the launcher sums.
         inv_l = tl.where(l_i > 0.0, 1.0 / l_safe, 0.0)
         mass_base = mass_ptr + h * R * S + offs_r * S  # [BLOCK_R]
+        reads_base = reads_ptr + (tl.program_id(0) * tl.num_programs(1) + h) * T
         for start_n in range(0, T, BLOCK_N):
             cols = start_n + offs_n
             mask_n = cols < T
@@ -252,13 +255,16 @@ def _attn_fwd_kernel(
                 s = tl.dot(q, kt)
             s = tl.where(visible, s * qk_scale, float("-inf"))
             p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]  # [BLOCK_R, BLOCK_N], final probabilities
-            seg = tl.load(seg_ptr + cols, mask=mask_n, other=-1)  # [BLOCK_N]
-            seg_lo = tl.load(seg_ptr + start_n)
-            seg_hi = tl.load(seg_ptr + tl.minimum(start_n + BLOCK_N, T) - 1)
-            for sid in range(seg_lo, seg_hi + 1):
-                part = tl.sum(tl.where(seg[None, :] == sid, p, 0.0), axis=1)  # [BLOCK_R]
-                prev = tl.load(mass_base + sid, mask=mask_r, other=0.0)
-                tl.store(mass_base + sid, prev + part, mask=mask_r)
+            if HAS_READS:
+                tl.store(reads_base + cols, tl.sum(p, axis=0), mask=mask_n)
+            if HAS_SEGMENTS:
+                seg = tl.load(seg_ptr + cols, mask=mask_n, other=-1)  # [BLOCK_N]
+                seg_lo = tl.load(seg_ptr + start_n)
+                seg_hi = tl.load(seg_ptr + tl.minimum(start_n + BLOCK_N, T) - 1)
+                for sid in range(seg_lo, seg_hi + 1):
+                    part = tl.sum(tl.where(seg[None, :] == sid, p, 0.0), axis=1)  # [BLOCK_R]
+                    prev = tl.load(mass_base + sid, mask=mask_r, other=0.0)
+                    tl.store(mass_base + sid, prev + part, mask=mask_r)
 
 
 def selective_attention_triton(
@@ -270,6 +276,7 @@ def selective_attention_triton(
     *,
     scale: float | None = None,
     segments: torch.Tensor | None = None,
+    reads: torch.Tensor | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of selected query rows over a merged cache, with per-segment mass (Triton).
@@ -283,6 +290,9 @@ def selective_attention_triton(
         scale: score scale, default 1 / sqrt(D).
         segments: optional [S+1] integer key-index boundaries of chunks in key order,
             segments[0] == 0, segments[-1] == T, nondecreasing (empty spans allowed).
+        reads: optional fp32 [T]: the softmax probability of each key summed over every
+            row and query head is added into it, from the same launch (what the default
+            policy's question phase records per layer, `engine_adapter.query`).
         validate: check the segments' values (a read of the device); False where the caller
             made them so (the blend loop's `Layout.bounds`), inside a loop that must not wait.
 
@@ -296,6 +306,8 @@ def selective_attention_triton(
             segments that cover all its visible keys (0 for a row that sees no key).
     """
     _check(q, q_pos, k, v, k_pos, segments, validate)
+    if reads is not None and (reads.shape != (k.shape[1],) or reads.dtype != torch.float32):
+        raise ValueError(f"reads must be fp32 [T] = [{k.shape[1]}], got {reads.dtype} {tuple(reads.shape)}")
     check_launchable(_attn_fwd_kernel, q, q_pos, k, v, k_pos)
     Hq, R, D = q.shape
     Hkv, T, _ = k.shape
@@ -320,19 +332,25 @@ def selective_attention_triton(
     block_r, block_n = (16, 16) if is_interpreted(_attn_fwd_kernel) else (64, 64)
     block_d = max(16, triton.next_power_of_2(D))
     grid = (triton.cdiv(R, block_r), Hq)
+    # [row blocks x Hq, T]: each program writes its own row whole (no zeroing, no atomics)
+    per_program = (torch.empty(grid[0] * Hq, T, dtype=torch.float32, device=q.device) if reads is not None
+                   else torch.empty(0, dtype=torch.float32, device=q.device))
     _attn_fwd_kernel[grid](
         q, k, v, q_pos, k_pos, out,
-        seg_ids, mass_heads,
+        seg_ids, mass_heads, per_program,
         R, T, D, Hq // Hkv, scale * _LOG2E, S,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HAS_SEGMENTS=segments is not None,
+        HAS_READS=reads is not None,
         DOT_FP32=dot_in_fp32(_attn_fwd_kernel, q.dtype),
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4,
     )
+    if reads is not None:
+        reads.add_(per_program.sum(0))
     if segments is None:
         return out, None
     return out, mass_heads.mean(dim=0)

@@ -15,7 +15,8 @@ Cache-Craft's Alg. 1 (`focus_window` > 0, off by default and not counted here) a
 question's attention mass and a read of it on the layers while it decides.
 
 On the engine's Triton path (the GPU's; its kernels in the interpreter here) what counts is
-kernel launches: 11 a layer of full prefill, 14 of naive reuse, whatever the rows."""
+kernel launches: 11 a layer of full prefill, 14 of naive reuse, whatever the rows; the default
+policy's two phases 29.5 (its question phase's reads come from its attention's launch)."""
 
 from __future__ import annotations
 
@@ -185,3 +186,10 @@ def test_the_triton_path_launches_a_constant_few_kernels_per_layer():
         per = (_triton_launches(policy, 4) - _triton_launches(policy, 2)) // 2
         assert 8 <= per <= TRITON_LAUNCHES_PER_LAYER, f"{policy or 'full prefill'}: {per} launches a layer"
     assert _triton_launches("naive", 2, chunk_len=24) == _triton_launches("naive", 2), "the count grows with rows"
+
+
+def test_the_default_policy_on_the_triton_path_launches_two_layer_steps_a_layer():
+    """Its two phases are two layer steps a layer; the question phase's reads come from its
+    attention's launch (two more launches a layer add them up), not a score matrix of their own."""
+    per = (_triton_launches("query", 6, chunk_len=24) - _triton_launches("query", 4, chunk_len=24)) / 2
+    assert 2 * TRITON_LAUNCHES_PER_LAYER <= per <= 2 * TRITON_LAUNCHES_PER_LAYER + 2, f"{per} launches a layer"

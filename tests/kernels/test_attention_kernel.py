@@ -187,3 +187,42 @@ def test_attention_mass_alone_equals_naive_softmax() -> None:
     segments = torch.tensor([0, 5, 5, 11, 19])
     mass = attention_mass_reference(q, q_pos, k, k_pos, segments, scale=1 / math.sqrt(D))
     torch.testing.assert_close(mass, _naive_mass(q, q_pos, k, k_pos, segments, 1 / math.sqrt(D)), **MASS_TOL)
+
+
+def _naive_reads(q, q_pos, k, k_pos, scale) -> torch.Tensor:
+    """[T] every key's softmax probability summed over heads and rows, in float64."""
+    G = q.shape[0] // k.shape[0]
+    s = torch.einsum("hrd,htd->hrt", q.double(), k.repeat_interleave(G, 0).double()) * scale
+    s = s.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    p = s.softmax(-1).nan_to_num(0.0)  # a row that sees no key reads nothing
+    return p.sum((0, 1)).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R", [1, 21, 40], ids=["one_row", "two_blocks", "three_blocks"])
+def test_triton_reads_equal_a_naive_softmax_summed_over_heads_and_rows(dtype: torch.dtype, R: int) -> None:
+    """The question phase's reads from the attention's own launch, added into what is there."""
+    T = 45
+    q, k, v = _qkv(8, 2, R, T, 32, dtype, seed=R)
+    k_pos = torch.arange(T)
+    k_pos[30:36] = T  # hidden keys (a fresh chunk the question phase leaves out): after every row
+    q_pos = torch.arange(T - R, T)
+    q_pos[0] = 3  # a row early in the prompt sees few keys
+    before = torch.rand(T)
+    reads = before.clone()
+    out, mass = selective_attention_triton(q, q_pos, k, v, k_pos, reads=reads)
+    assert mass is None
+    torch.testing.assert_close(out.float(), selective_attention_reference(q, q_pos, k, v, k_pos)[0].float(),
+                               **TOL[dtype])
+    want = _naive_reads(q.float(), q_pos, k.float(), k_pos, 1 / math.sqrt(32))
+    torch.testing.assert_close(reads - before, want, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
+                                                        else {"atol": 2e-2, "rtol": 2e-2}))
+    assert torch.all(reads[30:36] == before[30:36])  # hidden keys are read by no row
+    torch.testing.assert_close((reads - before).sum(), torch.tensor(float(8 * R)))  # each row's probabilities sum to 1
+
+
+def test_reads_must_be_one_fp32_value_per_key() -> None:
+    q, k, v = _qkv(2, 1, 2, 8, 16, torch.float32, seed=11)
+    pos = torch.arange(8)
+    with pytest.raises(ValueError, match="reads"):
+        selective_attention_triton(q, pos[:2], k, v, pos, reads=torch.zeros(7))
