@@ -300,7 +300,8 @@ def selective_attention_triton(
     dtype, fp32 accumulation.
 
     Returns:
-        out: [Hq, R, D] in q.dtype; a row that sees no key is 0.
+        out: [Hq, R, D] in q.dtype, a view of [R, Hq, D] memory (the o-projection reads it as
+            [R, Hq*D] without a copy); a row that sees no key is 0.
         mass: fp32 [R, S] (None without segments): softmax probability summed over each
             segment's keys, averaged over the Hq query heads. A row's mass sums to 1 over
             segments that cover all its visible keys (0 for a row that sees no key).
@@ -312,7 +313,7 @@ def selective_attention_triton(
     Hq, R, D = q.shape
     Hkv, T, _ = k.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    out = torch.empty_like(q)
+    out = torch.empty(R, Hq, D, dtype=q.dtype, device=q.device).transpose(0, 1)  # rows-major, as o-proj reads it
     if segments is not None:
         S = segments.shape[0] - 1
         seg_ids = _segment_ids(segments, T).to(torch.int32)
