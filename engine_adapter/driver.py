@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -318,7 +318,8 @@ class _Blend:
 
     def __init__(self, engine: LlamaEngine, lay: Layout, policy: ReusePolicy,
                  source: LayerSource, reused: list[int], stats: bool = True,
-                 selections: Sequence[Selection] | None = None):
+                 selections: Sequence[Selection] | None = None,
+                 caches: Mapping[int, tuple[Tensor, Tensor]] | None = None):
         c = engine.cfg
         self.e, self.lay, self.policy, self.source = engine, lay, policy, source
         self.L, self.n = c.num_layers, lay.n
@@ -352,6 +353,10 @@ class _Blend:
                                reused_tokens=self.reused_tokens, prompt_tokens=self.n)
         self._live_changed()
         self._stats_init()
+        # Layer -> a merged cache (K post-RoPE, V) an earlier phase made over the same stored KV,
+        # every row it computed at that layer among this phase's: the step writes its rows
+        # over it instead of merging the layer again (`merging`); it becomes this phase's.
+        self.caches = dict(caches or {})
         self.selections = policy_selections() if selections is None else list(selections)
         for sel in self.selections:
             sel.prepare(self)
@@ -510,8 +515,13 @@ class _Blend:
         return Stepped(p, e.layer_out(layer, h, o), q, k, v, mass)
 
     def merging(self, layer: int, got: LayerKV, carry: "Layer0 | None") -> "Merge":
-        """`step`'s merge at `layer` of the loop: `merged` with what arrived."""
-        return lambda p, qkv, k, v: self.merged(layer, got, p, qkv, k, v, carry)
+        """`step`'s merge at `layer` of the loop: `merged` with what arrived, or the rows written
+        over an earlier phase's cache of the layer (`caches`) where no selection compares there."""
+        cache = self.caches.get(layer)
+        if cache is None or carry is not None or any(sel.compares(self, layer) for sel in self.selections):
+            return lambda p, qkv, k, v: self.merged(layer, got, p, qkv, k, v, carry)
+        self.kv.append(cache)
+        return lambda p, qkv, k, v: self.written(layer, p, qkv, k, v)
 
     def merged(self, layer: int, got: LayerKV, p: _Rows, qkv: Tensor, k: Tensor, v: Tensor,
                carry: "Layer0 | None" = None) -> tuple[Tensor | None, Tensor, Tensor]:
@@ -541,7 +551,8 @@ class _Blend:
         return rotated, Kl, Vl
 
     def written(self, layer: int, p: _Rows, qkv: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
-        """`merge` of a catch-up (`fall_back`): rows p's K/V written over the layer's merged cache."""
+        """`merge` of a catch-up (`fall_back`), or over an earlier phase's cache (`merging`): rows
+        p's K/V written over the layer's merged cache."""
         K, V = self.kv[layer]
         if self.e.triton:
             return rope_write_triton(qkv, self.e.cfg.num_heads, *p.rot.tables, p.rows, K, V), K, V

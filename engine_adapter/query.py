@@ -22,8 +22,9 @@ runs in two passes over the same stored KV:
      reason (`driver.Layer0`).
 
 Pass 2 reads the stored layers pass 1 received (`_Replay`), so the service is read once;
-a chunk that fell back in pass 1 (a layer late or corrupt) falls back at the same layer
-in pass 2. The picks fill what remains of the policy's budget (a share of the row-layers
+a chunk that fell back in pass 1 (a layer late or corrupt) is computed from layer 0 in
+pass 2. Where pass 1 computed the question's rows alone, pass 2 writes its rows over pass
+1's merged caches rather than merging the stored KV again (`reusable_caches`). The picks fill what remains of the policy's budget (a share of the row-layers
 of the reused chunks and the question, both passes counted) once the question is paid for
 (`picks_budget`); where nothing remains, no question pass runs (naive reuse).
 
@@ -46,7 +47,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 from itertools import zip_longest
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -346,15 +347,32 @@ class HeadStop(Selection):
 
 
 def repair(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSource, live: Sequence[int],
-           picks: Picks, all_logits: bool = False, stats: bool = True, carry: Layer0 | None = None) -> BlendResult:
+           picks: Picks, all_logits: bool = False, stats: bool = True, carry: Layer0 | None = None,
+           caches: Mapping[int, tuple[Tensor, Tensor]] | None = None) -> BlendResult:
     """Pass 2 alone: the blend of `live` with `picks` recomputed from layer 0 (their chunk-head
-    rows through `picks.depth` layers). carry: the question rows through layer 0."""
+    rows through `picks.depth` layers). carry: the question rows through layer 0. caches: the
+    question pass's merged caches of the layers where it computed the question's rows alone
+    (`reusable_caches`), which pass 2 writes its rows over instead of merging them again."""
     segments = list(lay.segments)
     for s, rows in picks.rows.items():
         segments[s] = dataclasses.replace(segments[s], recompute=rows)
     lay2 = dataclasses.replace(lay, segments=tuple(segments))
-    return _Blend(engine, lay2, policy, source, list(live), stats,
-                  selections=[*policy_selections(), HeadStop(picks)]).run(all_logits, carry=carry)
+    return _Blend(engine, lay2, policy, source, list(live), stats, selections=[*policy_selections(), HeadStop(picks)],
+                  caches=caches).run(all_logits, carry=carry)
+
+
+def reusable_caches(q: "QuestionReads") -> dict[int, tuple[Tensor, Tensor]]:
+    """The question pass's merged caches pass 2 may write its rows over: layers 1..L-2 where it
+    computed the question's rows alone (from layer 2 where it ran every reused row through
+    layers 0 and 1 for the deviation), and no chunk fell back (a caught-up chunk's rows were
+    computed there too). Pass 2 computes every row the question pass did at those layers, so
+    its rows written over such a cache make the cache its own merge would (bit for bit: the
+    stored K is rotated by the same tables either way). Layer 0 is merged again (the
+    question's carried rows join there), and L-1 the question pass never ran."""
+    if q.result.fallbacks:
+        return {}
+    first = 2 if q.deviation is not None else 1
+    return {layer: q.result.kv[layer] for layer in range(first, len(q.result.kv))}
 
 
 def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, source: LayerSource,
@@ -377,7 +395,7 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
     # left to run: the question runs it again instead.
     carry = q.layer0 if any(picks.rows.values()) else None
     res = repair(engine, lay, policy, _Replay(source, q.received), q.result.reused_segments, picks,
-                 all_logits, stats, carry)
+                 all_logits, stats, carry, reusable_caches(q))
     # One prefill, two passes: count both.
     first = q.result
     res.computed_rows = [a + b for a, b in zip_longest(res.computed_rows, first.computed_rows, fillvalue=0)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from engine_adapter.blend import blend_prefill
 from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
+from engine_adapter import query
 from engine_adapter.driver import run_blend
 from engine_adapter.query import Picks, QuestionReads, _Replay, most_read, picks_budget, question_reads, repair
 from kvkernels import apply_rope
@@ -307,3 +309,29 @@ def test_where_the_deviation_would_take_most_of_the_budget_the_reads_alone_are_u
     joined = blend_prefill(engine, p.segments(), Policy("query"), p.source(), gate=TRUSTED)  # the default: joined
     reads = blend_prefill(engine, p.segments(), Policy("query", deviation=0), p.source(), gate=TRUSTED)
     assert torch.equal(joined.logits, reads.logits) and joined.computed_rows == reads.computed_rows
+
+
+@pytest.mark.parametrize("options", [{}, {"deviation": 0.0}], ids=["joined", "reads_alone"])
+def test_pass_2_over_the_question_pass_caches_is_bit_for_bit_its_own_merge(engine, prompts, options):
+    """Pass 2 writes its rows over the question pass's merged caches (`reusable_caches`): the
+    logits, the decode cache and a fresh chunk's KV are those of pass 2 merging every layer itself."""
+    p = prompts[3]
+    segs = p.segments()
+    segs[1] = Segment(p.chunks[1])  # a fresh chunk: hidden in the question pass, computed in pass 2
+    policy = Policy("query", budget=0.9, **options)
+    used, reusable = [], query.reusable_caches
+
+    def spied(q):  # noqa: ANN001, ANN202
+        used.append(reusable(q))
+        return used[-1]
+
+    with mock.patch.object(query, "reusable_caches", spied):
+        got = blend_prefill(engine, segs, policy, p.source(), gate=TRUSTED)
+    with mock.patch.object(query, "reusable_caches", lambda q: {}):
+        ref = blend_prefill(engine, segs, policy, p.source(), gate=TRUSTED)
+    L = engine.cfg.num_layers
+    assert sorted(used[0]) == list(range(1 if options else 2, L - 1))  # the path ran
+    assert torch.equal(got.logits, ref.logits)
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(got.kv, ref.kv))
+    assert all(torch.equal(k, k0) and torch.equal(v, v0)
+               for (k, v), (k0, v0) in zip(got.fresh[1].kv, ref.fresh[1].kv))
