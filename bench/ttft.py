@@ -12,7 +12,8 @@ same prompt is served:
 - full prefill: transformers' `LlamaForCausalLM` (SDPA attention, `logits_to_keep=1`) with
   the same weights, as an outside reference, and the engine's own `LlamaEngine.prefill`;
 - through `RAGAdapter` (Plan, fetch, blended prefill, Release; nothing stored back) with
-  naive reuse, CacheBlend at several budgets, Cache-Craft recomputing the top share of
+  naive reuse, the default policy (`query` at its 15% budget: the question first, then the
+  tokens it reads), CacheBlend at several budgets, Cache-Craft recomputing the top share of
   each chunk by eq. 14 at several shares, Cache-Craft as the planner sizes it (the
   service's default alpha), and the prefix cache (exact variants of the first 3 chunks,
   stored last); stored KV read from the service's shared memory ("shm") or streamed
@@ -253,6 +254,8 @@ def _cases(work: Workload, client: KVClient, tokens: torch.Tensor, ranking: dict
             cases.append(Case(f"cacheblend budget {budget:.0%} (shm)", via(CacheBlend(budget=budget), True)))
     if 0.15 * layers >= 1:
         cases.append(Case("cacheblend budget 15% (gRPC)", via(CacheBlend(budget=0.15), False)))
+    cases.append(Case("default (query) 15% (shm)", via(Policy("query"), True)))
+    cases.append(Case("default (query) 15% (gRPC)", via(Policy("query"), False)))
     return cases
 
 
