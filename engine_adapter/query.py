@@ -283,7 +283,7 @@ def most_read(q: QuestionReads, lay: Layout, n: int, heads: bool = False,
     rows = {}
     for s in q.result.reused_segments:
         lo, hi = lay.edges[s], lay.edges[s + 1]
-        rows[s] = tuple(i - lo for i in picked if lo <= i < hi)
+        rows[s] = tuple(i - lo for i in picked[bisect.bisect_left(picked, lo):bisect.bisect_left(picked, hi)])
     return Picks(rows, torch.tensor(shallow, dtype=torch.long, device=q.live.device), depth)
 
 
@@ -297,15 +297,24 @@ def _heads(score: Tensor, lay: Layout, budget: int, L: int, depth: int) -> tuple
     deep_sorted = sorted(deep)  # the same, to count those in a range without a walk over it
     shallow: set[int] = set()  # head rows through layers 0..depth-1
     left = budget - L * len(deep)
-    head_end = {}  # segment -> end of its picked head (exclusive)
+    edges = lay.edges
+    seg_of = torch.repeat_interleave(torch.arange(len(edges) - 1),
+                                     torch.tensor([b - a for a, b in zip(edges, edges[1:])])).tolist()  # row -> segment
+    head_end = list(edges[:-1])  # segment -> end of its picked head (exclusive)
+    # The cheapest step that changes the picks: a head row the question reads taken through
+    # every layer (L - depth), one more head row (depth) or a row alone (L). Below it nothing
+    # more fits, so the walks stop there (the rows they would still visit change nothing).
+    least = min(depth, L - depth) if depth < L else 0
 
     def go_deep(i: int) -> None:
         deep.add(i)
         bisect.insort(deep_sorted, i)
 
     for i in order:
-        s = bisect.bisect_right(lay.edges, i) - 1
-        end = head_end.get(s, lay.edges[s])
+        if left < least:
+            break
+        s = seg_of[i]
+        end = head_end[s]
         if i < end:  # read, in a head picked already: through every layer where it fits
             if i in shallow and left >= L - depth:
                 shallow.discard(i)
@@ -321,6 +330,8 @@ def _heads(score: Tensor, lay: Layout, budget: int, L: int, depth: int) -> tuple
             go_deep(i)
             head_end[s] = i + 1
     for i in order:  # single rows with what remains
+        if left < least:
+            break
         if i in deep:
             continue
         cost = L - depth if i in shallow else L

@@ -335,3 +335,55 @@ def test_pass_2_over_the_question_pass_caches_is_bit_for_bit_its_own_merge(engin
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(got.kv, ref.kv))
     assert all(torch.equal(k, k0) and torch.equal(v, v0)
                for (k, v), (k0, v0) in zip(got.fresh[1].kv, ref.fresh[1].kv))
+
+
+def _heads_plainly(score: torch.Tensor, edges: list[int], budget: int, L: int, depth: int) -> tuple[list, list]:
+    """`query._heads`'s rule restated without its bookkeeping: every row in order of reads
+    (ties to the lower row) is visited in both walks, and a head's unpicked rows are counted
+    one by one."""
+    reads = score.tolist()
+    order = sorted((i for i in range(len(reads)) if reads[i] >= 0), key=lambda i: (-reads[i], i))
+    deep, shallow = set(order[:min(1, budget // L)]), set()
+    left, head_end = budget - L * len(deep), {}
+    for i in order:
+        s = max(t for t in range(len(edges) - 1) if edges[t] <= i)
+        end = head_end.get(s, edges[s])
+        if i < end:
+            if i in shallow and left >= L - depth:
+                shallow.discard(i)
+                deep.add(i)
+                left -= L - depth
+            continue
+        cost = depth * sum(1 for r in range(end, i) if r not in deep) + (0 if i in deep else L)
+        if cost <= left:
+            left -= cost
+            shallow |= {r for r in range(end, i) if r not in deep}
+            deep.add(i)
+            head_end[s] = i + 1
+    for i in order:
+        cost = L - depth if i in shallow else L
+        if i not in deep and cost <= left:
+            shallow.discard(i)
+            deep.add(i)
+            left -= cost
+    return sorted(deep | shallow), sorted(shallow)
+
+
+def test_the_picks_walk_equals_its_rule_restated_plainly():
+    """Random prompts, reads with ties, rows that are not candidates, every budget from none to
+    all, head depths up to every layer: the picks and head rows of `query._heads` (which stops
+    its walks once nothing more fits) are those of the rule walked in full."""
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(150):
+        lens = torch.randint(1, 40, (int(torch.randint(1, 6, (1,), generator=rng)),), generator=rng).tolist()
+        L = [2, 4, 8, 30][trial % 4]
+        depth = int(torch.randint(1, L + 1, (1,), generator=rng))
+        segs = [Segment(range(n), cached=True, cached_prefix=("other",)) for n in lens] + [Segment((1, 2), question=True)]
+        lay = Layout.of(segs, "model")
+        score = torch.rand(lay.n, generator=rng) ** 4
+        if trial % 3 == 0:
+            score = (score * 4).round() / 4  # ties
+        score[torch.rand(lay.n, generator=rng) < 0.2] = -1.0
+        score[-2:] = -1.0
+        budget = int(torch.randint(0, lay.n * L + 1, (1,), generator=rng))
+        assert query._heads(score, lay, budget, L, depth) == _heads_plainly(score, list(lay.edges), budget, L, depth)
