@@ -24,9 +24,10 @@ runs in two passes over the same stored KV:
 Pass 2 reads the stored layers pass 1 received (`_Replay`), so the service is read once;
 a chunk that fell back in pass 1 (a layer late or corrupt) is computed from layer 0 in
 pass 2. Where pass 1 computed the question's rows alone, pass 2 writes its rows over pass
-1's merged caches rather than merging the stored KV again (`reusable_caches`). The picks fill what remains of the policy's budget (a share of the row-layers
-of the reused chunks and the question, both passes counted) once the question is paid for
-(`picks_budget`); where nothing remains, no question pass runs (naive reuse).
+1's merged caches rather than merging the stored KV again (`reusable_caches`). The picks
+fill what remains of the policy's budget (a share of the row-layers of the reused chunks
+and the question, both passes counted) once the question is paid for (`picks_budget`);
+where nothing remains, no question pass runs (naive reuse).
 
 The joined selection (`QueryAware.deviation` > 0, the default 0.5) adds CacheBlend's signal (§4.3: the
 tokens whose stored K/V deviate most from recomputed ones are those whose cross-attention

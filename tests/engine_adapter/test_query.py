@@ -378,7 +378,8 @@ def test_the_picks_walk_equals_its_rule_restated_plainly():
         lens = torch.randint(1, 40, (int(torch.randint(1, 6, (1,), generator=rng)),), generator=rng).tolist()
         L = [2, 4, 8, 30][trial % 4]
         depth = int(torch.randint(1, L + 1, (1,), generator=rng))
-        segs = [Segment(range(n), cached=True, cached_prefix=("other",)) for n in lens] + [Segment((1, 2), question=True)]
+        segs = [Segment(range(n), cached=True, cached_prefix=("other",)) for n in lens]
+        segs.append(Segment((1, 2), question=True))
         lay = Layout.of(segs, "model")
         score = torch.rand(lay.n, generator=rng) ** 4
         if trial % 3 == 0:
