@@ -59,7 +59,8 @@ from engine_adapter.policy import FocusTracker, ReusePolicy
 from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
 from kvcraft.records import VariantStats
-from kvkernels import attention_mass, kv_deviation_topk, rope_tables, rotate_triton, selective_attention_triton
+from kvkernels import (KeyReads, attention_mass, kv_deviation_topk, rope_tables, rotate_triton,
+                       selective_attention_triton)
 from kvkernels.layer import rope_write_triton
 from kvkernels.deviation import num_selected
 
@@ -247,10 +248,10 @@ class Selection:
     def select(self, b: "_Blend", layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
         return p, None
 
-    def reads_into(self, b: "_Blend", layer: int, p: _Rows) -> Tensor | None:
-        """A [N] fp32 buffer into which this layer's attention adds how much rows p (those
-        that attend, after `select`) read each key, summed over rows and heads; only on the
-        engine's Triton path, where it comes from the attention's own launch. None: not wanted."""
+    def reads_into(self, b: "_Blend", layer: int, p: _Rows) -> KeyReads | None:
+        """Where this layer's attention adds up how much rows p (those that attend, after
+        `select`) read each key, summed over rows and heads: only on the engine's Triton path,
+        inside the attention's own launch (`kvkernels.KeyReads`). None: not wanted."""
         return None
 
     def observe(self, b: "_Blend", layer: int, out: Stepped) -> None:
@@ -561,7 +562,7 @@ class _Blend:
         return None, K, V
 
     def attend(self, p: _Rows, q: Tensor, K: Tensor, V: Tensor, select: bool,
-               reads: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+               reads: KeyReads | None = None) -> tuple[Tensor, Tensor | None]:
         """Attention of rows p over the layer's cache, and the attention mass per segment
         [M, S] of the rows that need it where the policy selects (`select`): fresh chunks'
         rows and, while Alg. 1 decides, the question's (`need_rows`; all are computed rows).

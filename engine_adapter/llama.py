@@ -34,7 +34,7 @@ from torch import Tensor
 
 from kvcraft.keys import ModelSpec
 
-from kvkernels import RopeConfig, rope_tables, rotate, rotate_triton, selective_attention_triton
+from kvkernels import KeyReads, RopeConfig, rope_tables, rotate, rotate_triton, selective_attention_triton
 from kvkernels.layer import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
 from kvkernels.layer import silu_mul_reference, silu_mul_triton
 
@@ -300,13 +300,13 @@ class LlamaEngine:
                                                                               self.cfg.num_kv_heads])
 
     def attend(self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
-               mask: "Tensor | RowBlocks | None" = None, reads: Tensor | None = None) -> Tensor:
+               mask: "Tensor | RowBlocks | None" = None, reads: KeyReads | None = None) -> Tensor:
         """Attention of rotated q [Hq,R,D] over rotated k/v [Hkv,T,D], position-causal: key j
         is visible to row r iff k_pos[j] <= q_pos[r]. -> o [Hq,R,D].
 
-        `triton`: the Triton kernel, which masks by the positions; `reads` (fp32 [T]): each key's
-        attention probability summed over the rows and heads is added into it, from the same
-        launch. Else fused SDPA with `mask`, the
+        `triton`: the Triton kernel, which masks by the positions; `reads`: each key's attention
+        probability summed over the rows and heads is added up there, inside the same launch.
+        Else fused SDPA with `mask`, the
         same visibility as an additive [R, T] mask in q's dtype (0 or -inf; the caller builds it
         once per set of rows), or `RowBlocks` of it (the rows in runs, each over the keys up to
         its last row); None: the rows are all T keys, in order (causal).

@@ -59,7 +59,7 @@ from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import Naive, QueryAware
 from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
-from kvkernels import kv_deviation_topk
+from kvkernels import KeyReads, kv_deviation_topk
 
 # The most of a budget the deviation signal may take (layer 0 of every reused row); beyond
 # it the picks would be too few for either signal to pay off.
@@ -68,8 +68,8 @@ DEVIATION_MAX_SHARE = 1 / 2
 
 class QuestionPhase(Selection):
     """The first phase: naive reuse that runs the question alone and records what it reads
-    (`reads`), the question rows after layer 0 (`layer0`) and, with `deviation`, the deviation
-    of every reused row's stored layer-1 K/V."""
+    (`total_reads`), the question rows after layer 0 (`layer0`) and, with `deviation`, the
+    deviation of every reused row's stored layer-1 K/V."""
 
     def __init__(self, deviation: bool = False) -> None:
         self.measures_deviation = deviation
@@ -77,6 +77,7 @@ class QuestionPhase(Selection):
         self.deviation: Tensor | None = None  # [N] with `deviation` (`prepare`)
         self.layer0: Layer0 | None = None  # the question rows after layer 0 (phase 2 starts them at 1)
         self.kernel_read = -1  # the last layer whose reads the Triton attention added (`reads_into`)
+        self.key_reads: KeyReads | None = None  # the Triton attention's sums (`prepare`)
 
     def prepare(self, b: _Blend) -> None:
         """Only the question runs here. Rows of fresh chunks (computed once, in phase 2) are
@@ -84,6 +85,7 @@ class QuestionPhase(Selection):
         question's rows, at the end of the prompt, read (nearly) every key: one attention
         call, not runs of rows."""
         self.reads = torch.zeros(b.n)
+        self.key_reads = KeyReads(b.n, self.reads.device) if b.e.triton else None  # `reads_into`
         self.deviation = torch.zeros(b.n) if self.measures_deviation else None
         self.asker_set = set(b.asker_host)
         asks = self.asker_set | {b.n - 1}
@@ -118,14 +120,19 @@ class QuestionPhase(Selection):
         keep = [i for i, r in enumerate(host) if not b.live_host[r]]
         return b.rows_of([host[i] for i in keep]), torch.tensor(keep, dtype=torch.long)
 
-    def reads_into(self, b: _Blend, layer: int, p: _Rows) -> Tensor | None:
+    def reads_into(self, b: _Blend, layer: int, p: _Rows) -> KeyReads | None:
         """On the engine's Triton path, the attention adds the question's reads of layer
-        1..L-2 into `reads` from its own launch; where rows other than the question's run the
-        layer (a chunk caught up after a fallback), the plain-torch reads count the question's alone."""
-        if not (b.e.triton and layer > 0) or self._askers(b, p).shape[0] != p.rows.shape[0]:
+        1..L-2 up from its own launches (`key_reads`, summed once by `total_reads`); where rows
+        other than the question's run the layer (a chunk caught up after a fallback), the
+        plain-torch reads count the question's alone."""
+        if self.key_reads is None or layer == 0 or self._askers(b, p).shape[0] != p.rows.shape[0]:
             return None
         self.kernel_read = layer
-        return self.reads
+        return self.key_reads
+
+    def total_reads(self) -> Tensor:
+        """[N] what the question read of each row over layers 1..L-2, both ways counted."""
+        return self.reads if self.key_reads is None else self.reads + self.key_reads.total()
 
     def observe(self, b: _Blend, layer: int, out: Stepped) -> None:
         if layer > 0 and self.kernel_read != layer:
@@ -216,7 +223,8 @@ def question_reads(engine: LlamaEngine, lay: Layout, source: LayerSource, reused
     loop = _Blend(engine, lay, Naive(layer_budget_s=layer_budget_s), replay, list(reused), stats=False,
                   selections=[phase])
     first = loop.run(False, depth=engine.cfg.num_layers - 1)
-    return QuestionReads(phase.reads, loop.live_mask.clone(), replay.received, first, phase.layer0, phase.deviation)
+    return QuestionReads(phase.total_reads(), loop.live_mask.clone(), replay.received, first, phase.layer0,
+                         phase.deviation)
 
 
 def joined_score(q: QuestionReads, weight: float) -> Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .attention import (
+    KeyReads,
     MASS_BLOCK_ROWS,
     attention_mass_blocked,
     attention_mass_reference,
@@ -38,6 +39,7 @@ from .rope import (
 )
 
 __all__ = [
+    "KeyReads",
     "RopeConfig",
     "inv_freq",
     "rope_tables",

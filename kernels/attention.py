@@ -163,6 +163,31 @@ def attention_mass_blocked(
     return mass
 
 
+class KeyReads:
+    """How much every key was read, summed over rows, query heads and calls, accumulated by
+    :func:`selective_attention_triton` inside its own launches: each program adds into its
+    own row of a [programs, T] fp32 buffer (no atomics, so the same sums run to run; one
+    buffer per program count, zeroed once), and :meth:`total` sums them, once, at the end."""
+
+    def __init__(self, keys: int, device: torch.device | str | None = None) -> None:
+        self.keys = keys
+        self.device = device
+        self._by_programs: dict[int, torch.Tensor] = {}
+
+    def buffer(self, programs: int) -> torch.Tensor:
+        """The [programs, T] accumulator of launches with that many programs."""
+        if programs not in self._by_programs:
+            self._by_programs[programs] = torch.zeros(programs, self.keys, dtype=torch.float32, device=self.device)
+        return self._by_programs[programs]
+
+    def total(self) -> torch.Tensor:
+        """fp32 [T]: every key's reads over all the calls so far."""
+        out = torch.zeros(self.keys, dtype=torch.float32, device=self.device)
+        for acc in self._by_programs.values():
+            out += acc.sum(0)
+        return out
+
+
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, out_ptr,
@@ -238,8 +263,8 @@ def _attn_fwd_kernel(
         # spans of keys). This program alone owns rows offs_r of head h in the
         # per-head buffer [Hq, R, S], so plain load-add-store suffices, no atomics; the
         # launcher averages over heads. Reads: the probabilities summed over this
-        # program's rows, per key, into its own row of [row blocks x Hq, T] (every key
-        # block written once; rows past R see no key, so add nothing); the launcher sums.
+        # program's rows, per key, added into its own row of a [row blocks x Hq, T]
+        # accumulator (rows past R see no key, so add nothing); `KeyReads.total` sums it.
         inv_l = tl.where(l_i > 0.0, 1.0 / l_safe, 0.0)
         mass_base = mass_ptr + h * R * S + offs_r * S  # [BLOCK_R]
         reads_base = reads_ptr + (tl.program_id(0) * tl.num_programs(1) + h) * T
@@ -256,7 +281,8 @@ def _attn_fwd_kernel(
             s = tl.where(visible, s * qk_scale, float("-inf"))
             p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]  # [BLOCK_R, BLOCK_N], final probabilities
             if HAS_READS:
-                tl.store(reads_base + cols, tl.sum(p, axis=0), mask=mask_n)
+                prev_reads = tl.load(reads_base + cols, mask=mask_n, other=0.0)
+                tl.store(reads_base + cols, prev_reads + tl.sum(p, axis=0), mask=mask_n)
             if HAS_SEGMENTS:
                 seg = tl.load(seg_ptr + cols, mask=mask_n, other=-1)  # [BLOCK_N]
                 seg_lo = tl.load(seg_ptr + start_n)
@@ -276,7 +302,7 @@ def selective_attention_triton(
     *,
     scale: float | None = None,
     segments: torch.Tensor | None = None,
-    reads: torch.Tensor | None = None,
+    reads: KeyReads | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of selected query rows over a merged cache, with per-segment mass (Triton).
@@ -290,9 +316,9 @@ def selective_attention_triton(
         scale: score scale, default 1 / sqrt(D).
         segments: optional [S+1] integer key-index boundaries of chunks in key order,
             segments[0] == 0, segments[-1] == T, nondecreasing (empty spans allowed).
-        reads: optional fp32 [T]: the softmax probability of each key summed over every
-            row and query head is added into it, from the same launch (what the default
-            policy's question phase records per layer, `engine_adapter.query`).
+        reads: optional `KeyReads` over the T keys: the softmax probability of each key
+            summed over every row and query head is added into it, from the same launch
+            (what the default policy's question phase records per layer, `engine_adapter.query`).
         validate: check the segments' values (a read of the device); False where the caller
             made them so (the blend loop's `Layout.bounds`), inside a loop that must not wait.
 
@@ -307,8 +333,8 @@ def selective_attention_triton(
             segments that cover all its visible keys (0 for a row that sees no key).
     """
     _check(q, q_pos, k, v, k_pos, segments, validate)
-    if reads is not None and (reads.shape != (k.shape[1],) or reads.dtype != torch.float32):
-        raise ValueError(f"reads must be fp32 [T] = [{k.shape[1]}], got {reads.dtype} {tuple(reads.shape)}")
+    if reads is not None and reads.keys != k.shape[1]:
+        raise ValueError(f"reads counts {reads.keys} keys, the cache has {k.shape[1]}")
     check_launchable(_attn_fwd_kernel, q, q_pos, k, v, k_pos)
     Hq, R, D = q.shape
     Hkv, T, _ = k.shape
@@ -333,8 +359,7 @@ def selective_attention_triton(
     block_r, block_n = (16, 16) if is_interpreted(_attn_fwd_kernel) else (64, 64)
     block_d = max(16, triton.next_power_of_2(D))
     grid = (triton.cdiv(R, block_r), Hq)
-    # [row blocks x Hq, T]: each program writes its own row whole (no zeroing, no atomics)
-    per_program = (torch.empty(grid[0] * Hq, T, dtype=torch.float32, device=q.device) if reads is not None
+    per_program = (reads.buffer(grid[0] * Hq) if reads is not None  # [row blocks x Hq, T]
                    else torch.empty(0, dtype=torch.float32, device=q.device))
     _attn_fwd_kernel[grid](
         q, k, v, q_pos, k_pos, out,
@@ -350,8 +375,6 @@ def selective_attention_triton(
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4,
     )
-    if reads is not None:
-        reads.add_(per_program.sum(0))
     if segments is None:
         return out, None
     return out, mass_heads.mean(dim=0)

@@ -17,8 +17,8 @@ question's attention mass and a read of it on the layers while it decides.
 
 On the engine's Triton path (the GPU's; its kernels in the interpreter here) what counts is
 kernel launches: 11 a layer of full prefill, 13 of naive reuse, whatever the rows; the default
-policy's two phases 25 (its question phase's reads come from its attention's launch, and its second
-phase writes its rows over the question phase's merged caches)."""
+policy's two phases 23 (its question phase's reads are added up inside its attention's launch, and
+its second phase writes its rows over the question phase's merged caches)."""
 
 from __future__ import annotations
 
@@ -192,12 +192,13 @@ def test_the_triton_path_launches_a_constant_few_kernels_per_layer():
     assert _triton_launches("naive", 2, chunk_len=24) == _triton_launches("naive", 2), "the count grows with rows"
 
 
-def test_the_default_policy_on_the_triton_path_launches_two_full_prefill_layers_and_three_more_a_layer():
-    """Its two phases are two layer steps a layer. The question phase's reads come from its
-    attention's launch (two more launches add them up), and the second phase writes its rows
-    over the question phase's merged caches (no concatenation or rotation of the stored KV again)."""
+def test_the_default_policy_on_the_triton_path_launches_two_full_prefill_layers_and_one_more_a_layer():
+    """Its two phases are two layer steps a layer. The question phase's reads are added up
+    inside its attention's launch (`kvkernels.KeyReads`, summed once after the phase), and the
+    second phase writes its rows over the question phase's merged caches (no concatenation or
+    rotation of the stored KV again)."""
     full = (_triton_launches(None, 4) - _triton_launches(None, 2)) // 2  # as in the test above
     # 24-token chunks: the budget buys picks (the two phases run); from 3 layers on, each layer
     # more is one of the question pass's and one of pass 2's over its cache
     mine = _triton_launches("query", 4, chunk_len=24) - _triton_launches("query", 3, chunk_len=24)
-    assert 2 * full <= mine <= 2 * full + 3, f"{mine} launches a layer, full prefill {full}"
+    assert 2 * full <= mine <= 2 * full + 1, f"{mine} launches a layer, full prefill {full}"

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvkernels import (
+    KeyReads,
     attention_mass_reference,
     selective_attention_reference,
     selective_attention_triton,
@@ -200,29 +201,32 @@ def _naive_reads(q, q_pos, k, k_pos, scale) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R", [1, 21, 40], ids=["one_row", "two_blocks", "three_blocks"])
-def test_triton_reads_equal_a_naive_softmax_summed_over_heads_and_rows(dtype: torch.dtype, R: int) -> None:
-    """The question phase's reads from the attention's own launch, added into what is there."""
+def test_triton_reads_equal_a_naive_softmax_summed_over_heads_rows_and_calls(dtype: torch.dtype, R: int) -> None:
+    """The question phase's reads, added up inside the attention's launches (`KeyReads`):
+    two calls (two layers), the second with fewer rows (another program count), summed once."""
     T = 45
-    q, k, v = _qkv(8, 2, R, T, 32, dtype, seed=R)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     k_pos = torch.arange(T)
     k_pos[30:36] = T  # hidden keys (a fresh chunk the question phase leaves out): after every row
-    q_pos = torch.arange(T - R, T)
-    q_pos[0] = 3  # a row early in the prompt sees few keys
-    before = torch.rand(T)
-    reads = before.clone()
-    out, mass = selective_attention_triton(q, q_pos, k, v, k_pos, reads=reads)
-    assert mass is None
-    torch.testing.assert_close(out.float(), selective_attention_reference(q, q_pos, k, v, k_pos)[0].float(),
-                               **TOL[dtype])
-    want = _naive_reads(q.float(), q_pos, k.float(), k_pos, 1 / math.sqrt(32))
-    torch.testing.assert_close(reads - before, want, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32
-                                                        else {"atol": 2e-2, "rtol": 2e-2}))
-    assert torch.all(reads[30:36] == before[30:36])  # hidden keys are read by no row
-    torch.testing.assert_close((reads - before).sum(), torch.tensor(float(8 * R)))  # each row's probabilities sum to 1
+    reads, want = KeyReads(T), torch.zeros(T)
+    for call, rows in enumerate((R, max(1, R - 17))):
+        q, k, v = _qkv(8, 2, rows, T, 32, dtype, seed=R * 10 + call)
+        q_pos = torch.arange(T - rows, T)
+        q_pos[0] = 3  # a row early in the prompt sees few keys
+        out, mass = selective_attention_triton(q, q_pos, k, v, k_pos, reads=reads)
+        assert mass is None
+        torch.testing.assert_close(out.float(), selective_attention_reference(q, q_pos, k, v, k_pos)[0].float(),
+                                   **TOL[dtype])
+        want += _naive_reads(q.float(), q_pos, k.float(), k_pos, 1 / math.sqrt(32))
+    got = reads.total()
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.all(got[30:36] == 0)  # hidden keys are read by no row
+    # each row's probabilities sum to 1, in each head
+    torch.testing.assert_close(got.sum(), torch.tensor(float(8 * (R + max(1, R - 17)))))
 
 
-def test_reads_must_be_one_fp32_value_per_key() -> None:
+def test_reads_must_count_the_caches_keys() -> None:
     q, k, v = _qkv(2, 1, 2, 8, 16, torch.float32, seed=11)
     pos = torch.arange(8)
-    with pytest.raises(ValueError, match="reads"):
-        selective_attention_triton(q, pos[:2], k, v, pos, reads=torch.zeros(7))
+    with pytest.raises(ValueError, match="reads counts 7 keys"):
+        selective_attention_triton(q, pos[:2], k, v, pos, reads=KeyReads(7))
