@@ -519,24 +519,26 @@ class _Blend:
         """`step`'s merge at `layer` of the loop: `merged` with what arrived, or the rows written
         over an earlier phase's cache of the layer (`caches`) where no selection compares there."""
         cache = self.caches.get(layer)
-        if cache is None or carry is not None or any(sel.compares(self, layer) for sel in self.selections):
-            return lambda p, qkv, k, v: self.merged(layer, got, p, qkv, k, v, carry)
+        compares = any(sel.compares(self, layer) for sel in self.selections)
+        if cache is None or carry is not None or compares:
+            return lambda p, qkv, k, v: self.merged(layer, got, p, qkv, k, v, carry, compares)
         self.kv.append(cache)
         return lambda p, qkv, k, v: self.written(layer, p, qkv, k, v)
 
     def merged(self, layer: int, got: LayerKV, p: _Rows, qkv: Tensor, k: Tensor, v: Tensor,
-               carry: "Layer0 | None" = None) -> tuple[Tensor | None, Tensor, Tensor]:
+               carry: "Layer0 | None" = None, compares: bool = False) -> tuple[Tensor | None, Tensor, Tensor]:
         """The merged cache of `layer`: the live chunks' stored K/V and zeros in prompt order
         (one concatenation each, `pieces`), the computed rows' (and carried rows') k/v written
         over their rows, K rotated to the prompt's positions (from the one buffer `_Kraw`).
+        compares: a selection compares the candidates' stored K/V here, kept aside (`stored`).
         Triton: the stored K rotated, then one launch rotates the rows' q and k and writes
         their K/V; returns the rotated q then (else None: `step` rotates the rows it keeps)."""
         c = self.e.cfg
         K = self._Kraw
         torch.cat([got[x][0] if isinstance(x, int) else x for x in self.pieces], 1, out=K)
         Vl = torch.cat([got[x][1] if isinstance(x, int) else x for x in self.pieces], 1)
-        if p.n_cand and any(sel.compares(self, layer) for sel in self.selections):
-            at = p.rows.index_select(0, p.cand)  # a selection compares with the candidates' stored K/V
+        if p.n_cand and compares:
+            at = p.rows.index_select(0, p.cand)
             self.stored = at, K.index_select(1, at), Vl.index_select(1, at)
         if carry is not None:
             K.index_copy_(1, carry.rows, carry.k)

@@ -78,12 +78,12 @@ def test_a_missing_layer_catches_up_on_the_triton_path_as_on_the_torch_path(engi
 
 
 @pytest.mark.parametrize("withhold", [(), ((1, 1),)], ids=["all_arrive", "a_chunk_falls_back"])
-def test_the_question_phase_reads_on_the_triton_path_equal_the_torch_path(engines, withhold):
+def test_the_question_phase_reads_on_the_triton_path_equal_the_torch_path(withhold):
     """The default's question phase: on the Triton path the attention adds the question's
-    reads from its own launch (`QuestionPhase.reads_into`); with a chunk caught up after a
-    fallback (its rows run too), the reads count the question's rows alone, as on the torch path."""
-    torch_step, triton_step = engines
-    five = dataclasses.replace(torch_step.cfg, num_layers=5)
+    reads up inside its own launches (`QuestionPhase.reads_into`); with a chunk caught up after
+    a fallback (its rows run too), the reads count the question's rows alone, as on the torch
+    path. Five layers: the phase runs 0..3, its reads counted at 1..3."""
+    five = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=5)
     torch_step = LlamaEngine.random(five, seed=3, std=0.1)
     triton_step = LlamaEngine(five, torch_step.w, triton=True)
     p = make_prompt(torch_step, seed=6, n_chunks=3, chunk_len=8, question_len=4)
