@@ -54,6 +54,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from engine_adapter.graphs import StaticStep
 from engine_adapter.llama import LlamaEngine, RowBlocks, rope_for_spec
 from engine_adapter.policy import FocusTracker, ReusePolicy
 from engine_adapter.prompt import Layout
@@ -78,6 +79,8 @@ class LayerTiming:
     compute_s: float  # everything else of the layer, catch-up included
     rotate_s: float = 0.0  # of compute_s: merging the stored K/V and re-rotating K
     attend_s: float = 0.0  # of compute_s: attention (and mass) of the computed rows
+    static: bool = False  # ran as the engine's static step (`graphs`; its attention not timed apart: 0);
+    # the default policy's two passes: either of them
 
 
 @dataclass(frozen=True)
@@ -226,12 +229,14 @@ class Selection:
 
     The loop (`_Blend.run`) asks its selections, in order: `prepare` once, before anything
     is derived from the rows; `first`, the rows that run layer 0 (given those of the policy's
-    recompute lists); then per layer `compares` (will `select` read the candidates' stored
-    K/V? the merge keeps them aside), `select` once the computed rows' K/V are in the layer's
-    cache (which of them attend and run the MLP: the new rows and the indices kept into the
-    old ones, None where unchanged), `reads_into` (where the attention should add up what the rows
-    read of each key), `observe` once the layer ran, and `next` (the rows that
-    run layer+1, with their hidden states). A selection makes rows with `_Blend.rows_of` or
+    recompute lists); then per layer `acts` (will `select` or `reads_into` act in this layer?
+    a layer where none does may run as a static step, `graphs`), `compares` (will `select`
+    read the candidates' stored K/V? the merge keeps them aside), and where it acts `select`
+    once the computed rows' K/V are in the layer's cache (which of them attend and run the
+    MLP: the new rows and the indices kept into the old ones, None where unchanged) and
+    `reads_into` (where the attention should add up what the rows read of each key); then
+    `observe` once the layer ran, and `next` (the rows that run layer+1, with their hidden
+    states). A selection makes rows with `_Blend.rows_of` or
     `_Blend.kept`, which derive their tables once per set of rows. Each default changes
     nothing. Plug-ins: `Hkvd` (CacheBlend), `Focus` (Cache-Craft Alg. 1), and the default
     policy's `query.QuestionPhase` and `query.HeadStop`."""
@@ -241,6 +246,9 @@ class Selection:
 
     def first(self, b: "_Blend", rows: list[int]) -> list[int]:
         return rows
+
+    def acts(self, b: "_Blend", layer: int) -> bool:
+        return self.compares(b, layer)
 
     def compares(self, b: "_Blend", layer: int) -> bool:
         return False
@@ -359,6 +367,9 @@ class _Blend:
         # over it instead of merging the layer again (`merging`); it becomes this phase's.
         self.caches = dict(caches or {})
         self.selections = policy_selections() if selections is None else list(selections)
+        self.leased = False  # the engine's static steps, for this prefill (`run`)
+        self._static_in: tuple[StaticStep, _Rows, Tensor] | None = None  # the rows a static step has loaded
+        self._static_layers: list[int] = []
         for sel in self.selections:
             sel.prepare(self)
 
@@ -439,7 +450,17 @@ class _Blend:
 
     def run(self, all_logits: bool, depth: int | None = None, carry: "Layer0 | None" = None) -> BlendResult:
         """depth: stop after that many layers (no logits then). carry: rows whose layer 0 an
-        earlier pass over the same stored KV computed: they join at layer 1."""
+        earlier pass over the same stored KV computed: they join at layer 1. With the engine's
+        static steps (`graphs`) leased, the layers that can run as one (`static_step`) do, and
+        the result gets its own copy of their caches."""
+        if self.e.steps is None:
+            return self._run(all_logits, depth, carry)
+        with self.e.steps.lease() as self.leased:
+            res = self._run(all_logits, depth, carry)
+            self._own_static_kv()
+        return res
+
+    def _run(self, all_logits: bool, depth: int | None, carry: "Layer0 | None") -> BlendResult:
         e, lay = self.e, self.lay
         depth = self.L if depth is None else depth
         # A layer's K before its rotation, one buffer for every layer. The merged K and V of a
@@ -459,7 +480,8 @@ class _Blend:
             got = self.wait(layer)
             t1 = time.perf_counter()
             p, h = self.fall_back(layer, got, p, h)
-            out = self.step(layer, p, h, self.merging(layer, got, carry if layer == 0 else None))
+            at0 = carry if layer == 0 else None
+            out = self.static_step(layer, p, h, got, at0) or self.step(layer, p, h, self.merging(layer, got, at0))
             to_question = self.record_stats(out.rows, out.k, out.v, out.mass)
             if to_question is not None:  # Alg. 1 deciding: its read of the question's attention
                 self.focus.update(layer, to_question.tolist())
@@ -474,7 +496,7 @@ class _Blend:
                 p, h = self.joined(p, h, carry)
             t4 = time.perf_counter()
             self.res.timings.append(LayerTiming(wait_s=t1 - t0, compute_s=t4 - t1, rotate_s=self._merge_s,
-                                                attend_s=self._attend_s))
+                                                attend_s=self._attend_s, static=self._static_layers[-1:] == [layer]))
         self.res.recomputed_rows = list(self._recomputed)
         if depth < self.L:
             self.res.reused_segments = list(self.live)
@@ -501,19 +523,65 @@ class _Blend:
         rotated, K, V = merge(p, qkv, k, v)
         self._merge_s = time.perf_counter() - t0
         q = q if rotated is None else rotated
-        for sel in self.selections if select else ():
+        acting = [sel for sel in self.selections if sel.acts(self, layer)] if select else []
+        for sel in acting:
             p, keep = sel.select(self, layer, p, K, V)
             if keep is not None:
                 h, q = h.index_select(0, keep), q.index_select(1, keep)
                 if self.fresh:
                     k, v = k.index_select(1, keep), v.index_select(1, keep)
-        reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, p)) is not None),
-                     None) if select else None
+        reads = next((r for sel in acting if (r := sel.reads_into(self, layer, p)) is not None), None)
         t1 = time.perf_counter()
         q = p.rot(q) if rotated is None else q
         o, mass = self.attend(p, q, K, V, select, reads)
         self._attend_s = time.perf_counter() - t1
         return Stepped(p, e.layer_out(layer, h, o), q, k, v, mass)
+
+    def static_step(self, layer: int, p: _Rows, h: Tensor, got: LayerKV, carry: "Layer0 | None") -> Stepped | None:
+        """`step` as the engine's static step of the rows' bucket (`graphs.StaticStep`: on CUDA
+        one graph replayed), where it computes the same: the static steps leased, the keys at
+        their prompt positions, no carried rows, no selection acting in the layer, no attention
+        mass wanted (fresh chunks' statistics, Alg. 1 deciding). It merges the stored K/V
+        afresh where an earlier phase left a cache of the layer (`caches`): the same cache,
+        bit for bit (`query.reusable_caches`), in two copies and the step's one launch. None:
+        the eager step runs it."""
+        if not (self.leased and self.causal and carry is None
+                and not (self.fresh or self.focus.active)
+                and not any(sel.acts(self, layer) or sel.compares(self, layer) for sel in self.selections)):
+            return None
+        R = p.rows.shape[0]
+        static = self.e.steps.step(self.e.steps.bucket(self.n, R))
+        t0 = time.perf_counter()
+        cc = static.caches
+        cc.merge(layer, [got[x][0] if isinstance(x, int) else x for x in self.pieces],
+                 [got[x][1] if isinstance(x, int) else x for x in self.pieces], self.n)
+        if self._static_in is None or not (self._static_in[0] is static and self._static_in[1] is p
+                                           and self._static_in[2] is h):
+            static.load(p.rows, h)
+        self._merge_s = time.perf_counter() - t0
+        q, qkv = static.run(layer)
+        self._attend_s = 0.0
+        c = self.e.cfg
+        _, k, v = qkv[:, :R].split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
+        out = Stepped(p, static.h[:R], q[:, :R], k, v, None)
+        self._static_in = (static, p, out.h)
+        self.kv.append((cc.K[layer][:, :self.n], cc.V[layer][:, :self.n]))
+        self._static_layers.append(layer)
+        return out
+
+    def _own_static_kv(self) -> None:
+        """The static steps' caches are the bucket's, written again by the next prefill: the
+        result's layers become copies (one per K and V when every layer ran static)."""
+        layers = self._static_layers
+        if not layers:
+            return
+        if len(layers) == len(self.kv):
+            cc = self._static_in[0].caches
+            K, V = (x[:len(layers), :, :self.n].clone() for x in (cc.K, cc.V))
+            self.kv[:] = list(zip(K.unbind(0), V.unbind(0)))
+            return
+        for layer in layers:
+            self.kv[layer] = (self.kv[layer][0].clone(), self.kv[layer][1].clone())
 
     def merging(self, layer: int, got: LayerKV, carry: "Layer0 | None") -> "Merge":
         """`step`'s merge at `layer` of the loop: `merged` with what arrived, or the rows written

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine_adapter.graphs import StepGraphs
 from kvcraft.keys import ModelSpec
 
 from kvkernels import KeyReads, RopeConfig, rope_tables, rotate, rotate_triton, selective_attention_triton
@@ -186,11 +187,13 @@ class LlamaEngine:
     `rope` is the RoPE the engine's own `prefill` uses (default: from `cfg`). It exists
     separately so a misconfigured engine can be built on purpose (the reuse probe's test).
     `triton`: the layer's steps run as Triton kernels (default: where the weights are on
-    CUDA; True on CPU needs ``TRITON_INTERPRET=1``, for tests).
+    CUDA; True on CPU needs ``TRITON_INTERPRET=1``, for tests). `graphs` (with `triton`):
+    the blend loop runs its layers, where it can, as static steps over buffers kept per
+    bucket of shapes, each a CUDA graph on CUDA (`engine_adapter.graphs`, `steps`).
     """
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Tensor], *, rope: RopeConfig | None = None,
-                 triton: bool | None = None):
+                 triton: bool | None = None, graphs: bool = False):
         missing = set(_hf_names(cfg)) - set(weights)
         if missing:
             raise ValueError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -200,7 +203,10 @@ class LlamaEngine:
         self.rope = rope or cfg.rope()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.triton = self.device.type == "cuda" if triton is None else triton
+        if graphs and not self.triton:
+            raise ValueError("graphs need the engine's Triton kernels (triton=True)")
         self._fuse()
+        self.steps = StepGraphs(self, rope_for_spec(self.model_spec())) if graphs else None
 
     def _fuse(self) -> None:
         """One [Wq; Wk; Wv] and one [Wgate; Wup] per layer; the HF names become row views

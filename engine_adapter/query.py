@@ -102,6 +102,9 @@ class QuestionPhase(Selection):
             return self.asking
         return sorted(set(self.asking) | {r for r, live in enumerate(b.live_host) if live})
 
+    def acts(self, b: _Blend, layer: int) -> bool:
+        return True  # it reads what the question reads (`reads_into`) at every layer
+
     def compares(self, b: _Blend, layer: int) -> bool:
         return self.deviation is not None and layer == 1
 
@@ -420,7 +423,8 @@ def query_aware_prefill(engine: LlamaEngine, lay: Layout, policy: QueryAware, so
     first = q.result
     res.computed_rows = [a + b for a, b in zip_longest(res.computed_rows, first.computed_rows, fillvalue=0)]
     res.timings = [LayerTiming(wait_s=a.wait_s + b.wait_s, compute_s=a.compute_s + b.compute_s,
-                               rotate_s=a.rotate_s + b.rotate_s, attend_s=a.attend_s + b.attend_s)
+                               rotate_s=a.rotate_s + b.rotate_s, attend_s=a.attend_s + b.attend_s,
+                               static=a.static or b.static)
                    for a, b in zip_longest(res.timings, first.timings, fillvalue=LayerTiming(0.0, 0.0))]
     res.fallbacks = first.fallbacks  # pass 2 replays pass 1's arrivals: the same chunks fall back
     return res

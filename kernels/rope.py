@@ -196,8 +196,9 @@ def _rotate_kernel(
                    stride_xt, stride_xd, stride_ot, stride_od)
 
 
-def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rotate` as one Triton launch: x [H, T, D] (any strides), fp32 tables [T, D/2].
+def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rotate` as one Triton launch: x [H, T, D] (any strides), fp32 tables [T, D/2];
+    into `out` (x's shape and dtype, not x itself) where given.
 
     The blend loop rotates twice a layer (the merged cache; the computed rows' Q and K as
     one tensor); in plain torch each rotation is ~10 small CUDA launches, which bound a
@@ -212,8 +213,11 @@ def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
         raise ValueError(f"cos and sin must be fp32 (rope_tables), got {cos.dtype}, {sin.dtype}")
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    check_launchable(_rotate_kernel, x, cos, sin)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.data_ptr() == x.data_ptr():
+        raise ValueError(f"out must be a tensor apart from x of its shape {tuple(x.shape)} and dtype {x.dtype}")
+    check_launchable(_rotate_kernel, x, cos, sin, out)
     if T == 0 or H == 0:
         return out
     block_t = 16

@@ -31,6 +31,11 @@ this prompt. Cases, each the median of `--repeats` synchronised runs after a war
                         InMemoryLayerSource, the project's layer-wise copy path); must
                         give the same logits as the same case from GPU memory, with no
                         layer computed for lack of its KV
+  ..., graphs           CUDA only: exact reuse, naive, cachecraft, cacheblend and the default
+                        again on the engine's static steps (`LlamaEngine(graphs=True)`, the
+                        same weights): each layer that can runs as a CUDA graph, captured in the
+                        warm-up run and replayed after (the kv column says how many layers);
+                        must give the same case's logits within the probe's tolerance
   reuse probe           `engine_adapter.probe.probe`, the gate serving runs first
   gpu vs cpu            the fp32 full prefill against the same on the CPU (small shapes)
 
@@ -100,6 +105,7 @@ SHAPES = {
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NOT_MEASURED = "not measured"  # how the printed table shows a GPU-only measure on CPU (JSON: null)
 PINNED = ", pinned host"  # suffix of the cases whose KV streams from pinned host memory
+GRAPHS = ", graphs"  # suffix of the cases on static steps captured as CUDA graphs (CUDA only)
 
 
 def random_engine(cfg: LlamaConfig, dtype: torch.dtype, device: str, seed: int = 0) -> LlamaEngine:
@@ -125,7 +131,7 @@ def _median_s(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) 
     return statistics.median(times), out
 
 
-LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 UNPROFILED = {"launches": None, "kernels": None, "gpu_kernel_ms": None, "gpu_busy_ms": None,
               "gpu_busy_share": None, "profiled_wall_ms": None}
 
@@ -211,11 +217,13 @@ def _on_host(kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], cuda: bool)
 
 def _reuse_rows(engine: LlamaEngine, cfg, dtype: torch.dtype, texts: list[list[int]], others: list[list[int]],
                 question: list[int], ref: torch.Tensor, full_s: float, repeats: int, device: str,
-                sync: Callable[[], None], check: Callable[[str, bool, str], None]) -> list[dict]:
+                sync: Callable[[], None], check: Callable[[str, bool, str], None],
+                graphed: LlamaEngine | None = None) -> list[dict]:
     """Every reuse case against full prefill (`ref`, `full_s`): the chunks' variants computed
     alone (exact reuse) or behind another chunk, blended under each policy, their KV in GPU
-    memory or streamed from pinned host memory; a row each, and a FAIL check for a case
-    that raises or gives non-finite logits."""
+    memory or streamed from pinned host memory, and with `graphed` (the same weights with
+    static steps) some again as CUDA graphs; a row each, and a FAIL check for a case that
+    raises or gives non-finite logits."""
     cuda = device.startswith("cuda")
     rows: list[dict] = []
     exact = blend_prefill(engine, [Segment(c) for c in texts], Policy("full"), InMemoryLayerSource({}),
@@ -241,25 +249,30 @@ def _reuse_rows(engine: LlamaEngine, cfg, dtype: torch.dtype, texts: list[list[i
         cases.append(("cacheblend budget 15%", behind, 0.0, CacheBlend(budget=0.15)))
     cases.append((default, behind, 0.0, Policy(DEFAULT_POLICY)))
     cases += [("naive" + PINNED, behind, 0.0, Policy("naive")), (default + PINNED, behind, 0.0, Policy(DEFAULT_POLICY))]
+    if graphed is not None:  # the same cases on static steps, each layer a CUDA graph replayed
+        cases += [(name + GRAPHS, variants, share, policy) for name, variants, share, policy in cases
+                  if name in ("exact reuse", "naive", "cachecraft top 15%", "cacheblend budget 15%", default)]
     tol = TOLERANCE.get(dtype, 6e-2) * max(1.0, float(ref.abs().max()))
     host = _on_host({i: v.kv for i, v in behind.items()}, cuda)  # pinned once, as a slab is
-    in_gpu: dict[str, torch.Tensor] = {}  # case -> logits with the KV in GPU memory
+    in_gpu: dict[str, torch.Tensor] = {}  # case -> logits with the KV in GPU memory, eager steps
     ops = None if cuda else _HostOps()
     for name, variants, share, policy in cases:
         segs = segments(variants, share)
         streamed = name.endswith(PINNED)
+        on_graphs = name.endswith(GRAPHS)
+        runner = graphed if on_graphs else engine
         kv = {i: v.kv for i, v in variants.items()}
         fallbacks: list = []
         calls: list = []
 
         def prefill(segs=segs, policy=policy, streamed=streamed, kv=kv,  # noqa: ANN202
-                    fallbacks=fallbacks, calls=calls):
+                    fallbacks=fallbacks, calls=calls, runner=runner):
             calls.append(1)
             if not streamed:
-                return blend_prefill(engine, segs, policy, InMemoryLayerSource(kv), gate=TRUSTED, stats=False)
+                return blend_prefill(runner, segs, policy, InMemoryLayerSource(kv), gate=TRUSTED, stats=False)
             src = GpuLayerSource(InMemoryLayerSource(host), cfg.num_layers, device, ops=ops)
             try:
-                r = blend_prefill(engine, segs, policy, src, gate=TRUSTED, stats=False)
+                r = blend_prefill(runner, segs, policy, src, gate=TRUSTED, stats=False)
             finally:
                 src.close()
             fallbacks.extend(r.fallbacks)
@@ -277,13 +290,15 @@ def _reuse_rows(engine: LlamaEngine, cfg, dtype: torch.dtype, texts: list[list[i
         where = "device memory"
         if streamed:
             where = "pinned host, streamed by layer" if cuda else "host, streamed by layer"
+        if on_graphs:
+            where += f", {sum(t.static for t in r.timings)} of {cfg.num_layers} layers as graphs"
         rows.append({"case": name, "kv": where,
                      "ttft_ms": 1e3 * s, "speedup": full_s / s, "logit_dev": dev,
                      "top1": bool(logits.argmax() == ref.argmax()), "computed_share": r.computed_share,
                      **prof})
         if not torch.isfinite(logits).all():
             check(name, False, "non-finite logits")
-        elif name == "exact reuse":
+        elif name.startswith("exact reuse"):
             diff = float((logits - ref).abs().max())
             check(name, diff <= tol, f"max |logit diff| {diff:.3g}, tolerance {tol:.3g} (the reuse probe's)")
         elif streamed:
@@ -294,6 +309,11 @@ def _reuse_rows(engine: LlamaEngine, cfg, dtype: torch.dtype, texts: list[list[i
                   f"vs the same case from GPU memory: max |logit diff| {diff:.3g} (tolerance {tol:.3g}); "
                   f"{len(fallbacks)} (chunk, layer) computed for lack of their KV in "
                   f"{len(calls)} runs" + ("" if cuda else "; CPU: not pinned, no side stream"))
+        elif on_graphs:
+            base = in_gpu.get(name[: -len(GRAPHS)])
+            diff = float((logits - base).abs().max()) if base is not None else math.inf
+            check(name, base is not None and diff <= tol,
+                  f"vs the same case on eager steps: max |logit diff| {diff:.3g} (tolerance {tol:.3g})")
         else:
             in_gpu[name] = logits
     return rows
@@ -340,6 +360,7 @@ def runs(shape: str, dtype_name: str, device: str, chunk_counts: list[int], chun
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t_build = time.perf_counter()
     engine = random_engine(cfg, dtype, device)
+    graphed = LlamaEngine(cfg, engine.w, graphs=True) if cuda else None  # the same weights, static steps
     sync()
     build_s = time.perf_counter() - t_build
     for n, chunks in enumerate(chunk_counts):
@@ -361,7 +382,7 @@ def runs(shape: str, dtype_name: str, device: str, chunk_counts: list[int], chun
                              "logit_dev": 0.0, "top1": True, "computed_share": 1.0, **_profile(full, sync, cuda)})
                 check("full prefill logits finite", bool(torch.isfinite(ref).all()), f"{len(tokens)} tokens")
                 rows += _reuse_rows(engine, cfg, dtype, texts, others, question, ref, full_s, repeats, device,
-                                    sync, check)
+                                    sync, check, graphed)
                 if n == 0:  # one probe per set of weights
                     try:
                         p = probe(engine)

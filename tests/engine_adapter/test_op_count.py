@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine_adapter import query
 from engine_adapter.blend import blend_prefill
+from engine_adapter.graphs import StaticStep
 from engine_adapter.llama import LlamaConfig, LlamaEngine
 from engine_adapter.policy import POLICIES, Policy
 from engine_adapter.probe import TRUSTED
@@ -158,7 +159,7 @@ class Launches(TorchDispatchMode):
 
     def kernel(self, run):  # noqa: ANN001, ANN201
         def counted(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            self.launches += 1
+            self.launches += not self._inside
             self._inside += 1
             try:
                 return run(fn, *args, **kwargs)
@@ -168,16 +169,19 @@ class Launches(TorchDispatchMode):
 
 
 @functools.cache  # a count is a function of its arguments; the tests below share some
-def _triton_launches(policy: str | None, layers: int, chunk_len: int = 12) -> int:
+def _triton_launches(policy: str | None, layers: int, chunk_len: int = 12, graphs: bool = False) -> int:
+    """graphs: on the engine's static steps, each `StaticStep.run` counted as the one launch
+    of the CUDA graph it replays there."""
     from triton.runtime.interpreter import InterpretedFunction
 
     cfg = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=layers)
     torch_step = LlamaEngine.random(cfg, seed=0, std=0.1)
     p = make_prompt(torch_step, seed=1, behind="other", chunk_len=chunk_len, n_chunks=3)
-    engine = LlamaEngine(cfg, torch_step.w, triton=True)
+    engine = LlamaEngine(cfg, torch_step.w, triton=True, graphs=graphs)
     source = InMemoryLayerSource({i: v.kv for i, v in p.cache.items()})
     spy = Launches()
-    with torch.no_grad(), spy, mock.patch.object(InterpretedFunction, "run", spy.kernel(InterpretedFunction.run)):
+    with (torch.no_grad(), spy, mock.patch.object(InterpretedFunction, "run", spy.kernel(InterpretedFunction.run)),
+          mock.patch.object(StaticStep, "run", spy.kernel(StaticStep.run))):
         if policy is None:
             engine.prefill(p.tokens, all_logits=False)
         else:
@@ -190,6 +194,14 @@ def test_the_triton_path_launches_a_constant_few_kernels_per_layer():
         per = (_triton_launches(policy, 4) - _triton_launches(policy, 2)) // 2
         assert 8 <= per <= TRITON_LAUNCHES_PER_LAYER, f"{policy or 'full prefill'}: {per} launches a layer"
     assert _triton_launches("naive", 2, chunk_len=24) == _triton_launches("naive", 2), "the count grows with rows"
+
+
+def test_on_static_steps_a_layer_launches_one_graph_and_two_copies_of_the_stored_kv():
+    # What CUDA runs per layer of naive reuse on the static steps (engine_adapter.graphs): the
+    # layer's stored K and V concatenated into the bucket's buffers, then the graph's replay
+    per = (_triton_launches("naive", 4, graphs=True) - _triton_launches("naive", 2, graphs=True)) // 2
+    assert per == 3, f"{per} launches a layer"
+    assert _triton_launches("naive", 2, chunk_len=24, graphs=True) == _triton_launches("naive", 2, graphs=True)
 
 
 def test_the_default_policy_on_the_triton_path_launches_two_full_prefill_layers_and_one_more_a_layer():

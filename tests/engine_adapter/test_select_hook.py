@@ -29,9 +29,10 @@ class QuestionAfter(Selection):
     def first(self, b, rows):  # noqa: ANN001, ANN201
         return list(range(b.n))
 
+    def acts(self, b, layer):  # noqa: ANN001, ANN201
+        return layer == self.at
+
     def select(self, b, layer, p, K, V):  # noqa: ANN001, ANN201
-        if layer != self.at:
-            return p, None
         host = b.host_rows(p)
         keep = [i for i, r in enumerate(host) if not b.reused_host[r]]
         return b.rows_of([host[i] for i in keep]), torch.tensor(keep, dtype=torch.long)

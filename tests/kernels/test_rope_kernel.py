@@ -185,3 +185,19 @@ def test_rotate_triton_refuses_tables_of_other_rows() -> None:
         K.rotate_triton(torch.randn(2, 5, 16), cos, sin)
     with pytest.raises(ValueError, match="fp32"):
         K.rotate_triton(torch.randn(2, 4, 16), cos.half(), sin.half())
+
+
+def test_rotate_triton_into_a_given_tensor_writes_there_and_refuses_x_itself() -> None:
+    # The static step rotates a layer's stored K into the layer's cache, a view of a buffer
+    # kept for every layer (engine_adapter.graphs).
+    cos, sin = rope_tables(RopeConfig(head_dim=16), torch.arange(6))
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(4))
+    caches = torch.zeros(3, 2, 6, 16)
+    got = K.rotate_triton(x, cos, sin, out=caches[1])
+    assert got.data_ptr() == caches[1].data_ptr()
+    assert torch.equal(caches[1], K.rotate_reference(x, cos, sin))
+    assert not caches[0].any() and not caches[2].any()
+    with pytest.raises(ValueError, match="apart from x"):
+        K.rotate_triton(x, cos, sin, out=x)
+    with pytest.raises(ValueError, match="apart from x"):
+        K.rotate_triton(x, cos, sin, out=torch.empty(2, 5, 16))

@@ -1,0 +1,192 @@
+"""Layer steps over static buffers, captured as CUDA graphs (docs/adapter.md, "Static steps").
+
+On a GPU the blend loop is bound by the host: a layer's kernel launches and the Python
+between them take longer than the kernels (docs/gpu.md). A step whose every tensor keeps
+its shape and address from one request to the next can be captured once as a CUDA graph
+and replayed for each request: one launch a layer. Shapes are fixed per `Bucket`: the
+prompt's tokens rounded up to TOKENS_STEP, with at least one position past the prompt,
+and the computed rows rounded up to ROWS_STEP. Padded rows sit at the bucket's last
+position, past every prompt row: the position-causal mask hides what they write from
+every prompt row, and their own results are never read.
+
+`StepGraphs` (one per engine, `LlamaEngine(graphs=True)`) keeps the buckets it has seen,
+the least recently used dropped first, and a prefill leases it whole (`lease`): a second
+prefill on the same engine at the same time (a fidelity shadow) runs the eager step
+instead of waiting. `StaticStep` is one bucket of rows: its buffers and, on CUDA, one
+graph per layer, captured at the layer's first use. On the CPU (tests, Triton's
+interpreter) the same step runs eagerly over the same buffers: what CUDA captures is
+what the CPU tests check.
+
+Which layers run here is the loop's choice (`driver._Blend.static_step`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from kvkernels import RopeConfig, rope_tables, rotate_triton, selective_attention_triton
+from kvkernels.layer import rope_write_triton
+
+TOKENS_STEP = 256  # a bucket's prompt tokens: a multiple of this
+ROWS_STEP = 64  # a bucket's computed rows: a multiple of this
+MAX_STEPS = 16  # buckets of rows kept, each with a graph per layer
+MAX_CACHES = 2  # buckets of tokens kept, each with every layer's merged K and V
+
+
+def _up(x: int, step: int) -> int:
+    return -(-x // step) * step
+
+
+@dataclass(frozen=True)
+class Bucket:
+    tokens: int  # > the prompt's tokens: position tokens - 1 is where padded rows sit
+    rows: int  # >= the computed rows
+
+
+
+class Caches:
+    """One bucket of tokens: every layer's merged cache, K post-RoPE and V [L, Hkv, N, D],
+    one layer's stored K before its rotation, the RoPE tables of every position, and zeros
+    for the positions past a prompt."""
+
+    def __init__(self, engine: Any, rope: RopeConfig, tokens: int, pad: int):
+        c = engine.cfg
+        like = {"dtype": engine.dtype, "device": engine.device}
+        self.tokens = tokens
+        self.raw = torch.zeros(c.num_kv_heads, tokens, c.head_dim, **like)
+        self.K = torch.zeros(c.num_layers, c.num_kv_heads, tokens, c.head_dim, **like)
+        self.V = torch.zeros_like(self.K)
+        self.pos = torch.arange(tokens, device=engine.device)
+        self.tables = rope_tables(rope, self.pos)  # fp32 cos, sin [N, D/2]
+        self.zeros = torch.zeros(c.num_kv_heads, pad, c.head_dim, **like)  # pad >= tokens - any prompt's n
+
+    def merge(self, layer: int, k: list[Tensor], v: list[Tensor], n: int) -> None:
+        """Layer `layer`'s stored K (before its rotation) and V of a prompt of n tokens, given
+        in prompt order as pieces [Hkv, t, D] (`_Blend.pieces`), in one concatenation each."""
+        pad = self.zeros[:, :self.tokens - n]
+        torch.cat([*k, pad], 1, out=self.raw)
+        torch.cat([*v, pad], 1, out=self.V[layer])
+
+
+class StaticStep:
+    """One bucket of rows over a bucket of tokens: the rows' hidden states, prompt rows and
+    RoPE tables, and the layer step over them (`run`)."""
+
+    def __init__(self, engine: Any, caches: Caches, rows: int):
+        c = engine.cfg
+        self.e, self.caches = engine, caches
+        self.h = torch.zeros(rows, c.hidden_size, dtype=engine.dtype, device=engine.device)
+        self.rows = torch.full((rows,), caches.tokens - 1, dtype=torch.long, device=engine.device)
+        self.cos = torch.empty(rows, c.head_dim // 2, dtype=torch.float32, device=engine.device)
+        self.sin = torch.empty_like(self.cos)
+        self.out: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> (its rows' rotated q, their q/k/v heads)
+        self.graphs: dict[int, Any] = {}  # layer -> torch.cuda.CUDAGraph
+        self.pool: Any = None  # the graphs' memory pool
+
+    def load(self, rows: Tensor, h: Tensor) -> None:
+        """Rows [R] (sorted prompt rows, R <= the bucket's) and their hidden states h [R, d];
+        the spare slots padded: at the bucket's last position, hidden states 0."""
+        R = rows.shape[0]
+        self.rows[R:].fill_(self.caches.tokens - 1)
+        self.rows[:R].copy_(rows)
+        torch.index_select(self.caches.tables[0], 0, self.rows, out=self.cos)
+        torch.index_select(self.caches.tables[1], 0, self.rows, out=self.sin)
+        self.h[R:].zero_()
+        self.h[:R].copy_(h)
+
+    def run(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Layer `layer` of the loaded rows, over the layer's stored K/V (`Caches.merge`):
+        their hidden states after it in `h`, their K/V written into the layer's cache.
+        Returns their rotated q [Hq, R, D] and q/k/v heads [Hq+2Hkv, R, D] (valid until the
+        layer runs again). CUDA: a graph replayed (captured at the first run)."""
+        if self.h.device.type != "cuda":
+            self.out[layer] = self._body(layer)
+        else:
+            (self.graphs.get(layer) or self._capture(layer)).replay()
+        return self.out[layer]
+
+    def _body(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The kernels of one layer (Triton): norm and QKV, the stored K rotated into the
+        layer's cache, the rows' q and k rotated and their K/V written, attention by
+        position, o-proj and the MLP. No host reads, no allocation that depends on a value."""
+        e, cc = self.e, self.caches
+        K, V = cc.K[layer], cc.V[layer]
+        qkv = e.qkv_heads(layer, self.h)
+        rotate_triton(cc.raw, *cc.tables, out=K)
+        q = rope_write_triton(qkv, e.cfg.num_heads, self.cos, self.sin, self.rows, K, V)
+        o = selective_attention_triton(q, self.rows, K, V, cc.pos, scale=e.scale, validate=False)[0]
+        self.h.copy_(e.layer_out(layer, self.h, o))
+        return q, qkv
+
+    def _capture(self, layer: int) -> Any:
+        h = self.h.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body(layer)  # Triton compiles a kernel at its first launch: never inside a capture
+        torch.cuda.current_stream().wait_stream(side)
+        self.h.copy_(h)  # the warm-up moved h on by a layer; K and V it wrote again as they were
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.out[layer] = self._body(layer)
+        self.graphs[layer] = graph
+        return graph
+
+
+class StepGraphs:
+    """An engine's static steps: buckets of tokens (`Caches`) and of rows (`StaticStep`),
+    least recently used dropped first, leased by one prefill at a time."""
+
+    def __init__(self, engine: Any, rope: RopeConfig, tokens_step: int = TOKENS_STEP, rows_step: int = ROWS_STEP):
+        self.e, self.rope = engine, rope
+        self.tokens_step, self.rows_step = tokens_step, rows_step
+        self._caches: collections.OrderedDict[int, Caches] = collections.OrderedDict()
+        self._steps: collections.OrderedDict[Bucket, StaticStep] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[bool]:
+        """Whether this prefill has the static steps (False: another prefill has them now)."""
+        got = self._lock.acquire(blocking=False)
+        try:
+            yield got
+        finally:
+            if got:
+                self._lock.release()
+
+    def bucket(self, n: int, rows: int) -> Bucket:
+        """The bucket of a prompt of n tokens computing `rows` rows."""
+        return Bucket(_up(n + 1, self.tokens_step), _up(max(rows, 1), self.rows_step))
+
+    def step(self, bucket: Bucket) -> StaticStep:
+        step = self._steps.get(bucket)
+        if step is not None:
+            self._steps.move_to_end(bucket)
+            self._caches.move_to_end(bucket.tokens)
+            return step
+        caches = self._caches.get(bucket.tokens)
+        if caches is None:
+            while len(self._caches) >= MAX_CACHES:
+                tokens, _ = self._caches.popitem(last=False)
+                for b in [b for b in self._steps if b.tokens == tokens]:
+                    del self._steps[b]
+            caches = self._caches[bucket.tokens] = Caches(self.e, self.rope, bucket.tokens, self.tokens_step)
+        else:
+            self._caches.move_to_end(bucket.tokens)
+        while len(self._steps) >= MAX_STEPS:
+            self._steps.popitem(last=False)
+        step = self._steps[bucket] = StaticStep(self.e, caches, bucket.rows)
+        return step
+
+    def buckets(self) -> list[Bucket]:
+        """The buckets kept, least recently used first."""
+        return list(self._steps)

@@ -1,0 +1,183 @@
+"""The blend loop's static steps (`engine_adapter.graphs`: a layer step over buffers kept per
+bucket of shapes, padded, which CUDA captures as a graph), run on the CPU over Triton's
+interpreter, the same code a capture records: against the eager step on the same weights
+for every policy, against full prefill, through a fallback, and for what a capture needs
+(no host reads, no tensors made from host values inside the step) and what buffers shared
+between prefills must never do (change a result after it is returned, or be written by a
+second prefill at the same time)."""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+
+from engine_adapter.blend import blend_prefill
+from engine_adapter.graphs import Bucket, StaticStep, StepGraphs
+from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
+from engine_adapter.policy import POLICIES, Policy
+from engine_adapter.probe import TOLERANCE, TRUSTED
+from engine_adapter.prompt import Segment
+from tests.engine_adapter.adapter_helpers import make_prompt
+from tests.engine_adapter.test_host_reads import ENGINE_CODE, KERNEL_CODE, HostReads
+
+CFG = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=3)
+
+
+def _static(eager: LlamaEngine, **steps: int) -> LlamaEngine:
+    """The engine with static steps; `steps`: smaller buckets than a deployment's (the
+    interpreter's cost grows with the padded rows and tokens)."""
+    e = LlamaEngine(eager.cfg, eager.w, triton=True, graphs=True)
+    if steps:
+        e.steps = StepGraphs(e, rope_for_spec(e.model_spec()), **steps)
+    return e
+
+
+def _plain(e: LlamaEngine) -> LlamaEngine:
+    """The same weights on plain torch (SDPA): the reference."""
+    return LlamaEngine(e.cfg, e.w, triton=False)
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[LlamaEngine, LlamaEngine]:
+    eager = LlamaEngine(CFG, LlamaEngine.random(CFG, seed=3, std=0.1).w, triton=True)
+    return eager, _static(eager, tokens_step=16, rows_step=8)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)  # fp32: matmuls over more rows, blocked otherwise
+
+
+def _same_result(got, ref) -> None:  # noqa: ANN001
+    _close(got.logits, ref.logits)
+    assert got.computed_rows == ref.computed_rows and got.fallbacks == ref.fallbacks
+    assert got.reused_segments == ref.reused_segments
+    for (k, v), (k0, v0) in zip(got.kv, ref.kv, strict=True):
+        _close(k, k0)
+        _close(v, v0)
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p not in ("full", "prefix")])
+def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str):
+    eager, static = engines
+    # 16-token chunks leave the default a budget to pick rows with (8: none, naive reuse)
+    p = make_prompt(eager, seed=5, n_chunks=3, chunk_len=16 if policy == "query" else 8, question_len=4)
+    options = {"ratio": 0.3} if policy == "cacheblend" else {}
+    ref, got = (blend_prefill(e, p.segments(), Policy(policy, **options), p.source(), gate=TRUSTED)
+                for e in (eager, static))
+    _same_result(got, ref)
+    static_layers = [layer for layer, t in enumerate(got.timings) if t.static]
+    # naive reuse and Cache-Craft's fixed rows run every layer static; CacheBlend its layers
+    # outside HKVD's filter layers (1..); the default its second phase's from layer 1 (its
+    # layer 0 takes the question's rows carried over; its question phase reads, eagerly).
+    # Not here: full prefill (no blend loop) and prefix reuse (the chunks it computes are new
+    # variants, whose statistics read the attention mass: below).
+    want = {"naive": [0, 1, 2], "cachecraft": [0, 1, 2], "cacheblend": [0], "query": [1, 2]}
+    assert static_layers == want[policy]
+
+
+def test_a_fresh_chunk_keeps_the_eager_step_for_its_statistics(engines):
+    eager, static = engines
+    p = make_prompt(eager, seed=6, n_chunks=3, chunk_len=8, question_len=4)
+    segments = p.segments()
+    segments[1] = Segment(p.chunks[1])  # computed here: its statistics read the attention mass
+    ref, got = (blend_prefill(e, segments, Policy("naive"), p.source(), gate=TRUSTED) for e in (eager, static))
+    _same_result(got, ref)
+    assert not any(t.static for t in got.timings)
+    assert got.fresh[1].stats == ref.fresh[1].stats
+
+
+def test_exact_reuse_on_a_deployments_buckets_equals_full_prefill(engines):
+    eager, _ = engines
+    static = _static(eager)  # TOKENS_STEP, ROWS_STEP: most of the rows and tokens are padding here
+    p = make_prompt(eager, seed=7, behind="same", n_chunks=3, chunk_len=8, question_len=4)
+    full, full_kv = _plain(eager).prefill(p.tokens, all_logits=False)
+    got = blend_prefill(static, p.segments(), Policy("naive"), p.source(), gate=TRUSTED)
+    assert all(t.static for t in got.timings)
+    assert static.steps.buckets() == [Bucket(tokens=256, rows=64)]
+    assert (got.logits - full[-1]).abs().max() <= TOLERANCE[torch.float32]
+    for (k, v), (k0, v0) in zip(got.kv, full_kv, strict=True):
+        _close(k, k0)
+        _close(v, v0)
+
+
+def test_a_layer_missing_midway_catches_up_over_the_static_caches(engines):
+    eager, static = engines
+    p = make_prompt(eager, 21, behind="same", chunk_len=12)  # exact stored KV: full prefill's logits
+    full = _plain(eager).prefill(p.tokens, all_logits=False)[0][-1]
+    ref, got = (blend_prefill(e, p.segments(), Policy("naive"), p.source(withhold={(1, 2)}), gate=TRUSTED)
+                for e in (eager, static))
+    assert got.fallbacks == [(1, 2)]
+    assert [t.static for t in got.timings] == [True, True, True]  # new rows from layer 2: another bucket
+    _same_result(got, ref)
+    assert (got.logits - full).abs().max() < 1e-4
+
+
+def test_a_result_keeps_its_caches_when_the_next_prefill_reuses_the_bucket(engines):
+    eager, static = engines
+    first, second = (make_prompt(eager, seed, n_chunks=3, chunk_len=8, question_len=4) for seed in (8, 9))
+    a = blend_prefill(static, first.segments(), Policy("naive"), first.source(), gate=TRUSTED)
+    kept = [(k.clone(), v.clone()) for k, v in a.kv]
+    b = blend_prefill(static, second.segments(), Policy("naive"), second.source(), gate=TRUSTED)
+    assert all(t.static for t in a.timings + b.timings) and len(a.kv[0][0][0]) == len(b.kv[0][0][0])
+    for (k, v), (k0, v0) in zip(a.kv, kept, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_a_second_prefill_at_the_same_time_runs_eagerly_and_leaves_the_buffers_alone(engines):
+    eager, static = engines
+    p = make_prompt(eager, seed=10, n_chunks=3, chunk_len=8, question_len=4)
+    blend_prefill(static, p.segments(), Policy("naive"), p.source(), gate=TRUSTED)  # makes the bucket
+    before = [(s.h.clone(), s.caches.K.clone(), s.caches.V.clone()) for s in static.steps._steps.values()]
+    q = make_prompt(eager, seed=11, n_chunks=3, chunk_len=8, question_len=4)
+    with static.steps.lease() as first:  # another prefill holds the static steps
+        assert first
+        got = blend_prefill(static, q.segments(), Policy("naive"), q.source(), gate=TRUSTED)
+    ref = blend_prefill(eager, q.segments(), Policy("naive"), q.source(), gate=TRUSTED)
+    assert not any(t.static for t in got.timings)
+    _same_result(got, ref)
+    for s, (h, K, V) in zip(static.steps._steps.values(), before, strict=True):
+        assert torch.equal(s.h, h) and torch.equal(s.caches.K, K) and torch.equal(s.caches.V, V)
+
+
+class _CaptureBreakers(HostReads):
+    """What a CUDA graph capture cannot hold: host reads of a device tensor and tensors made
+    from host values (a copy from host memory), by engine and kernel code."""
+
+    def __init__(self) -> None:
+        super().__init__((ENGINE_CODE, KERNEL_CODE))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if getattr(func, "__name__", "") in {"tensor", "as_tensor", "from_numpy"}:
+            self.sites[f"made from host values: {func.__name__}"] += 1
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_a_static_step_reads_nothing_of_the_device_and_copies_nothing_from_the_host(engines):
+    eager, static = engines
+    p = make_prompt(eager, seed=12, n_chunks=3, chunk_len=8, question_len=4)
+    spy, runs = _CaptureBreakers(), []
+    inner = StaticStep.run
+
+    def watched(self, layer):  # noqa: ANN001, ANN202
+        runs.append(layer)
+        with spy:
+            return inner(self, layer)
+
+    with mock.patch.object(StaticStep, "run", watched):
+        blend_prefill(static, p.segments(), Policy("cachecraft"), p.source(), gate=TRUSTED)
+    assert runs == [0, 1, 2]
+    assert not spy.sites, dict(spy.sites)
+
+
+def test_the_least_recently_used_buckets_go_first(engines):
+    eager, _ = engines
+    steps = StepGraphs(eager, rope_for_spec(eager.model_spec()), tokens_step=16, rows_step=8)
+    a, b, c = steps.bucket(10, 3), steps.bucket(20, 3), steps.bucket(40, 3)
+    assert (a, b, c) == (Bucket(16, 8), Bucket(32, 8), Bucket(48, 8))
+    assert steps.bucket(16, 9) == Bucket(32, 16)  # a position past the prompt for its padded rows
+    steps.step(a), steps.step(b), steps.step(a)
+    steps.step(c)  # a third bucket of tokens: b's caches (least recently used) and its rows go
+    assert steps.buckets() == [a, c]

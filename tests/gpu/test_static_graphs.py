@@ -1,0 +1,53 @@
+"""The blend loop's static steps as CUDA graphs (`LlamaEngine(graphs=True)` on CUDA): each
+layer captured at its first use and replayed for later prompts of its bucket, against the
+eager step on the same weights and against full prefill. The CPU half (the same steps
+uncaptured, in Triton's interpreter) is tests/engine_adapter/test_static_steps.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_adapter import LlamaEngine, Policy
+from engine_adapter.blend import blend_prefill
+from engine_adapter.probe import TOLERANCE, TRUSTED
+from tests.engine_adapter.adapter_helpers import make_prompt
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("policy", ["naive", "cachecraft", "cacheblend"])
+def test_graphs_replayed_across_prompts_give_the_eager_steps_logits(policy: str):
+    cpu = LlamaEngine.random("tiny", seed=0, std=0.1)
+    weights = {n: w.cuda() for n, w in cpu.w.items()}
+    eager, graphed = LlamaEngine(cpu.cfg, weights), LlamaEngine(cpu.cfg, weights, graphs=True)
+    options = {"ratio": 0.3} if policy == "cacheblend" else {}
+    results = []
+    with torch.device("cuda"):
+        for seed in (1, 2, 3):  # one bucket: the first prompt captures, the others replay
+            p = make_prompt(cpu, seed, n_chunks=4, chunk_len=24)
+            for v in p.cache.values():
+                v.kv[:] = [(k.cuda(), x.cuda()) for k, x in v.kv]
+            ref, got = (blend_prefill(e, p.segments(), Policy(policy, **options), p.source(), gate=TRUSTED)
+                        for e in (eager, graphed))
+            assert any(t.static for t in got.timings)
+            torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+            results.append((got, [(k.clone(), v.clone()) for k, v in got.kv]))
+    assert all(s.graphs for s in graphed.steps._steps.values())
+    for got, kept in results:  # a result's caches are its own, not the bucket's
+        for (k, v), (k0, v0) in zip(got.kv, kept, strict=True):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_exact_reuse_on_graphs_equals_full_prefill():
+    cpu = LlamaEngine.random("tiny", seed=0, std=0.1)
+    graphed = LlamaEngine(cpu.cfg, {n: w.cuda() for n, w in cpu.w.items()}, graphs=True)
+    p = make_prompt(cpu, 4, behind="same", n_chunks=4, chunk_len=24)
+    full = cpu.prefill(p.tokens, all_logits=False)[0][-1]
+    for v in p.cache.values():
+        v.kv[:] = [(k.cuda(), x.cuda()) for k, x in v.kv]
+    with torch.device("cuda"):
+        for _ in range(2):  # captured, then replayed
+            got = blend_prefill(graphed, p.segments(), Policy("naive"), p.source(), gate=TRUSTED)
+            assert all(t.static for t in got.timings)
+            assert (got.logits.cpu() - full).abs().max() <= TOLERANCE[torch.float32] * max(1.0, float(full.abs().max()))
