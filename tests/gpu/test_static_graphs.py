@@ -16,7 +16,7 @@ from tests.engine_adapter.adapter_helpers import make_prompt
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("policy", ["naive", "cachecraft", "cacheblend"])
+@pytest.mark.parametrize("policy", ["naive", "cachecraft", "cacheblend", "query"])
 def test_graphs_replayed_across_prompts_give_the_eager_steps_logits(policy: str):
     cpu = LlamaEngine.random("tiny", seed=0, std=0.1)
     weights = {n: w.cuda() for n, w in cpu.w.items()}
