@@ -229,14 +229,14 @@ class Selection:
 
     The loop (`_Blend.run`) asks its selections, in order: `prepare` once, before anything
     is derived from the rows; `first`, the rows that run layer 0 (given those of the policy's
-    recompute lists); then per layer `acts` (will `select` or `reads_into` act in this layer?
-    a layer where none does may run as a static step, `graphs`), `compares` (will `select`
-    read the candidates' stored K/V? the merge keeps them aside), and where it acts `select`
+    recompute lists); then per layer `acts` (will `select` change the rows in this layer? a
+    layer where none does may run as a static step, `graphs`), `compares` (will `select`
+    read the candidates' stored K/V? the merge keeps them aside), where it acts `select`
     once the computed rows' K/V are in the layer's cache (which of them attend and run the
-    MLP: the new rows and the indices kept into the old ones, None where unchanged) and
+    MLP: the new rows and the indices kept into the old ones, None where unchanged), and
     `reads_into` (where the attention should add up what the rows read of each key); then
     `observe` once the layer ran, and `next` (the rows that run layer+1, with their hidden
-    states). A selection makes rows with `_Blend.rows_of` or
+    states); `finish` once the loop ends. A selection makes rows with `_Blend.rows_of` or
     `_Blend.kept`, which derive their tables once per set of rows. Each default changes
     nothing. Plug-ins: `Hkvd` (CacheBlend), `Focus` (Cache-Craft Alg. 1), and the default
     policy's `query.QuestionPhase` and `query.HeadStop`."""
@@ -267,6 +267,10 @@ class Selection:
 
     def next(self, b: "_Blend", layer: int, p: _Rows, h: Tensor) -> tuple[_Rows, Tensor]:
         return p, h
+
+    def finish(self, b: "_Blend") -> None:
+        """Once the last layer ran (inside the prefill's lease of the static steps, whose
+        buffers the next prefill reuses: what a selection keeps of them, it copies here)."""
 
 
 class Hkvd(Selection):
@@ -370,8 +374,7 @@ class _Blend:
         self.leased = False  # the engine's static steps, for this prefill (`run`)
         self._static_in: tuple[StaticStep, _Rows, Tensor] | None = None  # the rows a static step has loaded
         self._static_layers: list[int] = []
-        for sel in self.selections:
-            sel.prepare(self)
+        self._keys_placed = False  # the bucket's key positions are this prefill's (`static_step`)
 
     def _live_changed(self) -> None:
         """`pieces`: the prompt in order as a layer's merge concatenates it, a live chunk's index
@@ -462,6 +465,8 @@ class _Blend:
 
     def _run(self, all_logits: bool, depth: int | None, carry: "Layer0 | None") -> BlendResult:
         e, lay = self.e, self.lay
+        for sel in self.selections:
+            sel.prepare(self)
         depth = self.L if depth is None else depth
         # A layer's K before its rotation, one buffer for every layer. The merged K and V of a
         # layer are the outputs of its rotation and concatenation: one block of every layer's
@@ -498,6 +503,8 @@ class _Blend:
             self.res.timings.append(LayerTiming(wait_s=t1 - t0, compute_s=t4 - t1, rotate_s=self._merge_s,
                                                 attend_s=self._attend_s, static=self._static_layers[-1:] == [layer]))
         self.res.recomputed_rows = list(self._recomputed)
+        for sel in self.selections:
+            sel.finish(self)
         if depth < self.L:
             self.res.reused_segments = list(self.live)
             return self.res
@@ -530,7 +537,8 @@ class _Blend:
                 h, q = h.index_select(0, keep), q.index_select(1, keep)
                 if self.fresh:
                     k, v = k.index_select(1, keep), v.index_select(1, keep)
-        reads = next((r for sel in acting if (r := sel.reads_into(self, layer, p)) is not None), None)
+        reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, p)) is not None),
+                     None) if select else None
         t1 = time.perf_counter()
         q = p.rot(q) if rotated is None else q
         o, mass = self.attend(p, q, K, V, select, reads)
@@ -545,21 +553,26 @@ class _Blend:
         afresh where an earlier phase left a cache of the layer (`caches`): the same cache,
         bit for bit (`query.reusable_caches`), in two copies and the step's one launch. None:
         the eager step runs it."""
-        if not (self.leased and self.causal and carry is None
-                and not (self.fresh or self.focus.active)
+        if not (self.leased and carry is None and not (self.fresh or self.focus.active)
                 and not any(sel.acts(self, layer) or sel.compares(self, layer) for sel in self.selections)):
             return None
+        reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, p)) is not None), None)
         R = p.rows.shape[0]
-        static = self.e.steps.step(self.e.steps.bucket(self.n, R))
-        t0 = time.perf_counter()
+        static = self.e.steps.step(self.n, R)
         cc = static.caches
+        if reads is not None and reads is not cc.reads:
+            return None
+        t0 = time.perf_counter()
+        if not self._keys_placed:
+            cc.keys_at(self.pos)
+            self._keys_placed = True
         cc.merge(layer, [got[x][0] if isinstance(x, int) else x for x in self.pieces],
                  [got[x][1] if isinstance(x, int) else x for x in self.pieces], self.n)
         if self._static_in is None or not (self._static_in[0] is static and self._static_in[1] is p
                                            and self._static_in[2] is h):
             static.load(p.rows, h)
         self._merge_s = time.perf_counter() - t0
-        q, qkv = static.run(layer)
+        q, qkv = static.run(layer, reads is not None)
         self._attend_s = 0.0
         c = self.e.cfg
         _, k, v = qkv[:, :R].split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
@@ -571,17 +584,20 @@ class _Blend:
 
     def _own_static_kv(self) -> None:
         """The static steps' caches are the bucket's, written again by the next prefill: the
-        result's layers become copies (one per K and V when every layer ran static)."""
-        layers = self._static_layers
-        if not layers:
+        result's layers become copies, one per K and V for each run of consecutive layers that
+        ran static (one in all where every layer did)."""
+        if not self._static_layers:
             return
-        if len(layers) == len(self.kv):
-            cc = self._static_in[0].caches
-            K, V = (x[:len(layers), :, :self.n].clone() for x in (cc.K, cc.V))
-            self.kv[:] = list(zip(K.unbind(0), V.unbind(0)))
-            return
-        for layer in layers:
-            self.kv[layer] = (self.kv[layer][0].clone(), self.kv[layer][1].clone())
+        cc = self._static_in[0].caches
+        runs: list[list[int]] = []
+        for layer in self._static_layers:
+            if runs and runs[-1][-1] == layer - 1:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        for run in runs:
+            K, V = (x[run[0]:run[-1] + 1, :, :self.n].clone() for x in (cc.K, cc.V))
+            self.kv[run[0]:run[-1] + 1] = list(zip(K.unbind(0), V.unbind(0)))
 
     def merging(self, layer: int, got: LayerKV, carry: "Layer0 | None") -> "Merge":
         """`step`'s merge at `layer` of the loop: `merged` with what arrived, or the rows written
@@ -649,6 +665,16 @@ class _Blend:
             return o, mass.index_select(0, at)
         return (e.attend(q, p.rows, K, V, self.pos, p.mask),
                 attention_mass(q.index_select(1, at), need, K, self.pos, self.lay.bounds, scale=e.scale))
+
+    def key_reads(self) -> KeyReads:
+        """Where a phase's attention adds up what its rows read of each key: with the static
+        steps leased, their bucket's (`graphs.Caches.reads`, over the bucket's tokens: the first
+        n are the prompt's), cleared; else one over the prompt's keys."""
+        if self.leased:
+            reads = self.e.steps.caches(self.n).reads
+            reads.clear()
+            return reads
+        return KeyReads(self.n, self.e.device)
 
     def need_rows(self) -> Tensor:
         return self._need_focus if self.focus.active else self._need_fresh

@@ -5,9 +5,10 @@ between them take longer than the kernels (docs/gpu.md). A step whose every tens
 its shape and address from one request to the next can be captured once as a CUDA graph
 and replayed for each request: one launch a layer. Shapes are fixed per `Bucket`: the
 prompt's tokens rounded up to TOKENS_STEP, with at least one position past the prompt,
-and the computed rows rounded up to ROWS_STEP. Padded rows sit at the bucket's last
-position, past every prompt row: the position-causal mask hides what they write from
-every prompt row, and their own results are never read.
+and the computed rows rounded up to ROWS_STEP. Padded rows write their K/V at the
+bucket's last position, past every prompt row, so the position-causal mask hides it from
+every prompt row; they see no key themselves (their attention output is 0, they read
+nothing), and their results are never read.
 
 `StepGraphs` (one per engine, `LlamaEngine(graphs=True)`) keeps the buckets it has seen,
 the least recently used dropped first, and a prefill leases it whole (`lease`): a second
@@ -31,7 +32,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from kvkernels import RopeConfig, rope_tables, rotate_triton, selective_attention_triton
+from kvkernels import KeyReads, RopeConfig, rope_tables, rotate_triton, selective_attention_triton
 from kvkernels.layer import rope_write_triton
 
 TOKENS_STEP = 256  # a bucket's prompt tokens: a multiple of this
@@ -53,7 +54,8 @@ class Bucket:
 
 class Caches:
     """One bucket of tokens: every layer's merged cache, K post-RoPE and V [L, Hkv, N, D],
-    one layer's stored K before its rotation, the RoPE tables of every position, and zeros
+    one layer's stored K before its rotation, the RoPE tables of every position, the keys'
+    positions in this prefill (`keys_at`), what rows read of each key (`reads`), and zeros
     for the positions past a prompt."""
 
     def __init__(self, engine: Any, rope: RopeConfig, tokens: int, pad: int):
@@ -65,7 +67,15 @@ class Caches:
         self.V = torch.zeros_like(self.K)
         self.pos = torch.arange(tokens, device=engine.device)
         self.tables = rope_tables(rope, self.pos)  # fp32 cos, sin [N, D/2]
+        self.key_pos = self.pos.clone()  # where the attention sees each key (`keys_at`)
+        self.reads = KeyReads(tokens, engine.device)  # the default's question phase (`query.QuestionPhase`)
         self.zeros = torch.zeros(c.num_kv_heads, pad, c.head_dim, **like)  # pad >= tokens - any prompt's n
+
+    def keys_at(self, pos: Tensor) -> None:
+        """The prompt's keys at positions `pos` [n] for the attention (their prompt positions,
+        or past the end where a phase hides them); the padding at its own."""
+        self.key_pos.copy_(self.pos)
+        self.key_pos[:pos.shape[0]].copy_(pos)
 
     def merge(self, layer: int, k: list[Tensor], v: list[Tensor], n: int) -> None:
         """Layer `layer`'s stored K (before its rotation) and V of a prompt of n tokens, given
@@ -84,35 +94,43 @@ class StaticStep:
         self.e, self.caches = engine, caches
         self.h = torch.zeros(rows, c.hidden_size, dtype=engine.dtype, device=engine.device)
         self.rows = torch.full((rows,), caches.tokens - 1, dtype=torch.long, device=engine.device)
+        self.at = torch.full((rows,), -1, dtype=torch.long, device=engine.device)  # the rows' positions
+        # to the attention: a padded row at -1 sees no key (its output 0, its reads none)
         self.cos = torch.empty(rows, c.head_dim // 2, dtype=torch.float32, device=engine.device)
         self.sin = torch.empty_like(self.cos)
-        self.out: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> (its rows' rotated q, their q/k/v heads)
-        self.graphs: dict[int, Any] = {}  # layer -> torch.cuda.CUDAGraph
+        self.out: dict[tuple[int, bool], tuple[Tensor, Tensor]] = {}  # (layer, reads) -> (the rows' rotated q,
+        # their q/k/v heads)
+        self.graphs: dict[tuple[int, bool], Any] = {}  # (layer, reads) -> torch.cuda.CUDAGraph
         self.pool: Any = None  # the graphs' memory pool
 
     def load(self, rows: Tensor, h: Tensor) -> None:
         """Rows [R] (sorted prompt rows, R <= the bucket's) and their hidden states h [R, d];
-        the spare slots padded: at the bucket's last position, hidden states 0."""
+        the spare slots padded: their K/V written at the bucket's last position (where no
+        prompt row sees them), seeing no key themselves, hidden states 0."""
         R = rows.shape[0]
         self.rows[R:].fill_(self.caches.tokens - 1)
         self.rows[:R].copy_(rows)
+        self.at[R:].fill_(-1)
+        self.at[:R].copy_(rows)
         torch.index_select(self.caches.tables[0], 0, self.rows, out=self.cos)
         torch.index_select(self.caches.tables[1], 0, self.rows, out=self.sin)
         self.h[R:].zero_()
         self.h[:R].copy_(h)
 
-    def run(self, layer: int) -> tuple[Tensor, Tensor]:
+    def run(self, layer: int, reads: bool = False) -> tuple[Tensor, Tensor]:
         """Layer `layer` of the loaded rows, over the layer's stored K/V (`Caches.merge`):
-        their hidden states after it in `h`, their K/V written into the layer's cache.
-        Returns their rotated q [Hq, R, D] and q/k/v heads [Hq+2Hkv, R, D] (valid until the
-        layer runs again). CUDA: a graph replayed (captured at the first run)."""
+        their hidden states after it in `h`, their K/V written into the layer's cache, and
+        with `reads` what they read of each key added into `Caches.reads`. Returns their
+        rotated q [Hq, R, D] and q/k/v heads [Hq+2Hkv, R, D] (valid until the layer runs
+        again). CUDA: a graph replayed (captured at the first run)."""
+        key = (layer, reads)
         if self.h.device.type != "cuda":
-            self.out[layer] = self._body(layer)
+            self.out[key] = self._body(*key)
         else:
-            (self.graphs.get(layer) or self._capture(layer)).replay()
-        return self.out[layer]
+            (self.graphs.get(key) or self._capture(*key)).replay()
+        return self.out[key]
 
-    def _body(self, layer: int) -> tuple[Tensor, Tensor]:
+    def _body(self, layer: int, reads: bool) -> tuple[Tensor, Tensor]:
         """The kernels of one layer (Triton): norm and QKV, the stored K rotated into the
         layer's cache, the rows' q and k rotated and their K/V written, attention by
         position, o-proj and the MLP. No host reads, no allocation that depends on a value."""
@@ -121,24 +139,27 @@ class StaticStep:
         qkv = e.qkv_heads(layer, self.h)
         rotate_triton(cc.raw, *cc.tables, out=K)
         q = rope_write_triton(qkv, e.cfg.num_heads, self.cos, self.sin, self.rows, K, V)
-        o = selective_attention_triton(q, self.rows, K, V, cc.pos, scale=e.scale, validate=False)[0]
+        o = selective_attention_triton(q, self.at, K, V, cc.key_pos, scale=e.scale,
+                                       reads=cc.reads if reads else None, validate=False)[0]
         self.h.copy_(e.layer_out(layer, self.h, o))
         return q, qkv
 
-    def _capture(self, layer: int) -> Any:
-        h = self.h.clone()
+    def _capture(self, layer: int, reads: bool) -> Any:
+        h, read = self.h.clone(), self.caches.reads.save()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._body(layer)  # Triton compiles a kernel at its first launch: never inside a capture
+            self._body(layer, reads)  # Triton compiles a kernel at its first launch: never inside a capture
         torch.cuda.current_stream().wait_stream(side)
-        self.h.copy_(h)  # the warm-up moved h on by a layer; K and V it wrote again as they were
+        # The warm-up moved h on by a layer and added its reads; K and V it wrote again as they were.
+        self.h.copy_(h)
+        self.caches.reads.restore(read)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.out[layer] = self._body(layer)
-        self.graphs[layer] = graph
+            self.out[layer, reads] = self._body(layer, reads)
+        self.graphs[layer, reads] = graph
         return graph
 
 
@@ -167,21 +188,28 @@ class StepGraphs:
         """The bucket of a prompt of n tokens computing `rows` rows."""
         return Bucket(_up(n + 1, self.tokens_step), _up(max(rows, 1), self.rows_step))
 
-    def step(self, bucket: Bucket) -> StaticStep:
+    def caches(self, n: int) -> Caches:
+        """The caches of a prompt of n tokens' bucket."""
+        tokens = self.bucket(n, 1).tokens
+        caches = self._caches.get(tokens)
+        if caches is None:
+            while len(self._caches) >= MAX_CACHES:
+                dropped, _ = self._caches.popitem(last=False)
+                for b in [b for b in self._steps if b.tokens == dropped]:
+                    del self._steps[b]
+            caches = self._caches[tokens] = Caches(self.e, self.rope, tokens, self.tokens_step)
+        else:
+            self._caches.move_to_end(tokens)
+        return caches
+
+    def step(self, n: int, rows: int) -> StaticStep:
+        """The static step of a prompt of n tokens computing `rows` rows."""
+        bucket = self.bucket(n, rows)
+        caches = self.caches(n)
         step = self._steps.get(bucket)
         if step is not None:
             self._steps.move_to_end(bucket)
-            self._caches.move_to_end(bucket.tokens)
             return step
-        caches = self._caches.get(bucket.tokens)
-        if caches is None:
-            while len(self._caches) >= MAX_CACHES:
-                tokens, _ = self._caches.popitem(last=False)
-                for b in [b for b in self._steps if b.tokens == tokens]:
-                    del self._steps[b]
-            caches = self._caches[bucket.tokens] = Caches(self.e, self.rope, bucket.tokens, self.tokens_step)
-        else:
-            self._caches.move_to_end(bucket.tokens)
         while len(self._steps) >= MAX_STEPS:
             self._steps.popitem(last=False)
         step = self._steps[bucket] = StaticStep(self.e, caches, bucket.rows)

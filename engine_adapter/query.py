@@ -85,7 +85,7 @@ class QuestionPhase(Selection):
         question's rows, at the end of the prompt, read (nearly) every key: one attention
         call, not runs of rows."""
         self.reads = torch.zeros(b.n)
-        self.key_reads = KeyReads(b.n, self.reads.device) if b.e.triton else None  # `reads_into`
+        self.key_reads = b.key_reads() if b.e.triton else None  # `reads_into`
         self.deviation = torch.zeros(b.n) if self.measures_deviation else None
         self.asker_set = set(b.asker_host)
         asks = self.asker_set | {b.n - 1}
@@ -101,9 +101,6 @@ class QuestionPhase(Selection):
         if self.deviation is None:
             return self.asking
         return sorted(set(self.asking) | {r for r, live in enumerate(b.live_host) if live})
-
-    def acts(self, b: _Blend, layer: int) -> bool:
-        return True  # it reads what the question reads (`reads_into`) at every layer
 
     def compares(self, b: _Blend, layer: int) -> bool:
         return self.deviation is not None and layer == 1
@@ -125,7 +122,7 @@ class QuestionPhase(Selection):
 
     def reads_into(self, b: _Blend, layer: int, p: _Rows) -> KeyReads | None:
         """On the engine's Triton path, the attention adds the question's reads of layer
-        1..L-2 up from its own launches (`key_reads`, summed once by `total_reads`); where rows
+        1..L-2 up from its own launches (`key_reads`, summed once at `finish`); where rows
         other than the question's run the layer (a chunk caught up after a fallback), the
         plain-torch reads count the question's alone."""
         if self.key_reads is None or layer == 0 or self._askers(b, p).shape[0] != p.rows.shape[0]:
@@ -133,9 +130,15 @@ class QuestionPhase(Selection):
         self.kernel_read = layer
         return self.key_reads
 
+    def finish(self, b: _Blend) -> None:
+        if self.key_reads is not None:  # its first n keys are the prompt's (`_Blend.key_reads`)
+            self.reads = self.reads + self.key_reads.total()[:b.n]
+            self.key_reads = None
+
     def total_reads(self) -> Tensor:
-        """[N] what the question read of each row over layers 1..L-2, both ways counted."""
-        return self.reads if self.key_reads is None else self.reads + self.key_reads.total()
+        """[N] what the question read of each row over layers 1..L-2, both ways counted (the
+        Triton attention's sums added in at `finish`)."""
+        return self.reads
 
     def observe(self, b: _Blend, layer: int, out: Stepped) -> None:
         if layer > 0 and self.kernel_read != layer:

@@ -167,7 +167,10 @@ class KeyReads:
     """How much every key was read, summed over rows, query heads and calls, accumulated by
     :func:`selective_attention_triton` inside its own launches: each program adds into its
     own row of a [programs, T] fp32 buffer (no atomics, so the same sums run to run; one
-    buffer per program count, zeroed once), and :meth:`total` sums them, once, at the end."""
+    buffer per program count, zeroed once), and :meth:`total` sums them, once, at the end.
+    A call over fewer keys than `keys` adds into the first of them (a cache kept with room
+    for more tokens than its prompt's, `engine_adapter.graphs`); the buffers keep their
+    addresses from call to call (a CUDA graph captures them), `clear` zeroes them."""
 
     def __init__(self, keys: int, device: torch.device | str | None = None) -> None:
         self.keys = keys
@@ -179,6 +182,20 @@ class KeyReads:
         if programs not in self._by_programs:
             self._by_programs[programs] = torch.zeros(programs, self.keys, dtype=torch.float32, device=self.device)
         return self._by_programs[programs]
+
+    def clear(self) -> None:
+        """Every key back to unread, the buffers where they were."""
+        for acc in self._by_programs.values():
+            acc.zero_()
+
+    def save(self) -> dict[int, torch.Tensor]:
+        """A copy of the sums so far, for `restore`."""
+        return {n: acc.clone() for n, acc in self._by_programs.items()}
+
+    def restore(self, saved: dict[int, torch.Tensor]) -> None:
+        """The sums as `save` found them (a buffer made since back to zero), in place."""
+        for n, acc in self._by_programs.items():
+            acc.copy_(saved[n]) if n in saved else acc.zero_()
 
     def total(self) -> torch.Tensor:
         """fp32 [T]: every key's reads over all the calls so far."""
@@ -192,7 +209,7 @@ class KeyReads:
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, out_ptr,
     seg_ptr, mass_ptr, reads_ptr,
-    R, T, D, GROUP, qk_scale, S,
+    R, T, D, GROUP, qk_scale, S, stride_reads,
     stride_qh, stride_qr, stride_qd,
     stride_kh, stride_kt, stride_kd,
     stride_vh, stride_vt, stride_vd,
@@ -263,11 +280,11 @@ def _attn_fwd_kernel(
         # spans of keys). This program alone owns rows offs_r of head h in the
         # per-head buffer [Hq, R, S], so plain load-add-store suffices, no atomics; the
         # launcher averages over heads. Reads: the probabilities summed over this
-        # program's rows, per key, added into its own row of a [row blocks x Hq, T]
+        # program's rows, per key, added into its own row of a [row blocks x Hq, >= T]
         # accumulator (rows past R see no key, so add nothing); `KeyReads.total` sums it.
         inv_l = tl.where(l_i > 0.0, 1.0 / l_safe, 0.0)
         mass_base = mass_ptr + h * R * S + offs_r * S  # [BLOCK_R]
-        reads_base = reads_ptr + (tl.program_id(0) * tl.num_programs(1) + h) * T
+        reads_base = reads_ptr + (tl.program_id(0) * tl.num_programs(1) + h) * stride_reads
         for start_n in range(0, T, BLOCK_N):
             cols = start_n + offs_n
             mask_n = cols < T
@@ -316,7 +333,7 @@ def selective_attention_triton(
         scale: score scale, default 1 / sqrt(D).
         segments: optional [S+1] integer key-index boundaries of chunks in key order,
             segments[0] == 0, segments[-1] == T, nondecreasing (empty spans allowed).
-        reads: optional `KeyReads` over the T keys: the softmax probability of each key
+        reads: optional `KeyReads` over T keys or more (the first T are these): the softmax probability of each key
             summed over every row and query head is added into it, from the same launch
             (what the default policy's question phase records per layer, `engine_adapter.query`).
         validate: check the segments' values (a read of the device); False where the caller
@@ -333,7 +350,7 @@ def selective_attention_triton(
             segments that cover all its visible keys (0 for a row that sees no key).
     """
     _check(q, q_pos, k, v, k_pos, segments, validate)
-    if reads is not None and reads.keys != k.shape[1]:
+    if reads is not None and reads.keys < k.shape[1]:
         raise ValueError(f"reads counts {reads.keys} keys, the cache has {k.shape[1]}")
     check_launchable(_attn_fwd_kernel, q, q_pos, k, v, k_pos)
     Hq, R, D = q.shape
@@ -359,12 +376,12 @@ def selective_attention_triton(
     block_r, block_n = (16, 16) if is_interpreted(_attn_fwd_kernel) else (64, 64)
     block_d = max(16, triton.next_power_of_2(D))
     grid = (triton.cdiv(R, block_r), Hq)
-    per_program = (reads.buffer(grid[0] * Hq) if reads is not None  # [row blocks x Hq, T]
+    per_program = (reads.buffer(grid[0] * Hq) if reads is not None  # [row blocks x Hq, reads.keys >= T]
                    else torch.empty(0, dtype=torch.float32, device=q.device))
     _attn_fwd_kernel[grid](
         q, k, v, q_pos, k_pos, out,
         seg_ids, mass_heads, per_program,
-        R, T, D, Hq // Hkv, scale * _LOG2E, S,
+        R, T, D, Hq // Hkv, scale * _LOG2E, S, reads.keys if reads is not None else 0,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),

@@ -18,7 +18,9 @@ question's attention mass and a read of it on the layers while it decides.
 On the engine's Triton path (the GPU's; its kernels in the interpreter here) what counts is
 kernel launches: 11 a layer of full prefill, 13 of naive reuse, whatever the rows; the default
 policy's two phases 23 (its question phase's reads are added up inside its attention's launch, and
-its second phase writes its rows over the question phase's merged caches)."""
+its second phase writes its rows over the question phase's merged caches). On the engine's
+static steps (`LlamaEngine(graphs=True)`, each step one CUDA graph there): 3 a layer of naive
+reuse, 6 of the default's two phases."""
 
 from __future__ import annotations
 
@@ -202,6 +204,15 @@ def test_on_static_steps_a_layer_launches_one_graph_and_two_copies_of_the_stored
     per = (_triton_launches("naive", 4, graphs=True) - _triton_launches("naive", 2, graphs=True)) // 2
     assert per == 3, f"{per} launches a layer"
     assert _triton_launches("naive", 2, chunk_len=24, graphs=True) == _triton_launches("naive", 2, graphs=True)
+
+
+def test_on_static_steps_the_default_policy_launches_a_naive_layer_per_phase():
+    # its question phase (its reads added up in the bucket's buffer by the graph) and its
+    # second phase (the stored KV merged again into the bucket's buffers, not written over
+    # the question phase's caches) each as naive reuse: 3 a layer
+    mine = _triton_launches("query", 4, chunk_len=24, graphs=True) - _triton_launches("query", 3, chunk_len=24,
+                                                                                        graphs=True)
+    assert mine == 2 * 3, f"{mine} launches a layer"
 
 
 def test_the_default_policy_on_the_triton_path_launches_two_full_prefill_layers_and_one_more_a_layer():

@@ -19,7 +19,8 @@ from engine_adapter.graphs import Bucket, StaticStep, StepGraphs
 from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
 from engine_adapter.policy import POLICIES, Policy
 from engine_adapter.probe import TOLERANCE, TRUSTED
-from engine_adapter.prompt import Segment
+from engine_adapter.prompt import Layout, Segment
+from engine_adapter.query import question_reads
 from tests.engine_adapter.adapter_helpers import make_prompt
 from tests.engine_adapter.test_host_reads import ENGINE_CODE, KERNEL_CODE, HostReads
 
@@ -70,12 +71,37 @@ def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str)
     _same_result(got, ref)
     static_layers = [layer for layer, t in enumerate(got.timings) if t.static]
     # naive reuse and Cache-Craft's fixed rows run every layer static; CacheBlend its layers
-    # outside HKVD's filter layers (1..); the default its second phase's from layer 1 (its
-    # layer 0 takes the question's rows carried over; its question phase reads, eagerly).
+    # outside HKVD's filter layers (1..); the default its question phase's (layers 0..L-2,
+    # its reads added up in the bucket's buffer) and its second phase's from layer 1 (its
+    # layer 0 takes the question's rows carried over).
     # Not here: full prefill (no blend loop) and prefix reuse (the chunks it computes are new
     # variants, whose statistics read the attention mass: below).
-    want = {"naive": [0, 1, 2], "cachecraft": [0, 1, 2], "cacheblend": [0], "query": [1, 2]}
+    want = {"naive": [0, 1, 2], "cachecraft": [0, 1, 2], "cacheblend": [0], "query": [0, 1, 2]}
     assert static_layers == want[policy]
+
+
+@pytest.mark.parametrize("withhold", [(), ((2, 2),)], ids=["all_arrive", "a_chunk_falls_back"])
+def test_the_question_phases_reads_on_static_steps_equal_the_torch_paths(withhold):
+    """The default's question phase on static steps: its keys placed as the phase places
+    them (fresh chunks' past the end), its reads added up in the bucket's buffer by the rows
+    the bucket holds, its padded rows reading nothing; layer 1 with the deviation on runs
+    eagerly into the same buffer; after a fallback the caught-up rows run the layer too and
+    plain torch reads the question's rows' share. Five layers: the phase runs 0..3, its reads
+    counted at 1..3."""
+    five = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=5)
+    torch_step = LlamaEngine.random(five, seed=3, std=0.1)
+    static = _static(LlamaEngine(five, torch_step.w, triton=True), tokens_step=16, rows_step=8)
+    p = make_prompt(torch_step, seed=6, n_chunks=3, chunk_len=8, question_len=4)
+    segments = p.segments()
+    segments[1] = Segment(p.chunks[1])  # not reused: hidden from the question phase
+    lay = Layout.of(segments, torch_step.model_spec().fingerprint())
+    for deviation in (False, True):
+        ref, got = (question_reads(e, lay, p.source(withhold=withhold), [0, 2], 1.0, deviation=deviation)
+                    for e in (torch_step, static))
+        assert ref.result.fallbacks == got.result.fallbacks == ([(2, 2)] if withhold else [])
+        assert [t.static for t in got.result.timings] == [True, not deviation, True, True]
+        assert ref.reads.sum().item() == pytest.approx(3 * 4 * five.num_heads, rel=1e-5)
+        _close(got.reads, ref.reads)
 
 
 def test_a_fresh_chunk_keeps_the_eager_step_for_its_statistics(engines):
@@ -161,10 +187,10 @@ def test_a_static_step_reads_nothing_of_the_device_and_copies_nothing_from_the_h
     spy, runs = _CaptureBreakers(), []
     inner = StaticStep.run
 
-    def watched(self, layer):  # noqa: ANN001, ANN202
+    def watched(self, layer, reads=False):  # noqa: ANN001, ANN202
         runs.append(layer)
         with spy:
-            return inner(self, layer)
+            return inner(self, layer, reads)
 
     with mock.patch.object(StaticStep, "run", watched):
         blend_prefill(static, p.segments(), Policy("cachecraft"), p.source(), gate=TRUSTED)
@@ -178,6 +204,6 @@ def test_the_least_recently_used_buckets_go_first(engines):
     a, b, c = steps.bucket(10, 3), steps.bucket(20, 3), steps.bucket(40, 3)
     assert (a, b, c) == (Bucket(16, 8), Bucket(32, 8), Bucket(48, 8))
     assert steps.bucket(16, 9) == Bucket(32, 16)  # a position past the prompt for its padded rows
-    steps.step(a), steps.step(b), steps.step(a)
-    steps.step(c)  # a third bucket of tokens: b's caches (least recently used) and its rows go
+    steps.step(10, 3), steps.step(20, 3), steps.step(10, 3)
+    steps.step(40, 3)  # a third bucket of tokens: b's caches (least recently used) and its rows go
     assert steps.buckets() == [a, c]

@@ -225,8 +225,25 @@ def test_triton_reads_equal_a_naive_softmax_summed_over_heads_rows_and_calls(dty
     torch.testing.assert_close(got.sum(), torch.tensor(float(8 * (R + max(1, R - 17)))))
 
 
-def test_reads_must_count_the_caches_keys() -> None:
+def test_reads_must_count_the_caches_keys_at_least() -> None:
     q, k, v = _qkv(2, 1, 2, 8, 16, torch.float32, seed=11)
     pos = torch.arange(8)
     with pytest.raises(ValueError, match="reads counts 7 keys"):
         selective_attention_triton(q, pos[:2], k, v, pos, reads=KeyReads(7))
+
+
+def test_reads_with_room_for_more_keys_add_into_the_first_and_clear_in_place() -> None:
+    # A bucket's reads (engine_adapter.graphs) count its tokens; a layer over a prompt's
+    # cache of fewer keys adds into the first of them.
+    q, k, v = _qkv(4, 2, 20, 30, 16, torch.float32, seed=12)
+    q_pos, k_pos = torch.arange(10, 30), torch.arange(30)
+    roomy, exact = KeyReads(45), KeyReads(30)
+    for reads in (roomy, exact):
+        selective_attention_triton(q, q_pos, k, v, k_pos, reads=reads)
+    got = roomy.total()
+    torch.testing.assert_close(got[:30], _naive_reads(q, q_pos, k, k_pos, 1 / math.sqrt(16)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[:30], exact.total(), atol=1e-6, rtol=1e-6)  # the same adds, summed apart
+    assert not got[30:].any()
+    buffers = [b.data_ptr() for b in roomy._by_programs.values()]
+    roomy.clear()
+    assert not roomy.total().any() and [b.data_ptr() for b in roomy._by_programs.values()] == buffers
