@@ -547,21 +547,22 @@ class _Blend:
 
     def static_step(self, layer: int, p: _Rows, h: Tensor, got: LayerKV, carry: "Layer0 | None") -> Stepped | None:
         """`step` as the engine's static step of the rows' bucket (`graphs.StaticStep`: on CUDA
-        one graph replayed), where it computes the same: the static steps leased, the keys at
-        their prompt positions, no carried rows, no selection acting in the layer, no attention
-        mass wanted (fresh chunks' statistics, Alg. 1 deciding). It merges the stored K/V
-        afresh where an earlier phase left a cache of the layer (`caches`): the same cache,
-        bit for bit (`query.reusable_caches`), in two copies and the step's one launch. None:
-        the eager step runs it."""
+        one graph replayed), where it computes the same: the static steps leased, no carried
+        rows, no selection changing the rows in the layer, no attention mass wanted (fresh
+        chunks' statistics, Alg. 1 deciding), reads (if a selection wants them) into the
+        bucket's (`key_reads`). The keys sit where `pos` puts them (`graphs.Caches.keys_at`).
+        It merges the stored K/V afresh where an earlier phase left a cache of the layer
+        (`caches`): the same cache, bit for bit (`query.reusable_caches`), in two copies and
+        the step's one launch. None: the eager step runs it."""
         if not (self.leased and carry is None and not (self.fresh or self.focus.active)
                 and not any(sel.acts(self, layer) or sel.compares(self, layer) for sel in self.selections)):
             return None
         reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, p)) is not None), None)
+        if reads is not None and reads is not self.e.steps.caches(self.n).reads:
+            return None
         R = p.rows.shape[0]
         static = self.e.steps.step(self.n, R)
         cc = static.caches
-        if reads is not None and reads is not cc.reads:
-            return None
         t0 = time.perf_counter()
         if not self._keys_placed:
             cc.keys_at(self.pos)
