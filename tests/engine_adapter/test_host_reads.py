@@ -18,7 +18,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from engine_adapter.blend import blend_prefill
-from engine_adapter.llama import LlamaConfig, LlamaEngine
+from engine_adapter.graphs import StepGraphs
+from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
 from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
@@ -47,21 +48,28 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _reads(num_layers: int, policy: str, chunk_len: int = 24, triton: bool = False) -> collections.Counter[str]:
+def _reads(num_layers: int, policy: str, chunk_len: int = 24, triton: bool = False,
+           graphs: bool = False) -> collections.Counter[str]:
     """triton: the engine's Triton path, with a fresh chunk (its statistics read the attention
-    mass, which that path takes from the attention kernel's launch), kernels' reads counted."""
+    mass, which that path takes from the attention kernel's launch), kernels' reads counted.
+    graphs: that path's static steps (`engine_adapter.graphs`, small buckets), no fresh chunk
+    (whose statistics keep the eager step)."""
     cfg = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=num_layers)
     engine = LlamaEngine.random(cfg, seed=0, std=0.1)
     p = make_prompt(engine, seed=1, behind="other", chunk_len=chunk_len, n_chunks=3 if triton else 4)
-    engine = LlamaEngine(cfg, engine.w, triton=triton)  # the stored variants made by the torch path, faster
+    engine = LlamaEngine(cfg, engine.w, triton=triton, graphs=graphs)  # the stored variants made by the torch path
+    if graphs:
+        engine.steps = StepGraphs(engine, rope_for_spec(engine.model_spec()), tokens_step=16, rows_step=8)
     segments = p.segments()
-    if triton:
+    fresh = triton and not graphs
+    if fresh:
         segments[-2] = Segment(p.chunks[-1])
     source = InMemoryLayerSource({i: v.kv for i, v in p.cache.items()})
     with torch.no_grad(), HostReads((ENGINE_CODE, KERNEL_CODE) if triton else (ENGINE_CODE,)) as spy:
-        r = blend_prefill(engine, segments, Policy(policy), source, gate=TRUSTED, stats=triton)
+        r = blend_prefill(engine, segments, Policy(policy), source, gate=TRUSTED, stats=fresh)
     assert r.reuse and r.computed_share < 1.0
-    assert bool(r.fresh) == triton
+    assert bool(r.fresh) == fresh
+    assert all(t.static for t in r.timings) == graphs
     return spy.sites
 
 
@@ -77,6 +85,15 @@ def test_on_the_triton_path_host_reads_grow_with_neither_layers_nor_rows() -> No
     # the default policy: both passes, the picks, HKVD-free rows (naive's loop is a subset of it)
     base = _reads(2, "query", chunk_len=12, triton=True)
     deeper, longer = _reads(4, "query", chunk_len=12, triton=True), _reads(2, "query", chunk_len=24, triton=True)
+    assert deeper == base, f"reads per layer: {deeper - base}"
+    assert longer == base, f"reads per row: {longer - base}"
+
+
+def test_on_static_steps_host_reads_grow_with_neither_layers_nor_rows() -> None:
+    # the default's two phases on them (24-token chunks or more: its budget buys picks)
+    base = _reads(2, "query", chunk_len=24, triton=True, graphs=True)
+    deeper = _reads(4, "query", chunk_len=24, triton=True, graphs=True)
+    longer = _reads(2, "query", chunk_len=48, triton=True, graphs=True)
     assert deeper == base, f"reads per layer: {deeper - base}"
     assert longer == base, f"reads per row: {longer - base}"
 
