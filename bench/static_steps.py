@@ -3,8 +3,9 @@
 
     python -m kvbench.static_steps [--model quality|smollm2] [--chunk-len 40]
 
-Every policy that blends (naive, Cache-Craft, CacheBlend 15%, the default) over one prompt of
-3 random-token chunks stored behind other chunks and an 8-token question, three ways on the same
+Every policy that blends (naive, Cache-Craft's top 15% of each chunk, CacheBlend 15%, the
+default) over one prompt of 3 random-token chunks stored behind other chunks and an 8-token
+question, three ways on the same
 weights (fp32): plain torch (the CPU path), the engine's Triton path (eager), and that path on
 static steps (`LlamaEngine(graphs=True)`: padded buckets, one CUDA graph a layer on CUDA).
 Prints, per policy, how many layers ran static and the largest logit difference of the static
@@ -41,7 +42,7 @@ from engine_adapter.probe import TOLERANCE, TRUSTED  # noqa: E402
 from engine_adapter.prompt import Segment  # noqa: E402
 from engine_adapter.source import InMemoryLayerSource  # noqa: E402
 
-POLICIES = (("naive", {}), ("cachecraft", {}), ("cacheblend", {"ratio": 0.15}), ("query", {}))
+POLICIES = (("naive", {}, 0.0), ("cachecraft", {}, 0.15), ("cacheblend", {"ratio": 0.15}, 0.0), ("query", {}, 0.0))
 
 
 def _prompt(engine: LlamaEngine, chunk_len: int, chunks: int = 3, question: int = 8, seed: int = 1):
@@ -51,8 +52,17 @@ def _prompt(engine: LlamaEngine, chunk_len: int, chunks: int = 3, question: int 
     others = [rand(chunk_len) for _ in range(chunks)]
     stored = {i: blend_prefill(engine, [Segment(o), Segment(c)], Policy("full"), InMemoryLayerSource({}),
                                gate=TRUSTED).fresh[1] for i, (o, c) in enumerate(zip(others, texts))}
-    segments = [Segment(c, cached=True, cached_prefix=stored[i].prefix) for i, c in enumerate(texts)]
-    return segments + [Segment(rand(question), question=True)], {i: v.kv for i, v in stored.items()}
+    question_tokens = rand(question)
+
+    def segments(share: float) -> list[Segment]:  # share: each chunk's top tokens by stored inter-attention
+        out = []
+        for i, c in enumerate(texts):
+            tia = torch.tensor(stored[i].stats.token_inter_attention, device="cpu")
+            top = sorted(tia.topk(round(share * len(c))).indices.tolist()) if share else []
+            out.append(Segment(c, cached=True, cached_prefix=stored[i].prefix, recompute=top))
+        return out + [Segment(question_tokens, question=True)]
+
+    return segments, {i: v.kv for i, v in stored.items()}
 
 
 def run(path: str, chunk_len: int, device: str) -> list[dict]:
@@ -64,12 +74,12 @@ def run(path: str, chunk_len: int, device: str) -> list[dict]:
     rows = []
     with torch.device(device):
         segments, kv = _prompt(torch_step, chunk_len)
-        for name, options in POLICIES:
+        for name, options, share in POLICIES:
             out = {}
             for how, engine in (("torch", torch_step), ("eager", triton_step), ("static", static)):
                 t0 = time.perf_counter()
-                r = blend_prefill(engine, segments, Policy(name, **options), InMemoryLayerSource(kv), gate=TRUSTED,
-                                  stats=False)
+                r = blend_prefill(engine, segments(share), Policy(name, **options), InMemoryLayerSource(kv),
+                                  gate=TRUSTED, stats=False)
                 out[how] = (r, time.perf_counter() - t0)
             got, eager = out["static"][0].logits.float(), out["eager"][0].logits.float()
             rows.append({"policy": name, "layers": torch_step.cfg.num_layers,
