@@ -5,9 +5,9 @@
 
 Every policy that blends (naive, Cache-Craft's top 15% of each chunk, CacheBlend 15%, the
 default) over one prompt of 3 random-token chunks stored behind other chunks and an 8-token
-question, three ways on the same
-weights (fp32): plain torch (the CPU path), the engine's Triton path (eager), and that path on
-static steps (`LlamaEngine(graphs=True)`: padded buckets, one CUDA graph a layer on CUDA).
+question, three ways on the same weights (fp32): plain torch (the CPU path), the engine's Triton
+path (eager), and that path on static steps (`LlamaEngine(graphs=True)`: padded buckets, one
+CUDA graph a layer on CUDA).
 Prints, per policy, how many layers ran static and the largest logit difference of the static
 steps from the eager Triton step and from plain torch, beside the reuse probe's tolerance.
 

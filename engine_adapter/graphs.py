@@ -14,7 +14,7 @@ nothing), and their results are never read.
 the least recently used dropped first, and a prefill leases it whole (`lease`): a second
 prefill on the same engine at the same time (a fidelity shadow) runs the eager step
 instead of waiting. `StaticStep` is one bucket of rows: its buffers and, on CUDA, one
-graph per layer, captured at the layer's first use. On the CPU (tests, Triton's
+graph per layer (and per whether it adds up reads), captured at its first use. On the CPU (tests, Triton's
 interpreter) the same step runs eagerly over the same buffers: what CUDA captures is
 what the CPU tests check.
 
@@ -47,9 +47,8 @@ def _up(x: int, step: int) -> int:
 
 @dataclass(frozen=True)
 class Bucket:
-    tokens: int  # > the prompt's tokens: position tokens - 1 is where padded rows sit
+    tokens: int  # > the prompt's tokens: position tokens - 1 is where padded rows write their K/V
     rows: int  # >= the computed rows
-
 
 
 class Caches:
