@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
 
         path = str(fetch().path)
     rows = run(path, args.chunk_len, args.device)
-    print(f"{args.model} ({path}), {rows[0]['layers']} layers, 3 x {args.chunk_len} + 8 tokens, fp32, {args.device}")
+    print(f"{args.model} ({path}), {rows[0]['layers']} layers, 3 x {args.chunk_len} + 8 tokens, fp32, "
+          f"{args.device}")
     print(f"{'policy':11s} {'static layers':>13s} {'max|static-eager|':>18s} {'max|static-torch|':>18s} "
           f"{'tolerance':>10s} {'top-1':>6s}")
     for r in rows:

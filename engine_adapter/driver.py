@@ -500,8 +500,9 @@ class _Blend:
             if layer == 0 and carry is not None:
                 p, h = self.joined(p, h, carry)
             t4 = time.perf_counter()
+            static = self._static_layers[-1:] == [layer]
             self.res.timings.append(LayerTiming(wait_s=t1 - t0, compute_s=t4 - t1, rotate_s=self._merge_s,
-                                                attend_s=self._attend_s, static=self._static_layers[-1:] == [layer]))
+                                                attend_s=self._attend_s, static=static))
         self.res.recomputed_rows = list(self._recomputed)
         for sel in self.selections:
             sel.finish(self)

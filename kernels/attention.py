@@ -195,7 +195,10 @@ class KeyReads:
     def restore(self, saved: dict[int, torch.Tensor]) -> None:
         """The sums as `save` found them (a buffer made since back to zero), in place."""
         for n, acc in self._by_programs.items():
-            acc.copy_(saved[n]) if n in saved else acc.zero_()
+            if n in saved:
+                acc.copy_(saved[n])
+            else:
+                acc.zero_()
 
     def total(self) -> torch.Tensor:
         """fp32 [T]: every key's reads over all the calls so far."""
@@ -333,9 +336,10 @@ def selective_attention_triton(
         scale: score scale, default 1 / sqrt(D).
         segments: optional [S+1] integer key-index boundaries of chunks in key order,
             segments[0] == 0, segments[-1] == T, nondecreasing (empty spans allowed).
-        reads: optional `KeyReads` over T keys or more (the first T are these): the softmax probability of each key
-            summed over every row and query head is added into it, from the same launch
-            (what the default policy's question phase records per layer, `engine_adapter.query`).
+        reads: optional `KeyReads` over T keys or more (the first T are these): the softmax
+            probability of each key summed over every row and query head is added into it,
+            from the same launch (what the default policy's question phase records per
+            layer, `engine_adapter.query`).
         validate: check the segments' values (a read of the device); False where the caller
             made them so (the blend loop's `Layout.bounds`), inside a loop that must not wait.
 

@@ -196,7 +196,8 @@ def _rotate_kernel(
                    stride_xt, stride_xd, stride_ot, stride_od)
 
 
-def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`rotate` as one Triton launch: x [H, T, D] (any strides), fp32 tables [T, D/2];
     into `out` (x's shape and dtype, not x itself) where given.
 
