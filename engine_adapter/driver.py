@@ -374,7 +374,8 @@ class _Blend:
         self.leased = False  # the engine's static steps, for this prefill (`run`)
         self._static_in: tuple[StaticStep, _Rows, Tensor] | None = None  # the rows a static step has loaded
         self._static_layers: list[int] = []
-        self._keys_placed = False  # the bucket's key positions are this prefill's (`static_step`)
+        self._keys_placed = False  # the bucket's key positions and segments are this prefill's (`static_step`)
+        self._segments = 0  # S' of the bucket's segments (`graphs.Caches.segments_of`), 0: no mass wanted
 
     def _live_changed(self) -> None:
         """`pieces`: the prompt in order as a layer's merge concatenates it, a live chunk's index
@@ -549,13 +550,15 @@ class _Blend:
     def static_step(self, layer: int, p: _Rows, h: Tensor, got: LayerKV, carry: "Layer0 | None") -> Stepped | None:
         """`step` as the engine's static step of the rows' bucket (`graphs.StaticStep`: on CUDA
         one graph replayed), where it computes the same: the static steps leased, no carried
-        rows, no selection changing the rows in the layer, no attention mass wanted (fresh
-        chunks' statistics, Alg. 1 deciding), reads (if a selection wants them) into the
-        bucket's (`key_reads`). The keys sit where `pos` puts them (`graphs.Caches.keys_at`).
+        rows, no selection changing the rows in the layer, reads (if a selection wants them)
+        into the bucket's (`key_reads`). The keys sit where `pos` puts them
+        (`graphs.Caches.keys_at`); the attention mass per segment, where rows need it (fresh
+        chunks' statistics, Alg. 1 deciding), comes over the bucket's segments
+        (`graphs.Caches.segments_of`) and is cut to the prompt's.
         It merges the stored K/V afresh where an earlier phase left a cache of the layer
         (`caches`): the same cache, bit for bit (`query.reusable_caches`), in two copies and
         the step's one launch. None: the eager step runs it."""
-        if not (self.leased and carry is None and not (self.fresh or self.focus.active)
+        if not (self.leased and carry is None
                 and not any(sel.acts(self, layer) or sel.compares(self, layer) for sel in self.selections)):
             return None
         reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, p)) is not None), None)
@@ -567,6 +570,7 @@ class _Blend:
         t0 = time.perf_counter()
         if not self._keys_placed:
             cc.keys_at(self.pos)
+            self._segments = cc.segments_of(self.lay.bounds, self.n) if self.fresh or self.focus.window else 0
             self._keys_placed = True
         cc.merge(layer, [got[x][0] if isinstance(x, int) else x for x in self.pieces],
                  [got[x][1] if isinstance(x, int) else x for x in self.pieces], self.n)
@@ -574,11 +578,14 @@ class _Blend:
                                            and self._static_in[2] is h):
             static.load(p.rows, h)
         self._merge_s = time.perf_counter() - t0
-        q, qkv = static.run(layer, reads is not None)
+        want_mass = bool(self.fresh or self.focus.active)
+        q, qkv, mass = static.run(layer, reads is not None, self._segments if want_mass else 0)
         self._attend_s = 0.0
         c = self.e.cfg
         _, k, v = qkv[:, :R].split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
-        out = Stepped(p, static.h[:R], q[:, :R], k, v, None)
+        if want_mass:
+            mass = mass[:R, :len(self.lay.segments)].index_select(0, self._needed(p))
+        out = Stepped(p, static.h[:R], q[:, :R], k, v, mass)
         self._static_in = (static, p, out.h)
         self.kv.append((cc.K[layer][:, :self.n], cc.V[layer][:, :self.n]))
         self._static_layers.append(layer)
@@ -659,8 +666,8 @@ class _Blend:
         e = self.e
         if not (select and (self.fresh or self.focus.active)):
             return e.attend(q, p.rows, K, V, self.pos, p.mask, reads=reads), None
+        at = self._needed(p)
         need = self.need_rows()
-        at = p.memo("need_focus" if self.focus.active else "need_fresh", lambda: torch.searchsorted(p.rows, need))
         if e.triton:
             o, mass = selective_attention_triton(q, p.rows, K, V, self.pos, scale=e.scale, segments=self.lay.bounds,
                                                  reads=reads, validate=False)
@@ -677,6 +684,11 @@ class _Blend:
             reads.clear()
             return reads
         return KeyReads(self.n, self.e.device)
+
+    def _needed(self, p: _Rows) -> Tensor:
+        """Indices into p's rows of the rows whose attention mass is wanted (`need_rows`)."""
+        need = self.need_rows()
+        return p.memo("need_focus" if self.focus.active else "need_fresh", lambda: torch.searchsorted(p.rows, need))
 
     def need_rows(self) -> Tensor:
         return self._need_focus if self.focus.active else self._need_fresh

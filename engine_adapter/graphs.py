@@ -14,7 +14,8 @@ nothing), and their results are never read.
 the least recently used dropped first, and a prefill leases it whole (`lease`): a second
 prefill on the same engine at the same time (a fidelity shadow) runs the eager step
 instead of waiting. `StaticStep` is one bucket of rows: its buffers and, on CUDA, one
-graph per layer (and per whether it adds up reads), captured at its first use. On the CPU (tests, Triton's
+graph per layer and kind of step (adding up reads or not, returning the attention mass or
+not), captured at its first use. On the CPU (tests, Triton's
 interpreter) the same step runs eagerly over the same buffers: what CUDA captures is
 what the CPU tests check.
 
@@ -37,6 +38,7 @@ from kvkernels.layer import rope_write_triton
 
 TOKENS_STEP = 256  # a bucket's prompt tokens: a multiple of this
 ROWS_STEP = 64  # a bucket's computed rows: a multiple of this
+SEGMENTS_STEP = 8  # the attention mass's segments (a prompt's and one past it): a multiple of this
 MAX_STEPS = 16  # buckets of rows kept, each with a graph per layer
 MAX_CACHES = 2  # buckets of tokens kept, each with every layer's merged K and V
 
@@ -54,8 +56,8 @@ class Bucket:
 class Caches:
     """One bucket of tokens: every layer's merged cache, K post-RoPE and V [L, Hkv, N, D],
     one layer's stored K before its rotation, the RoPE tables of every position, the keys'
-    positions in this prefill (`keys_at`), what rows read of each key (`reads`), and zeros
-    for the positions past a prompt."""
+    positions in this prefill (`keys_at`), what rows read of each key (`reads`), the prompt's
+    segments for the attention mass (`segments_of`), and zeros for the positions past a prompt."""
 
     def __init__(self, engine: Any, rope: RopeConfig, tokens: int, pad: int):
         c = engine.cfg
@@ -69,12 +71,27 @@ class Caches:
         self.key_pos = self.pos.clone()  # where the attention sees each key (`keys_at`)
         self.reads = KeyReads(tokens, engine.device)  # the default's question phase (`query.QuestionPhase`)
         self.zeros = torch.zeros(c.num_kv_heads, pad, c.head_dim, **like)  # pad >= tokens - any prompt's n
+        self.segments: dict[int, Tensor] = {}  # S' -> [S' + 1] key bounds (`segments_of`)
 
     def keys_at(self, pos: Tensor) -> None:
         """The prompt's keys at positions `pos` [n] for the attention (their prompt positions,
         or past the end where a phase hides them); the padding at its own."""
         self.key_pos.copy_(self.pos)
         self.key_pos[:pos.shape[0]].copy_(pos)
+
+    def segments_of(self, bounds: Tensor, n: int) -> int:
+        """The prompt's segment bounds [S + 1] (n tokens) as the attention mass's segments over
+        the bucket's keys: the S segments, then empty ones at n, then one over the positions
+        past the prompt, S' in all (S + 1 rounded up to SEGMENTS_STEP). Returns S'; the bounds
+        are `segments[S']`."""
+        S = bounds.shape[0] - 1
+        size = _up(S + 1, SEGMENTS_STEP)
+        if size not in self.segments:
+            self.segments[size] = torch.full((size + 1,), self.tokens, dtype=torch.long, device=self.pos.device)
+        out = self.segments[size]
+        out[:S + 1].copy_(bounds)
+        out[S + 1:size].fill_(n)
+        return size
 
     def merge(self, layer: int, k: list[Tensor], v: list[Tensor], n: int) -> None:
         """Layer `layer`'s stored K (before its rotation) and V of a prompt of n tokens, given
@@ -97,9 +114,10 @@ class StaticStep:
         # to the attention: a padded row at -1 sees no key (its output 0, its reads none)
         self.cos = torch.empty(rows, c.head_dim // 2, dtype=torch.float32, device=engine.device)
         self.sin = torch.empty_like(self.cos)
-        self.out: dict[tuple[int, bool], tuple[Tensor, Tensor]] = {}  # (layer, reads) -> (the rows' rotated q,
-        # their q/k/v heads)
-        self.graphs: dict[tuple[int, bool], Any] = {}  # (layer, reads) -> torch.cuda.CUDAGraph
+        # (layer, reads, segments: `Caches.segments_of`, 0 for no mass) -> the rows' rotated q, their
+        # q/k/v heads, their attention mass per segment or None; and the step's CUDA graph
+        self.out: dict[tuple[int, bool, int], tuple[Tensor, Tensor, Tensor | None]] = {}
+        self.graphs: dict[tuple[int, bool, int], Any] = {}
         self.pool: Any = None  # the graphs' memory pool
 
     def load(self, rows: Tensor, h: Tensor) -> None:
@@ -116,20 +134,21 @@ class StaticStep:
         self.h[R:].zero_()
         self.h[:R].copy_(h)
 
-    def run(self, layer: int, reads: bool = False) -> tuple[Tensor, Tensor]:
+    def run(self, layer: int, reads: bool = False, segments: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
         """Layer `layer` of the loaded rows, over the layer's stored K/V (`Caches.merge`):
         their hidden states after it in `h`, their K/V written into the layer's cache, and
         with `reads` what they read of each key added into `Caches.reads`. Returns their
-        rotated q [Hq, R, D] and q/k/v heads [Hq+2Hkv, R, D] (valid until the layer runs
-        again). CUDA: a graph replayed (captured at the first run)."""
-        key = (layer, reads)
+        rotated q [Hq, R, D], q/k/v heads [Hq+2Hkv, R, D] and, with `segments` (S' of
+        `Caches.segments_of`), their attention mass per segment [R, S'] (valid until the layer
+        runs again). CUDA: a graph replayed (captured at the first run)."""
+        key = (layer, reads, segments)
         if self.h.device.type != "cuda":
             self.out[key] = self._body(*key)
         else:
             (self.graphs.get(key) or self._capture(*key)).replay()
         return self.out[key]
 
-    def _body(self, layer: int, reads: bool) -> tuple[Tensor, Tensor]:
+    def _body(self, layer: int, reads: bool, segments: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """The kernels of one layer (Triton): norm and QKV, the stored K rotated into the
         layer's cache, the rows' q and k rotated and their K/V written, attention by
         position, o-proj and the MLP. No host reads, no allocation that depends on a value."""
@@ -138,17 +157,18 @@ class StaticStep:
         qkv = e.qkv_heads(layer, self.h)
         rotate_triton(cc.raw, *cc.tables, out=K)
         q = rope_write_triton(qkv, e.cfg.num_heads, self.cos, self.sin, self.rows, K, V)
-        o = selective_attention_triton(q, self.at, K, V, cc.key_pos, scale=e.scale,
-                                       reads=cc.reads if reads else None, validate=False)[0]
+        o, mass = selective_attention_triton(q, self.at, K, V, cc.key_pos, scale=e.scale,
+                                             segments=cc.segments[segments] if segments else None,
+                                             reads=cc.reads if reads else None, validate=False)
         self.h.copy_(e.layer_out(layer, self.h, o))
-        return q, qkv
+        return q, qkv, mass
 
-    def _capture(self, layer: int, reads: bool) -> Any:
+    def _capture(self, layer: int, reads: bool, segments: int) -> Any:
         h, read = self.h.clone(), self.caches.reads.save()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._body(layer, reads)  # Triton compiles a kernel at its first launch: never inside a capture
+            self._body(layer, reads, segments)  # Triton compiles a kernel at its first launch: never in a capture
         torch.cuda.current_stream().wait_stream(side)
         # The warm-up moved h on by a layer and added its reads; K and V it wrote again as they were.
         self.h.copy_(h)
@@ -157,8 +177,8 @@ class StaticStep:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.out[layer, reads] = self._body(layer, reads)
-        self.graphs[layer, reads] = graph
+            self.out[layer, reads, segments] = self._body(layer, reads, segments)
+        self.graphs[layer, reads, segments] = graph
         return graph
 
 

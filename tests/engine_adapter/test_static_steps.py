@@ -60,7 +60,7 @@ def _same_result(got, ref) -> None:  # noqa: ANN001
         _close(v, v0)
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICIES if p not in ("full", "prefix")])
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "full"])
 def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str):
     eager, static = engines
     # 16-token chunks leave the default a budget to pick rows with (8: none, naive reuse)
@@ -70,13 +70,13 @@ def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str)
                 for e in (eager, static))
     _same_result(got, ref)
     static_layers = [layer for layer, t in enumerate(got.timings) if t.static]
-    # naive reuse and Cache-Craft's fixed rows run every layer static; CacheBlend its layers
-    # outside HKVD's filter layers (1..); the default its question phase's (layers 0..L-2,
-    # its reads added up in the bucket's buffer) and its second phase's from layer 1 (its
-    # layer 0 takes the question's rows carried over).
-    # Not here: full prefill (no blend loop) and prefix reuse (the chunks it computes are new
-    # variants, whose statistics read the attention mass: below).
-    want = {"naive": [0, 1, 2], "cachecraft": [0, 1, 2], "cacheblend": [0], "query": [0, 1, 2]}
+    # naive reuse, Cache-Craft's fixed rows and prefix reuse (the chunks it computes are new
+    # variants: their statistics read the attention mass, over the bucket's segments) run
+    # every layer static; CacheBlend its layers outside HKVD's filter layers (1..); the default
+    # its question phase's (layers 0..L-2, its reads added up in the bucket's buffer) and its
+    # second phase's from layer 1 (its layer 0 takes the question's rows carried over).
+    # Not here: full prefill (no blend loop).
+    want = {"naive": [0, 1, 2], "cachecraft": [0, 1, 2], "cacheblend": [0], "query": [0, 1, 2], "prefix": [0, 1, 2]}
     assert static_layers == want[policy]
 
 
@@ -104,15 +104,29 @@ def test_the_question_phases_reads_on_static_steps_equal_the_torch_paths(withhol
         _close(got.reads, ref.reads)
 
 
-def test_a_fresh_chunk_keeps_the_eager_step_for_its_statistics(engines):
+@pytest.mark.parametrize("focus", [0, 2], ids=["fresh_chunk", "fresh_chunk_and_alg1"])
+def test_a_fresh_chunks_statistics_on_static_steps_equal_the_eager_steps(engines, focus: int):
+    """A chunk computed here is a new variant: its KV and statistics (Cache-Craft §3.1) read
+    its rows' attention mass per segment, taken from the static step over the bucket's
+    segments (the prompt's, empty ones, one past the prompt) and cut to the prompt's. With
+    Alg. 1 deciding (`focus_window`), the question's mass too."""
     eager, static = engines
     p = make_prompt(eager, seed=6, n_chunks=3, chunk_len=8, question_len=4)
     segments = p.segments()
-    segments[1] = Segment(p.chunks[1])  # computed here: its statistics read the attention mass
-    ref, got = (blend_prefill(e, segments, Policy("naive"), p.source(), gate=TRUSTED) for e in (eager, static))
+    segments[1] = Segment(p.chunks[1])  # computed here
+    policy = Policy("cachecraft", focus_window=focus) if focus else Policy("naive")
+    ref, got = (blend_prefill(e, segments, policy, p.source(), gate=TRUSTED) for e in (eager, static))
     _same_result(got, ref)
-    assert not any(t.static for t in got.timings)
-    assert got.fresh[1].stats == ref.fresh[1].stats
+    assert all(t.static for t in got.timings)
+    assert (got.focused, got.focus_layer) == (ref.focused, ref.focus_layer)
+    mine, theirs = got.fresh[1], ref.fresh[1]
+    for (k, v), (k0, v0) in zip(mine.kv, theirs.kv, strict=True):
+        _close(k, k0)
+        _close(v, v0)
+    assert mine.stats.a == pytest.approx(theirs.stats.a, rel=1e-5)
+    assert mine.stats.b == pytest.approx(theirs.stats.b, rel=1e-5)
+    assert mine.stats.prefix_attention == pytest.approx(theirs.stats.prefix_attention, rel=1e-5)
+    assert mine.stats.token_inter_attention == pytest.approx(theirs.stats.token_inter_attention, rel=1e-5, abs=1e-7)
 
 
 def test_exact_reuse_on_a_deployments_buckets_equals_full_prefill(engines):
@@ -182,19 +196,24 @@ class _CaptureBreakers(HostReads):
 
 
 def test_a_static_step_reads_nothing_of_the_device_and_copies_nothing_from_the_host(engines):
+    # every kind of static step: plain (Cache-Craft), with reads (the default's question
+    # phase) and with the attention mass (a fresh chunk's statistics)
     eager, static = engines
-    p = make_prompt(eager, seed=12, n_chunks=3, chunk_len=8, question_len=4)
+    p = make_prompt(eager, seed=12, n_chunks=3, chunk_len=16, question_len=4)
+    fresh = p.segments()
+    fresh[1] = Segment(p.chunks[1])
     spy, runs = _CaptureBreakers(), []
     inner = StaticStep.run
 
-    def watched(self, layer, reads=False):  # noqa: ANN001, ANN202
-        runs.append(layer)
+    def watched(self, layer, *kinds):  # noqa: ANN001, ANN002, ANN202
+        runs.append((layer, *kinds))
         with spy:
-            return inner(self, layer, reads)
+            return inner(self, layer, *kinds)
 
     with mock.patch.object(StaticStep, "run", watched):
-        blend_prefill(static, p.segments(), Policy("cachecraft"), p.source(), gate=TRUSTED)
-    assert runs == [0, 1, 2]
+        for policy, segments in (("cachecraft", p.segments()), ("query", p.segments()), ("naive", fresh)):
+            blend_prefill(static, segments, Policy(policy), p.source(), gate=TRUSTED)
+    assert {(reads, bool(mass)) for _, reads, mass in runs} == {(False, False), (True, False), (False, True)}
     assert not spy.sites, dict(spy.sites)
 
 
