@@ -11,6 +11,7 @@ import torch
 from engine_adapter import LlamaEngine, Policy
 from engine_adapter.blend import blend_prefill
 from engine_adapter.probe import TOLERANCE, TRUSTED
+from engine_adapter.prompt import Segment
 from tests.engine_adapter.adapter_helpers import make_prompt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -37,6 +38,25 @@ def test_graphs_replayed_across_prompts_give_the_eager_steps_logits(policy: str)
     for got, kept in results:  # a result's caches are its own, not the bucket's
         for (k, v), (k0, v0) in zip(got.kv, kept, strict=True):
             assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_graphs_returning_the_attention_mass_give_a_fresh_chunks_statistics_as_the_eager_step():
+    cpu = LlamaEngine.random("tiny", seed=0, std=0.1)
+    weights = {n: w.cuda() for n, w in cpu.w.items()}
+    eager, graphed = LlamaEngine(cpu.cfg, weights), LlamaEngine(cpu.cfg, weights, graphs=True)
+    p = make_prompt(cpu, 5, n_chunks=4, chunk_len=24)
+    for v in p.cache.values():
+        v.kv[:] = [(k.cuda(), x.cuda()) for k, x in v.kv]
+    with torch.device("cuda"):
+        segments = p.segments()
+        segments[1] = Segment(p.chunks[1])  # computed here: a new variant
+        for _ in range(2):  # captured, then replayed
+            ref, got = (blend_prefill(e, segments, Policy("naive"), p.source(), gate=TRUSTED)
+                        for e in (eager, graphed))
+            assert all(t.static for t in got.timings)
+            torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+            assert got.fresh[1].stats.token_inter_attention == pytest.approx(
+                ref.fresh[1].stats.token_inter_attention, rel=1e-4, abs=1e-6)
 
 
 def test_exact_reuse_on_graphs_equals_full_prefill():
