@@ -392,6 +392,13 @@ class _Blend:
             if s < len(self.lay.segments):
                 self.pieces.append(s)
 
+    def stored_pieces(self, got: LayerKV) -> tuple[list[Tensor], list[Tensor]]:
+        """A layer's K and V as its merge concatenates them (`pieces`): the live chunks' stored
+        K/V that arrived (`got`) and zeros between them, in prompt order."""
+        k = [got[x][0] if isinstance(x, int) else x for x in self.pieces]
+        v = [got[x][1] if isinstance(x, int) else x for x in self.pieces]
+        return k, v
+
     # ---- rows -------------------------------------------------------------------
 
     def initial_rows(self) -> list[int]:
@@ -572,8 +579,7 @@ class _Blend:
             cc.keys_at(self.pos)
             self._segments = cc.segments_of(self.lay.bounds, self.n) if self.fresh or self.focus.window else 0
             self._keys_placed = True
-        cc.merge(layer, [got[x][0] if isinstance(x, int) else x for x in self.pieces],
-                 [got[x][1] if isinstance(x, int) else x for x in self.pieces], self.n)
+        cc.merge(layer, *self.stored_pieces(got), self.n)
         if self._static_in is None or not (self._static_in[0] is static and self._static_in[1] is p
                                            and self._static_in[2] is h):
             static.load(p.rows, h)
@@ -628,8 +634,9 @@ class _Blend:
         their K/V; returns the rotated q then (else None: `step` rotates the rows it keeps)."""
         c = self.e.cfg
         K = self._Kraw
-        torch.cat([got[x][0] if isinstance(x, int) else x for x in self.pieces], 1, out=K)
-        Vl = torch.cat([got[x][1] if isinstance(x, int) else x for x in self.pieces], 1)
+        k_pieces, v_pieces = self.stored_pieces(got)
+        torch.cat(k_pieces, 1, out=K)
+        Vl = torch.cat(v_pieces, 1)
         if p.n_cand and compares:
             at = p.rows.index_select(0, p.cand)
             self.stored = at, K.index_select(1, at), Vl.index_select(1, at)

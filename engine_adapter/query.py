@@ -68,8 +68,8 @@ DEVIATION_MAX_SHARE = 1 / 2
 
 class QuestionPhase(Selection):
     """The first phase: naive reuse that runs the question alone and records what it reads
-    (`total_reads`), the question rows after layer 0 (`layer0`) and, with `deviation`, the
-    deviation of every reused row's stored layer-1 K/V."""
+    (`reads`, whole once the loop ends: `finish`), the question rows after layer 0 (`layer0`)
+    and, with `deviation`, the deviation of every reused row's stored layer-1 K/V."""
 
     def __init__(self, deviation: bool = False) -> None:
         self.measures_deviation = deviation
@@ -131,14 +131,12 @@ class QuestionPhase(Selection):
         return self.key_reads
 
     def finish(self, b: _Blend) -> None:
-        if self.key_reads is not None:  # its first n keys are the prompt's (`_Blend.key_reads`)
+        """`reads` becomes what the question read of each row over layers 1..L-2, both ways
+        counted: the Triton attention's sums added in (its first n keys are the prompt's,
+        `_Blend.key_reads`)."""
+        if self.key_reads is not None:
             self.reads = self.reads + self.key_reads.total()[:b.n]
             self.key_reads = None
-
-    def total_reads(self) -> Tensor:
-        """[N] what the question read of each row over layers 1..L-2, both ways counted (the
-        Triton attention's sums added in at `finish`)."""
-        return self.reads
 
     def observe(self, b: _Blend, layer: int, out: Stepped) -> None:
         if layer > 0 and self.kernel_read != layer:
@@ -229,8 +227,7 @@ def question_reads(engine: LlamaEngine, lay: Layout, source: LayerSource, reused
     loop = _Blend(engine, lay, Naive(layer_budget_s=layer_budget_s), replay, list(reused), stats=False,
                   selections=[phase])
     first = loop.run(False, depth=engine.cfg.num_layers - 1)
-    return QuestionReads(phase.total_reads(), loop.live_mask.clone(), replay.received, first, phase.layer0,
-                         phase.deviation)
+    return QuestionReads(phase.reads, loop.live_mask.clone(), replay.received, first, phase.layer0, phase.deviation)
 
 
 def joined_score(q: QuestionReads, weight: float) -> Tensor:

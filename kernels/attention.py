@@ -178,7 +178,7 @@ class KeyReads:
         self._by_programs: dict[int, torch.Tensor] = {}
 
     def buffer(self, programs: int) -> torch.Tensor:
-        """The [programs, T] accumulator of launches with that many programs."""
+        """The [programs, keys] accumulator of launches with that many programs."""
         if programs not in self._by_programs:
             self._by_programs[programs] = torch.zeros(programs, self.keys, dtype=torch.float32, device=self.device)
         return self._by_programs[programs]
