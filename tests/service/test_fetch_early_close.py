@@ -78,11 +78,28 @@ def wait_released(store: ChunkStore, key: str, timeout: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def test_a_fetch_the_client_closes_early_copies_nothing_up(served):
+def test_a_fetch_the_client_closes_early_copies_nothing_up(served, monkeypatch):
+    """The server's read of layer 2 waits until the server has seen the cancel: loopback's
+    socket buffers can take all six layers before a cancel arrives, and a stream the
+    server finished rightly commits its copy."""
+    cancel_seen = threading.Event()
+    read_layer = served.store.read_layer
+
+    def gated(info, layer):
+        if layer >= 2:
+            cancel_seen.wait(30)
+        return read_layer(info, layer)
+
+    monkeypatch.setattr(served.store, "read_layer", gated)
     with grpc.insecure_channel(served.address) as ch:
         call = pb_grpc.KVCacheStub(ch).FetchLayers(fetch_request(served.on_disk))
         next(call)  # layer 0, read from disk (and into the host copy being filled)
         call.cancel()
+    deadline = time.monotonic() + 30
+    while served.running.inflight.active:  # the handler ended: the server saw the cancel
+        assert time.monotonic() < deadline, "the server never saw the cancel"
+        time.sleep(0.005)
+    cancel_seen.set()
     wait_released(served.store, served.on_disk)
     (v,) = served.store.index.variants_of(served.on_disk)
     assert v.tier == "disk"
