@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import threading
 import time
 import uuid
@@ -249,12 +248,6 @@ def test_blocking_plans_time_out_in_deadline_order_and_close_ends_the_threads():
         server.stop(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_blocking_client_dropped_without_close_ends_its_stream(shared_server, model):
     """Its threads hold the channel, not the client: once the client is collected its
     stream ends and the threads with it, so forgotten clients do not pile up threads."""
@@ -274,7 +267,7 @@ def test_a_blocking_client_dropped_without_close_ends_its_stream(shared_server, 
 
 
 def test_the_stream_opens_again_after_the_service_restarts(start_server):
-    server = start_server(port=_free_port())
+    server = start_server()
     with KVClient(server.address) as c:
         _store_some(c)
 
@@ -310,7 +303,7 @@ def test_the_stream_needs_the_token(start_server):
 
 
 def test_the_blocking_stream_opens_again_after_the_service_restarts_and_needs_the_token(start_server):
-    server = start_server(port=_free_port(), auth_token="engine-secret")
+    server = start_server(auth_token="engine-secret")
     with KVClient(server.address, token="engine-secret") as c:
         _store_some(c)
         assert c.plan(MODEL, [tokens(0)], question_tokens=4).chunks
