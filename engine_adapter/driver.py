@@ -556,17 +556,17 @@ class _Blend:
 
     def static_step(self, layer: int, p: _Rows, h: Tensor, got: LayerKV, carry: "Layer0 | None") -> Stepped | None:
         """`step` as the engine's static step of the rows' bucket (`graphs.StaticStep`: on CUDA
-        one graph replayed), where it computes the same: the static steps leased, no carried
-        rows, no selection changing the rows in the layer, reads (if a selection wants them)
-        into the bucket's (`key_reads`). The keys sit where `pos` puts them
+        one graph replayed), where it computes the same: the static steps leased, no selection
+        changing the rows in the layer, reads (if a selection wants them) into the bucket's
+        (`key_reads`). Carried rows (`Layer0`) have their K/V written into the bucket's
+        buffers before the step, where `merged` writes them. The keys sit where `pos` puts them
         (`graphs.Caches.keys_at`); the attention mass per segment, where rows need it (fresh
         chunks' statistics, Alg. 1 deciding), comes over the bucket's segments
         (`graphs.Caches.segments_of`) and is cut to the prompt's.
         It merges the stored K/V afresh where an earlier phase left a cache of the layer
         (`caches`): the same cache, bit for bit (`query.reusable_caches`), in two copies and
         the step's one launch. None: the eager step runs it."""
-        if not (self.leased and carry is None
-                and not any(sel.acts(self, layer) or sel.compares(self, layer) for sel in self.selections)):
+        if not (self.leased and not any(sel.acts(self, layer) or sel.compares(self, layer) for sel in self.selections)):
             return None
         reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, p)) is not None), None)
         if reads is not None and reads is not self.e.steps.caches(self.n).reads:
@@ -580,6 +580,9 @@ class _Blend:
             self._segments = cc.segments_of(self.lay.bounds, self.n) if self.fresh or self.focus.window else 0
             self._keys_placed = True
         cc.merge(layer, *self.stored_pieces(got), self.n)
+        if carry is not None:  # RoPE-free K: the step rotates it with the stored K
+            cc.raw.index_copy_(1, carry.rows, carry.k)
+            cc.V[layer].index_copy_(1, carry.rows, carry.v)
         if self._static_in is None or not (self._static_in[0] is static and self._static_in[1] is p
                                            and self._static_in[2] is h):
             static.load(p.rows, h)

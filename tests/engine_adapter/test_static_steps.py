@@ -20,6 +20,7 @@ from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
 from engine_adapter.policy import POLICIES, Policy
 from engine_adapter.probe import TOLERANCE, TRUSTED
 from engine_adapter.prompt import Layout, Segment
+from engine_adapter import query
 from engine_adapter.query import question_reads
 from tests.engine_adapter.adapter_helpers import make_prompt
 from tests.engine_adapter.test_host_reads import ENGINE_CODE, KERNEL_CODE, HostReads
@@ -74,10 +75,31 @@ def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str)
     # variants: their statistics read the attention mass, over the bucket's segments) run
     # every layer static; CacheBlend its layers outside HKVD's filter layers (1..); the default
     # its question phase's (layers 0..L-2, its reads added up in the bucket's buffer) and its
-    # second phase's from layer 1 (its layer 0 takes the question's rows carried over).
-    # Not here: full prefill (no blend loop).
+    # second phase's (`test_the_default_policys_second_phase_...` below: layer by layer, the
+    # two phases' flags are one here). Not here: full prefill (no blend loop).
     want = {"naive": [0, 1, 2], "cachecraft": [0, 1, 2], "cacheblend": [0], "query": [0, 1, 2], "prefix": [0, 1, 2]}
     assert static_layers == want[policy]
+
+
+def test_the_default_policys_second_phase_runs_every_layer_static_its_carried_question_rows_too(engines):
+    """Its layer 0 takes the question's rows through layer 0 from the question phase (`Layer0`):
+    their K/V written into the bucket's buffers before the step, as the eager merge writes them."""
+    eager, static = engines
+    p = make_prompt(eager, seed=5, n_chunks=3, chunk_len=16, question_len=4)
+    phases, repair = [], query.repair
+
+    def second(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        res = repair(*args, **kwargs)
+        phases.append((args[8], [t.static for t in res.timings]))  # carry; (before both phases' are joined)
+        return res
+
+    with mock.patch.object(query, "repair", second):
+        ref, got = [blend_prefill(e, p.segments(), Policy("query"), p.source(), gate=TRUSTED)
+                    for e in (eager, static)]
+    _same_result(got, ref)
+    (carry, _), (carry_static, static_layers) = phases
+    assert carry is not None and carry_static is not None
+    assert static_layers == [True] * CFG.num_layers
 
 
 @pytest.mark.parametrize("withhold", [(), ((2, 2),)], ids=["all_arrive", "a_chunk_falls_back"])
