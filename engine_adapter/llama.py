@@ -203,10 +203,17 @@ class LlamaEngine:
         self.rope = rope or cfg.rope()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.triton = self.device.type == "cuda" if triton is None else triton
-        if graphs and not self.triton:
-            raise ValueError("graphs need the engine's Triton kernels (triton=True)")
         self._fuse()
-        self.steps = StepGraphs(self, rope_for_spec(self.model_spec())) if graphs else None
+        self.steps: StepGraphs | None = None
+        if graphs:
+            self.use_graphs()
+
+    def use_graphs(self) -> None:
+        """From now on the blend loop runs its layers, where it can, as static steps (`graphs`)."""
+        if not self.triton:
+            raise ValueError("graphs need the engine's Triton kernels (triton=True; by default on CUDA)")
+        if self.steps is None:
+            self.steps = StepGraphs(self, rope_for_spec(self.model_spec()))
 
     def _fuse(self) -> None:
         """One [Wq; Wk; Wv] and one [Wgate; Wup] per layer; the HF names become row views

@@ -55,6 +55,7 @@ class ConnectorSettings:
     blend_store_back: bool = True    # store the chunks kvcraft computed in full (fresh) as variants
     chunk_model_id: str = ""         # chunk namespace; default: the reference engine's ModelSpec fingerprint
     plan_timeout_s: float = 1.0      # a blend request waits at most this for its Plan (then: vLLM alone)
+    blend_graphs: bool = False       # the blend's layers as static steps, CUDA graphs (CUDA only; docs/vllm.md)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -69,19 +70,27 @@ class ConnectorSettings:
         for name in ("breaker_failures", "save_concurrency", "max_pending_saves", "load_concurrency"):
             if not (isinstance(getattr(s, name), int) and getattr(s, name) >= 1):
                 raise ValueError(f"kv_connector_extra_config {name} must be an integer >= 1, got {getattr(s, name)!r}")
-        for name in ("local", "blend_store_back"):
+        for name in ("local", "blend_store_back", "blend_graphs"):
             if not isinstance(getattr(s, name), bool):
                 raise ValueError(f"kv_connector_extra_config {name} must be true or false, got {getattr(s, name)!r}")
         if not s.plan_timeout_s > 0:
             raise ValueError(f"kv_connector_extra_config plan_timeout_s must be > 0, got {s.plan_timeout_s!r}")
         if s.blend_policy != "off":
             make_blend_policy(s.blend_policy, s.blend_options)  # raises naming the problem
-        elif s.blend_options:
-            raise ValueError("kv_connector_extra_config blend_options given but blend_policy is 'off'")
+        else:
+            for name in ("blend_options", "blend_graphs"):
+                if getattr(s, name):
+                    raise ValueError(f"kv_connector_extra_config {name} given but blend_policy is 'off'")
         for name in ("shutdown_drain_s", "idle_wait_s"):
             if not getattr(s, name) >= 0:
                 raise ValueError(f"kv_connector_extra_config {name} must be >= 0, got {getattr(s, name)!r}")
         return s
+
+
+def check_device(settings: ConnectorSettings, device_type: str) -> None:
+    """What the settings need of vLLM's device; ValueError naming the key otherwise."""
+    if settings.blend_graphs and device_type != "cuda":
+        raise ValueError(f"kv_connector_extra_config blend_graphs needs a CUDA device (vLLM's is {device_type!r})")
 
 
 def make_blend_policy(name: Any, options: Any) -> Any:

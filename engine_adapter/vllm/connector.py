@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from engine_adapter.vllm.blocks import KVCraftMetadata
-from engine_adapter.vllm.config import ConnectorSettings, chunk_namespace, chunk_spec, spec_from_vllm
+from engine_adapter.vllm.config import ConnectorSettings, check_device, chunk_namespace, chunk_spec, spec_from_vllm
 from engine_adapter.vllm.metrics import SCHEDULER_COUNTERS, WORKER_COUNTERS, ConnectorMetrics, KVCraftStats
 from engine_adapter.vllm.scheduler import SchedulerSide
 from engine_adapter.vllm.worker import WorkerSide
@@ -59,6 +59,7 @@ class KVCraftConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra(dict(tc.kv_connector_extra_config or {}))
+        check_device(self.settings, str(vllm_config.device_config.device_type))
         if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning("kvcraft: kv_load_failure_policy=%r: a failed load fails the request; "
                         "use 'recompute' (kv_transfer_config() sets it)", tc.kv_load_failure_policy)

@@ -97,6 +97,8 @@ class ContextBuilder:
                 if not self.settings.chunk_model_id and got != self.chunk_model_id:
                     raise BlendFailed(f"the model's chunk namespace {got} is not the scheduler side's "
                                       f"{self.chunk_model_id}")
+                if self.settings.blend_graphs:
+                    engine.use_graphs()
                 self._engine = engine
             return self._engine
 

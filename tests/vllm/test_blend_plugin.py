@@ -43,6 +43,8 @@ def test_entry_point_registers_the_model_class():
     ({"plan_timeout_s": 0}, "plan_timeout_s must be > 0"),
     ({"idle_wait_s": -0.01}, "idle_wait_s must be >= 0"),
     ({"local": "false"}, "local must be true or false"),
+    ({"blend_graphs": True}, "blend_graphs given but blend_policy is 'off'"),
+    ({"blend_policy": "query", "blend_graphs": 1}, "blend_graphs must be true or false"),
     ({"blend_local": False}, "unknown kv_connector_extra_config keys: ['blend_local']"),
 ])
 def test_bad_blend_settings_are_refused_by_name(extra, message):
@@ -51,3 +53,17 @@ def test_bad_blend_settings_are_refused_by_name(extra, message):
     with pytest.raises(ValueError) as e:
         ConnectorSettings.from_extra(extra)
     assert message in str(e.value)
+
+
+def test_blend_graphs_are_refused_without_cuda():
+    from engine_adapter.llama import LlamaEngine
+    from engine_adapter.vllm.config import ConnectorSettings, check_device
+
+    s = ConnectorSettings.from_extra({"blend_policy": "query", "blend_graphs": True})
+    with pytest.raises(ValueError) as e:
+        check_device(s, "cpu")
+    assert "blend_graphs needs a CUDA device (vLLM's is 'cpu')" in str(e.value)
+    check_device(s, "cuda")
+    check_device(ConnectorSettings.from_extra({"blend_policy": "query"}), "cpu")
+    with pytest.raises(ValueError, match="graphs need the engine's Triton kernels"):
+        LlamaEngine.random("tiny").use_graphs()  # on the CPU, the engine's path is plain torch
