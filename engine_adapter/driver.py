@@ -54,7 +54,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from engine_adapter.graphs import StaticStep
+from engine_adapter.graphs import StaticStep, StepFailed
 from engine_adapter.llama import LlamaEngine, RowBlocks, rope_for_spec
 from engine_adapter.policy import FocusTracker, ReusePolicy
 from engine_adapter.prompt import Layout
@@ -565,7 +565,8 @@ class _Blend:
         (`graphs.Caches.segments_of`) and is cut to the prompt's.
         It merges the stored K/V afresh where an earlier phase left a cache of the layer
         (`caches`): the same cache, bit for bit (`query.reusable_caches`), in two copies and
-        the step's one launch. None: the eager step runs it."""
+        the step's one launch. None: the eager step runs it (and every layer after it, where
+        the step failed: `graphs.StepFailed`)."""
         if not (self.leased and not any(sel.acts(self, layer) or sel.compares(self, layer) for sel in self.selections)):
             return None
         reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, p)) is not None), None)
@@ -588,7 +589,12 @@ class _Blend:
             static.load(p.rows, h)
         self._merge_s = time.perf_counter() - t0
         want_mass = bool(self.fresh or self.focus.active)
-        q, qkv, mass = static.run(layer, reads is not None, self._segments if want_mass else 0)
+        try:
+            q, qkv, mass = static.run(layer, reads is not None, self._segments if want_mass else 0)
+        except StepFailed as e:  # its inputs as they were: the eager step runs the layer, and the rest
+            self.e.steps.fail(e)
+            self.leased = False
+            return None
         self._attend_s = 0.0
         c = self.e.cfg
         _, k, v = qkv[:, :R].split([c.num_heads, c.num_kv_heads, c.num_kv_heads])

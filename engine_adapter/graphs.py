@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -35,6 +36,8 @@ from torch import Tensor
 
 from kvkernels import KeyReads, RopeConfig, rope_tables, rotate_triton, selective_attention_triton
 from kvkernels.layer import rope_write_triton
+
+log = logging.getLogger(__name__)
 
 TOKENS_STEP = 256  # a bucket's prompt tokens: a multiple of this
 ROWS_STEP = 64  # a bucket's computed rows: a multiple of this
@@ -144,8 +147,10 @@ class StaticStep:
         key = (layer, reads, segments)
         if self.h.device.type != "cuda":
             self.out[key] = self._body(*key)
+        elif key in self.graphs:
+            self.graphs[key].replay()
         else:
-            (self.graphs.get(key) or self._capture(*key)).replay()
+            self._capture(*key)
         return self.out[key]
 
     def _body(self, layer: int, reads: bool, segments: int) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -163,23 +168,57 @@ class StaticStep:
         self.h.copy_(e.layer_out(layer, self.h, o))
         return q, qkv, mass
 
-    def _capture(self, layer: int, reads: bool, segments: int) -> Any:
+    def _capture(self, layer: int, reads: bool, segments: int) -> None:
+        """Capture the step's graph and run it once: a warm-up run first (Triton compiles a
+        kernel at its first launch, never inside a capture), then the capture, then a replay
+        over the warm-up's inputs, which must give the warm-up's outputs (`replay_differs`).
+        StepFailed (the step's inputs as they were) where the capture fails or its replay
+        differs: the caller runs the layer eagerly."""
         h, read = self.h.clone(), self.caches.reads.save()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._body(layer, reads, segments)  # Triton compiles a kernel at its first launch: never in a capture
-        torch.cuda.current_stream().wait_stream(side)
-        # The warm-up moved h on by a layer and added its reads; K and V it wrote again as they were.
-        self.h.copy_(h)
-        self.caches.reads.restore(read)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.out[layer, reads, segments] = self._body(layer, reads, segments)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                _, qkv, mass = self._body(layer, reads, segments)
+                eager = (self.h.clone(), qkv.clone(), None if mass is None else mass.clone())
+            torch.cuda.current_stream().wait_stream(side)
+            # The warm-up moved h on by a layer and added its reads; K and V it wrote again as they were.
+            self.h.copy_(h)
+            self.caches.reads.restore(read)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self._body(layer, reads, segments)
+            graph.replay()
+            wrong = replay_differs(eager, (self.h, out[1], out[2]))
+        except Exception as e:  # noqa: BLE001 - any failure of the capture: the eager step instead
+            wrong = f"{type(e).__name__}: {e}"
+        if wrong:
+            self.h.copy_(h)
+            self.caches.reads.restore(read)
+            raise StepFailed(f"layer {layer}'s CUDA graph: {wrong}")
+        self.out[layer, reads, segments] = out
         self.graphs[layer, reads, segments] = graph
-        return graph
+
+
+class StepFailed(RuntimeError):
+    """A static step's CUDA graph could not be captured, or its replay gave other outputs than
+    the eager run of the same step."""
+
+
+def replay_differs(eager: tuple[Tensor | None, ...], replayed: tuple[Tensor | None, ...]) -> str:
+    """How a graph's replay differs from the eager run of the same step on the same inputs
+    (hidden states, q/k/v heads, attention mass): "" where every output is within 1% of its
+    largest value (the same kernels: at most a rounding apart, should the capture choose
+    another GEMM algorithm); else which output, by how much."""
+    for name, a, b in zip(("hidden states", "q/k/v", "attention mass"), eager, replayed):
+        if a is None:
+            continue
+        diff, scale = (a.float() - b.float()).abs().max().item(), a.float().abs().max().item()
+        if not diff <= 0.01 * scale:  # NaN too
+            return f"its replay's {name} differ from the eager run's by {diff:.3g} (largest {scale:.3g})"
+    return ""
 
 
 class StepGraphs:
@@ -188,6 +227,7 @@ class StepGraphs:
 
     def __init__(self, engine: Any, rope: RopeConfig, tokens_step: int = TOKENS_STEP, rows_step: int = ROWS_STEP):
         self.e, self.rope = engine, rope
+        self.failed = ""  # why the static steps are off for good (`fail`), "" while they are on
         self.tokens_step, self.rows_step = tokens_step, rows_step
         self._caches: collections.OrderedDict[int, Caches] = collections.OrderedDict()
         self._steps: collections.OrderedDict[Bucket, StaticStep] = collections.OrderedDict()
@@ -195,13 +235,22 @@ class StepGraphs:
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[bool]:
-        """Whether this prefill has the static steps (False: another prefill has them now)."""
-        got = self._lock.acquire(blocking=False)
+        """Whether this prefill has the static steps (False: another prefill has them now, or
+        they failed)."""
+        got = not self.failed and self._lock.acquire(blocking=False)
         try:
             yield got
         finally:
             if got:
                 self._lock.release()
+
+    def fail(self, error: StepFailed) -> None:
+        """A step failed (`StaticStep.run`): the engine's prefills run eagerly from now on,
+        said once in the log; the buffers and graphs are dropped."""
+        self.failed = str(error)
+        self._steps.clear()
+        self._caches.clear()
+        log.warning("static steps off for this engine, prefills run eagerly: %s", error)
 
     def bucket(self, n: int, rows: int) -> Bucket:
         """The bucket of a prompt of n tokens computing `rows` rows."""

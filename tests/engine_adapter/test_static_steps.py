@@ -9,13 +9,14 @@ second prefill at the same time)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from unittest import mock
 
 import pytest
 import torch
 
 from engine_adapter.blend import blend_prefill
-from engine_adapter.graphs import Bucket, StaticStep, StepGraphs
+from engine_adapter.graphs import Bucket, StaticStep, StepFailed, StepGraphs
 from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
 from engine_adapter.policy import POLICIES, Policy
 from engine_adapter.probe import TOLERANCE, TRUSTED
@@ -248,3 +249,33 @@ def test_the_least_recently_used_buckets_go_first(engines):
     steps.step(10, 3), steps.step(20, 3), steps.step(10, 3)
     steps.step(40, 3)  # a third bucket of tokens: b's caches (least recently used) and its rows go
     assert steps.buckets() == [a, c]
+
+
+@pytest.mark.parametrize("policy", ["naive", "query"])
+def test_a_step_that_fails_leaves_its_layer_and_every_later_prefill_to_the_eager_step(policy: str, caplog):
+    """A CUDA graph that cannot be captured, or whose replay differs from its eager run
+    (`StaticStep._capture`), raises StepFailed with the step's inputs as they were: the
+    layer runs eagerly, so do the layers after it and every later prefill on the engine,
+    said once in the log. Here the failure is raised where a capture would raise it."""
+    eager = LlamaEngine(CFG, LlamaEngine.random(CFG, seed=3, std=0.1).w, triton=True)
+    static = _static(eager, tokens_step=16, rows_step=8)
+    p = make_prompt(eager, seed=5, n_chunks=3, chunk_len=16, question_len=4)
+    run, calls = StaticStep.run, []
+
+    def fails_at_layer_1(step, layer, *args):  # noqa: ANN001, ANN202
+        calls.append(layer)
+        if layer == 1:
+            raise StepFailed("layer 1's CUDA graph: (raised by the test)")
+        return run(step, layer, *args)
+
+    ref = blend_prefill(eager, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+    with mock.patch.object(StaticStep, "run", fails_at_layer_1), caplog.at_level(logging.WARNING):
+        got = blend_prefill(static, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+        again = blend_prefill(static, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+    _same_result(got, ref)
+    _same_result(again, ref)
+    assert calls == [0, 1]  # layer 0 ran static; nothing after the failure
+    assert [t.static for t in got.timings] == [True, False, False]
+    assert not any(t.static for t in again.timings)
+    assert [r.getMessage() for r in caplog.records if "static steps off" in r.getMessage()] == [
+        "static steps off for this engine, prefills run eagerly: layer 1's CUDA graph: (raised by the test)"]

@@ -4,7 +4,6 @@ Every test taking `driver` runs on the fake device and, on a GPU host, on the re
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

@@ -31,6 +31,7 @@ def test_graphs_replayed_across_prompts_give_the_eager_steps_logits(policy: str)
                 v.kv[:] = [(k.cuda(), x.cuda()) for k, x in v.kv]
             ref, got = (blend_prefill(e, p.segments(), Policy(policy, **options), p.source(), gate=TRUSTED)
                         for e in (eager, graphed))
+            assert not graphed.steps.failed, graphed.steps.failed
             assert any(t.static for t in got.timings)
             torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
             results.append((got, [(k.clone(), v.clone()) for k, v in got.kv]))
@@ -53,6 +54,7 @@ def test_graphs_returning_the_attention_mass_give_a_fresh_chunks_statistics_as_t
         for _ in range(2):  # captured, then replayed
             ref, got = (blend_prefill(e, segments, Policy("naive"), p.source(), gate=TRUSTED)
                         for e in (eager, graphed))
+            assert not graphed.steps.failed, graphed.steps.failed
             assert all(t.static for t in got.timings)
             torch.testing.assert_close(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
             assert got.fresh[1].stats.token_inter_attention == pytest.approx(
@@ -69,6 +71,7 @@ def test_exact_reuse_on_graphs_equals_full_prefill():
     with torch.device("cuda"):
         for _ in range(2):  # captured, then replayed
             got = blend_prefill(graphed, p.segments(), Policy("naive"), p.source(), gate=TRUSTED)
+            assert not graphed.steps.failed, graphed.steps.failed
             assert all(t.static for t in got.timings)
             tolerance = TOLERANCE[torch.float32] * max(1.0, float(full.abs().max()))
             assert (got.logits.cpu() - full).abs().max() <= tolerance
