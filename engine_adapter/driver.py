@@ -49,12 +49,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from engine_adapter.graphs import StaticStep, StepFailed
+from engine_adapter.graphs import Caches, StaticStep, StepFailed
 from engine_adapter.llama import LlamaEngine, RowBlocks, rope_for_spec
 from engine_adapter.policy import FocusTracker, ReusePolicy
 from engine_adapter.prompt import Layout
@@ -196,20 +196,25 @@ class _Rows:
 
     rows: Tensor  # [R] sorted prompt rows
     host: tuple[int, ...] | None  # the same rows on the host, where known without a read of the device
-    rot: _Rotation  # RoPE tables at the rows
+    prompt_rot: _Rotation  # RoPE tables of the prompt's positions (`rot`: at the rows)
     mask: Tensor | RowBlocks | None  # CPU: the position-causal mask, in runs or [R, N] whole; None: CUDA,
     # or every row in order (causal)
     cand: Tensor  # [C] indices into `rows` of the rows still served from stored KV (HKVD's candidates)
     n_cand: int  # C
     others: Tensor  # the rows that are not candidates (prompt rows, sorted)
     recomputed: int  # rows of reused chunks among the rows
-    _memo: dict[str, Tensor] = field(default_factory=dict)
+    _memo: dict[str, Any] = field(default_factory=dict)
 
-    def memo(self, what: str, make: Callable[[], Tensor]) -> Tensor:
+    def memo(self, what: str, make: Callable[[], Any]) -> Any:
         """`make()` once for this set of rows (what one policy derives from them besides)."""
         if what not in self._memo:
             self._memo[what] = make()
         return self._memo[what]
+
+    @property
+    def rot(self) -> _Rotation:
+        """RoPE tables at the rows, made at their first use (a static step makes its own)."""
+        return self.memo("rot", lambda: self.prompt_rot.at(self.rows))
 
 
 @dataclass
@@ -233,7 +238,8 @@ class Selection:
     layer where none does may run as a static step, `graphs`), `compares` (will `select`
     read the candidates' stored K/V? the merge keeps them aside), where it acts `select`
     once the computed rows' K/V are in the layer's cache (which of them attend and run the
-    MLP: the new rows and the indices kept into the old ones, None where unchanged), and
+    MLP: the new rows and the indices kept into the old ones, None where unchanged) or, where
+    it chooses by KV deviation (`keeps`), the static step's choice and then `measured`, and
     `reads_into` (where the attention should add up what the rows read of each key); then
     `observe` once the layer ran, and `next` (the rows that run layer+1, with their hidden
     states); `finish` once the loop ends. A selection makes rows with `_Blend.rows_of` or
@@ -255,6 +261,18 @@ class Selection:
 
     def select(self, b: "_Blend", layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
         return p, None
+
+    def keeps(self, b: "_Blend", layer: int, p: _Rows) -> int | None:
+        """Where `select` keeps every row of p that is not a candidate and the candidates whose
+        K/V just computed deviate most from their stored K/V (CacheBlend §4.1's deviation,
+        ties to the earlier row): how many candidates it keeps. The layer may then run as a
+        static step that chooses them on the device (`graphs.SelectStep`), and `measured` gets
+        their deviation. None (the default): `select` runs in the eager step."""
+        return None
+
+    def measured(self, b: "_Blend", layer: int, p: _Rows, deviation: Tensor) -> None:
+        """The deviation [C] of p's candidates (`p.cand`) where the layer ran as a static step
+        that chose them (`keeps`)."""
 
     def reads_into(self, b: "_Blend", layer: int, p: _Rows) -> KeyReads | None:
         """Where this layer's attention adds up how much rows p (those that attend, after
@@ -285,11 +303,16 @@ class Hkvd(Selection):
     def compares(self, b: "_Blend", layer: int) -> bool:
         return b.policy.hkvd_share(layer, b.L) is not None
 
-    def select(self, b: "_Blend", layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
+    def _share(self, b: "_Blend", layer: int, p: _Rows) -> float:
+        """The share of p's candidates kept at `layer`."""
         share = b.policy.hkvd_share(layer, b.L)
-        if share is None or not p.n_cand:
-            return p, None
-        want = min(1.0, share * b.reused_tokens / p.n_cand)
+        return 1.0 if share is None or not p.n_cand else min(1.0, share * b.reused_tokens / p.n_cand)
+
+    def keeps(self, b: "_Blend", layer: int, p: _Rows) -> int:
+        return num_selected(self._share(b, layer, p), p.n_cand)
+
+    def select(self, b: "_Blend", layer: int, p: _Rows, K: Tensor, V: Tensor) -> tuple[_Rows, Tensor | None]:
+        want = self._share(b, layer, p)
         n = num_selected(want, p.n_cand)
         if n == p.n_cand:
             return p, None
@@ -373,6 +396,7 @@ class _Blend:
         self.selections = policy_selections() if selections is None else list(selections)
         self.leased = False  # the engine's static steps, for this prefill (`run`)
         self._static_in: tuple[StaticStep, _Rows, Tensor] | None = None  # the rows a static step has loaded
+        self._static_cc: Caches | None = None  # the bucket's caches the static steps wrote
         self._static_layers: list[int] = []
         self._keys_placed = False  # the bucket's key positions and segments are this prefill's (`static_step`)
         self._segments = 0  # S' of the bucket's segments (`graphs.Caches.segments_of`), 0: no mass wanted
@@ -425,7 +449,7 @@ class _Blend:
             others = torch.tensor([r for r in host if not self.live_host[r]], dtype=torch.long)
             recomputed = sum(self.reused_host[r] for r in host)
         assert rows is not None and cand is not None and others is not None
-        return _Rows(rows, host, self.rot.at(rows), self._mask(rows, host), cand, n_cand, others, recomputed)
+        return _Rows(rows, host, self.rot, self._mask(rows, host), cand, n_cand, others, recomputed)
 
     def _mask(self, rows: Tensor, host: tuple[int, ...] | None) -> Tensor | RowBlocks | None:
         """The position-causal mask of `rows` over every key, in runs (`RowBlocks`; CPU: the
@@ -557,24 +581,33 @@ class _Blend:
     def static_step(self, layer: int, p: _Rows, h: Tensor, got: LayerKV, carry: "Layer0 | None") -> Stepped | None:
         """`step` as the engine's static step of the rows' bucket (`graphs.StaticStep`: on CUDA
         one graph replayed), where it computes the same: the static steps leased, no selection
-        changing the rows in the layer, reads (if a selection wants them) into the bucket's
-        (`key_reads`). Carried rows (`Layer0`) have their K/V written into the bucket's
-        buffers before the step, where `merged` writes them. The keys sit where `pos` puts them
-        (`graphs.Caches.keys_at`); the attention mass per segment, where rows need it (fresh
-        chunks' statistics, Alg. 1 deciding), comes over the bucket's segments
-        (`graphs.Caches.segments_of`) and is cut to the prompt's.
+        changing the rows in the layer or one that chooses them by their KV deviation (`keeps`:
+        `graphs.SelectStep`, the choice made inside the step), reads (if a selection wants
+        them) into the bucket's (`key_reads`). Carried rows (`Layer0`) have their K/V written
+        into the bucket's buffers before the step, where `merged` writes them. The keys sit
+        where `pos` puts them (`graphs.Caches.keys_at`); the attention mass per segment, where
+        rows need it (fresh chunks' statistics, Alg. 1 deciding), comes over the bucket's
+        segments (`graphs.Caches.segments_of`) and is cut to the prompt's.
         It merges the stored K/V afresh where an earlier phase left a cache of the layer
         (`caches`): the same cache, bit for bit (`query.reusable_caches`), in two copies and
         the step's one launch. None: the eager step runs it (and every layer after it, where
         the step failed: `graphs.StepFailed`)."""
-        if not (self.leased and not any(sel.acts(self, layer) or sel.compares(self, layer) for sel in self.selections)):
+        if not self.leased:
             return None
-        reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, p)) is not None), None)
-        if reads is not None and reads is not self.e.steps.caches(self.n).reads:
+        acting = [sel for sel in self.selections if sel.acts(self, layer) or sel.compares(self, layer)]
+        keep = acting[0].keeps(self, layer, p) if len(acting) == 1 else None
+        if acting and keep is None:
             return None
         R = p.rows.shape[0]
-        static = self.e.steps.step(self.n, R)
-        cc = static.caches
+        kept = None  # the rows after the choice, where the host knows them: none kept of the candidates
+        if acting and keep == 0 and p.host is not None:
+            kept = self.rows_of([r for r in p.host if not self.live_host[r]])
+        reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, kept or p)) is not None),
+                     None)
+        if reads is not None and (reads is not self.e.steps.caches(self.n).reads or (acting and kept is None)):
+            return None
+        static = self.e.steps.step(self.n, R, R - p.n_cand + keep if acting else None)
+        cc = self._static_cc = static.caches
         t0 = time.perf_counter()
         if not self._keys_placed:
             cc.keys_at(self.pos)
@@ -584,9 +617,11 @@ class _Blend:
         if carry is not None:  # RoPE-free K: the step rotates it with the stored K
             cc.raw.index_copy_(1, carry.rows, carry.k)
             cc.V[layer].index_copy_(1, carry.rows, carry.v)
-        if self._static_in is None or not (self._static_in[0] is static and self._static_in[1] is p
-                                           and self._static_in[2] is h):
+        loaded = self._static_in
+        if acting or loaded is None or not (loaded[0] is static and loaded[1] is p and loaded[2] is h):
             static.load(p.rows, h)
+        if acting:
+            static.choose(p.cand, keep)
         self._merge_s = time.perf_counter() - t0
         want_mass = bool(self.fresh or self.focus.active)
         try:
@@ -597,11 +632,23 @@ class _Blend:
             return None
         self._attend_s = 0.0
         c = self.e.cfg
-        _, k, v = qkv[:, :R].split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
+        if acting:
+            R_in, R = R, R - p.n_cand + keep
+            acting[0].measured(self, layer, p, static.dev[:p.n_cand])
+            p = kept or self.rows_of(rows=static.rows_out[:R].clone(), cand=static.cand_out[:keep].clone(),
+                                     n_cand=keep, others=p.others, recomputed=p.recomputed - p.n_cand + keep)
+            # As the eager step's: k/v of the rows out where fresh chunks want them, else of the rows in
+            # (the step returns the q/k/v heads of its bucket of rows in, then of its rows out).
+            slots_in = static.h.shape[0]
+            qkv = qkv[:, slots_in:slots_in + R] if self.fresh else qkv[:, :R_in]
+            h = static.h_out[:R]
+        else:
+            qkv, h = qkv[:, :R], static.h[:R]
+        _, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
         if want_mass:
             mass = mass[:R, :len(self.lay.segments)].index_select(0, self._needed(p))
-        out = Stepped(p, static.h[:R], q[:, :R], k, v, mass)
-        self._static_in = (static, p, out.h)
+        out = Stepped(p, h, q[:, :R], k, v, mass)
+        self._static_in = (static, p, h)
         self.kv.append((cc.K[layer][:, :self.n], cc.V[layer][:, :self.n]))
         self._static_layers.append(layer)
         return out
@@ -612,7 +659,7 @@ class _Blend:
         ran static (one in all where every layer did)."""
         if not self._static_layers:
             return
-        cc = self._static_in[0].caches
+        cc = self._static_cc
         runs: list[list[int]] = []
         for layer in self._static_layers:
             if runs and runs[-1][-1] == layer - 1:

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from kvkernels import KeyReads, RopeConfig, rope_tables, rotate_triton, selective_attention_triton
+from kvkernels import KeyReads, RopeConfig, kv_deviation, rope_tables, rotate_triton, selective_attention_triton
 from kvkernels.layer import rope_write_triton
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ def _up(x: int, step: int) -> int:
 class Bucket:
     tokens: int  # > the prompt's tokens: position tokens - 1 is where padded rows write their K/V
     rows: int  # >= the computed rows
+    rows_out: int = 0  # a `SelectStep`'s: >= the rows it keeps (0: a `StaticStep`)
 
 
 class Caches:
@@ -130,12 +131,20 @@ class StaticStep:
         R = rows.shape[0]
         self.rows[R:].fill_(self.caches.tokens - 1)
         self.rows[:R].copy_(rows)
-        self.at[R:].fill_(-1)
-        self.at[:R].copy_(rows)
-        torch.index_select(self.caches.tables[0], 0, self.rows, out=self.cos)
-        torch.index_select(self.caches.tables[1], 0, self.rows, out=self.sin)
         self.h[R:].zero_()
         self.h[:R].copy_(h)
+
+    def _place(self) -> None:
+        """What the step derives from its rows (inside it: a load is four copies): their
+        positions to the attention (a padded row at -1) and their RoPE tables."""
+        pad = self.caches.tokens - 1  # no prompt row's: the bucket has a position past the prompt
+        self.at.copy_(self.rows).masked_fill_(self.rows == pad, -1)
+        torch.index_select(self.caches.tables[0], 0, self.rows, out=self.cos)
+        torch.index_select(self.caches.tables[1], 0, self.rows, out=self.sin)
+
+    def after(self) -> Tensor:
+        """The rows' hidden states after the step."""
+        return self.h
 
     def run(self, layer: int, reads: bool = False, segments: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
         """Layer `layer` of the loaded rows, over the layer's stored K/V (`Caches.merge`):
@@ -159,6 +168,7 @@ class StaticStep:
         position, o-proj and the MLP. No host reads, no allocation that depends on a value."""
         e, cc = self.e, self.caches
         K, V = cc.K[layer], cc.V[layer]
+        self._place()
         qkv = e.qkv_heads(layer, self.h)
         rotate_triton(cc.raw, *cc.tables, out=K)
         q = rope_write_triton(qkv, e.cfg.num_heads, self.cos, self.sin, self.rows, K, V)
@@ -180,7 +190,7 @@ class StaticStep:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 _, qkv, mass = self._body(layer, reads, segments)
-                eager = (self.h.clone(), qkv.clone(), None if mass is None else mass.clone())
+                eager = (self.after().clone(), qkv.clone(), None if mass is None else mass.clone())
             torch.cuda.current_stream().wait_stream(side)
             # The warm-up moved h on by a layer and added its reads; K and V it wrote again as they were.
             self.h.copy_(h)
@@ -191,7 +201,7 @@ class StaticStep:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = self._body(layer, reads, segments)
             graph.replay()
-            wrong = replay_differs(eager, (self.h, out[1], out[2]))
+            wrong = replay_differs(eager, (self.after(), out[1], out[2]))
         except Exception as e:  # noqa: BLE001 - any failure of the capture: the eager step instead
             wrong = f"{type(e).__name__}: {e}"
         if wrong:
@@ -200,6 +210,81 @@ class StaticStep:
             raise StepFailed(f"layer {layer}'s CUDA graph: {wrong}")
         self.out[layer, reads, segments] = out
         self.graphs[layer, reads, segments] = graph
+
+
+class SelectStep(StaticStep):
+    """A static step that keeps some of its rows after their K/V are written: every row not a
+    candidate, and the `keep` candidates whose K/V written deviate most from the stored ones
+    (CacheBlend §4.3's HKVD choice; `keep` 0: the candidates run no further, as the default's
+    question phase does after measuring them, `query.QuestionPhase`). The choice is made on the
+    device (the deviation, a stable sort, prefix sums) over a fixed count of slots: the graph
+    holds the selection. Its rows in are a bucket of `rows` (`load`, `choose`), its rows out a
+    bucket of `rows_out` (`rows_out`, `h_out`, `cand_out`, valid until the step runs again);
+    the layer's attention and MLP run for those."""
+
+    def __init__(self, engine: Any, caches: Caches, rows: int, rows_out: int):
+        super().__init__(engine, caches, rows)
+        c, dev = engine.cfg, engine.device
+        self.cand = torch.zeros(rows, dtype=torch.long, device=dev)  # the candidates' slots among the rows
+        self.counts = torch.zeros(2, dtype=torch.long, device=dev)  # candidates, and how many of them stay
+        self.slots = torch.arange(1, rows + 1, device=dev)
+        self.slots_out = torch.arange(1, rows_out + 1, device=dev)
+        self.rows_out = torch.full((rows_out,), caches.tokens - 1, dtype=torch.long, device=dev)
+        self.h_out = torch.zeros(rows_out, c.hidden_size, dtype=engine.dtype, device=dev)
+        self.cand_out = torch.zeros(rows, dtype=torch.long, device=dev)  # the kept candidates' slots out
+        self.dev = torch.zeros(rows, dtype=torch.float32, device=dev)  # the candidates' deviation
+
+    def choose(self, cand: Tensor, keep: int) -> None:
+        """Candidates `cand` [C] (indices into the loaded rows, in order), of which `keep` stay."""
+        C = cand.shape[0]
+        self.cand[C:].zero_()
+        self.cand[:C].copy_(cand)
+        self.counts[0].fill_(C)  # (not a copy from host memory: on CUDA that would wait for the stream)
+        self.counts[1].fill_(keep)
+
+    def _body(self, layer: int, reads: bool, segments: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """As `StaticStep._body`, with the choice between the rows' K/V and their attention:
+        the candidates' stored K (rotated) and V taken before the rows' writes and compared with
+        what was written; the rows out (in order), their hidden states, rotated q and q/k/v heads
+        gathered from the rows in; the attention and MLP for them. Returns what `run` does, of
+        the rows out (q/k/v heads: of the rows in, and of the rows out, concatenated)."""
+        e, cc = self.e, self.caches
+        K, V = cc.K[layer], cc.V[layer]
+        pad = cc.tokens - 1
+        self._place()
+        valid = self.slots <= self.counts[0]  # [slots] which candidate slots hold one
+        at = torch.where(valid, self.rows.index_select(0, self.cand), pad)  # their prompt rows
+        qkv = e.qkv_heads(layer, self.h)
+        rotate_triton(cc.raw, *cc.tables, out=K)
+        k_old, v_old = K.index_select(1, at), V.index_select(1, at)
+        q = rope_write_triton(qkv, e.cfg.num_heads, self.cos, self.sin, self.rows, K, V)
+        dev = kv_deviation(K.index_select(1, at), V.index_select(1, at), k_old, v_old)
+        self.dev.copy_(dev.masked_fill(~valid, float("-inf")))
+        # The `keep` of highest deviation, ties to the lower slot (`kvkernels.kv_deviation_topk`'s
+        # stable sort): a candidate stays where fewer than `keep` rank before it.
+        order = torch.sort(self.dev, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(0, order, self.slots - 1)
+        chosen = (rank < self.counts[1]) & valid
+        # The rows that stay: the loaded rows less the candidates, and the chosen candidates (the
+        # spare candidate slots add 0); in order, out slot j takes the (j+1)-th (prefix sums, a search).
+        stays = (self.rows != pad).long().index_add_(0, self.cand, chosen.long() - valid.long())
+        counts = stays.cumsum(0)
+        src = torch.searchsorted(counts, self.slots_out).clamp_(max=self.rows.shape[0] - 1)
+        kept = self.slots_out <= counts[-1]
+        self.rows_out.copy_(torch.where(kept, self.rows.index_select(0, src), pad))
+        self.h_out.copy_(self.h.index_select(0, src))
+        q_out, qkv_out = q.index_select(1, src), qkv.index_select(1, src)
+        # The kept candidates' slots among the rows out, in order (the next choice's candidates).
+        picked = torch.searchsorted(chosen.long().cumsum(0), self.slots).clamp_(max=self.cand.shape[0] - 1)
+        self.cand_out.copy_(counts.index_select(0, self.cand.index_select(0, picked)) - 1)
+        o, mass = selective_attention_triton(q_out, torch.where(kept, self.rows_out, -1), K, V, cc.key_pos,
+                                             scale=e.scale, segments=cc.segments[segments] if segments else None,
+                                             reads=cc.reads if reads else None, validate=False)
+        self.h_out.copy_(e.layer_out(layer, self.h_out, o))
+        return q_out, torch.cat((qkv, qkv_out), 1), mass
+
+    def after(self) -> Tensor:
+        return self.h_out
 
 
 class StepFailed(RuntimeError):
@@ -270,9 +355,12 @@ class StepGraphs:
             self._caches.move_to_end(tokens)
         return caches
 
-    def step(self, n: int, rows: int) -> StaticStep:
-        """The static step of a prompt of n tokens computing `rows` rows."""
+    def step(self, n: int, rows: int, rows_out: int | None = None) -> StaticStep:
+        """The static step of a prompt of n tokens computing `rows` rows; with `rows_out`, the
+        `SelectStep` that keeps that many of them."""
         bucket = self.bucket(n, rows)
+        if rows_out is not None:
+            bucket = Bucket(bucket.tokens, bucket.rows, _up(max(rows_out, 1), self.rows_step))
         caches = self.caches(n)
         step = self._steps.get(bucket)
         if step is not None:
@@ -280,7 +368,8 @@ class StepGraphs:
             return step
         while len(self._steps) >= MAX_STEPS:
             self._steps.popitem(last=False)
-        step = self._steps[bucket] = StaticStep(self.e, caches, bucket.rows)
+        step = self._steps[bucket] = (SelectStep(self.e, caches, bucket.rows, bucket.rows_out) if bucket.rows_out
+                                      else StaticStep(self.e, caches, bucket.rows))
         return step
 
     def buckets(self) -> list[Bucket]:

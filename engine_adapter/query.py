@@ -120,6 +120,14 @@ class QuestionPhase(Selection):
         keep = [i for i, r in enumerate(host) if not b.live_host[r]]
         return b.rows_of([host[i] for i in keep]), torch.tensor(keep, dtype=torch.long)
 
+    def keeps(self, b: _Blend, layer: int, p: _Rows) -> int:
+        """None of the candidates (the reused rows) run on after layer 1: the layer may run as
+        a static step, which measures their deviation (`measured`) as `select` does."""
+        return 0
+
+    def measured(self, b: _Blend, layer: int, p: _Rows, deviation: Tensor) -> None:
+        self.deviation.index_copy_(0, p.rows.index_select(0, p.cand), deviation)
+
     def reads_into(self, b: _Blend, layer: int, p: _Rows) -> KeyReads | None:
         """On the engine's Triton path, the attention adds the question's reads of layer
         1..L-2 up from its own launches (`key_reads`, summed once at `finish`); where rows

@@ -26,7 +26,8 @@ from .attention import (
     selective_attention_reference,
     selective_attention_triton,
 )
-from .deviation import kv_deviation_topk_reference, kv_deviation_topk_triton
+from .deviation import (kv_deviation_reference, kv_deviation_topk_reference, kv_deviation_topk_triton,
+                        kv_deviation_triton)
 from .rope import (
     RopeConfig,
     apply_rope_reference,
@@ -55,6 +56,7 @@ __all__ = [
     "attention_mass",
     "attention_mass_reference",
     "attention_mass_blocked",
+    "kv_deviation",
     "kv_deviation_topk",
     "kv_deviation_topk_triton",
     "kv_deviation_topk_reference",
@@ -108,6 +110,14 @@ def attention_mass(
     if q.shape[1] >= 2 * MASS_BLOCK_ROWS and bool((k_pos[1:] >= k_pos[:-1]).all()):
         return attention_mass_blocked(q, q_pos, k, k_pos, segments, scale=scale)
     return attention_mass_reference(q, q_pos, k, k_pos, segments, scale=scale)
+
+
+def kv_deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
+    """Per-token KV deviation [T] (contract: :func:`kv_deviation_triton`), by the same
+    implementation as `kv_deviation_topk` on the same tensors."""
+    if k_new.is_cuda:
+        return kv_deviation_triton(k_new, v_new, k_old, v_old)
+    return kv_deviation_reference(k_new, v_new, k_old, v_old)
 
 
 def kv_deviation_topk(

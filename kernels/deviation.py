@@ -49,6 +49,16 @@ def _top(deviation: torch.Tensor, ratio: float) -> torch.Tensor:
     return order.sort().values
 
 
+def kv_deviation_reference(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor,
+                           v_old: torch.Tensor) -> torch.Tensor:
+    """Plain-torch KV deviation. Same contract as :func:`kv_deviation_triton`."""
+    _check(k_new, v_new, k_old, v_old, 0.0)
+    # CacheBlend §4.1: absolute difference of the token's KV, summed over heads and dims.
+    return (k_new.float() - k_old.float()).abs().sum(dim=(0, 2)) + (v_new.float() - v_old.float()).abs().sum(
+        dim=(0, 2)
+    )  # [T]
+
+
 def kv_deviation_topk_reference(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
@@ -58,10 +68,7 @@ def kv_deviation_topk_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch KV deviation + top-k. Same contract as :func:`kv_deviation_topk_triton`."""
     _check(k_new, v_new, k_old, v_old, ratio)
-    # CacheBlend §4.1: absolute difference of the token's KV, summed over heads and dims.
-    dev = (k_new.float() - k_old.float()).abs().sum(dim=(0, 2)) + (v_new.float() - v_old.float()).abs().sum(
-        dim=(0, 2)
-    )  # [T]
+    dev = kv_deviation_reference(k_new, v_new, k_old, v_old)
     return dev, _top(dev, ratio)
 
 
@@ -114,6 +121,16 @@ def kv_deviation_topk_triton(
             lower index), sorted ascending.
     """
     _check(k_new, v_new, k_old, v_old, ratio)
+    dev = kv_deviation_triton(k_new, v_new, k_old, v_old)
+    return dev, _top(dev, ratio)
+
+
+def kv_deviation_triton(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor,
+                        v_old: torch.Tensor) -> torch.Tensor:
+    """fp32 [T]: every token's sum over heads and dims of |K_new - K_old| + |V_new - V_old|
+    (inputs [H, T, D] as :func:`kv_deviation_topk_triton`'s), one launch: no read of the
+    device, so a CUDA graph can hold it."""
+    _check(k_new, v_new, k_old, v_old, 0.0)
     check_launchable(_deviation_kernel, k_new, v_new, k_old, v_old)
     H, T, D = k_new.shape
     dev = torch.zeros(T, dtype=torch.float32, device=k_new.device)
@@ -125,4 +142,4 @@ def kv_deviation_topk_triton(
             *k_new.stride(), *v_new.stride(), *k_old.stride(), *v_old.stride(),
             BLOCK_T=block_t, BLOCK_D=min(128, triton.next_power_of_2(D)),
         )
-    return dev, _top(dev, ratio)
+    return dev

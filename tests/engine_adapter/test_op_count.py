@@ -20,7 +20,7 @@ kernel launches: 11 a layer of full prefill, 13 of naive reuse, whatever the row
 policy's two phases 23 (its question phase's reads are added up inside its attention's launch, and
 its second phase writes its rows over the question phase's merged caches). On the engine's
 static steps (`LlamaEngine(graphs=True)`, each step one CUDA graph there): 3 a layer of naive
-reuse, 6 of the default's two phases."""
+reuse, 6 of the default's two phases, 13 of a CacheBlend filter layer (38 eager)."""
 
 from __future__ import annotations
 
@@ -136,8 +136,9 @@ def test_the_default_policy_dispatches_no_more_than_two_full_prefills_plus_the_c
     assert _ops("query", 4, chunks=6) == _ops("query", 4), "query: the count grows with chunks"
 
 
-# Dispatched ops that launch no device work: views, allocations (the caching allocator's).
-NO_LAUNCH = {"empty", "empty_like", "permute", "view", "transpose", "split_with_sizes", "unsqueeze", "slice", "select",
+# Dispatched ops that launch no device work: views, allocations (the caching allocator's), a
+# tensor made from host values (its copy to the device is the launch).
+NO_LAUNCH = {"lift_fresh", "empty", "empty_like", "permute", "view", "transpose", "split_with_sizes", "unsqueeze", "slice", "select",
              "_unsafe_view", "t", "expand", "alias", "as_strided", "detach", "narrow", "squeeze"}
 TRITON_LAUNCHES_PER_LAYER = 13  # docs/gpu.md, naive reuse: norm, QKV, 2 concatenations, rotation,
 # rotate-and-write, attention (its output laid out as o-proj reads it), o-proj, add+RMSNorm, gate/up,
@@ -171,9 +172,11 @@ class Launches(TorchDispatchMode):
 
 
 @functools.cache  # a count is a function of its arguments; the tests below share some
-def _triton_launches(policy: str | None, layers: int, chunk_len: int = 12, graphs: bool = False) -> int:
+def _triton_launches(policy: str | None, layers: int, chunk_len: int = 12, graphs: bool = False,
+                     ratio: float | None = None) -> int:
     """graphs: on the engine's static steps, each `StaticStep.run` counted as the one launch
-    of the CUDA graph it replays there."""
+    of the CUDA graph it replays there, the second of two prefills counted (the first makes
+    the buckets' buffers, once for the buckets' lifetime). ratio: CacheBlend's."""
     from triton.runtime.interpreter import InterpretedFunction
 
     cfg = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=layers)
@@ -183,13 +186,21 @@ def _triton_launches(policy: str | None, layers: int, chunk_len: int = 12, graph
     if graphs:  # small buckets: launches do not depend on their size, the interpreter's time does
         engine.steps = StepGraphs(engine, rope_for_spec(engine.model_spec()), tokens_step=16, rows_step=8)
     source = InMemoryLayerSource({i: v.kv for i, v in p.cache.items()})
-    spy = Launches()
-    with (torch.no_grad(), spy, mock.patch.object(InterpretedFunction, "run", spy.kernel(InterpretedFunction.run)),
-          mock.patch.object(StaticStep, "run", spy.kernel(StaticStep.run))):
+    options = {"ratio": ratio} if ratio is not None else {}
+
+    def prefill() -> None:
         if policy is None:
             engine.prefill(p.tokens, all_logits=False)
         else:
-            blend_prefill(engine, p.segments(), Policy(policy), source, gate=TRUSTED, stats=False)
+            blend_prefill(engine, p.segments(), Policy(policy, **options), source, gate=TRUSTED, stats=False)
+
+    if graphs:
+        with torch.no_grad():
+            prefill()
+    spy = Launches()
+    with (torch.no_grad(), spy, mock.patch.object(InterpretedFunction, "run", spy.kernel(InterpretedFunction.run)),
+          mock.patch.object(StaticStep, "run", spy.kernel(StaticStep.run))):
+        prefill()
     return spy.launches
 
 
@@ -216,6 +227,19 @@ def test_on_static_steps_the_default_policy_launches_a_naive_layer_per_phase():
     mine = _triton_launches("query", 5, chunk_len=24, graphs=True) - _triton_launches("query", 4, chunk_len=24,
                                                                                         graphs=True)
     assert mine == 2 * 3, f"{mine} launches a layer"
+
+
+def test_on_static_steps_cacheblends_filter_layers_choose_inside_the_graph():
+    # A filter layer (CacheBlend §4.3's choice, `graphs.SelectStep`): the stored K and V
+    # concatenated (2), the rows and hidden states loaded (4: the rows' positions and RoPE
+    # tables are derived inside the step), the candidates and the two counts (4), the graph (1),
+    # the rows out and the kept candidates taken out of the step's buffers (2). On 4 layers
+    # layers 1-3 choose; the fifth runs on the last choice's rows (loaded, 4, and a layer, 3).
+    filters = (_triton_launches("cacheblend", 4, 24, True, 0.3) - _triton_launches("cacheblend", 1, 24, True, 0.3)) // 3
+    eager = (_triton_launches("cacheblend", 4, 24, False, 0.3) - _triton_launches("cacheblend", 1, 24, False, 0.3)) // 3
+    assert filters == 13 < eager, f"{filters} launches a filter layer, eager {eager}"
+    after = _triton_launches("cacheblend", 5, 24, True, 0.3) - _triton_launches("cacheblend", 4, 24, True, 0.3)
+    assert after == 4 + 3
 
 
 def test_the_default_policy_on_the_triton_path_launches_two_full_prefill_layers_and_one_more_a_layer():

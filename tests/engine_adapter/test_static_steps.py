@@ -66,7 +66,7 @@ def _same_result(got, ref) -> None:  # noqa: ANN001
 def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str):
     eager, static = engines
     # 16-token chunks leave the default a budget to pick rows with (8: none, naive reuse)
-    p = make_prompt(eager, seed=5, n_chunks=3, chunk_len=16 if policy == "query" else 8, question_len=4)
+    p = make_prompt(_plain(eager), seed=5, n_chunks=3, chunk_len=16 if policy == "query" else 8, question_len=4)
     options = {"ratio": 0.3} if policy == "cacheblend" else {}
     ref, got = (blend_prefill(e, p.segments(), Policy(policy, **options), p.source(), gate=TRUSTED)
                 for e in (eager, static))
@@ -74,19 +74,19 @@ def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str)
     static_layers = [layer for layer, t in enumerate(got.timings) if t.static]
     # naive reuse, Cache-Craft's fixed rows and prefix reuse (the chunks it computes are new
     # variants: their statistics read the attention mass, over the bucket's segments) run
-    # every layer static; CacheBlend its layers outside HKVD's filter layers (1..); the default
-    # its question phase's (layers 0..L-2, its reads added up in the bucket's buffer) and its
-    # second phase's (`test_the_default_policys_second_phase_...` below: layer by layer, the
-    # two phases' flags are one here). Not here: full prefill (no blend loop).
-    want = {"naive": [0, 1, 2], "cachecraft": [0, 1, 2], "cacheblend": [0], "query": [0, 1, 2], "prefix": [0, 1, 2]}
-    assert static_layers == want[policy]
+    # every layer static; so does CacheBlend, HKVD's choice at its filter layers (1, 2 here)
+    # made inside the step (`graphs.SelectStep`); the default its question phase's (layers
+    # 0..L-2, its reads added up in the bucket's buffer) and its second phase's
+    # (`test_the_default_policys_second_phase_...` below: layer by layer, the two phases'
+    # flags are one here). Not here: full prefill (no blend loop).
+    assert static_layers == [0, 1, 2]
 
 
 def test_the_default_policys_second_phase_runs_every_layer_static_its_carried_question_rows_too(engines):
     """Its layer 0 takes the question's rows through layer 0 from the question phase (`Layer0`):
     their K/V written into the bucket's buffers before the step, as the eager merge writes them."""
     eager, static = engines
-    p = make_prompt(eager, seed=5, n_chunks=3, chunk_len=16, question_len=4)
+    p = make_prompt(_plain(eager), seed=5, n_chunks=3, chunk_len=16, question_len=4)
     phases, repair = [], query.repair
 
     def second(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -107,8 +107,8 @@ def test_the_default_policys_second_phase_runs_every_layer_static_its_carried_qu
 def test_the_question_phases_reads_on_static_steps_equal_the_torch_paths(withhold):
     """The default's question phase on static steps: its keys placed as the phase places
     them (fresh chunks' past the end), its reads added up in the bucket's buffer by the rows
-    the bucket holds, its padded rows reading nothing; layer 1 with the deviation on runs
-    eagerly into the same buffer; after a fallback the caught-up rows run the layer too and
+    the bucket holds, its padded rows reading nothing; layer 1 with the deviation on measures
+    it inside the step (`graphs.SelectStep`, keeping none of the reused rows); after a fallback the caught-up rows run the layer too and
     plain torch reads the question's rows' share. Five layers: the phase runs 0..3, its reads
     counted at 1..3."""
     five = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=5)
@@ -122,22 +122,27 @@ def test_the_question_phases_reads_on_static_steps_equal_the_torch_paths(withhol
         ref, got = (question_reads(e, lay, p.source(withhold=withhold), [0, 2], 1.0, deviation=deviation)
                     for e in (torch_step, static))
         assert ref.result.fallbacks == got.result.fallbacks == ([(2, 2)] if withhold else [])
-        assert [t.static for t in got.result.timings] == [True, not deviation, True, True]
+        assert [t.static for t in got.result.timings] == [True] * 4
         assert ref.reads.sum().item() == pytest.approx(3 * 4 * five.num_heads, rel=1e-5)
         _close(got.reads, ref.reads)
+        assert (got.deviation is None) == (ref.deviation is None) == (not deviation)
+        if deviation:
+            assert all((ref.deviation[lay.span(s)] > 0).all() for s in (0, 2))  # the reused chunks' rows
+            _close(got.deviation, ref.deviation)
 
 
-@pytest.mark.parametrize("focus", [0, 2], ids=["fresh_chunk", "fresh_chunk_and_alg1"])
-def test_a_fresh_chunks_statistics_on_static_steps_equal_the_eager_steps(engines, focus: int):
+@pytest.mark.parametrize("policy", [Policy("naive"), Policy("cachecraft", focus_window=2),
+                                    Policy("cacheblend", ratio=0.3)], ids=["naive", "alg1", "cacheblend"])
+def test_a_fresh_chunks_statistics_on_static_steps_equal_the_eager_steps(engines, policy):
     """A chunk computed here is a new variant: its KV and statistics (Cache-Craft §3.1) read
     its rows' attention mass per segment, taken from the static step over the bucket's
     segments (the prompt's, empty ones, one past the prompt) and cut to the prompt's. With
-    Alg. 1 deciding (`focus_window`), the question's mass too."""
+    Alg. 1 deciding (`focus_window`), the question's mass too; with CacheBlend, the rows
+    HKVD keeps (`graphs.SelectStep`)."""
     eager, static = engines
-    p = make_prompt(eager, seed=6, n_chunks=3, chunk_len=8, question_len=4)
+    p = make_prompt(_plain(eager), seed=6, n_chunks=3, chunk_len=8, question_len=4)
     segments = p.segments()
     segments[1] = Segment(p.chunks[1])  # computed here
-    policy = Policy("cachecraft", focus_window=focus) if focus else Policy("naive")
     ref, got = (blend_prefill(e, segments, policy, p.source(), gate=TRUSTED) for e in (eager, static))
     _same_result(got, ref)
     assert all(t.static for t in got.timings)
@@ -152,10 +157,33 @@ def test_a_fresh_chunks_statistics_on_static_steps_equal_the_eager_steps(engines
     assert mine.stats.token_inter_attention == pytest.approx(theirs.stats.token_inter_attention, rel=1e-5, abs=1e-7)
 
 
+def test_hkvds_choices_on_static_steps_equal_the_eager_steps_across_prompts_of_one_bucket():
+    """CacheBlend's gradual filtering (§4.3) chosen inside the step (`graphs.SelectStep`: the
+    deviation, a stable sort and prefix sums over the bucket's slots), on 5 layers (filter
+    layers 1-3): the rows each keeps, the prefill's logits and caches as the eager step's, for
+    prompts of other lengths in one bucket of tokens, whose candidates, kept counts and rows
+    the buffers take in turn; the last with a chunk late at a filter layer (caught up, then
+    among the rows the next choice sees)."""
+    five = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=5)
+    torch_step = LlamaEngine.random(five, seed=4, std=0.1)  # makes the stored variants (fast)
+    eager = LlamaEngine(five, torch_step.w, triton=True)
+    static = _static(eager, tokens_step=16, rows_step=8)
+    for seed, chunk_len, withhold in ((13, 12, ()), (14, 14, ()), (15, 10, {(1, 2)})):
+        p = make_prompt(torch_step, seed=seed, n_chunks=3, chunk_len=chunk_len, question_len=4)
+        ref, got = (blend_prefill(e, p.segments(), Policy("cacheblend", ratio=0.2), p.source(withhold=withhold),
+                                  gate=TRUSTED) for e in (eager, static))
+        _same_result(got, ref)
+        assert got.fallbacks == ([(1, 2)] if withhold else [])
+        assert all(t.static for t in got.timings)
+        rows = got.computed_rows
+        assert withhold or rows[0] > rows[1] > rows[2] > rows[3] == rows[4]  # each filter layer chose
+    assert len({b.tokens for b in static.steps.buckets()}) == 1
+
+
 def test_exact_reuse_on_a_deployments_buckets_equals_full_prefill(engines):
     eager, _ = engines
     static = _static(eager)  # TOKENS_STEP, ROWS_STEP: most of the rows and tokens are padding here
-    p = make_prompt(eager, seed=7, behind="same", n_chunks=3, chunk_len=8, question_len=4)
+    p = make_prompt(_plain(eager), seed=7, behind="same", n_chunks=3, chunk_len=8, question_len=4)
     full, full_kv = _plain(eager).prefill(p.tokens, all_logits=False)
     got = blend_prefill(static, p.segments(), Policy("naive"), p.source(), gate=TRUSTED)
     assert all(t.static for t in got.timings)
@@ -168,7 +196,7 @@ def test_exact_reuse_on_a_deployments_buckets_equals_full_prefill(engines):
 
 def test_a_layer_missing_midway_catches_up_over_the_static_caches(engines):
     eager, static = engines
-    p = make_prompt(eager, 21, behind="same", chunk_len=12)  # exact stored KV: full prefill's logits
+    p = make_prompt(_plain(eager), 21, behind="same", chunk_len=12)  # exact stored KV: full prefill's logits
     full = _plain(eager).prefill(p.tokens, all_logits=False)[0][-1]
     ref, got = (blend_prefill(e, p.segments(), Policy("naive"), p.source(withhold={(1, 2)}), gate=TRUSTED)
                 for e in (eager, static))
@@ -180,7 +208,7 @@ def test_a_layer_missing_midway_catches_up_over_the_static_caches(engines):
 
 def test_a_result_keeps_its_caches_when_the_next_prefill_reuses_the_bucket(engines):
     eager, static = engines
-    first, second = (make_prompt(eager, seed, n_chunks=3, chunk_len=8, question_len=4) for seed in (8, 9))
+    first, second = (make_prompt(_plain(eager), seed, n_chunks=3, chunk_len=8, question_len=4) for seed in (8, 9))
     a = blend_prefill(static, first.segments(), Policy("naive"), first.source(), gate=TRUSTED)
     kept = [(k.clone(), v.clone()) for k, v in a.kv]
     b = blend_prefill(static, second.segments(), Policy("naive"), second.source(), gate=TRUSTED)
@@ -191,10 +219,10 @@ def test_a_result_keeps_its_caches_when_the_next_prefill_reuses_the_bucket(engin
 
 def test_a_second_prefill_at_the_same_time_runs_eagerly_and_leaves_the_buffers_alone(engines):
     eager, static = engines
-    p = make_prompt(eager, seed=10, n_chunks=3, chunk_len=8, question_len=4)
+    p = make_prompt(_plain(eager), seed=10, n_chunks=3, chunk_len=8, question_len=4)
     blend_prefill(static, p.segments(), Policy("naive"), p.source(), gate=TRUSTED)  # makes the bucket
     before = [(s.h.clone(), s.caches.K.clone(), s.caches.V.clone()) for s in static.steps._steps.values()]
-    q = make_prompt(eager, seed=11, n_chunks=3, chunk_len=8, question_len=4)
+    q = make_prompt(_plain(eager), seed=11, n_chunks=3, chunk_len=8, question_len=4)
     with static.steps.lease() as first:  # another prefill holds the static steps
         assert first
         got = blend_prefill(static, q.segments(), Policy("naive"), q.source(), gate=TRUSTED)
@@ -220,9 +248,9 @@ class _CaptureBreakers(HostReads):
 
 def test_a_static_step_reads_nothing_of_the_device_and_copies_nothing_from_the_host(engines):
     # every kind of static step: plain (Cache-Craft), with reads (the default's question
-    # phase) and with the attention mass (a fresh chunk's statistics)
+    # phase), with the attention mass (a fresh chunk's statistics), choosing rows (CacheBlend)
     eager, static = engines
-    p = make_prompt(eager, seed=12, n_chunks=3, chunk_len=16, question_len=4)
+    p = make_prompt(_plain(eager), seed=12, n_chunks=3, chunk_len=16, question_len=4)
     fresh = p.segments()
     fresh[1] = Segment(p.chunks[1])
     spy, runs = _CaptureBreakers(), []
@@ -234,8 +262,9 @@ def test_a_static_step_reads_nothing_of_the_device_and_copies_nothing_from_the_h
             return inner(self, layer, *kinds)
 
     with mock.patch.object(StaticStep, "run", watched):
-        for policy, segments in (("cachecraft", p.segments()), ("query", p.segments()), ("naive", fresh)):
-            blend_prefill(static, segments, Policy(policy), p.source(), gate=TRUSTED)
+        for policy, segments in ((Policy("cachecraft"), p.segments()), (Policy("query"), p.segments()),
+                                 (Policy("naive"), fresh), (Policy("cacheblend", ratio=0.3), p.segments())):
+            blend_prefill(static, segments, policy, p.source(), gate=TRUSTED)
     assert {(reads, bool(mass)) for _, reads, mass in runs} == {(False, False), (True, False), (False, True)}
     assert not spy.sites, dict(spy.sites)
 
@@ -259,7 +288,7 @@ def test_a_step_that_fails_leaves_its_layer_and_every_later_prefill_to_the_eager
     said once in the log. Here the failure is raised where a capture would raise it."""
     eager = LlamaEngine(CFG, LlamaEngine.random(CFG, seed=3, std=0.1).w, triton=True)
     static = _static(eager, tokens_step=16, rows_step=8)
-    p = make_prompt(eager, seed=5, n_chunks=3, chunk_len=16, question_len=4)
+    p = make_prompt(_plain(eager), seed=5, n_chunks=3, chunk_len=16, question_len=4)
     run, calls = StaticStep.run, []
 
     def fails_at_layer_1(step, layer, *args):  # noqa: ANN001, ANN202
