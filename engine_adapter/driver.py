@@ -604,9 +604,9 @@ class _Blend:
             kept = self.rows_of([r for r in p.host if not self.live_host[r]])
         reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, kept or p)) is not None),
                      None)
-        if reads is not None and (reads is not self.e.steps.caches(self.n).reads or (acting and kept is None)):
+        static = self._bucket(lambda: self.e.steps.step(self.n, R, R - p.n_cand + keep if acting else None))
+        if static is None or (reads is not None and (reads is not static.caches.reads or (acting and kept is None))):
             return None
-        static = self.e.steps.step(self.n, R, R - p.n_cand + keep if acting else None)
         cc = self._static_cc = static.caches
         t0 = time.perf_counter()
         if not self._keys_placed:
@@ -742,11 +742,21 @@ class _Blend:
         """Where a phase's attention adds up what its rows read of each key: with the static
         steps leased, their bucket's (`graphs.Caches.reads`, over the bucket's tokens: the first
         n are the prompt's), cleared; else one over the prompt's keys."""
-        if self.leased:
-            reads = self.e.steps.caches(self.n).reads
-            reads.clear()
-            return reads
+        cc = self._bucket(lambda: self.e.steps.caches(self.n)) if self.leased else None
+        if cc is not None:
+            cc.reads.clear()
+            return cc.reads
         return KeyReads(self.n, self.e.device)
+
+    def _bucket(self, make: "Callable[[], Any]") -> Any:
+        """`make()`, a bucket of the static steps, or None where the device has no memory for
+        its buffers (`graphs.StepGraphs.out_of_memory`): this prefill runs eagerly from here."""
+        try:
+            return make()
+        except torch.OutOfMemoryError as e:
+            self.e.steps.out_of_memory(self.n, e)
+            self.leased = False
+            return None
 
     def _needed(self, p: _Rows) -> Tensor:
         """Indices into p's rows of the rows whose attention mass is wanted (`need_rows`)."""

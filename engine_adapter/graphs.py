@@ -313,6 +313,7 @@ class StepGraphs:
     def __init__(self, engine: Any, rope: RopeConfig, tokens_step: int = TOKENS_STEP, rows_step: int = ROWS_STEP):
         self.e, self.rope = engine, rope
         self.failed = ""  # why the static steps are off for good (`fail`), "" while they are on
+        self._oom_said = False  # `out_of_memory` warned once
         self.tokens_step, self.rows_step = tokens_step, rows_step
         self._caches: collections.OrderedDict[int, Caches] = collections.OrderedDict()
         self._steps: collections.OrderedDict[Bucket, StaticStep] = collections.OrderedDict()
@@ -336,6 +337,17 @@ class StepGraphs:
         self._steps.clear()
         self._caches.clear()
         log.warning("static steps off for this engine, prefills run eagerly: %s", error)
+
+    def out_of_memory(self, n: int, error: Exception) -> None:
+        """The device had no memory for a bucket's buffers (`caches`, `step`): the buckets kept
+        are dropped, so the memory goes back to the prefill, which runs eagerly from there; a
+        later prefill allocates afresh. Said once in the log, then at debug level."""
+        self._steps.clear()
+        self._caches.clear()
+        (log.debug if self._oom_said else log.warning)(
+            "no device memory for the static steps' buffers of a %d-token prompt, the prefill runs eagerly: %s",
+            n, error)
+        self._oom_said = True
 
     def bucket(self, n: int, rows: int) -> Bucket:
         """The bucket of a prompt of n tokens computing `rows` rows."""

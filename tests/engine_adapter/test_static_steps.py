@@ -21,7 +21,7 @@ from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
 from engine_adapter.policy import POLICIES, Policy
 from engine_adapter.probe import TOLERANCE, TRUSTED
 from engine_adapter.prompt import Layout, Segment
-from engine_adapter import query
+from engine_adapter import graphs, query
 from engine_adapter.query import question_reads
 from tests.engine_adapter.adapter_helpers import make_prompt
 from tests.engine_adapter.test_host_reads import ENGINE_CODE, KERNEL_CODE, HostReads
@@ -308,3 +308,31 @@ def test_a_step_that_fails_leaves_its_layer_and_every_later_prefill_to_the_eager
     assert not any(t.static for t in again.timings)
     assert [r.getMessage() for r in caplog.records if "static steps off" in r.getMessage()] == [
         "static steps off for this engine, prefills run eagerly: layer 1's CUDA graph: (raised by the test)"]
+
+
+@pytest.mark.parametrize("policy", ["naive", "query"])
+def test_no_device_memory_for_a_bucket_runs_the_prefill_eagerly_and_the_next_static(policy: str, caplog):
+    """A bucket's buffers that the device has no memory for (`torch.OutOfMemoryError` where a
+    bucket of tokens is made: the default policy asks for it before its first layer, for its
+    reads) leave the prefill to the eager step, the buckets kept dropped and said in the log;
+    the next prefill allocates afresh and runs static."""
+    eager = LlamaEngine(CFG, LlamaEngine.random(CFG, seed=3, std=0.1).w, triton=True)
+    static = _static(eager, tokens_step=16, rows_step=8)
+    p = make_prompt(_plain(eager), seed=5, n_chunks=3, chunk_len=16, question_len=4)
+    ref = blend_prefill(eager, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+    made = graphs.Caches.__init__
+
+    def no_memory(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    with mock.patch.object(graphs.Caches, "__init__", no_memory), caplog.at_level(logging.WARNING):
+        got = blend_prefill(static, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+    _same_result(got, ref)
+    assert not any(t.static for t in got.timings) and not static.steps.buckets()
+    assert [r.getMessage() for r in caplog.records] == [
+        "no device memory for the static steps' buffers of a 52-token prompt, the prefill runs eagerly: "
+        "CUDA out of memory (raised by the test)"]
+    assert graphs.Caches.__init__ is made
+    again = blend_prefill(static, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+    _same_result(again, ref)
+    assert all(t.static for t in again.timings)
