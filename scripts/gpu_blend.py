@@ -58,7 +58,10 @@ into the gpu tier; then each request plans, Locates (the variants' layers handed
 CUDA tensors aliasing the service's pool, CUDA IPC), blends and releases. Cases: full
 prefill (the engine alone), served full prefill, served exact reuse (naive over the
 variants stored behind the same chunks: must equal full prefill within the probe's
-tolerance), served default (query) 15%. Without CUDA it runs the same on the CPU (the
+tolerance), served default (query) 15%, and on CUDA served default (query) 15%, graphs (the
+same engine on static steps from then on, `LlamaEngine.use_graphs`: must give the eager served
+default's logits within the probe's tolerance, and the kv column says how many layers ran as
+graphs). Without CUDA it runs the same on the CPU (the
 service logs that it has no CUDA driver; the KV comes from its host tier), and the gpu
 tier check says "not measured".
 
@@ -530,8 +533,14 @@ def _serve_cases(engine: LlamaEngine, client, texts: list[list[int]], question: 
     rows.append({"case": "full prefill (engine alone)", "kv": "none (computed)", "ttft_ms": 1e3 * full_s,
                  "speedup": 1.0, "logit_dev": 0.0, "top1": True, "computed_share": 1.0, **_profile(full, sync, cuda)})
     tol = TOLERANCE.get(dtype, 6e-2) * max(1.0, float(ref.abs().max()))
-    for name, policy in [("served full prefill", "full"), ("served exact reuse", "naive"),
-                         (f"served default ({DEFAULT_POLICY}) 15%", DEFAULT_POLICY)]:
+    cases = [("served full prefill", "full"), ("served exact reuse", "naive"),
+             (f"served default ({DEFAULT_POLICY}) 15%", DEFAULT_POLICY)]
+    if cuda:  # the same engine on static steps from here (`LlamaEngine.use_graphs`: no second copy of the weights)
+        cases.append((f"served default ({DEFAULT_POLICY}) 15%" + GRAPHS, DEFAULT_POLICY))
+    eager_default = None
+    for name, policy in cases:
+        if name.endswith(GRAPHS):
+            engine.use_graphs()
         a = adapter(policy)
         reports: list = []
         loads: set[str] = set()
@@ -577,6 +586,16 @@ def _serve_cases(engine: LlamaEngine, client, texts: list[list[int]], question: 
             diff = float((logits - ref).abs().max())
             ok = ok and diff <= tol
             detail += f"; max |logit diff| to full prefill {diff:.3g}, tolerance {tol:.3g} (the reuse probe's)"
+        if name.endswith(GRAPHS):
+            static = sum(t.static for t in r.timings)
+            rows[-1]["kv"] += f", {static} of {len(r.timings)} layers as graphs"
+            diff = float((logits - eager_default).abs().max()) if eager_default is not None else math.inf
+            failed = engine.steps.failed if engine.steps is not None else ""
+            ok = ok and diff <= tol and not failed
+            detail += (f"; vs the same case on eager steps: max |logit diff| {diff:.3g} (tolerance {tol:.3g})"
+                       + (f"; the static steps failed, eager since: {failed}" if failed else ""))
+        elif policy == DEFAULT_POLICY:
+            eager_default = logits
         check(name, ok, detail)
 
 
