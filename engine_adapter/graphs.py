@@ -15,9 +15,10 @@ the least recently used dropped first, and a prefill leases it whole (`lease`): 
 prefill on the same engine at the same time (a fidelity shadow) runs the eager step
 instead of waiting. `StaticStep` is one bucket of rows: its buffers and, on CUDA, one
 graph per layer and kind of step (adding up reads or not, returning the attention mass or
-not), captured at its first use. On the CPU (tests, Triton's
-interpreter) the same step runs eagerly over the same buffers: what CUDA captures is
-what the CPU tests check.
+not), captured at its first use. `SelectStep` is a step that also chooses which of its
+rows run on (by their KV deviation, CacheBlend §4.3), the choice inside the graph. On the
+CPU (tests, Triton's interpreter) the same step runs eagerly over the same buffers: what
+CUDA captures is what the CPU tests check.
 
 Which layers run here is the loop's choice (`driver._Blend.static_step`).
 """
