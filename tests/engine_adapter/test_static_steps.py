@@ -9,6 +9,7 @@ second prefill at the same time)."""
 from __future__ import annotations
 
 import dataclasses
+import random
 import logging
 from unittest import mock
 
@@ -336,3 +337,34 @@ def test_no_device_memory_for_a_bucket_runs_the_prefill_eagerly_and_the_next_sta
     again = blend_prefill(static, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
     _same_result(again, ref)
     assert all(t.static for t in again.timings)
+
+
+def test_a_choosing_steps_choice_is_the_stable_top_k_of_its_candidates_whatever_the_counts(engines):
+    """`graphs.SelectStep`'s choice on its own, against a brute-force one on the host: for
+    random rows, candidates and kept counts (none, all, a full bucket with no spare slot, no
+    candidate) and deviations with many ties (made here), the rows out are the rows that are
+    not candidates and the `keep` candidates of highest deviation, ties to the earlier one, in
+    order; the kept candidates' places among them; spare slots at the padding position."""
+    eager, _ = engines
+    steps = StepGraphs(eager, rope_for_spec(eager.model_spec()), tokens_step=16, rows_step=8)
+    rng = random.Random(0)
+    n = 40
+    cases = [(8, 0, 0), (8, 8, 8), (8, 8, 0), (5, 3, 3), (16, 12, 5)] + [
+        (R, rng.randint(0, R), None) for R in (rng.randint(1, 24) for _ in range(12))]
+    for R, C, keep in cases:
+        keep = rng.randint(0, C) if keep is None else keep
+        rows = sorted(rng.sample(range(n), R))
+        cand = sorted(rng.sample(range(R), C))
+        step = steps.step(n, R, R - C + keep)
+        ties = torch.tensor([float(rng.randint(0, 3)) for _ in range(step.rows.shape[0])])
+        step.load(torch.tensor(rows), torch.randn(R, eager.cfg.hidden_size))
+        step.choose(torch.tensor(cand, dtype=torch.long), keep)
+        with mock.patch.object(graphs, "kv_deviation", lambda *kv: ties.clone()):
+            step.run(0)
+        by_rank = sorted(range(C), key=lambda i: (-ties[i].item(), i))[:keep]  # stable, descending
+        chosen = {cand[i] for i in by_rank}
+        stay = [r for i, r in enumerate(rows) if i not in set(cand) or i in chosen]
+        R2 = len(stay)
+        assert step.rows_out[:R2].tolist() == stay, (R, C, keep)
+        assert (step.rows_out[R2:] == steps.bucket(n, 1).tokens - 1).all()
+        assert step.cand_out[:keep].tolist() == [stay.index(rows[i]) for i in sorted(chosen)]
