@@ -311,8 +311,8 @@ def _heads(score: Tensor, lay: Layout, budget: int, L: int, depth: int) -> tuple
     """`most_read(heads=True)`'s rows within `budget` row-layers (a row through every layer
     costs L, a head row the question did not read `depth`): all of them, and the head rows,
     sorted. `score` [N] on the CPU, -1 for rows that are not candidates."""
-    reads = score.tolist()
-    order = [i for i in score.argsort(descending=True, stable=True).tolist() if reads[i] >= 0]
+    score = torch.where(score >= 0, score, -1.0)  # (a NaN too: not a candidate)
+    order = score.argsort(descending=True, stable=True)[:int((score >= 0).sum())].tolist()  # candidates first
     deep = set(order[:min(1, budget // L)])  # rows through every layer
     deep_sorted = sorted(deep)  # the same, to count those in a range without a walk over it
     shallow: set[int] = set()  # head rows through layers 0..depth-1
@@ -346,7 +346,8 @@ def _heads(score: Tensor, lay: Layout, budget: int, L: int, depth: int) -> tuple
         cost = depth * unpicked + (0 if i in deep else L)
         if cost <= left:
             left -= cost
-            shallow.update(r for r in range(end, i) if r not in deep)
+            shallow.update(range(end, i))
+            shallow.difference_update(deep_sorted[bisect.bisect_left(deep_sorted, end):bisect.bisect_left(deep_sorted, i)])
             go_deep(i)
             head_end[s] = i + 1
     for i in order:  # single rows with what remains
