@@ -368,3 +368,17 @@ def test_a_choosing_steps_choice_is_the_stable_top_k_of_its_candidates_whatever_
         assert step.rows_out[:R2].tolist() == stay, (R, C, keep)
         assert (step.rows_out[R2:] == steps.bucket(n, 1).tokens - 1).all()
         assert step.cand_out[:keep].tolist() == [stay.index(rows[i]) for i in sorted(chosen)]
+
+
+def test_a_replay_is_judged_against_its_eager_run_by_each_outputs_largest_value():
+    """`graphs.replay_differs`, what turns the static steps off on CUDA: a rounding apart
+    passes, an output off by more than 1% of its largest value, or NaN, does not; an output
+    the step does not make (no mass) is not compared."""
+    h, qkv = torch.randn(8, 16), torch.randn(3, 8, 4)
+    assert graphs.replay_differs((h, qkv, None), (h * (1 + 1e-3), qkv.clone(), torch.full((8, 2), float("nan")))) == ""
+    wrong = h.clone()
+    wrong[3, 5] += 0.02 * h.abs().max()
+    assert "hidden states differ" in graphs.replay_differs((h, qkv, None), (wrong, qkv, None))
+    nan = qkv.clone()
+    nan[0, 0, 0] = float("nan")
+    assert "q/k/v differ" in graphs.replay_differs((h, qkv, None), (h, nan, None))
