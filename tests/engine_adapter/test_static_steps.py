@@ -162,14 +162,14 @@ def test_hkvds_choices_on_static_steps_equal_the_eager_steps_across_prompts_of_o
     """CacheBlend's gradual filtering (§4.3) chosen inside the step (`graphs.SelectStep`: the
     deviation, a stable sort and prefix sums over the bucket's slots), on 5 layers (filter
     layers 1-3): the rows each keeps, the prefill's logits and caches as the eager step's, for
-    prompts of other lengths in one bucket of tokens, whose candidates, kept counts and rows
-    the buffers take in turn; the last with a chunk late at a filter layer (caught up, then
-    among the rows the next choice sees)."""
+    two prompts of other lengths in one bucket of tokens, whose candidates, kept counts and
+    rows the buffers take in turn; the second with a chunk late at a filter layer (caught up,
+    then among the rows the next choice sees)."""
     five = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=5)
     torch_step = LlamaEngine.random(five, seed=4, std=0.1)  # makes the stored variants (fast)
     eager = LlamaEngine(five, torch_step.w, triton=True)
     static = _static(eager, tokens_step=16, rows_step=8)
-    for seed, chunk_len, withhold in ((13, 12, ()), (14, 14, ()), (15, 10, {(1, 2)})):
+    for seed, chunk_len, withhold in ((13, 12, ()), (15, 10, {(1, 2)})):
         p = make_prompt(torch_step, seed=seed, n_chunks=3, chunk_len=chunk_len, question_len=4)
         ref, got = (blend_prefill(e, p.segments(), Policy("cacheblend", ratio=0.2), p.source(withhold=withhold),
                                   gate=TRUSTED) for e in (eager, static))
