@@ -599,12 +599,13 @@ class _Blend:
         if acting and keep is None:
             return None
         R = p.rows.shape[0]
+        R_out = R - p.n_cand + keep if acting else R  # the rows that run on after the step's choice
         kept = None  # the rows after the choice, where the host knows them: none kept of the candidates
         if acting and keep == 0 and p.host is not None:
             kept = self.rows_of([r for r in p.host if not self.live_host[r]])
         reads = next((r for sel in self.selections if (r := sel.reads_into(self, layer, kept or p)) is not None),
                      None)
-        static = self._bucket(lambda: self.e.steps.step(self.n, R, R - p.n_cand + keep if acting else None))
+        static = self._bucket(lambda: self.e.steps.step(self.n, R, R_out if acting else None))
         if static is None or (reads is not None and (reads is not static.caches.reads or (acting and kept is None))):
             return None
         cc = self._static_cc = static.caches
@@ -633,7 +634,7 @@ class _Blend:
         self._attend_s = 0.0
         c = self.e.cfg
         if acting:
-            R_in, R = R, R - p.n_cand + keep
+            R_in, R = R, R_out
             acting[0].measured(self, layer, p, static.dev[:p.n_cand])
             p = kept or self.rows_of(rows=static.rows_out[:R].clone(), cand=static.cand_out[:keep].clone(),
                                      n_cand=keep, others=p.others, recomputed=p.recomputed - p.n_cand + keep)

@@ -59,7 +59,7 @@ from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import Naive, QueryAware
 from engine_adapter.prompt import Layout
 from engine_adapter.source import LayerKV, LayerSource
-from kvkernels import KeyReads, kv_deviation_topk
+from kvkernels import KeyReads, kv_deviation
 
 # The most of a budget the deviation signal may take (layer 0 of every reused row); beyond
 # it the picks would be too few for either signal to pay off.
@@ -114,7 +114,7 @@ class QuestionPhase(Selection):
         if not self.compares(b, layer) or not p.n_cand:
             return p, None
         at, k_old, v_old = b.stored  # [C] prompt rows, their stored K (RoPE-free) and V (`merged`)
-        dev, _ = kv_deviation_topk(K.index_select(1, at), V.index_select(1, at), b.rot.at(at)(k_old), v_old, 0.0)
+        dev = kv_deviation(K.index_select(1, at), V.index_select(1, at), b.rot.at(at)(k_old), v_old)
         self.deviation.index_copy_(0, at, dev)
         host = b.host_rows(p)
         keep = [i for i, r in enumerate(host) if not b.live_host[r]]
