@@ -313,12 +313,7 @@ def _reuse_rows(engine: LlamaEngine, cfg, dtype: torch.dtype, texts: list[list[i
                   f"{len(fallbacks)} (chunk, layer) computed for lack of their KV in "
                   f"{len(calls)} runs" + ("" if cuda else "; CPU: not pinned, no side stream"))
         elif on_graphs:
-            base = in_gpu.get(name[: -len(GRAPHS)])
-            diff = float((logits - base).abs().max()) if base is not None else math.inf
-            failed = graphed.steps.failed if graphed is not None and graphed.steps is not None else ""
-            check(name, base is not None and diff <= tol and not failed,
-                  f"vs the same case on eager steps: max |logit diff| {diff:.3g} (tolerance {tol:.3g})"
-                  + (f"; the static steps failed, eager since: {failed}" if failed else ""))
+            check(name, *_versus_eager(logits, in_gpu.get(name[: -len(GRAPHS)]), tol, graphed))
         else:
             in_gpu[name] = logits
     return rows
@@ -589,14 +584,22 @@ def _serve_cases(engine: LlamaEngine, client, texts: list[list[int]], question: 
         if name.endswith(GRAPHS):
             static = sum(t.static for t in r.timings)
             rows[-1]["kv"] += f", {static} of {len(r.timings)} layers as graphs"
-            diff = float((logits - eager_default).abs().max()) if eager_default is not None else math.inf
-            failed = engine.steps.failed if engine.steps is not None else ""
-            ok = ok and diff <= tol and not failed
-            detail += (f"; vs the same case on eager steps: max |logit diff| {diff:.3g} (tolerance {tol:.3g})"
-                       + (f"; the static steps failed, eager since: {failed}" if failed else ""))
+            same, versus = _versus_eager(logits, eager_default, tol, engine)
+            ok, detail = ok and same, f"{detail}; {versus}"
         elif policy == DEFAULT_POLICY:
             eager_default = logits
         check(name, ok, detail)
+
+
+def _versus_eager(logits: torch.Tensor, eager: torch.Tensor | None, tol: float,
+                  engine: LlamaEngine | None) -> tuple[bool, str]:
+    """A ", graphs" case's check: its logits within `tol` of the same case's on eager steps
+    (None: that case did not run), and `engine`'s static steps still on."""
+    diff = float((logits - eager).abs().max()) if eager is not None else math.inf
+    failed = engine.steps.failed if engine is not None and engine.steps is not None else ""
+    return diff <= tol and not failed, (f"vs the same case on eager steps: max |logit diff| {diff:.3g} "
+                                        f"(tolerance {tol:.3g})"
+                                        + (f"; the static steps failed, eager since: {failed}" if failed else ""))
 
 
 def _fmt(v: object, fmt: str) -> str:
