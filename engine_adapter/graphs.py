@@ -335,20 +335,23 @@ class StepGraphs:
         """A step failed (`StaticStep.run`): the engine's prefills run eagerly from now on,
         said once in the log; the buffers and graphs are dropped."""
         self.failed = str(error)
-        self._steps.clear()
-        self._caches.clear()
+        self._drop()
         log.warning("static steps off for this engine, prefills run eagerly: %s", error)
 
     def out_of_memory(self, n: int, error: Exception) -> None:
         """The device had no memory for a bucket's buffers (`caches`, `step`): the buckets kept
         are dropped, so the memory goes back to the prefill, which runs eagerly from there; a
         later prefill allocates afresh. Said once in the log, then at debug level."""
-        self._steps.clear()
-        self._caches.clear()
+        self._drop()
         (log.debug if self._oom_said else log.warning)(
             "no device memory for the static steps' buffers of a %d-token prompt, the prefill runs eagerly: %s",
             n, error)
         self._oom_said = True
+
+    def _drop(self) -> None:
+        """Every bucket kept, with its buffers and graphs (freed once no prefill holds them)."""
+        self._steps.clear()
+        self._caches.clear()
 
     def bucket(self, n: int, rows: int) -> Bucket:
         """The bucket of a prompt of n tokens computing `rows` rows."""
