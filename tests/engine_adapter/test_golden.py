@@ -1,0 +1,63 @@
+"""Every policy computes what it computed before the loop became one layer step
+(tests/engine_adapter/golden.py says what the goldens hold and how they were recorded).
+
+Identical where the arithmetic is the same op for op; within TOLERANCE where the rewrite
+orders a sum differently (stated per case below, with the reason)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from tests.engine_adapter import golden
+
+# Largest difference allowed, relative to the largest magnitude of the compared values
+# (logits, statistics); 0: bit for bit.
+TOLERANCE: dict[str, float] = {}
+
+
+def _close(name: str, got: list[float], want: list[float], tol: float) -> None:
+    assert len(got) == len(want), name
+    scale = max((abs(x) for x in want), default=0.0) or 1.0
+    worst = max((abs(a - b) for a, b in zip(got, want)), default=0.0)
+    assert worst <= tol * scale, f"{name}: differs by {worst:.3g} (largest {scale:.3g}, tolerance {tol:g})"
+
+
+def _compare(case: str, got: dict, want: dict) -> None:
+    tol = TOLERANCE.get(case.split("/", 1)[1], 0.0)
+    for key in ("computed_rows", "reused_segments", "fallbacks", "decoded"):
+        assert got[key] == want[key], f"{case}: {key} {got[key]} != {want[key]}"
+    assert got["top_ids"] == want["top_ids"], f"{case}: the top logits' tokens differ"
+    _close(f"{case} top logits", got["top_logits"], want["top_logits"], tol)
+    _close(f"{case} logits' sum and norm", [got["logits_sum"], got["logits_norm"]],
+           [want["logits_sum"], want["logits_norm"]], tol)
+    assert sorted(got["fresh"]) == sorted(want["fresh"]), f"{case}: other chunks computed fresh"
+    for s, stats in want["fresh"].items():
+        mine = got["fresh"][s]
+        for key in ("prefix_attention", "token_inter_attention", "kv_sum"):
+            _close(f"{case} fresh chunk {s} {key}", mine[key], stats[key], tol)
+        _close(f"{case} fresh chunk {s} a, b", [mine["a"], mine["b"]], [stats["a"], stats["b"]], tol)
+        assert all(math.isfinite(x) for x in mine["token_inter_attention"])
+
+
+def test_every_policy_on_the_quality_model_computes_its_golden_outputs():
+    want = json.loads(golden.path("quality").read_text())
+    got = golden.run_model("quality")
+    assert sorted(got) == sorted(want)
+    for case in want:
+        _compare(case, got[case], want[case])
+
+
+@pytest.mark.realmodel
+def test_every_policy_on_smollm2_computes_its_golden_outputs(fetched):
+    # The first prompt (1,296 tokens, 30 layers) in the suite; both with GOLDEN_ALL=1.
+    want = json.loads(golden.path("smollm2").read_text())
+    if not os.environ.get("GOLDEN_ALL"):
+        want = {k: v for k, v in want.items() if k.startswith("0/")}
+    got = golden.run_model("smollm2", fetched.path, prompts=1 if not os.environ.get("GOLDEN_ALL") else None)
+    assert sorted(got) == sorted(want)
+    for case in want:
+        _compare(case, got[case], want[case])
