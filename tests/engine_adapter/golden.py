@@ -3,7 +3,7 @@
 The blended prefill's loop can be rewritten (one layer step, policies as plug-ins, static
 steps) without changing what any policy computes. These cases pin what it computed before
 (`golden-*.json`, written by `python -m tests.engine_adapter.golden record`, recorded once on
-the loop the one-layer step replaced): every policy's last-position logits (top 16 and the
+the loop the one-layer step replaced, on one thread: a matmul's sums are ordered by its threads): every policy's last-position logits (top 16 and the
 whole vector's sum and norm), four greedy tokens decoded over the cache the prefill returned
 (what the merged cache holds), the rows computed per layer, the chunks that stayed reused or
 fell back, and the statistics of the chunks computed fresh (the variants a request stores).
@@ -168,11 +168,16 @@ def run_model(model: str, model_dir: Path | None = None, prompts: int | None = N
     {"<prompt>/<case>": outputs}."""
     engine, prompts_ = quality_prompts() if model == "quality" else smollm2_prompts(model_dir)
     out = {}
-    with torch.no_grad():
-        for i, (chunks, question, stranger) in enumerate(prompts_[:prompts]):
-            stored = stored_variants(engine, chunks, stranger)
-            for name, spec, serve in CASES[model]:
-                out[f"{i}/{name}"] = run_case(engine, chunks, question, stored, spec, serve)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a matmul's sums are ordered by its threads: one, wherever it runs
+    try:
+        with torch.no_grad():
+            for i, (chunks, question, stranger) in enumerate(prompts_[:prompts]):
+                stored = stored_variants(engine, chunks, stranger)
+                for name, spec, serve in CASES[model]:
+                    out[f"{i}/{name}"] = run_case(engine, chunks, question, stored, spec, serve)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
