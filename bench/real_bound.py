@@ -47,13 +47,12 @@ import torch
 from torch import Tensor
 
 from engine_adapter import LlamaEngine
-from engine_adapter.blend import BlendResult, blend_prefill
-from engine_adapter.driver import run_blend
+from engine_adapter.blend import BlendResult, blend_prefill, prefill_with_picks, question_reads, run_passes
 from engine_adapter.generate import greedy, stop_tokens
 from engine_adapter.policy import DEFAULT_POLICY, Naive, Policy, QueryAware
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
-from engine_adapter.query import QuestionReads, most_read, question_reads, repair
+from engine_adapter.policies.picks import QuestionReads, most_read
 from engine_adapter.source import InMemoryLayerSource
 from kvbench import musique
 from kvbench.real_quality import meta, rouge_l_stats, warm_chunks
@@ -123,7 +122,7 @@ def served(engine: LlamaEngine, prompts: Sequence[musique.Prompt], i: int) -> Se
     model_id = engine.model_spec().fingerprint()
     p = prompts[i]
     warm = [Segment(c) for c in warm_chunks(prompts, i)]
-    warmed = run_blend(engine, Layout.of(warm, model_id), Policy("full"), InMemoryLayerSource({}), [])
+    warmed = run_passes(engine, Layout.of(warm, model_id), Policy("full"), InMemoryLayerSource({}), [])
     mine = [warmed.fresh[len(warm) - 1 - k] for k in range(len(p.passages))]  # passage k's variant
     segments = [Segment(p.instruction, cached=True),
                 *(Segment(c, cached=True, cached_prefix=v.prefix) for c, v in zip(p.passages, mine)),
@@ -146,7 +145,7 @@ def oracle_scores(engine: LlamaEngine, s: Served, full: BlendResult, naive: Blen
     # The passages as full prefill computed them (behind the instruction and each other): the
     # question pass over them reads what full prefill's question reads.
     exact = InMemoryLayerSource({0: s.stored[0]} | {j: full.fresh[j].kv for j in s.reused if j})
-    return {"deviation": deviation, "reads": question_reads(engine, s.layout, exact, s.reused, 1.0).reads}
+    return {"deviation": deviation, "reads": question_reads(engine, s.layout, exact, s.reused, layer_budget_s=1.0).reads}
 
 
 def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[musique.Prompt], i: int,
@@ -162,28 +161,28 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[mus
         gen = greedy(engine, result.logits, result.kv, new_tokens, stop)
         out[label] = {"tokens": list(gen.tokens), "computed_share": result.computed_share}
 
-    full = run_blend(engine, lay, Policy("full"), InMemoryLayerSource({}), [])
+    full = run_passes(engine, lay, Policy("full"), InMemoryLayerSource({}), [])
     answer("full", full)
     if bf16 is not None:  # bf16 on a CPU is slow: its row is a run of its own (no budgets)
         logits, kv = bf16.prefill(lay.tokens, all_logits=False)
         gen = greedy(bf16, logits[-1], kv, new_tokens, stop)
         out["full, bf16"] = {"tokens": list(gen.tokens), "computed_share": 1.0}
-    naive = run_blend(engine, lay, Naive(), s.source(), s.reused)
+    naive = run_passes(engine, lay, Naive(), s.source(), s.reused)
     answer("naive", naive)
     answer(f"{DEFAULT_POLICY} (default)", blend_prefill(engine, s.segments, Policy(DEFAULT_POLICY), s.source(),
                                                         gate=TRUSTED, stats=False))
     if not budgets:
         return out
     oracle = oracle_scores(engine, s, full, naive)
-    asked = question_reads(engine, lay, s.source(), s.reused, 1.0)
+    asked = question_reads(engine, lay, s.source(), s.reused, layer_budget_s=1.0)
     for b in budgets:
         policy = QueryAware(budget=b)
         n = max(0, int(b * lay.n) - question)  # rows through every layer; the question paid once
         for name, score, heads in (("deviation", oracle["deviation"], False), ("reads", oracle["reads"], True),
                                    ("free question pass", asked.reads, True)):
-            q = QuestionReads(score, asked.live, asked.received, asked.result, asked.layer0)
+            q = QuestionReads(score, asked.live, asked.result, asked.layer0)
             picks = most_read(q, lay, n, heads=heads, num_layers=L, depth=policy.head_depth(L))
-            answer(f"{name} {b:.0%}", repair(engine, lay, policy, s.source(), s.reused, picks, stats=False))
+            answer(f"{name} {b:.0%}", prefill_with_picks(engine, lay, q, picks, s.source(), stats=False))
     return out
 
 

@@ -6,7 +6,7 @@
 Every policy that blends (naive, Cache-Craft's top 15% of each chunk, CacheBlend 15%, the
 default) over one prompt of 3 random-token chunks stored behind other chunks and an 8-token
 question, three ways on the same weights (fp32): plain torch (the CPU path), the engine's Triton
-path (eager), and that path on static steps (`LlamaEngine(graphs=True)`: padded buckets, one
+path (eager), and that path on static steps (`graphs.StepGraphs`: padded buckets, one
 CUDA graph a layer on CUDA).
 Prints, per policy, how many layers ran static and the largest logit difference of the static
 steps from the eager Triton step and from plain torch, beside the reuse probe's tolerance.
@@ -36,6 +36,7 @@ if not os.environ.get("TRITON_INTERPRET"):  # before kvkernels is imported; no e
 import torch  # noqa: E402
 
 from engine_adapter.blend import blend_prefill  # noqa: E402
+from engine_adapter.graphs import StepGraphs  # noqa: E402
 from engine_adapter.llama import LlamaEngine  # noqa: E402
 from engine_adapter.policy import Policy  # noqa: E402
 from engine_adapter.probe import TOLERANCE, TRUSTED  # noqa: E402
@@ -70,16 +71,17 @@ def run(path: str, chunk_len: int, device: str) -> list[dict]:
     if device != "cpu":
         torch_step = LlamaEngine(torch_step.cfg, {n: w.to(device) for n, w in torch_step.w.items()}, triton=False)
     triton_step = LlamaEngine(torch_step.cfg, torch_step.w, triton=True)
-    static = LlamaEngine(torch_step.cfg, torch_step.w, triton=True, graphs=True)
+    static = StepGraphs(triton_step)
     rows = []
     with torch.device(device):
         segments, kv = _prompt(torch_step, chunk_len)
         for name, options, share in POLICIES:
             out = {}
-            for how, engine in (("torch", torch_step), ("eager", triton_step), ("static", static)):
+            for how, engine, steps in (("torch", torch_step, None), ("eager", triton_step, None),
+                                       ("static", triton_step, static)):
                 t0 = time.perf_counter()
                 r = blend_prefill(engine, segments(share), Policy(name, **options), InMemoryLayerSource(kv),
-                                  gate=TRUSTED, stats=False)
+                                  gate=TRUSTED, stats=False, steps=steps)
                 out[how] = (r, time.perf_counter() - t0)
             got, eager = out["static"][0].logits.float(), out["eager"][0].logits.float()
             rows.append({"policy": name, "layers": torch_step.cfg.num_layers,

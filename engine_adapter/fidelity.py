@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from engine_adapter.blend import blend_prefill
-from engine_adapter.driver import BlendResult
+from engine_adapter.result import BlendResult
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import ReusePolicy
 from engine_adapter.probe import TRUSTED

@@ -7,10 +7,10 @@ copy of that cache, until a stop token or `max_new_tokens`. Over a blended cache
 answer is what the reused KV makes of it: the quantity CacheBlend's and Cache-Craft's
 quality numbers are about.
 
-Per step (one row at position p): embed, then per layer qkv -> RoPE at p -> write K/V at
-row p of the cache -> attention over rows 0..p (no mask: one query sees every earlier
-row) -> o-proj + MLP; then the vocabulary projection and argmax. Same engine primitives as
-the prefill, so a full prefill then `greedy` matches transformers' `generate(do_sample=False)`.
+Per token (one row at position p): embed, then per layer the layer step (`step.layer_step`)
+over the cache's rows 0..p (its K/V written at row p; no mask: one query sees every earlier
+row); then the vocabulary projection and argmax. The same step as the prefill, so a full
+prefill then `greedy` matches transformers' `generate(do_sample=False)`.
 
 Stop tokens come from the model folder (`stop_tokens`: generation_config.json's
 `eos_token_id`, an id or a list, else config.json's).
@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from engine_adapter.attention import EVERY_KEY
 from engine_adapter.llama import LlamaEngine
+from engine_adapter.step import LayerCache, Rotation, Rows, layer_step
 from kvkernels import rope_tables
 
 
@@ -70,21 +71,16 @@ def greedy(engine: LlamaEngine, logits: Tensor, kv: list[tuple[Tensor, Tensor]],
         cv = v.new_empty(c.num_kv_heads, cap, c.head_dim)
         ck[:, :n], cv[:, :n] = k, v
         cache.append((ck, cv))
-    gqa = c.num_heads != c.num_kv_heads
     out = [int(logits.reshape(-1, logits.shape[-1])[-1].argmax())]
     t0 = time.perf_counter()
     for pos in range(n, cap):
         if out[-1] in stop:
             break
-        cos, sin = rope_tables(engine.rope, torch.tensor([pos]))  # [1, D/2]
+        at, keys = torch.tensor([pos]), torch.arange(pos + 1)
+        rows = Rows(at, at, Rotation(*rope_tables(engine.rope, at), engine.triton), EVERY_KEY)
         h = engine.embed(torch.tensor(out[-1:]))  # [1, d]
         for layer, (ck, cv) in enumerate(cache):
-            qk, v = engine.qk_v(layer, h)  # [H, 1, D]
-            q, k = engine.rotated_qk(qk, cos, sin)
-            ck[:, pos], cv[:, pos] = k[:, 0], v[:, 0]
-            o = F.scaled_dot_product_attention(q[None], ck[None, :, :pos + 1], cv[None, :, :pos + 1],
-                                               scale=engine.scale, enable_gqa=gqa)[0]  # [Hq, 1, D]
-            h = engine.layer_out(layer, h, o)
+            h = layer_step(engine, layer, h, rows, LayerCache(ck[:, :pos + 1], cv[:, :pos + 1], keys)).h
         out.append(int(engine.logits(h)[0].argmax()))
     return Generation(tuple(out), out[-1] in stop, time.perf_counter() - t0)
 

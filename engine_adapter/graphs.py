@@ -1,26 +1,23 @@
-"""Layer steps over static buffers, captured as CUDA graphs (docs/adapter.md, "Static steps").
+"""The layer step over static buffers, captured as CUDA graphs (docs/adapter.md, "Static steps").
 
 On a GPU the blend loop is bound by the host: a layer's kernel launches and the Python
-between them take longer than the kernels (docs/gpu.md). A step whose every tensor keeps
-its shape and address from one request to the next can be captured once as a CUDA graph
-and replayed for each request: one launch a layer. Shapes are fixed per `Bucket`: the
-prompt's tokens rounded up to TOKENS_STEP, with at least one position past the prompt,
-and the computed rows rounded up to ROWS_STEP. Padded rows write their K/V at the
-bucket's last position, past every prompt row, so the position-causal mask hides it from
-every prompt row; they see no key themselves (their attention output is 0, they read
-nothing), and their results are never read.
+between them take longer than the kernels (docs/gpu.md). A step whose every tensor keeps its
+shape and address from one request to the next can be captured once as a CUDA graph and
+replayed for each request: one launch a layer. Shapes are fixed per `Bucket`: the prompt's
+tokens rounded up to TOKENS_STEP, with at least one position past the prompt, and the
+computed rows rounded up to ROWS_STEP. Padded rows write their K/V at the bucket's last
+position, past every prompt row, so the position-causal mask hides it from every prompt row;
+they see no key themselves (their attention output is 0, they read nothing), and their
+results are never read.
 
-`StepGraphs` (one per engine, `LlamaEngine(graphs=True)`) keeps the buckets it has seen,
-the least recently used dropped first, and a prefill leases it whole (`lease`): a second
-prefill on the same engine at the same time (a fidelity shadow) runs the eager step
-instead of waiting. `StaticStep` is one bucket of rows: its buffers and, on CUDA, one
-graph per layer and kind of step (adding up reads or not, returning the attention mass or
-not), captured at its first use. `SelectStep` is a step that also chooses which of its
-rows run on (by their KV deviation, CacheBlend §4.3), the choice inside the graph. On the
-CPU (tests, Triton's interpreter) the same step runs eagerly over the same buffers: what
-CUDA captures is what the CPU tests check.
-
-Which layers run here is the loop's choice (`driver._Blend.static_step`).
+This module holds buffers and graphs, no layer: what a graph captures is `step.layer_step`
+itself (vLLM's CUDAGraphWrapper pattern: the runnable wrapped and replayed per key), so the
+CPU, where the same step runs eagerly over the same buffers, checks the code CUDA replays.
+`StaticStep.run` is the wrapper (capture at a key's first use, replay after, a failed or
+wrong capture turns the static steps off: `StepFailed`); `StepGraphs` keeps the buckets (the
+least recently used dropped first), leased by one prefill at a time (a second prefill on the
+same engine at the same time, a fidelity shadow, runs eagerly instead of waiting). Which layer
+runs here is decided in one place, `dispatch.StaticRunner.layer`.
 """
 
 from __future__ import annotations
@@ -30,13 +27,14 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor
 
-from kvkernels import KeyReads, RopeConfig, kv_deviation, rope_tables, rotate_triton, selective_attention_triton
-from kvkernels.layer import rope_write_triton
+from engine_adapter.llama import LlamaEngine, rope_for_spec
+from engine_adapter.step import Choice, LayerCache, Rotation, Rows, Stepped, layer_step
+from kvkernels import KeyReads, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +53,7 @@ def _up(x: int, step: int) -> int:
 class Bucket:
     tokens: int  # > the prompt's tokens: position tokens - 1 is where padded rows write their K/V
     rows: int  # >= the computed rows
-    rows_out: int = 0  # a `SelectStep`'s: >= the rows it keeps (0: a `StaticStep`)
+    rows_out: int = 0  # with a choice (`step.Choice`): >= the rows it keeps (0: none)
 
 
 class Caches:
@@ -64,7 +62,7 @@ class Caches:
     positions in this prefill (`keys_at`), what rows read of each key (`reads`), the prompt's
     segments for the attention mass (`segments_of`), and zeros for the positions past a prompt."""
 
-    def __init__(self, engine: Any, rope: RopeConfig, tokens: int, pad: int):
+    def __init__(self, engine: LlamaEngine, tokens: int, pad: int):
         c = engine.cfg
         like = {"dtype": engine.dtype, "device": engine.device}
         self.tokens = tokens
@@ -72,15 +70,15 @@ class Caches:
         self.K = torch.zeros(c.num_layers, c.num_kv_heads, tokens, c.head_dim, **like)
         self.V = torch.zeros_like(self.K)
         self.pos = torch.arange(tokens, device=engine.device)
-        self.tables = rope_tables(rope, self.pos)  # fp32 cos, sin [N, D/2]
+        self.rot = Rotation(*rope_tables(rope_for_spec(engine.model_spec()), self.pos), True)  # fp32 [N, D/2]
         self.key_pos = self.pos.clone()  # where the attention sees each key (`keys_at`)
-        self.reads = KeyReads(tokens, engine.device)  # the default's question phase (`query.QuestionPhase`)
+        self.reads = KeyReads(tokens, engine.device)  # the default's question pass
         self.zeros = torch.zeros(c.num_kv_heads, pad, c.head_dim, **like)  # pad >= tokens - any prompt's n
         self.segments: dict[int, Tensor] = {}  # S' -> [S' + 1] key bounds (`segments_of`)
 
     def keys_at(self, pos: Tensor) -> None:
         """The prompt's keys at positions `pos` [n] for the attention (their prompt positions,
-        or past the end where a phase hides them); the padding at its own."""
+        or past the end where a pass hides them); the padding at its own."""
         self.key_pos.copy_(self.pos)
         self.key_pos[:pos.shape[0]].copy_(pos)
 
@@ -100,84 +98,116 @@ class Caches:
 
     def merge(self, layer: int, k: list[Tensor], v: list[Tensor], n: int) -> None:
         """Layer `layer`'s stored K (before its rotation) and V of a prompt of n tokens, given
-        in prompt order as pieces [Hkv, t, D] (`_Blend.pieces`), in one concatenation each."""
+        in prompt order as pieces [Hkv, t, D] (`merge.Merge.stored_pieces`), one concatenation each."""
         pad = self.zeros[:, :self.tokens - n]
         torch.cat([*k, pad], 1, out=self.raw)
         torch.cat([*v, pad], 1, out=self.V[layer])
 
+    def layer(self, layer: int) -> LayerCache:
+        return LayerCache(self.K[layer], self.V[layer], self.key_pos, self.raw, self.rot)
+
+
+class StaticRows(Rows):
+    """A bucket of rows as the step sees them: their cache rows in a buffer (the padded ones at
+    the bucket's last position), and the positions and RoPE tables the step derives from them
+    inside itself (`place`: a load is a copy of the rows and hidden states)."""
+
+    def __init__(self, caches: Caches, rows: int, device: torch.device):
+        self.caches, self.pad = caches, caches.tokens - 1
+        half = caches.rot.cos.shape[1]
+        buf = torch.full((rows,), self.pad, dtype=torch.long, device=device)
+        cos, sin = (torch.empty(rows, half, dtype=torch.float32, device=device) for _ in range(2))
+        super().__init__(buf, torch.full((rows,), -1, dtype=torch.long, device=device), Rotation(cos, sin, True), None)
+
+    def load(self, rows: Tensor) -> None:
+        R = rows.shape[0]
+        self.rows[R:].fill_(self.pad)
+        self.rows[:R].copy_(rows)
+
+    def place(self) -> None:
+        """Positions to the attention (a padded row at -1: it sees no key) and RoPE tables."""
+        self.pos.copy_(self.rows).masked_fill_(self.rows == self.pad, -1)
+        torch.index_select(self.caches.rot.cos, 0, self.rows, out=self.rot.cos)
+        torch.index_select(self.caches.rot.sin, 0, self.rows, out=self.rot.sin)
+
+    def index_of(self, prompt_rows: Tensor) -> Tensor:
+        return torch.searchsorted(self.rows, prompt_rows)  # the rows change per prefill: no memo
+
 
 class StaticStep:
-    """One bucket of rows over a bucket of tokens: the rows' hidden states, prompt rows and
-    RoPE tables, and the layer step over them (`run`)."""
+    """One bucket of rows over a bucket of tokens: the rows' hidden states and the step over
+    them (`run`); with `rows_out`, the step chooses which of them run on (`choose`), into a
+    bucket of rows out (`rows_out`, `h_out`, `cand_out`, valid until the step runs again)."""
 
-    def __init__(self, engine: Any, caches: Caches, rows: int):
-        c = engine.cfg
+    def __init__(self, engine: LlamaEngine, caches: Caches, rows: int, rows_out: int = 0):
+        c, dev = engine.cfg, engine.device
         self.e, self.caches = engine, caches
-        self.h = torch.zeros(rows, c.hidden_size, dtype=engine.dtype, device=engine.device)
-        self.rows = torch.full((rows,), caches.tokens - 1, dtype=torch.long, device=engine.device)
-        self.at = torch.full((rows,), -1, dtype=torch.long, device=engine.device)  # the rows' positions
-        # to the attention: a padded row at -1 sees no key (its output 0, its reads none)
-        self.cos = torch.empty(rows, c.head_dim // 2, dtype=torch.float32, device=engine.device)
-        self.sin = torch.empty_like(self.cos)
-        # (layer, reads, segments: `Caches.segments_of`, 0 for no mass) -> the rows' rotated q, their
-        # q/k/v heads, their attention mass per segment or None; and the step's CUDA graph
-        self.out: dict[tuple[int, bool, int], tuple[Tensor, Tensor, Tensor | None]] = {}
-        self.graphs: dict[tuple[int, bool, int], Any] = {}
-        self.pool: Any = None  # the graphs' memory pool
+        self.h = torch.zeros(rows, c.hidden_size, dtype=engine.dtype, device=dev)
+        self.rows = StaticRows(caches, rows, dev)
+        self.choice: Choice | None = None
+        if rows_out:
+            self.cand = torch.zeros(rows, dtype=torch.long, device=dev)  # the candidates' slots among the rows
+            self.counts = torch.zeros(2, dtype=torch.long, device=dev)  # candidates, and how many of them stay
+            self.choice = Choice(self.cand, self.counts[0], self.counts[1], rows_out)
+            self.out_rows = StaticRows(caches, rows_out, dev)
+            self.h_out = torch.zeros(rows_out, c.hidden_size, dtype=engine.dtype, device=dev)
+            self.cand_out = torch.zeros(rows, dtype=torch.long, device=dev)
+            self.rows.after_choice = self._after_choice
+        # (layer, reads, segments: `Caches.segments_of`, 0 for no mass) -> what the step made, its graph
+        self.out: dict[tuple[int, bool, int], Stepped] = {}
+        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the graphs' memory pool
 
     def load(self, rows: Tensor, h: Tensor) -> None:
         """Rows [R] (sorted prompt rows, R <= the bucket's) and their hidden states h [R, d];
-        the spare slots padded: their K/V written at the bucket's last position (where no
-        prompt row sees them), seeing no key themselves, hidden states 0."""
+        the spare slots padded (hidden states 0)."""
         R = rows.shape[0]
-        self.rows[R:].fill_(self.caches.tokens - 1)
-        self.rows[:R].copy_(rows)
+        self.rows.load(rows)
         self.h[R:].zero_()
         self.h[:R].copy_(h)
 
-    def _place(self) -> None:
-        """What the step derives from its rows (inside it: a load is four copies): their
-        positions to the attention (a padded row at -1) and their RoPE tables."""
-        pad = self.caches.tokens - 1  # no prompt row's: the bucket has a position past the prompt
-        self.at.copy_(self.rows).masked_fill_(self.rows == pad, -1)
-        torch.index_select(self.caches.tables[0], 0, self.rows, out=self.cos)
-        torch.index_select(self.caches.tables[1], 0, self.rows, out=self.sin)
+    def choose(self, cand: Tensor, keep: int) -> None:
+        """Candidates `cand` [C] (indices into the loaded rows, in order), of which `keep` stay."""
+        C = cand.shape[0]
+        self.cand[C:].zero_()
+        self.cand[:C].copy_(cand)
+        self.counts[0].fill_(C)  # (not a copy from host memory: on CUDA that would wait for the stream)
+        self.counts[1].fill_(keep)
+
+    def _after_choice(self, kept: Tensor, real: Tensor, cand_out: Tensor) -> Rows:
+        out = self.out_rows
+        out.rows.copy_(torch.where(real, self.rows.rows.index_select(0, kept), out.pad))
+        out.pos.copy_(torch.where(real, out.rows, -1))
+        self.cand_out.copy_(cand_out)
+        return out
 
     def after(self) -> Tensor:
-        """The rows' hidden states after the step."""
-        return self.h
+        """The hidden states after the step (of the rows out, with a choice)."""
+        return self.h if self.choice is None else self.h_out
 
-    def run(self, layer: int, reads: bool = False, segments: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Layer `layer` of the loaded rows, over the layer's stored K/V (`Caches.merge`):
-        their hidden states after it in `h`, their K/V written into the layer's cache, and
-        with `reads` what they read of each key added into `Caches.reads`. Returns their
-        rotated q [Hq, R, D], q/k/v heads [Hq+2Hkv, R, D] and, with `segments` (S' of
-        `Caches.segments_of`), their attention mass per segment [R, S'] (valid until the layer
-        runs again). CUDA: a graph replayed (captured at the first run)."""
+    def run(self, layer: int, reads: bool = False, segments: int = 0) -> Stepped:
+        """Layer `layer` of the loaded rows over the layer's stored K/V (`Caches.merge`): their
+        hidden states after it in `after()`, their K/V written into the layer's cache, with
+        `reads` what they read of each key added into `Caches.reads`, with `segments` (S' of
+        `Caches.segments_of`) their attention mass per segment (valid until the layer runs
+        again). CUDA: a graph replayed (captured at the key's first run)."""
         key = (layer, reads, segments)
         if self.h.device.type != "cuda":
-            self.out[key] = self._body(*key)
+            self.out[key] = self._step(*key)
         elif key in self.graphs:
             self.graphs[key].replay()
         else:
             self._capture(*key)
         return self.out[key]
 
-    def _body(self, layer: int, reads: bool, segments: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The kernels of one layer (Triton): norm and QKV, the stored K rotated into the
-        layer's cache, the rows' q and k rotated and their K/V written, attention by
-        position, o-proj and the MLP. No host reads, no allocation that depends on a value."""
-        e, cc = self.e, self.caches
-        K, V = cc.K[layer], cc.V[layer]
-        self._place()
-        qkv = e.qkv_heads(layer, self.h)
-        rotate_triton(cc.raw, *cc.tables, out=K)
-        q = rope_write_triton(qkv, e.cfg.num_heads, self.cos, self.sin, self.rows, K, V)
-        o, mass = selective_attention_triton(q, self.at, K, V, cc.key_pos, scale=e.scale,
-                                             segments=cc.segments[segments] if segments else None,
-                                             reads=cc.reads if reads else None, validate=False)
-        self.h.copy_(e.layer_out(layer, self.h, o))
-        return q, qkv, mass
+    def _step(self, layer: int, reads: bool, segments: int) -> Stepped:
+        """What a graph captures: the rows' positions and tables, then the layer step."""
+        cc = self.caches
+        self.rows.place()
+        out = layer_step(self.e, layer, self.h, self.rows, cc.layer(layer), choice=self.choice,
+                         segments=cc.segments[segments] if segments else None, reads=cc.reads if reads else None)
+        self.after().copy_(out.h)
+        return out
 
     def _capture(self, layer: int, reads: bool, segments: int) -> None:
         """Capture the step's graph and run it once: a warm-up run first (Triton compiles a
@@ -190,8 +220,8 @@ class StaticStep:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                _, qkv, mass = self._body(layer, reads, segments)
-                eager = (self.after().clone(), qkv.clone(), None if mass is None else mass.clone())
+                first = self._step(layer, reads, segments)
+                eager = (self.after().clone(), first.qkv.clone(), None if first.mass is None else first.mass.clone())
             torch.cuda.current_stream().wait_stream(side)
             # The warm-up moved h on by a layer and added its reads; K and V it wrote again as they were.
             self.h.copy_(h)
@@ -200,9 +230,9 @@ class StaticStep:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = self._body(layer, reads, segments)
+                out = self._step(layer, reads, segments)
             graph.replay()
-            wrong = replay_differs(eager, (self.after(), out[1], out[2]))
+            wrong = replay_differs(eager, (self.after(), out.qkv, out.mass))
         except Exception as e:  # noqa: BLE001 - any failure of the capture: the eager step instead
             wrong = f"{type(e).__name__}: {e}"
         if wrong:
@@ -211,81 +241,6 @@ class StaticStep:
             raise StepFailed(f"layer {layer}'s CUDA graph: {wrong}")
         self.out[layer, reads, segments] = out
         self.graphs[layer, reads, segments] = graph
-
-
-class SelectStep(StaticStep):
-    """A static step that keeps some of its rows after their K/V are written: every row not a
-    candidate, and the `keep` candidates whose K/V written deviate most from the stored ones
-    (CacheBlend §4.3's HKVD choice; `keep` 0: the candidates run no further, as the default's
-    question phase does after measuring them, `query.QuestionPhase`). The choice is made on the
-    device (the deviation, a stable sort, prefix sums) over a fixed count of slots: the graph
-    holds the selection. Its rows in are a bucket of `rows` (`load`, `choose`), its rows out a
-    bucket of `rows_out` (`rows_out`, `h_out`, `cand_out`, valid until the step runs again);
-    the layer's attention and MLP run for those."""
-
-    def __init__(self, engine: Any, caches: Caches, rows: int, rows_out: int):
-        super().__init__(engine, caches, rows)
-        c, dev = engine.cfg, engine.device
-        self.cand = torch.zeros(rows, dtype=torch.long, device=dev)  # the candidates' slots among the rows
-        self.counts = torch.zeros(2, dtype=torch.long, device=dev)  # candidates, and how many of them stay
-        self.slots = torch.arange(1, rows + 1, device=dev)
-        self.slots_out = torch.arange(1, rows_out + 1, device=dev)
-        self.rows_out = torch.full((rows_out,), caches.tokens - 1, dtype=torch.long, device=dev)
-        self.h_out = torch.zeros(rows_out, c.hidden_size, dtype=engine.dtype, device=dev)
-        self.cand_out = torch.zeros(rows, dtype=torch.long, device=dev)  # the kept candidates' slots out
-        self.dev = torch.zeros(rows, dtype=torch.float32, device=dev)  # the candidates' deviation
-
-    def choose(self, cand: Tensor, keep: int) -> None:
-        """Candidates `cand` [C] (indices into the loaded rows, in order), of which `keep` stay."""
-        C = cand.shape[0]
-        self.cand[C:].zero_()
-        self.cand[:C].copy_(cand)
-        self.counts[0].fill_(C)  # (not a copy from host memory: on CUDA that would wait for the stream)
-        self.counts[1].fill_(keep)
-
-    def _body(self, layer: int, reads: bool, segments: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """As `StaticStep._body`, with the choice between the rows' K/V and their attention:
-        the candidates' stored K (rotated) and V taken before the rows' writes and compared with
-        what was written; the rows out (in order), their hidden states, rotated q and q/k/v heads
-        gathered from the rows in; the attention and MLP for them. Returns what `run` does, of
-        the rows out (q/k/v heads: of the rows in, and of the rows out, concatenated)."""
-        e, cc = self.e, self.caches
-        K, V = cc.K[layer], cc.V[layer]
-        pad = cc.tokens - 1
-        self._place()
-        valid = self.slots <= self.counts[0]  # [slots] which candidate slots hold one
-        at = torch.where(valid, self.rows.index_select(0, self.cand), pad)  # their prompt rows
-        qkv = e.qkv_heads(layer, self.h)
-        rotate_triton(cc.raw, *cc.tables, out=K)
-        k_old, v_old = K.index_select(1, at), V.index_select(1, at)
-        q = rope_write_triton(qkv, e.cfg.num_heads, self.cos, self.sin, self.rows, K, V)
-        dev = kv_deviation(K.index_select(1, at), V.index_select(1, at), k_old, v_old)
-        self.dev.copy_(dev.masked_fill(~valid, float("-inf")))
-        # The `keep` of highest deviation, ties to the lower slot (`kvkernels.kv_deviation_topk`'s
-        # stable sort): a candidate stays where fewer than `keep` rank before it.
-        order = torch.sort(self.dev, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(0, order, self.slots - 1)
-        chosen = (rank < self.counts[1]) & valid
-        # The rows that stay: the loaded rows less the candidates, and the chosen candidates (the
-        # spare candidate slots add 0); in order, out slot j takes the (j+1)-th (prefix sums, a search).
-        stays = (self.rows != pad).long().index_add_(0, self.cand, chosen.long() - valid.long())
-        counts = stays.cumsum(0)
-        src = torch.searchsorted(counts, self.slots_out).clamp_(max=self.rows.shape[0] - 1)
-        kept = self.slots_out <= counts[-1]
-        self.rows_out.copy_(torch.where(kept, self.rows.index_select(0, src), pad))
-        self.h_out.copy_(self.h.index_select(0, src))
-        q_out, qkv_out = q.index_select(1, src), qkv.index_select(1, src)
-        # The kept candidates' slots among the rows out, in order (the next choice's candidates).
-        picked = torch.searchsorted(chosen.long().cumsum(0), self.slots).clamp_(max=self.cand.shape[0] - 1)
-        self.cand_out.copy_(counts.index_select(0, self.cand.index_select(0, picked)) - 1)
-        o, mass = selective_attention_triton(q_out, torch.where(kept, self.rows_out, -1), K, V, cc.key_pos,
-                                             scale=e.scale, segments=cc.segments[segments] if segments else None,
-                                             reads=cc.reads if reads else None, validate=False)
-        self.h_out.copy_(e.layer_out(layer, self.h_out, o))
-        return q_out, torch.cat((qkv, qkv_out), 1), mass
-
-    def after(self) -> Tensor:
-        return self.h_out
 
 
 class StepFailed(RuntimeError):
@@ -308,11 +263,14 @@ def replay_differs(eager: tuple[Tensor | None, ...], replayed: tuple[Tensor | No
 
 
 class StepGraphs:
-    """An engine's static steps: buckets of tokens (`Caches`) and of rows (`StaticStep`),
-    least recently used dropped first, leased by one prefill at a time."""
+    """A model's static steps: buckets of tokens (`Caches`) and of rows (`StaticStep`), least
+    recently used dropped first, leased by one prefill at a time. Made for an engine on its
+    Triton kernels (CUDA, or the interpreter in tests)."""
 
-    def __init__(self, engine: Any, rope: RopeConfig, tokens_step: int = TOKENS_STEP, rows_step: int = ROWS_STEP):
-        self.e, self.rope = engine, rope
+    def __init__(self, engine: LlamaEngine, tokens_step: int = TOKENS_STEP, rows_step: int = ROWS_STEP):
+        if not engine.triton:
+            raise ValueError("static steps need the engine's Triton kernels (triton=True; by default on CUDA)")
+        self.e = engine
         self.failed = ""  # why the static steps are off for good (`fail`), "" while they are on
         self._oom_said = False  # `out_of_memory` warned once
         self.tokens_step, self.rows_step = tokens_step, rows_step
@@ -366,14 +324,14 @@ class StepGraphs:
                 dropped, _ = self._caches.popitem(last=False)
                 for b in [b for b in self._steps if b.tokens == dropped]:
                     del self._steps[b]
-            caches = self._caches[tokens] = Caches(self.e, self.rope, tokens, self.tokens_step)
+            caches = self._caches[tokens] = Caches(self.e, tokens, self.tokens_step)
         else:
             self._caches.move_to_end(tokens)
         return caches
 
     def step(self, n: int, rows: int, rows_out: int | None = None) -> StaticStep:
         """The static step of a prompt of n tokens computing `rows` rows; with `rows_out`, the
-        `SelectStep` that keeps that many of them."""
+        one that keeps that many of them (`StaticStep.choose`)."""
         bucket = self.bucket(n, rows)
         if rows_out is not None:
             bucket = Bucket(bucket.tokens, bucket.rows, _up(max(rows_out, 1), self.rows_step))
@@ -384,8 +342,7 @@ class StepGraphs:
             return step
         while len(self._steps) >= MAX_STEPS:
             self._steps.popitem(last=False)
-        step = self._steps[bucket] = (SelectStep(self.e, caches, bucket.rows, bucket.rows_out) if bucket.rows_out
-                                      else StaticStep(self.e, caches, bucket.rows))
+        step = self._steps[bucket] = StaticStep(self.e, caches, bucket.rows, bucket.rows_out)
         return step
 
     def buckets(self) -> list[Bucket]:

@@ -1,7 +1,8 @@
 """Learned recompute lists: which tokens of a reused chunk to recompute,
 measured at the answer of a request that computed the chunk in full.
 
-Pure functions on torch tensors (CPU reference; the CUDA path uses the same math).
+Pure functions on torch tensors, on the CPU (the engine's plain-torch layer step over batches
+of variants of a request's cache).
 
 A chunk's KV depends on what came before it only through some of its tokens (a
 pronoun's referent, the token the model keeps a binding on). When a request computes a
@@ -36,7 +37,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from engine_adapter.attention import Visibility
 from engine_adapter.observe import KV, Observation
+from engine_adapter.step import LayerCache, Rotation, Rows, layer_step
+from kvkernels import rope_tables, rotate
 
 @dataclass(frozen=True)
 class GainCase:
@@ -90,10 +94,7 @@ def fresh_gain(engine, cases: Sequence[GainCase], max_elements: int = 1 << 24, s
     rows before the question are not recomputed. Cases run in batches of at most
     `max_elements` cached key elements per layer.
     """
-    from kvkernels import rope_tables, rotate
-
     c = engine.cfg
-    g = c.num_heads // c.num_kv_heads
     out: list[Tensor] = []
     i = 0
     while i < len(cases):
@@ -105,13 +106,12 @@ def fresh_gain(engine, cases: Sequence[GainCase], max_elements: int = 1 << 24, s
             if j > i and (j - i + 1) * (m2 + 2) * c.num_kv_heads * p2 * c.head_dim > max_elements:
                 break
             p_max, m_max, j = p2, m2, j + 1
-        out += _gain_batch(engine, cases[i:j], p_max, m_max, g, rope_tables, rotate, stale)
+        out += _gain_batch(engine, cases[i:j], p_max, m_max, stale)
         i = j
     return out
 
 
-def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_tables, rotate,
-                stale: bool = False) -> list[Tensor]:
+def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, stale: bool = False) -> list[Tensor]:
     c = engine.cfg
     dev, dt = cases[0].context[0][0].device, cases[0].context[0][0].dtype  # the engine's cache
     # variants: token t fresh (t < M; with `stale`: every token but t fresh), all stale (M), all fresh (M + 1)
@@ -119,17 +119,17 @@ def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_
     Q = max(len(k.question) for k in cases)
     if Q == 0:
         raise ValueError("a case has no question rows")
-    valid = torch.zeros(C, P, dtype=torch.bool)  # [C, P] real context rows
     fresh = torch.ones(C, NV, P, dtype=torch.bool)  # [C, V, P] row served from the request's own KV
     qtok = torch.zeros(C, Q, dtype=torch.long)
     qlen = torch.zeros(C, dtype=torch.long)
     qpos = torch.zeros(C, Q, dtype=torch.long)
+    visible = torch.zeros(C, Q, P + Q, dtype=torch.bool)  # [C, Q, P+Q] real context rows, the question causal
     for n, k in enumerate(cases):
         p, (s0, s1) = k.context[0][0].shape[1], k.span
         if not (0 <= s0 < s1 <= p) or len(k.stored) != c.num_layers or k.stored[0][0].shape[1] != s1 - s0:
             raise ValueError(f"case {n}: span {k.span} of {p} rows vs a stored chunk of "
                              f"{k.stored[0][0].shape[1]} tokens")
-        valid[n, :p] = True
+        visible[n, :, :p] = True
         m = s1 - s0
         fresh[n, :, s0:s1] = stale
         fresh[n, torch.arange(m), s0 + torch.arange(m)] = not stale
@@ -138,13 +138,13 @@ def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_
         qtok[n, :len(k.question)] = torch.as_tensor(k.question)
         qlen[n] = len(k.question)
         qpos[n] = p + torch.arange(Q)
-    valid, fresh, qtok, qlen, qpos = (x.to(dev) for x in (valid, fresh, qtok, qlen, qpos))
-    cos, sin = rope_tables(engine.rope, qpos.reshape(-1))
-    cos, sin = cos.view(C, 1, 1, Q, -1), sin.view(C, 1, 1, Q, -1)
-    h = engine.embed(qtok[:, None, :].expand(C, NV, Q).reshape(-1))  # [C*V*Q, d]
-    keys_ok = torch.cat([valid[:, None, :].expand(C, Q, P),
-                         torch.ones(Q, Q, dtype=torch.bool, device=dev).tril()[None].expand(C, Q, Q)],
-                        dim=2)  # [C, Q, P+Q]
+    visible[:, :, P:] = torch.ones(Q, Q, dtype=torch.bool).tril()
+    fresh, qtok, qlen, qpos, visible = (x.to(dev) for x in (fresh, qtok, qlen, qpos, visible))
+    mask = torch.zeros(C, 1, Q, P + Q, dtype=dt, device=dev).masked_fill_(~visible[:, None], float("-inf"))
+    # the question's rows at cache rows P.. of every variant, rotated to their positions
+    rows = Rows(torch.arange(P, P + Q, device=dev), qpos, Rotation(*_tables(engine, qpos, 2), False),
+                Visibility(mask))
+    h = engine.embed(qtok[:, None, :].expand(C, NV, Q))  # [C, V, Q, d]
     for layer in range(c.num_layers):
         K = torch.zeros(C, c.num_kv_heads, P, c.head_dim, dtype=dt, device=dev)
         V = torch.zeros_like(K)
@@ -158,23 +158,26 @@ def _gain_batch(engine, cases: Sequence[GainCase], P: int, M: int, g: int, rope_
             sk, sv = (x.to(device=dev, dtype=dt) for x in k.stored[layer])
             Ks[n, :, s0:s1], Vs[n, :, s0:s1] = rotate(sk, cs, sn), sv
         f = fresh[:, :, None, :, None]  # [C, V, 1, P, 1]
-        Kmix = torch.where(f, K[:, None], Ks[:, None])  # [C, V, Hkv, P, D]
-        Vmix = torch.where(f, V[:, None], Vs[:, None])
-        q, k, v = (x.reshape(x.shape[0], C, NV, Q, -1).permute(1, 2, 0, 3, 4) for x in engine.qkv(layer, h))
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [C, V, H, Q, D]
-        Ka = torch.cat([Kmix, k], dim=3).repeat_interleave(g, 2)  # [C, V, Hq, P+Q, D]
-        Va = torch.cat([Vmix, v], dim=3).repeat_interleave(g, 2)
-        att = (q @ Ka.transpose(3, 4)) * engine.scale  # [C, V, Hq, Q, P+Q]
-        att = att.masked_fill(~keys_ok[:, None, None], float("-inf")).softmax(-1)
-        o = (att @ Va).permute(2, 0, 1, 3, 4).reshape(c.num_heads, C * NV * Q, -1)  # [Hq, C*V*Q, D]
-        h = engine.layer_out(layer, h, o)
-    last = h.view(C, NV, Q, -1)[torch.arange(C, device=dev), :, qlen - 1]  # [C, V, d] each case's last question row
+        Kc = torch.zeros(C, NV, c.num_kv_heads, P + Q, c.head_dim, dtype=dt, device=dev)
+        Vc = torch.zeros_like(Kc)
+        Kc[..., :P, :] = torch.where(f, K[:, None], Ks[:, None])  # [C, V, Hkv, P, D]
+        Vc[..., :P, :] = torch.where(f, V[:, None], Vs[:, None])
+        h = layer_step(engine, layer, h, rows, LayerCache(Kc, Vc, torch.arange(P + Q, device=dev))).h
+    last = h[torch.arange(C, device=dev), :, qlen - 1]  # [C, V, d] each case's last question row
     logp = engine.logits(last.reshape(C * NV, -1)).float().log_softmax(-1).view(C, NV, -1)
     ref = logp[:, M + 1:]  # [C, 1, vocab] the request's own answer distribution
     kl = (ref.exp() * (ref - logp)).sum(-1)  # [C, V]
     if stale:
         return [kl[n, :k.span[1] - k.span[0]].clamp_min(0.0).cpu() for n, k in enumerate(cases)]
     return [(kl[n, M] - kl[n, :k.span[1] - k.span[0]]).clamp_min(0.0).cpu() for n, k in enumerate(cases)]
+
+
+def _tables(engine, pos: Tensor, heads_dims: int) -> tuple[Tensor, Tensor]:
+    """RoPE tables at positions [..., R] shaped to rotate [..., V, H, R, D] (`heads_dims` dims
+    between the positions' batch dims and the rows: a variant's and a head's, or a head's)."""
+    cos, sin = rope_tables(engine.rope, pos.reshape(-1))
+    shape = (*pos.shape[:-1], *([1] * heads_dims), pos.shape[-1], -1)
+    return cos.view(shape), sin.view(shape)
 
 
 # Greedy rounds of the default learned list (`learn`): tokens recorded per request and chunk.
@@ -282,10 +285,7 @@ def _recompute_rounds(engine, cases: Sequence[GainCase], chosen: Sequence[Sequen
 
 
 def _recompute_batch(engine, cases: Sequence[GainCase], chosen: Sequence[Sequence[int]]) -> list[tuple[float, Tensor]]:
-    from kvkernels import rope_tables, rotate
-
     c = engine.cfg
-    g = c.num_heads // c.num_kv_heads
     dev, dt = cases[0].context[0][0].device, cases[0].context[0][0].dtype
     C = len(cases)
     M = max(k.span[1] - k.span[0] for k in cases)
@@ -293,6 +293,7 @@ def _recompute_batch(engine, cases: Sequence[GainCase], chosen: Sequence[Sequenc
     R = max(len(s) for s in chosen) + 1  # recomputed chunk rows per variant: the chosen, then the candidate
     NV = M + 2  # variants: chosen + token t (t < M), chosen alone (M), the request's own cache (M + 1)
     P = max(k.context[0][0].shape[1] for k in cases) + Q  # cache rows: the context, then the question
+    scratch = P  # one more cache row: where the rows that write nothing write (no row reads it)
     rows = R + Q
     pos = torch.zeros(C, NV, rows, dtype=torch.long)  # each computed row's position (its cache row)
     write = torch.zeros(C, NV, rows, dtype=torch.bool)  # the row's K/V goes into the variant's cache
@@ -313,37 +314,24 @@ def _recompute_batch(engine, cases: Sequence[GainCase], chosen: Sequence[Sequenc
             slots = list(sel) + ([v] if v < m and v not in sel else [])
             for r_, t in enumerate(slots):
                 toks[n, v, r_], pos[n, v, r_], write[n, v, r_] = ct[t], s0 + t, True
-    is_ref = torch.zeros(NV, dtype=torch.bool)
-    is_ref[M + 1] = True
-    cos, sin = rope_tables(engine.rope, pos.reshape(-1).to(dev))
-    keyp = torch.arange(P, device=dev)
-    allowed = (keyp[None, None, None, :] <= pos.to(dev)[..., None]) & (keyp[None, None, None, :] < limit.to(dev)[:, None, None, None])
-    h = engine.embed(toks.reshape(-1).to(dev))  # [C*NV*rows, d]
-    ci, vi, ri = write.nonzero(as_tuple=True)
-    pi = pos[ci, vi, ri]
+    pos, write, toks, limit, last = (x.to(dev) for x in (pos, write, toks, limit, last))
+    keyp = torch.arange(P + 1, device=dev)
+    allowed = (keyp <= pos[..., None]) & (keyp < limit[:, None, None, None])  # [C, NV, rows, P+1]
+    mask = torch.zeros(allowed.shape, dtype=dt, device=dev).masked_fill_(~allowed, float("-inf"))
+    steps = Rows(torch.where(write, pos, scratch), pos, Rotation(*_tables(engine, pos, 1), False), Visibility(mask))
+    h = engine.embed(toks)  # [C, NV, rows, d]
     for layer in range(c.num_layers):
-        Kc = torch.zeros(C, NV, P, c.num_kv_heads, c.head_dim, dtype=dt, device=dev)
+        Kc = torch.zeros(C, NV, c.num_kv_heads, P + 1, c.head_dim, dtype=dt, device=dev)
         Vc = torch.zeros_like(Kc)
         for n, k in enumerate(cases):
             kc, vc = k.context[layer]  # [Hkv, p, D]
             p, (s0, s1) = kc.shape[1], k.span
-            Kc[n, :, :p], Vc[n, :, :p] = kc.transpose(0, 1), vc.transpose(0, 1)
+            Kc[n, :, :, :p], Vc[n, :, :, :p] = kc, vc
             cs, sn = rope_tables(engine.rope, torch.arange(s0, s1, device=dev))
             sk, sv = (x.to(device=dev, dtype=dt) for x in k.stored[layer])
-            Kc[n, :M + 1, s0:s1], Vc[n, :M + 1, s0:s1] = rotate(sk, cs, sn).transpose(0, 1), sv.transpose(0, 1)
-        q, kk, vv = engine.qkv(layer, h)  # [H, N, D]
-        q, kk = rotate(q, cos, sin), rotate(kk, cos, sin)
-        kk = kk.transpose(0, 1).reshape(C, NV, rows, c.num_kv_heads, c.head_dim)
-        vv = vv.transpose(0, 1).reshape(C, NV, rows, c.num_kv_heads, c.head_dim)
-        Kc[ci, vi, pi], Vc[ci, vi, pi] = kk[ci, vi, ri], vv[ci, vi, ri]
-        Ka = Kc.permute(0, 1, 3, 2, 4).repeat_interleave(g, 2)  # [C, NV, Hq, P, D]
-        Va = Vc.permute(0, 1, 3, 2, 4).repeat_interleave(g, 2)
-        qh = q.reshape(c.num_heads, C, NV, rows, c.head_dim).permute(1, 2, 0, 3, 4)  # [C, NV, Hq, rows, D]
-        att = (qh @ Ka.transpose(3, 4)) * engine.scale
-        att = att.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1)
-        o = (att @ Va).permute(2, 0, 1, 3, 4).reshape(c.num_heads, C * NV * rows, c.head_dim)
-        h = engine.layer_out(layer, h, o)
-    hl = h.view(C, NV, rows, -1)[torch.arange(C, device=dev), :, last.to(dev)]  # [C, NV, d]
+            Kc[n, :M + 1, :, s0:s1], Vc[n, :M + 1, :, s0:s1] = rotate(sk, cs, sn), sv
+        h = layer_step(engine, layer, h, steps, LayerCache(Kc, Vc, keyp)).h
+    hl = h[torch.arange(C, device=dev), :, last]  # [C, NV, d]
     logp = engine.logits(hl.reshape(C * NV, -1)).float().log_softmax(-1).view(C, NV, -1)
     ref = logp[:, M + 1:]
     kl = (ref.exp() * (ref - logp)).sum(-1).cpu()  # [C, NV]

@@ -1,21 +1,20 @@
-"""Reference Llama-family engine, written for per-layer control of a blended prefill.
+"""Reference Llama-family engine: the weights and a layer's linear parts.
 
-One file, gpt-fast style. The engine owns the weights and the per-layer math on a
-SELECTED set of rows (token positions); the blend driver (`driver.py`) owns the loop,
-RoPE and the merged KV cache. Q and K leave `qkv` without rotary embedding, so a
-chunk's K can be stored RoPE-free and rotated to any new position later.
-
-`prefill` is the plain full prefill (causal SDPA, RoPE from the engine's own
-config): the ground truth a blended prefill is checked against, and the fast path
-when nothing is reused. Attention is torch's fused SDPA with 4-D inputs [1, H, T, D]
-for both (3-D inputs send CPU SDPA down its unfused math path, ~6x slower); Q/K/V and
+One file, gpt-fast style. The engine owns the weights and the math of a layer that is not
+the step's (`engine_adapter.step`: the rows, the rotation, the cache, the attention): the
+input RMSNorm with the fused QKV projection (`qkv_heads`, q and k leave it without rotary
+embedding, so a chunk's K can be stored RoPE-free and rotated to any new position later) and
+what follows the attention (`layer_out`: o-proj, residual, RMSNorm, MLP, residual). Q/K/V and
 gate/up are one matmul each (the HF weights are views into the fused ones).
 
-On CUDA (`triton`) the steps between the matmuls are fused Triton kernels
-(`kvkernels.layer`): RMSNorm, the residual add with the next RMSNorm, SiLU-mul, and in the
-blend the rotation of q and k with the write of their K/V into the cache; attention is the
-position-masked Triton kernel. On CPU the same steps are plain torch (each kernel's reference); tests run the
-Triton path on CPU too, under ``TRITON_INTERPRET=1``, against it.
+`prefill` is the plain full prefill, the layer step over every row (causal SDPA, RoPE from the
+engine's own config): the ground truth a blended prefill is checked against, and the fast
+path when nothing is reused.
+
+On CUDA (`triton`) the steps between the matmuls are fused Triton kernels (`kvkernels.layer`):
+RMSNorm, the residual add with the next RMSNorm, SiLU-mul (and, in the step, the rotation
+with the write of the K/V). On CPU the same steps are plain torch (each kernel's reference);
+tests run the Triton path on CPU too, under ``TRITON_INTERPRET=1``, against it.
 
 Shapes: T prompt tokens, R selected rows, d hidden, Hq/Hkv heads, D head dim, V vocab.
 """
@@ -26,16 +25,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from engine_adapter.graphs import StepGraphs
+from engine_adapter.attention import CAUSAL
+from engine_adapter.step import LayerCache, Rotation, Rows, layer_step
 from kvcraft.keys import ModelSpec
-
-from kvkernels import KeyReads, RopeConfig, rope_tables, rotate, rotate_triton, selective_attention_triton
+from kvkernels import RopeConfig, rope_tables
 from kvkernels.layer import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
 from kvkernels.layer import silu_mul_reference, silu_mul_triton
 
@@ -139,61 +136,17 @@ def _hf_names(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return names
 
 
-ATTENTION_RUNS = 2  # runs of rows per CPU attention call (`RowBlocks`)
-
-
-@dataclass(frozen=True)
-class RowBlocks:
-    """A set of rows in position order as the CPU attention reads it: ATTENTION_RUNS runs of
-    consecutive rows, each over the keys up to its last row only (keys in position order).
-    One masked SDPA call over every key computes the hidden keys too (the CPU kernel skips
-    blocks only when causal): rows spread over the prompt see about half the keys, so one
-    call does nearly twice the work. The number of runs is fixed, whatever the rows, so a
-    layer dispatches the same operations; made once per set of rows, not per layer."""
-
-    sizes: tuple[int, ...]  # rows per run, in order (they sum to R; a run may be empty)
-    ends: tuple[int, ...]  # keys each run but the last reads (the last reads every key)
-    masks: tuple[Tensor, ...]  # per run, the additive mask over the keys it reads [r, end]
-    # [Hq, R, D] the runs' outputs, rows-major in memory as SDPA's own output (the o-proj
-    # then reads it without a copy); written by each layer's attention, read before the next
-    out: Tensor
-    out4: Tensor  # the same as [1, Hq, R, D]
-
-    @classmethod
-    def of(cls, ends: Sequence[int], mask: Tensor, heads: int, head_dim: int) -> "RowBlocks":
-        """ends[i]: the keys row i reads (no key past them is visible to it), ascending;
-        mask [R, T]: the rows' additive position-causal mask. The cuts between runs are those
-        that read the fewest keys (rows times keys summed over the runs)."""
-        R, T = mask.shape
-
-        def reads(a: int, b: int) -> int:  # rows a..b-1 as one run (the last run reads every key)
-            return (b - a) * (ends[b - 1] if b < R else T)
-
-        cuts = [0, R]
-        for _ in range(ATTENTION_RUNS - 1):  # one cut at a time, each the best given those before
-            best = min(((reads(a, i) + reads(i, b) - reads(a, b), i)
-                        for a, b in zip(cuts, cuts[1:]) for i in range(a + 1, b)), default=(0, 0))
-            cuts = sorted(cuts + [best[1]])  # no row to cut: an empty run first
-        sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
-        last = [max(1, ends[b - 1]) if b > a else 1 for a, b in zip(cuts, cuts[1:])]
-        masks = tuple(mask[a:b, :t].contiguous() for a, b, t in zip(cuts, cuts[1:], last[:-1] + [mask.shape[1]]))
-        out = torch.empty(R, heads, head_dim, dtype=mask.dtype).transpose(0, 1)
-        return cls(sizes, tuple(last[:-1]), masks, out, out[None])
-
-
 class LlamaEngine:
-    """Weights + per-layer primitives on selected rows.
+    """Weights + a layer's linear parts on selected rows.
 
     `rope` is the RoPE the engine's own `prefill` uses (default: from `cfg`). It exists
     separately so a misconfigured engine can be built on purpose (the reuse probe's test).
     `triton`: the layer's steps run as Triton kernels (default: where the weights are on
-    CUDA; True on CPU needs ``TRITON_INTERPRET=1``, for tests). `graphs` (with `triton`):
-    the blend loop runs its layers, where it can, as static steps over buffers kept per
-    bucket of shapes, each a CUDA graph on CUDA (`engine_adapter.graphs`, `steps`).
+    CUDA; True on CPU needs ``TRITON_INTERPRET=1``, for tests).
     """
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Tensor], *, rope: RopeConfig | None = None,
-                 triton: bool | None = None, graphs: bool = False):
+                 triton: bool | None = None):
         missing = set(_hf_names(cfg)) - set(weights)
         if missing:
             raise ValueError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -204,16 +157,6 @@ class LlamaEngine:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.triton = self.device.type == "cuda" if triton is None else triton
         self._fuse()
-        self.steps: StepGraphs | None = None
-        if graphs:
-            self.use_graphs()
-
-    def use_graphs(self) -> None:
-        """From now on the blend loop runs its layers, where it can, as static steps (`graphs`)."""
-        if not self.triton:
-            raise ValueError("graphs need the engine's Triton kernels (triton=True; by default on CUDA)")
-        if self.steps is None:
-            self.steps = StepGraphs(self, rope_for_spec(self.model_spec()))
 
     def _fuse(self) -> None:
         """One [Wq; Wk; Wv] and one [Wgate; Wup] per layer; the HF names become row views
@@ -281,7 +224,7 @@ class LlamaEngine:
                          head_dim=c.head_dim, dtype=str(self.dtype).removeprefix("torch."),
                          rope_theta=c.rope_theta, rope_scaling=c.rope_scaling)
 
-    # ---- per-layer primitives on selected rows -------------------------------------------
+    # ---- a layer's linear parts, on selected rows ------------------------------------------
 
     def _norm(self, x: Tensor, name: str) -> Tensor:
         return (rms_norm_triton if self.triton else rms_norm_reference)(x, self.w[name], self.cfg.rms_norm_eps)
@@ -289,64 +232,20 @@ class LlamaEngine:
     def embed(self, tokens: Tensor) -> Tensor:
         return self.w["model.embed_tokens.weight"][tokens]  # [R, d]
 
-    def qkv(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Pre-RoPE q [Hq,R,D], k [Hkv,R,D], v [Hkv,R,D] for hidden rows h [R, d]."""
-        c = self.cfg
-        return self.qkv_heads(layer, h).split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
-
-    def qk_v(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor]:
-        """Pre-RoPE q and k as one [Hq+Hkv, R, D] (one rotation turns both: on a GPU each
-        rotation is a kernel launch) and v [Hkv, R, D], for hidden rows h [R, d]."""
-        c = self.cfg
-        qkv = self.qkv_heads(layer, h)
-        return qkv[:c.num_heads + c.num_kv_heads], qkv[c.num_heads + c.num_kv_heads:]  # [H, R, D]
-
     def qkv_heads(self, layer: int, h: Tensor) -> Tensor:
-        """[Hq+2Hkv, R, D]: q, k, v heads of hidden rows h [R, d] in one matmul (pre-RoPE)."""
+        """[Hq+2Hkv, R, D]: q, k, v heads of hidden rows h [R, d] in one matmul (pre-RoPE).
+        Leading batch dims pass through ([..., R, d] -> [..., H, R, D]; plain torch only)."""
         c = self.cfg
         x = self._norm(h, f"model.layers.{layer}.input_layernorm.weight")  # [R, d]
-        return (x @ self.w_qkv[layer].T).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(0, 1)
-
-    def rotated_qk(self, qk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """q, k of `qk_v` rotated by the tables' rows, as [Hq,R,D], [Hkv,R,D]."""
-        return (rotate_triton if self.triton else rotate)(qk, cos, sin).split([self.cfg.num_heads,
-                                                                              self.cfg.num_kv_heads])
-
-    def attend(self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor,
-               mask: "Tensor | RowBlocks | None" = None, reads: KeyReads | None = None) -> Tensor:
-        """Attention of rotated q [Hq,R,D] over rotated k/v [Hkv,T,D], position-causal: key j
-        is visible to row r iff k_pos[j] <= q_pos[r]. -> o [Hq,R,D].
-
-        `triton`: the Triton kernel, which masks by the positions; `reads`: each key's attention
-        probability summed over the rows and heads is added up there, inside the same launch.
-        Else fused SDPA with `mask`, the
-        same visibility as an additive [R, T] mask in q's dtype (0 or -inf; the caller builds it
-        once per set of rows), or `RowBlocks` of it (the rows in runs, each over the keys up to
-        its last row); None: the rows are all T keys, in order (causal).
-        """
-        if self.triton:
-            return selective_attention_triton(q, q_pos, k, v, k_pos, scale=self.scale, reads=reads)[0]
-        if reads is not None:
-            raise ValueError("reads come with the Triton attention only (LlamaEngine(triton=True))")
-        gqa = q.shape[0] != k.shape[0]
-        if not isinstance(mask, RowBlocks):
-            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
-                                                  scale=self.scale, enable_gqa=gqa)[0]
-        k, v = k[None], v[None]  # [1, Hkv, T, D]
-        runs = q[None].split(mask.sizes, 2)  # [1, Hq, r, D] each
-        o = [F.scaled_dot_product_attention(run, k.narrow(2, 0, end), v.narrow(2, 0, end), attn_mask=m,
-                                            scale=self.scale, enable_gqa=gqa)
-             for run, end, m in zip(runs, mask.ends, mask.masks)]
-        o.append(F.scaled_dot_product_attention(runs[-1], k, v, attn_mask=mask.masks[-1], scale=self.scale,
-                                                enable_gqa=gqa))  # the last run reads every key
-        torch.cat(o, 2, out=mask.out4)
-        return mask.out
+        y = x @ self.w_qkv[layer].T  # [R, H*D]
+        return y.view(*y.shape[:-1], c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(-3, -2)
 
     def layer_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
         """The rest of the layer after attention, for hidden rows h [R, d] and their attention
-        output o [Hq,R,D]: o_proj, residual, RMSNorm, MLP (gate/up, SiLU-mul, down), residual."""
+        output o [Hq,R,D]: o_proj, residual, RMSNorm, MLP (gate/up, SiLU-mul, down), residual.
+        Leading batch dims pass through, as in `qkv_heads`."""
         p = f"model.layers.{layer}."
-        o = o.transpose(0, 1).reshape(o.shape[1], -1)  # [R, Hq*D]
+        o = o.transpose(-3, -2).reshape(*o.shape[:-3], o.shape[-2], -1)  # [R, Hq*D]
         add_norm, act = ((add_rms_norm_triton, silu_mul_triton) if self.triton
                          else (add_rms_norm_reference, silu_mul_reference))
         h, x = add_norm(h, o @ self.w[p + "self_attn.o_proj.weight"].T, self.w[p + "post_attention_layernorm.weight"],
@@ -369,18 +268,15 @@ class LlamaEngine:
         projection of every row is a large share of a small model's prefill).
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long)
-        cos, sin = rope_tables(self.rope, torch.arange(start_pos, start_pos + len(tokens)))  # [T, D/2]
+        pos = torch.arange(start_pos, start_pos + len(tokens))
+        rows = Rows(torch.arange(len(tokens)), pos, Rotation(*rope_tables(self.rope, pos), self.triton), CAUSAL)
         h = self.embed(tokens)  # [T, d]
-        gqa = self.cfg.num_heads != self.cfg.num_kv_heads
         kv = []
         for layer in range(self.cfg.num_layers):
-            qk, v = self.qk_v(layer, h)
-            q, k = self.rotated_qk(qk, cos, sin)
-            kv.append((k, v))
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=self.scale,
-                                               enable_gqa=gqa)[0]  # [Hq, T, D]
-            h = self.layer_out(layer, h, o)
+            out = layer_step(self, layer, h, rows, LayerCache(None, None, None))
+            kv.append((out.K, out.V))
+            h = out.h
         return self.logits(h if all_logits else h[-last:]), kv
 
 
-__all__ = ["LlamaConfig", "LlamaEngine", "RowBlocks", "rope_for_spec"]
+__all__ = ["LlamaConfig", "LlamaEngine", "rope_for_spec"]

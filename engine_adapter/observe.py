@@ -1,7 +1,8 @@
 """What a full computation of a chunk shows: its KV, what the question read of each of
 its tokens, and how far its KV moves between two prefixes.
 
-Pure functions on torch tensors (CPU reference; the CUDA path uses the same math).
+Pure functions on torch tensors, on the CPU (the engine's plain-torch layer step with a
+batch of prompts).
 
 `observe` / `observe_many` run full causal prefills and keep a chunk's KV (K RoPE-free)
 and the attention the question's rows put on each of its tokens (Cache-Craft eq. 15, per
@@ -19,6 +20,10 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from engine_adapter.attention import CAUSAL
+from engine_adapter.step import LayerCache, Rotation, Rows, layer_step
+from kvkernels import rope_tables
 
 KV = Sequence[tuple[Tensor, Tensor]]  # per layer (K RoPE-free [Hkv, T, D], V [Hkv, T, D])
 
@@ -65,6 +70,16 @@ class Observation:
     chunk: tuple[int, ...] | None = None  # the chunk's token ids (with context=True)
 
 
+class _PerPrompt:
+    """What each prompt of a batch read of each key [B, T] (`attention.attend`'s reads)."""
+
+    def __init__(self, b: int, t: int) -> None:
+        self.sums = torch.zeros(b, t)
+
+    def add(self, x: Tensor) -> None:
+        self.sums += x
+
+
 @torch.no_grad()
 def observe(engine, tokens: Sequence[int], span: tuple[int, int], readers: tuple[int, int],
             layers: Sequence[int] | None = None) -> Observation:
@@ -73,31 +88,10 @@ def observe(engine, tokens: Sequence[int], span: tuple[int, int], readers: tuple
     heads, summed over reader rows and `layers` (default: every layer but the first).
 
     Cache-Craft eq. 15 measures the question's attention per chunk (inter(C_i, U)) to
-    find the focused chunks; `received` is the same quantity per token. Plain torch with
-    the engine's own primitives; spans are [start, end) rows.
+    find the focused chunks; `received` is the same quantity per token. The engine's own
+    layer step (`step.layer_step`), asked for the readers' reads; spans are [start, end) rows.
     """
-    from kvkernels import apply_rope
-
-    toks = torch.as_tensor(list(tokens), dtype=torch.long)
-    t = len(toks)
-    pos = torch.arange(t)
-    c = engine.cfg
-    g = c.num_heads // c.num_kv_heads
-    use = set(range(1, c.num_layers) if layers is None else (l % c.num_layers for l in layers))
-    causal = torch.ones(t, t, dtype=torch.bool).triu(1)
-    got = torch.zeros(c.num_layers, span[1] - span[0])
-    kv = []
-    h = engine.embed(toks)  # [T, d]
-    for layer in range(c.num_layers):
-        q, k, v = engine.qkv(layer, h)  # [H, T, D] pre-RoPE
-        kv.append((k[:, span[0]:span[1]].clone(), v[:, span[0]:span[1]].clone()))
-        q, k = apply_rope(q, pos, engine.rope), apply_rope(k, pos, engine.rope)
-        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # [Hq, T, D]
-        p = ((q @ k.transpose(1, 2)) * engine.scale).masked_fill(causal, float("-inf")).softmax(-1)  # [Hq, T, T]
-        if layer in use:
-            got[layer] = p[:, readers[0]:readers[1], span[0]:span[1]].float().mean(0).sum(0)
-        h = engine.layer_out(layer, h, p @ v)
-    return Observation(kv, got.sum(0), got)
+    return observe_many(engine, [(tokens, span, readers)], layers)[0]
 
 
 Request = tuple[Sequence[int], tuple[int, int], tuple[int, int]]  # tokens, chunk span, reader rows
@@ -107,17 +101,13 @@ Request = tuple[Sequence[int], tuple[int, int], tuple[int, int]]  # tokens, chun
 def observe_many(engine, requests: Sequence[Request], layers: Sequence[int] | None = None,
                  batch: int = 256, context: bool = False) -> list[Observation]:
     """`observe` for many (tokens, span, readers) at once: right-padded batches of full
-    causal prefills (a real row never sees a pad after it), the row-wise layers (norms,
-    projections, MLP) on all rows of a batch together. Empty `readers` give zero reads:
-    the chunk's KV alone (a variant computed behind `tokens[:span[0]]`). Same result as
-    `observe` per request (tested); what the quality benchmark and its CI test use to
-    build thousands of variants in seconds. `context=True` also keeps what `learned.gain_case`
+    causal prefills (a real row never sees a pad after it), each layer step over all the
+    prompts of a batch together. Empty `readers` give zero reads: the chunk's KV alone (a
+    variant computed behind `tokens[:span[0]]`). What the quality benchmark and its CI test use
+    to build thousands of variants in seconds. `context=True` also keeps what `learned.gain_case`
     needs: the rows before the readers (the question, which must be the last rows).
     """
-    from kvkernels import rope_tables, rotate
-
     c = engine.cfg
-    g = c.num_heads // c.num_kv_heads
     use = set(range(1, c.num_layers) if layers is None else (l % c.num_layers for l in layers))
     out: list[Observation] = []
     for start in range(0, len(requests), batch):
@@ -128,25 +118,22 @@ def observe_many(engine, requests: Sequence[Request], layers: Sequence[int] | No
         for i, (tokens, _, (r0, r1)) in enumerate(part):
             toks[i, :len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.long)
             readers[i, r0:r1] = 1.0
-        cos, sin = rope_tables(engine.rope, torch.arange(t))
-        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
-        h = engine.embed(toks.reshape(-1))  # [B*T, d]
+        pos = torch.arange(t)
+        rows = Rows(pos, pos, Rotation(*rope_tables(engine.rope, pos), False), CAUSAL)
+        h = engine.embed(toks)  # [B, T, d]
         kvs, reads = [], torch.zeros(c.num_layers, b, t)
         for layer in range(c.num_layers):
-            q, k, v = (x.reshape(x.shape[0], b, t, -1).transpose(0, 1) for x in engine.qkv(layer, h))  # [B, H, T, D]
-            kvs.append((k, v))
-            q, kr = rotate(q, cos, sin), rotate(k, cos, sin)
-            kr, vr = kr.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # [B, Hq, T, D]
-            p = ((q @ kr.transpose(2, 3)) * engine.scale).masked_fill(causal, float("-inf")).softmax(-1)  # [B, Hq, T, T]
-            if layer in use:
-                reads[layer] = (p.float().mean(1) * readers[:, :, None]).sum(1)  # [B, T] per key
-            o = (p @ vr).transpose(0, 1).reshape(c.num_heads, b * t, -1)  # [Hq, B*T, D]
-            h = engine.layer_out(layer, h, o)
+            seen = _PerPrompt(b, t) if layer in use else None
+            step = layer_step(engine, layer, h, rows, LayerCache(None, None, None), reads=seen, reads_rows=readers)
+            _, k, v = step.qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=-3)  # [B, Hkv, T, D] pre-RoPE
+            kvs.append((k, v, step.K))
+            if seen is not None:
+                reads[layer] = seen.sums / c.num_heads  # the mean over heads
+            h = step.h
         for i, (tokens, (s0, s1), (r0, r1)) in enumerate(part):
             per_layer = reads[:, i, s0:s1].clone()
-            ctx = ([(rotate(k[i, :, :r0], cos[:r0], sin[:r0]), v[i, :, :r0].clone()) for k, v in kvs]
-                   if context else None)
-            out.append(Observation([(k[i, :, s0:s1].clone(), v[i, :, s0:s1].clone()) for k, v in kvs],
+            ctx = [(kr[i, :, :r0].clone(), v[i, :, :r0].clone()) for _, v, kr in kvs] if context else None
+            out.append(Observation([(k[i, :, s0:s1].clone(), v[i, :, s0:s1].clone()) for k, v, _ in kvs],
                                    per_layer.sum(0), per_layer, ctx, (s0, s1) if context else None,
                                    tuple(int(x) for x in list(tokens)[r0:r1]) if context else None,
                                    tuple(int(x) for x in list(tokens)[s0:s1]) if context else None))

@@ -1,8 +1,8 @@
 """Reuse probe: before a model (by ModelSpec fingerprint) first reuses stored KV, check that
 the blend path reproduces the engine's own full prefill.
 
-The probe runs the per-layer loop (`driver.run_blend`) directly; `blend.blend_prefill`
-asks the gate here before it runs that loop (blend -> probe -> driver, no cycle).
+The probe runs the per-layer loop (`loop.run_pass`) directly; `blend.blend_prefill`
+asks the gate here before it runs the policy's passes (blend -> probe -> loop, no cycle).
 
 The probe stores a chunk computed alone (positions 0..T-1), moves it behind another
 chunk, and runs a blend that recomputes 100% of its tokens (so the answer must equal
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_adapter.driver import run_blend
 from engine_adapter.llama import LlamaEngine
-from engine_adapter.policy import CacheCraft, Full
+from engine_adapter.loop import run_pass
 from engine_adapter.prompt import Layout, Segment
+from engine_adapter.selection import Pass
 from engine_adapter.source import InMemoryLayerSource
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,10 @@ def probe(engine: LlamaEngine, *, chunk_len: int = 16, question_len: int = 4, se
     a, b, q = (torch.randint(0, engine.cfg.vocab_size, (n,), generator=g, device="cpu").tolist()
                for n in (chunk_len, chunk_len, question_len))
     fp = engine.model_spec().fingerprint()
-    alone = run_blend(engine, Layout.of([Segment(b)], fp), Full(), InMemoryLayerSource({}), [])
-    moved = Layout.of([Segment(a), Segment(b, cached=True, recompute=range(len(b))), Segment(q, question=True)], fp)
-    out = run_blend(engine, moved, CacheCraft(), InMemoryLayerSource({1: alone.fresh[0].kv}), [1])
+    alone = run_pass(engine, Layout.of([Segment(b)], fp), Pass((), range(len(b))), InMemoryLayerSource({}), 0.0)
+    moved = Layout.of([Segment(a), Segment(b, cached=True), Segment(q, question=True)], fp)
+    every = range(len(a) + len(b) + len(q))  # the stored chunk's every token recomputed
+    out = run_pass(engine, moved, Pass((1,), every), InMemoryLayerSource({1: alone.fresh[0].kv}), 0.05)
     ref = engine.prefill(torch.tensor(a + b + q), all_logits=False)[0][-1].float()
     tol = TOLERANCE.get(engine.dtype, 6e-2) * max(1.0, float(ref.abs().max()))
     diff = float((out.logits.float() - ref).abs().max())

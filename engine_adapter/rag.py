@@ -44,6 +44,7 @@ from engine_adapter import learned
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
 from engine_adapter.fidelity import MAX_SAMPLES_PER_PLAN, SamplingCost, ShadowBlend, ShadowSampler
 from engine_adapter.generate import Generation, greedy
+from engine_adapter.graphs import StepGraphs
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.policy import DEFAULT_POLICY, Full, ReusePolicy, parse_policy
@@ -106,7 +107,7 @@ class RAGAdapter:
 
     def __init__(self, engine: LlamaEngine, client: KVClient, policy: ReusePolicy | None = None, *,
                  gate: Gate | None = None, store_back: bool = True, local: bool = False,
-                 learn: bool = False, shadows: bool = True) -> None:
+                 learn: bool = False, shadows: bool = True, steps: StepGraphs | None = None) -> None:
         """policy: None runs the default (`policy.DEFAULT_POLICY`) with the recompute budget
         each Plan gives (the service's fidelity controller); a policy given runs as given.
         local: the service runs
@@ -116,7 +117,10 @@ class RAGAdapter:
         the default policy does not use them, and learning costs (T + 2) x (question +
         chosen + 1) rows of compute per chunk of T tokens and round, docs/adapter.md).
         shadows: run the shadow full prefills Plans ask for (`engine_adapter.fidelity`); off
-        only where something else computes full prefill of every prompt (benchmarks)."""
+        only where something else computes full prefill of every prompt (benchmarks).
+        steps: the engine's static steps (`graphs.StepGraphs`, CUDA graphs; adapters of one
+        engine may share them: a prefill that finds them in use runs eagerly)."""
+        self.steps = steps
         self.local = local
         self.learn = learn
         self.engine = engine
@@ -210,7 +214,7 @@ class RAGAdapter:
             recording = RecordingLayerSource(feed)
         try:
             result = blend_prefill(self.engine, segments, policy, recording or feed, gate=self.gate,
-                                   stats=self.store_back)
+                                   stats=self.store_back, steps=self.steps)
         finally:
             if feed is not source:
                 source.cancel()  # a copy feeder waiting on the stream returns

@@ -85,6 +85,27 @@ class RecordedLayerSource:
         pass
 
 
+class ReplayLayerSource:
+    """Another source read once for a prefill of several passes: a layer asked for the first
+    time comes from `source` and is kept (the loop asks for each layer once, in order, while a
+    chunk is live); asked again by a later pass, it is handed out as kept."""
+
+    def __init__(self, source: LayerSource) -> None:
+        self.source = source
+        self.received: list[LayerKV] = []
+
+    def wait_layer(self, layer: int, deadline: float) -> LayerKV:
+        if layer < len(self.received):
+            return self.received[layer]
+        got = self.source.wait_layer(layer, deadline)
+        if layer == len(self.received):
+            self.received.append(got)
+        return got
+
+    def close(self) -> None:
+        pass  # the caller closes the source
+
+
 class ScheduledLayerSource(InMemoryLayerSource):
     """In memory, but layer l only "arrives" at start + (l + 1) * layer_interval_s: a stand-in
     for a layer-wise fetch from a slower tier (benchmarks, the docs timeline). Blocks until

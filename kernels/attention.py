@@ -176,12 +176,20 @@ class KeyReads:
         self.keys = keys
         self.device = device
         self._by_programs: dict[int, torch.Tensor] = {}
+        self._outside: dict[int, torch.Tensor] = {}  # `add`'s views, by length
 
     def buffer(self, programs: int) -> torch.Tensor:
         """The [programs, keys] accumulator of launches with that many programs."""
         if programs not in self._by_programs:
             self._by_programs[programs] = torch.zeros(programs, self.keys, dtype=torch.float32, device=self.device)
         return self._by_programs[programs]
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add reads counted outside a launch (fp32 [T'], T' <= keys: the first T' keys)."""
+        acc = self._outside.get(x.shape[-1])
+        if acc is None:  # a view of one accumulator per length, made once (one launch an add)
+            acc = self._outside[x.shape[-1]] = self.buffer(1)[0, :x.shape[-1]]
+        acc.add_(x)
 
     def clear(self) -> None:
         """Every key back to unread, the buffers where they were."""
@@ -339,7 +347,7 @@ def selective_attention_triton(
         reads: optional `KeyReads` over T keys or more (the first T are these): the softmax
             probability of each key summed over every row and query head is added into it,
             from the same launch (what the default policy's question phase records per
-            layer, `engine_adapter.query`).
+            layer, `engine_adapter.policies.default`).
         validate: check the segments' values (a read of the device); False where the caller
             made them so (the blend loop's `Layout.bounds`), inside a loop that must not wait.
 

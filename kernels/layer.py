@@ -30,8 +30,9 @@ from .rope import rotate_reference
 # ---- residual add + RMSNorm ------------------------------------------------------------
 
 
-def _check_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> None:
-    if h.dim() != 2 or h.shape != delta.shape or weight.shape != (h.shape[1],):
+def _check_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, launch: bool = False) -> None:
+    """Rows [..., R, d] for the reference (a batch of prompts), [R, d] for a launch."""
+    if h.dim() < 2 or (launch and h.dim() != 2) or h.shape != delta.shape or weight.shape != (h.shape[-1],):
         raise ValueError(f"h and delta must be one [R, d] shape and weight [d], got {tuple(h.shape)}, "
                          f"{tuple(delta.shape)}, {tuple(weight.shape)}")
     if not (h.dtype == delta.dtype == weight.dtype):
@@ -78,7 +79,7 @@ def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, s_ptr, y_ptr, N, eps,
 def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`add_rms_norm` as one Triton launch (one program per row)."""
-    _check_norm(h, delta, weight)
+    _check_norm(h, delta, weight, launch=True)
     if h.stride(1) != 1 or delta.stride(1) != 1:
         h, delta = h.contiguous(), delta.contiguous()
     check_launchable(_add_rms_norm_kernel, h, delta, weight)
@@ -94,7 +95,7 @@ def add_rms_norm_triton(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`rms_norm_reference` as one Triton launch (one program per row of x [R, d])."""
-    _check_norm(x, x, weight)
+    _check_norm(x, x, weight, launch=True)
     if x.stride(1) != 1:
         x = x.contiguous()
     check_launchable(_add_rms_norm_kernel, x, weight)
@@ -120,8 +121,9 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 # ---- SiLU(gate) * up -------------------------------------------------------------------
 
 
-def _check_gate_up(gate_up: torch.Tensor) -> None:
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+def _check_gate_up(gate_up: torch.Tensor, launch: bool = False) -> None:
+    """[..., R, 2I] for the reference (a batch of prompts), [R, 2I] for a launch."""
+    if gate_up.dim() < 2 or (launch and gate_up.dim() != 2) or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must be [R, 2I] (gate, then up), got {tuple(gate_up.shape)}")
 
 
@@ -148,7 +150,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, R, INTER, stride_x, stride_o,
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     """:func:`silu_mul` as one Triton launch."""
-    _check_gate_up(gate_up)
+    _check_gate_up(gate_up, launch=True)
     if gate_up.stride(1) != 1:
         gate_up = gate_up.contiguous()
     check_launchable(_silu_mul_kernel, gate_up)

@@ -24,7 +24,7 @@ this prompt. Cases, each the median of `--repeats` synchronised runs after a war
   cachecraft top 15%    each chunk's top 15% of tokens by stored inter-attention (eq. 14)
   cacheblend budget 15% HKVD selection (CacheBlend §4.3)
   default (query) 15%   the policy a deployment runs: the question first, then the tokens
-                        it read (engine_adapter.query), two passes over the stored KV
+                        it read (engine_adapter.policies.default), two passes over the stored KV
   naive, pinned host    naive with the stored KV in pinned host memory, copied into the
   default ..., pinned host  GPU layer by layer on a side stream while earlier layers
                         compute (kvclient.copy_stream.GpuLayerSource over an
@@ -32,7 +32,7 @@ this prompt. Cases, each the median of `--repeats` synchronised runs after a war
                         give the same logits as the same case from GPU memory, with no
                         layer computed for lack of its KV
   ..., graphs           CUDA only: exact reuse, naive, cachecraft, cacheblend and the default
-                        again on the engine's static steps (`LlamaEngine(graphs=True)`, the
+                        again on the engine's static steps (`graphs.StepGraphs`, the
                         same weights): each layer that can runs as a CUDA graph, captured in the
                         warm-up run and replayed after (the kv column says how many layers);
                         must give the same case's logits within the probe's tolerance
@@ -59,7 +59,7 @@ CUDA tensors aliasing the service's pool, CUDA IPC), blends and releases. Cases:
 prefill (the engine alone), served full prefill, served exact reuse (naive over the
 variants stored behind the same chunks: must equal full prefill within the probe's
 tolerance), served default (query) 15%, and on CUDA served default (query) 15%, graphs (the
-same engine on static steps from then on, `LlamaEngine.use_graphs`: must give the eager served
+same engine on static steps from then on (`RAGAdapter(steps=...)`): must give the eager served
 default's logits within the probe's tolerance, and the kv column says how many layers ran as
 graphs). Without CUDA it runs the same on the CPU (the
 service logs that it has no CUDA driver; the KV comes from its host tier), and the gpu
@@ -89,6 +89,7 @@ from typing import Callable, Iterator
 import torch
 
 from engine_adapter import CacheBlend, LlamaConfig, LlamaEngine, Policy, Segment, blend_prefill
+from engine_adapter.graphs import StepGraphs
 from engine_adapter.policy import DEFAULT_POLICY
 from engine_adapter.llama import _hf_names  # noqa: PLC2701 - the parameter list random weights follow
 from engine_adapter.probe import TOLERANCE, TRUSTED, probe
@@ -221,11 +222,11 @@ def _on_host(kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], cuda: bool)
 def _reuse_rows(engine: LlamaEngine, cfg, dtype: torch.dtype, texts: list[list[int]], others: list[list[int]],
                 question: list[int], ref: torch.Tensor, full_s: float, repeats: int, device: str,
                 sync: Callable[[], None], check: Callable[[str, bool, str], None],
-                graphed: LlamaEngine | None = None) -> list[dict]:
+                graphed: StepGraphs | None = None) -> list[dict]:
     """Every reuse case against full prefill (`ref`, `full_s`): the chunks' variants computed
     alone (exact reuse) or behind another chunk, blended under each policy, their KV in GPU
-    memory or streamed from pinned host memory, and with `graphed` (the same weights with
-    static steps) some again as CUDA graphs; a row each, and a FAIL check for a case that
+    memory or streamed from pinned host memory, and with `graphed` (the engine's static
+    steps) some again as CUDA graphs; a row each, and a FAIL check for a case that
     raises or gives non-finite logits."""
     cuda = device.startswith("cuda")
     rows: list[dict] = []
@@ -263,19 +264,20 @@ def _reuse_rows(engine: LlamaEngine, cfg, dtype: torch.dtype, texts: list[list[i
         segs = segments(variants, share)
         streamed = name.endswith(PINNED)
         on_graphs = name.endswith(GRAPHS)
-        runner = graphed if on_graphs else engine
+        steps = graphed if on_graphs else None
         kv = {i: v.kv for i, v in variants.items()}
         fallbacks: list = []
         calls: list = []
 
         def prefill(segs=segs, policy=policy, streamed=streamed, kv=kv,  # noqa: ANN202
-                    fallbacks=fallbacks, calls=calls, runner=runner):
+                    fallbacks=fallbacks, calls=calls, steps=steps):
             calls.append(1)
             if not streamed:
-                return blend_prefill(runner, segs, policy, InMemoryLayerSource(kv), gate=TRUSTED, stats=False)
+                return blend_prefill(engine, segs, policy, InMemoryLayerSource(kv), gate=TRUSTED, stats=False,
+                                     steps=steps)
             src = GpuLayerSource(InMemoryLayerSource(host), cfg.num_layers, device, ops=ops)
             try:
-                r = blend_prefill(runner, segs, policy, src, gate=TRUSTED, stats=False)
+                r = blend_prefill(engine, segs, policy, src, gate=TRUSTED, stats=False, steps=steps)
             finally:
                 src.close()
             fallbacks.extend(r.fallbacks)
@@ -360,7 +362,7 @@ def runs(shape: str, dtype_name: str, device: str, chunk_counts: list[int], chun
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t_build = time.perf_counter()
     engine = random_engine(cfg, dtype, device)
-    graphed = LlamaEngine(cfg, engine.w, graphs=True) if cuda else None  # the same weights, static steps
+    graphed = StepGraphs(engine) if cuda else None  # the engine's static steps
     sync()
     build_s = time.perf_counter() - t_build
     for n, chunks in enumerate(chunk_counts):
@@ -474,9 +476,11 @@ def _serve_cases(engine: LlamaEngine, client, texts: list[list[int]], question: 
     n = len(texts)
     tokens = torch.tensor(sum(texts, []) + question)
 
-    def adapter(policy: str, store_back: bool = False):  # noqa: ANN202
+    steps = StepGraphs(engine) if cuda else None  # the engine's static steps, for the ", graphs" case
+
+    def adapter(policy: str, store_back: bool = False, graphs: bool = False):  # noqa: ANN202
         return RAGAdapter(engine, client, Policy(policy), gate=TRUSTED, store_back=store_back, local=True,
-                          shadows=False)
+                          shadows=False, steps=steps if graphs else None)
 
     # 1. A first request computes every chunk (each behind the ones before it) and stores it.
     t0 = time.perf_counter()
@@ -530,13 +534,11 @@ def _serve_cases(engine: LlamaEngine, client, texts: list[list[int]], question: 
     tol = TOLERANCE.get(dtype, 6e-2) * max(1.0, float(ref.abs().max()))
     cases = [("served full prefill", "full"), ("served exact reuse", "naive"),
              (f"served default ({DEFAULT_POLICY}) 15%", DEFAULT_POLICY)]
-    if cuda:  # the same engine on static steps from here (`LlamaEngine.use_graphs`: no second copy of the weights)
+    if cuda:  # the same engine on static steps (no second copy of the weights)
         cases.append((f"served default ({DEFAULT_POLICY}) 15%" + GRAPHS, DEFAULT_POLICY))
     eager_default = None
     for name, policy in cases:
-        if name.endswith(GRAPHS):
-            engine.use_graphs()
-        a = adapter(policy)
+        a = adapter(policy, graphs=name.endswith(GRAPHS))
         reports: list = []
         loads: set[str] = set()
 
@@ -584,7 +586,7 @@ def _serve_cases(engine: LlamaEngine, client, texts: list[list[int]], question: 
         if name.endswith(GRAPHS):
             static = sum(t.static for t in r.timings)
             rows[-1]["kv"] += f", {static} of {len(r.timings)} layers as graphs"
-            same, versus = _versus_eager(logits, eager_default, tol, engine)
+            same, versus = _versus_eager(logits, eager_default, tol, steps)
             ok, detail = ok and same, f"{detail}; {versus}"
         elif policy == DEFAULT_POLICY:
             eager_default = logits
@@ -592,11 +594,11 @@ def _serve_cases(engine: LlamaEngine, client, texts: list[list[int]], question: 
 
 
 def _versus_eager(logits: torch.Tensor, eager: torch.Tensor | None, tol: float,
-                  engine: LlamaEngine | None) -> tuple[bool, str]:
+                  steps: StepGraphs | None) -> tuple[bool, str]:
     """A ", graphs" case's check: its logits within `tol` of the same case's on eager steps
-    (None: that case did not run), and `engine`'s static steps still on."""
+    (None: that case did not run), and the static steps still on."""
     diff = float((logits - eager).abs().max()) if eager is not None else math.inf
-    failed = engine.steps.failed if engine is not None and engine.steps is not None else ""
+    failed = steps.failed if steps is not None else ""
     return diff <= tol and not failed, (f"vs the same case on eager steps: max |logit diff| {diff:.3g} "
                                         f"(tolerance {tol:.3g})"
                                         + (f"; the static steps failed, eager since: {failed}" if failed else ""))

@@ -62,6 +62,7 @@ class ContextBuilder:
         self._thread = threading.local()
         self._adapters: list[Any] = []
         self._engine: Any = None
+        self._steps: Any = None  # the engine's static steps, with `blend_graphs`
         self._attn: list[Any] | None = None
         self._timings = b""  # the latest blend's TimingReport, serialized, until the scheduler takes it
 
@@ -76,7 +77,8 @@ class ContextBuilder:
             # Each request runs the policy its BlendLoad names (`build`); shadow prefills of the
             # requests Plans mark run on this adapter's background thread, over vLLM's weights.
             adapter = RAGAdapter(self._model_engine(), self._client, Policy("full"),
-                                 store_back=self.settings.blend_store_back, local=self.settings.local)
+                                 store_back=self.settings.blend_store_back, local=self.settings.local,
+                                 steps=self._steps)
             adapter.model_id = self.chunk_model_id
             self._thread.adapter = adapter
             with self._lock:
@@ -98,7 +100,9 @@ class ContextBuilder:
                     raise BlendFailed(f"the model's chunk namespace {got} is not the scheduler side's "
                                       f"{self.chunk_model_id}")
                 if self.settings.blend_graphs:
-                    engine.use_graphs()
+                    from engine_adapter.graphs import StepGraphs
+
+                    self._steps = StepGraphs(engine)
                 self._engine = engine
             return self._engine
 

@@ -6,12 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_adapter import blend
 from engine_adapter.blend import FreshChunk, blend_prefill
 from engine_adapter.llama import LlamaEngine
+from engine_adapter.policies.picks import QuestionReads
 from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
-from engine_adapter.prompt import Segment
-from engine_adapter.source import InMemoryLayerSource
+from engine_adapter.prompt import Layout, Segment
+from engine_adapter.source import InMemoryLayerSource, LayerSource
 from kvkernels import apply_rope
 
 
@@ -62,6 +64,16 @@ def make_prompt(engine: LlamaEngine, seed: int, *, behind: str = "other", n_chun
     return Prompt(chunks, question, cache)
 
 
+def question_reads(engine: LlamaEngine, segments: list[Segment], source: LayerSource, deviation: bool = False,
+                   layer_budget_s: float = 1.0, steps=None) -> QuestionReads:  # noqa: ANN001
+    """The default policy's question pass alone, every cached chunk reused: what it measured
+    (`steps`: on the engine's static steps, `graphs.StepGraphs`)."""
+    lay = Layout.of(segments, engine.model_spec().fingerprint())
+    reused = [s for s, seg in enumerate(segments) if seg.cached]
+    return blend.question_reads(engine, lay, source, reused, deviation=deviation, layer_budget_s=layer_budget_s,
+                                steps=steps)
+
+
 def rel_dev(logits: torch.Tensor, ref: torch.Tensor) -> float:
     return float((logits - ref).norm() / ref.norm())
 
@@ -79,7 +91,7 @@ def reference_shallow_rows(engine, p, depth: int) -> tuple[torch.Tensor, list]:
     h = engine.embed(torch.as_tensor(p.tokens))
     kv = []
     for layer in range(c.num_layers):
-        q, k, v = engine.qkv(layer, h)
+        q, k, v = engine.qkv_heads(layer, h).split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
         q, k = apply_rope(q, rows, engine.rope), apply_rope(k, rows, engine.rope)
         if layer >= depth:
             stored = [p.cache[i].kv[layer] for i in range(len(p.chunks))]

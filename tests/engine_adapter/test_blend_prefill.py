@@ -140,7 +140,7 @@ def test_missing_layer_is_computed_from_layer_zero_and_matches_full_prefill(engi
     p = make_prompt(engine, 21, behind="same")  # exact stored KV: any error is the fallback's
     ref = engine.prefill(p.tokens)[0][-1]
     assert (_blend(engine, p, Policy("naive")).logits - ref).abs().max() < 1e-4
-    with caplog.at_level(logging.WARNING, logger="engine_adapter.driver"):
+    with caplog.at_level(logging.WARNING, logger="engine_adapter.merge"):
         r = _blend(engine, p, Policy("naive"), source=p.source(withhold={(1, 2)}))
     assert r.fallbacks == [(1, 2)]
     assert (r.logits - ref).abs().max() < 1e-4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine_adapter.blend import blend_prefill
-from engine_adapter.driver import BlendResult
+from engine_adapter.result import BlendResult
 from engine_adapter.fidelity import ANSWER_TOKENS, ShadowBlend, ShadowSampler, compare
 from engine_adapter.generate import greedy
 from engine_adapter.policy import Policy

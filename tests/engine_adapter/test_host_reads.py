@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine_adapter.blend import blend_prefill
 from engine_adapter.graphs import StepGraphs
-from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
+from engine_adapter.llama import LlamaConfig, LlamaEngine
 from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
@@ -57,16 +57,15 @@ def _reads(num_layers: int, policy: str, chunk_len: int = 24, triton: bool = Fal
     cfg = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=num_layers)
     engine = LlamaEngine.random(cfg, seed=0, std=0.1)
     p = make_prompt(engine, seed=1, behind="other", chunk_len=chunk_len, n_chunks=3 if triton else 4)
-    engine = LlamaEngine(cfg, engine.w, triton=triton, graphs=graphs)  # the stored variants made by the torch path
-    if graphs:
-        engine.steps = StepGraphs(engine, rope_for_spec(engine.model_spec()), tokens_step=16, rows_step=8)
+    engine = LlamaEngine(cfg, engine.w, triton=triton)  # the stored variants made by the torch path
+    steps = StepGraphs(engine, tokens_step=16, rows_step=8) if graphs else None
     segments = p.segments()
     fresh = triton and not graphs
     if fresh:
         segments[-2] = Segment(p.chunks[-1])
     source = InMemoryLayerSource({i: v.kv for i, v in p.cache.items()})
     with torch.no_grad(), HostReads((ENGINE_CODE, KERNEL_CODE) if triton else (ENGINE_CODE,)) as spy:
-        r = blend_prefill(engine, segments, Policy(policy), source, gate=TRUSTED, stats=fresh)
+        r = blend_prefill(engine, segments, Policy(policy), source, gate=TRUSTED, stats=fresh, steps=steps)
     assert r.reuse and r.computed_share < 1.0
     assert bool(r.fresh) == fresh
     assert all(t.static for t in r.timings) == graphs

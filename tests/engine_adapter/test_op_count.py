@@ -1,26 +1,27 @@
 """The blend loop's host cost, counted on the CPU: the operations a prefill dispatches (a
 TorchDispatchMode counter; on a GPU each one is a kernel launch or host-side work between
 launches, and the loop is bound by them: docs/gpu.md). Full prefill dispatches a constant
-number per layer, whatever the prompt's length. The target of issue 49's one blend step: per
-layer of each pass, every policy, no more than full prefill plus OVERHEAD_PER_LAYER, and a
-count independent of the number of chunks, rows and layers.
+number per layer, whatever the prompt's length; so does every pass of every policy, whatever
+the number of chunks, rows and layers: full prefill's layer step plus OVERHEAD_PER_LAYER at most.
 
-Met by every one-pass policy (`driver._Blend.step`: 51 a layer on the tiny model, full
-prefill's 47 and 4 for the CPU attention's second run of rows) and by each of `query`'s two
-passes: its question pass dispatches 57 a layer (full prefill's 47 and the reads of the
-question's attention, 10), its second pass 49 (it writes its rows over the question pass's
-merged caches). Both passes counted together, the default
-dispatches 106 a layer, 2.3x full prefill: it runs two layer steps a layer by design (it reads
-the question before it chooses the rows), within twice the target (its own test).
-Cache-Craft's Alg. 1 (`focus_window` > 0, off by default and not counted here) adds the
-question's attention mass and a read of it on the layers while it decides.
+Every pass runs the one layer step (`step.layer_step`), full prefill included: 40 operations a
+layer on the tiny model. A one-pass policy adds the merge of the stored K/V (two
+concatenations and the stored K's rotation, 6), the write of its rows' K/V into the merged
+cache (2) and the CPU attention's second run of rows (4): 52. The default runs two passes a
+layer by design (it reads the question before it chooses the rows): its question pass adds
+the merge and the write, and its attention returns the question's reads from the same
+softmax as its output (5 more than fused SDPA): 53; its second pass writes its rows over the
+question pass's merged caches (2) in runs (4): 46; 99 a layer in all. Cache-Craft's Alg. 1
+(`focus_window` > 0, off by default and not counted here) adds the question's attention mass
+and a read of it on the layers while it decides.
 
 On the engine's Triton path (the GPU's; its kernels in the interpreter here) what counts is
 kernel launches: 11 a layer of full prefill, 13 of naive reuse, whatever the rows; the default
-policy's two phases 23 (its question phase's reads are added up inside its attention's launch, and
-its second phase writes its rows over the question phase's merged caches). On the engine's
-static steps (`LlamaEngine(graphs=True)`, each step one CUDA graph there): 3 a layer of naive
-reuse, 6 of the default's two phases, 13 of a CacheBlend filter layer (38 eager)."""
+policy's two passes 23 (its question pass's reads are added up inside its attention's launch,
+and its second pass writes its rows over the question pass's merged caches). On the static
+steps (`graphs.StepGraphs`, each step one CUDA graph there): 3 a layer of naive reuse, 6 of
+the default's two passes, 13 of a CacheBlend filter layer (55 eager: the choice over fixed
+slots, the same code the graph holds)."""
 
 from __future__ import annotations
 
@@ -32,19 +33,19 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine_adapter import query
+from engine_adapter import blend
 from engine_adapter.blend import blend_prefill
 from engine_adapter.graphs import StaticStep, StepGraphs
-from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
+from engine_adapter.llama import LlamaConfig, LlamaEngine
 from engine_adapter.policy import POLICIES, Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.source import InMemoryLayerSource
 from tests.engine_adapter.adapter_helpers import make_prompt
 
-# Beyond full prefill's ops, per layer of a pass: the selection and merge of the computed rows,
-# the CPU attention's second run of rows (4), or the question pass's reads of the question's
-# attention (10).
-OVERHEAD_PER_LAYER = 10
+# Beyond full prefill's ops, per layer of a pass: the merge of the stored K/V (6) and the write
+# of the rows' K/V (2), then the CPU attention's second run of rows (4) or the question pass's
+# reads from the attention's own softmax (5).
+OVERHEAD_PER_LAYER = 13
 
 
 class Dispatched(TorchDispatchMode):
@@ -94,16 +95,18 @@ def _query_passes(layers: int, **shape: int) -> tuple[int, int]:
     """One prefill by `query`, split at its question pass: (the ops the question pass
     dispatched, all the others)."""
     seen: dict = {}
-    inner = query.question_reads
+    inner = blend.run_pass
 
     def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if "spy" not in seen:  # the stored variants, made before the prefill counted
+            return inner(*args, **kwargs)
         start = seen["spy"].ops
         try:
             return inner(*args, **kwargs)
         finally:
-            seen["question"] = seen["spy"].ops - start
+            seen.setdefault("question", seen["spy"].ops - start)  # the first pass
 
-    with mock.patch.object(query, "question_reads", counted):
+    with mock.patch.object(blend, "run_pass", counted):
         total = _ops("query", layers, seen=seen, **shape)
     return seen["question"], total - seen["question"]
 
@@ -182,9 +185,9 @@ def _triton_launches(policy: str | None, layers: int, chunk_len: int = 12, graph
     cfg = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=layers)
     torch_step = LlamaEngine.random(cfg, seed=0, std=0.1)
     p = make_prompt(torch_step, seed=1, behind="other", chunk_len=chunk_len, n_chunks=3)
-    engine = LlamaEngine(cfg, torch_step.w, triton=True, graphs=graphs)
-    if graphs:  # small buckets: launches do not depend on their size, the interpreter's time does
-        engine.steps = StepGraphs(engine, rope_for_spec(engine.model_spec()), tokens_step=16, rows_step=8)
+    engine = LlamaEngine(cfg, torch_step.w, triton=True)
+    # small buckets: launches do not depend on their size, the interpreter's time does
+    steps = StepGraphs(engine, tokens_step=16, rows_step=8) if graphs else None
     source = InMemoryLayerSource({i: v.kv for i, v in p.cache.items()})
     options = {"ratio": ratio} if ratio is not None else {}
 
@@ -192,7 +195,8 @@ def _triton_launches(policy: str | None, layers: int, chunk_len: int = 12, graph
         if policy is None:
             engine.prefill(p.tokens, all_logits=False)
         else:
-            blend_prefill(engine, p.segments(), Policy(policy, **options), source, gate=TRUSTED, stats=False)
+            blend_prefill(engine, p.segments(), Policy(policy, **options), source, gate=TRUSTED, stats=False,
+                          steps=steps)
 
     if warm:
         with torch.no_grad():
@@ -230,7 +234,8 @@ def test_on_static_steps_the_default_policy_launches_a_naive_layer_per_phase():
 
 
 def test_on_static_steps_cacheblends_filter_layers_choose_inside_the_graph():
-    # A filter layer (CacheBlend §4.3's choice, `graphs.SelectStep`; on 2 layers, layer 1): the
+    # A filter layer (CacheBlend §4.3's choice, a `step.Choice` over the bucket's slots; on 2
+    # layers, layer 1): the
     # stored K and V concatenated (2), the rows and hidden states loaded (4: the rows' positions
     # and RoPE tables are derived inside the step), the candidates and the two counts (4), the
     # graph (1), the rows out and the kept candidates taken out of the step's buffers (2).

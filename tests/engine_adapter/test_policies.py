@@ -6,6 +6,7 @@ import pytest
 
 from engine_adapter.policy import FocusTracker, Policy, focused_chunks
 from engine_adapter.prompt import Layout, Segment
+from engine_adapter.selection import LayerView
 
 
 def test_prefix_run_stops_at_the_first_chunk_cached_behind_another_prefix():
@@ -27,7 +28,11 @@ def test_hkvd_ratios_fall_from_r1_to_r_then_stay():
     assert ratios[0] is None
     assert ratios[1:5] == pytest.approx([0.5, 0.4, 0.3, 0.2])
     assert ratios[5:] == [None, None]
-    assert Policy("cachecraft").hkvd_share(1, 7) is None
+    # the plug-in's choice at each layer: that share of the reused tokens among the candidates
+    lay = Layout.of([Segment([1] * 20, cached=True), Segment([2], question=True)], "model")
+    hkvd = p.selection(None)
+    keeps = [hkvd.choice(LayerView(lay, layer, 7, tuple, 10, 20, (0,), (20,))) for layer in range(7)]
+    assert keeps == [None, 10, 8, 6, 4, None, None]
 
 
 def test_policy_validation():

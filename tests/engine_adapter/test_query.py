@@ -1,4 +1,5 @@
-"""Query-aware selection (engine_adapter/query.py): what the question reads, and the two passes."""
+"""Query-aware selection (engine_adapter/policies/default.py, picks.py): what the question
+reads, and the two passes."""
 
 from __future__ import annotations
 
@@ -8,16 +9,15 @@ from unittest import mock
 import pytest
 import torch
 
-from engine_adapter.blend import blend_prefill
+from engine_adapter.blend import blend_prefill, prefill_with_picks
+from engine_adapter.policies import default, picks as picking
+from engine_adapter.policies.picks import Picks, QuestionReads, most_read, picks_budget
 from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
-from engine_adapter import query
-from engine_adapter.driver import run_blend
-from engine_adapter.query import Picks, QuestionReads, _Replay, most_read, picks_budget, question_reads, repair
-from kvkernels import apply_rope
 from engine_adapter.source import InMemoryLayerSource
-from tests.engine_adapter.adapter_helpers import make_prompt, reference_shallow_rows, rel_dev, variant
+from kvkernels import apply_rope
+from tests.engine_adapter.adapter_helpers import make_prompt, question_reads, reference_shallow_rows, rel_dev, variant
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,11 @@ def prompts(engine):
 
 def _layout(engine, p):
     return Layout.of(p.segments(), engine.model_spec().fingerprint())
+
+
+def _second_pass(engine, p, q: QuestionReads, picks: Picks):  # noqa: ANN001, ANN202
+    """The default's second pass alone, with these picks, after the question pass `q`."""
+    return prefill_with_picks(engine, _layout(engine, p), q, picks, p.source())
 
 
 @torch.no_grad()
@@ -43,7 +48,7 @@ def reference_reads(engine, p) -> torch.Tensor:
     h = engine.embed(torch.tensor(p.question))
     reads = torch.zeros(n)
     for layer in range(c.num_layers):
-        q, k, v = engine.qkv(layer, h)
+        q, k, v = engine.qkv_heads(layer, h).split([c.num_heads, c.num_kv_heads, c.num_kv_heads])
         ks = [apply_rope(p.cache[i].kv[layer][0], torch.arange(s, s + len(ch)), engine.rope)
               for i, (s, ch) in enumerate(zip(starts, p.chunks))]
         K = torch.cat(ks + [apply_rope(k, qpos, engine.rope)], dim=1).repeat_interleave(g, 0)
@@ -60,8 +65,7 @@ def reference_reads(engine, p) -> torch.Tensor:
 
 def test_the_question_pass_measures_what_the_question_reads_over_the_stored_kv(engine, prompts):
     for p in prompts[:3]:
-        lay = _layout(engine, p)
-        got = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
+        got = question_reads(engine, p.segments(), p.source())
         ref = reference_reads(engine, p)
         assert torch.allclose(got.reads, ref, rtol=1e-4, atol=1e-5)
         assert got.result.computed_rows == [len(p.question)] * (engine.cfg.num_layers - 1)
@@ -127,11 +131,10 @@ def test_every_reused_row_picked_is_full_prefill(engine, prompts):
     """With every reused token recomputed, pass 2 is a full prefill whose question rows
     started at layer 1 from the question pass's layer 0: the same logits and cache."""
     p = prompts[2]
-    lay = _layout(engine, p)
-    q = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
-    segs = [dataclasses.replace(s, recompute=range(len(s.tokens))) if not s.question else s for s in lay.segments]
-    r = run_blend(engine, Layout.of(segs, engine.model_spec().fingerprint()), Policy("query"),
-                  _Replay(p.source(), q.received), range(len(p.chunks)), carry=q.layer0)
+    q = question_reads(engine, p.segments(), p.source())
+    every = Picks({s: tuple(range(len(c))) for s, c in enumerate(p.chunks)}, torch.tensor([], dtype=torch.long),
+                  engine.cfg.num_layers)
+    r = _second_pass(engine, p, q, every)
     logits, kv = engine.prefill(p.tokens, all_logits=False)
     assert rel_dev(r.logits, logits[-1]) < 1e-5
     for (k, v), (rk, rv) in zip(kv, r.kv):
@@ -143,12 +146,10 @@ def test_chunk_head_rows_run_the_first_layers_then_keep_the_stored_kv(engine, pr
     prefill's, the later layers' the stored KV, and the question reads them as a plain
     torch prefill that stops the chunks' rows after layer 1 does."""
     p, depth = prompts[2], 2
-    lay = _layout(engine, p)
-    q = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
+    q = question_reads(engine, p.segments(), p.source())
     n_ctx = sum(map(len, p.chunks))
     picks = Picks({s: tuple(range(len(c))) for s, c in enumerate(p.chunks)}, torch.arange(n_ctx), depth)
-    r = repair(engine, lay, Policy("query"), _Replay(p.source(), q.received), range(len(p.chunks)), picks,
-               carry=q.layer0)
+    r = _second_pass(engine, p, q, picks)
     logits, kv = reference_shallow_rows(engine, p, depth)
     assert r.recomputed_rows == [n_ctx] * depth + [0] * (engine.cfg.num_layers - depth)
     assert rel_dev(r.logits, logits) < 1e-5
@@ -167,7 +168,7 @@ def test_a_chunk_stored_behind_this_very_prefix_is_never_picked(engine, prompts)
     segs[0] = Segment(p.chunks[0], cached=True, cached_prefix=())
     source = InMemoryLayerSource({0: first.kv, **{i: p.cache[i].kv for i in range(1, len(p.chunks))}})
     lay = Layout.of(segs, engine.model_spec().fingerprint())
-    q = question_reads(engine, lay, source, range(len(p.chunks)), 0.05)
+    q = question_reads(engine, segs, source)
     live = q.live.clone()
     picks = most_read(q, lay, 40).rows
     assert picks[0] == () and sum(map(len, picks.values())) == 40
@@ -185,7 +186,7 @@ def test_fresh_chunks_are_computed_once_and_hidden_from_the_question_pass(engine
     source = InMemoryLayerSource({i: p.cache[i].kv for i in (0, 2, 3)})
     lay = Layout.of(segs, engine.model_spec().fingerprint())
     L, qn, fresh = engine.cfg.num_layers, len(p.question), len(p.chunks[1])
-    q = question_reads(engine, lay, source, [0, 2, 3], 0.05)
+    q = question_reads(engine, segs, source)
     assert q.result.computed_rows == [qn] * (L - 1) and q.layer0 is None
     assert float(q.reads[lay.rows(1)].abs().sum()) == 0.0
     pol = Policy("query", budget=0.3)
@@ -214,7 +215,7 @@ def _worked_example_reads() -> tuple:
     reads = torch.tensor([0.01, 0.02, 0.03, 0.9, 0.04, 0.05, 0.06, 0.07, 0.8, 0.08, 0.5, 3.0, 2.0])
     live = torch.tensor([True] * 11 + [False] * 2)
     result = type("Pass1", (), {"reused_segments": [0, 1]})()
-    return QuestionReads(reads, live, [], result, None), lay
+    return QuestionReads(reads, live, result, None), lay
 
 
 @pytest.mark.parametrize("n, heads, expect", [
@@ -273,7 +274,7 @@ def test_the_joined_selection_measures_the_stored_kvs_deviation_at_layer_1(engin
     K/V are full prefill's (layer-0 K/V do not depend on the prefix), so the deviation it
     records is the stored K/V's from full prefill's; from layer 1 only the question runs."""
     p, L = prompts[1], engine.cfg.num_layers
-    q = question_reads(engine, _layout(engine, p), p.source(), range(len(p.chunks)), 0.05, deviation=True)
+    q = question_reads(engine, p.segments(), p.source(), deviation=True)
     n_ctx = len(p.tokens) - len(p.question)
     assert torch.allclose(q.deviation[:n_ctx], reference_deviation(engine, p), rtol=1e-4, atol=1e-4)
     assert not q.deviation[n_ctx:].any()
@@ -294,11 +295,10 @@ def test_the_joined_selection_picks_by_deviation_and_pays_for_its_layer_0(engine
     assert r.computed_share <= policy.budget + 1e-9
     assert sum(r.computed_rows) == 2 * len(p.question) * (L - 1) + n_ctx + n * L
     top = set(reference_deviation(engine, p).topk(n).indices.tolist())
-    q = question_reads(engine, lay, p.source(), range(len(p.chunks)), 0.05)
+    q = question_reads(engine, p.segments(), p.source())
     rows = {s: tuple(i - lay.edges[s] for i in sorted(top) if lay.edges[s] <= i < lay.edges[s + 1])
             for s in range(len(p.chunks))}
-    want = repair(engine, lay, policy, _Replay(p.source(), q.received), range(len(p.chunks)),
-                  Picks(rows, torch.tensor([], dtype=torch.long), L), carry=q.layer0)
+    want = _second_pass(engine, p, q, Picks(rows, torch.tensor([], dtype=torch.long), L))
     assert torch.allclose(r.logits, want.logits, atol=1e-5, rtol=0)
     naive_reads = blend_prefill(engine, p.segments(), Policy("query", budget=0.9, heads=0), p.source(), gate=TRUSTED)
     assert not torch.allclose(r.logits, naive_reads.logits, atol=1e-5, rtol=0)  # the reads pick other rows
@@ -319,15 +319,15 @@ def test_pass_2_over_the_question_pass_caches_is_bit_for_bit_its_own_merge(engin
     segs = p.segments()
     segs[1] = Segment(p.chunks[1])  # a fresh chunk: hidden in the question pass, computed in pass 2
     policy = Policy("query", budget=0.9, **options)
-    used, reusable = [], query.reusable_caches
+    used, reusable = [], default.reusable_caches
 
     def spied(q):  # noqa: ANN001, ANN202
         used.append(reusable(q))
         return used[-1]
 
-    with mock.patch.object(query, "reusable_caches", spied):
+    with mock.patch.object(default, "reusable_caches", spied):
         got = blend_prefill(engine, segs, policy, p.source(), gate=TRUSTED)
-    with mock.patch.object(query, "reusable_caches", lambda q: {}):
+    with mock.patch.object(default, "reusable_caches", lambda q: {}):
         ref = blend_prefill(engine, segs, policy, p.source(), gate=TRUSTED)
     L = engine.cfg.num_layers
     assert sorted(used[0]) == list(range(1 if options else 2, L - 1))  # the path ran
@@ -338,7 +338,7 @@ def test_pass_2_over_the_question_pass_caches_is_bit_for_bit_its_own_merge(engin
 
 
 def _heads_plainly(score: torch.Tensor, edges: list[int], budget: int, L: int, depth: int) -> tuple[list, list]:
-    """`query._heads`'s rule restated without its bookkeeping: every row in order of reads
+    """`picks._heads`'s rule restated without its bookkeeping: every row in order of reads
     (ties to the lower row) is visited in both walks, and a head's unpicked rows are counted
     one by one."""
     reads = score.tolist()
@@ -371,7 +371,7 @@ def _heads_plainly(score: torch.Tensor, edges: list[int], budget: int, L: int, d
 
 def test_the_picks_walk_equals_its_rule_restated_plainly():
     """Random prompts, reads with ties, rows that are not candidates, every budget from none to
-    all, head depths up to every layer: the picks and head rows of `query._heads` (which stops
+    all, head depths up to every layer: the picks and head rows of `picks._heads` (which stops
     its walks once nothing more fits) are those of the rule walked in full."""
     rng = torch.Generator().manual_seed(0)
     for trial in range(150):
@@ -387,4 +387,4 @@ def test_the_picks_walk_equals_its_rule_restated_plainly():
         score[torch.rand(lay.n, generator=rng) < 0.2] = -1.0
         score[-2:] = -1.0
         budget = int(torch.randint(0, lay.n * L + 1, (1,), generator=rng))
-        assert query._heads(score, lay, budget, L, depth) == _heads_plainly(score, list(lay.edges), budget, L, depth)
+        assert picking._heads(score, lay, budget, L, depth) == _heads_plainly(score, list(lay.edges), budget, L, depth)

@@ -1,10 +1,12 @@
-"""The blend loop's static steps (`engine_adapter.graphs`: a layer step over buffers kept per
-bucket of shapes, padded, which CUDA captures as a graph), run on the CPU over Triton's
-interpreter, the same code a capture records: against the eager step on the same weights
-for every policy, against full prefill, through a fallback, and for what a capture needs
-(no host reads, no tensors made from host values inside the step) and what buffers shared
-between prefills must never do (change a result after it is returned, or be written by a
-second prefill at the same time)."""
+"""The static steps (`engine_adapter.graphs`: the layer step over buffers kept per bucket of
+shapes, padded, which CUDA captures as a graph; `dispatch`: which layer runs there), run on
+the CPU over Triton's interpreter, the same code a capture records. The step is the eager
+step's own code; what is tested here is what the buffers and the dispatcher add: padding, the
+choice of rows over fixed slots, key positions and segments placed per prefill, carried rows,
+against the eager step for every policy, against full prefill, through a fallback, and what a
+capture needs (no host reads, no tensors made from host values inside the step) and what
+buffers shared between prefills must never do (change a result after it is returned, or be
+written by a second prefill at the same time)."""
 
 from __future__ import annotations
 
@@ -16,27 +18,28 @@ from unittest import mock
 import pytest
 import torch
 
+from engine_adapter import blend, graphs
+from engine_adapter import step as layer_step
 from engine_adapter.blend import blend_prefill
 from engine_adapter.graphs import Bucket, StaticStep, StepFailed, StepGraphs
-from engine_adapter.llama import LlamaConfig, LlamaEngine, rope_for_spec
+from engine_adapter.llama import LlamaConfig, LlamaEngine
 from engine_adapter.policy import POLICIES, Policy
 from engine_adapter.probe import TOLERANCE, TRUSTED
 from engine_adapter.prompt import Layout, Segment
-from engine_adapter import graphs, query
-from engine_adapter.query import question_reads
-from tests.engine_adapter.adapter_helpers import make_prompt
+from tests.engine_adapter.adapter_helpers import make_prompt, question_reads
 from tests.engine_adapter.test_host_reads import ENGINE_CODE, KERNEL_CODE, HostReads
 
 CFG = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=3)
 
 
-def _static(eager: LlamaEngine, **steps: int) -> LlamaEngine:
-    """The engine with static steps; `steps`: smaller buckets than a deployment's (the
+def _static(eager: LlamaEngine, **steps: int) -> StepGraphs:
+    """The engine's static steps; `steps`: smaller buckets than a deployment's (the
     interpreter's cost grows with the padded rows and tokens)."""
-    e = LlamaEngine(eager.cfg, eager.w, triton=True, graphs=True)
-    if steps:
-        e.steps = StepGraphs(e, rope_for_spec(e.model_spec()), **steps)
-    return e
+    return StepGraphs(eager, **steps)
+
+
+def _blend(e: LlamaEngine, segments, policy, source, steps: StepGraphs | None = None):  # noqa: ANN001, ANN202
+    return blend_prefill(e, segments, policy, source, gate=TRUSTED, steps=steps)
 
 
 def _plain(e: LlamaEngine) -> LlamaEngine:
@@ -45,7 +48,7 @@ def _plain(e: LlamaEngine) -> LlamaEngine:
 
 
 @pytest.fixture(scope="module")
-def engines() -> tuple[LlamaEngine, LlamaEngine]:
+def engines() -> tuple[LlamaEngine, StepGraphs]:
     eager = LlamaEngine(CFG, LlamaEngine.random(CFG, seed=3, std=0.1).w, triton=True)
     return eager, _static(eager, tokens_step=16, rows_step=8)
 
@@ -69,14 +72,14 @@ def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str)
     # 16-token chunks leave the default a budget to pick rows with (8: none, naive reuse)
     p = make_prompt(_plain(eager), seed=5, n_chunks=3, chunk_len=16 if policy == "query" else 8, question_len=4)
     options = {"ratio": 0.3} if policy == "cacheblend" else {}
-    ref, got = (blend_prefill(e, p.segments(), Policy(policy, **options), p.source(), gate=TRUSTED)
-                for e in (eager, static))
+    ref, got = (_blend(eager, p.segments(), Policy(policy, **options), p.source(), s) for s in (None, static))
     _same_result(got, ref)
     static_layers = [layer for layer, t in enumerate(got.timings) if t.static]
     # naive reuse, Cache-Craft's fixed rows and prefix reuse (the chunks it computes are new
     # variants: their statistics read the attention mass, over the bucket's segments) run
     # every layer static; so does CacheBlend, HKVD's choice at its filter layers (1, 2 here)
-    # made inside the step (`graphs.SelectStep`); the default its question phase's (layers
+    # made inside the step (a `step.Choice` over the bucket's slots); the default its question
+    # phase's (layers
     # 0..L-2, its reads added up in the bucket's buffer) and its second phase's
     # (`test_the_default_policys_second_phase_...` below: layer by layer, the two phases'
     # flags are one here). Not here: full prefill (no blend loop).
@@ -84,22 +87,21 @@ def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str)
 
 
 def test_the_default_policys_second_phase_runs_every_layer_static_its_carried_question_rows_too(engines):
-    """Its layer 0 takes the question's rows through layer 0 from the question phase (`Layer0`):
+    """Its layer 0 takes the question's rows through layer 0 from the question phase (`selection.Carry`):
     their K/V written into the bucket's buffers before the step, as the eager merge writes them."""
     eager, static = engines
     p = make_prompt(_plain(eager), seed=5, n_chunks=3, chunk_len=16, question_len=4)
-    phases, repair = [], query.repair
+    passes, run = [], blend.run_pass
 
-    def second(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        res = repair(*args, **kwargs)
-        phases.append((args[8], [t.static for t in res.timings]))  # carry; (before both phases' are joined)
+    def each(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        res = run(*args, **kwargs)
+        passes.append((args[2].carry, [t.static for t in res.timings]))  # (before the passes' are joined)
         return res
 
-    with mock.patch.object(query, "repair", second):
-        ref, got = [blend_prefill(e, p.segments(), Policy("query"), p.source(), gate=TRUSTED)
-                    for e in (eager, static)]
+    with mock.patch.object(blend, "run_pass", each):
+        ref, got = [_blend(eager, p.segments(), Policy("query"), p.source(), s) for s in (None, static)]
     _same_result(got, ref)
-    (carry, _), (carry_static, static_layers) = phases
+    (_, _), (carry, _), (_, _), (carry_static, static_layers) = passes
     assert carry is not None and carry_static is not None
     assert static_layers == [True] * CFG.num_layers
 
@@ -109,19 +111,20 @@ def test_the_question_phases_reads_on_static_steps_equal_the_torch_paths(withhol
     """The default's question phase on static steps: its keys placed as the phase places
     them (fresh chunks' past the end), its reads added up in the bucket's buffer by the rows
     the bucket holds, its padded rows reading nothing; layer 1 with the deviation on measures
-    it inside the step (`graphs.SelectStep`, keeping none of the reused rows); after a fallback the caught-up rows run the layer too and
-    plain torch reads the question's rows' share. Five layers: the phase runs 0..3, its reads
+    it inside the step (a `step.Choice` keeping none of the reused rows); after a fallback the
+    caught-up rows run the layer too and the question's rows' share is read beside the step. Five layers: the phase runs 0..3, its reads
     counted at 1..3."""
     five = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=5)
     torch_step = LlamaEngine.random(five, seed=3, std=0.1)
-    static = _static(LlamaEngine(five, torch_step.w, triton=True), tokens_step=16, rows_step=8)
+    triton_step = LlamaEngine(five, torch_step.w, triton=True)
+    static = _static(triton_step, tokens_step=16, rows_step=8)
     p = make_prompt(torch_step, seed=6, n_chunks=3, chunk_len=8, question_len=4)
     segments = p.segments()
     segments[1] = Segment(p.chunks[1])  # not reused: hidden from the question phase
     lay = Layout.of(segments, torch_step.model_spec().fingerprint())
     for deviation in (False, True):
-        ref, got = (question_reads(e, lay, p.source(withhold=withhold), [0, 2], 1.0, deviation=deviation)
-                    for e in (torch_step, static))
+        ref, got = (question_reads(e, segments, p.source(withhold=withhold), deviation=deviation, steps=s)
+                    for e, s in ((torch_step, None), (triton_step, static)))
         assert ref.result.fallbacks == got.result.fallbacks == ([(2, 2)] if withhold else [])
         assert [t.static for t in got.result.timings] == [True] * 4
         assert ref.reads.sum().item() == pytest.approx(3 * 4 * five.num_heads, rel=1e-5)
@@ -139,12 +142,12 @@ def test_a_fresh_chunks_statistics_on_static_steps_equal_the_eager_steps(engines
     its rows' attention mass per segment, taken from the static step over the bucket's
     segments (the prompt's, empty ones, one past the prompt) and cut to the prompt's. With
     Alg. 1 deciding (`focus_window`), the question's mass too; with CacheBlend, the rows
-    HKVD keeps (`graphs.SelectStep`)."""
+    HKVD keeps (a `step.Choice` over the bucket's slots)."""
     eager, static = engines
     p = make_prompt(_plain(eager), seed=6, n_chunks=3, chunk_len=8, question_len=4)
     segments = p.segments()
     segments[1] = Segment(p.chunks[1])  # computed here
-    ref, got = (blend_prefill(e, segments, policy, p.source(), gate=TRUSTED) for e in (eager, static))
+    ref, got = (_blend(eager, segments, policy, p.source(), s) for s in (None, static))
     _same_result(got, ref)
     assert all(t.static for t in got.timings)
     assert (got.focused, got.focus_layer) == (ref.focused, ref.focus_layer)
@@ -159,7 +162,8 @@ def test_a_fresh_chunks_statistics_on_static_steps_equal_the_eager_steps(engines
 
 
 def test_hkvds_choices_on_static_steps_equal_the_eager_steps_across_prompts_of_one_bucket():
-    """CacheBlend's gradual filtering (§4.3) chosen inside the step (`graphs.SelectStep`: the
+    """CacheBlend's gradual filtering (§4.3) chosen inside the step (a `step.Choice` over the
+    bucket's slots: the
     deviation, a stable sort and prefix sums over the bucket's slots), on 5 layers (filter
     layers 1-3): the rows each keeps, the prefill's logits and caches as the eager step's, for
     two prompts of other lengths in one bucket of tokens, whose candidates, kept counts and
@@ -171,14 +175,14 @@ def test_hkvds_choices_on_static_steps_equal_the_eager_steps_across_prompts_of_o
     static = _static(eager, tokens_step=16, rows_step=8)
     for seed, chunk_len, withhold in ((13, 12, ()), (15, 10, {(1, 2)})):
         p = make_prompt(torch_step, seed=seed, n_chunks=3, chunk_len=chunk_len, question_len=4)
-        ref, got = (blend_prefill(e, p.segments(), Policy("cacheblend", ratio=0.2), p.source(withhold=withhold),
-                                  gate=TRUSTED) for e in (eager, static))
+        ref, got = (_blend(eager, p.segments(), Policy("cacheblend", ratio=0.2), p.source(withhold=withhold), s)
+                    for s in (None, static))
         _same_result(got, ref)
         assert got.fallbacks == ([(1, 2)] if withhold else [])
         assert all(t.static for t in got.timings)
         rows = got.computed_rows
         assert withhold or rows[0] > rows[1] > rows[2] > rows[3] == rows[4]  # each filter layer chose
-    assert len({b.tokens for b in static.steps.buckets()}) == 1
+    assert len({b.tokens for b in static.buckets()}) == 1
 
 
 def test_exact_reuse_on_a_deployments_buckets_equals_full_prefill(engines):
@@ -186,9 +190,9 @@ def test_exact_reuse_on_a_deployments_buckets_equals_full_prefill(engines):
     static = _static(eager)  # TOKENS_STEP, ROWS_STEP: most of the rows and tokens are padding here
     p = make_prompt(_plain(eager), seed=7, behind="same", n_chunks=3, chunk_len=8, question_len=4)
     full, full_kv = _plain(eager).prefill(p.tokens, all_logits=False)
-    got = blend_prefill(static, p.segments(), Policy("naive"), p.source(), gate=TRUSTED)
+    got = _blend(eager, p.segments(), Policy("naive"), p.source(), static)
     assert all(t.static for t in got.timings)
-    assert static.steps.buckets() == [Bucket(tokens=256, rows=64)]
+    assert static.buckets() == [Bucket(tokens=256, rows=64)]
     assert (got.logits - full[-1]).abs().max() <= TOLERANCE[torch.float32]
     for (k, v), (k0, v0) in zip(got.kv, full_kv, strict=True):
         _close(k, k0)
@@ -199,8 +203,7 @@ def test_a_layer_missing_midway_catches_up_over_the_static_caches(engines):
     eager, static = engines
     p = make_prompt(_plain(eager), 21, behind="same", chunk_len=12)  # exact stored KV: full prefill's logits
     full = _plain(eager).prefill(p.tokens, all_logits=False)[0][-1]
-    ref, got = (blend_prefill(e, p.segments(), Policy("naive"), p.source(withhold={(1, 2)}), gate=TRUSTED)
-                for e in (eager, static))
+    ref, got = (_blend(eager, p.segments(), Policy("naive"), p.source(withhold={(1, 2)}), s) for s in (None, static))
     assert got.fallbacks == [(1, 2)]
     assert [t.static for t in got.timings] == [True, True, True]  # new rows from layer 2: another bucket
     _same_result(got, ref)
@@ -210,9 +213,9 @@ def test_a_layer_missing_midway_catches_up_over_the_static_caches(engines):
 def test_a_result_keeps_its_caches_when_the_next_prefill_reuses_the_bucket(engines):
     eager, static = engines
     first, second = (make_prompt(_plain(eager), seed, n_chunks=3, chunk_len=8, question_len=4) for seed in (8, 9))
-    a = blend_prefill(static, first.segments(), Policy("naive"), first.source(), gate=TRUSTED)
+    a = _blend(eager, first.segments(), Policy("naive"), first.source(), static)
     kept = [(k.clone(), v.clone()) for k, v in a.kv]
-    b = blend_prefill(static, second.segments(), Policy("naive"), second.source(), gate=TRUSTED)
+    b = _blend(eager, second.segments(), Policy("naive"), second.source(), static)
     assert all(t.static for t in a.timings + b.timings) and len(a.kv[0][0][0]) == len(b.kv[0][0][0])
     for (k, v), (k0, v0) in zip(a.kv, kept, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
@@ -221,16 +224,16 @@ def test_a_result_keeps_its_caches_when_the_next_prefill_reuses_the_bucket(engin
 def test_a_second_prefill_at_the_same_time_runs_eagerly_and_leaves_the_buffers_alone(engines):
     eager, static = engines
     p = make_prompt(_plain(eager), seed=10, n_chunks=3, chunk_len=8, question_len=4)
-    blend_prefill(static, p.segments(), Policy("naive"), p.source(), gate=TRUSTED)  # makes the bucket
-    before = [(s.h.clone(), s.caches.K.clone(), s.caches.V.clone()) for s in static.steps._steps.values()]
+    _blend(eager, p.segments(), Policy("naive"), p.source(), static)  # makes the bucket
+    before = [(s.h.clone(), s.caches.K.clone(), s.caches.V.clone()) for s in static._steps.values()]
     q = make_prompt(_plain(eager), seed=11, n_chunks=3, chunk_len=8, question_len=4)
-    with static.steps.lease() as first:  # another prefill holds the static steps
+    with static.lease() as first:  # another prefill holds the static steps
         assert first
-        got = blend_prefill(static, q.segments(), Policy("naive"), q.source(), gate=TRUSTED)
-    ref = blend_prefill(eager, q.segments(), Policy("naive"), q.source(), gate=TRUSTED)
+        got = _blend(eager, q.segments(), Policy("naive"), q.source(), static)
+    ref = _blend(eager, q.segments(), Policy("naive"), q.source())
     assert not any(t.static for t in got.timings)
     _same_result(got, ref)
-    for s, (h, K, V) in zip(static.steps._steps.values(), before, strict=True):
+    for s, (h, K, V) in zip(static._steps.values(), before, strict=True):
         assert torch.equal(s.h, h) and torch.equal(s.caches.K, K) and torch.equal(s.caches.V, V)
 
 
@@ -265,14 +268,14 @@ def test_a_static_step_reads_nothing_of_the_device_and_copies_nothing_from_the_h
     with mock.patch.object(StaticStep, "run", watched):
         for policy, segments in ((Policy("cachecraft"), p.segments()), (Policy("query"), p.segments()),
                                  (Policy("naive"), fresh), (Policy("cacheblend", ratio=0.3), p.segments())):
-            blend_prefill(static, segments, policy, p.source(), gate=TRUSTED)
+            _blend(eager, segments, policy, p.source(), static)
     assert {(reads, bool(mass)) for _, reads, mass in runs} == {(False, False), (True, False), (False, True)}
     assert not spy.sites, dict(spy.sites)
 
 
 def test_the_least_recently_used_buckets_go_first(engines):
     eager, _ = engines
-    steps = StepGraphs(eager, rope_for_spec(eager.model_spec()), tokens_step=16, rows_step=8)
+    steps = StepGraphs(eager, tokens_step=16, rows_step=8)
     a, b, c = steps.bucket(10, 3), steps.bucket(20, 3), steps.bucket(40, 3)
     assert (a, b, c) == (Bucket(16, 8), Bucket(32, 8), Bucket(48, 8))
     assert steps.bucket(16, 9) == Bucket(32, 16)  # a position past the prompt for its padded rows
@@ -298,10 +301,10 @@ def test_a_step_that_fails_leaves_its_layer_and_every_later_prefill_to_the_eager
             raise StepFailed("layer 1's CUDA graph: (raised by the test)")
         return run(step, layer, *args)
 
-    ref = blend_prefill(eager, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+    ref = _blend(eager, p.segments(), Policy(policy), p.source())
     with mock.patch.object(StaticStep, "run", fails_at_layer_1), caplog.at_level(logging.WARNING):
-        got = blend_prefill(static, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
-        again = blend_prefill(static, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+        got = _blend(eager, p.segments(), Policy(policy), p.source(), static)
+        again = _blend(eager, p.segments(), Policy(policy), p.source(), static)
     _same_result(got, ref)
     _same_result(again, ref)
     assert calls == [0, 1]  # layer 0 ran static; nothing after the failure
@@ -320,33 +323,34 @@ def test_no_device_memory_for_a_bucket_runs_the_prefill_eagerly_and_the_next_sta
     eager = LlamaEngine(CFG, LlamaEngine.random(CFG, seed=3, std=0.1).w, triton=True)
     static = _static(eager, tokens_step=16, rows_step=8)
     p = make_prompt(_plain(eager), seed=5, n_chunks=3, chunk_len=16, question_len=4)
-    ref = blend_prefill(eager, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+    ref = _blend(eager, p.segments(), Policy(policy), p.source())
     made = graphs.Caches.__init__
 
     def no_memory(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
 
     with mock.patch.object(graphs.Caches, "__init__", no_memory), caplog.at_level(logging.WARNING):
-        got = blend_prefill(static, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+        got = _blend(eager, p.segments(), Policy(policy), p.source(), static)
     _same_result(got, ref)
-    assert not any(t.static for t in got.timings) and not static.steps.buckets()
+    assert not any(t.static for t in got.timings) and not static.buckets()
     assert [r.getMessage() for r in caplog.records] == [
         "no device memory for the static steps' buffers of a 52-token prompt, the prefill runs eagerly: "
         "CUDA out of memory (raised by the test)"]
     assert graphs.Caches.__init__ is made
-    again = blend_prefill(static, p.segments(), Policy(policy), p.source(), gate=TRUSTED)
+    again = _blend(eager, p.segments(), Policy(policy), p.source(), static)
     _same_result(again, ref)
     assert all(t.static for t in again.timings)
 
 
 def test_a_choosing_steps_choice_is_the_stable_top_k_of_its_candidates_whatever_the_counts(engines):
-    """`graphs.SelectStep`'s choice on its own, against a brute-force one on the host: for
+    """A static step's choice (`step.Choice` over the bucket's slots) on its own, against a
+    brute-force one on the host: for
     random rows, candidates and kept counts (none, all, a full bucket with no spare slot, no
     candidate) and deviations with many ties (made here), the rows out are the rows that are
     not candidates and the `keep` candidates of highest deviation, ties to the earlier one, in
     order; the kept candidates' places among them; spare slots at the padding position."""
     eager, _ = engines
-    steps = StepGraphs(eager, rope_for_spec(eager.model_spec()), tokens_step=16, rows_step=8)
+    steps = StepGraphs(eager, tokens_step=16, rows_step=8)
     rng = random.Random(0)
     n = 40
     cases = [(8, 0, 0), (8, 8, 8), (8, 8, 0), (5, 3, 3), (16, 12, 5)] + [
@@ -355,19 +359,20 @@ def test_a_choosing_steps_choice_is_the_stable_top_k_of_its_candidates_whatever_
         keep = rng.randint(0, C) if keep is None else keep
         rows = sorted(rng.sample(range(n), R))
         cand = sorted(rng.sample(range(R), C))
-        step = steps.step(n, R, R - C + keep)
-        ties = torch.tensor([float(rng.randint(0, 3)) for _ in range(step.rows.shape[0])])
-        step.load(torch.tensor(rows), torch.randn(R, eager.cfg.hidden_size))
-        step.choose(torch.tensor(cand, dtype=torch.long), keep)
-        with mock.patch.object(graphs, "kv_deviation", lambda *kv: ties.clone()):
-            step.run(0)
+        static = steps.step(n, R, R - C + keep)
+        ties = torch.tensor([float(rng.randint(0, 3)) for _ in range(static.rows.count)])
+        static.load(torch.tensor(rows), torch.randn(R, eager.cfg.hidden_size))
+        static.choose(torch.tensor(cand, dtype=torch.long), keep)
+        with mock.patch.object(layer_step, "kv_deviation", lambda *kv: ties.clone()):
+            static.run(0)
         by_rank = sorted(range(C), key=lambda i: (-ties[i].item(), i))[:keep]  # stable, descending
         chosen = {cand[i] for i in by_rank}
         stay = [r for i, r in enumerate(rows) if i not in set(cand) or i in chosen]
         R2 = len(stay)
-        assert step.rows_out[:R2].tolist() == stay, (R, C, keep)
-        assert (step.rows_out[R2:] == steps.bucket(n, 1).tokens - 1).all()
-        assert step.cand_out[:keep].tolist() == [stay.index(rows[i]) for i in sorted(chosen)]
+        out = static.out_rows.rows
+        assert out[:R2].tolist() == stay, (R, C, keep)
+        assert (out[R2:] == steps.bucket(n, 1).tokens - 1).all()
+        assert static.cand_out[:keep].tolist() == [stay.index(rows[i]) for i in sorted(chosen)]
 
 
 def test_a_replay_is_judged_against_its_eager_run_by_each_outputs_largest_value():

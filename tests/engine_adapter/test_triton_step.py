@@ -16,9 +16,8 @@ from engine_adapter.blend import blend_prefill
 from engine_adapter.llama import LlamaConfig, LlamaEngine
 from engine_adapter.policy import POLICIES, Policy
 from engine_adapter.probe import TRUSTED
-from engine_adapter.prompt import Layout, Segment
-from engine_adapter.query import question_reads
-from tests.engine_adapter.adapter_helpers import make_prompt
+from engine_adapter.prompt import Segment
+from tests.engine_adapter.adapter_helpers import make_prompt, question_reads
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +78,15 @@ def test_a_missing_layer_catches_up_on_the_triton_path_as_on_the_torch_path(engi
 
 @pytest.mark.parametrize("withhold", [(), ((1, 1),)], ids=["all_arrive", "a_chunk_falls_back"])
 def test_the_question_phase_reads_on_the_triton_path_equal_the_torch_path(withhold):
-    """The default's question phase: on the Triton path the attention adds the question's
-    reads up inside its own launches (`QuestionPhase.reads_into`); with a chunk caught up after
-    a fallback (its rows run too), the reads count the question's rows alone, as on the torch
-    path. Five layers: the phase runs 0..3, its reads counted at 1..3."""
+    """The default's question pass: on the Triton path the attention adds the question's
+    reads up inside its own launches; with a chunk caught up after a fallback (its rows run
+    too), the reads count the question's rows alone, as on the torch path. Five layers: the
+    pass runs 0..3, its reads counted at 1..3."""
     five = dataclasses.replace(LlamaConfig.named("tiny"), num_layers=5)
     torch_step = LlamaEngine.random(five, seed=3, std=0.1)
     triton_step = LlamaEngine(five, torch_step.w, triton=True)
     p = make_prompt(torch_step, seed=6, n_chunks=3, chunk_len=8, question_len=4)
-    lay = Layout.of(p.segments(), torch_step.model_spec().fingerprint())
-    ref, got = (question_reads(e, lay, p.source(withhold=withhold), [0, 1, 2], 1.0, deviation=True)
+    ref, got = (question_reads(e, p.segments(), p.source(withhold=withhold), deviation=True)
                 for e in (torch_step, triton_step))
     assert ref.result.fallbacks == got.result.fallbacks == ([(1, 1)] if withhold else [])
     # layers 1..3 (the phase stops before the last), 4 question rows, each head's probabilities summing to 1

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine_adapter.driver import run_blend
+from engine_adapter.blend import prefill_with_picks, question_reads, run_passes
 from engine_adapter.llama import LlamaEngine
-from engine_adapter.policy import Naive, Policy, QueryAware
-from engine_adapter.query import QuestionReads, most_read, question_reads, repair
+from engine_adapter.policies.picks import QuestionReads, most_read
+from engine_adapter.policy import Naive, Policy
 from engine_adapter.source import InMemoryLayerSource
 from kvbench import musique, real_bound
 
@@ -25,8 +25,8 @@ def case(fetched):
     prompts = [musique.prompt(tok, r) for r in musique.load(passages=1, limit=2)]
     with torch.no_grad():
         s = real_bound.served(engine, prompts, 0)
-        full = run_blend(engine, s.layout, Policy("full"), InMemoryLayerSource({}), [])
-        naive = run_blend(engine, s.layout, Naive(), s.source(), [0, 1])
+        full = run_passes(engine, s.layout, Policy("full"), InMemoryLayerSource({}), [])
+        naive = run_passes(engine, s.layout, Naive(), s.source(), [0, 1])
         scores = real_bound.oracle_scores(engine, s, full, naive)
     return engine, prompts[0], s, full, naive, scores
 
@@ -49,19 +49,19 @@ def test_deviation_is_zero_outside_the_passage_and_for_a_passage_stored_exactly(
     assert scores["deviation"][passage].min() > 0  # its variant was computed behind another passage
     exact = real_bound.Served(s.segments, s.layout, {0: s.stored[0], 1: full.fresh[1].kv})
     with torch.no_grad():
-        reused_exact = run_blend(engine, s.layout, Naive(), exact.source(), [0, 1])
+        reused_exact = run_passes(engine, s.layout, Naive(), exact.source(), [0, 1])
         none = real_bound.oracle_scores(engine, exact, full, reused_exact)
     assert none["deviation"].max() < 1e-4 * scores["deviation"].max()
 
 
 def test_recomputing_every_passage_row_gives_full_prefill(case):
     engine, prompt, s, full, _, scores = case
-    asked = question_reads(engine, s.layout, s.source(), [0, 1], 1.0)
-    q = QuestionReads(scores["deviation"], asked.live, asked.received, asked.result, asked.layer0)
+    asked = question_reads(engine, s.layout, s.source(), [0, 1], layer_budget_s=1.0)
+    q = QuestionReads(scores["deviation"], asked.live, asked.result, asked.layer0)
     picks = most_read(q, s.layout, s.layout.n, num_layers=engine.cfg.num_layers)
     assert picks.rows[1] == tuple(range(len(prompt.passages[0])))
     with torch.no_grad():
-        got = repair(engine, s.layout, QueryAware(budget=1.0), s.source(), [0, 1], picks, stats=False)
+        got = prefill_with_picks(engine, s.layout, q, picks, s.source(), stats=False)
     torch.testing.assert_close(got.logits, full.logits, rtol=1e-4, atol=1e-4)
     assert got.logits.argmax() == full.logits.argmax()
 

@@ -193,7 +193,7 @@ def test_the_default_policys_joined_selection_in_vllms_cache_is_the_reference_en
     cache after the blend and its first token equal the reference engine's."""
     from engine_adapter import Policy
     from engine_adapter.prompt import Layout, Segment
-    from engine_adapter.query import picks_budget, uses_deviation
+    from engine_adapter.policies.picks import picks_budget, uses_deviation
     from engine_adapter.rag import RAGAdapter
     from kvclient.client import KVClient
 

@@ -56,6 +56,7 @@ def test_bad_blend_settings_are_refused_by_name(extra, message):
 
 
 def test_blend_graphs_are_refused_without_cuda():
+    from engine_adapter.graphs import StepGraphs
     from engine_adapter.llama import LlamaEngine
     from engine_adapter.vllm.config import ConnectorSettings, check_device
 
@@ -65,5 +66,5 @@ def test_blend_graphs_are_refused_without_cuda():
     assert "blend_graphs needs a CUDA device (vLLM's is 'cpu')" in str(e.value)
     check_device(s, "cuda")
     check_device(ConnectorSettings.from_extra({"blend_policy": "query"}), "cpu")
-    with pytest.raises(ValueError, match="graphs need the engine's Triton kernels"):
-        LlamaEngine.random("tiny").use_graphs()  # on the CPU, the engine's path is plain torch
+    with pytest.raises(ValueError, match="static steps need the engine's Triton kernels"):
+        StepGraphs(LlamaEngine.random("tiny"))  # on the CPU, the engine's path is plain torch
