@@ -1,4 +1,4 @@
-"""`kvbench.fidelity_stream`: its report against brute force, and one short stream as deployed
+"""`kvbench.quality.fidelity_stream`: its report against brute force, and one short stream as deployed
 (30 requests of the short task) whose service tallies are checked against the benchmark's own
 full prefill of every request."""
 
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kvbench import fidelity_stream as fs
+from kvbench.quality import fidelity_stream as fs
 from kvbench.quality.modeling import MODEL_DIR
 from kvservice.fidelity import ladder_budget, wilson
 

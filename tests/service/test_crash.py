@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.crash import run
+from kvbench.service.crash import run
 from kvclient.client import KVClient
 from kvclient.errors import KVCraftError
 from kvcraft.keys import ModelSpec, chunk_key
