@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvbench.report.markdown import pct, sources, table
 
 Named = list[tuple[str, dict]]
-ANSWER_TOKENS = 16  # the answer tokens compared under teacher forcing (kvbench.quality.fidelity_stream)
+ANSWER_TOKENS = 16  # answer tokens compared under teacher forcing: engine_adapter.fidelity's (fidelity_stream checks)
 
 
 def answers_line(a: dict, tokens: int = ANSWER_TOKENS) -> str:

@@ -58,7 +58,7 @@ from typing import Any, Sequence
 from kvbench import results
 from kvbench.common import musique
 from kvbench.common.engines import engine_run
-from kvbench.quality.fidelity_stream import trajectory
+from kvbench.quality.stream_report import trajectory
 from kvbench.vllm.quality import BLEND_MODEL, LAYER_WAIT_S, blend_params
 from kvbench.vllm.rag import report
 from kvclient.fidelity import fidelity_record
