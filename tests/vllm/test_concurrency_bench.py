@@ -21,8 +21,9 @@ MODES = ("vLLM alone", "vLLM + kvcraft, 1 loader thread", "vLLM + kvcraft, 2 loa
 @pytest.fixture(scope="module")
 def out(tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("concurrency") / "concurrency.json"
-    assert main(["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--mlp", "256",
-                 "--chunks", "3", "--chunk-len", "32", "--question-len", "8", "--pool", "6",
+    # 8 layers: CacheBlend's 15% budget must cover layer 0 (a 2-layer model's would fall back to vLLM alone)
+    assert main(["--layers", "8", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--mlp", "256",
+                 "--chunks", "3", "--chunk-len", "64", "--question-len", "16", "--pool", "5",
                  "--levels", *map(str, LEVELS), "--load-concurrency", "2", "--kv-cache-gib", "1", "--eager",
                  "--json", str(path)]) == 0
     return json.loads(path.read_text())
