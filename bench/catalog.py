@@ -8,6 +8,7 @@ Each benchmark is a module with `main(argv) -> int` that writes one results file
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Sequence
@@ -18,6 +19,7 @@ class Benchmark:
     name: str
     module: str
     about: str  # one line: what it measures
+    parses_help: bool = True  # its main answers --help (else `run` prints the module's docstring)
 
 
 GROUPS: dict[str, tuple[Benchmark, ...]] = {
@@ -47,7 +49,7 @@ GROUPS: dict[str, tuple[Benchmark, ...]] = {
         Benchmark("ttft", "kvbench.engine.ttft",
                   "time to first token of every reuse policy against full prefill, on CPU"),
         Benchmark("timeline", "kvbench.engine.timeline",
-                  "per-layer wait and compute of blended prefills, as a figure"),
+                  "per-layer wait and compute of blended prefills, as a figure", parses_help=False),
         Benchmark("static-steps", "kvbench.engine.static_steps",
                   "the blend loop's static steps against its eager step, on real weights"),
         Benchmark("kernels", "kvbench.engine.kernels",
@@ -98,4 +100,13 @@ def run(name: str, argv: Sequence[str]) -> int:
     """Run benchmark `name` with `argv`; its exit status."""
     if name not in BENCHMARKS:
         raise KeyError(f"no benchmark {name!r}: `kvcraft bench` lists them")
-    return import_module(BENCHMARKS[name].module).main(list(argv)) or 0
+    b = BENCHMARKS[name]
+    module = import_module(b.module)
+    if not b.parses_help and {"-h", "--help"} & set(argv):
+        print(module.__doc__)
+        return 0
+    prog, sys.argv[0] = sys.argv[0], f"kvcraft bench {name}"  # a parser without its own prog names the command
+    try:
+        return module.main(list(argv)) or 0
+    finally:
+        sys.argv[0] = prog

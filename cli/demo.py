@@ -16,7 +16,7 @@
    recomputed, 15% budget): answers shown, accuracy counted. Beside them the default as
    deployed: an adaptive engine (`RAGAdapter` with no policy named), whose recompute
    budget the service's fidelity controller sets and whose requests it measures against
-   full prefill off their path (docs/quality.md, "Fidelity on live traffic"); the service's
+   full prefill off their path (docs/fidelity.md); the service's
    tallies follow the table, as `kvcraft admin fidelity` prints them.
 """
 

@@ -16,9 +16,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from kvbench.report import page, quality, service, serving, streams
+from kvbench.report import page, quality, service, serving, streams, summary
 
-VIEWS: dict[str, page.View] = {**service.VIEWS, **serving.VIEWS, **quality.VIEWS, **streams.VIEWS}
+VIEWS: dict[str, page.View] = {**service.VIEWS, **serving.VIEWS, **quality.VIEWS, **streams.VIEWS, **summary.VIEWS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,6 +30,9 @@ def render(text: str, views: dict[str, View], folder: Path = results.RESULTS) ->
         view = m["view"]
         if view not in views:
             raise KeyError(f"no results view {view!r} (kvbench.report.views)")
+        missing = [f for f in m["files"].split() if not (folder / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"results block {view!r} names {', '.join(missing)}: not in {folder}")
         named = [(f, results.load(folder / f)) for f in m["files"].split()]
         return m.group(1) + views[view](named).rstrip("\n") + "\n" + m.group(5)
     return BLOCK.sub(one, text)

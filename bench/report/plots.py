@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvbench import results
+from kvbench.report.serving import lengths_series
 
 PLOTS = results.ROOT / "docs" / "plots"
 # (model label, results file) of the fixed-budget runs of the `query` policy per model
@@ -46,10 +47,9 @@ def ttft_by_length(folder: Path, out: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     lengths = [run["shape"]["prompt_tokens"] for run in r["runs"]]
-    for case in [c["case"] for c in r["runs"][0]["rows"]]:
+    for case, ms in lengths_series(r["runs"]).items():
         if "(gRPC)" in case:
             continue  # the same computation as over shared memory, plus the stream
-        ms = [next(c for c in run["rows"] if c["case"] == case)["ttft_s"] * 1e3 for run in r["runs"]]
         full = "full prefill" in case
         ax.plot(lengths, ms, marker="o", linestyle="--" if full else "-", linewidth=2 if full else 1.2,
                 label=case.replace(" (shm)", ""))

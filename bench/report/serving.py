@@ -32,11 +32,15 @@ def ttft_lengths(named: Named) -> str:
     """TTFT per policy at each prompt length (the plot's numbers)."""
     (_, r), = named
     runs = r["runs"]
-    cases = [c["case"] for c in runs[0]["rows"]]
-    rows = [[case, *(num(next(c for c in run["rows"] if c["case"] == case)["ttft_s"] * 1e3, 0) for run in runs)]
-            for case in cases]
+    rows = [[case, *(num(ms, 0) for ms in series)] for case, series in lengths_series(runs).items()]
     head = ["TTFT ms", *(f"{run['shape']['prompt_tokens']:,} tokens" for run in runs)]
     return f"{runs[0]['title'].split(',')[0]}, median of {r['repeats']}:\n\n" + table(head, rows) + f"\n\n{sources(named)}"
+
+
+def lengths_series(runs: list[dict]) -> dict[str, list[float]]:
+    """TTFT ms per case across the runs (prompt lengths), for the cases every run has."""
+    per = [{c["case"]: c["ttft_s"] * 1e3 for c in run["rows"]} for run in runs]
+    return {case: [p[case] for p in per] for case in per[0] if all(case in p for p in per)}
 
 
 def vllm_ttft(named: Named) -> str:
