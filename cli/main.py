@@ -1,8 +1,11 @@
-"""The `kvcraft` command: serve, demo, admin, model, bench.
+"""The `kvcraft` command: serve, repair, admin, demo, selftest, model, bench.
 
 This front sits above the service, the client and the benchmarks (pyproject.toml's import
-contracts), so each of them stays free of the others: `serve` is the service's own command (`kvservice.cli`),
-`admin` is a client of a running service, `demo` and `bench ...` live in `kvbench`.
+contracts), so each of them stays free of the others: `serve` and `repair` are the service's
+own commands (`kvservice.cli`), `admin` is a client of a running service; the product's
+commands live here (`demo`: kvcli.demo, `selftest`: kvcli.selftest, `model parity`:
+kvcli.parity; `model fetch` builds the folder the benchmarks load too, kvbench.common.realmodel);
+`bench` is the benchmarks' one front door (kvbench.catalog).
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ from importlib import import_module
 from typing import Sequence
 
 from kvservice import cli as service_cli
-
-BENCHMARKS = ("planner", "plan-latency", "eviction", "reuse-writes", "crash", "fetch", "load", "ttft", "remote")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -39,18 +40,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.add_argument("action", choices=["fetch", "parity"])
     model.add_argument("args", nargs=argparse.REMAINDER)
 
-    bench = sub.add_parser("bench", help="benchmarks (bench/)")
-    bench.add_argument("name", choices=BENCHMARKS)
-    bench.add_argument("args", nargs=argparse.REMAINDER)
-
-    # Its own options (kvbench.selftest): everything after the word is passed through.
+    # Their own options (kvcli.selftest, kvbench.catalog): everything after the word is passed through.
     sub.add_parser("selftest", add_help=False, help="prove the GPU data path on this host (docs/gpu.md)")
+    sub.add_parser("bench", add_help=False, help="benchmarks: `kvcraft bench` lists them, `kvcraft bench report` "
+                                                 "renders the results pages")
 
     a, rest = parser.parse_known_args(argv)
     if a.command == "selftest":
-        from kvbench.selftest import main as selftest
+        from kvcli.selftest import main as selftest
 
         return selftest(rest)
+    if a.command == "bench":
+        return _bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.command == "serve":
@@ -58,14 +59,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.command == "repair":
         return service_cli.repair(a)
     if a.command == "demo":
-        from kvbench.demo import run_demo
+        from kvcli.demo import run_demo
 
         return run_demo(a.data_dir)
     if a.command == "admin":
         return _admin(a)
-    if a.command == "model":
-        return import_module({"fetch": "kvbench.realmodel", "parity": "kvbench.real_parity"}[a.action]).main(a.args)
-    return import_module(f"kvbench.{a.name.replace('-', '_')}").main(a.args)
+    return import_module({"fetch": "kvbench.common.realmodel", "parity": "kvcli.parity"}[a.action]).main(a.args)
+
+
+def _bench(argv: list[str]) -> int:
+    from kvbench import catalog
+
+    if not argv or argv[0] in ("-h", "--help", "list"):
+        print(catalog.listing())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name == "report":
+        from kvbench.report import main as report
+
+        return report(rest)
+    if name not in catalog.BENCHMARKS:
+        print(f"kvcraft bench: no benchmark {name!r}\n\n{catalog.listing()}", file=sys.stderr)
+        return 2
+    return catalog.run(name, rest)
 
 
 def _admin(a: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ def add_repair_arguments(repair: argparse.ArgumentParser) -> None:
     repair.add_argument("--config", help="TOML file (its data_dir is repaired)")
 
 
-REPAIR_HELP = "rebuild damaged metadata from the payload files (service stopped)"
+REPAIR_HELP = "rebuild damaged metadata from the payload files (refused while a service holds the data dir)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,11 +59,12 @@ def serve(a: argparse.Namespace) -> int:
         print(f"kvcraft serving on {cfg.host}:{running.port} data_dir={cfg.data_dir}"
               + (f" metrics_port={running.metrics.port}" if running.metrics.port else ""), flush=True)
 
+    from kvservice.datadir import DataDirInUse
     from kvservice.metadata import MetadataDamaged
 
     try:
         uvloop.run(run_server(cfg, on_ready=ready))
-    except MetadataDamaged as e:
+    except (MetadataDamaged, DataDirInUse) as e:
         print(f"kvcraft serve: {e}", file=sys.stderr)
         return 2
     except OSError as e:
@@ -78,6 +79,7 @@ def repair(a: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from kvservice.datadir import DataDirInUse, DataDirLock
     from kvservice.store import ChunkStore
 
     try:
@@ -90,11 +92,16 @@ def repair(a: argparse.Namespace) -> int:
     if not (cfg.data_path / "payloads").is_dir():
         print(f"kvcraft repair: {cfg.data_path} has no payloads directory: nothing to rebuild from", file=sys.stderr)
         return 2
+    try:  # before anything moves: a live service's metadata is in use, not damaged
+        lock = DataDirLock.acquire(cfg.data_path, role="kvcraft repair")
+    except DataDirInUse as e:
+        print(f"kvcraft repair: refused, nothing was changed: {e}", file=sys.stderr)
+        return 2
     if meta.exists():
         aside = Path(f"{meta}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
         meta.rename(aside)
         print(f"kvcraft repair: moved the old metadata to {aside}")
-    store = ChunkStore(cfg, repair=True)
+    store = ChunkStore(cfg, repair=True, data_dir_lock=lock)
     rep = store.recovery
     store.close()
     print(f"kvcraft repair: {rep.variants} variants rebuilt from their payload files; "

@@ -1,5 +1,5 @@
 """Fidelity per model, measured on live traffic, and the budget that holds a target
-(docs/quality.md, "Fidelity on live traffic").
+(docs/fidelity.md).
 
 Engines compute full prefill for the requests a Plan marks (`fidelity_sample`) when they
 served them from stored KV (`engine_adapter.fidelity`), and send each comparison with
@@ -60,7 +60,7 @@ PERSIST_EVERY_S = 1.0
 # a budget whose agreement sits just above the target cannot be shown held within
 # MAX_MEASURING_SAMPLES (the long synthetic stream's 15%, 0.961 against 0.95), and without
 # a rung between it and 25% the budget given cost 1.13x the least budget meeting the target
-# there; with it, 1.07x (docs/quality.md, "Streams as deployed").
+# there; with it, 1.07x (docs/fidelity.md, "Streams as deployed").
 LADDER = (0.05, 0.10, 0.15, 0.20, 0.25, 0.40, 0.60, 1.0)
 COLD_START = 0.25
 FULL = 1.0

@@ -29,7 +29,7 @@ class ChildProcess:
 
     def __init__(self, log_path: Path, prefix: Sequence[str] = ()) -> None:
         self.log_path = Path(log_path)
-        self.prefix = list(prefix)  # argv before the command: e.g. `ip netns exec <ns>` (kvbench.netns)
+        self.prefix = list(prefix)  # argv before the command: e.g. `ip netns exec <ns>` (kvbench.common.netns)
         self.proc: subprocess.Popen | None = None
         self._log: IO[bytes] | None = None
 
@@ -95,7 +95,7 @@ class ServiceProcess(ChildProcess):
         self.data_dir = Path(data_dir)
         super().__init__(self.data_dir.parent / f"{self.data_dir.name}-server.log", prefix)
         self.env = env or {}
-        self.cwd = cwd  # where `python -m kvservice.cli` runs (bench/load.py: another checkout)
+        self.cwd = cwd  # where `python -m kvservice.cli` runs (bench/service/load.py: another checkout)
         self.settings = {"host": "127.0.0.1", "port": 0, "data_dir": str(self.data_dir), **settings}
         self.address = ""
 

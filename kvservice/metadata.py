@@ -36,6 +36,7 @@ from typing import Callable, Iterable
 from rocksdict import Options, ReadOptions, Rdict, WriteBatch, WriteOptions
 
 from kvservice import variant_codec
+from kvservice.datadir import DataDirInUse, holder
 from kvservice.fidelity import Tally
 from kvservice.index import Variant, VariantIndex
 
@@ -106,6 +107,11 @@ class MetadataDB:
         try:
             self._open()
         except Exception as e:  # rocksdict raises plain Exception for RocksDB statuses
+            if "lock hold by current process" in str(e):
+                raise DataDirInUse(self.path.parent, f"this process (pid {os.getpid()}), which has its "
+                                   "metadata open already") from None
+            if "While lock file" in str(e):  # RocksDB's own lock: held, not damaged
+                raise DataDirInUse(self.path.parent, holder(self.path / "LOCK")) from None
             raise MetadataDamaged(self.path, f"RocksDB cannot open it ({e})") from None
         self._generation = 0
         self._closed_by: Exception | None = None  # what left `_db` None (a failed reopen)

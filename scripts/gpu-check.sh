@@ -24,7 +24,7 @@
 #   selftest   kvcraft selftest: round trips bit for bit per tier, GB/s into GPU memory
 #   tests      the CUDA tests: tests/gpu, tests/kernels/test_gpu_kernels.py and the CUDA cases
 #              of the kernel dispatch and benchmark tests
-#   kernels    the Triton kernels against torch SDPA and their references (kvbench.kernels)
+#   kernels    the Triton kernels against torch SDPA and their references (kvbench.engine.kernels)
 # Without CUDA every GPU step is SKIPped with its reason and selftest runs its CPU half.
 # Output: stdout; with $OUT set, also $OUT/gpu-check.log, $OUT/summary.txt and the JSON/XML
 # reports (otherwise those go to a directory named at the end). Exit 1 if a step FAILed or
@@ -103,7 +103,7 @@ if kind == "selftest":
     rates = ", ".join(f"{r['path']} {r['gbps']:.1f} GB/s" for r in data["rates"])
     print(f"{st.count('PASS')} PASS, {st.count('FAIL')} FAIL, {st.count('SKIP')} SKIP" + (f"; {rates}" if rates else ""))
 elif kind == "kernels":
-    # kvbench.kernels measures each kernel's error against its reference but does not judge it;
+    # kvbench.engine.kernels measures each kernel's error against its reference but does not judge it;
     # test_gpu_kernels.py holds the tolerances. Here: finite and small, or the step fails.
     tri = [r for r in data["rows"] if r["impl"].startswith("triton")]
     bad = [r["kernel"] for r in tri if not (r["max_abs_err"] is not None and math.isfinite(r["max_abs_err"])
@@ -237,8 +237,8 @@ import importlib, sys
 from importlib import metadata
 
 for m in ("kvcraft.v1.kvcraft_pb2_grpc", "kvservice.server.startup", "kvservice.store", "kvservice.tiers.gpu",
-          "kvclient.client", "kvclient.copy_stream", "kvkernels", "engine_adapter", "kvbench.selftest",
-          "kvbench.kernels", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "rocksdict"):
+          "kvclient.client", "kvclient.copy_stream", "kvkernels", "engine_adapter", "kvcli.selftest",
+          "kvbench.engine.kernels", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "rocksdict"):
     importlib.import_module(m)
 print("imported the project's packages and grpc health/reflection, rocksdict")
 note = []
@@ -314,7 +314,7 @@ else
         *H100*) peaks=(--peak-tbps 3.35 --peak-tflops 989) ;;
         *H200*) peaks=(--peak-tbps 4.8 --peak-tflops 989) ;;
     esac
-    step kernels 150 "$py" -m kvbench.kernels --json "$res/kernels.json" "${peaks[@]}"
+    step kernels 150 "$py" -m kvbench.engine.kernels --json "$res/kernels.json" "${peaks[@]}"
     rc=$?
     if [ -f "$res/kernels.json" ]; then
         note=$(report kernels "$res/kernels.json") && ok=$rc || ok=1

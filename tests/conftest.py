@@ -109,6 +109,43 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int):
     return result
 
 
+# -- what tests store: seeded layers, and a model id of each test's own ----------------
+
+import uuid
+from typing import Callable
+
+from kvcraft.keys import ModelSpec
+
+
+def random_layers(seed: int, shape: tuple[int, int, int] = (1, 4, 8), layers: int = 2,
+                  dtype: "torch.dtype" = torch.float32) -> list[tuple["torch.Tensor", "torch.Tensor"]]:
+    """Per layer (K, V), each of `shape` ([kv_heads, tokens, head_dim]), drawn from N(0, 1) in
+    fp32 by one generator seeded with `seed` (K then V, layer after layer), then cast to
+    `dtype`: the same arguments give the same bytes, in any process."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*shape, generator=g).to(dtype), torch.randn(*shape, generator=g).to(dtype))
+            for _ in range(layers)]
+
+
+def wait_for(predicate: "Callable[[], object]", what: str, timeout: float = 20.0) -> None:
+    """Poll `predicate` until it is true; fail, naming `what`, once `timeout` seconds passed."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def model(request: pytest.FixtureRequest) -> str:
+    """A model id of this test's own: its module's `MODEL_SHAPE` (ModelSpec's fields but the
+    name) under a name no other test uses, so that in a shared service its chunks, their CP-Tree
+    and CA-table entries and its fidelity controller are its alone."""
+    name = f"{request.module.__name__.rsplit('.', 1)[-1]}-{request.node.name}-{uuid.uuid4().hex}"
+    return ModelSpec(name, **request.module.MODEL_SHAPE).fingerprint()
+
+
 # -- a real kvcraft server in a subprocess, on a free loopback port --------------------
 
 from kvservice.launcher import ServiceProcess

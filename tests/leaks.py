@@ -1,6 +1,6 @@
 """What a test run must not leave behind: processes it started (kvcraft serve, vLLM engines,
 mooncake_master, their helpers), shared-memory segments, data dirs in the temporary
-folder, and the network namespaces of simulated hosts (kvbench.netns; their links and
+folder, and the network namespaces of simulated hosts (kvbench.common.netns; their links and
 addresses go with them). The run's first process marks its environment; every process it starts inherits
 the mark, so a process still carrying it after the run is one the run left running.
 Segments carry no such mark: a run beside another run on the same machine counts the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import netns
+from kvbench.common import netns
 
 MARK = "KVCRAFT_TEST_RUN"
 SHM = Path("/dev/shm")

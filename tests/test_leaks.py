@@ -14,7 +14,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
-from kvbench import netns
+from kvbench.common import netns
 
 ROOT = Path(__file__).resolve().parents[1]
 

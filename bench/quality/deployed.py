@@ -1,7 +1,7 @@
 """Answer quality as deployed: a fresh service, its defaults, a stream of requests, nothing learned.
 
-    python -m kvbench.quality.deployed --task short --examples 300
-    python -m kvbench.quality.deployed --task long --examples 200 --policy cacheblend:budget=0.15
+    kvcraft bench deployed --task short --examples 300
+    kvcraft bench deployed --task long --examples 200 --policy cacheblend:budget=0.15
 
 One fresh `kvcraft serve` (the embedded default configuration, an empty data dir) and one
 `RAGAdapter` with the product's defaults (store-back on: every chunk a request computes is
@@ -27,8 +27,8 @@ answer on the kind-2 requests (policy and full prefill), the share of row-layers
 from __future__ import annotations
 
 import argparse
-import json
 import random
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +40,7 @@ from rich.progress import track
 from engine_adapter import LlamaEngine, ReusePolicy
 from engine_adapter.policy import DEFAULT_POLICY, parse_policy
 from engine_adapter.rag import RAGAdapter
+from kvbench import results
 from kvbench.quality import data, longdata
 from kvbench.quality.modeling import LONG_MODEL_DIR, MODEL_DIR, build_tokenizer, encode
 from kvclient.client import KVClient
@@ -113,13 +114,14 @@ def run(task: str, n: int, policy: ReusePolicy, seed: int = 1, progress: bool = 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvbench.quality.deployed")
+    argv = list(argv if argv is not None else sys.argv[1:])
+    p = argparse.ArgumentParser(prog="kvcraft bench deployed", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=sorted(TASKS), default="short")
     p.add_argument("--examples", type=int, default=300)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--policy", action="append", help=f"policy spec, e.g. naive or cacheblend:budget=0.15 "
                                                      f"(repeatable; default: {DEFAULT_POLICY})")
-    p.add_argument("--json", type=Path)
+    results.add_argument(p, "deployed")
     a = p.parse_args(argv)
     specs = a.policy or [DEFAULT_POLICY]
     try:
@@ -133,8 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{r['policy']:<26} {r['agreement_with_full']:>6.1%} {r['accuracy']:>6.1%} {r['full_accuracy']:>6.1%} "
               f"{r['of_full']:>8.1%} {r['computed_share']:>9.1%} {r['computed_share_as_retrieved']:>13.1%} "
               f"{r['requests_with_fallbacks']:>9}")
-    if a.json:
-        a.json.write_text(json.dumps(rows, indent=2))
+    results.save("deployed", argv, {"task": a.task, "examples": a.examples, "seed": a.seed, "rows": rows}, a.json)
     return 0
 
 

@@ -16,15 +16,15 @@ For every held-out example:
 The answer is one word, so exact match is the greedy first token. The reference engine
 runs the trained weights (`kvbench.quality.modeling.MODEL_DIR`).
 
-    python -m kvbench.quality.evaluate --examples 200 --json q.json --plot docs/quality-policies.png
+    kvcraft bench evaluate --examples 200 [--plot PNG]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ from rich.progress import track
 from engine_adapter import LlamaEngine, Policy, ReuseGate
 from engine_adapter.policy import DEFAULT_POLICY, parse_policy
 from engine_adapter.rag import RAGAdapter
+from kvbench import results
 from kvbench.quality import data
 from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
 from kvclient.client import KVClient
@@ -215,10 +216,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvbench.quality.evaluate")
+    argv = list(argv if argv is not None else sys.argv[1:])
+    p = argparse.ArgumentParser(prog="kvcraft bench evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--examples", type=int, default=200)
     p.add_argument("--model-dir", type=Path, default=MODEL_DIR)
-    p.add_argument("--json", type=Path)
+    results.add_argument(p, "evaluate")
     p.add_argument("--plot", type=Path)
     a = p.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -229,8 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kinds = " ".join(f"{k}={v:.2f}" for k, v in r["accuracy_by_kind"].items())
         print(f"{r['setting']:<{w}} {r['accuracy']:>6.3f} {r['computed_share']:>9.3f} "
               f"{r['recomputed_share_of_reused']:>14.3f} {r['first_token_logit_dev_mean']:>10.4f}  {kinds}")
-    if a.json:
-        a.json.write_text(json.dumps(rows, indent=2))
+    results.save("evaluate", argv, {"examples": a.examples, "rows": rows}, a.json)
     if a.plot:
         plot(rows, a.plot)
     return 0

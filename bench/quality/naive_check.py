@@ -1,6 +1,6 @@
 """Full prefill vs naive chunk-KV reuse on held-out questions, transformers only.
 
-    python -m kvbench.quality.naive_check --n 500
+    kvcraft bench naive-check --n 500
 
 Naive reuse (CacheBlend's "full KV reuse"): each chunk's KV is computed ALONE,
 positions from 0 and no prefix; its keys are re-rotated to the chunk's real
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
 from transformers import DynamicCache, LlamaForCausalLM
+
+from kvbench import results
 
 from . import data, longdata, modeling
 
@@ -121,8 +124,10 @@ def evaluate(model: LlamaForCausalLM, tok, examples: list[data.Example],
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv if argv is not None else sys.argv[1:])
+    ap = argparse.ArgumentParser(prog="kvcraft bench naive-check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=("short", "long"), default="short",
                     help="short: the first task (data); long: the long task (longdata)")
     ap.add_argument("--model", default=None, help="default: the task's committed model")
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=1,
                     help="held-out draw; 1 by default: training picks its checkpoint on the default draw")
     ap.add_argument("--threads", type=int, default=1)
+    results.add_argument(ap, "naive-check")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     task = data if args.task == "short" else longdata
@@ -139,7 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     res["n"] = args.n
     res["seconds"] = round(time.time() - t0, 1)
     print(json.dumps(res, indent=1))
+    results.save("naive-check", argv, {"task": args.task, "seed": args.seed, **res}, args.json)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -33,20 +33,14 @@ class Prompt:
     answer: int  # first answer token (answers are one word)
     kind: str
     stored: dict[int, FreshChunk]  # chunk index -> its variant, computed behind a stranger
-    # chunk index -> the same chunk computed in full behind a second stranger (what a later
-    # request leaves when it computes the chunk instead of reusing it), and alone.
     # chunk index -> the same chunk computed in full in a second request, behind a second
     # stranger, with a question about the chunk's city after it (what a later request
     # that computed the chunk instead of reusing it saw): its KV and what its question read.
     observed: dict[int, Observation] = field(default_factory=dict)
-    alone: dict[int, FreshChunk] = field(default_factory=dict)  # the chunk computed alone
     # chunk index -> the stored variant's learned list by fresh gain (`learned.fresh_gain`),
     # merged (max) over the `observe` requests that computed the chunk in full
     gains: dict[int, Tensor] = field(default_factory=dict)
-    # the same with the stale loss (`fresh_gain(stale=True)`), with `prompts(losses=True)`
-    losses: dict[int, Tensor] = field(default_factory=dict)
-    # the greedy paths of `recompute_gain` (chosen tokens, KLs), one per observing request,
-    # with `prompts(recompute=rounds)`
+    # the greedy paths of `recompute_gain` (chosen tokens, KLs), one per observing request
     paths: dict[int, list[tuple[list[int], list[float]]]] = field(default_factory=dict)
     # chunk index -> the stored variant's default learned list (`learned.learn`: the greedy
     # recompute gain at DEFAULT_ROUNDS), merged (max) over the observing requests
@@ -70,12 +64,11 @@ TASKS = {"short": data, "long": longdata}  # task name -> example module
 
 
 def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
-            observe: int = 0, compare_alone: bool = False, stats: bool = True,
-            task: str = "short", losses: bool = False, recompute: int = 0) -> list[Prompt]:
+            observe: int = 0, stats: bool = True, task: str = "short") -> list[Prompt]:
     """`n` held-out prompts (draw `seed`) of `task` with their chunks' variants computed
     behind another prompt's chunk; with `observe` = k >= 1, each chunk also computed in k
     later requests, each behind a chunk of yet another prompt (learned lists: `observed`
-    is the first, `gains` merges all k), and with `compare_alone` computed alone. `stats=False` skips
+    is the first, `gains` and `lists` merge all k). `stats=False` skips
     the stored variants' attention statistics (eq. 14 needs them; nothing else here does)
     and computes every variant in batches (`observe.observe_many`, seconds for hundreds
     of prompts)."""
@@ -99,24 +92,20 @@ def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
                 o, q = other[j], _question(tok, exs[i].chunks[j])
                 m = len(o) + len(c)
                 todo.append((f"observed{k}", i, j, (o + c + q, (len(o), m), (m, m + len(q)))))
-            if observe and compare_alone:
-                todo.append(("alone", i, j, (c, (0, len(c)), (0, 0))))
     got = observe_many(engine, [r for *_, r in todo], context=bool(observe))
     found: dict[tuple[str, int, int], Observation] = {(w, i, j): ob for (w, i, j, _), ob in zip(todo, got)}
     fp = engine.model_spec().fingerprint()
     out = []
     for i in (track(range(n), description="variants") if progress else range(n)):
-        stored, observed, alone = {}, {}, {}
+        stored, observed = {}, {}
         for j, c in enumerate(chunks[i]):
             prefix = (chunk_key(fp, behind[i][j]),)
             stored[j] = (_variant(engine, behind[i][j], c) if stats
                          else FreshChunk(prefix, found["stored", i, j].kv, VariantStats()))
             if observe:
                 observed[j] = found["observed0", i, j]
-            if observe and compare_alone:
-                alone[j] = FreshChunk((), found["alone", i, j].kv, VariantStats())
         out.append(Prompt(chunks[i], list(enc[i].question_ids), enc[i].answer_ids[0], exs[i].kind, stored,
-                          observed, alone))
+                          observed))
     if observe:
         # every later request's fresh gains against the stored variant, merged per chunk
         cases = [(i, j, gain_case(found[f"observed{k}", i, j], p.stored[j].kv))
@@ -128,17 +117,13 @@ def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
         # the greedy recompute paths (the default list is their first DEFAULT_ROUNDS)
         first = [int(g.argmax()) if float(g.max()) > 0 else None for g in case_gains]
         got: list = []
-        recompute_gain(engine, [c for *_, c in cases], max(recompute, DEFAULT_ROUNDS), first, paths=got)
+        recompute_gain(engine, [c for *_, c in cases], DEFAULT_ROUNDS, first, paths=got)
         for (i, j, _), path in zip(cases, got):
             out[i].paths.setdefault(j, []).append(path)
         for p in out:
             for j, ps_ in p.paths.items():
                 p.lists[j] = torch.stack([path_scores(c, k, len(p.chunks[j]), DEFAULT_ROUNDS)
                                           for c, k in ps_]).amax(0)
-        if losses:
-            for (i, j, _), loss in zip(cases, fresh_gain(engine, [c for *_, c in cases], stale=True)):
-                old = out[i].losses.get(j)
-                out[i].losses[j] = loss if old is None else torch.maximum(old, loss)
         for p in out:  # the contexts were needed for the gains only
             for j, ob in p.observed.items():
                 p.observed[j] = Observation(ob.kv, ob.received, ob.received_per_layer)

@@ -39,7 +39,7 @@ from .catalog import TIER_RANK, Variant
 
 # CCI <= 1 and 1 - beta' <= 1, so CFO <= alpha: alpha caps the share of a chunk recomputed,
 # and alpha = the default recompute budget names that budget (chunks stored behind another
-# order come out at ~0.9 alpha, kvbench.ttft); alpha = 1 recomputes ~90% of them, slower
+# order come out at ~0.9 alpha, kvbench.engine.ttft); alpha = 1 recomputes ~90% of them, slower
 # than a full prefill.
 DEFAULT_ALPHA = DEFAULT_BUDGET
 

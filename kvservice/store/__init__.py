@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Sequence
 from kvcraft.keys import is_key
 from kvcraft.records import Ref
 from kvservice.config import Config
+from kvservice.datadir import DataDirLock
 from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted, disk_full
 from kvservice.fidelity import FidelityBook
 from kvservice.index import Variant, eviction_key
@@ -47,20 +48,28 @@ LIST_SCAN = 2048  # chunk keys ListChunks reads per hold of the store's lock
 
 class ChunkStore:
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
-                 tiers: list[Tier] | None = None, repair: bool = False) -> None:
-        """repair: rebuild missing metadata from the payload files (`kvcraft repair`)."""
-        cfg.data_path.mkdir(parents=True, exist_ok=True)
+                 tiers: list[Tier] | None = None, repair: bool = False,
+                 data_dir_lock: DataDirLock | None = None) -> None:
+        """repair: rebuild missing metadata from the payload files (`kvcraft repair`).
+        data_dir_lock: the data dir's lock when the caller took it already (repair takes it
+        before it moves the metadata aside); the store releases it at `close()`. Without
+        it the store takes it, or raises DataDirInUse before it touches anything."""
+        self._dir_lock = data_dir_lock or DataDirLock.acquire(cfg.data_path)
         self.cfg = cfg
         # This run of the service: what clients map (shared memory, gpu pool) is tied to
         # it, so a client never reads a restarted service's memory through an old mapping.
         self.instance_id = secrets.token_hex(8)
-        # The metadata first: RocksDB's lock makes this process the data dir's one owner
-        # before build_tiers removes what earlier runs left in shared memory, and damaged
-        # metadata refuses the start before any shared memory exists. Whatever fails later
-        # (recovery refusing the metadata's word) closes what was made, the host slab's
-        # segment included.
-        meta = MetadataDB(cfg.data_path / "metadata")
+        # The data dir's lock first (above), then the metadata: the lock makes this process
+        # the data dir's one owner before build_tiers removes what earlier runs left in
+        # shared memory, and damaged metadata refuses the start before any shared memory
+        # exists. Whatever fails later (recovery refusing the metadata's word) closes what
+        # was made, the host slab's segment included, and lets go of the lock.
         made: list[Tier] = []
+        try:
+            meta = MetadataDB(cfg.data_path / "metadata")
+        except BaseException:
+            self._dir_lock.release()
+            raise
         try:
             made = tiers if tiers is not None else build_tiers(cfg, self.instance_id)
             self._s = StoreState(cfg, made, meta, clock)
@@ -81,6 +90,7 @@ class ChunkStore:
             meta.close()
             for tier in made:
                 tier.close()
+            self._dir_lock.release()
             raise
 
     def close(self) -> None:
@@ -94,6 +104,7 @@ class ChunkStore:
             self._s.meta.close()
             for tier in self.tiers:
                 tier.close()
+        self._dir_lock.release()
 
     # -- Store ---------------------------------------------------------------------------
     def begin_store(self, header: StoreHeader, staging: tuple[str, int, int] | None = None) -> StoreSession:

@@ -64,7 +64,7 @@ def commit(s: StoreState, placement: Placement, session: Arrived) -> StoreResult
     concurrent identical Store committed the variant first.
 
     The fsyncs and the synced batch run outside the store lock, so fetches,
-    lookups and other stores go on meanwhile (bench/load.py); an identical store
+    lookups and other stores go on meanwhile (bench/service/load.py); an identical store
     committing at the same time is waited for (both would rename onto one file).
     The cache tiers' copies are read back from the payload file in another thread
     while this one waits for the file's fsync."""

@@ -1,4 +1,4 @@
-"""The `kvcraft` command front (kvcli.main): it reaches the service, the client and the benches."""
+"""The `kvcraft` command front (kvcli.main): it reaches the service, the client and the benchmarks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+from kvbench.catalog import BENCHMARKS
 from kvcli import main as cli
 from kvclient.client import KVClient
 
@@ -42,10 +45,38 @@ def test_admin_needs_a_chunk_key_for_get(shared_server, capsys):
     assert "give a chunk key" in capsys.readouterr().err
 
 
-def test_bench_runs_the_named_benchmark(tmp_path, capsys):
+def test_bench_lists_every_benchmark_with_its_line(capsys):
+    assert cli.main(["bench"]) == 0
+    listed = capsys.readouterr().out
+    for name, b in BENCHMARKS.items():
+        assert f"  {name} " in listed and b.about in listed
+    assert "kvcraft bench report" in listed
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_bench_name_help_says_how_to_run_it_and_runs_nothing(name, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a benchmark that ran would leave files here
+    try:
+        code = cli.main(["bench", name, "--help"])
+    except SystemExit as e:
+        code = e.code
+    assert code == 0
+    out = capsys.readouterr().out
+    assert f"usage: kvcraft bench {name} " in out if BENCHMARKS[name].parses_help else BENCHMARKS[name].module in out
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_refuses_an_unknown_name(capsys):
+    assert cli.main(["bench", "no-such-bench"]) == 2
+    assert "no benchmark 'no-such-bench'" in capsys.readouterr().err
+
+
+def test_bench_runs_the_named_benchmark_and_writes_its_results(tmp_path, capsys):
     out = tmp_path / "fetch.json"
     assert cli.main(["bench", "fetch", "--chunks", "1", "--tokens", "8", "--repeat", "1", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    assert result["name"] == "fetch" and result["command"].startswith("kvcraft bench fetch --chunks 1")
+    rows = result["servers"]["current"]
     timed = [r for r in rows if "seconds" in r]
     assert timed and all(r["bytes"] > 0 and r["seconds"] > 0 for r in timed)
     printed = capsys.readouterr().out
@@ -70,5 +101,6 @@ def test_bench_reuse_writes_reads_back_the_scores_it_wrote(tmp_path):
     out = tmp_path / "reuse.json"
     assert cli.main(["bench", "reuse-writes", "--tokens", "16", "--fetches", "20", "--rounds", "2",
                      "--json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())
+    (row,) = json.loads(out.read_text())["rows"]
     assert row["tokens"] == 16 and row["fetches"] == 40 and row["record_bytes"] > 16
+    assert row["access_n"] == row["record_n"] == 40

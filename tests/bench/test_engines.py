@@ -1,4 +1,4 @@
-"""kvbench.engines: engine processes forked from the fork server, each with its own
+"""kvbench.common.engines: engine processes forked from the fork server, each with its own
 environment and log, their failures and hangs reported, not hidden."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.engines import EngineProcess, engine_run
+from kvbench.common.engines import EngineProcess, engine_run
 
 pytestmark = pytest.mark.slow  # over ~10 s: after the inner loop (README, "Developing")
 

@@ -1,7 +1,7 @@
-"""bench/fetch.py measures a path and its limit in turn, the order flipped every other
+"""bench/service/fetch.py measures a path and its limit in turn, the order flipped every other
 repeat, so a machine whose speed drifts during the run favours neither side."""
 
-from kvbench.fetch import _paired
+from kvbench.service.fetch import _paired
 
 
 def test_paths_take_turns_in_alternating_order():

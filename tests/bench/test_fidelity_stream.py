@@ -1,4 +1,4 @@
-"""`kvbench.fidelity_stream`: its report against brute force, and one short stream as deployed
+"""`kvbench.quality.fidelity_stream`: its report against brute force, and one short stream as deployed
 (30 requests of the short task) whose service tallies are checked against the benchmark's own
 full prefill of every request."""
 
@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from kvbench import fidelity_stream as fs
+from kvbench.quality import fidelity_stream as fs
+from kvbench.quality import stream_report as sr
 from kvbench.quality.modeling import MODEL_DIR
 from kvservice.fidelity import ladder_budget, wilson
 
@@ -24,13 +25,13 @@ def _rows(budgets, seed=0):
 
 def test_trajectory_and_settle():
     budgets = [0.25] * 11 + [0.4] * 12 + [0.25] * 3 + [0.15] * 4
-    assert fs.trajectory(budgets) == [{"request": 0, "from": None, "to": 0.25},
+    assert sr.trajectory(budgets) == [{"request": 0, "from": None, "to": 0.25},
                                       {"request": 11, "from": 0.25, "to": 0.4},
                                       {"request": 23, "from": 0.4, "to": 0.25},
                                       {"request": 26, "from": 0.25, "to": 0.15}]
-    assert fs.settled_from(budgets) == 26
-    assert fs.settled_from([0.25] * 5) == 0
-    assert fs.settled_from([0.25]) == 0
+    assert sr.settled_from(budgets) == 26
+    assert sr.settled_from([0.25] * 5) == 0
+    assert sr.settled_from([0.25]) == 0
 
 
 def test_adaptive_report_against_brute_force():
@@ -46,7 +47,7 @@ def test_adaptive_report_against_brute_force():
     run = {"requests": rows, "service": {"fidelity": tallies, "budgets": []},
            "sampling_cost": {"row_share": 0.5, "shadow_s": 1.0, "served_compute_s": 2.0, "shadow_row_layers": 1,
                              "served_row_layers": 1}}
-    rep = fs.adaptive_report(run, "query")
+    rep = sr.adaptive_report(run, "query")
     after = rows[40:]
     assert rep["settled_budget"] == 0.15 and rep["settled_from_request"] == 40
     assert rep["settled"]["requests"] == 60
@@ -65,7 +66,7 @@ def test_adaptive_report_against_brute_force():
     sweep = [{"policy": f"query:budget={b}", "requests": [{"agree": a, "share": s, "ttft_s": 0.0}
                                                           for a, s in zip(agree, [b] * len(agree))]}
              for b, agree in ((0.05, [1] * 90 + [0] * 10), (0.1, [1] * 96 + [0] * 4), (0.15, [1] * 100))]
-    s = fs.sweep_report(sweep, rep["settled"]["computed_share"])
+    s = sr.sweep_report(sweep, rep["settled"]["computed_share"])
     assert s["smallest_budget_meeting_target"] == 0.1
     assert s["settled_share_ratio"] == pytest.approx(rep["settled"]["computed_share"] / 0.1)
 
@@ -80,12 +81,12 @@ def test_answer_agreement_and_requests_as_retrieved_against_brute_force():
     assert flags == [i % 2 == 1 and i < 20 for i in range(30)] and fs.retrieved(4) == [False, True, False, True]
     for r, f in zip(rows, flags):
         r["as_retrieved"] = f
-    got = fs.rate(rows)
+    got = sr.rate(rows)
     assert got["answer_tokens"] == sum(r["answer_tokens"] for r in rows)
     assert got["answer_agreement"] == pytest.approx(sum(r["answer_agree"] for r in rows) / got["answer_tokens"])
     assert got["computed_share_as_retrieved"] == pytest.approx(
         sum(r["share"] for r in rows[1:20:2]) / 10)  # the second retrievals bring a fresh chunk: not counted
-    assert fs.rate(_rows([0.25] * 4))["answer_agreement"] is None  # no answers compared
+    assert sr.rate(_rows([0.25] * 4))["answer_agreement"] is None  # no answers compared
 
 
 def test_columns_round_trip():
@@ -110,7 +111,7 @@ def test_a_short_stream_as_deployed():
     rows = run["requests"]
     assert len(rows) == 30 and len(run["reference"]["tokens"]) == 30
     assert all(r["blended"] or not r["sampled"] for r in rows)
-    rep = fs.adaptive_report(run, "query")
+    rep = sr.adaptive_report(run, "query")
     pending = rows[-1]["sampled"]
     for h in rep["honesty"]:
         last = int(pending and ladder_budget(rows[-1]["budget"]) == h["budget"])

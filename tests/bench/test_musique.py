@@ -1,4 +1,4 @@
-"""kvbench.musique's answer metrics against hand-computed SQuAD-style examples.
+"""kvbench.common.musique's answer metrics against hand-computed SQuAD-style examples.
 
 (The prompt layout needs the real model's tokenizer: tests/realmodel/test_musique_prompt.py.)
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench import musique
+from kvbench.common import musique
 
 
 def test_normalize_drops_case_punctuation_articles_and_extra_spaces():

@@ -1,4 +1,4 @@
-"""kvbench.real_bound without the model: the summary's standard errors and paired differences."""
+"""kvbench.quality.real_bound without the model: the summary's standard errors and paired differences."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from kvbench import real_bound
+from kvbench.quality import real_bound
 
 
 def test_the_summary_pairs_each_case_with_the_default_record_by_record():

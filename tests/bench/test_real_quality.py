@@ -1,4 +1,4 @@
-"""kvbench.real_quality without the model: policy specs, the warm request, the summary."""
+"""kvbench.quality.real_quality without the model: policy specs, the warm request, the summary."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import statistics
 import pytest
 
 from engine_adapter.policy import CacheBlend, CacheCraft, Full, QueryAware
-from kvbench import musique, real_quality
-from kvbench.real_quality import parse_policy, policy_specs
+from kvbench.common import musique
+from kvbench.quality import real_quality
+from kvbench.quality.real_quality import parse_policy, policy_specs
 
 
 def test_specs_name_a_policy_and_its_options():

@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from kvbench import netns, remote
+from kvbench.common import netns
+
+from kvbench.service import remote
 from kvcli import main as cli
 
 pytestmark = pytest.mark.slow  # over ~10 s: after the inner loop (README, "Developing")

@@ -1,4 +1,4 @@
-from kvbench.rows import significant, transfer_row
+from kvbench.common.rows import significant, transfer_row
 
 
 def test_a_short_transfer_keeps_its_measured_time():

@@ -1,4 +1,4 @@
-"""kvbench.vllm_real's pure parts: output comparison, the warm pass's chunk order, the paired
+"""kvbench.vllm.real's pure parts: output comparison, the warm pass's chunk order, the paired
 difference of two paths' scores and the budgets a path ran with."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from kvbench.musique import Prompt
-from kvbench.vllm_real import budget_path, first_difference, paired_difference, until_stop, warm_chunks
+from kvbench.common.musique import Prompt
+from kvbench.vllm.real import budget_path, first_difference, paired_difference, until_stop, warm_chunks
 
 
 def test_outputs_are_cut_after_the_first_stop_token():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-import uuid
 
 import pytest
 import torch
@@ -18,21 +17,10 @@ import torch
 from kvclient.client import AsyncKVClient, KVClient, Ref
 from kvclient.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
+from tests.conftest import random_layers
 
-MODEL = ModelSpec("async-test", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16").fingerprint()
-
-
-@pytest.fixture
-def model(request) -> str:
-    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
-    name = f"async-test-{request.node.name}-{uuid.uuid4().hex}"
-    return ModelSpec(name, num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16").fingerprint()
-
-
-def make_layers(tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, tokens, 4, generator=g).half(), torch.randn(2, tokens, 4, generator=g).half())
-            for _ in range(2)]
+MODEL_SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16")  # `model`: the same under a name of its own
+MODEL = ModelSpec("async-test", **MODEL_SHAPE).fingerprint()
 
 
 def assert_same_layers(got, want) -> None:
@@ -44,7 +32,7 @@ def assert_same_layers(got, want) -> None:
 
 
 async def test_store_fetch_lookup_and_match_prefix(shared_server, model):
-    a, b = make_layers(5, 1), make_layers(7, 2)
+    a, b = random_layers(1, (2, 5, 4), dtype=torch.float16), random_layers(2, (2, 7, 4), dtype=torch.float16)
     async with AsyncKVClient(shared_server.address) as c:
         ra = await c.store(model, [1, 2, 3, 4, 5], a)
         rb = await c.store(model, list(range(10, 17)), b, prefix_keys=[ra.chunk_key])
@@ -62,7 +50,7 @@ async def test_store_fetch_lookup_and_match_prefix(shared_server, model):
 
 
 async def test_fetch_local_aliases_the_stored_bytes_until_released(shared_server, model):
-    layers = make_layers(6, 3)
+    layers = random_layers(3, (2, 6, 4), dtype=torch.float16)
     async with AsyncKVClient(shared_server.address) as c:
         r = await c.store(model, list(range(6)), layers)
         async with await c.fetch_local([r.chunk_key]) as got:
@@ -75,7 +63,7 @@ async def test_fetch_local_aliases_the_stored_bytes_until_released(shared_server
 
 
 async def test_admin_calls_answer_as_the_blocking_client_does(kvserver):
-    layers = make_layers(4, 4)
+    layers = random_layers(4, (2, 4, 4), dtype=torch.float16)
     with KVClient(kvserver.address) as s:
         r = s.store(MODEL, [4, 3, 2, 1], layers)
         want_list, want_chunk, want_config = s.list_chunks(), s.get_chunk(r.chunk_key), s.config()
@@ -121,7 +109,7 @@ async def test_timeouts_end_calls_to_a_hung_server_as_unavailable(silent_address
 
 
 async def test_a_cancelled_plan_future_leaves_no_lease(kvserver):
-    layers = make_layers(4, 5)
+    layers = random_layers(5, (2, 4, 4), dtype=torch.float16)
     async with AsyncKVClient(kvserver.address) as c:
         r = await c.store(MODEL, [9, 8, 7, 6], layers)
         given_up = [c.plan_future(MODEL, [(r.chunk_key, 4)], 3) for _ in range(5)]
@@ -138,7 +126,7 @@ async def test_a_cancelled_plan_future_leaves_no_lease(kvserver):
 
 
 async def test_futures_raise_client_errors_and_a_forgotten_release_still_happens(kvserver):
-    layers = make_layers(4, 6)
+    layers = random_layers(6, (2, 4, 4), dtype=torch.float16)
     async with AsyncKVClient(kvserver.address) as c:
         r = await c.store(MODEL, [1, 3, 5, 7], layers)
         with pytest.raises(InvalidArgumentError):

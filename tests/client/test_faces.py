@@ -26,6 +26,7 @@ from kvclient.errors import DeadlineExceededError, KVCraftError
 from kvcraft.keys import ModelSpec
 from kvcraft.plans import Plan
 from kvcraft.records import VariantStats
+from tests.conftest import random_layers
 
 MODEL = ModelSpec("faces-test", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16").fingerprint()
 TOKENS_A, TOKENS_B = [1, 2, 3, 4, 5], list(range(10, 17))
@@ -59,13 +60,7 @@ def test_both_faces_have_the_same_methods_with_the_same_parameters():
             assert inspect.iscoroutinefunction(aio[name]), name
 
 
-def make_layers(tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, tokens, 4, generator=g).half(), torch.randn(2, tokens, 4, generator=g).half())
-            for _ in range(2)]
-
-
-LAYERS_A, LAYERS_B = make_layers(len(TOKENS_A), 1), make_layers(len(TOKENS_B), 2)
+LAYERS_A, LAYERS_B = random_layers(1, (2, len(TOKENS_A), 4), dtype=torch.float16), random_layers(2, (2, len(TOKENS_B), 4), dtype=torch.float16)
 
 
 def raw(t: torch.Tensor) -> tuple:

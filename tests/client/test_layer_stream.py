@@ -5,31 +5,23 @@ from __future__ import annotations
 
 import signal
 import time
-import uuid
 
-import pytest
 import torch
 
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import ModelSpec
 from kvclient.layer_stream import LayerStream
+from tests.conftest import random_layers
 
-MODEL = ModelSpec("layer-stream-test", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32").fingerprint()
-
-
-@pytest.fixture
-def model(request) -> str:
-    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
-    name = f"layer-stream-test-{request.node.name}-{uuid.uuid4().hex}"
-    return ModelSpec(name, num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32").fingerprint()
+MODEL_SHAPE = dict(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")  # `model`: the same under a name of its own
+MODEL = ModelSpec("layer-stream-test", **MODEL_SHAPE).fingerprint()
 
 
 def stored(c: KVClient, n: int, tokens: int = 4, model: str = MODEL
            ) -> tuple[list[Ref], list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     refs, kv = [], []
     for i in range(n):
-        g = torch.Generator().manual_seed(i)
-        layers = [(torch.randn(2, tokens, 8, generator=g), torch.randn(2, tokens, 8, generator=g)) for _ in range(3)]
+        layers = random_layers(i, (2, tokens, 8), 3)
         r = c.store(model, [i, i + 1, i + 2, i + 3][:tokens], layers)
         refs.append(Ref(r.chunk_key, r.variant_id))
         kv.append(layers)

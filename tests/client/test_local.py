@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import torch
 
 from kvclient.client import KVClient
 from kvcraft.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2 as pb
+from tests.conftest import random_layers
 
-MODEL = ModelSpec("local-test", num_layers=3, num_kv_heads=1, head_dim=8, dtype="bfloat16").fingerprint()
-
-
-@pytest.fixture
-def model(request) -> str:
-    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
-    name = f"local-test-{request.node.name}-{uuid.uuid4().hex}"
-    return ModelSpec(name, num_layers=3, num_kv_heads=1, head_dim=8, dtype="bfloat16").fingerprint()
+MODEL_SHAPE = dict(num_layers=3, num_kv_heads=1, head_dim=8, dtype="bfloat16")  # `model`: the same under a name of its own
+MODEL = ModelSpec("local-test", **MODEL_SHAPE).fingerprint()
 
 
 def test_fetch_local_tensors_alias_the_stored_bytes_until_released(shared_server, model):
-    g = torch.Generator().manual_seed(5)
-    layers = [(torch.randn(1, 9, 8, generator=g).bfloat16(), torch.randn(1, 9, 8, generator=g).bfloat16())
-              for _ in range(3)]
+    layers = random_layers(5, (1, 9, 8), 3, torch.bfloat16)
     with KVClient(shared_server.address) as c:
         r = c.store(model, list(range(9)), layers)
         with c.fetch_local([r.chunk_key]) as got:

@@ -1,14 +1,14 @@
-"""`kvcraft demo` (kvbench.demo) runs end to end against a real service, at a small size:
+"""`kvcraft demo` (kvcli.demo) runs end to end against a real service, at a small size:
 its part 2 prints the trained model's answers, counted (the default policy's too, and
 the default as deployed, adaptive, with the service's fidelity tallies), and the service
 stops cleanly. Part 1, the real model, is
-tests/realmodel/test_demo.py; speed is not asserted here (bench/ttft.py measures it)."""
+tests/realmodel/test_demo.py; speed is not asserted here (bench/engine/ttft.py measures it)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvbench import demo
+from kvcli import demo
 from kvbench.quality import modeling
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvbench import selftest
-from kvbench.selftest import SelfTest
+from kvcli import selftest
+from kvcli.selftest import SelfTest
 from kvservice.tiers import gpu_driver
 
 from .fakes import FakeDriver, FakeKvikio

@@ -2,8 +2,8 @@
 
 from dataclasses import replace
 
-from kvbench.planner import token_shares
-from kvbench.workload import DEFAULT, Request, generate, trace_stats
+from kvbench.service.planner import token_shares
+from kvbench.common.workload import DEFAULT, Request, generate, trace_stats
 
 
 def _req(names, conv="", turn=0):

@@ -10,8 +10,8 @@ reused tokens.
 
 What takes minutes is learning the lists (a fresh gain and greedy rounds per chunk and
 request, thousands of them), so they are committed fixtures (`lists-seed1.pt`,
-`lists-long-seed1.pt`, written by `python -m kvbench.quality.selection [--task long]
---examples N --seed 1 --rounds 4 --save-lists ...` in the held-out runs of docs/quality.md);
+`lists-long-seed1.pt`, written by `kvcraft bench selection [--task long] --examples N
+--seed 1 --only default --save-lists ...` in the held-out runs of docs/quality.md);
 `test_the_fixture_is_what_the_engine_learns` learns them again for the first prompts and
 holds the fixture to them, so a change in how lists are learned fails there, and a change
 in how they are spent or blended fails the accuracy test. The stored variants and every

@@ -11,7 +11,8 @@ import re
 import torch
 
 from engine_adapter import LlamaEngine, greedy, stop_tokens
-from kvbench import demo, musique
+from kvcli import demo
+from kvbench.common import musique
 
 
 def test_demo_prints_the_real_models_answers(fetched, capsys, tmp_path):

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from kvbench import realmodel
+from kvbench.common import realmodel
 from tests.realmodel.fetch import run_fetch
 
 

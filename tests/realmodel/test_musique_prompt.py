@@ -1,11 +1,11 @@
-"""kvbench.musique's prompts with the real model's tokenizer: segments that recur."""
+"""kvbench.common.musique's prompts with the real model's tokenizer: segments that recur."""
 
 from __future__ import annotations
 
 import pytest
 from transformers import AutoTokenizer
 
-from kvbench import musique
+from kvbench.common import musique
 
 
 @pytest.fixture(scope="module")

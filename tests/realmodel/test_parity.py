@@ -13,8 +13,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from engine_adapter.generate import greedy, stop_tokens
 from engine_adapter.llama import LlamaEngine
-from kvbench.real_parity import license_prompt
-from kvbench.realmodel import chat
+from kvcli.parity import license_prompt
+from kvbench.common.realmodel import chat
 
 PROMPT_TOKENS = 1024
 NEW_TOKENS = 16

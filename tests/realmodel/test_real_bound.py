@@ -1,4 +1,4 @@
-"""kvbench.real_bound on the real model: the oracles' scores against transformers' own
+"""kvbench.quality.real_bound on the real model: the oracles' scores against transformers' own
 attention and against a passage stored exactly, and a repair of every passage row against
 full prefill."""
 
@@ -13,7 +13,8 @@ from engine_adapter.llama import LlamaEngine
 from engine_adapter.policies.picks import QuestionReads, most_read
 from engine_adapter.policy import Naive, Policy
 from engine_adapter.source import InMemoryLayerSource
-from kvbench import musique, real_bound
+from kvbench.common import musique
+from kvbench.quality import real_bound
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,4 +1,4 @@
-"""kvbench.real_quality on the real model: 2 dev records, full, naive and the default policy,
+"""kvbench.quality.real_quality on the real model: 2 dev records, full, naive and the default policy,
 through a service.
 
 Each prompt holds one passage (not the benchmark's 3) to keep the suite short; the
@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 from engine_adapter.generate import greedy, stop_tokens
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.policy import DEFAULT_POLICY
-from kvbench import musique, real_quality
+from kvbench.common import musique
+from kvbench.quality import real_quality
 
 NEW_TOKENS = 8
 # the module fixture serves 2 records x 3 policies on the 30-layer model (after the session fetch)
@@ -65,8 +66,7 @@ def test_the_json_has_every_column_and_every_answer(result, records):
         for got in rec["served"].values():
             assert {"answer", "tokens", "ttft_s", *real_quality.COLUMNS} - {"speedup_vs_transformers"} <= set(got)
             assert 1 <= len(got["tokens"]) <= NEW_TOKENS
-    for key in ("machine", "date", "torch", "transformers", "command"):
-        assert result["meta"][key]
+    assert result["meta"]["records"] == len(records) and result["meta"]["transformers"]
     assert "| naive |" in real_quality.table(result)
 
 

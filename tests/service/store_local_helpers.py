@@ -6,7 +6,6 @@ from __future__ import annotations
 import queue
 
 import grpc
-import torch
 
 from kvclient import local_store
 from kvclient.client import store_header
@@ -14,14 +13,10 @@ from kvclient.local_store import StagingBuffer
 from kvcraft.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2 as pb
 
-MODEL = ModelSpec("staged", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32").fingerprint()
+MODEL_SHAPE = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32")  # `model`: the same under a name of its own
+MODEL = ModelSpec("staged", **MODEL_SHAPE).fingerprint()
+STAGED = (2, 64, 64)  # a layer's K (and V): [kv_heads, tokens, head_dim], 4 layers
 LAYER_BYTES = 2 * 2 * 64 * 64 * 4  # K + V of [2, 64, 64] fp32
-
-
-def staged_layers(seed: int, dtype=torch.float32, n: int = 4):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, 64, 64, generator=g).to(dtype), torch.randn(2, 64, 64, generator=g).to(dtype))
-            for _ in range(n)]
 
 
 def staged_tokens(i: int) -> list[int]:

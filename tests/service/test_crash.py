@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.crash import run
+from kvbench.service.crash import run
 from kvclient.client import KVClient
 from kvclient.errors import KVCraftError
 from kvcraft.keys import ModelSpec, chunk_key
 from kvservice.launcher import ServiceProcess
+from tests.conftest import random_layers
 
 pytestmark = pytest.mark.slow  # over ~10 s: after the inner loop (README, "Developing")
 
@@ -27,11 +28,6 @@ def test_sigkill_during_store_evict_loop_keeps_every_acknowledged_write(tmp_path
     assert rep.verified_fetches > rep.acked_stores  # survivors were re-read after every restart
 
 
-def _layers(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)) for _ in range(2)]
-
-
 @pytest.mark.parametrize("point,survives", [
     ("store:payload-written", False),
     # durable but unacknowledged: complete, so allowed (the payload carries its record
@@ -42,17 +38,17 @@ def _layers(seed: int):
 def test_crash_at_each_step_of_a_store(tmp_path, point, survives):
     data = tmp_path / "data"
     with ServiceProcess(data) as s, KVClient(s.address) as c:
-        c.store(MODEL, [1, 2, 3, 4], _layers(0))
+        c.store(MODEL, [1, 2, 3, 4], random_layers(0))
     crashing = ServiceProcess(data, env={"KVCRAFT_FAILPOINT": point}).start()
     with KVClient(crashing.address) as c, pytest.raises(KVCraftError):
-        c.store(MODEL, [5, 6, 7, 8], _layers(1))
+        c.store(MODEL, [5, 6, 7, 8], random_layers(1))
     assert crashing.proc.wait(timeout=30) == 137
     crashing.close()
     with ServiceProcess(data) as s, KVClient(s.address) as c:
         assert c.lookup(chunk_key=chunk_key(MODEL, [5, 6, 7, 8])).found == survives
         for tokens, seed in [([1, 2, 3, 4], 0)] + ([([5, 6, 7, 8], 1)] if survives else []):
             got = c.fetch(chunk_key(MODEL, tokens))
-            assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, _layers(seed)))
+            assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, random_layers(seed)))
     files = [p.name for p in (data / "payloads").rglob("*") if p.is_file()]
     assert len(files) == (2 if survives else 1) and all(f.endswith(".kv") for f in files)
 
@@ -61,7 +57,7 @@ def test_crash_between_delete_metadata_and_payload_brings_the_variant_back_whole
     data = tmp_path / "data"
     crashing = ServiceProcess(data, env={"KVCRAFT_FAILPOINT": "delete:metadata-deleted"}).start()
     with KVClient(crashing.address) as c:
-        key = c.store(MODEL, [1, 2, 3, 4], _layers(0)).chunk_key
+        key = c.store(MODEL, [1, 2, 3, 4], random_layers(0)).chunk_key
         with pytest.raises(KVCraftError):
             c.evict(chunk_key=key)
     crashing.proc.wait(timeout=30)
@@ -70,7 +66,7 @@ def test_crash_between_delete_metadata_and_payload_brings_the_variant_back_whole
     with ServiceProcess(data) as s, KVClient(s.address) as c:
         assert "adopted 1" in s.log()  # its file carries its record: the unacknowledged eviction is undone
         got = c.fetch(key)
-        assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, _layers(0)))
+        assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, random_layers(0)))
         assert c.stats().variants == 1
 
 
@@ -83,9 +79,9 @@ def _flip(path, offset: int) -> None:
 def test_flipped_payload_byte_is_not_found_and_dropped(start_server):
     server = start_server()
     with KVClient(server.address) as c:
-        stored = c.store(MODEL, [1, 2, 3, 4], _layers(0))
+        stored = c.store(MODEL, [1, 2, 3, 4], random_layers(0))
         key = stored.chunk_key
-        other = c.store(MODEL, [9, 9], [(k[:, :2], v[:, :2]) for k, v in _layers(1)]).chunk_key
+        other = c.store(MODEL, [9, 9], [(k[:, :2], v[:, :2]) for k, v in random_layers(1)]).chunk_key
     server.restart()  # host tier is empty after a restart: the next read comes from disk
     (path,) = (server.data_dir / "payloads").rglob(f"{stored.variant_id}.kv")
     _flip(path, 200)  # a byte of layer 1's K
@@ -101,7 +97,7 @@ def test_flipped_payload_byte_is_not_found_and_dropped(start_server):
 def test_payload_damaged_while_down_is_dropped_at_start(tmp_path):
     data = tmp_path / "data"
     with ServiceProcess(data) as s, KVClient(s.address) as c:
-        key = c.store(MODEL, [1, 2, 3, 4], _layers(0)).chunk_key
+        key = c.store(MODEL, [1, 2, 3, 4], random_layers(0)).chunk_key
     (path,) = list((data / "payloads").rglob("*.kv"))
     _flip(path, 7)
     with ServiceProcess(data) as s, KVClient(s.address) as c:

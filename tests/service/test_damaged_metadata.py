@@ -24,15 +24,11 @@ from kvservice.records import StoreHeader
 from kvservice.metadata import MetadataDamaged
 from kvservice.store import ChunkStore
 from kvservice.segments import SHM_DIR, segment_prefix
+from tests.conftest import random_layers
 
 MODEL = ModelSpec("damage", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32").fingerprint()
 SPEC = Spec(pb.FLOAT32, (1, 4, 8))
 N = 24
-
-
-def _layers(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)) for _ in range(2)]
 
 
 def _tokens(i: int) -> list[int]:
@@ -43,7 +39,7 @@ def _fill(data, *, kill: bool) -> None:
     s = ServiceProcess(data).start()
     with KVClient(s.address) as c:
         for i in range(N):
-            c.store(MODEL, _tokens(i), _layers(i))
+            c.store(MODEL, _tokens(i), random_layers(i))
     if kill:
         s.kill()  # the last records are only in the WAL
     else:
@@ -60,7 +56,7 @@ def _all_back(data) -> None:
         assert c.stats().variants == N
         for i in range(N):
             got = c.fetch(c.lookup(MODEL, _tokens(i)).chunk_key)
-            assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, _layers(i)))
+            assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, random_layers(i)))
 
 
 def _segments(data) -> list[str]:
@@ -140,7 +136,7 @@ def test_damaged_access_records_are_dropped_and_the_start_goes_on(tmp_path, capl
     stored = []
     for i in range(N * 8):
         s = store.begin_store(StoreHeader(MODEL, _tokens(i), (), 2, SPEC, SPEC))
-        for layer, (k, v) in enumerate(_layers(i)):
+        for layer, (k, v) in enumerate(random_layers(i)):
             s.add_layer(layer, k.numpy().tobytes(), v.numpy().tobytes())
         stored.append(s.finish().chunk_key)
     for key in stored:

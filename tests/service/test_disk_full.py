@@ -18,13 +18,10 @@ from kvclient.client import AsyncKVClient, KVClient
 from kvclient.errors import ResourceExhaustedError
 from kvcraft.keys import ModelSpec
 from kvservice.launcher import ServiceProcess
+from tests.conftest import random_layers
 
 MODEL = ModelSpec("full", num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32").fingerprint()
-
-
-def _layers(seed: int):  # 4 layers x 2 x [2, 64, 64] fp32 = 256 KiB
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, 64, 64, generator=g), torch.randn(2, 64, 64, generator=g)) for _ in range(4)]
+SHAPE = (2, 64, 64)  # 4 layers x 2 x [2, 64, 64] fp32 = 256 KiB
 
 
 def _tokens(i: int) -> list[int]:
@@ -68,22 +65,22 @@ def test_full_disk_refuses_stores_keeps_reads_recovers_and_stops_cleanly(small_d
         stored = {}
         with KVClient(server.address, timeout=30, local_store=local_store) as c:
             for i in range(8):
-                r = c.store(MODEL, _tokens(i), _layers(i))
+                r = c.store(MODEL, _tokens(i), random_layers(i, SHAPE, 4))
                 assert r.local == local_store  # the path under test (StoreLocal or the Store stream)
                 stored[i] = r.chunk_key
             filler = small_disk / "filler"
             _fill(filler)
             with pytest.raises(ResourceExhaustedError, match="disk .* is full") as e:
                 for i in range(8, 40):
-                    stored[i] = c.store(MODEL, _tokens(i), _layers(i)).chunk_key
+                    stored[i] = c.store(MODEL, _tokens(i), random_layers(i, SHAPE, 4)).chunk_key
             assert "Traceback" not in e.value.message
             for _ in range(3):  # reads of acknowledged variants go on (and count their reuse)
                 for i, key in stored.items():
                     got = c.fetch(key)
-                    assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, _layers(i)))
+                    assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, random_layers(i, SHAPE, 4)))
             assert c.stats().leases == 0  # no hold leaked by a failed access-time write
             os.unlink(filler)  # space frees: stores and evictions work again, no restart
-            key = c.store(MODEL, _tokens(50), _layers(50)).chunk_key
+            key = c.store(MODEL, _tokens(50), random_layers(50, SHAPE, 4)).chunk_key
             assert c.fetch(key)
             assert c.evict(chunk_key=stored.pop(0)).evicted == 1
             _fill(filler)
@@ -110,12 +107,12 @@ def test_full_disk_refusal_reaches_the_asyncio_client_of_a_co_located_store(smal
 
     async def go() -> list[BaseException]:
         async with AsyncKVClient(server.address, timeout=30) as c:
-            assert (await c.store(MODEL, _tokens(0), _layers(0))).local
+            assert (await c.store(MODEL, _tokens(0), random_layers(0, SHAPE, 4))).local
             _fill(small_disk / "filler")
             errors = []
             for i in range(1, 31):
                 try:
-                    await c.store(MODEL, _tokens(i), _layers(i))
+                    await c.store(MODEL, _tokens(i), random_layers(i, SHAPE, 4))
                 except Exception as e:  # noqa: BLE001 - every one is checked below
                     errors.append(e)
             return errors
@@ -142,7 +139,7 @@ def _metadata_writes_fail(c: KVClient, key: str) -> str:
 
 
 def _same(got, seed: int) -> bool:
-    return all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, _layers(seed)))
+    return all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, random_layers(seed, SHAPE, 4)))
 
 
 def test_admin_writes_on_a_full_disk_answer_resource_exhausted_and_change_nothing(small_disk):
@@ -157,7 +154,7 @@ def test_admin_writes_on_a_full_disk_answer_resource_exhausted_and_change_nothin
     filler = small_disk / "filler"
     try:
         with KVClient(server.address, timeout=30) as c:
-            keys = [c.store(MODEL, _tokens(i), _layers(i)).chunk_key for i in range(8)]
+            keys = [c.store(MODEL, _tokens(i), random_layers(i, SHAPE, 4)).chunk_key for i in range(8)]
             _fill(filler)
             first = _metadata_writes_fail(c, keys[7])
             assert "disk under the data directory is full" in first and "nothing was stored or changed" in first
@@ -168,7 +165,7 @@ def test_admin_writes_on_a_full_disk_answer_resource_exhausted_and_change_nothin
             with pytest.raises(ResourceExhaustedError, match="0 variants were evicted"):
                 c.flush()
             with pytest.raises(ResourceExhaustedError, match="disk .* is full"):
-                c.store(MODEL, _tokens(20), _layers(20))
+                c.store(MODEL, _tokens(20), random_layers(20, SHAPE, 4))
             assert c.stats().variants == 8
             for i, key in enumerate(keys):  # the refused evictions deleted no payload
                 assert _same(c.fetch(key), i)

@@ -14,16 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvclient.client import KVClient, store_requests
 from kvcraft.keys import ModelSpec
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
+from tests.conftest import wait_for
 
 MODEL = ModelSpec("drain", num_layers=3, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
 LAYERS = [(torch.full((1, 5, 4), float(i)), torch.full((1, 5, 4), -float(i))) for i in range(3)]
-
-
-def _wait_for(predicate, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _health(address: str) -> int:
@@ -56,10 +50,10 @@ def test_sigterm_reports_not_serving_and_lets_a_running_store_finish(start_serve
     t = threading.Thread(target=run_store)
     t.start()
     payloads = server.data_dir / "payloads"
-    _wait_for(lambda: list(payloads.rglob("*.tmp")), "the Store to reach the server")
+    wait_for(lambda: list(payloads.rglob("*.tmp")), "the Store to reach the server")
     server.proc.send_signal(signal.SIGTERM)
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    _wait_for(lambda: _health(server.address) == not_serving, "health NOT_SERVING on a new connection")
+    wait_for(lambda: _health(server.address) == not_serving, "health NOT_SERVING on a new connection")
     # ... and it stays so, on new connections, for as long as the drain lasts (the
     # Store is still open), instead of the listener closing ("connection refused").
     assert [_health(server.address) for _ in range(10)] == [not_serving] * 10

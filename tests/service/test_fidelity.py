@@ -8,9 +8,9 @@ import logging
 import math
 import random
 import socket
-import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 from scipy.stats import binomtest
@@ -21,7 +21,8 @@ from kvclient.errors import InvalidArgumentError
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.fidelity import (COLD_START, FIRST_SAMPLES, FULL, LADDER, MAX_MEASURING_SAMPLES, MIN_VERDICT_SAMPLES,
                                 FidelityBook, Sample, Tally, wilson)
-from kvservice.metadata import FIDELITY_ANSWERS, FIDELITY_FIRST, MetadataDB
+from kvservice.metadata import FIDELITY, FIDELITY_ANSWERS, FIDELITY_FIRST, MetadataDB
+from tests.conftest import wait_for
 
 
 @pytest.mark.parametrize("agree,samples", [(0, 1), (1, 1), (0, 12), (12, 12), (3, 7), (97, 100), (1, 300),
@@ -66,9 +67,7 @@ def test_book_writes_a_quiet_services_samples_within_the_interval():
     book = FidelityBook(db, every_s=0.2)
     book.observe("m" * 32, [Sample("naive", True, 0.1, 0.1)])
     book.observe("m" * 32, [Sample("naive", True, 0.1, 0.1)])  # deferred: a timer writes it
-    deadline = time.monotonic() + 10
-    while len(db.writes) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: len(db.writes) >= 2, "the timer's write", 10.0)
     assert db.writes[-1][0].samples == 2
     book.close()
 
@@ -209,6 +208,21 @@ def _plan(c: KVClient, model: str, samples: list[pb.FidelitySample], **fields: o
     return c.plan(model, [[1, 2, 3, 4]], 2, timings=pb.TimingReport(fidelity=samples), **fields)
 
 
+def _written_samples(data_dir: Path, model: str, policy: str) -> int:
+    """Samples of (model, policy)'s tally as the live service has written them to its metadata,
+    read through a read-only view of it (RocksDB allows one beside the writer and replays the
+    write-ahead log as it stands)."""
+    from rocksdict import AccessType, Options, Rdict
+
+    db = Rdict(str(data_dir / "metadata"), Options(raw_mode=True), access_type=AccessType.read_only(),
+               column_families={cf: Options(raw_mode=True) for cf in ("variants", "access", "fidelity", "meta")})
+    try:
+        raw = db.get_column_family("fidelity").get(f"{model}{policy}\0{0.0:.4f}".encode())
+    finally:
+        db.close()
+    return FIDELITY.unpack(raw)[0] if raw else 0
+
+
 def _of(stats: pb.StatsResponse, model: str) -> dict[str, pb.FidelityStats]:
     """A model's tallies without a budget, by policy."""
     return {f.policy: f for f in stats.fidelity if f.model_id == model and not f.budget}
@@ -238,7 +252,8 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
         assert (got["naive"].agree_lower, got["naive"].agree_upper) == pytest.approx(wilson(1, 2))
         for _ in range(2):  # the first is written at once, the second within the second after it
             _plan(c, model, [pb.FidelitySample(policy="query", top1_agree=True, kl=0.0, computed_share=0.125)])
-    time.sleep(1.5)  # quiet: the deferred write happens without another Plan
+    # quiet: the deferred write happens within the second without another Plan
+    wait_for(lambda: _written_samples(server.data_dir, model, "query") == 3, "the deferred tally write", 10.0)
     server.restart(crash=True)
     with KVClient(server.address) as c:
         assert _of(c.stats(), model)["query"].samples == 3

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
-import torch
 
 from kvclient.client import KVClient, Ref
 from kvclient.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
@@ -15,25 +13,14 @@ from kvcraft.plans import prefix_keys, variant_prefixes
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.planner import ChunkRef, InMemoryCatalog, Planner, Variant
+from tests.conftest import random_layers
 
-MODEL = ModelSpec("plan-test", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
-
-
-@pytest.fixture
-def model(request) -> str:
-    """MODEL's shape under a name of this test's own: in the shared service its chunks, their
-    CP-Tree and CA-table entries and its controller are its alone."""
-    name = f"plan-test-{request.node.name}-{uuid.uuid4().hex}"
-    return ModelSpec(name, num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
+MODEL_SHAPE = dict(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32")  # `model`: the same under a name of its own
+MODEL = ModelSpec("plan-test", **MODEL_SHAPE).fingerprint()
 
 
 def chunk_tokens(i: int, n: int = 6) -> list[int]:
     return [i * 10 + t for t in range(n)]
-
-
-def layers(n: int = 6, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(1, n, 4, generator=g), torch.randn(1, n, 4, generator=g)) for _ in range(2)]
 
 
 def test_plan_leases_reused_variants_until_release(start_server):
@@ -42,9 +29,9 @@ def test_plan_leases_reused_variants_until_release(start_server):
     with KVClient(server.address) as c:
         # chunk 1 computed behind chunk 0, with statistics; chunk 0 alone
         # (a chunk computed alone: a = 0; with b > 0, CCI = sigmoid(0) = 0.5 and CFO < 1)
-        k0 = c.store(MODEL, chunk_tokens(0), layers(seed=0), stats=VariantStats(a=0.0, b=0.5)).chunk_key
+        k0 = c.store(MODEL, chunk_tokens(0), random_layers(0, (1, 6, 4)), stats=VariantStats(a=0.0, b=0.5)).chunk_key
         stats = VariantStats(a=0.3, b=0.6, prefix_attention=(0.3,), token_inter_attention=(0.1, 0.9, 0.2, 0.8, 0.0, 0.5))
-        v1 = c.store(MODEL, chunk_tokens(1), layers(seed=1), prefix_keys=[k0], stats=stats)
+        v1 = c.store(MODEL, chunk_tokens(1), random_layers(1, (1, 6, 4)), prefix_keys=[k0], stats=stats)
         plan = c.plan(MODEL, [chunk_tokens(1), chunk_tokens(0), chunk_tokens(2)], question_tokens=5)
         assert plan.lease_id
         by_key = {cp.chunk_key: cp for cp in plan.chunks}
@@ -59,11 +46,11 @@ def test_plan_leases_reused_variants_until_release(start_server):
         # Pressure: the disk holds exactly these two, both leased by the plan, so a
         # store that needs room is refused rather than evicting them.
         with pytest.raises(ResourceExhaustedError, match="leased or pinned"):
-            c.store(MODEL, chunk_tokens(3), layers(seed=3))
+            c.store(MODEL, chunk_tokens(3), random_layers(3, (1, 6, 4)))
         assert c.fetch(k0) and c.fetch(v1.chunk_key, v1.variant_id)
 
         assert c.release(plan.lease_id)
-        c.store(MODEL, chunk_tokens(3), layers(seed=3))  # now the policy may evict one
+        c.store(MODEL, chunk_tokens(3), random_layers(3, (1, 6, 4)))  # now the policy may evict one
         assert sum(bool(c.lookup(chunk_key=k).found) for k in (k0, v1.chunk_key)) == 1
 
 
@@ -76,7 +63,7 @@ def test_plan_over_grpc_matches_the_in_process_planner(shared_server, model):
     keys = [chunk_key(model, chunk_tokens(i)) for i in range(6)]
     with KVClient(shared_server.address) as c:
         for i in (0, 2, 4):
-            r = c.store(model, chunk_tokens(i), layers(seed=i))
+            r = c.store(model, chunk_tokens(i), random_layers(i, (1, 6, 4)))
             catalog.put(Variant.build(r.variant_id, r.chunk_key, (), 6, "host", VariantStats()))
         requests = [[0, 1, 2], [2, 0, 3], [4, 2, 0, 5], [1, 0, 2], [0, 2, 4]]
         for n, idx in enumerate(requests):
@@ -117,8 +104,8 @@ def test_malformed_plan_is_invalid_argument(shared_server, kwargs, message):
 
 def test_plan_names_the_prefix_each_chosen_variant_was_computed_behind(shared_server, model):
     with KVClient(shared_server.address) as c:
-        k0 = c.store(model, chunk_tokens(0), layers(seed=0), stats=VariantStats(a=0.0, b=0.5)).chunk_key
-        v1 = c.store(model, chunk_tokens(1), layers(seed=1), prefix_keys=[k0],
+        k0 = c.store(model, chunk_tokens(0), random_layers(0, (1, 6, 4)), stats=VariantStats(a=0.0, b=0.5)).chunk_key
+        v1 = c.store(model, chunk_tokens(1), random_layers(1, (1, 6, 4)), prefix_keys=[k0],
                      stats=VariantStats(a=0.1, b=0.8, prefix_attention=(0.1,)))
         # chunk 1 first: its variant was computed behind chunk 0, so it is not exact here
         plan = c.plan(model, [chunk_tokens(1), chunk_tokens(0)], 2, first_turn=False)
@@ -135,9 +122,9 @@ def test_chunk_prefixes_survive_a_restart(start_server):
     """Stored chains (A alone, B behind [A]) come back as CP-Tree prefixes after a restart."""
     server = start_server()
     with KVClient(server.address) as c:
-        ka = c.store(MODEL, chunk_tokens(0), layers(seed=0)).chunk_key
-        vb = c.store(MODEL, chunk_tokens(1), layers(seed=1), prefix_keys=[ka])
-        c.store(MODEL, chunk_tokens(2), layers(seed=2), prefix_keys=[chunk_key(MODEL, chunk_tokens(9))])  # broken chain
+        ka = c.store(MODEL, chunk_tokens(0), random_layers(0, (1, 6, 4))).chunk_key
+        vb = c.store(MODEL, chunk_tokens(1), random_layers(1, (1, 6, 4)), prefix_keys=[ka])
+        c.store(MODEL, chunk_tokens(2), random_layers(2, (1, 6, 4)), prefix_keys=[chunk_key(MODEL, chunk_tokens(9))])  # broken chain
     server.restart()
     with KVClient(server.address) as c:
         plan = c.plan(MODEL, [chunk_tokens(0), chunk_tokens(1), chunk_tokens(2)], 3)
@@ -152,7 +139,7 @@ def test_a_release_future_nobody_keeps_still_releases(kvserver):
     sent and forgotten (the vLLM connector's, and the PlanStream's for abandoned answers)
     must still end its lease."""
     with KVClient(kvserver.address) as c:
-        c.store(MODEL, chunk_tokens(0), layers(seed=0))
+        c.store(MODEL, chunk_tokens(0), random_layers(0, (1, 6, 4)))
         for _ in range(20):
             c.release_future(c.plan(MODEL, [chunk_tokens(0)], question_tokens=2).lease_id)  # dropped at once
         for _ in range(200):

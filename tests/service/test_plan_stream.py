@@ -10,12 +10,10 @@ import asyncio
 import dataclasses
 import threading
 import time
-import uuid
 from concurrent import futures
 
 import grpc
 import pytest
-import torch
 
 from kvclient.client import AsyncKVClient, KVClient, plan_request
 from kvclient.errors import DeadlineExceededError, InvalidArgumentError, KVCraftError, UnavailableError
@@ -24,30 +22,20 @@ from kvcraft.keys import ModelSpec, chunk_key
 from kvcraft.plans import Plan
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
+from tests.conftest import random_layers
 
-MODEL = ModelSpec("plan-stream", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
-
-
-@pytest.fixture
-def model(request) -> str:
-    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
-    name = f"plan-stream-{request.node.name}-{uuid.uuid4().hex}"
-    return ModelSpec(name, num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32").fingerprint()
+MODEL_SHAPE = dict(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32")  # `model`: the same under a name of its own
+MODEL = ModelSpec("plan-stream", **MODEL_SHAPE).fingerprint()
 
 
 def tokens(i: int) -> list[int]:
     return [i * 10 + t for t in range(6)]
 
 
-def layers(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(1, 6, 4, generator=g), torch.randn(1, 6, 4, generator=g)) for _ in range(2)]
-
-
 def _store_some(c: KVClient) -> None:
-    k0 = c.store(MODEL, tokens(0), layers(0)).chunk_key
-    c.store(MODEL, tokens(1), layers(1), prefix_keys=[k0])
-    c.store(MODEL, tokens(2), layers(2))
+    k0 = c.store(MODEL, tokens(0), random_layers(0, (1, 6, 4))).chunk_key
+    c.store(MODEL, tokens(1), random_layers(1, (1, 6, 4)), prefix_keys=[k0])
+    c.store(MODEL, tokens(2), random_layers(2, (1, 6, 4)))
 
 
 def _fields(p: Plan | pb.PlanResponse) -> Plan:

@@ -22,17 +22,12 @@ from kvservice.cluster import records
 from kvservice.cluster.view import ClusterView
 from kvservice.launcher import ServiceProcess
 
+from tests.conftest import random_layers
 from tests.service.remote_helpers import MiB
 
 SPEC = ModelSpec("remote-test", num_layers=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
 MODEL = SPEC.fingerprint()
 NS = "kvtest"
-
-
-def make_layers(tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, tokens, 16, generator=g).bfloat16(), torch.randn(2, tokens, 16, generator=g).bfloat16())
-            for _ in range(SPEC.num_layers)]
 
 
 def assert_bit_identical(got, want) -> None:
@@ -79,7 +74,7 @@ def view(cluster):
 
 def test_chunk_stored_through_a_is_planned_and_fetched_through_b(nodes, view):
     a, b = nodes
-    layers = make_layers(24, seed=1)
+    layers = random_layers(1, (2, 24, 16), SPEC.num_layers, torch.bfloat16)
     with KVClient(a.address) as ca, KVClient(b.address) as cb:
         r = ca.store(MODEL, tokens_of(1), layers)
         assert r.chunk_key == chunk_key(MODEL, tokens_of(1)) and r.variant_id == variant_id(r.chunk_key, [])
@@ -97,7 +92,7 @@ def test_chunk_stored_through_a_is_planned_and_fetched_through_b(nodes, view):
 
 def test_altered_remote_payload_is_never_served(nodes, view, cluster):
     a, b = nodes
-    layers = make_layers(24, seed=2)
+    layers = random_layers(2, (2, 24, 16), SPEC.num_layers, torch.bfloat16)
     with KVClient(a.address) as ca, KVClient(b.address) as cb:
         r = ca.store(MODEL, tokens_of(2), layers)
         wait_listed(view, r.chunk_key, r.variant_id)
@@ -125,7 +120,7 @@ def test_altered_remote_payload_is_never_served(nodes, view, cluster):
 def test_variant_demoted_out_of_local_tiers_comes_back_from_remote(cluster, tmp_path):
     """No write-through; a disk budget of one variant: storing a second pushes the
     first out of host and disk into the cluster (the tier list's one-down move)."""
-    layers = [make_layers(24, seed=10 + i) for i in range(2)]
+    layers = [random_layers(10 + i, (2, 24, 16), SPEC.num_layers, torch.bfloat16) for i in range(2)]
     size = sum(k.numel() * 2 * 2 for k, _ in layers[0])
     node = ServiceProcess(tmp_path / "node-c", host_budget_bytes=1, disk_budget_bytes=size + size // 2,
                           **remote_settings(cluster.master, remote_write_through=False)).start()
@@ -164,8 +159,8 @@ def test_master_killed_mid_fetch_then_restarted(nodes, view, cluster):
     """Last of the module's tests on the shared cluster: it takes the master down."""
     a, b = nodes
     n = 12
-    remote_layers = [make_layers(512, seed=100 + i) for i in range(n)]  # 4 x 64 KiB layers each
-    own_layers = make_layers(24, seed=99)
+    remote_layers = [random_layers(100 + i, (2, 512, 16), SPEC.num_layers, torch.bfloat16) for i in range(n)]  # 4 x 64 KiB layers each
+    own_layers = random_layers(99, (2, 24, 16), SPEC.num_layers, torch.bfloat16)
     with KVClient(a.address) as ca, KVClient(b.address) as cb:
         stored = [ca.store(MODEL, tokens_of(100 + i, 512), remote_layers[i]) for i in range(n)]
         own = cb.store(MODEL, tokens_of(99), own_layers)
@@ -196,7 +191,7 @@ def test_master_killed_mid_fetch_then_restarted(nodes, view, cluster):
 
         # Restart: the same address, an empty cluster; the nodes rejoin on their own.
         cluster.master.start()
-        layers = make_layers(24, seed=7)
+        layers = random_layers(7, (2, 24, 16), SPEC.num_layers, torch.bfloat16)
         deadline = time.monotonic() + 60
         new = ca.store(MODEL, tokens_of(7), layers)
         while new.variant_id not in {e.info.variant_id for e in view.discover([new.chunk_key])}:

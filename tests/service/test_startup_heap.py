@@ -11,19 +11,18 @@ import gc
 import re
 import time
 
-import torch
 
 from kvclient.client import KVClient
 from kvcraft.keys import ModelSpec
 from kvservice.launcher import ServiceProcess
 from kvservice.server.heap import REFREEZE_MIN_VARIANTS, Freezer
+from tests.conftest import random_layers
 
 MODEL = ModelSpec("heap", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32").fingerprint()
 
 
 def _store(c: KVClient, first: int, n: int) -> None:
-    g = torch.Generator().manual_seed(first)
-    layers = [(torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)) for _ in range(2)]
+    layers = random_layers(first)
     for i in range(first, first + n):
         c.store(MODEL, [i * 10 + t for t in range(4)], layers)
 

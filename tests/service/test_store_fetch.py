@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 import grpc
 import pytest
@@ -14,21 +13,10 @@ from kvclient.errors import InvalidArgumentError, NotFoundError, ResourceExhaust
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvcraft.v1 import kvcraft_pb2_grpc as pb_grpc
+from tests.conftest import random_layers
 
-MODEL = ModelSpec("test-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16").fingerprint()
-
-
-@pytest.fixture
-def model(request) -> str:
-    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
-    name = f"test-llama-{request.node.name}-{uuid.uuid4().hex}"
-    return ModelSpec(name, num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16").fingerprint()
-
-
-def make_layers(n_layers: int, tokens: int, dtype: torch.dtype, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, tokens, 8, generator=g).to(dtype), torch.randn(2, tokens, 8, generator=g).to(dtype))
-            for _ in range(n_layers)]
+MODEL_SHAPE = dict(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16")  # `model`: the same under a name of its own
+MODEL = ModelSpec("test-llama", **MODEL_SHAPE).fingerprint()
 
 
 def assert_bit_identical(got, want) -> None:
@@ -41,7 +29,7 @@ def assert_bit_identical(got, want) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_store_then_fetch_returns_bit_identical_tensors(shared_server, model, dtype):
-    layers = make_layers(3, 17, dtype)
+    layers = random_layers(0, (2, 17, 8), 3, dtype)
     tokens = list(range(100, 117))
     with KVClient(shared_server.address) as c:
         r = c.store(model, tokens, layers)
@@ -52,7 +40,7 @@ def test_store_then_fetch_returns_bit_identical_tensors(shared_server, model, dt
 
 
 def test_fetch_is_layer_major_across_chunks(shared_server, model):
-    a, b = make_layers(3, 5, torch.float32, 1), make_layers(3, 9, torch.float32, 2)
+    a, b = random_layers(1, (2, 5, 8), 3, torch.float32), random_layers(2, (2, 9, 8), 3, torch.float32)
     with KVClient(shared_server.address) as c:
         ka = c.store(model, [1, 2, 3, 4, 5], a).chunk_key
         kb = c.store(model, [7] * 9, b).chunk_key
@@ -65,7 +53,7 @@ def test_fetch_is_layer_major_across_chunks(shared_server, model):
 
 def test_store_survives_restart(start_server):
     server = start_server()
-    layers = make_layers(3, 11, torch.bfloat16, 3)
+    layers = random_layers(3, (2, 11, 8), 3, torch.bfloat16)
     with KVClient(server.address) as c:
         key = c.store(MODEL, list(range(11)), layers).chunk_key
     server.restart()
@@ -103,7 +91,7 @@ def _requests(layers, tokens=None, **header_changes):
 
 
 def _malformed_cases():
-    layers = make_layers(3, 6, torch.float16, 4)
+    layers = random_layers(4, (2, 6, 8), 3, torch.float16)
     reqs = _requests(layers)
     yield "too few layers", reqs[:-1], "stream ended after 2 of header.num_layers=3"
     yield "too many layers", _requests(layers, num_layers=2), "past header.num_layers=2"
@@ -126,7 +114,7 @@ def _malformed_cases():
 
 @pytest.mark.parametrize("name,requests,message", list(_malformed_cases()), ids=[c[0] for c in _malformed_cases()])
 def test_malformed_store_is_invalid_argument_and_loses_nothing(kvserver, name, requests, message):
-    keep = make_layers(3, 4, torch.float32, 5)
+    keep = random_layers(5, (2, 4, 8), 3, torch.float32)
     with KVClient(kvserver.address) as c:
         key = c.store(MODEL, [1, 2, 3, 4], keep).chunk_key
         err = _raw_store(kvserver.address, requests)
@@ -150,15 +138,15 @@ def test_malformed_fetch_is_invalid_argument(shared_server, ref, message):
 
 def test_fetch_past_last_layer_is_invalid_argument(shared_server, model):
     with KVClient(shared_server.address) as c:
-        key = c.store(model, [5], make_layers(3, 1, torch.float16)).chunk_key
+        key = c.store(model, [5], random_layers(0, (2, 1, 8), 3, torch.float16)).chunk_key
         with pytest.raises(InvalidArgumentError, match="the variants have 3 layers"):
             list(c.fetch_layers([key], first_layer=2, num_layers=2))
 
 
 def test_oversized_message_is_resource_exhausted(start_server):
     server = start_server(max_message_bytes=1 << 20)
-    keep = make_layers(3, 4, torch.float32, 6)
-    big = make_layers(1, 40_000, torch.float32, 7)  # 2.4 MiB per layer message
+    keep = random_layers(6, (2, 4, 8), 3, torch.float32)
+    big = random_layers(7, (2, 40_000, 8), 1, torch.float32)  # 2.4 MiB per layer message
     with KVClient(server.address) as c:
         key = c.store(MODEL, [1, 2, 3, 4], keep).chunk_key
         err = _raw_store(server.address, list(store_requests(MODEL, list(range(40_000)), big)))
@@ -169,13 +157,13 @@ def test_oversized_message_is_resource_exhausted(start_server):
 
 def test_oversized_stream_is_resource_exhausted(start_server):
     server = start_server(max_variant_bytes=10_000, max_layers=4)
-    keep = make_layers(1, 4, torch.float32, 8)
+    keep = random_layers(8, (2, 4, 8), 1, torch.float32)
     with KVClient(server.address) as c:
         key = c.store(MODEL, [1, 2, 3, 4], keep).chunk_key
         with pytest.raises(ResourceExhaustedError, match="max_variant_bytes is 10000"):
-            c.store(MODEL, list(range(100)), make_layers(2, 100, torch.float32))
+            c.store(MODEL, list(range(100)), random_layers(0, (2, 100, 8), 2, torch.float32))
         with pytest.raises(InvalidArgumentError, match="num_layers is 5; expected 1..4"):
-            c.store(MODEL, [1], make_layers(5, 1, torch.float32))
+            c.store(MODEL, [1], random_layers(0, (2, 1, 8), 5, torch.float32))
         assert_bit_identical(c.fetch(key), keep)
 
 
@@ -186,7 +174,7 @@ def test_match_prefix_counts_the_stored_head_of_a_chain(shared_server, model):
         for i in range(4):  # block i stored behind block i-1's variant id
             tokens = [i, i + 1]
             if i != 2:
-                r = c.store(model, tokens, make_layers(1, 2, torch.float16, i), prefix_keys=prev)
+                r = c.store(model, tokens, random_layers(i, (2, 2, 8), 1, torch.float16), prefix_keys=prev)
                 assert r.variant_id == vid_of(chunk_key(model, tokens), prev)
             vid = vid_of(chunk_key(model, tokens), prev)
             chain.append(vid)
@@ -197,7 +185,7 @@ def test_match_prefix_counts_the_stored_head_of_a_chain(shared_server, model):
 
 
 def test_client_vanishing_mid_store_leaves_nothing_behind(kvserver):
-    reqs = list(store_requests(MODEL, list(range(6)), make_layers(3, 6, torch.float32, 9)))
+    reqs = list(store_requests(MODEL, list(range(6)), random_layers(9, (2, 6, 8), 3, torch.float32)))
 
     def dies_after_first_layer():
         yield reqs[0]
@@ -212,7 +200,7 @@ def test_client_vanishing_mid_store_leaves_nothing_behind(kvserver):
         stats = c.stats()
         assert stats.variants == 0
         assert all(t.bytes_used == 0 for t in stats.tiers)
-        key = c.store(MODEL, [1, 2], make_layers(3, 2, torch.float32)).chunk_key  # still serving, room intact
+        key = c.store(MODEL, [1, 2], random_layers(0, (2, 2, 8), 3, torch.float32)).chunk_key  # still serving, room intact
         assert c.fetch(key)
     # The server learns of the cancellation after the client has returned: wait (bounded)
     # for the aborted session to remove its temporary file.
@@ -224,7 +212,7 @@ def test_client_vanishing_mid_store_leaves_nothing_behind(kvserver):
 
 def test_sigterm_drains_and_exits_cleanly_keeping_data(start_server):
     server = start_server()
-    layers = make_layers(3, 4, torch.float16)
+    layers = random_layers(0, (2, 4, 8), 3, torch.float16)
     with KVClient(server.address) as c:
         key = c.store(MODEL, [1, 2, 3, 4], layers).chunk_key
     assert server.stop() == 0

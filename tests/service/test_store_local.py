@@ -16,7 +16,6 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import grpc
@@ -28,16 +27,10 @@ from kvclient.client import AsyncKVClient, KVClient, store_header
 from kvclient.errors import ResourceExhaustedError
 from kvservice.launcher import ServiceProcess
 from kvclient.local_store import StagingBuffer
-from kvcraft.keys import ModelSpec, chunk_key
+from kvcraft.keys import chunk_key
 from kvcraft.v1 import kvcraft_pb2 as pb
-from tests.service.store_local_helpers import LAYER_BYTES, MODEL, RawStoreLocal, staged_layers, staged_tokens
-
-
-@pytest.fixture
-def model(request) -> str:
-    """MODEL's shape under a name of this test's own: in the shared service its chunks are its alone."""
-    name = f"staged-{request.node.name}-{uuid.uuid4().hex}"
-    return ModelSpec(name, num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32").fingerprint()
+from tests.conftest import random_layers
+from tests.service.store_local_helpers import LAYER_BYTES, MODEL, MODEL_SHAPE, STAGED, RawStoreLocal, staged_tokens  # noqa: F401 (MODEL_SHAPE: `model`)
 
 
 def _equal(got, want) -> bool:
@@ -88,7 +81,7 @@ def _nothing_left(server, client: KVClient, tokens: list[int]) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_local_store_round_trips_bit_for_bit_through_both_fetch_paths_and_the_disk(start_server, dtype):
     server = start_server(host_budget_bytes=8 << 20)
-    want = {i: staged_layers(i, dtype) for i in range(3)}
+    want = {i: random_layers(i, STAGED, 4, dtype) for i in range(3)}
     with KVClient(server.address) as c:
         keys = {}
         for i, layers in want.items():
@@ -118,7 +111,7 @@ def test_local_store_round_trips_bit_for_bit_through_both_fetch_paths_and_the_di
 
 
 def test_local_and_grpc_stores_of_the_same_tensors_are_the_same_variant(shared_server, model):
-    layers = staged_layers(7)
+    layers = random_layers(7, STAGED, 4)
     with KVClient(shared_server.address, local_store=False) as remote, KVClient(shared_server.address) as local:
         a = remote.store(model, staged_tokens(1), layers)
         b = local.store(model, staged_tokens(1), layers)
@@ -130,7 +123,7 @@ def test_local_and_grpc_stores_of_the_same_tensors_are_the_same_variant(shared_s
 
 
 def test_async_client_stores_through_shared_memory(shared_server, model):
-    layers = staged_layers(3, torch.float16)
+    layers = random_layers(3, STAGED, 4, torch.float16)
 
     async def go():
         async with AsyncKVClient(shared_server.address) as c:
@@ -145,7 +138,7 @@ def test_async_client_stores_through_shared_memory(shared_server, model):
 # -- fallback --------------------------------------------------------------------------
 def test_client_falls_back_to_the_grpc_stream_when_the_service_has_it_off(start_server, caplog):
     server = start_server(local_store=False)
-    layers = staged_layers(2)
+    layers = random_layers(2, STAGED, 4)
     with KVClient(server.address) as c:
         raw = RawStoreLocal(server.address)
         try:
@@ -186,7 +179,7 @@ def test_a_service_in_another_pid_namespace_refuses_and_the_client_falls_back(tm
         pytest.skip(f"cannot make a pid namespace here: {probe.stderr.decode().strip()}")
     server = OtherPidNamespace(tmp_path / "data").start()
     try:
-        layers = staged_layers(6)
+        layers = random_layers(6, STAGED, 4)
         with KVClient(server.address) as c:
             r = c.store(MODEL, staged_tokens(6), layers)
             assert not r.local and not c.core.local_store  # refused once, gRPC from then on
@@ -212,7 +205,7 @@ def test_a_service_in_another_pid_namespace_refuses_and_the_client_falls_back(tm
 ])
 def test_a_staging_area_the_service_must_not_map_is_refused(start_server, name, area, code, match):
     server = start_server()
-    layers = staged_layers(4)
+    layers = random_layers(4, STAGED, 4)
     buf = StagingBuffer(4 * LAYER_BYTES)
     try:
         with KVClient(server.address) as c:
@@ -251,7 +244,7 @@ def _unsealed_area() -> pb.StagingArea:
 def test_local_stores_are_counted_in_flight_like_streams(start_server):
     """Each open co-located Store counts 4 layers against max_inflight_store_bytes (the
     staging memory is the client's own); past the budget a Store is refused, naming it."""
-    layers = staged_layers(1, n=8)
+    layers = random_layers(1, STAGED, 8)
     server = start_server(max_inflight_store_bytes=2 * 4 * LAYER_BYTES)
     held = [RawStoreLocal(server.address) for _ in range(2)]
     try:
@@ -277,7 +270,7 @@ def test_a_client_keeps_few_staging_areas_and_closes_them(start_server):
     server = start_server()
     c = KVClient(server.address)
     for i in range(5):
-        assert c.store(MODEL, staged_tokens(i), staged_layers(i)).local
+        assert c.store(MODEL, staged_tokens(i), random_layers(i, STAGED, 4)).local
     assert len(set(_staging_fds(os.getpid()))) <= local_store.IDLE_AREAS  # reused, not one per Store
     assert set(_staging_fds(server.proc.pid)) <= set(_staging_fds(os.getpid()))  # only this client's areas
     c.close()
@@ -287,7 +280,7 @@ def test_a_client_keeps_few_staging_areas_and_closes_them(start_server):
 
 # -- bad input, abandoned and crashed Stores ----------------------------------------------
 def _protocol_error(server, c: KVClient, steps, match: str) -> None:
-    layers = staged_layers(4)
+    layers = random_layers(4, STAGED, 4)
     raw = RawStoreLocal(server.address)
     try:
         with pytest.raises(grpc.RpcError) as e:
@@ -355,7 +348,7 @@ def test_staging_rewritten_after_it_was_staged_changes_nothing(start_server):
     wrote its own copy, so the payload file, its checksums and the host copy all hold the
     layer as it was staged."""
     server = start_server(host_budget_bytes=8 << 20)
-    layers = staged_layers(4)
+    layers = random_layers(4, STAGED, 4)
     raw = RawStoreLocal(server.address)
     try:
         raw.start(staged_tokens(4), layers)
@@ -375,7 +368,7 @@ def test_staging_scribbled_on_during_the_store_is_stored_consistently(start_serv
     """A client that keeps writing its area while the Store runs gets one version of
     each layer stored, the same in the payload file, its checksums and the host copy."""
     server = start_server(host_budget_bytes=8 << 20)
-    layers = staged_layers(4)
+    layers = random_layers(4, STAGED, 4)
     raw = RawStoreLocal(server.address)
     stop = threading.Event()
 
@@ -405,7 +398,7 @@ def test_staging_scribbled_on_during_the_store_is_stored_consistently(start_serv
 
 def test_abandoned_store_leaves_nothing(start_server):
     server = start_server()
-    layers = staged_layers(4)
+    layers = random_layers(4, STAGED, 4)
     with KVClient(server.address) as c:
         raw = RawStoreLocal(server.address)
         raw.start(staged_tokens(4), layers)
@@ -420,9 +413,10 @@ def test_abandoned_store_leaves_nothing(start_server):
 
 _CRASHING_CLIENT = textwrap.dedent("""
     import os, signal, sys
-    from tests.service.store_local_helpers import RawStoreLocal, staged_layers, staged_tokens
+    from tests.conftest import random_layers
+    from tests.service.store_local_helpers import STAGED, RawStoreLocal, staged_tokens
     raw = RawStoreLocal(sys.argv[1])
-    layers = staged_layers(4)
+    layers = random_layers(4, STAGED, 4)
     raw.start(staged_tokens(4), layers)
     raw.put_all(layers)
     raw.staged(2)
@@ -452,7 +446,7 @@ def test_client_killed_mid_store_leaves_nothing(start_server):
 
 def test_service_killed_mid_store_restarts_with_nothing_left(start_server):
     server = start_server()
-    layers = staged_layers(4)
+    layers = random_layers(4, STAGED, 4)
     raw = RawStoreLocal(server.address)
     try:
         raw.start(staged_tokens(4), layers)

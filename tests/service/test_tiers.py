@@ -12,15 +12,12 @@ import torch
 from kvclient.client import KVClient, Ref
 from kvclient.errors import NotFoundError, ResourceExhaustedError
 from kvcraft.keys import ModelSpec
+from tests.conftest import random_layers
 
 MODEL = ModelSpec("tier-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32").fingerprint()
 TOKENS = 8
+SHAPE = (2, TOKENS, 8)  # per layer, 2 layers
 SIZE = 2 * 2 * (2 * TOKENS * 8 * 4)  # layers * (K + V) * bytes = 2048
-
-
-def layers_for(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, TOKENS, 8, generator=g), torch.randn(2, TOKENS, 8, generator=g)) for _ in range(2)]
 
 
 def tokens_for(seed: int) -> list[int]:
@@ -76,8 +73,8 @@ def test_host_pressure_demotes_lowest_fr_first_like_brute_force(start_server):
         for step in range(40):
             if len(keys) < 3 or rng.random() < 0.35:
                 seed = len(keys)
-                r = c.store(MODEL, tokens_for(seed), layers_for(seed))
-                keys[r.variant_id], sent[r.variant_id] = r.chunk_key, layers_for(seed)
+                r = c.store(MODEL, tokens_for(seed), random_layers(seed, SHAPE))
+                keys[r.variant_id], sent[r.variant_id] = r.chunk_key, random_layers(seed, SHAPE)
                 _, times, _ = server_view(c, keys)
                 model.store(r.variant_id, times)
             else:
@@ -98,27 +95,27 @@ def test_host_pressure_demotes_lowest_fr_first_like_brute_force(start_server):
 def test_leased_and_pinned_variants_survive_any_pressure(start_server):
     server = start_server(host_budget_bytes=SIZE, disk_budget_bytes=4 * SIZE)
     with KVClient(server.address) as c:
-        leased = c.store(MODEL, tokens_for(0), layers_for(0))
-        pinned = c.store(MODEL, tokens_for(1), layers_for(1))
+        leased = c.store(MODEL, tokens_for(0), random_layers(0, SHAPE))
+        pinned = c.store(MODEL, tokens_for(1), random_layers(1, SHAPE))
         lease = c.lease([Ref(leased.chunk_key)], ttl_s=3600)
         assert lease.variant_ids == [leased.variant_id]
         assert c.pin(chunk_key=pinned.chunk_key) == 1
         for seed in range(2, 30):  # 7x the disk budget
-            c.store(MODEL, tokens_for(seed), layers_for(seed))
+            c.store(MODEL, tokens_for(seed), random_layers(seed, SHAPE))
         assert c.stats().evictions >= 26
         for r, seed in ((leased, 0), (pinned, 1)):
             got = c.fetch(r.chunk_key)
-            assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, layers_for(seed)))
+            assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, random_layers(seed, SHAPE)))
         assert c.evict(chunk_key=leased.chunk_key).skipped_protected == 1
         assert c.flush().skipped_protected == 2
 
         # Fill the disk again, protect everything: a store that needs room is refused.
         for seed in (40, 41):
-            c.store(MODEL, tokens_for(seed), layers_for(seed))
+            c.store(MODEL, tokens_for(seed), random_layers(seed, SHAPE))
         assert len(c.list_chunks().chunks) == 4
         everything = c.lease([Ref(i.chunk_key) for i in c.list_chunks().chunks], ttl_s=3600)
         with pytest.raises(ResourceExhaustedError, match="disk tier is full"):
-            c.store(MODEL, tokens_for(99), layers_for(99))
+            c.store(MODEL, tokens_for(99), random_layers(99, SHAPE))
         assert c.fetch(pinned.chunk_key)
 
         # Release and unpin: now the policy may take them.
@@ -133,11 +130,11 @@ def test_leased_and_pinned_variants_survive_any_pressure(start_server):
 def test_each_chunk_keeps_at_most_m_variants_lowest_fr_goes(start_server):
     server = start_server(max_variants_per_chunk=2)
     with KVClient(server.address) as c:
-        base = c.store(MODEL, tokens_for(0), layers_for(0))
-        prefixes = [[c.store(MODEL, tokens_for(s), layers_for(s)).chunk_key] for s in (1, 2)]
-        v1 = c.store(MODEL, tokens_for(0), layers_for(3), prefix_keys=prefixes[0])
+        base = c.store(MODEL, tokens_for(0), random_layers(0, SHAPE))
+        prefixes = [[c.store(MODEL, tokens_for(s), random_layers(s, SHAPE)).chunk_key] for s in (1, 2)]
+        v1 = c.store(MODEL, tokens_for(0), random_layers(3, SHAPE), prefix_keys=prefixes[0])
         list(c.fetch_layers([Ref(base.chunk_key, base.variant_id, 0.5)]))  # base fr = 2 > v1 fr = 0
-        v2 = c.store(MODEL, tokens_for(0), layers_for(4), prefix_keys=prefixes[1])
+        v2 = c.store(MODEL, tokens_for(0), random_layers(4, SHAPE), prefix_keys=prefixes[1])
         held = {i.variant_id for i in c.get_chunk(base.chunk_key)}
     assert held == {base.variant_id, v2.variant_id}
     assert v1.variant_id not in held
@@ -150,7 +147,7 @@ def test_metrics_endpoint_reports_tiers(start_server):
     server = start_server(metrics_port=port, host_budget_bytes=SIZE)
     with KVClient(server.address) as c:
         for seed in range(3):
-            c.store(MODEL, tokens_for(seed), layers_for(seed))
+            c.store(MODEL, tokens_for(seed), random_layers(seed, SHAPE))
         c.fetch(c.list_chunks().chunks[0].chunk_key)
         stats = c.stats()
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -163,19 +160,19 @@ def test_metrics_endpoint_reports_tiers(start_server):
 def test_same_host_fast_path_reads_the_slab_without_copies(start_server):
     server = start_server(host_budget_bytes=2 * SIZE)
     with KVClient(server.address) as c:
-        rs = [c.store(MODEL, tokens_for(s), layers_for(s)) for s in range(3)]  # one is only on disk
+        rs = [c.store(MODEL, tokens_for(s), random_layers(s, SHAPE)) for s in range(3)]  # one is only on disk
         with c.fetch_local([Ref(r.chunk_key) for r in rs[:2]]) as got:
             assert got.lease_id
             for layers, seed in zip(got.layers, (0, 1)):
                 assert layers is not None
-                for (k, v), (wk, wv) in zip(layers, layers_for(seed)):
+                for (k, v), (wk, wv) in zip(layers, random_layers(seed, SHAPE)):
                     assert torch.equal(k, wk) and torch.equal(v, wv)
             assert c.stats().leases == 1
         assert c.stats().leases == 0  # released on exit
         # A variant that is not in host memory is brought in (Locate promotes it).
         with c.fetch_local([Ref(rs[2].chunk_key)]) as got:
             (layers,) = got.layers
-            assert all(torch.equal(k, wk) for (k, _), (wk, _) in zip(layers, layers_for(2)))
+            assert all(torch.equal(k, wk) for (k, _), (wk, _) in zip(layers, random_layers(2, SHAPE)))
         # Too big for the host tier: no location; the caller falls back to FetchLayers.
         big = c.store(MODEL, list(range(1000, 1100)), [(torch.zeros(2, 100, 8), torch.zeros(2, 100, 8))] * 2)
         with c.fetch_local([Ref(big.chunk_key)]) as got:

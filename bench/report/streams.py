@@ -1,0 +1,99 @@
+"""Results views of the fidelity streams (kvbench.quality.fidelity_stream): each stream's tables,
+and every stream's summary in one table."""
+
+from __future__ import annotations
+
+from kvbench.report.markdown import pct, sources, table
+
+Named = list[tuple[str, dict]]
+ANSWER_TOKENS = 16  # answer tokens compared under teacher forcing: engine_adapter.fidelity's (fidelity_stream checks)
+
+
+def answers_line(a: dict, tokens: int = ANSWER_TOKENS) -> str:
+    """The answers' agreement under teacher forcing: whole stream, settled, and per budget the
+    service's tally against the truth of all its requests."""
+    per = "; ".join(f"{h['budget']:.2f}: service {ratio(h.get('service_answer_agreement'))}, true "
+                    f"{ratio(h['true_answer_agreement'])}" for h in a["honesty"])
+    return (f"Answers under teacher forcing (the first {tokens} tokens after the first): true agreement "
+            f"{ratio(a['overall']['answer_agreement'])} over the stream ({a['overall']['answer_tokens']} tokens), "
+            f"{ratio(a['settled']['answer_agreement'])} settled; per budget, {per}.")
+
+
+def ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def stream_tables(result: dict) -> str:
+    """A stream's report as tables: the adaptive run, each budget's samples against the truth, the
+    fixed policies; "smallest fixed budget" under them."""
+    rep, meta_ = result["report"], result["meta"]
+    a, s = rep["adaptive"], rep["sweep"]
+    st, c = a["settled"], a["sampling_cost"]
+    moves = ", ".join(f"{t['to']:.2f} from request {t['request']}" for t in a["trajectory"])
+    state = ", ".join(f"{b['budget']:.2f} {b['state']}" for b in a["service_budgets"])
+    lines = [f"**{meta_['task']}** ({a['requests']} requests, {meta_['prompt_tokens_mean']:.0f} prompt tokens on "
+             f"average): budget {moves}; at the end the service says {state}.", "",
+             "| adaptive run | requests | true agreement (s.e.) | computed | computed, as retrieved | TTFT (ms) |",
+             "|---|---|---|---|---|---|"]
+    for name, r in (("whole stream", a["overall"]), (f"settled ({a['settled_budget']:.2f}, from request "
+                                                    f"{a['settled_from_request']})", st)):
+        lines.append(f"| {name} | {r['requests']} | {r['agreement']:.3f} ({r['se']:.3f}) | {pct(r['computed_share'])} "
+                     f"| {pct(r['computed_share_as_retrieved'])} | {r['ttft_s'] * 1e3:.1f} |")
+    lines += ["", f"Sampled {a['sampled']} of {a['requests']} requests ({a['blended']} blended; {a['sampled_after_settle']} "
+              f"after the settle; {c.get('shadow_blends', 0)} of the shadows also blended at a budget below); the "
+              f"shadows computed {pct(c['row_share'])} of all row-layers (served + shadows), "
+              f"{c['shadow_s']:.1f} s beside {c['served_compute_s']:.1f} s of served compute ({c['served_ttft_s']:.1f} s "
+              f"of TTFT); TTFT of sampled requests {a['ttft_sampled_s'] * 1e3:.1f} ms, of unsampled "
+              f"{a['ttft_unsampled_s'] * 1e3:.1f} ms." + (" " + answers_line(a, ANSWER_TOKENS) if a["overall"].get("answer_tokens")
+                                                          else ""), "",
+              "| budget | requests served (blended) | service's samples (shadow blends) | Wilson 95% | true, all its "
+              "requests | covered | fixed run at that budget | covered |", "|---|---|---|---|---|---|---|---|"]
+    for h in a["honesty"]:
+        iv = f"[{h['wilson_lower']:.3f}, {h['wilson_upper']:.3f}]" if "wilson_lower" in h else "no samples"
+        fewer = f" (its first {h['fixed_requests']} requests)" if h.get("fixed_requests", a["requests"]) < a["requests"] \
+            else ""
+        fixed = (f"{h['fixed_agreement']:.3f}{fewer} | {'yes' if h['covers_fixed'] else 'no'}" if "covers_fixed" in h
+                 else "- | -")
+        served = (f"{h['true_agreement_all']:.3f} | {'yes' if h.get('covers_all') else 'no'}"
+                  if h["true_agreement_all"] is not None else "- | -")
+        lines.append(f"| {h['budget']:.2f} | {h['requests']} ({h['blended']}) | {h.get('service_samples', 0)} "
+                     f"({h.get('service_top1_agree', 0)} agree; {h.get('service_shadow_blends', 0)}) | {iv} | "
+                     f"{served} | {fixed} |")
+    lines += ["", "| fixed policy | requests | true agreement (s.e.) | computed | computed, as retrieved | TTFT (ms) |",
+              "|---|---|---|---|---|---|"]
+    for t in s["table"]:
+        name = t["policy"] + (f" ({t['timed']} of them timed; the others' full prefill was their shadow)"
+                              if t.get("timed", t["requests"]) < t["requests"] else "")
+        lines.append(f"| {name} | {t['requests']} | {t['agreement']:.3f} ({t['se']:.3f}) | "
+                     f"{pct(t['computed_share'])} | {pct(t.get('computed_share_as_retrieved', 1.0))} | "
+                     f"{t['ttft_s'] * 1e3:.1f} |")
+    b = s["smallest_budget_meeting_target"]
+    swept = {t["requests"] for t in s["table"] if not t["policy"].startswith(("full", "adaptive"))}
+    lines += ["", ("" if swept <= {a["requests"]} else f"(The sweep served the stream's first {min(swept)} requests.) ")
+              + "Smallest fixed budget with true agreement >= 0.95: " + (
+        "none" if b is None else f"{b:.2f} ({pct(s['its_computed_share'])} computed); the adaptive run's settled "
+                                 f"share over it: {s['settled_share_ratio']:.2f}x") + "."]
+    return "\n".join(lines)
+
+
+def stream(named: Named) -> str:
+    return "\n\n".join(stream_tables(r) for _, r in named) + f"\n\n{sources(named)}"
+
+
+def streams_summary(named: Named) -> str:
+    """One row per stream: where the budget settled, its true agreement and share computed, against
+    the least fixed budget whose true agreement meets the target."""
+    rows = []
+    for _, r in named:
+        m, a, s = r["meta"], r["report"]["adaptive"], r["report"]["sweep"]
+        st, least = a["settled"], s["smallest_budget_meeting_target"]
+        rows.append([m["task"], m["seed"], f"{m['requests']:,}", f"{a['settled_budget']:.2f} ({a['settled_from_request']})",
+                     f"{st['agreement']:.3f} ({st['se']:.3f})", pct(st["computed_share"]),
+                     "-" if least is None else f"{least:.2f} ({pct(s['its_computed_share'])})",
+                     "-" if s["settled_share_ratio"] is None else f"{s['settled_share_ratio']:.2f}x"])
+    return table(["stream", "draw", "requests", "settled at (from request)", "true agreement, settled (s.e.)",
+                  "computed, settled", "least fixed budget meeting the target (its computed)", "settled / it"],
+                 rows) + f"\n\n{sources(named)}"
+
+
+VIEWS = {"stream": stream, "streams-summary": streams_summary}

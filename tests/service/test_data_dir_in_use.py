@@ -1,0 +1,104 @@
+"""A data dir another live process holds is refused as in use, naming that process, never
+reported as damaged: `kvcraft serve` and `kvcraft repair` both refuse it, change nothing,
+and the service holding it keeps serving."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvclient.client import KVClient
+from kvcraft.keys import ModelSpec
+from kvservice.config import load_config
+from kvservice.datadir import DataDirInUse
+from kvservice.launcher import ServiceProcess
+from kvservice.metadata import MetadataDB
+from kvservice.store import ChunkStore
+from tests.conftest import random_layers
+
+MODEL = ModelSpec("in-use", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32").fingerprint()
+TOKENS = [5, 6, 7, 8]
+
+
+def _kvcraft(*argv: str) -> subprocess.CompletedProcess:
+    """The `kvcraft` command as users run it (its front, `kvcli.main`)."""
+    return subprocess.run([sys.executable, "-m", "kvcli.main", *argv], capture_output=True, text=True, timeout=120)
+
+
+def _tree(data: Path) -> dict[str, bytes]:
+    """Every file of the data dir and its bytes, the lock file aside (its holder writes it)."""
+    return {str(p.relative_to(data)): p.read_bytes() for p in sorted(data.rglob("*"))
+            if p.is_file() and p.name != "kvcraft.lock" and p.parent.name != "metadata"}
+
+
+def test_serve_and_repair_refuse_a_live_data_dir_naming_its_holder_and_it_keeps_serving(tmp_path):
+    data = tmp_path / "data"
+    with ServiceProcess(data) as first, KVClient(first.address) as c:
+        key = c.store(MODEL, TOKENS, random_layers(1)).chunk_key
+        holder = first.proc.pid
+        metadata_files = sorted(p.name for p in (data / "metadata").iterdir())
+        before = _tree(data)
+
+        serve = _kvcraft("serve", "--data-dir", str(data), "--host", "127.0.0.1", "--port", "0")
+        assert serve.returncode == 2, serve.stderr
+        assert f"data dir {data} is in use by process {holder}" in serve.stderr, serve.stderr
+        assert "kvservice.cli serve" in serve.stderr  # the holder's command line, from the kernel's lock table
+        assert "is damaged" not in serve.stderr and "metadata in" not in serve.stderr and "Traceback" not in serve.stderr
+
+        repair = _kvcraft("repair", "--data-dir", str(data))
+        assert repair.returncode == 2, repair.stderr
+        assert "refused, nothing was changed" in repair.stderr and f"in use by process {holder}" in repair.stderr
+        assert not list(data.glob("metadata.damaged-*"))  # the live metadata was not moved aside
+        assert sorted(p.name for p in (data / "metadata").iterdir()) == metadata_files
+        assert _tree(data) == before
+
+        got = c.fetch(key)  # the first service still serves what it held, bit for bit, and takes more
+        assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, random_layers(1)))
+        c.store(MODEL, [9, 10, 11, 12], random_layers(2))
+        assert c.stats().variants == 2
+    # Refused because it was held, not for anything in the data dir: once the holder is gone,
+    # the same data dir serves.
+    with ServiceProcess(data) as second, KVClient(second.address) as c:
+        assert c.stats().variants == 2
+
+
+def test_a_second_store_in_one_process_is_refused_as_in_use(tmp_path):
+    cfg = load_config(env={}, overrides={"data_dir": str(tmp_path / "data"), "host_budget_bytes": 1 << 20})
+    store = ChunkStore(cfg)
+    try:
+        with pytest.raises(DataDirInUse, match="is in use by pid") as e:
+            ChunkStore(cfg)
+        assert "is damaged" not in str(e.value) and "metadata in" not in str(e.value)
+    finally:
+        store.close()
+    ChunkStore(cfg).close()  # released at close
+
+
+HOLD_METADATA = """
+import sys, time
+from kvservice.metadata import MetadataDB
+db = MetadataDB(sys.argv[1])
+print("open", flush=True)
+time.sleep(120)
+"""
+
+
+def test_metadata_held_without_the_data_dir_lock_is_in_use_naming_the_process(tmp_path):
+    """A process that holds the metadata through RocksDB's own lock alone (another tool, an
+    older build) is named from the kernel's lock table: in use, not damaged."""
+    path = tmp_path / "data" / "metadata"
+    path.parent.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", HOLD_METADATA, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "open"
+        with pytest.raises(DataDirInUse, match=f"is in use by process {other.pid} ") as e:
+            MetadataDB(path)
+        assert "is damaged" not in str(e.value) and "metadata in" not in str(e.value)
+    finally:
+        other.kill()
+        other.wait()
+    MetadataDB(path).close()  # the holder gone, it opens
