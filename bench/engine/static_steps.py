@@ -66,12 +66,13 @@ def _prompt(engine: LlamaEngine, chunk_len: int, chunks: int = 3, question: int 
     return segments, {i: v.kv for i, v in stored.items()}
 
 
-def run(path: str, chunk_len: int, device: str) -> list[dict]:
+def run(path: str, chunk_len: int, device: str, **buckets: int) -> list[dict]:
+    """`buckets`: `graphs.StepGraphs`' tokens_step and rows_step (default: a deployment's)."""
     torch_step = LlamaEngine.from_pretrained(path, dtype=torch.float32)
     if device != "cpu":
         torch_step = LlamaEngine(torch_step.cfg, {n: w.to(device) for n, w in torch_step.w.items()}, triton=False)
     triton_step = LlamaEngine(torch_step.cfg, torch_step.w, triton=True)
-    static = StepGraphs(triton_step)
+    static = StepGraphs(triton_step, **buckets)
     rows = []
     with torch.device(device):
         segments, kv = _prompt(torch_step, chunk_len)

@@ -1,5 +1,5 @@
 """A Mooncake cluster across simulated hosts: the master and three kvcraft nodes, each in a
-network namespace of its own (kvbench.netns), configured as docs/scale-out.md tells an
+network namespace of its own (kvbench.common.netns), configured as docs/scale-out.md tells an
 operator to, and an engine process (the trained quality model behind a RAGAdapter) on
 each node's host. This process is the operator: it reaches every host through the switch.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench import netns
+from kvbench.common import netns
 from kvbench.quality.modeling import MODEL_DIR
 from kvservice.cluster.mooncake import MasterProcess, MooncakeClient, RemoteSettings
 from kvservice.cluster.view import ClusterView

@@ -96,7 +96,7 @@ def smollm2_prompts(model_dir: Path) -> tuple[LlamaEngine, list]:
     """SmolLM2-135M and two MuSiQue records of two passages, the instruction first."""
     from transformers import AutoTokenizer
 
-    from kvbench import musique
+    from kvbench.common import musique
 
     engine = LlamaEngine.from_pretrained(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvbench import kernels as bench
+from kvbench.engine import kernels as bench
 
 pytestmark = pytest.mark.slow  # over ~10 s: after the inner loop (README, "Developing")
 
