@@ -148,11 +148,10 @@ class StaticStep:
         if rows_out:
             self.cand = torch.zeros(rows, dtype=torch.long, device=dev)  # the candidates' slots among the rows
             self.counts = torch.zeros(2, dtype=torch.long, device=dev)  # candidates, and how many of them stay
-            self.choice = Choice(self.cand, self.counts[0], self.counts[1], rows_out)
+            self.choice = Choice(self.cand, self.counts[0], self.counts[1], rows_out, self._after_choice)
             self.out_rows = StaticRows(caches, rows_out, dev)
             self.h_out = torch.zeros(rows_out, c.hidden_size, dtype=engine.dtype, device=dev)
             self.cand_out = torch.zeros(rows, dtype=torch.long, device=dev)
-            self.rows.after_choice = self._after_choice
         # (layer, reads, segments: `Caches.segments_of`, 0 for no mass) -> what the step made, its graph
         self.out: dict[tuple[int, bool, int], Stepped] = {}
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}

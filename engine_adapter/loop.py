@@ -121,8 +121,8 @@ class _Loop:
         chosen: list[RowSet] = []
         choice = None
         if keep is not None:
-            p.step.after_choice = lambda kept, real, cand: self.chosen(p, kept, cand, keep, chosen)
-            choice = Choice(p.cand, p.n_cand, keep, p.rows.shape[0] - p.n_cand + keep)
+            choice = Choice(p.cand, p.n_cand, keep, p.rows.shape[0] - p.n_cand + keep,
+                            lambda kept, real, cand: self.chosen(p, kept, cand, keep, chosen))
         cache = self.merge.cache(layer, got, p, keep is not None)
         reads_rows = None
         if key_reads is not None:
@@ -141,8 +141,8 @@ class _Loop:
         """Where the attention adds up what the question reads of each key: the static steps'
         bucket's (over its tokens: the first n are the prompt's), else one over the prompt's."""
         if self.reads is None:
-            self.reads = self.static.reads() if self.static is not None else None
-            self.reads = self.reads if self.reads is not None else KeyReads(self.lay.n, self.m.device)
+            bucket = self.static.reads() if self.static is not None else None
+            self.reads = bucket if bucket is not None else KeyReads(self.lay.n, self.m.device)
         return self.reads
 
     def seen(self, out: Stepped, p: RowSet, cand: Tensor | None, question_mass: bool) -> Seen:

@@ -96,9 +96,6 @@ class Rows:
     rot: Rotation  # tables at their positions
     visible: "str | Visibility | None"
     memo: dict = field(default_factory=dict)  # what a step derives from them once (`index_of`)
-    # after a choice (`Choice`): (the indices kept into these rows, which of those slots hold a
-    # row, the kept candidates' indices among them) -> the rows the rest of the layer runs
-    after_choice: Callable[[Tensor, Tensor, Tensor], "Rows"] | None = None
 
     @property
     def count(self) -> int:
@@ -139,6 +136,10 @@ class Choice:
     n_cand: "int | Tensor"
     keep: "int | Tensor"
     rows_out: int  # slots of rows after the choice (exactly R - C + keep where not static)
+    # (the indices kept into the rows, which of those slots hold a row, the kept candidates'
+    # indices among them) -> the rows the rest of the layer runs (the caller's: eagerly a new
+    # set of rows, in a static step its buffers of rows out)
+    rows_after: Callable[[Tensor, Tensor, Tensor], "Rows"]
 
 
 @dataclass
@@ -236,7 +237,7 @@ def _choose(out: Stepped, choice: Choice, old: tuple[Tensor, Tensor, Tensor]) ->
     real_out = slots_out <= counts[-1]
     picked = torch.searchsorted(chosen.long().cumsum(0), slots).clamp_(max=choice.cand.shape[0] - 1)
     cand_out = counts.index_select(0, choice.cand.index_select(0, picked)) - 1
-    after = rows.after_choice(kept, real_out, cand_out)
+    after = choice.rows_after(kept, real_out, cand_out)
     return Stepped(after, out.rows_in, out.h.index_select(0, kept), out.q.index_select(1, kept), out.qkv, K, V,
                    kept=kept, cand_out=cand_out, deviation=dev, rotate_s=out.rotate_s)
 
