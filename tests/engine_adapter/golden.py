@@ -163,9 +163,10 @@ def run_case(engine: LlamaEngine, chunks: list[tuple[int, ...]], question: tuple
     }
 
 
-def run_model(model: str, model_dir: Path | None = None, prompts: int | None = None) -> dict[str, dict[str, Any]]:
-    """Every case of `model` on each of its prompts (the first `prompts` of them):
-    {"<prompt>/<case>": outputs}."""
+def run_model(model: str, model_dir: Path | None = None, prompts: int | None = None,
+              cases: set[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Every case of `model` (those named in `cases`) on each of its prompts (the first `prompts`
+    of them): {"<prompt>/<case>": outputs}."""
     engine, prompts_ = quality_prompts() if model == "quality" else smollm2_prompts(model_dir)
     out = {}
     threads = torch.get_num_threads()
@@ -175,7 +176,8 @@ def run_model(model: str, model_dir: Path | None = None, prompts: int | None = N
             for i, (chunks, question, stranger) in enumerate(prompts_[:prompts]):
                 stored = stored_variants(engine, chunks, stranger)
                 for name, spec, serve in CASES[model]:
-                    out[f"{i}/{name}"] = run_case(engine, chunks, question, stored, spec, serve)
+                    if cases is None or name in cases:
+                        out[f"{i}/{name}"] = run_case(engine, chunks, question, stored, spec, serve)
     finally:
         torch.set_num_threads(threads)
     return out
