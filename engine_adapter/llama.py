@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from engine_adapter.attention import CAUSAL
@@ -35,6 +36,13 @@ from kvcraft.keys import ModelSpec
 from kvkernels import RopeConfig, rope_tables
 from kvkernels.layer import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
 from kvkernels.layer import silu_mul_reference, silu_mul_triton
+
+# The architectures a layer's linear parts follow (HF `model_type` -> its class): they differ
+# by a bias on the q/k/v projections (Qwen2; Llama's `attention_bias`, with o_proj's) and an
+# RMSNorm of each q and k head before RoPE (Qwen3); Mistral's layer is Llama's.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -52,6 +60,15 @@ class LlamaConfig:
     rope_scaling: tuple[tuple[str, object], ...] = ()
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 8192
+    architecture: str = "llama"  # HF model_type (`ARCHITECTURES`)
+    qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # o_proj with a bias (Llama's attention_bias)
+    qk_norm: bool = False  # RMSNorm of each q and k head over the head dim, before RoPE (Qwen3)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not one kvcraft blends "
+                             f"(known: {', '.join(ARCHITECTURES)})")
 
     @classmethod
     def named(cls, name: str) -> "LlamaConfig":
@@ -70,10 +87,23 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict, name: str | None = None) -> "LlamaConfig":
-        """From an HF config.json dict (transformers 4 `rope_theta`/`rope_scaling`, or 5 `rope_parameters`)."""
+        """From an HF config.json dict (transformers 4 `rope_theta`/`rope_scaling`, or 5 `rope_parameters`)
+        of a Llama, Mistral, Qwen2 or Qwen3 model. Refused: sliding-window attention (the blend's
+        attention sees every earlier key) and an MLP with biases."""
+        arch = hf.get("model_type", "llama")
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"model_type {arch!r} is not one kvcraft blends (known: {', '.join(ARCHITECTURES)})")
+        window = hf.get("sliding_window")
+        if hf.get("use_sliding_window") or (arch == "mistral" and window and window < hf.get(
+                "max_position_embeddings", 0)):
+            raise ValueError(f"{arch} with sliding-window attention (sliding_window={window}) is not supported: "
+                             "the blend's attention sees every earlier key")
+        if hf.get("mlp_bias"):
+            raise ValueError("an MLP with biases (mlp_bias) is not supported")
         params = dict(hf.get("rope_parameters") or {})
         theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
         scaling = params if params.get("rope_type", "default") != "default" else dict(hf.get("rope_scaling") or {})
+        llama_bias = arch in ("llama", "mistral") and bool(hf.get("attention_bias", False))
         return cls(
             name=name or hf.get("_name_or_path") or hf.get("model_type", "llama"),
             vocab_size=hf["vocab_size"],
@@ -88,20 +118,27 @@ class LlamaConfig:
             rope_scaling=tuple(sorted(scaling.items())),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 8192),
+            architecture=arch,
+            qkv_bias=arch == "qwen2" or llama_bias or (arch == "qwen3" and bool(hf.get("attention_bias", False))),
+            o_bias=llama_bias or (arch == "qwen3" and bool(hf.get("attention_bias", False))),
+            qk_norm=arch == "qwen3",
         )
 
     def to_hf(self) -> dict:
         """HF config.json content (transformers 5 `rope_parameters` form)."""
+        if self.qkv_bias != self.o_bias and self.architecture != "qwen2" or self.qk_norm != (self.architecture == "qwen3"):
+            raise ValueError(f"no HF {self.architecture} config has these biases and norms")
         rope = {"rope_type": "default", **dict(self.rope_scaling), "rope_theta": self.rope_theta}
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "_name_or_path": self.name,
+            "architectures": [ARCHITECTURES[self.architecture]], "model_type": self.architecture,
+            "_name_or_path": self.name, "sliding_window": None, "use_sliding_window": False,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "hidden_act": "silu",
             "rope_parameters": rope, "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": False, "mlp_bias": False,
+            "attention_bias": self.o_bias, "mlp_bias": False,
         }
 
     def rope(self) -> RopeConfig:
@@ -131,6 +168,13 @@ def _hf_names(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
             p + "mlp.down_proj.weight": (d, cfg.intermediate_size),
         }
+        if cfg.qkv_bias:
+            names |= {p + f"self_attn.{x}_proj.bias": (n * hd,)
+                      for x, n in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads))}
+        if cfg.o_bias:
+            names[p + "self_attn.o_proj.bias"] = (d,)
+        if cfg.qk_norm:
+            names |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = (cfg.vocab_size, d)
     return names
@@ -163,11 +207,13 @@ class LlamaEngine:
         into them (no second copy of the weights)."""
         c = self.cfg
         self.w_qkv: list[Tensor] = []
+        self.b_qkv: list[Tensor] = []  # with `qkv_bias`
         self.w_gate_up: list[Tensor] = []
         for layer in range(c.num_layers):
             p = f"model.layers.{layer}."
-            names = [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"]
-            self.w_qkv.append(self._fused(names))
+            self.w_qkv.append(self._fused([p + f"self_attn.{x}_proj.weight" for x in "qkv"]))
+            if c.qkv_bias:
+                self.b_qkv.append(self._fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"]))
             self.w_gate_up.append(self._fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
 
     def _fused(self, names: list[str]) -> Tensor:
@@ -227,18 +273,30 @@ class LlamaEngine:
     # ---- a layer's linear parts, on selected rows ------------------------------------------
 
     def _norm(self, x: Tensor, name: str) -> Tensor:
-        return (rms_norm_triton if self.triton else rms_norm_reference)(x, self.w[name], self.cfg.rms_norm_eps)
+        """RMSNorm over the last dim (rows [R, d], or a head's [H, R, D]: the kernel takes 2-D rows)."""
+        if not self.triton:
+            return rms_norm_reference(x, self.w[name], self.cfg.rms_norm_eps)
+        if x.dim() == 2:
+            return rms_norm_triton(x, self.w[name], self.cfg.rms_norm_eps)
+        return rms_norm_triton(x.reshape(-1, x.shape[-1]), self.w[name], self.cfg.rms_norm_eps).view(x.shape)
 
     def embed(self, tokens: Tensor) -> Tensor:
         return self.w["model.embed_tokens.weight"][tokens]  # [R, d]
 
     def qkv_heads(self, layer: int, h: Tensor) -> Tensor:
-        """[Hq+2Hkv, R, D]: q, k, v heads of hidden rows h [R, d] in one matmul (pre-RoPE).
-        Leading batch dims pass through ([..., R, d] -> [..., H, R, D]; plain torch only)."""
+        """[Hq+2Hkv, R, D]: q, k, v heads of hidden rows h [R, d] in one matmul (pre-RoPE; Qwen3's
+        q and k heads normalized). Leading batch dims pass through ([..., R, d] -> [..., H, R, D];
+        plain torch only)."""
         c = self.cfg
-        x = self._norm(h, f"model.layers.{layer}.input_layernorm.weight")  # [R, d]
-        y = x @ self.w_qkv[layer].T  # [R, H*D]
-        return y.view(*y.shape[:-1], c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(-3, -2)
+        p = f"model.layers.{layer}."
+        x = self._norm(h, p + "input_layernorm.weight")  # [R, d]
+        y = x @ self.w_qkv[layer].T if not c.qkv_bias else F.linear(x, self.w_qkv[layer], self.b_qkv[layer])
+        heads = y.view(*y.shape[:-1], c.num_heads + 2 * c.num_kv_heads, c.head_dim).transpose(-3, -2)  # [R, H*D]
+        if not c.qk_norm:
+            return heads
+        q, k, v = heads.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=-3)
+        return torch.cat((self._norm(q, p + "self_attn.q_norm.weight"), self._norm(k, p + "self_attn.k_norm.weight"),
+                          v), dim=-3)
 
     def layer_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
         """The rest of the layer after attention, for hidden rows h [R, d] and their attention
@@ -248,8 +306,9 @@ class LlamaEngine:
         o = o.transpose(-3, -2).reshape(*o.shape[:-3], o.shape[-2], -1)  # [R, Hq*D]
         add_norm, act = ((add_rms_norm_triton, silu_mul_triton) if self.triton
                          else (add_rms_norm_reference, silu_mul_reference))
-        h, x = add_norm(h, o @ self.w[p + "self_attn.o_proj.weight"].T, self.w[p + "post_attention_layernorm.weight"],
-                        self.cfg.rms_norm_eps)  # [R, d] each
+        wo = self.w[p + "self_attn.o_proj.weight"]
+        out = o @ wo.T if not self.cfg.o_bias else F.linear(o, wo, self.w[p + "self_attn.o_proj.bias"])
+        h, x = add_norm(h, out, self.w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps)  # [R, d] each
         return h + act(x @ self.w_gate_up[layer].T) @ self.w[p + "mlp.down_proj.weight"].T  # [R, d]
 
     def logits(self, h: Tensor) -> Tensor:
