@@ -7,9 +7,9 @@ embedding, so a chunk's K can be stored RoPE-free and rotated to any new positio
 what follows the attention (`layer_out`: o-proj, residual, RMSNorm, MLP, residual). Q/K/V and
 gate/up are one matmul each (the HF weights are views into the fused ones).
 
-`prefill` is the plain full prefill, the layer step over every row (causal SDPA, RoPE from the
-engine's own config): the ground truth a blended prefill is checked against, and the fast
-path when nothing is reused.
+`prefill` (`model.LayerModel`) is the plain full prefill, the layer step over every row (causal
+SDPA, RoPE from the engine's own config): the ground truth a blended prefill is checked against,
+and the fast path when nothing is reused.
 
 On CUDA (`triton`) the steps between the matmuls are fused Triton kernels (`kvkernels.layer`):
 RMSNorm, the residual add with the next RMSNorm, SiLU-mul (and, in the step, the rotation
@@ -30,10 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine_adapter.attention import CAUSAL
-from engine_adapter.step import LayerCache, Rotation, Rows, layer_step
+from engine_adapter.model import LayerModel
 from kvcraft.keys import ModelSpec
-from kvkernels import RopeConfig, rope_tables
+from kvkernels import RopeConfig
 from kvkernels.layer import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
 from kvkernels.layer import silu_mul_reference, silu_mul_triton
 
@@ -180,8 +179,8 @@ def _hf_names(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return names
 
 
-class LlamaEngine:
-    """Weights + a layer's linear parts on selected rows.
+class LlamaEngine(LayerModel):
+    """Weights + a layer's linear parts on selected rows (`model.LayerModel`).
 
     `rope` is the RoPE the engine's own `prefill` uses (default: from `cfg`). It exists
     separately so a misconfigured engine can be built on purpose (the reuse probe's test).
@@ -264,12 +263,6 @@ class LlamaEngine:
         """Where the weights are (and so where a prefill computes)."""
         return self.w["model.embed_tokens.weight"].device
 
-    def model_spec(self) -> ModelSpec:
-        c = self.cfg
-        return ModelSpec(name=c.name, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                         head_dim=c.head_dim, dtype=str(self.dtype).removeprefix("torch."),
-                         rope_theta=c.rope_theta, rope_scaling=c.rope_scaling)
-
     # ---- a layer's linear parts, on selected rows ------------------------------------------
 
     def _norm(self, x: Tensor, name: str) -> Tensor:
@@ -314,28 +307,6 @@ class LlamaEngine:
     def logits(self, h: Tensor) -> Tensor:
         head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
         return self._norm(h, "model.norm.weight") @ head.T  # [R, V]
-
-    # ---- plain full prefill ------------------------------------------------------------
-
-    @torch.no_grad()
-    def prefill(self, tokens: Tensor, start_pos: int = 0, *, all_logits: bool = True, last: int = 1
-                ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """Logits and per-layer KV (K post-RoPE [Hkv,T,D], V) of tokens at start_pos..
-
-        Logits are [T, V], or [last, V] for the last `last` tokens alone with
-        all_logits=False (what serving needs: the first output token; the vocabulary
-        projection of every row is a large share of a small model's prefill).
-        """
-        tokens = torch.as_tensor(tokens, dtype=torch.long)
-        pos = torch.arange(start_pos, start_pos + len(tokens))
-        rows = Rows(torch.arange(len(tokens)), pos, Rotation(*rope_tables(self.rope, pos), self.triton), CAUSAL)
-        h = self.embed(tokens)  # [T, d]
-        kv = []
-        for layer in range(self.cfg.num_layers):
-            out = layer_step(self, layer, h, rows, LayerCache(None, None, None))
-            kv.append((out.K, out.V))
-            h = out.h
-        return self.logits(h if all_logits else h[-last:]), kv
 
 
 __all__ = ["LlamaConfig", "LlamaEngine", "rope_for_spec"]

@@ -171,14 +171,22 @@ def chunk_spec(vllm_config: "VllmConfig") -> ModelSpec:
     """The ModelSpec chunk variants are keyed by when blending: the one
     `engine_adapter.llama.LlamaEngine.from_pretrained(model dir)` gives (folder name,
     shape, dtype, RoPE), so chunks stored by the reference engine (RAGAdapter) and by
-    this connector serve each other."""
+    this connector serve each other; a quantized model's name carries its quantization
+    (`blend_name`: its KV is not the unquantized model's)."""
     from engine_adapter.llama import LlamaConfig
 
     mc = vllm_config.model_config
-    c = LlamaConfig.from_hf(mc.hf_config.to_dict(), name=Path(str(mc.model)).name)
+    c = LlamaConfig.from_hf(mc.hf_config.to_dict(), name=blend_name(mc))
     return ModelSpec(name=c.name, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      dtype=str(mc.dtype).removeprefix("torch."), rope_theta=c.rope_theta,
                      rope_scaling=c.rope_scaling)
+
+
+def blend_name(model_config: Any) -> str:
+    """The name chunk variants of this vLLM model are keyed by: its folder's (the reference
+    engine's), with "/<quantization>" where vLLM quantized it."""
+    quant = getattr(model_config, "quantization", None)
+    return Path(str(model_config.model)).name + (f"/{quant}" if quant else "")
 
 
 def chunk_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> str:

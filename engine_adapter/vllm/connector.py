@@ -79,13 +79,14 @@ class KVCraftConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         self.chunk_model_id = ""
         if self.settings.blend_policy != "off":
-            from engine_adapter.vllm.model import ARCHITECTURE
+            from engine_adapter.vllm.model import ARCHITECTURES
 
             archs = list(getattr(vllm_config.model_config, "architectures", None) or [])
-            if ARCHITECTURE not in archs:
-                raise ValueError(f"kv_connector_extra_config blend_policy={self.settings.blend_policy!r} needs the "
-                                 f"model class {ARCHITECTURE}: start vLLM with hf_overrides={{'architectures': "
-                                 f"['{ARCHITECTURE}']}} (model architectures now: {archs})")
+            if not set(ARCHITECTURES) & set(archs):
+                raise ValueError(f"kv_connector_extra_config blend_policy={self.settings.blend_policy!r} needs one of "
+                                 f"the model classes {', '.join(ARCHITECTURES)}: start vLLM with hf_overrides="
+                                 f"{{'architectures': ['KVCraftLlamaForCausalLM']}} (or the Mistral, Qwen2, Qwen3 "
+                                 f"one; model architectures now: {archs})")
             self.chunk_model_id = chunk_namespace(vllm_config, self.settings)
         if role == KVConnectorRole.SCHEDULER:
             watch = None

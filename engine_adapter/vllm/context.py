@@ -3,13 +3,13 @@
 For one `BlendLoad` (the scheduler side claimed the request's chunks, block-aligned,
 and vLLM allocated blocks for them), on a loader thread:
 
-  1. the reference engine over the model's own weights (`model.KVCraftLlamaForCausalLM`,
-     no copy) serves the prompt with `engine_adapter.rag.RAGAdapter.serve`: the
-     Plan the scheduler side got, the planned variants read through
-     `engine_adapter.loader` (the service's shared memory when `local` and on this host,
-     else one gRPC stream), RoPE re-rotation, the policy's
-     selection (`engine_adapter.policy` / `driver`: the same code the reference engine
-     runs, so that engine is this path's oracle), fresh chunks stored back;
+  1. the layer step over the model's own layers (`vllm.layers.VllmLayers`: vLLM's modules of
+     each decoder layer, from the `model.KVCraft...ForCausalLM` handle; no copy) serves the
+     prompt with `engine_adapter.rag.RAGAdapter.serve`: the Plan the scheduler side got, the
+     planned variants read through `engine_adapter.loader` (the service's shared memory when
+     `local` and on this host, else one gRPC stream), RoPE re-rotation, the policy's selection
+     (`engine_adapter.policies`: the same code the reference engine runs, so that engine is
+     this path's oracle), fresh chunks stored back;
   2. each layer's K (post-RoPE) / V rows of the claimed tokens go into vLLM's paged
      cache through the attention backend's own `layer.impl.do_kv_cache_update(...)`,
      the call vLLM's attention layers use, so any backend that has it works (CPU_ATTN,
@@ -17,7 +17,7 @@ and vLLM allocated blocks for them), on a loader thread:
 
 Anything short of the planned KV (a fetch that missed the per-layer wait or the
 stream deadline, a variant evicted or corrupt after the Plan, the service gone) makes
-the driver compute that chunk itself; the connector then reports the whole load
+the loop compute that chunk itself; the connector then reports the whole load
 failed, so vLLM (kv_load_failure_policy "recompute") computes the request exactly as
 it would alone. The question rows are computed here too (Cache-Craft's focus needs
 their attention; the policies' KV equals the reference engine's only with them) and
@@ -92,8 +92,9 @@ class ContextBuilder:
 
                 model = current_model()
                 if model is None:
-                    raise BlendFailed(f"no {ARCHITECTURE} model in this process: start vLLM with "
-                                      f"hf_overrides={{'architectures': ['{ARCHITECTURE}']}}")
+                    raise BlendFailed(f"no kvcraft blending model in this process: start vLLM with "
+                                      f"hf_overrides={{'architectures': ['{ARCHITECTURE}']}} (or its Mistral, "
+                                      "Qwen2, Qwen3 name)")
                 engine = model.kvcraft_engine()
                 got = engine.model_spec().fingerprint()
                 if not self.settings.chunk_model_id and got != self.chunk_model_id:

@@ -1,0 +1,72 @@
+"""vLLM's own decoder layers as the layer step's linear parts (`model.LayerModel`).
+
+Inside vLLM the blend computes its rows with the serving model's modules of each decoder layer,
+called on the rows being computed: `input_layernorm`, `self_attn.qkv_proj` (with Qwen3's
+`q_norm`/`k_norm` per head), `self_attn.o_proj`, `post_attention_layernorm` (vLLM's fused
+residual add and RMSNorm) and `mlp`, sharded and quantized as vLLM built them, on vLLM's kernels;
+the embedding and the vocabulary projection are vLLM's too. kvcraft owns the rows, the merged
+cache, the rotation and the attention over it (`step.layer_step`). No weight is copied.
+
+One class covers every architecture whose vLLM decoder layer has those modules (Llama, Mistral,
+Qwen2, Qwen3: `llama.ARCHITECTURES`); the architecture's own config (biases, q/k norms) is
+vLLM's business, read here only to name the shapes (`LlamaConfig.from_hf`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine_adapter.llama import LlamaConfig
+from engine_adapter.model import LayerModel
+
+
+class VllmLayers(LayerModel):
+    """A vLLM model (`KVCraft...ForCausalLM`, this process's) as the step's model. `name`: the
+    model folder's, as `LlamaEngine.from_pretrained` names it, so chunks either stores serve both."""
+
+    def __init__(self, model: Any, name: str) -> None:
+        whole = LlamaConfig.from_hf(model.config.to_dict(), name=name)
+        attn = model.model.layers[0].self_attn
+        if (attn.num_heads, attn.num_kv_heads) != (whole.num_heads, whole.num_kv_heads):
+            raise ValueError(f"{name}: this process holds {attn.num_heads} of {whole.num_heads} attention heads "
+                             "(tensor parallel): kvcraft blends an unsharded model (tensor parallel 1)")
+        self.m = model
+        self.cfg = dataclasses.replace(whole, head_dim=attn.head_dim)
+        self.rope = whole.rope()
+        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        embed = model.model.embed_tokens.weight
+        self.dtype, self.device = embed.dtype, embed.device
+        self.triton = self.device.type == "cuda"
+        self._layers = list(model.model.layers)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.m.model.embed_tokens(tokens)  # [R, d]
+
+    def qkv_heads(self, layer: int, h: Tensor) -> Tensor:
+        """[Hq+2Hkv, R, D] from vLLM's input norm and QKV projection (q/k norms where the
+        architecture has them), before RoPE."""
+        c, attn = self.cfg, self._layers[layer].self_attn
+        qkv, _ = attn.qkv_proj(self._layers[layer].input_layernorm(h))  # [R, (Hq+2Hkv)*D]
+        heads = qkv.view(qkv.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)  # [R, H, D]
+        if c.qk_norm:
+            q, k, v = heads.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
+            heads = torch.cat((attn.q_norm(q.contiguous()), attn.k_norm(k.contiguous()), v), dim=1)
+        return heads.transpose(0, 1)
+
+    def layer_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
+        """vLLM's o-proj, its fused residual add and RMSNorm, its MLP, the residual."""
+        dec = self._layers[layer]
+        out, _ = dec.self_attn.o_proj(o.transpose(0, 1).reshape(o.shape[1], -1))  # [R, d]
+        x, h = dec.post_attention_layernorm(out, h.clone())  # (normed, the residual stream: h + out)
+        return h + dec.mlp(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.m.compute_logits(self.m.model.norm(h))  # [R, V]
+
+
+__all__ = ["VllmLayers"]
