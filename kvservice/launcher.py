@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence
 
 from kvservice.segments import remove_stale_segments
 
@@ -63,6 +64,19 @@ class ChildProcess:
         """Stop it (SIGKILL unless a subclass drains); returns the exit code."""
         self.kill()
         return self.proc.returncode if self.proc else 0
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """SIGSTOP for the block, SIGCONT after it (also when the block raises): a gray
+        failure, the process alive with its sockets open and answering nothing (a stalled
+        host, a long pause). `ip netns exec` execs its command: the signal reaches it."""
+        assert self.proc is not None and self.proc.poll() is None, f"{self.what} is not running"
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGCONT)
 
     def restart(self) -> "ChildProcess":
         self.stop()

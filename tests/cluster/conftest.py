@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -91,6 +92,7 @@ class Cluster:
         self.engines: dict[str, Engine] = {}
         self._view: ClusterView | None = None
         self.seen: dict[str, list[dict]] = {}  # fault -> the engine answers while it lasted (the summary)
+        self.measured: dict[str, float] = {}  # what a test timed (the summary)
 
     def saw(self, fault: str, answers: list[dict]) -> None:
         self.seen.setdefault(fault, []).extend(answers)
@@ -103,6 +105,7 @@ class Cluster:
             lines.append(f"{fault} | {len(rs)} | {sum(r['reused'] for r in rs)} | "
                          f"{computed} (+{fallbacks} layer fallbacks) | "
                          f"{sum(r['answer'] != r['full_answer'] for r in rs)} | {max(r['ttft_s'] for r in rs):.2f}")
+        lines += [f"{what}: {value:.3f}" for what, value in self.measured.items()]
         return "\n".join(lines)
 
     def node(self, name: str, **settings: object) -> ServiceProcess:
@@ -133,26 +136,33 @@ class Cluster:
         self.master.close()
 
 
-@pytest.fixture(scope="package")
-def cluster(tmp_path_factory):
+def running_cluster(tmp_path_factory: pytest.TempPathFactory, name: str = "cluster") -> Iterator[Cluster]:
+    """A cluster as above, up until the generator is closed; skips where namespaces cannot
+    be made. A fixture yields from it (`cluster` below; a module that needs a cluster in a
+    known state, such as tests/cluster/test_frozen.py, has one of its own)."""
     why = netns.unavailable()
     if why:
         pytest.skip(f"simulated hosts unavailable: {why}")
     if not (MODEL_DIR / "model.safetensors").exists():
         pytest.skip("no trained model committed under bench/quality/")
-    tmp = tmp_path_factory.mktemp("cluster")
+    tmp = tmp_path_factory.mktemp(name)
     with netns.Network(("m", *NODES)) as net:
         c = Cluster(net, tmp)
         try:
             c.master.start()
-            for name in NODES:
-                c.nodes[name] = c.node(name).start()
-            for name in NODES:
-                c.engines[name] = Engine(net.prefix(name), tmp / f"engine-{name}.log")
+            for host in NODES:
+                c.nodes[host] = c.node(host).start()
+            for host in NODES:
+                c.engines[host] = Engine(net.prefix(host), tmp / f"engine-{host}.log")
             yield c
             print("\n" + c.summary())  # docs/scale-out.md's table (pytest -s shows it)
         finally:
             c.close()
+
+
+@pytest.fixture(scope="package")
+def cluster(tmp_path_factory):
+    yield from running_cluster(tmp_path_factory)
 
 
 def wait_for(what: str, ok, timeout: float, every: float = 0.1):

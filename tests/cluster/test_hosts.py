@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvclient.client import KVClient
 from kvservice.cluster.records import payload_key
 from tests.cluster.conftest import CLIENT_TTL_S, NAMESPACE, wait_for
+from tests.cluster.helpers import all_listed, assert_right, chunk_vids, chunks_listed, compute
 
 pytestmark = pytest.mark.slow
 
@@ -26,43 +27,6 @@ FIRST_A = range(0, 4)  # engine A computes; B reuses through the cluster
 PARTITIONED = range(4, 8)  # engine B computes; A reads them while B is cut off
 KILLED = range(8, 12)  # engine B computes; A and C read them after B is killed
 LATE_A = range(12, 13)  # engine A computes after the master restart
-
-
-def assert_right(r: dict) -> None:
-    """The answer is full prefill's."""
-    assert r["answer"] == r["full_answer"], r
-
-
-def compute(cluster, host: str, prompts) -> list[dict]:
-    """Engine on `host` computes `prompts` through its own node; stored back and listed."""
-    addr = cluster.address(host)
-    out = [cluster.engines[host].prefill(addr, p) for p in prompts]
-    cluster.engines[host].flush(addr)
-    for r in out:
-        assert_right(r)
-    return out
-
-
-def chunk_vids(cluster, host: str, local: bool = False) -> dict[str, list[str]]:
-    """chunk key -> the variant ids node `host` holds (`local`: in its own tiers, not only
-    known from the cluster)."""
-    with KVClient(cluster.address(host)) as c:
-        return {ch.chunk_key: [v.variant_id for v in c.get_chunk(ch.chunk_key) if not local or v.tier != "remote"]
-                for ch in c.list_chunks().chunks}
-
-
-def listed(cluster, chunk_keys) -> set[str]:
-    return {e.info.variant_id for e in cluster.view.discover(list(chunk_keys))}
-
-
-def all_listed(cluster, held: dict[str, list[str]]) -> bool:
-    """Every variant of `held` (chunk key -> variant ids) is in the cluster's view."""
-    return listed(cluster, held) >= {v for vs in held.values() for v in vs}
-
-
-def chunks_listed(cluster, chunk_keys) -> bool:
-    """Every chunk has some variant in the cluster's view."""
-    return {e.info.chunk_key for e in cluster.view.discover(list(chunk_keys))} == set(chunk_keys)
 
 
 def test_chunks_computed_on_a_are_reused_on_b_with_a_s_answers(cluster):
