@@ -57,7 +57,7 @@ from kvbench.common.rows import best_time, significant, transfer_row
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import ModelSpec
 from kvcraft.plans import Source, prefix_keys
-from kvservice.cluster.mooncake import MasterProcess
+from kvservice.cluster.master import MasterProcess
 from kvservice.launcher import ServiceProcess
 
 SPEC = ModelSpec("llama3-8b", 32, 8, 128, "bfloat16", 500000.0)

@@ -1,7 +1,7 @@
 """Scale-out: kvcraft nodes sharing chunk KV through a Mooncake Store cluster.
 
-- `mooncake`: the client wrapper (error codes -> domain errors, buffers -> addresses)
-  and `MasterProcess`, a `mooncake_master` on loopback for tests, benches and docs.
+- `mooncake`: the client wrapper (error codes -> domain errors, buffers -> addresses).
+- `master`: `MasterProcess`, a `mooncake_master` on loopback for tests, benches and docs.
 - `records`: the self-describing, checksummed payload object and the variant record.
 - `view`: the per-chunk variant list and the global chunk-prefix view (CRAFT's global
   CP-Tree across nodes; each node's planner keeps its local tree).

@@ -1,4 +1,4 @@
-"""Mooncake Store, as kvcraft uses it: a client wrapper and a loopback master.
+"""Mooncake Store, as kvcraft uses it: the client wrapper.
 
 `MooncakeClient` wraps `mooncake.store.MooncakeDistributedStore` (wheel
 `mooncake-transfer-engine-non-cuda` on CPU machines, `mooncake-transfer-engine` with
@@ -11,31 +11,23 @@ through Python bytes.
 Metadata: the clients find each other by P2P handshake ("P2PHANDSHAKE"), so a
 cluster is one `mooncake_master` and the nodes; no etcd, no HTTP metadata server.
 
-`MasterProcess` runs `mooncake_master` bound to 127.0.0.1 on free ports (tests,
-benchmarks, a local try-out); production runs the master as its own service
-(deploy/compose.scale-out.yaml, docs/scale-out.md).
+The master itself: `kvservice.cluster.master` (tests, benchmarks, a local try-out);
+production runs it as its own service (deploy/compose.scale-out.yaml, docs/scale-out.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
-import shutil
 import socket
-import subprocess
-import sys
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from kvservice.errors import Unavailable
-from kvservice.launcher import ChildProcess
 
 # Mooncake error codes (mooncake-store/include/types.h) that mean "this object is not
 # (or no longer) stored": the caller treats the variant as absent and recomputes.
@@ -262,65 +254,3 @@ def route_address(master_address: str) -> str:
             return s.getsockname()[0]
     except OSError as e:
         raise Unavailable(f"no route to the Mooncake master at {master_address}: {e}") from None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def master_binary() -> str:
-    """The mooncake_master the wheel ships (in the package folder and on PATH)."""
-    spec = importlib.util.find_spec("mooncake")
-    if spec is not None and spec.submodule_search_locations:
-        p = Path(list(spec.submodule_search_locations)[0]) / "mooncake_master"
-        if p.exists():
-            return str(p)
-    found = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
-    if not os.path.exists(found):
-        raise FileNotFoundError("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda")
-    return found
-
-
-class MasterProcess(ChildProcess):
-    """`mooncake_master` bound to `host` (127.0.0.1 unless told) on free ports, in its
-    own process (in a network namespace of its own when `prefix` says so).
-
-    Its RPC and admin/metrics servers listen on that address only; the HTTP metadata
-    server is off (clients use P2P handshake). `restart` keeps the RPC port, so the
-    nodes reconnect to the same address.
-    """
-
-    what = "mooncake_master"
-
-    def __init__(self, log_path: Path, *, eviction_high_watermark: float = 0.9, host: str = "127.0.0.1",
-                 prefix: Sequence[str] = (), client_ttl_s: int = 10) -> None:
-        super().__init__(log_path, prefix)
-        self.host = host  # the address it binds (and nodes reach it at)
-        self.client_ttl_s = client_ttl_s  # a node silent this long is gone, with its segment's objects
-        self.rpc_port = free_port()
-        self.metrics_port = free_port()
-        self.watermark = eviction_high_watermark
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.rpc_port}"
-
-    def start(self, timeout: float = 30.0) -> "MasterProcess":
-        def ready() -> bool:
-            try:
-                socket.create_connection((self.host, self.rpc_port), 0.2).close()
-                return True
-            except OSError:
-                time.sleep(0.02)
-                return False
-
-        self._launch(
-            [master_binary(), f"-rpc_address={self.host}", f"-rpc_port={self.rpc_port}",
-             f"-metrics_host={self.host}", f"-metrics_port={self.metrics_port}",
-             "-enable_metric_reporting=false", "-enable_http_metadata_server=false",
-             f"-eviction_high_watermark_ratio={self.watermark}", f"-client_ttl={self.client_ttl_s}",
-             "-rpc_thread_num=2", "-logtostderr"],
-            ready, timeout, stdout=self._log_file(), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        return self

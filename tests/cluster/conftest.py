@@ -21,7 +21,8 @@ import pytest
 
 from kvbench.common import netns
 from kvbench.quality.modeling import MODEL_DIR
-from kvservice.cluster.mooncake import MasterProcess, MooncakeClient, RemoteSettings
+from kvservice.cluster.master import MasterProcess
+from kvservice.cluster.mooncake import MooncakeClient, RemoteSettings
 from kvservice.cluster.view import ClusterView
 from kvservice.launcher import ServiceProcess
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice.cluster.mooncake import MasterProcess
+from kvservice.cluster.master import MasterProcess
 from tests.service.remote_helpers import Cluster
 
 

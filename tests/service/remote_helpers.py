@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvservice.cluster.mooncake import MasterProcess, MooncakeClient, RemoteSettings
+from kvservice.cluster.master import MasterProcess
+from kvservice.cluster.mooncake import MooncakeClient, RemoteSettings
 
 MiB = 1 << 20
 
