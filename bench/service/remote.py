@@ -238,12 +238,12 @@ def _wait_listed(tier, keys: list[str], timeout: float = 120.0) -> dict:  # noqa
 def _placement(tier, hosts: Hosts, variants: dict) -> dict[str, int]:  # noqa: ANN001 - a RemoteTier
     """Where the payloads are: {host: count} (by segment address; with every host on
     loopback, by segment endpoint)."""
-    from kvservice.cluster.records import payload_key
+    from kvservice.cluster.records import payload_key, record_bytes
 
     by_address = {hosts.address(h): h for h in (MASTER, *NODES)} if isinstance(hosts, netns.Network) else {}
     out: dict[str, int] = {}
-    for vid in variants:
-        endpoint = tier.client.placement(payload_key(NAMESPACE, vid))
+    for vid, v in variants.items():
+        endpoint = tier.client.placement(payload_key(NAMESPACE, vid, record_bytes(v)))
         where = by_address.get(endpoint.rpartition(":")[0], endpoint or "absent")
         out[where] = out.get(where, 0) + 1
     return out

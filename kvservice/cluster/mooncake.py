@@ -209,6 +209,15 @@ class MooncakeClient:
                 self._check(rc, f"look up {len(keys)} objects")
         return [rc == 1 for rc in codes]
 
+    def create(self, key: str, value: bytes) -> bool:
+        """Store a small object unless one exists under `key` (False then)."""
+        self._need_up(f"write {key}")
+        rc = self._store.put(key, value)
+        if rc == OBJECT_ALREADY_EXISTS:
+            return False
+        self._check(rc, f"write {key}")
+        return True
+
     def upsert(self, key: str, value: bytes) -> None:
         self._need_up(f"write {key}")
         self._check(self._store.upsert(key, value), f"write {key}")

@@ -1,8 +1,15 @@
 """What kvcraft writes into Mooncake Store: payload objects and variant list entries.
 
 Keys (all under one namespace, so several deployments can share a cluster):
-  {ns}/v/{variant_id}            payload object: header + payload
+  {ns}/v/{variant_id}/{digest}   payload object: header + payload; digest: xxh3-64 of the
+                                 record its header carries
   {ns}/c/{chunk_key}/{slot}      one entry of the chunk's variant list
+
+Two nodes that compute one variant (same chunk, same prefix) need not compute the same
+bytes (kernels round differently at other batch shapes); each copy's key names its record,
+so a list entry, which carries the record, names exactly the object that carries it, and an
+object is never rewritten once complete: a listing always describes the bytes it points to.
+Nodes that computed the same bytes write the same record, hence the same key: one copy.
 
 Payload object = header, then the payload exactly as the local tiers hold it (per
 layer K then V, docs/storage.md). The header makes it self-describing:
@@ -23,11 +30,13 @@ record. A reader takes the record from the variant list, computes the header len
 from it, reads header and payload in one call, and accepts the payload only when the
 header carries that same record and every layer matches its checksum.
 
-A variant list entry names one variant and the node that published it (the node that
-computed it and holds it in its local tiers: where a request for that chunk-prefix is
-best routed). An entry is its own object, one per slot (slot = variant id mod the
-slot count), so two nodes publishing variants of one chunk never overwrite each other's
-list; two variants hashing to one slot keep the later one (the list is a cache too).
+A variant list entry names one variant, with its record, and the node that published it
+(the node that computed it and holds it in its local tiers: where a request for that
+chunk-prefix is best routed). An entry is its own object, one per slot (slot = variant id
+mod the slot count), so two nodes publishing variants of one chunk never overwrite each
+other's list; two variants hashing to one slot keep the later one (the list is a cache
+too). One copy of a variant id is listed at a time: the first one published, until its
+payload leaves the cluster (kvservice.cluster.view).
 """
 
 from __future__ import annotations
@@ -55,8 +64,9 @@ class BadRecord(ValueError):
     """Bytes that are not a valid kvcraft header or list entry (altered or foreign)."""
 
 
-def payload_key(ns: str, vid: str) -> str:
-    return f"{ns}/v/{vid}"
+def payload_key(ns: str, vid: str, record: bytes) -> str:
+    """The key of the copy of variant `vid` whose header carries `record` (`record_bytes`)."""
+    return f"{ns}/v/{vid}/{xxhash.xxh3_64_intdigest(record):016x}"
 
 
 def slot_key(ns: str, chunk: str, slot: int) -> str:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Sequence
 from kvcraft.keys import variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.cluster.mooncake import MooncakeClient
-from kvservice.cluster.records import BadRecord, Entry, decode_entry, encode_entry, payload_key, slot_key, slot_of
+from kvservice.cluster.records import (BadRecord, Entry, decode_entry, encode_entry, payload_key, record_bytes,
+                                       slot_key, slot_of)
 from kvservice.errors import KVCraftError
 
 if TYPE_CHECKING:
@@ -54,22 +55,50 @@ class ClusterView:
         self.holder = holder
         self.slots = slots
 
-    def publish(self, info: "pb.VariantInfo | Variant") -> None:
-        """Add the variant to its chunk's list (it must already be in the remote tier)."""
-        key = slot_key(self.ns, info.chunk_key, slot_of(info.variant_id, self.slots))
-        self.client.upsert(key, encode_entry(info, self.holder))
+    def payload_of(self, entry: Entry) -> str:
+        """The key of the payload object the entry describes."""
+        return payload_key(self.ns, entry.info.variant_id, entry.record)
 
-    def unpublish(self, chunk: str, vid: str) -> None:
-        """Remove the variant's list entry, if its slot still names it."""
+    def publish(self, info: "pb.VariantInfo | Variant") -> bool:
+        """List the variant's copy; its payload must be in the cluster already, under its
+        record. One copy of a variant id is listed at a time: False (nothing changed) when
+        the slot lists another copy of this variant id whose payload is stored. An entry of
+        another variant of the chunk, or of a copy that is gone, is replaced."""
+        key = slot_key(self.ns, info.chunk_key, slot_of(info.variant_id, self.slots))
+        value, record = encode_entry(info, self.holder), record_bytes(info)
+        for _ in range(3):
+            if self.client.create(key, value):
+                return True
+            listed = self._entry_at(key, info.chunk_key)
+            if listed is not None and listed.info.variant_id == info.variant_id:
+                if listed.record == record:
+                    return True
+                if self.client.exists([self.payload_of(listed)])[0]:
+                    return False
+            self.client.remove(key)
+        return False  # others keep publishing into this slot: the next republish tries again
+
+    def _entry_at(self, key: str, chunk: str) -> Entry | None:
+        """The entry in slot `key` (None: none, or altered)."""
+        raw = self.client.get_many([key])[0]
+        try:
+            return decode_entry(raw, chunk) if raw else None
+        except BadRecord:
+            return None
+
+    def unpublish(self, chunk: str, vid: str, record: bytes) -> None:
+        """Remove the entry of this copy of the variant, if its slot still lists it."""
         key = slot_key(self.ns, chunk, slot_of(vid, self.slots))
         raw = self.client.get_many([key])[0]
-        if raw:
-            try:
-                if decode_entry(raw, chunk).info.variant_id != vid:
-                    return
-            except BadRecord:
-                pass
-            self.client.remove(key)
+        if not raw:
+            return
+        try:
+            e = decode_entry(raw, chunk)
+            if e.info.variant_id != vid or e.record != record:
+                return
+        except BadRecord:
+            pass
+        self.client.remove(key)
 
     def drop_entry(self, chunk: str, vid: str) -> None:
         """Remove the variant's list entry (best effort: the next node to read it drops it
@@ -85,7 +114,7 @@ class ClusterView:
         try:
             values = self.client.get_many(keys)
             entries = self._decode(chunks, keys, values)
-            stored = self.client.exists([payload_key(self.ns, e.info.variant_id) for _, e in entries])
+            stored = self.client.exists([self.payload_of(e) for _, e in entries])
         except KVCraftError as e:
             log.warning("cluster view unavailable: %s", e)
             return []

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
-from kvservice.cluster.records import payload_key, slot_key, slot_of
+from kvservice.cluster.records import payload_key, record_bytes, slot_key, slot_of
 from kvservice.cluster.view import ClusterView
 from kvservice.errors import KVCraftError
 from kvservice.index import Variant
@@ -92,7 +92,7 @@ class ClusterSync:
         for at in range(0, len(local), REPUBLISH_BATCH):
             batch = local[at : at + REPUBLISH_BATCH]
             try:
-                stored = self.view.client.exists([payload_key(ns, v.variant_id) for v in batch])
+                stored = self.view.client.exists([payload_key(ns, v.variant_id, record_bytes(v)) for v in batch])
                 entered = self.view.client.exists([slot_key(ns, v.chunk_key, slot_of(v.variant_id, self.view.slots))
                                                    for v in batch])
             except KVCraftError as e:
@@ -147,9 +147,10 @@ class ClusterSync:
             for e in entries:
                 vid = e.info.variant_id
                 if vid in s.index:
-                    if vid not in self.remote:
-                        self.remote.adopt(vid, e.info.size_bytes)  # a local variant another node also listed
-                        s.placed(s.index.get(vid), self.remote_index)
+                    v = s.index.get(vid)
+                    if vid not in self.remote and record_bytes(v) == e.record:  # the listed copy is its bytes
+                        self.remote.adopt(vid, e.info.size_bytes)
+                        s.placed(v, self.remote_index)
                     continue
                 if len(s.index.variants_of(e.info.chunk_key)) >= cfg.max_variants_per_chunk \
                         or len(s.index) >= cfg.max_variants:

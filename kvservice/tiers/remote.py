@@ -4,9 +4,11 @@ Last in the tier list (host, disk, remote). Variants arrive here two ways: demot
 out of the disk tier (the store's usual one-tier-down move), and write-through after
 a Store (`remote_write_through`), so other nodes can reuse a chunk as soon as it is
 stored. Each payload object is self-describing and checksummed
-(kvservice.cluster.records) and keyed by variant id, a content hash, so any node
-finds any variant; after the write the variant is listed in its chunk's variant list
-(kvservice.cluster.view), which is how other nodes' planners see it.
+(kvservice.cluster.records) and keyed by variant id, a content hash, and its record, so
+any node finds any variant and a list entry names the very bytes it describes; after the
+write the variant is listed in its chunk's variant list (kvservice.cluster.view), which is
+how other nodes' planners see it. The store reads a copy under its own record of the
+variant: its own copy, or the one another node listed, which it adopted.
 
 Zero-copy: a writer reserves the object (a Mooncake put session) and copies each
 layer into it straight from the caller's memory (the host slab or the disk read
@@ -60,13 +62,13 @@ class RemoteWriter(TierWriter):
         self._shape = shape
         self._record = record_bytes(info)
         self._head = header_length(self._record)
-        self._key = payload_key(tier.ns, info.variant_id)
+        self._key = payload_key(tier.ns, info.variant_id, self._record)
         self._pos = 0
         self._open = True
         self._exists = False
         try:
             tier.client.begin_put(self._key, self._head + shape.total_bytes)
-        except FileExistsError:  # another node wrote this variant id: same chunk, same prefix
+        except FileExistsError:  # a copy with this very record (the same bytes) is there, or being written
             self._exists = True
 
     def write_layer(self, *parts: Buffer) -> None:
@@ -78,24 +80,33 @@ class RemoteWriter(TierWriter):
         self._pos += n
 
     def commit(self) -> None:
+        """Complete the object and list it. FileExistsError, with nothing of this writer's
+        kept, when the list already names another copy of this variant id (other bytes)."""
         if self._pos != self._shape.total_bytes:
             raise ValueError(f"{self._info.variant_id}: {self._pos} bytes written, {self._shape.total_bytes} expected")
-        client = self._tier.client
-        if not self._exists:
-            client.put_range(self._key, 0, [encode_header(self._record, self._shape.total_bytes)])
+        client, vid, n, mine = self._tier.client, self._info.variant_id, self._shape.total_bytes, not self._exists
+        if mine:
+            client.put_range(self._key, 0, [encode_header(self._record, n)])
             client.end_put(self._key)
         elif not client.exists([self._key])[0]:
-            # Another node's write of the same variant is still open (or failed): listing it
+            # Another node's write of the same bytes is still open (or failed): listing it
             # now could name an object that never completes. That node lists it once done.
             raise Unavailable(f"{self._key}: another node's copy is not complete")
-        self._open = False
-        self._tier.view.publish(self._info)
-        self._tier._committed(self._info.variant_id, self._shape.total_bytes, mine=not self._exists)
+        self._open = False  # complete: counted from here on, listed or not
+        try:
+            listed = self._tier.view.publish(self._info)
+        except BaseException:
+            self._tier._committed(vid, n, mine)  # readable here; listed by the next republish
+            raise
+        if not listed:
+            self._tier._discard(self._info, n, mine)
+            raise FileExistsError(f"{vid}: another node's copy of this variant (other bytes) is listed")
+        self._tier._committed(vid, n, mine)
 
     def withdraw(self) -> None:
         """Remove what `commit` wrote (the variant was deleted while it was copied out)."""
         if self._tier._is_mine(self._info.variant_id):
-            self._tier._remove(self._info.variant_id, self._info.chunk_key)
+            self._tier._remove(self._info)
 
     def abort(self) -> None:
         if self._open:
@@ -184,6 +195,16 @@ class RemoteTier(Tier):
         with self._lock:
             self._used -= n
 
+    def _discard(self, info: Variant, n: int, mine: bool) -> None:
+        """A complete copy that is not to be listed: removed if this node wrote it."""
+        self._release(n)
+        if mine:
+            try:
+                self.client.remove(payload_key(self.ns, info.variant_id, record_bytes(info)))
+            except KVCraftError as e:
+                log.info("removing the unlisted copy of %s failed (%s); the cluster evicts it in time",
+                         info.variant_id, e)
+
     def cluster_view(self) -> ClusterView:
         return self.view
 
@@ -214,7 +235,7 @@ class RemoteTier(Tier):
         header = bytearray(header_length(record))
         payload = bytearray(shape.total_bytes)
         try:
-            self._read(payload_key(self.ns, vid), [header, payload])
+            self._read(payload_key(self.ns, vid, record), [header, payload])
             check_header(header, record, shape.total_bytes)
             _check_layers(info, payload, shape)
         except ObjectMissing:
@@ -222,7 +243,7 @@ class RemoteTier(Tier):
             raise KeyError(f"{vid}: gone from the remote tier") from None
         except BadRecord as e:
             log.warning("remote payload of %s is not the listed variant (%s): deleting it", vid, e)
-            self._remove(vid, info.chunk_key)
+            self._remove(info)
             raise KeyError(f"{vid}: remote payload altered ({e})") from None
         except KVCraftError as e:  # master or peer unreachable: not here, for now
             raise KeyError(f"{vid}: remote tier unavailable ({e})") from None
@@ -284,8 +305,8 @@ class RemoteTier(Tier):
         info = self._record_of(variant_id)
         mine = variant_id in self._mine
         self._forget(variant_id)
-        if mine:
-            self._deletes.submit(self._remove, variant_id, info.chunk_key if info is not None else None)
+        if mine and info is not None:
+            self._deletes.submit(self._remove, info)
 
     def flush(self) -> None:
         """Wait for the removals `delete` queued so far."""
@@ -295,12 +316,13 @@ class RemoteTier(Tier):
         with self._lock:
             return vid in self._mine
 
-    def _remove(self, vid: str, chunk: str | None) -> None:
+    def _remove(self, info: Variant) -> None:
+        """This copy of the variant leaves the cluster: its list entry, then its payload."""
+        vid, record = info.variant_id, record_bytes(info)
         self._forget(vid)
         try:
-            if chunk is not None:
-                self.view.unpublish(chunk, vid)
-            self.client.remove(payload_key(self.ns, vid))
+            self.view.unpublish(info.chunk_key, vid, record)
+            self.client.remove(payload_key(self.ns, vid, record))
         except KVCraftError as e:
             log.warning("remote delete of %s failed (%s); the cluster evicts it in time", vid, e)
 

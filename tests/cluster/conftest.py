@@ -156,7 +156,9 @@ def running_cluster(tmp_path_factory: pytest.TempPathFactory, name: str = "clust
             for host in NODES:
                 c.engines[host] = Engine(net.prefix(host), tmp / f"engine-{host}.log")
             yield c
-            print("\n" + c.summary())  # docs/scale-out.md's table (pytest -s shows it)
+            summary = c.summary()  # docs/scale-out.md's table (pytest -s shows it; also beside the logs)
+            (tmp / "summary.txt").write_text(summary + "\n")
+            print("\n" + summary)
         finally:
             c.close()
 

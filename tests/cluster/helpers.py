@@ -81,13 +81,12 @@ def misdescribed(cluster, chunk_keys: Iterable[str]) -> list[str]:
 
 class HealthWatch:
     """Health checks of nodes, one every `every` seconds per node, in a thread while the
-    block runs; `slowest` is the longest answer (a check that fails counts as 60 s)."""
+    block runs: `took` holds how long each took (a check that fails counts as 60 s)."""
 
     def __init__(self, addresses: Iterable[str], every: float = 0.05) -> None:
         self.addresses = list(addresses)
         self.every = every
-        self.slowest = 0.0
-        self.checks = 0
+        self.took: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -103,11 +102,18 @@ class HealthWatch:
                         took = time.monotonic() - t0 if ok == health_pb2.HealthCheckResponse.SERVING else 60.0
                     except grpc.RpcError:
                         took = 60.0
-                    self.slowest = max(self.slowest, took)
-                    self.checks += 1
+                    self.took.append(took)
         finally:
             for ch in channels:
                 ch.close()
+
+    @property
+    def slowest(self) -> float:
+        return max(self.took, default=0.0)
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.took)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
     def __enter__(self) -> "HealthWatch":
         self._thread.start()

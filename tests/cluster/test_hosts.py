@@ -16,8 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvclient.client import KVClient
-from kvservice.cluster.records import payload_key
-from tests.cluster.conftest import CLIENT_TTL_S, NAMESPACE, wait_for
+from tests.cluster.conftest import CLIENT_TTL_S, wait_for
 from tests.cluster.helpers import all_listed, assert_right, chunk_vids, chunks_listed, compute
 
 pytestmark = pytest.mark.slow
@@ -68,10 +67,11 @@ def on_segment_of(cluster, host: str, prompts) -> dict[int, list[str]]:
     held = {k: vs for k, vs in chunk_vids(cluster, host).items() if k in keys}
     wait_for(f"{host}'s variants listed", lambda: all_listed(cluster, held), 30)
     where = cluster.net.address(host) + ":"
+    payload = {e.info.variant_id: cluster.view.payload_of(e) for e in cluster.view.discover(list(keys))}
     out: dict[int, list[str]] = {}
     for p, r in zip(prompts, computed):
         vids = [v for k in r["chunk_keys"] for v in held[k]]
-        if mine := [v for v in vids if cluster.view.client.placement(payload_key(NAMESPACE, v)).startswith(where)]:
+        if mine := [v for v in vids if cluster.view.client.placement(payload[v]).startswith(where)]:
             out[p] = mine
     assert out, f"none of {host}'s variants was placed in its own segment: the test would test nothing"
     return out
@@ -136,10 +136,10 @@ def test_node_b_killed_its_objects_are_recomputed_never_served_wrong_and_leave_t
         """Listed entries of B's variants that B published, whose payload lies in B's segment,
         or whose payload is stored nowhere (A and C store the same variant ids back as they
         recompute: listed with a payload of theirs, those stay)."""
-        client = cluster.view.client
-        return [e for e in cluster.view.discover(chunk_keys) if e.info.variant_id in gone and (
-            e.holder == b_node or not client.exists([payload_key(NAMESPACE, e.info.variant_id)])[0]
-            or client.placement(payload_key(NAMESPACE, e.info.variant_id)).startswith(b_segment))]
+        client, view = cluster.view.client, cluster.view
+        return [e for e in view.discover(chunk_keys) if e.info.variant_id in gone and (
+            e.holder == b_node or not client.exists([view.payload_of(e)])[0]
+            or client.placement(view.payload_of(e)).startswith(b_segment))]
 
     wait_for("B's objects gone from the view", lambda: not b_listed() or None, CLIENT_TTL_S + 10)
     assert time.monotonic() - t_kill < CLIENT_TTL_S + 10

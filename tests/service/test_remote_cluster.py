@@ -98,7 +98,7 @@ def test_altered_remote_payload_is_never_served(nodes, view, cluster):
         wait_listed(view, r.chunk_key, r.variant_id)
         # Flip one payload byte of the object in the cluster (header left intact).
         client = view.client
-        key = records.payload_key(NS, r.variant_id)
+        key = view.payload_of(next(e for e in view.discover([r.chunk_key]) if e.info.variant_id == r.variant_id))
         raw = bytearray(client.get_many([key])[0])
         raw[-100] ^= 0x40
         client.remove(key)

@@ -107,7 +107,7 @@ def test_altered_remote_payload_is_not_served_and_its_entry_is_dropped(nodes):
     b.adopt_all([info.chunk_key])
     # Rewrite the object under the same key with one payload byte flipped and a header
     # for another record: what a buggy or foreign writer could leave behind.
-    key = records.payload_key(a.tier.ns, info.variant_id)
+    key = records.payload_key(a.tier.ns, info.variant_id, records.record_bytes(info))
     other = records.canonical(info)
     other.layer_checksums[0] ^= 1
     bad = bytearray(payload)
@@ -134,6 +134,24 @@ def test_altered_list_entry_is_ignored_and_removed(nodes):
     a.tier.client.upsert(key, bytes(raw))
     assert a.view.discover([info.chunk_key]) == []
     assert a.tier.client.get_many([key]) == [b""]
+
+
+def test_one_variant_id_written_with_other_bytes_reads_back_as_its_listing_describes(nodes):
+    """Two nodes computed one variant (same chunk, same prefix) into different bytes, as
+    engines whose kernels round differently do, and both wrote it: whichever copy the list
+    names, a third node reads exactly the bytes the entry describes."""
+    a, b = nodes
+    reader = Node(a.tier.client, a.view.ns, "node-r:3")
+    tokens = list(range(50))
+    first, by_a, shape = make_variant(tokens, seed=20)
+    second, by_b, _ = make_variant(tokens, seed=21)
+    assert first.variant_id == second.variant_id and by_a != by_b
+    a.write(first, by_a, shape)
+    b.write(second, by_b, shape)
+    (entry,) = reader.adopt_all([first.chunk_key])
+    got = bytes(reader.tier.get_layers(first.variant_id, 0, shape.num_layers, shape))
+    assert got == {"node-a:1": by_a, "node-b:2": by_b}[entry.holder]
+    assert list(entry.info.layer_checksums) == list((first if got == by_a else second).layer_checksums)
 
 
 def test_global_view_finds_the_longest_prefix_and_its_holder(nodes):
