@@ -5,6 +5,8 @@
 - `records`: the self-describing, checksummed payload object and the variant record.
 - `view`: the per-chunk variant list and the global chunk-prefix view (CRAFT's global
   CP-Tree across nodes; each node's planner keeps its local tree).
+- `silence`: the segments that stopped answering reads (a node frozen or cut off),
+  skipped until a probe of them answers.
 
 The remote tier itself (`kvservice.tiers.remote`) speaks the store's tier protocol, and
 the store's `kvservice.store.sync` adopts listed variants and writes through: both sit

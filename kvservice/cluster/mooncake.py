@@ -18,26 +18,33 @@ production runs it as its own service (deploy/compose.scale-out.yaml, docs/scale
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
+from kvservice.cluster.silence import SilentSegments
 from kvservice.errors import Unavailable
 
 # Mooncake error codes (mooncake-store/include/types.h) that mean "this object is not
 # (or no longer) stored": the caller treats the variant as absent and recomputes.
 _GONE = {-703, -704, -707, -710, -712}
 OBJECT_ALREADY_EXISTS = -705
-_RPC_FAILED = {-900, -901}  # RPC_FAIL, RPC_TIMEOUT: the master did not answer
+_RPC_LOST = -900  # RPC_FAIL: the connection failed (a restarted master's end of file among others)
+_RPC_FAILED = {_RPC_LOST, -901}  # and RPC_TIMEOUT: the master did not answer
 WATCH_INTERVAL_S = 0.25
 _PROBE_KEY = "kvcraft/probe"  # never stored: a lookup of it only asks the master
+_MARK = "kvcraft/segment/"  # + a node's segment endpoint: its mark, which a probe of its segment reads
+SMALL_READS = 8  # reads of small objects in flight, one per segment read from
 
 Buffer = bytes | bytearray | memoryview
+log = logging.getLogger("kvcraft.cluster")
 
 
 class ObjectMissing(KeyError):
@@ -57,7 +64,10 @@ class RemoteSettings:
     timeout_s: float = 2.0  # a transfer to a peer's segment without progress this long fails
 
 
-PEER_PAUSE_MS = 10_000  # a peer whose transfer failed is not tried again for this long
+# The transfer engine's own pause of a peer whose transfer failed. Short: kvcraft skips a
+# silent segment itself (kvservice.cluster.silence), and the probe that finds it answering
+# again must reach it soon after.
+PEER_PAUSE_MS = 1_000
 
 
 def transfer_env(timeout_s: float) -> dict[str, str]:
@@ -69,6 +79,45 @@ def transfer_env(timeout_s: float) -> dict[str, str]:
             "MC_TRANSFER_TIMEOUT": t, "MC_CONN_PAUSE_TTL_MS": str(PEER_PAUSE_MS)}
 
 
+class _Guarded:
+    """The Mooncake store, closed only once no call is inside it: a call into a closed
+    store crashes the process, and calls run on several threads (a read given up on after
+    its timeout goes on in the background)."""
+
+    def __init__(self, store: object) -> None:
+        self._store = store
+        self._idle = threading.Condition()
+        self._calls = 0
+        self._closed = False
+
+    def __getattr__(self, name: str) -> Callable:
+        fn = getattr(self._store, name)
+
+        def call(*args: object) -> object:
+            with self._idle:
+                if self._closed:
+                    raise Unavailable("remote tier: the Mooncake client is closed")
+                self._calls += 1
+            try:
+                return fn(*args)
+            finally:
+                with self._idle:
+                    self._calls -= 1
+                    self._idle.notify_all()
+
+        return call
+
+    def close(self, wait_s: float) -> bool:
+        """Close once the calls inside have returned; False (left open) if one is still
+        inside after `wait_s` (a frozen master or node holds it)."""
+        with self._idle:
+            self._closed = True
+            if not self._idle.wait_for(lambda: self._calls == 0, timeout=wait_s):
+                return False
+        self._store.close()
+        return True
+
+
 def _view(buf: Buffer) -> np.ndarray:
     """A uint8 array over `buf`'s memory (no copy), to take its address."""
     if isinstance(buf, memoryview) and buf.format != "B":
@@ -77,20 +126,25 @@ def _view(buf: Buffer) -> np.ndarray:
 
 
 class MooncakeClient:
-    """One node's connection to the cluster; thread-safe (Mooncake's client is)."""
+    """One node's connection to the cluster; thread-safe (Mooncake's client is).
+
+    What this node writes goes to its own segment first (the master places it elsewhere
+    when that one is full): a node that goes silent costs the other nodes what it wrote,
+    not what a healthy node wrote. `silent` holds the segments that stopped answering reads.
+    """
 
     def __init__(self, settings: RemoteSettings) -> None:
         self.settings = settings
         for k, v in transfer_env(settings.timeout_s).items():
             os.environ.setdefault(k, v)  # an operator's own MC_* setting wins
         try:
-            from mooncake.store import MooncakeDistributedStore
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as e:
             raise Unavailable(
                 f"the remote tier needs Mooncake Store: pip install mooncake-transfer-engine-non-cuda "
                 f"(CPU) or mooncake-transfer-engine (CUDA), and the system library libibverbs1 "
                 f"(apt-get install libibverbs1); import failed: {e}") from None
-        self._store = MooncakeDistributedStore()
+        self._store = _Guarded(MooncakeDistributedStore())
         if not settings.local_hostname:
             settings = dataclasses.replace(settings, local_hostname=route_address(settings.master_address))
             self.settings = settings
@@ -102,6 +156,23 @@ class MooncakeClient:
                               f"(setup returned {rc}); is mooncake_master running there?")
         self._closed = False
         self._lock = threading.Lock()
+        self._own = ReplicateConfig()
+        self._pinned = ReplicateConfig()
+        if s.segment_bytes:
+            self._own.preferred_segment = self._pinned.preferred_segment = self._store.get_hostname()
+        self._pinned.with_hard_pin = True  # the mark: never evicted, gone only with the segment
+        self._small_reads = ThreadPoolExecutor(SMALL_READS, thread_name_prefix="kvcraft-small-read")
+        self.silent = SilentSegments(self._marked_at, self._answers_at)
+        try:
+            self.endpoint = self._find_endpoint() if s.segment_bytes else ""
+            if self.endpoint and not self.mark():
+                raise Unavailable(f"the Mooncake master at {s.master_address} placed this node's mark outside its "
+                                  "own segment, just mounted: the other nodes could not probe the segment")
+        except BaseException:
+            self.silent.close()
+            self._small_reads.shutdown()
+            self._store.close(wait_s=0)
+            raise
         # While the master is unreachable every Mooncake call blocks ~4 s before it
         # fails: a watcher keeps `up` current (TCP connect to the master every
         # WATCH_INTERVAL_S), and calls fail at once while it is down.
@@ -111,6 +182,30 @@ class MooncakeClient:
         self._master = _host_port(s.master_address)
         self._watcher = threading.Thread(target=self._watch, name="kvcraft-mooncake-watch", daemon=True)
         self._watcher.start()
+
+    # -- this node's segment and the master ------------------------------------------------
+    def _find_endpoint(self) -> str:
+        """The transfer endpoint of this node's own segment: where the master says an object
+        put there lies."""
+        key = f"{_MARK}new/{self._store.get_hostname()}"
+        try:
+            self._check(self._store.put(key, b"\x01", self._own), "place an object in this node's own segment")
+            return self._where(key)
+        finally:
+            self._store.remove(key, True)
+
+    @property
+    def mark_key(self) -> str:
+        return f"{_MARK}{self.endpoint}" if self.endpoint else ""
+
+    def mark(self) -> bool:
+        """Put this node's mark into its own segment; False while the master places it
+        elsewhere (the segment is not mounted again yet, after the master dropped it)."""
+        self._store.put(self.mark_key, b"\x01", self._pinned)
+        if self._where(self.mark_key) == self.endpoint:
+            return True
+        self._store.remove(self.mark_key, True)
+        return False
 
     def _watch(self) -> None:
         while not self._stop.wait(WATCH_INTERVAL_S):
@@ -131,6 +226,26 @@ class MooncakeClient:
         once its calls reach the master again."""
         return self._store.batch_is_exist([_PROBE_KEY])[0] not in _RPC_FAILED
 
+    def _marked_at(self, endpoint: str) -> bool | None:
+        """Whether the master holds the mark of the segment at `endpoint` (None: it did not
+        answer)."""
+        rc = self._is_exist([f"{_MARK}{endpoint}"])[0]
+        return None if rc < 0 and rc not in _GONE else rc == 1
+
+    def _answers_at(self, endpoint: str) -> bool:
+        """Whether a read of the mark of the segment at `endpoint` returns it (waits on a
+        node that does not answer)."""
+        return bool(self._store.get_batch([f"{_MARK}{endpoint}"])[0])
+
+    def _is_exist(self, keys: Sequence[str]) -> list[int]:
+        """batch_is_exist's codes. The first call on the connection the client kept to a
+        master that restarted fails (end of file) and the client connects again: that call
+        is made once more before it counts as the master's silence."""
+        codes = self._store.batch_is_exist(list(keys))
+        if _RPC_LOST in codes:
+            codes = self._store.batch_is_exist(list(keys))
+        return codes
+
     def _need_up(self, what: str) -> None:
         if not self.up:
             raise Unavailable(f"remote tier: cannot {what}: the Mooncake master at {self.settings.master_address} "
@@ -138,9 +253,10 @@ class MooncakeClient:
 
     # -- payload objects (zero-copy) ------------------------------------------------------
     def begin_put(self, key: str, size: int) -> None:
-        """Reserve an object of `size` bytes; fill it with `put_range`, then `end_put`."""
+        """Reserve an object of `size` bytes in this node's segment; fill it with
+        `put_range`, then `end_put`."""
         self._need_up(f"write {key}")
-        rc = self._store.batch_put_session_start([key], [size])[0]
+        rc = self._store.batch_put_session_start([key], [size], self._own)[0]
         if rc == OBJECT_ALREADY_EXISTS:
             raise FileExistsError(key)
         self._check(rc, f"reserve {size} bytes for {key}")
@@ -186,10 +302,27 @@ class MooncakeClient:
         """The transport endpoint (host:port) of the segment holding the object's replica
         ("" when absent)."""
         self._need_up(f"locate {key}")
+        return self._where(key)
+
+    def _where(self, key: str) -> str:
         for r in self._store.get_replica_desc(key):
             if r.is_memory_replica():
                 return r.get_memory_descriptor().buffer_descriptor.transport_endpoint
         return ""
+
+    def placements(self, keys: Sequence[str]) -> dict[str, str]:
+        """key -> the endpoint of the segment holding it, for those of `keys` that are
+        stored (ask only for stored ones: Mooncake logs an error for each absent key)."""
+        if not keys:
+            return {}
+        self._need_up(f"locate {len(keys)} objects")
+        out = {}
+        for key, replicas in self._store.batch_get_replica_desc(list(keys)).items():
+            for r in replicas:
+                if r.is_memory_replica():
+                    out[key] = r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                    break
+        return out
 
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
         """Values of small objects; b"" for an absent one (or when the master is down)."""
@@ -197,22 +330,46 @@ class MooncakeClient:
             return [b""] * len(keys)
         return self._store.get_batch(list(keys))
 
+    def read_small(self, keys: Sequence[str], timeout: float) -> tuple[dict[str, bytes], set[str]]:
+        """The values of the stored small objects among `keys`, read at once, one call per
+        segment holding some; and the keys left unread because their segment is silent. A
+        segment that does not answer within `timeout` becomes silent (`silent`).
+        Unavailable when the master does not answer."""
+        keys = [k for k, there in zip(keys, self.exists(keys)) if there]
+        by_segment: dict[str, list[str]] = {}
+        for key, endpoint in self.placements(keys).items():
+            by_segment.setdefault(endpoint, []).append(key)
+        skipped = {k for e, ks in by_segment.items() if e in self.silent for k in ks}
+        reads = {e: self._small_reads.submit(self._store.get_batch, ks)
+                 for e, ks in by_segment.items() if e not in self.silent}
+        done, _ = wait(reads.values(), timeout=timeout)
+        out: dict[str, bytes] = {}
+        for endpoint, read in reads.items():
+            if read not in done:
+                self.silent.add(endpoint, f"no answer within {timeout:.1f}s to a read of "
+                                          f"{len(by_segment[endpoint])} small objects")
+                skipped.update(by_segment[endpoint])
+                continue
+            out.update((k, v) for k, v in zip(by_segment[endpoint], read.result()) if v)
+        return out, skipped
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each object is stored (a replica on a live segment); Unavailable when
         the master does not answer."""
         if not keys:
             return []
         self._need_up("look objects up")
-        codes = self._store.batch_is_exist(list(keys))
+        codes = self._is_exist(keys)
         for rc in codes:
             if rc < 0 and rc not in _GONE:
                 self._check(rc, f"look up {len(keys)} objects")
         return [rc == 1 for rc in codes]
 
     def create(self, key: str, value: bytes) -> bool:
-        """Store a small object unless one exists under `key` (False then)."""
+        """Store a small object in this node's segment unless one exists under `key`
+        (False then)."""
         self._need_up(f"write {key}")
-        rc = self._store.put(key, value)
+        rc = self._store.put(key, value, self._own)
         if rc == OBJECT_ALREADY_EXISTS:
             return False
         self._check(rc, f"write {key}")
@@ -234,7 +391,11 @@ class MooncakeClient:
             if not self._closed:
                 self._closed = True
                 self._stop.set()
-                self._store.close()
+                self.silent.close()
+                self._small_reads.shutdown(wait=False, cancel_futures=True)  # a read stuck on a frozen node
+                if not self._store.close(wait_s=2 * self.settings.timeout_s + 1):
+                    log.warning("a cluster call is still waiting on a node or master that does not answer: the "
+                                "Mooncake client is left open (the master drops it after its client_ttl)")
 
     def _check(self, rc: int, what: str) -> None:
         if rc >= 0:

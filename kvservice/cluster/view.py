@@ -12,10 +12,14 @@ a compact local tree per GPU holding only what resides there. Across kvcraft nod
   those ids against the lists finds the longest chunk-prefix stored anywhere, and
   each entry names the node that published it.
 
-A node consults the view when it plans a request (`discover`), and publishes every
-variant it writes to the remote tier (`publish`). Lookups cost one batched get of
-(chunks x slots) small objects. A master that is down makes the view empty: nodes
-plan from their local tiers, never fail a request because of it.
+A node consults the view when it plans a request (`lookup`), and publishes every
+variant it writes to the remote tier (`publish`). A lookup asks the master which of the
+(chunks x slots) entries exist and where, reads them with one call per segment holding
+some, all at once, and asks which of the payloads they name are stored. A segment that
+does not answer (its node frozen or cut off) is skipped, and so are its entries and the
+payloads in it (kvservice.cluster.silence): one silent node costs what it holds. A master
+that is down makes the view empty: nodes plan from their local tiers, never fail a
+request because of it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ class PrefixHit:
     holder: str  # node that published the deepest variant ("" when length == 0)
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """What the lists of some chunks hold now."""
+
+    entries: list[Entry]  # valid entries whose payload is stored, in a segment that answers
+    unknown: frozenset[str]  # chunks whose list, or a listed payload, lies in a silent segment
+
+
 class ClusterView:
     def __init__(self, client: MooncakeClient, namespace: str, holder: str, slots: int = 8) -> None:
         if slots < 1:
@@ -54,16 +66,20 @@ class ClusterView:
         self.ns = namespace
         self.holder = holder
         self.slots = slots
+        # List entries are a few hundred bytes: a segment that has not returned them in half
+        # the transfer timeout is silent for this lookup (and skipped until it answers).
+        self.read_timeout_s = client.settings.timeout_s / 2
 
     def payload_of(self, entry: Entry) -> str:
         """The key of the payload object the entry describes."""
         return payload_key(self.ns, entry.info.variant_id, entry.record)
 
     def publish(self, info: "pb.VariantInfo | Variant") -> bool:
-        """List the variant's copy; its payload must be in the cluster already, under its
-        record. One copy of a variant id is listed at a time: False (nothing changed) when
-        the slot lists another copy of this variant id whose payload is stored. An entry of
-        another variant of the chunk, or of a copy that is gone, is replaced."""
+        """List the variant's copy, in this node's segment; its payload must be in the
+        cluster already, under its record. One copy of a variant id is listed at a time:
+        False (nothing changed) when the slot lists another copy of this variant id whose
+        payload is stored. An entry of another variant of the chunk, or of a copy that is
+        gone, is replaced."""
         key = slot_key(self.ns, info.chunk_key, slot_of(info.variant_id, self.slots))
         value, record = encode_entry(info, self.holder), record_bytes(info)
         for _ in range(3):
@@ -79,21 +95,21 @@ class ClusterView:
         return False  # others keep publishing into this slot: the next republish tries again
 
     def _entry_at(self, key: str, chunk: str) -> Entry | None:
-        """The entry in slot `key` (None: none, or altered)."""
-        raw = self.client.get_many([key])[0]
+        """The entry in slot `key` (None: none, altered, or in a silent segment)."""
+        values, _ = self.client.read_small([key], self.read_timeout_s)
         try:
-            return decode_entry(raw, chunk) if raw else None
+            return decode_entry(values[key], chunk) if key in values else None
         except BadRecord:
             return None
 
     def unpublish(self, chunk: str, vid: str, record: bytes) -> None:
         """Remove the entry of this copy of the variant, if its slot still lists it."""
         key = slot_key(self.ns, chunk, slot_of(vid, self.slots))
-        raw = self.client.get_many([key])[0]
-        if not raw:
+        values, _ = self.client.read_small([key], self.read_timeout_s)
+        if key not in values:
             return
         try:
-            e = decode_entry(raw, chunk)
+            e = decode_entry(values[key], chunk)
             if e.info.variant_id != vid or e.record != record:
                 return
         except BadRecord:
@@ -106,38 +122,45 @@ class ClusterView:
         self._remove(slot_key(self.ns, chunk, slot_of(vid, self.slots)))
 
     def discover(self, chunks: Sequence[str]) -> list[Entry]:
-        """Every valid list entry of these chunks whose payload is still stored; altered
-        entries, and entries of payloads that are gone (their segment left the cluster
-        with its node: the master drops them once the node's client_ttl has passed), are
-        removed."""
-        keys = [slot_key(self.ns, c, s) for c in chunks for s in range(self.slots)]
+        """Every valid list entry of these chunks whose payload is stored (`lookup`)."""
+        return self.lookup(chunks).entries
+
+    def lookup(self, chunks: Sequence[str]) -> Lookup:
+        """The valid list entries of these chunks whose payload is stored. Altered entries,
+        and entries of payloads that are gone (their segment left the cluster with its node:
+        the master drops them once the node's client_ttl has passed), are removed. Entries
+        and payloads in a silent segment (a node frozen or cut off) are left out, their
+        chunks `unknown`: the others are read without waiting for it."""
+        chunk_of = {slot_key(self.ns, c, s): c for c in chunks for s in range(self.slots)}
         try:
-            values = self.client.get_many(keys)
-            entries = self._decode(chunks, keys, values)
-            stored = self.client.exists([self.payload_of(e) for _, e in entries])
+            values, skipped = self.client.read_small(list(chunk_of), self.read_timeout_s)
+            entries = self._decode(chunk_of, values)
+            payloads = [self.payload_of(e) for _, e in entries]
+            stored = self.client.exists(payloads)
+            where = self.client.placements([p for p, s in zip(payloads, stored) if s]) if self.client.silent else {}
         except KVCraftError as e:
             log.warning("cluster view unavailable: %s", e)
-            return []
+            return Lookup([], frozenset(chunks))
+        unknown = {chunk_of[k] for k in skipped}
         out = []
-        for (key, e), there in zip(entries, stored):
-            if there:
+        for (key, e), payload, there in zip(entries, payloads, stored):
+            if not there:
+                log.info("dropping list entry %s: its payload is gone from the cluster", key)
+                self._remove(key)
+            elif where.get(payload) in self.client.silent:
+                unknown.add(e.info.chunk_key)
+            else:
                 out.append(e)
-                continue
-            log.info("dropping list entry %s: its payload is gone from the cluster", key)
-            self._remove(key)
-        return out
+        return Lookup(out, frozenset(unknown))
 
-    def _decode(self, chunks: Sequence[str], keys: Sequence[str], values: Sequence[bytes]) -> list[tuple[str, Entry]]:
+    def _decode(self, chunk_of: dict[str, str], values: dict[str, bytes]) -> list[tuple[str, Entry]]:
         out = []
-        for i, raw in enumerate(values):
-            if not raw:
-                continue
-            chunk = chunks[i // self.slots]
+        for key, raw in values.items():
             try:
-                out.append((keys[i], decode_entry(raw, chunk)))
+                out.append((key, decode_entry(raw, chunk_of[key])))
             except BadRecord as e:
-                log.warning("dropping list entry %s: %s", keys[i], e)
-                self._remove(keys[i])
+                log.warning("dropping list entry %s: %s", key, e)
+                self._remove(key)
         return out
 
     def _remove(self, key: str) -> None:

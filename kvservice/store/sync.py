@@ -23,7 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
 from kvservice.cluster.records import payload_key, record_bytes, slot_key, slot_of
-from kvservice.cluster.view import ClusterView
+from kvservice.cluster.view import ClusterView, Lookup
 from kvservice.errors import KVCraftError
 from kvservice.index import Variant
 from kvservice.store.state import StoreState
@@ -128,23 +128,22 @@ class ClusterSync:
         """Adopt the listed variants of these chunks this node lacks; how many. Within
         remote_timeout_s, or nothing: the Plan goes on with what this node holds (and
         while an earlier lookup still hangs, no new one starts)."""
+        chunks = list(dict.fromkeys(chunk_keys))
         with self.s.lock:
             if self._lookup is not None and not self._lookup.done():
                 return 0
-            self._lookup = lookup = self._lookups.submit(self.view.discover, list(dict.fromkeys(chunk_keys)))
+            self._lookup = lookup = self._lookups.submit(self.view.lookup, chunks)
         try:
-            entries = lookup.result(timeout=self.timeout_s)
+            found: Lookup = lookup.result(timeout=self.timeout_s)
         except FutureTimeout:
-            log.warning("cluster view did not answer within %.1fs (a node unreachable?): planning from this "
-                        "node's tiers", self.timeout_s)
-            return 0
-        if not entries:
+            log.warning("cluster view did not answer within %.1fs (the master?): planning from this node's tiers",
+                        self.timeout_s)
             return 0
         s, n = self.s, 0
         cfg = s.cfg
         bad: list[tuple[str, str]] = []  # (chunk, variant id): entries not describing theirs, removed after
         with s.lock:
-            for e in entries:
+            for e in found.entries:
                 vid = e.info.variant_id
                 if vid in s.index:
                     v = s.index.get(vid)

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from collections import OrderedDict
 
 from kvcraft import tiers
-from kvservice.cluster.mooncake import PEER_PAUSE_MS, MooncakeClient, ObjectMissing, RemoteSettings
+from kvservice.cluster.mooncake import MooncakeClient, ObjectMissing, RemoteSettings
 from kvservice.cluster.records import BadRecord, check_header, encode_header, header_length, payload_key, record_bytes
 from kvservice.cluster.view import ClusterView
 from kvservice.config import Config
@@ -150,7 +149,6 @@ class RemoteTier(Tier):
         self.timeout_s = client.settings.timeout_s
         self._reads = ThreadPoolExecutor(READERS, thread_name_prefix="kvcraft-remote-read")
         self._deletes = ThreadPoolExecutor(1, thread_name_prefix="kvcraft-remote-delete")
-        self._stalled: dict[str, float] = {}  # segment endpoint -> monotonic time its pause ends (live ones)
         self.view = view
         self.ns = view.ns
         self._record_of: RecordOf = lambda vid: None
@@ -256,28 +254,27 @@ class RemoteTier(Tier):
         return payload
 
     def _read(self, key: str, parts: list[bytearray]) -> None:
-        """get_into, waited for at most timeout_s: a peer cut off mid-read can hold the
-        call much longer. The segment that did not answer is not read from again for
-        PEER_PAUSE_MS (the other variants of a request it holds fail at once); where a
-        segment is paused, each read first asks the master where its object lies. The
-        buffers are this read's own, so a call that finishes after it was given up
-        writes into memory nobody reads."""
-        now = time.monotonic()
-        self._stalled = {w: t for w, t in self._stalled.items() if t > now}
-        where = self.client.placement(key) if self._stalled else ""
-        if where in self._stalled:
-            raise Unavailable(f"{key} lies in the segment at {where}, which stopped answering")
+        """get_into, waited for at most timeout_s: a node frozen or cut off mid-read can
+        hold the call much longer. The segment that did not answer is silent from then on
+        (`MooncakeClient.silent`): reads of objects in it fail at once until it answers a
+        probe. The buffers are this read's own, so a call that finishes after it was given
+        up writes into memory nobody reads."""
+        where: list[str] = []
         try:
-            self._reads.submit(self.client.get_into, key, parts).result(timeout=self.timeout_s)
+            self._reads.submit(self._read_from, key, parts, where).result(timeout=self.timeout_s)
         except FutureTimeout:
-            try:
-                where = where or self.client.placement(key)
-            except KVCraftError:
-                pass  # the master is not answering either: nothing to pause
-            if where:
-                self._stalled[where] = time.monotonic() + PEER_PAUSE_MS / 1000
+            self.client.silent.add(where[0] if where else "", f"no answer within {self.timeout_s:.1f}s reading {key}")
             raise Unavailable(f"no answer within {self.timeout_s:.1f}s reading {key} "
-                              f"from {where or 'its node'}") from None
+                              f"from {where[0] if where else 'its node'}") from None
+
+    def _read_from(self, key: str, parts: list[bytearray], where: list[str]) -> None:
+        at = self.client.placement(key)
+        if not at:
+            raise ObjectMissing(key)
+        where.append(at)
+        if at in self.client.silent:
+            raise Unavailable(f"{key} lies in the segment at {at}, which stopped answering")
+        self.client.get_into(key, parts)
 
     # -- bookkeeping ------------------------------------------------------------------
     def forget(self, variant_id: str) -> None:

@@ -10,15 +10,24 @@ reads it: its payload must be the bytes the entry describes.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from kvclient.client import KVClient
 from kvcraft.keys import ModelSpec, chunk_key
-from tests.cluster.conftest import running_cluster, wait_for
-from tests.cluster.helpers import listed, misdescribed
+from tests.cluster.conftest import NODES, running_cluster, wait_for
+from tests.cluster.helpers import (HealthWatch, all_listed, assert_right, chunk_vids, compute, listed, misdescribed,
+                                   unlisted)
 
 pytestmark = pytest.mark.slow
+
+# Prompts (held-out draws of tests.cluster.engine_worker) that share no chunk with each other.
+MINE = {"a": (2, 3), "c": (4, 5), "b": (6, 7)}  # computed before B is frozen briefly
+WHILE_B_SILENT = 8  # engine A computes it while B is frozen; C reuses it
+REQUEST_S = 2.5  # the slowest request any engine may see, during a fault or after
+HEALTH_S = 0.1  # the slowest health check
 
 SPEC = ModelSpec("frozen-test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16")
 MODEL = SPEC.fingerprint()
@@ -27,6 +36,76 @@ MODEL = SPEC.fingerprint()
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     yield from running_cluster(tmp_path_factory, "frozen")
+
+
+def every_chunk(cluster) -> set[str]:
+    return {k for host in NODES for k in chunk_vids(cluster, host)}
+
+
+def assert_listings_describe_their_payloads(cluster) -> None:
+    bad = misdescribed(cluster, every_chunk(cluster))
+    assert not bad, "listed entries whose payload is other bytes:\n" + "\n".join(bad)
+
+
+def assert_reused_whole(r: dict) -> None:
+    assert r["reused"] == r["chunks"] and r["fresh"] == 0 and r["fallbacks"] == 0, r
+    assert_right(r)
+    assert r["ttft_s"] < REQUEST_S, r
+
+
+def assert_fast_health(cluster, health: HealthWatch, what: str) -> None:
+    cluster.measured[f"{what}: median, s"] = health.quantile(0.5)
+    cluster.measured[f"{what}: 99th percentile, s"] = health.quantile(0.99)
+    cluster.measured[f"{what}: slowest, s"] = health.slowest
+    assert health.took and health.slowest < HEALTH_S, sorted(health.took)[-10:]
+
+
+def wait_listed(cluster, hosts, timeout: float, answers: list[dict] | None = None) -> float:
+    """Wait until every variant the nodes `hosts` hold in their own tiers is listed (of the
+    chunks of `answers` only, if given); the seconds it took."""
+    t0 = time.monotonic()
+    keys = {k for r in answers for k in r["chunk_keys"]} if answers is not None else None
+    held: dict[str, list[str]] = {}
+    for host in hosts:
+        for k, vs in chunk_vids(cluster, host, local=True).items():
+            if keys is None or k in keys:
+                held.setdefault(k, []).extend(vs)
+    try:
+        wait_for(f"the variants {', '.join(hosts).upper()} hold listed", lambda: all_listed(cluster, held), timeout)
+    except AssertionError:
+        raise AssertionError(f"not listed within {timeout:.0f}s: {sorted(unlisted(cluster, held))}") from None
+    return time.monotonic() - t0
+
+
+def test_while_a_node_is_frozen_the_others_reuse_every_chunk_the_healthy_nodes_hold(cluster):
+    """B frozen (within the master's client_ttl): engines A and C reuse every chunk of each
+    other's prompts, and of one A computes meanwhile; B's own chunks are all it costs.
+    Health checks stay fast."""
+    for host, prompts in MINE.items():
+        compute(cluster, host, prompts)
+    wait_listed(cluster, NODES, 30)
+    engine_a, engine_c = cluster.engines["a"], cluster.engines["c"]
+    node_a, node_c = cluster.address("a"), cluster.address("c")
+    with HealthWatch([node_a, node_c]) as health, cluster.nodes["b"].frozen():
+        crossed = []
+        for pa, pc in zip(MINE["c"], MINE["a"]):  # at once: A reads C's prompt, C reads A's
+            engine_a.send(service=node_a, prompt=pa)
+            engine_c.send(service=node_c, prompt=pc)
+            crossed += [engine_a.result(), engine_c.result()]
+        (new,) = compute(cluster, "a", [WHILE_B_SILENT])
+        wait_for("A's new chunks listed", lambda: listed(cluster, new["chunk_keys"]) >= {
+            v for k, vs in chunk_vids(cluster, "a", local=True).items() if k in new["chunk_keys"] for v in vs}, 10)
+        reread = engine_c.prefill(node_c, WHILE_B_SILENT)
+        b_own = [engine_a.prefill(node_a, p) for p in MINE["b"]]
+    cluster.saw("B frozen: A and C read each other's prompts", crossed + [reread])
+    cluster.saw("B frozen: A reads B's prompts", b_own)
+    for r in crossed + [reread]:
+        assert_reused_whole(r)
+    for r in b_own:  # what only B's segment held is computed: its own chunks, never a wrong answer
+        assert_right(r)
+        assert r["ttft_s"] < REQUEST_S, r
+    assert_fast_health(cluster, health, "B frozen: health checks of A and C")
+    assert_listings_describe_their_payloads(cluster)
 
 
 def layers_of(seed: int, tokens: int = 24) -> list[tuple[torch.Tensor, torch.Tensor]]:
