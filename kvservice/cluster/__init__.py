@@ -7,6 +7,8 @@
   CP-Tree across nodes; each node's planner keeps its local tree).
 - `silence`: the segments that stopped answering reads (a node frozen or cut off),
   skipped until a probe of them answers.
+- `watch`: whether the master answers and still holds this node's segment; when either
+  comes back, the node puts its variants back (`kvservice.store.sync`).
 
 The remote tier itself (`kvservice.tiers.remote`) speaks the store's tier protocol, and
 the store's `kvservice.store.sync` adopts listed variants and writes through: both sit

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvservice.cluster.silence import SilentSegments
+from kvservice.cluster.watch import DOWN, DROPPED, REMOUNTING, UP, WATCH_INTERVAL_S, MasterWatch
 from kvservice.errors import Unavailable
 
 # Mooncake error codes (mooncake-store/include/types.h) that mean "this object is not
@@ -38,9 +39,13 @@ _GONE = {-703, -704, -707, -710, -712}
 OBJECT_ALREADY_EXISTS = -705
 _RPC_LOST = -900  # RPC_FAIL: the connection failed (a restarted master's end of file among others)
 _RPC_FAILED = {_RPC_LOST, -901}  # and RPC_TIMEOUT: the master did not answer
-WATCH_INTERVAL_S = 0.25
+# A put session's start answers INVALID_PARAMS when this client still holds a session for
+# the key (an end or revoke whose answer was lost); a revoke answers INVALID_WRITE when the
+# master completed the put after all.
+_SESSION_HELD = -600
+_PUT_COMPLETE = -700
 _PROBE_KEY = "kvcraft/probe"  # never stored: a lookup of it only asks the master
-_MARK = "kvcraft/segment/"  # + a node's segment endpoint: its mark, which a probe of its segment reads
+_MARK = "kvcraft/segment/"  # + a node's segment endpoint: its mark (kvservice.cluster.watch; probes read it)
 SMALL_READS = 8  # reads of small objects in flight, one per segment read from
 
 Buffer = bytes | bytearray | memoryview
@@ -130,7 +135,8 @@ class MooncakeClient:
 
     What this node writes goes to its own segment first (the master places it elsewhere
     when that one is full): a node that goes silent costs the other nodes what it wrote,
-    not what a healthy node wrote. `silent` holds the segments that stopped answering reads.
+    not what a healthy node wrote. `watch` keeps `up` current and says when this node must
+    put its variants back; `silent` holds the segments that stopped answering reads.
     """
 
     def __init__(self, settings: RemoteSettings) -> None:
@@ -156,32 +162,30 @@ class MooncakeClient:
                               f"(setup returned {rc}); is mooncake_master running there?")
         self._closed = False
         self._lock = threading.Lock()
+        self.up = True  # the master answers (kept by `watch`; calls fail at once while it is False)
         self._own = ReplicateConfig()
         self._pinned = ReplicateConfig()
         if s.segment_bytes:
             self._own.preferred_segment = self._pinned.preferred_segment = self._store.get_hostname()
         self._pinned.with_hard_pin = True  # the mark: never evicted, gone only with the segment
+        self._unsettled: set[str] = set()  # put sessions whose end or revoke got no answer
         self._small_reads = ThreadPoolExecutor(SMALL_READS, thread_name_prefix="kvcraft-small-read")
         self.silent = SilentSegments(self._marked_at, self._answers_at)
         try:
             self.endpoint = self._find_endpoint() if s.segment_bytes else ""
             if self.endpoint and not self.mark():
                 raise Unavailable(f"the Mooncake master at {s.master_address} placed this node's mark outside its "
-                                  "own segment, just mounted: the other nodes could not probe the segment")
+                                  "own segment, just mounted: the other nodes could not probe the segment, nor "
+                                  "this node tell when the master drops it")
         except BaseException:
             self.silent.close()
             self._small_reads.shutdown()
             self._store.close(wait_s=0)
             raise
-        # While the master is unreachable every Mooncake call blocks ~4 s before it
-        # fails: a watcher keeps `up` current (TCP connect to the master every
-        # WATCH_INTERVAL_S), and calls fail at once while it is down.
-        self.up = True
-        self.on_rejoin: list[Callable[[], None]] = []  # called (watcher thread) when the master answers again
-        self._stop = threading.Event()
-        self._master = _host_port(s.master_address)
-        self._watcher = threading.Thread(target=self._watch, name="kvcraft-mooncake-watch", daemon=True)
-        self._watcher.start()
+        # called (watcher thread) when this node must put its variants back: the master
+        # answers again after it did not, or it dropped this node's segment
+        self.on_rejoin: list[Callable[[], None]] = []
+        self.watch = MasterWatch(self, s.timeout_s)
 
     # -- this node's segment and the master ------------------------------------------------
     def _find_endpoint(self) -> str:
@@ -193,6 +197,10 @@ class MooncakeClient:
             return self._where(key)
         finally:
             self._store.remove(key, True)
+
+    @property
+    def master_address(self) -> str:
+        return self.settings.master_address
 
     @property
     def mark_key(self) -> str:
@@ -207,24 +215,24 @@ class MooncakeClient:
         self._store.remove(self.mark_key, True)
         return False
 
-    def _watch(self) -> None:
-        while not self._stop.wait(WATCH_INTERVAL_S):
-            try:
-                socket.create_connection(self._master, timeout=WATCH_INTERVAL_S).close()
-            except OSError:
-                self.up = False
-                continue
-            if not self.up and self._answers():
-                self.up = True
-                for call in self.on_rejoin:
-                    call()
+    def check(self) -> str:
+        """UP; DOWN (the master does not answer); DROPPED (it answers but no longer held
+        this node's mark: it dropped the segment, or restarted empty; marked again now) or
+        REMOUNTING (dropped, and the segment is not mounted again yet)."""
+        rc = self._is_exist([self.mark_key or _PROBE_KEY])[0]
+        if rc < 0 and rc not in _GONE:
+            return DOWN
+        if not self.mark_key or rc == 1:
+            return UP
+        return DROPPED if self.mark() else REMOUNTING
 
-    def _answers(self) -> bool:
-        """Whether the master answers a call, not only a connection: after a restart the
-        client's first call fails on the connection it kept to the master that died (end
-        of file); this call takes that failure, so that the node is up, and rejoins, only
-        once its calls reach the master again."""
-        return self._store.batch_is_exist([_PROBE_KEY])[0] not in _RPC_FAILED
+    def connects(self) -> bool:
+        """Whether a TCP connection to the master's address opens (a cut link fails it)."""
+        try:
+            socket.create_connection(_host_port(self.settings.master_address), timeout=WATCH_INTERVAL_S).close()
+            return True
+        except OSError:
+            return False
 
     def _marked_at(self, endpoint: str) -> bool | None:
         """Whether the master holds the mark of the segment at `endpoint` (None: it did not
@@ -254,9 +262,15 @@ class MooncakeClient:
     # -- payload objects (zero-copy) ------------------------------------------------------
     def begin_put(self, key: str, size: int) -> None:
         """Reserve an object of `size` bytes in this node's segment; fill it with
-        `put_range`, then `end_put`."""
+        `put_range`, then `end_put`. FileExistsError if the object exists (complete or being
+        written)."""
         self._need_up(f"write {key}")
+        if key in self._unsettled:
+            self._settle([key])
         rc = self._store.batch_put_session_start([key], [size], self._own)[0]
+        if rc == _SESSION_HELD:  # a session of this client whose end or revoke was lost
+            self._settle([key])
+            rc = self._store.batch_put_session_start([key], [size], self._own)[0]
         if rc == OBJECT_ALREADY_EXISTS:
             raise FileExistsError(key)
         self._check(rc, f"reserve {size} bytes for {key}")
@@ -279,11 +293,34 @@ class MooncakeClient:
 
     def end_put(self, key: str) -> None:
         self._need_up(f"complete {key}")
-        self._check(self._store.batch_put_session_end([key])[0], f"complete {key}")
+        rc = self._store.batch_put_session_end([key])[0]
+        if rc in _RPC_FAILED:  # the master may have completed it all the same: settled later
+            self._unsettled.add(key)
+        self._check(rc, f"complete {key}")
 
     def abort_put(self, key: str) -> None:
+        """Give the reserved object up. Where the master does not answer, the session is
+        settled later (`settle`, and before the key is written again): a session left open
+        would refuse every later write of the key."""
+        self._unsettled.add(key)
         if self.up:
-            self._store.batch_put_session_revoke([key])
+            self._settle([key])
+
+    def _settle(self, keys: Sequence[str]) -> None:
+        keys = list(keys)
+        codes = self._store.batch_put_session_revoke(keys)
+        complete = [k for k, rc in zip(keys, codes) if rc == _PUT_COMPLETE]
+        ended = dict(zip(complete, self._store.batch_put_session_end(complete))) if complete else {}
+        for k, rc in zip(keys, codes):
+            # 0: revoked; _SESSION_HELD: this client holds no session for the key (any more)
+            if rc in (0, _SESSION_HELD) or ended.get(k) == 0:
+                self._unsettled.discard(k)
+
+    def settle(self) -> None:
+        """Revoke (or complete, where the master did) the put sessions whose end or revoke
+        got no answer: once the master answers again."""
+        if self._unsettled:
+            self._settle(sorted(self._unsettled))
 
     def get_into(self, key: str, parts: Sequence[Buffer]) -> int:
         """Read the object into `parts` (writable, back to back); their sizes must add
@@ -390,7 +427,7 @@ class MooncakeClient:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._stop.set()
+                self.watch.close()
                 self.silent.close()
                 self._small_reads.shutdown(wait=False, cancel_futures=True)  # a read stuck on a frozen node
                 if not self._store.close(wait_s=2 * self.settings.timeout_s + 1):

@@ -4,6 +4,7 @@ Keys (all under one namespace, so several deployments can share a cluster):
   {ns}/v/{variant_id}/{digest}   payload object: header + payload; digest: xxh3-64 of the
                                  record its header carries
   {ns}/c/{chunk_key}/{slot}      one entry of the chunk's variant list
+  kvcraft/segment/{endpoint}     a node's mark in its own segment (kvservice.cluster.watch)
 
 Two nodes that compute one variant (same chunk, same prefix) need not compute the same
 bytes (kernels round differently at other batch shapes); each copy's key names its record,

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcraft.cluster")
 
+# What the cluster holds of a node's variant (`ClusterView.copies`): its copy, listed; its
+# copy, not listed; another node's copy (other bytes), listed; no copy, or none listed.
+LISTED, UNLISTED, ELSEWHERE, MISSING = "listed", "unlisted", "elsewhere", "missing"
+
 
 @dataclass(frozen=True)
 class PrefixHit:
@@ -152,6 +156,33 @@ class ClusterView:
             else:
                 out.append(e)
         return Lookup(out, frozenset(unknown))
+
+    def copies(self, variants: Sequence["Variant"]) -> list[str]:
+        """What the cluster holds of each of this node's variants: LISTED, UNLISTED,
+        ELSEWHERE or MISSING (a list slot in a silent segment counts as not listing it).
+        Unavailable when the master does not answer."""
+        records = [record_bytes(v) for v in variants]
+        own = self.client.exists([payload_key(self.ns, v.variant_id, r) for v, r in zip(variants, records)])
+        keys = [slot_key(self.ns, v.chunk_key, slot_of(v.variant_id, self.slots)) for v in variants]
+        values, _ = self.client.read_small(keys, self.read_timeout_s)
+        listed: list[Entry | None] = []
+        for v, key in zip(variants, keys):
+            try:
+                e = decode_entry(values[key], v.chunk_key) if key in values else None
+            except BadRecord:
+                e = None
+            listed.append(e if e is not None and e.info.variant_id == v.variant_id else None)
+        others = [e for e, r in zip(listed, records) if e is not None and e.record != r]
+        alive = dict(zip([id(e) for e in others], self.client.exists([self.payload_of(e) for e in others])))
+        out = []
+        for e, r, mine in zip(listed, records, own):
+            if e is not None and e.record == r and mine:
+                out.append(LISTED)
+            elif e is not None and e.record != r and alive[id(e)]:
+                out.append(ELSEWHERE)
+            else:
+                out.append(UNLISTED if mine else MISSING)
+        return out
 
     def _decode(self, chunk_of: dict[str, str], values: dict[str, bytes]) -> list[tuple[str, Entry]]:
         out = []

@@ -5,10 +5,15 @@
   remote-only records (tier "remote", not persisted: after a restart the node asks
   the cluster again). The store tells its listeners, so the planner's catalog and
   CP-Tree see them like local ones; a lease holds them like local ones; a fetch
-  reads them from the remote tier and promotes them into the host slab.
+  reads them from the remote tier and promotes them into the host slab. A variant this
+  node holds whose copy in the cluster it counted on, gone now (it lay in the segment of
+  a node the master dropped), is copied out again.
 - write-through: after a Store is acknowledged, copy the variant from the fastest
   local tier holding it into the remote tier, in the background (one worker thread,
   never on the request's path), so other nodes can reuse it at once.
+- republish: after a start, and whenever the node's client says the cluster may have
+  lost what it held (`MooncakeClient.on_rejoin`), put back each local variant the
+  cluster no longer holds or lists; a variant that fails is tried again on its own.
 
 Both use the store's parts as the store's own promotion does: state under the store's
 lock, payload copies outside it while the variant is held (so it cannot move).
@@ -22,8 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
-from kvservice.cluster.records import payload_key, record_bytes, slot_key, slot_of
-from kvservice.cluster.view import ClusterView, Lookup
+from kvservice.cluster.records import payload_key, record_bytes
+from kvservice.cluster.view import MISSING, UNLISTED, ClusterView, Lookup
 from kvservice.errors import KVCraftError
 from kvservice.index import Variant
 from kvservice.store.state import StoreState
@@ -60,6 +65,7 @@ class ClusterSync:
         # stops answering mid-read (a partition) must not hold a Plan longer than that.
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvcraft-view")
         self._lookup: Future | None = None
+        self._putting_back: set[str] = set()  # variant ids a `_put_back` queued will look at
         self.timeout_s = state.cfg.remote_timeout_s
         self._closed = False
         remote.bind(state.index.get)
@@ -68,60 +74,66 @@ class ClusterSync:
         self.republish()  # a restart: what this node holds may be gone from the cluster
 
     # -- putting this node's variants back -------------------------------------------------
-    def republish(self, retry: int = 0) -> None:
-        """Copy this node's local variants the cluster lost back into it, in the background:
-        after a start, and whenever the master answers again (a restarted master starts
-        empty; one that lost this node during a partition dropped its segment's objects).
-        A master that answers before the nodes' segments are back refuses the copies: tried
-        again after 1, 2, 4 ... 30 s (`retry` counts the tries)."""
+    def republish(self, retry: int = 0, only: frozenset[str] | None = None) -> None:
+        """Put this node's local variants the cluster lost back into it, in the background:
+        after a start, and whenever the node's client says the cluster may have lost them
+        (a master that answers again, or that dropped this node's segment: a restarted
+        master starts empty, one that lost this node dropped its segment's objects). Those
+        the cluster refuses are tried again after 1, 2, 4 ... 30 s (`retry` counts the
+        tries; `only`: their ids), each on its own: one refused copy holds up no other."""
         if not self._closed:
-            self._pool.submit(self._republish, retry)
+            self._pool.submit(self._republish, retry, only)
 
-    def _retry_republish(self, retry: int) -> None:
+    def _retry_republish(self, retry: int, vids: list[str]) -> None:
         delay = min(REPUBLISH_BACKOFF_MAX_S, 2.0 ** retry)
-        log.info("the cluster refused a copy; republishing again in %.0fs", delay)
-        timer = threading.Timer(delay, self.republish, (retry + 1,))
+        log.info("the cluster refused %d copies; trying them again in %.0fs", len(vids), delay)
+        timer = threading.Timer(delay, self.republish, (retry + 1, frozenset(vids)))
         timer.daemon = True
         timer.start()
 
-    def _republish(self, retry: int) -> None:
-        s, ns = self.s, self.view.ns
+    def _republish(self, retry: int, only: frozenset[str] | None) -> None:
+        s = self.s
         with s.lock:
-            local = [v for v in s.index if any(i != self.remote_index for i in s.holders(v))]
+            local = [v for v in s.index if (only is None or v.variant_id in only)
+                     and any(i != self.remote_index for i in s.holders(v))]
         copied = listed_again = 0
+        refused: list[str] = []
         for at in range(0, len(local), REPUBLISH_BATCH):
             batch = local[at : at + REPUBLISH_BATCH]
             try:
-                stored = self.view.client.exists([payload_key(ns, v.variant_id, record_bytes(v)) for v in batch])
-                entered = self.view.client.exists([slot_key(ns, v.chunk_key, slot_of(v.variant_id, self.view.slots))
-                                                   for v in batch])
+                held = self.view.copies(batch)
             except KVCraftError as e:
                 log.info("republishing stopped (%s): the next rejoin tries again", e)
                 return
-            for v, there, listed in zip(batch, stored, entered):
-                if not there:
+            for v, there in zip(batch, held):
+                if there == MISSING:
                     with s.lock:  # whatever this node knew of its copy is stale (not deleted: it is gone)
                         if v.variant_id in self.remote:
                             self.remote.forget(v.variant_id)
                             s.retier(v)
                     done = self._copy_out(v.variant_id)
                     copied += done
-                else:
-                    done = listed or self._publish(v)
-                    listed_again += done and not listed
+                elif there == UNLISTED:
+                    listed = self._publish(v)
+                    done = listed is not None
+                    listed_again += bool(listed)
+                else:  # LISTED, or ELSEWHERE: another node's copy serves the fleet
+                    done = True
                 if not done:
-                    self._retry_republish(retry)
-                    return
+                    refused.append(v.variant_id)
         if copied or listed_again:
             log.info("republished: of the %d variants this node holds, %d copied into the cluster (or found "
                      "there), %d listed again", len(local), copied, listed_again)
+        if refused and not self._closed:
+            self._retry_republish(retry, refused)
 
-    def _publish(self, v: Variant) -> bool:
+    def _publish(self, v: Variant) -> bool | None:
+        """Whether the list names this node's copy now (False: another node's copy of the
+        variant); None when the cluster did not answer."""
         try:
-            self.view.publish(v)
-            return True
+            return self.view.publish(v)
         except KVCraftError:
-            return False
+            return None
 
     # -- adopting what other nodes stored ------------------------------------------------
     def discover(self, chunk_keys: Sequence[str]) -> int:
@@ -167,9 +179,44 @@ class ClusterSync:
                 for lst in s.listeners:
                     lst.on_put(v)
                 n += 1
+            unlisted = [vid for vid in self._unlisted(chunks, found) if vid not in self._putting_back]
+            self._putting_back.update(unlisted)
         for chunk, vid in bad:
             self.view.drop_entry(chunk, vid)
+        if unlisted:
+            self._pool.submit(self._put_back, unlisted)
         return n
+
+    def _unlisted(self, chunks: Sequence[str], found: Lookup) -> list[str]:
+        """Local variants of `chunks` whose copy in the cluster this node counts on, and
+        which the lists do not name (store lock held)."""
+        s = self.s
+        listed = {e.info.variant_id for e in found.entries}
+        return [v.variant_id for chunk in chunks if chunk not in found.unknown  # unknown: a silent segment
+                for v in s.index.variants_of(chunk)
+                if v.variant_id in self.remote and v.variant_id not in listed
+                and any(i != self.remote_index for i in s.holders(v))]
+
+    def _put_back(self, vids: list[str]) -> None:
+        """Copy out again those of `vids` whose copy is gone from the cluster (it lay in the
+        segment of a node the master dropped); one that is there, its list slot taken by
+        another variant of the chunk, stays as it is."""
+        s = self.s
+        with s.lock:
+            self._putting_back.difference_update(vids)
+            held = [v for vid in vids if (v := s.index.get(vid)) is not None and vid in self.remote]
+        try:
+            there = self.view.client.exists([payload_key(self.view.ns, v.variant_id, record_bytes(v)) for v in held])
+        except KVCraftError:
+            return  # the master does not answer: the rejoin's republish puts them back
+        for v, stored in zip(held, there):
+            if stored:
+                continue
+            with s.lock:  # what this node knew of that copy is stale (not deleted: it is gone)
+                if v.variant_id in self.remote:
+                    self.remote.forget(v.variant_id)
+                    s.retier(v)
+            self._copy_out(v.variant_id)
 
     # -- StoreListener: write-through ----------------------------------------------------
     def on_put(self, variant: Variant) -> None:
@@ -198,6 +245,9 @@ class ClusterSync:
             # moment ago may still be listed (until its client_ttl passes), so a failed
             # copy is tried again: the next placement is another one.
             for attempt in range(WRITE_ATTEMPTS):
+                if not self.view.client.up:  # put back when it answers again (`republish`)
+                    log.info("write-through of %s waits: the Mooncake master does not answer", vid)
+                    return False
                 try:
                     writer = self.remote.open_writer(vid, shape)
                 except (TierFull, KeyError) as e:

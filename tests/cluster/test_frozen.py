@@ -17,15 +17,22 @@ import torch
 
 from kvclient.client import KVClient
 from kvcraft.keys import ModelSpec, chunk_key
-from tests.cluster.conftest import NODES, running_cluster, wait_for
+from tests.cluster.conftest import CLIENT_TTL_S, NODES, running_cluster, wait_for
 from tests.cluster.helpers import (HealthWatch, all_listed, assert_right, chunk_vids, compute, listed, misdescribed,
                                    unlisted)
 
 pytestmark = pytest.mark.slow
 
-# Prompts (held-out draws of tests.cluster.engine_worker) that share no chunk with each other.
+# Prompts (held-out draws of tests.cluster.engine_worker) that share no chunk with each other,
+# except where a test says so: prompts 0, 14 and 23 begin with one chunk, 13 and 21 too.
 MINE = {"a": (2, 3), "c": (4, 5), "b": (6, 7)}  # computed before B is frozen briefly
 WHILE_B_SILENT = 8  # engine A computes it while B is frozen; C reuses it
+B_PAST_TTL = (10, 12)  # B computes; then B is frozen past the master's client_ttl
+B_THEN_A = (0, 13)  # B computes, A reuses; then B is dropped and A serves them and ...
+A_WHILE_B_DROPPED = (14, 21, 23)  # ... these, which begin with their first chunks
+C_WHILE_MASTER_FROZEN = (16, 18)
+MASTER_FREEZE_S = 20.0
+RELIST_S = 10.0  # after a fault ends, what was listed is listed again within this
 REQUEST_S = 2.5  # the slowest request any engine may see, during a fault or after
 HEALTH_S = 0.1  # the slowest health check
 
@@ -36,6 +43,11 @@ MODEL = SPEC.fingerprint()
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     yield from running_cluster(tmp_path_factory, "frozen")
+
+
+def segments_dropped(cluster) -> int:
+    """How many segments the master has unmounted because their node went silent."""
+    return cluster.master.log().count("action=unmount_expired_mem_segment")
 
 
 def every_chunk(cluster) -> set[str]:
@@ -105,6 +117,66 @@ def test_while_a_node_is_frozen_the_others_reuse_every_chunk_the_healthy_nodes_h
         assert_right(r)
         assert r["ttft_s"] < REQUEST_S, r
     assert_fast_health(cluster, health, "B frozen: health checks of A and C")
+    assert_listings_describe_their_payloads(cluster)
+
+
+def test_a_node_frozen_past_the_client_ttl_lists_its_variants_again_after_sigcont(cluster):
+    """B frozen until the master drops its segment (its objects with it): once resumed, B
+    notices and puts back every variant it holds; engines A and C reuse every chunk of its
+    prompts."""
+    wait_listed(cluster, ["b"], 30, compute(cluster, "b", B_PAST_TTL))
+    dropped = segments_dropped(cluster)
+    with cluster.nodes["b"].frozen():
+        wait_for("the master dropped B's segment", lambda: segments_dropped(cluster) > dropped, CLIENT_TTL_S + 10)
+    took = wait_listed(cluster, ["b"], RELIST_S)
+    cluster.measured["B frozen past client_ttl: listed again after SIGCONT, s"] = took
+    answers = [cluster.engines[h].prefill(cluster.address(h), p) for h in ("a", "c") for p in B_PAST_TTL]
+    cluster.saw("B frozen past client_ttl, resumed: A and C read B's prompts", answers)
+    for r in answers:
+        assert_reused_whole(r)
+    assert_listings_describe_their_payloads(cluster)
+
+
+def test_variants_a_node_holds_are_listed_again_when_another_node_s_copies_are_dropped(cluster):
+    """A reused what B computed (its copies of it came from B's segment); B is frozen until
+    the master drops its segment. A serves those prompts again and new ones that begin with
+    their first chunks: every variant A holds of them is listed, with B still frozen."""
+    wait_listed(cluster, ["b"], 30, compute(cluster, "b", B_THEN_A))
+    for p in B_THEN_A:
+        assert_reused_whole(cluster.engines["a"].prefill(cluster.address("a"), p))
+    dropped = segments_dropped(cluster)
+    with cluster.nodes["b"].frozen():
+        wait_for("the master dropped B's segment", lambda: segments_dropped(cluster) > dropped, CLIENT_TTL_S + 10)
+        answers = compute(cluster, "a", B_THEN_A + A_WHILE_B_DROPPED)
+        took = wait_listed(cluster, ["a"], RELIST_S, answers)
+        cluster.measured["B dropped: A's variants of those prompts listed, s"] = took
+    cluster.saw("B dropped by the master: A serves prompts B computed and new ones", answers)
+    for r in answers:
+        assert r["ttft_s"] < REQUEST_S, r
+    assert_listings_describe_their_payloads(cluster)
+
+
+def test_after_the_master_is_frozen_every_node_s_variants_are_listed_again(cluster):
+    """The master frozen 20 s while engine C computes prompts: requests and health checks
+    stay fast; once it is resumed, every variant every node holds is listed within 10 s,
+    those C computed meanwhile included, and engine A reuses every chunk of C's prompts."""
+    engine_c, node_c = cluster.engines["c"], cluster.address("c")
+    with HealthWatch([cluster.address(h) for h in NODES]) as health, cluster.master.frozen():
+        t0 = time.monotonic()
+        during = [engine_c.prefill(node_c, p) for p in C_WHILE_MASTER_FROZEN]
+        engine_c.flush(node_c)
+        time.sleep(max(0.0, t0 + MASTER_FREEZE_S - time.monotonic()))  # the fault's length, not a wait for a state
+    took = wait_listed(cluster, NODES, RELIST_S)
+    cluster.measured["master frozen 20 s: every node's variants listed after SIGCONT, s"] = took
+    after = [cluster.engines["a"].prefill(cluster.address("a"), p) for p in C_WHILE_MASTER_FROZEN]
+    cluster.saw("master frozen 20 s: C computes", during)
+    cluster.saw("master frozen 20 s, resumed: A reads C's prompts", after)
+    for r in during:
+        assert_right(r)
+        assert r["ttft_s"] < REQUEST_S, r
+    for r in after:
+        assert_reused_whole(r)
+    assert_fast_health(cluster, health, "master frozen: health checks")
     assert_listings_describe_their_payloads(cluster)
 
 

@@ -7,6 +7,7 @@ checksum; altered bytes never come back.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -168,6 +169,38 @@ def test_global_view_finds_the_longest_prefix_and_its_holder(nodes):
     assert hit.variant_ids == (variant_id(c0, ()), variant_id(c1, (c0,)), variant_id(c2, (c0, c1)))
     assert b.view.longest_prefix([c1, c0]).length == 0  # c1 alone was never stored
     assert a.view.longest_prefix([c0, c2]).length == 1
+
+
+def test_a_put_session_the_client_still_holds_is_settled_and_the_variant_written(nodes):
+    """A put whose end got no answer (a master frozen mid-write) leaves this client a
+    session for the key, which refuses every later start of it: the next write of the
+    variant settles it first."""
+    a, b = nodes
+    info, payload, shape = make_variant(list(range(60)), seed=30)
+    key = records.payload_key(a.tier.ns, info.variant_id, records.record_bytes(info))
+    size = records.header_length(records.record_bytes(info)) + len(payload)
+    assert a.tier.client._store.batch_put_session_start([key], [size]) == [0]  # left open, as a lost end leaves it
+    a.write(info, payload, shape)
+    (entry,) = b.adopt_all([info.chunk_key])
+    assert entry.info.variant_id == info.variant_id
+    assert bytes(b.tier.get_layers(info.variant_id, 0, shape.num_layers, shape)) == payload
+
+
+def test_a_node_whose_segment_the_master_dropped_is_told_to_put_its_variants_back(clients):
+    """The master drops a node's segment, and what it held, when the node's client expired
+    (a node frozen or cut off past client_ttl, a master frozen and resumed) or when the
+    master restarted; the node notices by its mark in that segment, however it came about,
+    and marks it again. Here the mark goes the way the master's unmount takes it."""
+    client = clients[0]
+    told = threading.Event()
+    client.on_rejoin.append(told.set)
+    try:
+        assert client.mark_key and client.exists([client.mark_key]) == [True]
+        client.remove(client.mark_key)
+        assert told.wait(10), "the node was not told within 10 s"
+        assert client.exists([client.mark_key]) == [True] and client.placement(client.mark_key) == client.endpoint
+    finally:
+        client.on_rejoin.remove(told.set)
 
 
 def test_budget_refuses_and_delete_frees(nodes):
