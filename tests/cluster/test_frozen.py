@@ -20,6 +20,7 @@ from kvcraft.keys import ModelSpec, chunk_key
 from tests.cluster.conftest import CLIENT_TTL_S, NODES, running_cluster, wait_for
 from tests.cluster.helpers import (HealthWatch, all_listed, assert_right, chunk_vids, compute, listed, misdescribed,
                                    unlisted)
+from tests.conftest import random_layers
 
 pytestmark = pytest.mark.slow
 
@@ -181,9 +182,7 @@ def test_after_the_master_is_frozen_every_node_s_variants_are_listed_again(clust
 
 
 def layers_of(seed: int, tokens: int = 24) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, tokens, 16, generator=g).bfloat16(), torch.randn(2, tokens, 16, generator=g).bfloat16())
-            for _ in range(SPEC.num_layers)]
+    return random_layers(seed, (2, tokens, 16), SPEC.num_layers, torch.bfloat16)
 
 
 def same_bytes(got, want) -> bool:
