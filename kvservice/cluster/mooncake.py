@@ -23,6 +23,7 @@ import math
 import os
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -39,6 +40,8 @@ _GONE = {-703, -704, -707, -710, -712}
 OBJECT_ALREADY_EXISTS = -705
 _RPC_LOST = -900  # RPC_FAIL: the connection failed (a restarted master's end of file among others)
 _RPC_FAILED = {_RPC_LOST, -901}  # and RPC_TIMEOUT: the master did not answer
+RECONNECT_TRIES = 4
+RECONNECT_PAUSE_S = 0.05  # pauses between the tries: 0, 0.05, 0.1 s
 # A put session's start answers INVALID_PARAMS when this client still holds a session for
 # the key (an end or revoke whose answer was lost); a revoke answers INVALID_WRITE when the
 # master completed the put after all.
@@ -246,11 +249,14 @@ class MooncakeClient:
         return bool(self._store.get_batch([f"{_MARK}{endpoint}"])[0])
 
     def _is_exist(self, keys: Sequence[str]) -> list[int]:
-        """batch_is_exist's codes. The first call on the connection the client kept to a
-        master that restarted fails (end of file) and the client connects again: that call
-        is made once more before it counts as the master's silence."""
+        """batch_is_exist's codes. Calls on the connection the client kept to a master that
+        restarted fail (end of file) until the client has connected again: such a call is
+        made again, RECONNECT_TRIES times in all, before it counts as the master's silence."""
         codes = self._store.batch_is_exist(list(keys))
-        if _RPC_LOST in codes:
+        for attempt in range(1, RECONNECT_TRIES):
+            if _RPC_LOST not in codes:
+                break
+            time.sleep(RECONNECT_PAUSE_S * (attempt - 1))
             codes = self._store.batch_is_exist(list(keys))
         return codes
 
