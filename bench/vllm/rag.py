@@ -49,19 +49,29 @@ from kvbench import results, stats
 
 
 def build_tiny_llama(path: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
-                     vocab: int = 512, seed: int = 0, intermediate: int | None = None) -> Path:
-    """A random-weight Llama in HF format with a byte-level tokenizer, made offline."""
+                     vocab: int = 512, seed: int = 0, intermediate: int | None = None,
+                     architecture: str = "llama") -> Path:
+    """A random-weight model in HF format with a byte-level tokenizer, made offline: a Llama, or
+    of `architecture` "mistral", "qwen2" (its q/k/v biases drawn, not zero) or "qwen3" (its q/k
+    norms drawn, not one)."""
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
-                      bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    kind = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[architecture]
+    extra = {"sliding_window": None} if architecture == "mistral" else {}
+    cfg = getattr(transformers, f"{kind}Config")(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
+        bos_token_id=256, eos_token_id=257, tie_word_embeddings=False, **extra)
+    model = getattr(transformers, f"{kind}ForCausalLM")(cfg).to(torch.float32)
     with torch.no_grad():  # larger logits: greedy ties (and so flaky comparisons) become unlikely
         model.lm_head.weight.mul_(8.0)
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias") or name.endswith("q_norm.weight") or name.endswith("k_norm.weight"):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     byte_vocab = {tok: i for i, tok in enumerate(pre_tokenizers.ByteLevel.alphabet())}
     byte_vocab.update({"<s>": 256, "</s>": 257})

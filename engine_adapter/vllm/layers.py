@@ -43,30 +43,35 @@ class VllmLayers(LayerModel):
         self.dtype, self.device = embed.dtype, embed.device
         self.triton = self.device.type == "cuda"
         self._layers = list(model.model.layers)
+        self._turn = model.kvcraft_turn  # vLLM's forward pass and these calls take turns on a CPU
 
     def embed(self, tokens: Tensor) -> Tensor:
-        return self.m.model.embed_tokens(tokens)  # [R, d]
+        with self._turn:
+            return self.m.model.embed_tokens(tokens)  # [R, d]
 
     def qkv_heads(self, layer: int, h: Tensor) -> Tensor:
         """[Hq+2Hkv, R, D] from vLLM's input norm and QKV projection (q/k norms where the
         architecture has them), before RoPE."""
         c, attn = self.cfg, self._layers[layer].self_attn
-        qkv, _ = attn.qkv_proj(self._layers[layer].input_layernorm(h))  # [R, (Hq+2Hkv)*D]
-        heads = qkv.view(qkv.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)  # [R, H, D]
-        if c.qk_norm:
-            q, k, v = heads.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
-            heads = torch.cat((attn.q_norm(q.contiguous()), attn.k_norm(k.contiguous()), v), dim=1)
+        with self._turn:
+            qkv, _ = attn.qkv_proj(self._layers[layer].input_layernorm(h))  # [R, (Hq+2Hkv)*D]
+            heads = qkv.view(qkv.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)  # [R, H, D]
+            if c.qk_norm:
+                q, k, v = heads.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
+                heads = torch.cat((attn.q_norm(q.contiguous()), attn.k_norm(k.contiguous()), v), dim=1)
         return heads.transpose(0, 1)
 
     def layer_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
         """vLLM's o-proj, its fused residual add and RMSNorm, its MLP, the residual."""
         dec = self._layers[layer]
-        out, _ = dec.self_attn.o_proj(o.transpose(0, 1).reshape(o.shape[1], -1))  # [R, d]
-        x, h = dec.post_attention_layernorm(out, h.clone())  # (normed, the residual stream: h + out)
-        return h + dec.mlp(x)
+        with self._turn:
+            out, _ = dec.self_attn.o_proj(o.transpose(0, 1).reshape(o.shape[1], -1))  # [R, d]
+            x, h = dec.post_attention_layernorm(out, h.clone())  # (normed, the residual stream: h + out)
+            return h + dec.mlp(x)
 
     def logits(self, h: Tensor) -> Tensor:
-        return self.m.compute_logits(self.m.model.norm(h))  # [R, V]
+        with self._turn:
+            return self.m.compute_logits(self.m.model.norm(h))  # [R, V]
 
 
 __all__ = ["VllmLayers"]

@@ -17,6 +17,7 @@ process that builds the model.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import weakref
@@ -63,9 +64,18 @@ def _blending(name: str) -> type:
         base.__init__(self, vllm_config=vllm_config, prefix=prefix, **kw)
         self.kvcraft_name = blend_name(vllm_config.model_config)
         self._kvcraft_layers = None
+        # vLLM's CPU kernels (oneDNN matmul handles with their primitive caches) are not safe to
+        # run from two threads at once: the blend's calls (loader threads) and vLLM's forward pass
+        # take turns. On a GPU they run side by side (each on its stream).
+        on_cpu = vllm_config.device_config.device_type == "cpu"
+        self.kvcraft_turn = threading.RLock() if on_cpu else contextlib.nullcontext()
         global _current
         with _lock:
             _current = weakref.ref(self)
+
+    def forward(self: Any, *args: Any, **kw: Any) -> Any:
+        with self.kvcraft_turn:
+            return base.forward(self, *args, **kw)
 
     def kvcraft_engine(self: Any) -> Any:
         """The layer step's model over this model's own layers (`VllmLayers`, made once)."""
@@ -75,7 +85,8 @@ def _blending(name: str) -> type:
             self._kvcraft_layers = VllmLayers(self, self.kvcraft_name)
         return self._kvcraft_layers
 
-    cls = type(name, (base,), {"__init__": __init__, "kvcraft_engine": kvcraft_engine, "__module__": __name__,
+    cls = type(name, (base,), {"__init__": __init__, "forward": forward, "kvcraft_engine": kvcraft_engine,
+                               "__module__": __name__,
                                "__doc__": f"vLLM's {base_name} plus a handle kvcraft blends with."})
     cls.__qualname__ = name
     return cls

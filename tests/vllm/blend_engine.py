@@ -4,7 +4,7 @@
     kvbench.common.engines.engine_run(tmp, name, spec, target="tests.vllm.blend_engine:main")
 
 spec: {"model", "dtype" (default float32), "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
-(hf_overrides to KVCraftLlamaForCausalLM), "num_blocks", "max_model_len", "service_pid",
+(hf_overrides to KVCraftLlamaForCausalLM) or the kvcraft class name of another architecture, "num_blocks", "max_model_len", "service_pid",
 "phases": [{"requests": [{"prompt": [...], "chunks": [...], "policy", "options", "salt"}],
 "max_tokens", "batch": bool (all in one generate call), "signal": "SIGSTOP"|"SIGCONT"|"SIGKILL" (to the service, before the phase),
 "pause": path (before the phase: create path.waiting, then wait up to 120 s for path.go,
@@ -45,7 +45,8 @@ def main(argv: list[str]) -> int:
 
         if not any(e.name == "kvcraft" for e in entry_points(group="vllm.general_plugins")):
             register()  # a source tree without installed metadata; installed, vLLM's plugin loader does it
-        kw["hf_overrides"] = {"architectures": [ARCHITECTURE]}
+        name = spec["blend_model"] if isinstance(spec["blend_model"], str) else ARCHITECTURE
+        kw["hf_overrides"] = {"architectures": [name]}
     if spec.get("kv"):
         from engine_adapter.vllm import kv_transfer_config
 
