@@ -173,11 +173,20 @@ def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache,
     [R] the same in each, or [..., R] each its own; `observe`, `learned`)."""
     qkv = model.qkv_heads(layer, h)  # [Hq+2Hkv, R, D] pre-RoPE
     K, V = cache.K, cache.V
+    heads, hkv = model.cfg.num_heads, model.cfg.num_kv_heads
     t0 = time.perf_counter()
+    if cache.raw is not None and choice is None and not model.triton:
+        # On the CPU, where no choice compares the stored K with the rows', the rows' k joins the
+        # stored K before its one rotation (an op fewer than turning the rows' q and k apart)
+        q, k, v = qkv.split([heads, hkv, hkv], dim=-3)
+        cache.raw.index_copy_(1, rows.rows, k)
+        V.index_copy_(1, rows.rows, v)
+        K = cache.rot(cache.raw, out=K)
+        out = Stepped(rows, rows.rows, h, rows.rot(q), qkv, K, V, rotate_s=time.perf_counter() - t0)
+        return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows)
     if cache.raw is not None:
         K = cache.rot(cache.raw, out=K)
     rotate_s = time.perf_counter() - t0
-    heads, hkv = model.cfg.num_heads, model.cfg.num_kv_heads
     old = None
     if choice is not None:  # the candidates' stored K/V, before the rows' are written over them
         at = rows.rows.index_select(0, choice.cand)
@@ -203,14 +212,20 @@ def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache,
     out = Stepped(rows, rows.rows, h, q, qkv, K, V, rotate_s=rotate_s)
     if choice is not None:
         out = _choose(out, choice, old)
-        rows, h, q = out.rows, out.h, out.q
-    t0 = time.perf_counter()
-    o, out.mass = attend(q, rows.pos, K, V, rows.rows if cache.pos is None else cache.pos,
+    return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows)
+
+
+def _attend_and_out(model: Any, layer: int, out: Stepped, cache: LayerCache, segments: Tensor | None,
+                    mass_of: Tensor | None, reads: KeyReads | None, reads_rows: Tensor | None) -> Stepped:
+    """The rest of `layer_step`, for `out`'s rows once their K/V are in the cache: their
+    attention over it (and what it returns besides), then the model's o-proj and MLP."""
+    rows, t0 = out.rows, time.perf_counter()
+    o, out.mass = attend(out.q, rows.pos, out.K, out.V, rows.rows if cache.pos is None else cache.pos,
                          CAUSAL if cache.pos is None else rows.visible, scale=model.scale, triton=model.triton,
                          segments=segments, mass_rows=None if mass_of is None else rows.index_of(mass_of),
                          reads=reads, reads_rows=reads_rows)
     out.attend_s = time.perf_counter() - t0  # (eagerly; a graph's replay runs no Python)
-    out.h = model.layer_out(layer, h, o)
+    out.h = model.layer_out(layer, out.h, o)
     return out
 
 

@@ -6,12 +6,13 @@ the number of chunks, rows and layers: full prefill's layer step plus OVERHEAD_P
 
 Every pass runs the one layer step (`step.layer_step`), full prefill included: 40 operations a
 layer on the tiny model. A one-pass policy adds the merge of the stored K/V (two
-concatenations and the stored K's rotation, 6), the write of its rows' K/V into the merged
-cache (2) and the CPU attention's second run of rows (4): 52. The default runs two passes a
-layer by design (it reads the question before it chooses the rows): its question pass adds
-the merge and the write, and its attention returns the question's reads from the same
-softmax as its output (5 more than fused SDPA): 53; its second pass writes its rows over the
-question pass's merged caches (2) in runs (4): 46; 99 a layer in all. Cache-Craft's Alg. 1
+concatenations and the stored K's rotation, which turns the rows' k with it: 6 less the rows'
+own turn of k, 5), the write of its rows' K/V into the merged cache (2) and the CPU attention's
+second run of rows (4): 51. The default runs two passes a layer by design (it reads the
+question before it chooses the rows): its question pass adds the merge and the write, and its
+attention returns the question's reads from the same softmax as its output (5 more than fused
+SDPA): 52; its second pass writes its rows over the question pass's merged caches (2) in runs
+(4): 46; 98 a layer in all. Cache-Craft's Alg. 1
 (`focus_window` > 0, off by default and not counted here) adds the question's attention mass
 and a read of it on the layers while it decides.
 
