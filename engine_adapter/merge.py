@@ -124,11 +124,15 @@ class Merge:
 
     def joined(self, p: RowSet, h: Tensor, carry: Carry) -> tuple[RowSet, Tensor]:
         """Rows p and the carried rows, which join after layer 0 with their hidden states."""
-        both = p.on_host() + tuple(carry.rows.tolist())
+        return self._union(p.on_host(), h, tuple(carry.rows.tolist()), carry.h)
+
+    def _union(self, host: tuple[int, ...], h: Tensor, more: tuple[int, ...], h_more: Tensor) -> tuple[RowSet, Tensor]:
+        """Rows `host` (hidden states h) and rows `more` (h_more), in prompt order."""
+        both = host + more
         rows = sorted(both)
         at = {r: i for i, r in enumerate(both)}
         order = torch.tensor([at[r] for r in rows], dtype=torch.long)
-        return self.rowsets.of(rows), torch.cat([h, carry.h]).index_select(0, order)
+        return self.rowsets.of(rows), torch.cat([h, h_more]).index_select(0, order)
 
     # ---- stored KV -----------------------------------------------------------------------
 
@@ -190,10 +194,7 @@ class Merge:
             return self.rowsets.of(host), h
         pn = self.rowsets.of(new)
         hn = catch_up(layer, pn, self.m.embed(self.lay.tokens.index_select(0, pn.rows)))
-        rows = sorted(host + tuple(new))
-        at = {r: i for i, r in enumerate(host + tuple(new))}
-        order = torch.tensor([at[r] for r in rows], dtype=torch.long)
-        return self.rowsets.of(rows), torch.cat([h, hn]).index_select(0, order)
+        return self._union(host, h, tuple(new), hn)
 
 
 __all__ = ["Merge"]
