@@ -65,8 +65,9 @@ def _blending(name: str) -> type:
         self.kvcraft_name = blend_name(vllm_config.model_config)
         self._kvcraft_layers = None
         # vLLM's CPU kernels (oneDNN matmul handles with their primitive caches) are not safe to
-        # run from two threads at once: the blend's calls (loader threads) and vLLM's forward pass
-        # take turns. On a GPU they run side by side (each on its stream).
+        # run from two threads at once: the blend's calls (loader threads) and vLLM's own (its
+        # forward pass, then the logits of the rows it samples) take turns. On a GPU they run side
+        # by side (each on its stream).
         on_cpu = vllm_config.device_config.device_type == "cpu"
         self.kvcraft_turn = threading.RLock() if on_cpu else contextlib.nullcontext()
         global _current
@@ -77,6 +78,10 @@ def _blending(name: str) -> type:
         with self.kvcraft_turn:
             return base.forward(self, *args, **kw)
 
+    def compute_logits(self: Any, *args: Any, **kw: Any) -> Any:
+        with self.kvcraft_turn:
+            return base.compute_logits(self, *args, **kw)
+
     def kvcraft_engine(self: Any) -> Any:
         """The layer step's model over this model's own layers (`VllmLayers`, made once)."""
         if self._kvcraft_layers is None:
@@ -85,7 +90,8 @@ def _blending(name: str) -> type:
             self._kvcraft_layers = VllmLayers(self, self.kvcraft_name)
         return self._kvcraft_layers
 
-    cls = type(name, (base,), {"__init__": __init__, "forward": forward, "kvcraft_engine": kvcraft_engine,
+    cls = type(name, (base,), {"__init__": __init__, "forward": forward, "compute_logits": compute_logits,
+                               "kvcraft_engine": kvcraft_engine,
                                "__module__": __name__,
                                "__doc__": f"vLLM's {base_name} plus a handle kvcraft blends with."})
     cls.__qualname__ = name

@@ -68,3 +68,31 @@ def test_blend_graphs_are_refused_without_cuda():
     check_device(ConnectorSettings.from_extra({"blend_policy": "query"}), "cpu")
     with pytest.raises(ValueError, match="static steps need the engine's Triton kernels"):
         StepGraphs(LlamaEngine.random("tiny"))  # on the CPU, the engine's path is plain torch
+
+
+@pytest.mark.parametrize("method", ["forward", "compute_logits"])
+def test_vllms_own_calls_on_a_cpu_wait_for_the_blends_turn(monkeypatch, method):
+    """On a CPU, vLLM's oneDNN matmuls are not safe from two threads at once: each call vLLM's
+    runner makes on the model (its forward pass, the logits of the rows it samples) runs while
+    holding the turn the blend's loader threads take (`kvcraft_turn`)."""
+    import threading
+
+    from engine_adapter.vllm import model as blending
+    from engine_adapter.vllm.model import ARCHITECTURES
+
+    for name, (module, base_name) in ARCHITECTURES.items():
+        cls = getattr(blending, name)
+        base = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), base_name)
+        held = []
+
+        def vllms_call(self, *args, **kw):  # another thread tries the turn while vLLM computes
+            other = threading.Thread(target=lambda: held.append(not self.kvcraft_turn.acquire(blocking=False)))
+            other.start()
+            other.join()
+            return "out"
+
+        monkeypatch.setattr(base, method, vllms_call)
+        obj = cls.__new__(cls)
+        obj.kvcraft_turn = threading.RLock()
+        assert getattr(obj, method)("h") == "out"
+        assert held == [True], f"{name}.{method} ran without the blend's turn"
