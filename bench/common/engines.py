@@ -15,6 +15,7 @@ output and log to a file and runs its entry point, a `module:function(argv) -> i
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import logging
@@ -59,6 +60,7 @@ def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str]) -> Non
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    faulthandler.enable(all_threads=True)  # a crash in native code logs every thread's Python stack
     os.environ.clear()
     os.environ.update(env)
     logging.getLogger("vllm").setLevel(env.get("VLLM_LOGGING_LEVEL", "INFO").upper())  # set at import, in the server
