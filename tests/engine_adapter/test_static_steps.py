@@ -3,8 +3,8 @@ shapes, padded, which CUDA captures as a graph; `dispatch`: which layer runs the
 the CPU over Triton's interpreter, the same code a capture records. The step is the eager
 step's own code; what is tested here is what the buffers and the dispatcher add: padding, the
 choice of rows over fixed slots, key positions and segments placed per prefill, carried rows,
-against the eager step for every policy, against full prefill, through a fallback, and what a
-capture needs (no host reads, no tensors made from host values inside the step) and what
+against the eager blend on plain torch for every policy, against full prefill, through a
+fallback, and what a capture needs (no host reads, no tensors made from host values inside the step) and what
 buffers shared between prefills must never do (change a result after it is returned, or be
 written by a second prefill at the same time)."""
 
@@ -47,6 +47,11 @@ def _plain(e: LlamaEngine) -> LlamaEngine:
     return LlamaEngine(e.cfg, e.w, triton=False)
 
 
+def _both(e: LlamaEngine, segments, policy, source, steps: StepGraphs):  # noqa: ANN001, ANN202
+    """(the reference: the blend on plain torch, eager; the blend on `e`'s static steps)."""
+    return _blend(_plain(e), segments, policy, source), _blend(e, segments, policy, source, steps)
+
+
 @pytest.fixture(scope="module")
 def engines() -> tuple[LlamaEngine, StepGraphs]:
     eager = LlamaEngine(CFG, LlamaEngine.random(CFG, seed=3, std=0.1).w, triton=True)
@@ -72,7 +77,7 @@ def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str)
     # 16-token chunks leave the default a budget to pick rows with (8: none, naive reuse)
     p = make_prompt(_plain(eager), seed=5, n_chunks=3, chunk_len=16 if policy == "query" else 8, question_len=4)
     options = {"ratio": 0.3} if policy == "cacheblend" else {}
-    ref, got = (_blend(eager, p.segments(), Policy(policy, **options), p.source(), s) for s in (None, static))
+    ref, got = _both(eager, p.segments(), Policy(policy, **options), p.source(), static)
     _same_result(got, ref)
     static_layers = [layer for layer, t in enumerate(got.timings) if t.static]
     # naive reuse, Cache-Craft's fixed rows and prefix reuse (the chunks it computes are new
@@ -99,7 +104,8 @@ def test_the_default_policys_second_phase_runs_every_layer_static_its_carried_qu
         return res
 
     with mock.patch.object(blend, "run_pass", each):
-        ref, got = [_blend(eager, p.segments(), Policy("query"), p.source(), s) for s in (None, static)]
+        ref, got = [_blend(e, p.segments(), Policy("query"), p.source(), s)
+                    for e, s in ((_plain(eager), None), (eager, static))]
     _same_result(got, ref)
     (_, _), (carry, _), (_, _), (carry_static, static_layers) = passes
     assert carry is not None and carry_static is not None
@@ -147,7 +153,7 @@ def test_a_fresh_chunks_statistics_on_static_steps_equal_the_eager_steps(engines
     p = make_prompt(_plain(eager), seed=6, n_chunks=3, chunk_len=8, question_len=4)
     segments = p.segments()
     segments[1] = Segment(p.chunks[1])  # computed here
-    ref, got = (_blend(eager, segments, policy, p.source(), s) for s in (None, static))
+    ref, got = _both(eager, segments, policy, p.source(), static)
     _same_result(got, ref)
     assert all(t.static for t in got.timings)
     assert (got.focused, got.focus_layer) == (ref.focused, ref.focus_layer)
@@ -175,8 +181,7 @@ def test_hkvds_choices_on_static_steps_equal_the_eager_steps_across_prompts_of_o
     static = _static(eager, tokens_step=16, rows_step=8)
     for seed, chunk_len, withhold in ((13, 12, ()), (15, 10, {(1, 2)})):
         p = make_prompt(torch_step, seed=seed, n_chunks=3, chunk_len=chunk_len, question_len=4)
-        ref, got = (_blend(eager, p.segments(), Policy("cacheblend", ratio=0.2), p.source(withhold=withhold), s)
-                    for s in (None, static))
+        ref, got = _both(eager, p.segments(), Policy("cacheblend", ratio=0.2), p.source(withhold=withhold), static)
         _same_result(got, ref)
         assert got.fallbacks == ([(1, 2)] if withhold else [])
         assert all(t.static for t in got.timings)
@@ -203,7 +208,7 @@ def test_a_layer_missing_midway_catches_up_over_the_static_caches(engines):
     eager, static = engines
     p = make_prompt(_plain(eager), 21, behind="same", chunk_len=12)  # exact stored KV: full prefill's logits
     full = _plain(eager).prefill(p.tokens, all_logits=False)[0][-1]
-    ref, got = (_blend(eager, p.segments(), Policy("naive"), p.source(withhold={(1, 2)}), s) for s in (None, static))
+    ref, got = _both(eager, p.segments(), Policy("naive"), p.source(withhold={(1, 2)}), static)
     assert got.fallbacks == [(1, 2)]
     assert [t.static for t in got.timings] == [True, True, True]  # new rows from layer 2: another bucket
     _same_result(got, ref)
@@ -230,7 +235,7 @@ def test_a_second_prefill_at_the_same_time_runs_eagerly_and_leaves_the_buffers_a
     with static.lease() as first:  # another prefill holds the static steps
         assert first
         got = _blend(eager, q.segments(), Policy("naive"), q.source(), static)
-    ref = _blend(eager, q.segments(), Policy("naive"), q.source())
+    ref = _blend(_plain(eager), q.segments(), Policy("naive"), q.source())
     assert not any(t.static for t in got.timings)
     _same_result(got, ref)
     for s, (h, K, V) in zip(static._steps.values(), before, strict=True):
@@ -301,7 +306,7 @@ def test_a_step_that_fails_leaves_its_layer_and_every_later_prefill_to_the_eager
             raise StepFailed("layer 1's CUDA graph: (raised by the test)")
         return run(step, layer, *args)
 
-    ref = _blend(eager, p.segments(), Policy(policy), p.source())
+    ref = _blend(_plain(eager), p.segments(), Policy(policy), p.source())
     with mock.patch.object(StaticStep, "run", fails_at_layer_1), caplog.at_level(logging.WARNING):
         got = _blend(eager, p.segments(), Policy(policy), p.source(), static)
         again = _blend(eager, p.segments(), Policy(policy), p.source(), static)
@@ -323,7 +328,7 @@ def test_no_device_memory_for_a_bucket_runs_the_prefill_eagerly_and_the_next_sta
     eager = LlamaEngine(CFG, LlamaEngine.random(CFG, seed=3, std=0.1).w, triton=True)
     static = _static(eager, tokens_step=16, rows_step=8)
     p = make_prompt(_plain(eager), seed=5, n_chunks=3, chunk_len=16, question_len=4)
-    ref = _blend(eager, p.segments(), Policy(policy), p.source())
+    ref = _blend(_plain(eager), p.segments(), Policy(policy), p.source())
     made = graphs.Caches.__init__
 
     def no_memory(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
