@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import leaks
+from tests import leaks, machine_speed
 from tests.realmodel.fetch import FetchRun, fetch
 
 # -- the run: markers, the longest modules first, and what a run must not leave behind -----
@@ -91,9 +91,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - x
     return ModulesInOrder(config, log)
 
 
+SPEED = pytest.StashKey[tuple[float, float]]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the run itself, before its workers start
+        config.stash[SPEED] = machine_speed.micro_benchmark()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not hasattr(session.config, "workerinput"):  # the run itself, not one of its workers
         session.config.stash[leaks.BEFORE] = leaks.start()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # noqa: ANN001 - pytest's reporter
+    """The machine's speed beside the run's time: read a suite time against it."""
+    speed = config.stash.get(SPEED, None)
+    if speed is not None:
+        terminalreporter.write_line(machine_speed.line(speed))
 
 
 @pytest.hookimpl(wrapper=True)
