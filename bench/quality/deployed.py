@@ -60,6 +60,7 @@ class Stream:
     full_correct: int = 0  # ... and full prefill's
     computed: list[float] = field(default_factory=list)  # per request, share of row-layers computed
     computed_asked: list[float] = field(default_factory=list)
+    computed_asked_whole: list[float] = field(default_factory=list)  # of those, requests with no late layer
     fallbacks: int = 0  # requests in which a stored layer came late (> layer_budget_s) and was computed
 
     def summary(self) -> dict:
@@ -68,6 +69,7 @@ class Stream:
                 "accuracy": self.correct / self.asked, "full_accuracy": self.full_correct / self.asked,
                 "of_full": self.correct / self.full_correct if self.full_correct else 0.0,
                 "computed_share": mean(self.computed), "computed_share_as_retrieved": mean(self.computed_asked),
+                "computed_share_as_retrieved_without_fallbacks": mean(self.computed_asked_whole),
                 "requests_with_fallbacks": self.fallbacks}
 
 
@@ -109,6 +111,8 @@ def run(task: str, n: int, policy: ReusePolicy, seed: int = 1, progress: bool = 
                     stream.correct += answer == gold
                     stream.full_correct += expected == gold
                     stream.computed_asked.append(result.computed_share)
+                    if not result.fallbacks:
+                        stream.computed_asked_whole.append(result.computed_share)
             adapter.close()
     return {"task": task, "examples": n, "seed": seed, "policy": label or str(policy), **stream.summary()}
 

