@@ -196,13 +196,12 @@ class ContextBuilder:
         # vLLM's own K/V have the model's dtype before the cache update; the backend converts
         # (and scales, for fp8 caches) exactly as it does for vLLM's rows.
         dtype = self._vllm_config.model_config.dtype
-        with self._model_engine().turn:  # vLLM's cache-update kernel takes turns with its forward pass on a CPU
-            for (k, v), a in zip(kv, attn):
-                cache = a.kv_cache
-                if stop > k.shape[1]:
-                    raise BlendFailed(f"claimed tokens up to {stop}, the blend has {k.shape[1]}")
-                # [Hkv, T, D] -> [T, Hkv, D], the layout vLLM's forward hands do_kv_cache_update
-                key = k[:, start:stop].transpose(0, 1).to(device=cache.device, dtype=dtype).contiguous()
-                value = v[:, start:stop].transpose(0, 1).to(device=cache.device, dtype=dtype).contiguous()
-                a.impl.do_kv_cache_update(a, key, value, cache, slots.to(cache.device))
+        for layer, ((k, v), a) in enumerate(zip(kv, attn)):
+            cache = a.kv_cache
+            if stop > k.shape[1]:
+                raise BlendFailed(f"claimed tokens up to {stop}, the blend has {k.shape[1]}")
+            # [Hkv, T, D] -> [T, Hkv, D], the layout vLLM's forward hands do_kv_cache_update
+            key = k[:, start:stop].transpose(0, 1).to(device=cache.device, dtype=dtype).contiguous()
+            value = v[:, start:stop].transpose(0, 1).to(device=cache.device, dtype=dtype).contiguous()
+            a.impl.do_kv_cache_update(a, key, value, cache, slots.to(cache.device))
 

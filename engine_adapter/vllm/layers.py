@@ -43,17 +43,17 @@ class VllmLayers(LayerModel):
         self.dtype, self.device = embed.dtype, embed.device
         self.triton = self.device.type == "cuda"
         self._layers = list(model.model.layers)
-        self.turn = model.kvcraft_turn  # held for any call of vLLM's kernels: on a CPU they take turns with vLLM's own
+        self._turn = model.kvcraft_turn  # vLLM's forward pass and these calls take turns on a CPU
 
     def embed(self, tokens: Tensor) -> Tensor:
-        with self.turn:
+        with self._turn:
             return self.m.model.embed_tokens(tokens)  # [R, d]
 
     def qkv_heads(self, layer: int, h: Tensor) -> Tensor:
         """[Hq+2Hkv, R, D] from vLLM's input norm and QKV projection (q/k norms where the
         architecture has them), before RoPE."""
         c, attn = self.cfg, self._layers[layer].self_attn
-        with self.turn:
+        with self._turn:
             qkv, _ = attn.qkv_proj(self._layers[layer].input_layernorm(h))  # [R, (Hq+2Hkv)*D]
             heads = qkv.view(qkv.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)  # [R, H, D]
             if c.qk_norm:
@@ -64,13 +64,13 @@ class VllmLayers(LayerModel):
     def layer_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
         """vLLM's o-proj, its fused residual add and RMSNorm, its MLP, the residual."""
         dec = self._layers[layer]
-        with self.turn:
+        with self._turn:
             out, _ = dec.self_attn.o_proj(o.transpose(0, 1).reshape(o.shape[1], -1))  # [R, d]
             x, h = dec.post_attention_layernorm(out, h.clone())  # (normed, the residual stream: h + out)
             return h + dec.mlp(x)
 
     def logits(self, h: Tensor) -> Tensor:
-        with self.turn:
+        with self._turn:
             return self.m.compute_logits(self.m.model.norm(h))  # [R, V]
 
 
