@@ -128,5 +128,8 @@ def engine_run(tmp: Path, name: str, spec: dict[str, Any], timeout: float = ENGI
     log.write_text("")
     code = EngineProcess(target, [tmp / f"{name}.json", tmp / f"{name}.out"], log, env).start().wait(timeout)
     if code != 0:
-        raise RuntimeError(f"vLLM engine {name!r} exited {code}:\n{log.read_text()[-6000:]}")
+        text = log.read_text()
+        crash = text.find("Fatal Python error")  # a native crash: every thread's stack from there
+        raise RuntimeError(f"vLLM engine {name!r} exited {code}:\n"
+                           + (text[crash:crash + 20000] if crash >= 0 else text[-6000:]))
     return json.loads((tmp / f"{name}.out").read_text())

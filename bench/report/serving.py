@@ -51,8 +51,16 @@ def vllm_ttft(named: Named) -> str:
     sh = r["shape"]
     return (table(["mode", "TTFT p50 / p99 ms", "requests (n)", "vs vLLM alone at p50", "token-layers computed"], rows)
             + f"\n\nA random-weight {sh['layers']}-layer Llama (hidden {sh['hidden']}), {sh['chunks']} chunks x "
-              f"{sh['chunk_len']} tokens + a {sh['question_len']}-token question, one request at a time.\n\n"
-            + sources(named))
+              f"{sh['chunk_len']} tokens + a {sh['question_len']}-token question, one request at a time."
+            + _memory(r.get("memory")) + "\n\n" + sources(named))
+
+
+def _memory(m: dict | None) -> str:
+    if not m:
+        return ""
+    return (f" Peak resident memory of the engine process: vLLM alone {num(m['alone_peak_rss_mib'], 0)} MiB, "
+            f"vLLM + kvcraft {num(m['blend_peak_rss_mib'], 0)} MiB ({m['added_share_of_weights']:+.1%} of the "
+            f"weights' {num(m['weights_mib'], 0)} MiB).")
 
 
 def vllm_concurrency(named: Named) -> str:

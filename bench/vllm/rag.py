@@ -281,9 +281,18 @@ def _counters(llm: Any) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith("_max_s")}
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def engine_main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     out = run(spec)
+    out["peak_rss_mib"] = peak_rss_mib()
     Path(argv[1]).write_text(json.dumps(out))
     sys.stdout.flush()
     sys.stderr.flush()

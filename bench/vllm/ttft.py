@@ -49,6 +49,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "cacheblend budget 15%": {"name": "cacheblend", "budget": 0.15},
     "cachecraft (plan, service alpha)": {"name": "cachecraft"},
     "naive": {"name": "naive"},
+    "default (query) budget 15%": {"name": "query", "budget": 0.15},
     "full (kvcraft recomputes all)": {"name": "full"},
 }
 HEADLINE = "cacheblend budget 15%"
@@ -237,6 +238,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             row["same_first_token_as_alone"] = sum(o["output"] == b["output"] for o, b in zip(mine, base)) / len(mine)
             out["rows"].append(row)
         out["connector"] = blend["metrics"]
+        weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
+        out["memory"] = {"weights_mib": weights, "alone_peak_rss_mib": alone["peak_rss_mib"],
+                         "blend_peak_rss_mib": blend["peak_rss_mib"],
+                         "added_share_of_weights": (blend["peak_rss_mib"] - alone["peak_rss_mib"]) / weights}
     return _speedups(out)
 
 
@@ -272,6 +277,11 @@ def print_table(out: dict[str, Any]) -> None:
               f"{es['ttft_ms_p50']:.0f} = fetch wait {sp['fetch_wait']:.0f} + rotate {sp['rotate']:.0f} + recompute "
               f"{sp['recompute']:.0f} + attention {sp['attention']:.0f} + logits {sp['logits']:.0f} + other (Plan, "
               f"Locate, setup) {sp['other']:.0f}; computed {es['computed_share']:.1%}")
+    mem = out.get("memory")
+    if mem:
+        print(f"peak resident memory: vLLM alone {mem['alone_peak_rss_mib']:.0f} MiB, vLLM + kvcraft "
+              f"{mem['blend_peak_rss_mib']:.0f} MiB: +{mem['added_share_of_weights']:.1%} of the weights' "
+              f"{mem['weights_mib']:.0f} MiB")
     head = next((r for r in out["rows"] if r["mode"].endswith(HEADLINE)), None)
     if head:
         print(f"{HEADLINE}: {head['speedup_p50']:.2f}x lower TTFT p50, {head['speedup_p99']:.2f}x p99 than vLLM alone "
