@@ -60,7 +60,9 @@ def _memory(m: dict | None) -> str:
         return ""
     return (f" Peak resident memory of the engine process: vLLM alone {num(m['alone_peak_rss_mib'], 0)} MiB, "
             f"vLLM + kvcraft {num(m['blend_peak_rss_mib'], 0)} MiB ({m['added_share_of_weights']:+.1%} of the "
-            f"weights' {num(m['weights_mib'], 0)} MiB).")
+            f"weights' {num(m['weights_mib'], 0)} MiB); at the end, private memory {num(m['alone_anon_mib'], 0)} "
+            f"and {num(m['blend_anon_mib'], 0)} MiB ({m['added_private_share_of_weights']:+.1%} of the weights), "
+            f"the service's shared segments touched {num(m['blend_shmem_mib'], 0)} MiB.")
 
 
 def vllm_concurrency(named: Named) -> str:

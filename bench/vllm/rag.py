@@ -281,18 +281,23 @@ def _counters(llm: Any) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith("_max_s")}
 
 
-def peak_rss_mib() -> float:
-    """This process's peak resident memory (VmHWM), MiB."""
+def memory_mib() -> dict[str, float]:
+    """This process's resident memory, MiB: its peak (VmHWM), and now its private memory
+    (RssAnon) and the shared memory it has touched (RssShmem: the kvcraft service's segments,
+    whose pages belong to the service)."""
+    fields = {"VmHWM": "peak_rss_mib", "RssAnon": "anon_mib", "RssShmem": "shmem_mib"}
+    out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+        name = line.split(":", 1)[0]
+        if name in fields:
+            out[fields[name]] = int(line.split()[1]) / 1024
+    return out
 
 
 def engine_main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     out = run(spec)
-    out["peak_rss_mib"] = peak_rss_mib()
+    out["memory"] = memory_mib()
     Path(argv[1]).write_text(json.dumps(out))
     sys.stdout.flush()
     sys.stderr.flush()

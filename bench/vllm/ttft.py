@@ -239,9 +239,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             out["rows"].append(row)
         out["connector"] = blend["metrics"]
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
-        out["memory"] = {"weights_mib": weights, "alone_peak_rss_mib": alone["peak_rss_mib"],
-                         "blend_peak_rss_mib": blend["peak_rss_mib"],
-                         "added_share_of_weights": (blend["peak_rss_mib"] - alone["peak_rss_mib"]) / weights}
+        a, b = alone["memory"], blend["memory"]
+        out["memory"] = {"weights_mib": weights, "alone_peak_rss_mib": a["peak_rss_mib"],
+                         "blend_peak_rss_mib": b["peak_rss_mib"], "alone_anon_mib": a["anon_mib"],
+                         "blend_anon_mib": b["anon_mib"], "blend_shmem_mib": b["shmem_mib"],
+                         "added_share_of_weights": (b["peak_rss_mib"] - a["peak_rss_mib"]) / weights,
+                         "added_private_share_of_weights": (b["anon_mib"] - a["anon_mib"]) / weights}
     return _speedups(out)
 
 
@@ -281,7 +284,9 @@ def print_table(out: dict[str, Any]) -> None:
     if mem:
         print(f"peak resident memory: vLLM alone {mem['alone_peak_rss_mib']:.0f} MiB, vLLM + kvcraft "
               f"{mem['blend_peak_rss_mib']:.0f} MiB: +{mem['added_share_of_weights']:.1%} of the weights' "
-              f"{mem['weights_mib']:.0f} MiB")
+              f"{mem['weights_mib']:.0f} MiB; private memory at the end {mem['alone_anon_mib']:.0f} / "
+              f"{mem['blend_anon_mib']:.0f} MiB (+{mem['added_private_share_of_weights']:.1%}), the service's "
+              f"shared segments touched {mem['blend_shmem_mib']:.0f} MiB")
     head = next((r for r in out["rows"] if r["mode"].endswith(HEADLINE)), None)
     if head:
         print(f"{HEADLINE}: {head['speedup_p50']:.2f}x lower TTFT p50, {head['speedup_p99']:.2f}x p99 than vLLM alone "
