@@ -52,10 +52,11 @@ def vllm_ttft(named: Named) -> str:
     return (table(["mode", "TTFT p50 / p99 ms", "requests (n)", "vs vLLM alone at p50", "token-layers computed"], rows)
             + f"\n\nA random-weight {sh['layers']}-layer Llama (hidden {sh['hidden']}), {sh['chunks']} chunks x "
               f"{sh['chunk_len']} tokens + a {sh['question_len']}-token question, one request at a time."
-            + _memory(r.get("memory")) + "\n\n" + sources(named))
+            + memory_sentence(r.get("memory")) + "\n\n" + sources(named))
 
 
-def _memory(m: dict | None) -> str:
+def memory_sentence(m: dict | None) -> str:
+    """The vllm-ttft run's engine memory (`kvbench.vllm.ttft`), one sentence after a space; "" without."""
     if not m:
         return ""
     return (f" Peak resident memory of the engine process: vLLM alone {num(m['alone_peak_rss_mib'], 0)} MiB, "

@@ -282,11 +282,9 @@ def print_table(out: dict[str, Any]) -> None:
               f"Locate, setup) {sp['other']:.0f}; computed {es['computed_share']:.1%}")
     mem = out.get("memory")
     if mem:
-        print(f"peak resident memory: vLLM alone {mem['alone_peak_rss_mib']:.0f} MiB, vLLM + kvcraft "
-              f"{mem['blend_peak_rss_mib']:.0f} MiB: +{mem['added_share_of_weights']:.1%} of the weights' "
-              f"{mem['weights_mib']:.0f} MiB; private memory at the end {mem['alone_anon_mib']:.0f} / "
-              f"{mem['blend_anon_mib']:.0f} MiB (+{mem['added_private_share_of_weights']:.1%}), the service's "
-              f"shared segments touched {mem['blend_shmem_mib']:.0f} MiB")
+        from kvbench.report.serving import memory_sentence
+
+        print(memory_sentence(mem).strip())
     head = next((r for r in out["rows"] if r["mode"].endswith(HEADLINE)), None)
     if head:
         print(f"{HEADLINE}: {head['speedup_p50']:.2f}x lower TTFT p50, {head['speedup_p99']:.2f}x p99 than vLLM alone "
