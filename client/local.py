@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from multiprocessing import resource_tracker, shared_memory
 
+import numpy as np
 import torch
 
 from kvclient.copy_stream import pin_host_memory
@@ -33,7 +34,7 @@ class SharedSlab:
         resource_tracker.unregister(self._shm._name, "shared_memory")  # noqa: SLF001
         # Page-locked in this process too (where CUDA exists), so copies of its layers into
         # GPU memory are asynchronous DMA (kvclient.copy_stream, docs/gpu.md).
-        self._unpin = pin_host_memory(torch.frombuffer(self._shm.buf, dtype=torch.uint8))
+        self._unpin = pin_host_memory(self._bytes())
 
     def layers(self, loc: pb.VariantLocation) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K, V) aliasing the slab; layout as in docs/storage.md."""
@@ -45,7 +46,7 @@ class SharedSlab:
         if loc.offset + loc.length > self._shm.size:
             raise ValueError(f"variant {loc.variant_id}: bytes {loc.offset}..{loc.offset + loc.length} lie outside "
                              f"segment {self.segment} ({self._shm.size} bytes)")
-        raw = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=loc.length, offset=loc.offset)
+        raw = self._bytes()[loc.offset : loc.offset + loc.length]
         k_dtype, v_dtype = TORCH_DTYPE[loc.key_spec.dtype], TORCH_DTYPE[loc.value_spec.dtype]
         out = []
         for layer in range(loc.num_layers):
@@ -55,14 +56,23 @@ class SharedSlab:
             out.append((k, v))
         return out
 
+    def _bytes(self) -> torch.Tensor:
+        """The whole segment as a uint8 tensor that holds an export of the mapping: while any
+        tensor over it lives, `close` cannot unmap it (torch.frombuffer drops the export at
+        once, so a tensor made by it would outlive the memory it points at)."""
+        return torch.from_numpy(np.frombuffer(self._shm.buf, dtype=np.uint8))
+
     def close(self) -> None:
         if self._unpin is not None:
             self._unpin()
             self._unpin = None
         try:
             self._shm.close()
-        except BufferError:  # tensors still alias it; the mapping goes with the process
-            pass
+        except BufferError:
+            # Tensors still alias it: they hold the mapping (through its memoryview), which is
+            # unmapped when the last of them goes. Let go of it here; close the descriptor.
+            self._shm._buf = self._shm._mmap = None  # noqa: SLF001
+            self._shm.close()
 
 
 class LocalMappings:

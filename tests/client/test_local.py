@@ -57,6 +57,38 @@ def test_a_locate_from_another_service_instance_retires_the_old_mapping():
             s.unlink()
 
 
+def test_a_retired_mapping_stays_mapped_while_a_tensor_aliases_it():
+    """Unmapping memory a tensor still points at lets the next allocation land there: the
+    tensor then reads (and a write through it corrupts) whatever lives there now."""
+    import gc
+    from multiprocessing import shared_memory
+
+    from kvclient.local import LocalMappings
+
+    old, new = (shared_memory.SharedMemory(create=True, size=1 << 20) for _ in range(2))
+    m = LocalMappings()
+    try:
+        k, v = torch.arange(64, dtype=torch.float32).view(2, 4, 8), torch.full((2, 4, 8), 7.0)
+        old.buf[:256], old.buf[256:512] = k.numpy().tobytes(), v.numpy().tobytes()
+        loc = pb.VariantLocation(variant_id="v", offset=0, length=512, num_layers=1,
+                                 key_spec=pb.TensorSpec(dtype=pb.FLOAT32, shape=[2, 4, 8]),
+                                 value_spec=pb.TensorSpec(dtype=pb.FLOAT32, shape=[2, 4, 8]))
+        slab, _ = m.of(pb.LocateResponse(instance_id="one", segment=old.name))
+        (key, value), = slab.layers(loc)
+        m.of(pb.LocateResponse(instance_id="two", segment=new.name))  # the service restarted: retired
+        del slab
+        gc.collect()
+        filler = [torch.ones(1 << 18) for _ in range(64)]  # new allocations, to land where an unmapped slab was
+        assert torch.equal(key, k) and torch.equal(value, v)
+        del filler, key, value
+    finally:
+        m.close()
+        gc.collect()
+        for s in (old, new):
+            s.close()
+            s.unlink()
+
+
 def test_offsets_outside_the_segment_are_refused(shared_server, model):
     layers = [(torch.zeros(1, 9, 8).bfloat16(), torch.zeros(1, 9, 8).bfloat16())] * 3
     with KVClient(shared_server.address) as c:
