@@ -8,7 +8,7 @@ to the model, so a subclass of vLLM's class publishes one:
 
 One such name for each architecture kvcraft blends (`ARCHITECTURES`: Llama, Mistral, Qwen2,
 Qwen3), each made by one class factory over vLLM's own class (`_blending`), adding nothing to
-its forward pass. They are registered through vLLM's plugin entry point (pyproject.toml:
+its forward pass (on a CPU it takes turns with the blend: `CPU_TURN`). They are registered through vLLM's plugin entry point (pyproject.toml:
 `[project.entry-points."vllm.general_plugins"] kvcraft = "engine_adapter.vllm.model:register"`),
 which vLLM runs in every process it starts; no vLLM source is patched. Without the installed
 entry point (a source checkout on PYTHONPATH), call `register()` before `LLM(...)` in the
@@ -34,6 +34,34 @@ ARCHITECTURE = "KVCraftLlamaForCausalLM"  # the one the examples and docs start 
 
 _lock = threading.Lock()
 _current: "weakref.ref[Any] | None" = None
+
+# vLLM's CPU kernels share one scratch buffer per process (its `cpu_utils::ScratchPadManager`):
+# a kernel that needs more than it holds frees it and allocates a larger one, under whatever
+# kernel of another thread is writing into it at that moment (the heap is then corrupt). oneDNN
+# matmuls (vLLM's linear layers, and the blend's calls of them through `VllmLayers`) grow it,
+# and so does CPU attention's scheduler metadata, which vLLM builds before each forward pass.
+# So on a CPU every call of vLLM's kernels in this process takes this turn: vLLM's forward pass,
+# its logits, its attention metadata builds, and the blend's calls. (Their primitive handles
+# are not safe from two threads at once either.) On a GPU they run side by side.
+CPU_TURN = threading.RLock()
+_turn_taking: dict[type, type] = {}  # vLLM's attention backend -> the same, building under CPU_TURN
+
+
+def _building_in_turn(backend: type) -> type:
+    """`backend` (a vLLM attention backend class) whose metadata builder takes `CPU_TURN`."""
+    with _lock:
+        made = _turn_taking.get(backend)
+        if made is None:
+            builder = backend.get_builder_cls()
+
+            def build(self: Any, *args: Any, **kw: Any) -> Any:
+                with CPU_TURN:
+                    return builder.build(self, *args, **kw)
+
+            turn_builder = type(builder.__name__, (builder,), {"build": build, "__module__": __name__})
+            made = _turn_taking[backend] = type(backend.__name__, (backend,), {
+                "get_builder_cls": staticmethod(lambda: turn_builder), "__module__": __name__})
+        return made
 
 
 def register() -> None:
@@ -64,12 +92,13 @@ def _blending(name: str) -> type:
         base.__init__(self, vllm_config=vllm_config, prefix=prefix, **kw)
         self.kvcraft_name = blend_name(vllm_config.model_config)
         self._kvcraft_layers = None
-        # vLLM's CPU kernels (oneDNN matmul handles with their primitive caches) are not safe to
-        # run from two threads at once: the blend's calls (loader threads) and vLLM's own (its
-        # forward pass, then the logits of the rows it samples) take turns. On a GPU they run side
-        # by side (each on its stream).
         on_cpu = vllm_config.device_config.device_type == "cpu"
-        self.kvcraft_turn = threading.RLock() if on_cpu else contextlib.nullcontext()
+        self.kvcraft_turn = CPU_TURN if on_cpu else contextlib.nullcontext()  # see CPU_TURN
+        if on_cpu:
+            for module in self.modules():
+                backend = getattr(module, "attn_backend", None)
+                if isinstance(backend, type) and hasattr(backend, "get_builder_cls"):
+                    module.attn_backend = _building_in_turn(backend)
         global _current
         with _lock:
             _current = weakref.ref(self)

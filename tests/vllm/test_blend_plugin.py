@@ -96,3 +96,30 @@ def test_vllms_own_calls_on_a_cpu_wait_for_the_blends_turn(monkeypatch, method):
         obj.kvcraft_turn = threading.RLock()
         assert getattr(obj, method)("h") == "out"
         assert held == [True], f"{name}.{method} ran without the blend's turn"
+
+
+def test_vllms_attention_metadata_builds_on_a_cpu_wait_for_the_blends_turn(monkeypatch):
+    """vLLM's CPU attention grows the process's one kernel scratch buffer (freeing the old one)
+    when it builds a step's metadata, outside the forward pass: the blending model's attention
+    layers build it holding the turn the blend's kernel calls take (`CPU_TURN`)."""
+    import threading
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadataBuilder
+
+    from engine_adapter.vllm.model import CPU_TURN, _building_in_turn
+
+    held = []
+
+    def build(self, *args, **kw):  # another thread tries the turn while vLLM builds
+        other = threading.Thread(target=lambda: held.append(not CPU_TURN.acquire(blocking=False)))
+        other.start()
+        other.join()
+        return "metadata"
+
+    monkeypatch.setattr(CPUAttentionMetadataBuilder, "build", build)
+    backend = _building_in_turn(CPUAttentionBackend)
+    assert backend.get_name() == CPUAttentionBackend.get_name() and _building_in_turn(CPUAttentionBackend) is backend
+    builder = backend.get_builder_cls()
+    assert issubclass(builder, CPUAttentionMetadataBuilder)
+    assert builder.__new__(builder).build(0, None) == "metadata"
+    assert held == [True], "the attention metadata was built without the blend's turn"
