@@ -198,9 +198,21 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _settle(llm: Any) -> None:
+    """Wait for the connector's background work of the requests so far: the blends' store-backs
+    and the shadow prefills the fidelity controller asked for (the next request then starts on
+    an idle engine; that work's cost is the sampling cost, docs/fidelity.md)."""
+    from engine_adapter.vllm import connectors_of
+
+    context = connectors_of(llm)[1].worker.context
+    if context is not None:
+        context.flush()
+
+
 def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> dict[str, Any]:
     """One phase: optional service signal / prefix-cache reset, then its requests (one at a
-    time, or all in one generate call with "batch"), then optionally wait for the saves."""
+    time, each after the one before's background work with "settle"; or all in one generate
+    call with "batch"), then optionally wait for the saves."""
     import signal
 
     from vllm import SamplingParams
@@ -254,6 +266,8 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
         outs.append({"prompt_len": len(prompt), "prompt": prompt if ph.get("return_prompts") else None,
                      "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
                      "ttft_s": ttft, **extra})
+        if ph.get("settle") and spec.get("kv"):
+            _settle(llm)
     metrics: dict[str, Any] = {}
     if spec.get("kv"):
         from engine_adapter.vllm import connector_metrics, connectors_of
