@@ -8,7 +8,8 @@ to the model, so a subclass of vLLM's class publishes one:
 
 One such name for each architecture kvcraft blends (`ARCHITECTURES`: Llama, Mistral, Qwen2,
 Qwen3), each made by one class factory over vLLM's own class (`_blending`), adding nothing to
-its forward pass (on a CPU it takes turns with the blend: `CPU_TURN`). They are registered through vLLM's plugin entry point (pyproject.toml:
+its forward pass (on a CPU it takes turns with the blend: `CPU_TURN`). They are registered
+through vLLM's plugin entry point (pyproject.toml:
 `[project.entry-points."vllm.general_plugins"] kvcraft = "engine_adapter.vllm.model:register"`),
 which vLLM runs in every process it starts; no vLLM source is patched. Without the installed
 entry point (a source checkout on PYTHONPATH), call `register()` before `LLM(...)` in the
