@@ -20,17 +20,21 @@ sends with its next Plan (at most `MAX_SAMPLES_PER_PLAN`); the service tallies t
 model, policy and budget (`kvservice.fidelity`, `kvcraft admin fidelity`).
 
 The shadows' compute is counted beside the served requests' (`SamplingCost`): the
-sampling's overhead.
+sampling's overhead. A shadow gives way to the requests its engine is serving (`Serving`):
+each of its model calls waits, at most YIELD_S, until no prefill of the engine's adapters is
+running, so on a machine whose cores the served requests fill it takes what they leave
+instead of half of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -38,6 +42,7 @@ from torch import Tensor
 from engine_adapter.blend import blend_prefill
 from engine_adapter.result import BlendResult
 from engine_adapter.llama import LlamaEngine
+from engine_adapter.model import LayerModel
 from engine_adapter.policy import ReusePolicy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
@@ -54,6 +59,64 @@ MAX_QUEUED = 8  # shadows waiting for the worker; a request sampled beyond that 
 # sampled request gets its full prefill alone.
 MAX_SHADOW_BLENDS = 2
 ANSWER_TOKENS = 16  # answer tokens after the first a shadow compares under teacher forcing
+# Longest a shadow's model call waits for the engine's served prefills to end: under a steady
+# stream of requests a shadow still finishes, a layer call at a time.
+YIELD_S = 0.25
+
+
+class Serving:
+    """The prefills an engine is serving now (one for all the adapters over one engine), for
+    its shadows to give way to."""
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def prefill(self) -> Iterator[None]:
+        """Around a served prefill."""
+        with self._idle:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._running -= 1
+                if not self._running:
+                    self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until no served prefill runs, at most `timeout` seconds; whether none runs."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._running, timeout)
+
+
+class _GivingWay(LayerModel):
+    """`model` for a shadow: each call first waits (at most YIELD_S) for `serving` to be idle."""
+
+    def __init__(self, model: LlamaEngine, serving: Serving) -> None:
+        self.m, self.serving = model, serving
+        self.cfg, self.rope, self.scale = model.cfg, model.rope, model.scale
+        self.triton, self.dtype, self.device = model.triton, model.dtype, model.device
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        self.serving.wait_idle(YIELD_S)
+        return self.m.embed(tokens)
+
+    def qkv_heads(self, layer: int, h: Tensor) -> Tensor:
+        self.serving.wait_idle(YIELD_S)
+        return self.m.qkv_heads(layer, h)
+
+    def layer_out(self, layer: int, h: Tensor, o: Tensor) -> Tensor:
+        self.serving.wait_idle(YIELD_S)
+        return self.m.layer_out(layer, h, o)
+
+    def logits(self, h: Tensor) -> Tensor:
+        self.serving.wait_idle(YIELD_S)
+        return self.m.logits(h)
+
+    def model_spec(self):  # noqa: ANN201 - the model's
+        return self.m.model_spec()
 
 
 @torch.no_grad()
@@ -111,8 +174,12 @@ class ShadowSampler:
     """Chooses the requests to measure, runs their shadow prefills on one background
     thread, and keeps the samples until a Plan takes them. Thread-safe."""
 
-    def __init__(self, engine: LlamaEngine) -> None:
+    def __init__(self, engine: LlamaEngine, serving: Serving | None = None) -> None:
+        """serving: the engine's served prefills, which the shadows give way to (None: the
+        adapter's alone)."""
         self.engine = engine
+        self.serving = serving or Serving()
+        self._model = _GivingWay(engine, self.serving)  # what the shadows compute with
         self._lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None  # made at the first sample
         self._queued: list[Future] = []
@@ -166,7 +233,7 @@ class ShadowSampler:
         fed = max(len(answer) - 1, 0)  # the last answer token is predicted, never fed
         tokens = torch.tensor([t for span in spans for t in span] + answer[:fed], dtype=torch.long)  # [N + fed]
         try:
-            logits, _ = self.engine.prefill(tokens, all_logits=False, last=fed + 1)  # [fed + 1, V]
+            logits, _ = self._model.prefill(tokens, all_logits=False, last=fed + 1)  # [fed + 1, V]
             agree, kl = compare(logits[0], served)
             compared, answer_agree = answer_agreement(logits, answer)
         except Exception as e:  # noqa: BLE001 - a failed shadow never touches the traffic
@@ -178,7 +245,7 @@ class ShadowSampler:
         rows = len(tokens) * self.engine.cfg.num_layers
         if below is not None:
             try:
-                blended = blend_prefill(self.engine, below.segments, below.policy, below.source, gate=TRUSTED,
+                blended = blend_prefill(self._model, below.segments, below.policy, below.source, gate=TRUSTED,
                                         stats=False)
                 agree, kl = compare(logits[0], blended.logits)
                 samples.append(pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, budget=below.budget,

@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from engine_adapter import learned
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
-from engine_adapter.fidelity import MAX_SAMPLES_PER_PLAN, SamplingCost, ShadowBlend, ShadowSampler
+from engine_adapter.fidelity import MAX_SAMPLES_PER_PLAN, SamplingCost, Serving, ShadowBlend, ShadowSampler
 from engine_adapter.generate import Generation, greedy
 from engine_adapter.graphs import StepGraphs
 from engine_adapter.llama import LlamaEngine
@@ -107,7 +107,8 @@ class RAGAdapter:
 
     def __init__(self, engine: LlamaEngine, client: KVClient, policy: ReusePolicy | None = None, *,
                  gate: Gate | None = None, store_back: bool = True, local: bool = False,
-                 learn: bool = False, shadows: bool = True, steps: StepGraphs | None = None) -> None:
+                 learn: bool = False, shadows: bool = True, steps: StepGraphs | None = None,
+                 serving: Serving | None = None) -> None:
         """policy: None runs the default (`policy.DEFAULT_POLICY`) with the recompute budget
         each Plan gives (the service's fidelity controller); a policy given runs as given.
         local: the service runs
@@ -119,7 +120,9 @@ class RAGAdapter:
         shadows: run the shadow full prefills Plans ask for (`engine_adapter.fidelity`); off
         only where something else computes full prefill of every prompt (benchmarks).
         steps: the engine's static steps (`graphs.StepGraphs`, CUDA graphs; adapters of one
-        engine may share them: a prefill that finds them in use runs eagerly)."""
+        engine may share them: a prefill that finds them in use runs eagerly).
+        serving: the prefills the engine serves, shared by the adapters over one engine (its
+        shadows give way to all of them; `fidelity.Serving`; None: this adapter's own)."""
         self.steps = steps
         self.local = local
         self.learn = learn
@@ -135,7 +138,7 @@ class RAGAdapter:
         self._pending: list[Future] = []
         self._timings = pb.TimingReport()
         self._plan_tiers: dict[int, str] = {}  # segment -> tier its variant was in when planned
-        self.fidelity = ShadowSampler(engine)
+        self.fidelity = ShadowSampler(engine, serving)
 
     def prefill(self, chunks: Sequence[Sequence[int]], question: Sequence[int],
                 conversation_id: str = "", reorder: bool = True) -> tuple[BlendResult, RequestReport]:
@@ -213,8 +216,9 @@ class RAGAdapter:
         if sample and refs and 0 < plan.fidelity_below < budget and self.fidelity.can_blend():
             recording = RecordingLayerSource(feed)
         try:
-            result = blend_prefill(self.engine, segments, policy, recording or feed, gate=self.gate,
-                                   stats=self.store_back, steps=self.steps)
+            with self.fidelity.serving.prefill():  # the shadows give way meanwhile
+                result = blend_prefill(self.engine, segments, policy, recording or feed, gate=self.gate,
+                                       stats=self.store_back, steps=self.steps)
         finally:
             if feed is not source:
                 source.cancel()  # a copy feeder waiting on the stream returns

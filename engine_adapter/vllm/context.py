@@ -61,6 +61,7 @@ class ContextBuilder:
         # serves), all over the one engine: blends of different requests run at once.
         self._thread = threading.local()
         self._adapters: list[Any] = []
+        self._serving: Any = None  # fidelity.Serving: every adapter's prefills, which the shadows give way to
         self._engine: Any = None
         self._steps: Any = None  # the engine's static steps, with `blend_graphs`
         self._attn: list[Any] | None = None
@@ -71,14 +72,18 @@ class ContextBuilder:
         """This loader thread's adapter over the model's engine."""
         adapter = getattr(self._thread, "adapter", None)
         if adapter is None:
+            from engine_adapter.fidelity import Serving
             from engine_adapter.policy import Policy
             from engine_adapter.rag import RAGAdapter
+
+            with self._lock:
+                self._serving = self._serving or Serving()
 
             # Each request runs the policy its BlendLoad names (`build`); shadow prefills of the
             # requests Plans mark run on this adapter's background thread, over vLLM's weights.
             adapter = RAGAdapter(self._model_engine(), self._client, Policy("full"),
                                  store_back=self.settings.blend_store_back, local=self.settings.local,
-                                 steps=self._steps)
+                                 steps=self._steps, serving=self._serving)
             adapter.model_id = self.chunk_model_id
             self._thread.adapter = adapter
             with self._lock:

@@ -23,7 +23,7 @@ from tests.e2e.test_adapter_service import ENGINE, QUESTION, chunks, in_plan_ord
 
 class HeldShadows(LlamaEngine):
     """ENGINE's weights under a name of its own; its full prefills on the sampler's thread
-    wait for `release` (the blend itself never calls prefill)."""
+    wait for `release` at their first call (the embedding)."""
 
     def __init__(self) -> None:
         super().__init__(dataclasses.replace(ENGINE.cfg, name=f"tiny-fidelity-{uuid.uuid4().hex}"), ENGINE.w)
@@ -31,11 +31,11 @@ class HeldShadows(LlamaEngine):
         self.release.set()
         self.waiting = threading.Event()
 
-    def prefill(self, tokens, start_pos=0, **kw):  # noqa: ANN001, ANN003, ANN201
+    def embed(self, tokens):  # noqa: ANN001, ANN201
         if threading.current_thread().name.startswith("kvcraft-fidelity"):
             self.waiting.set()
             assert self.release.wait(60)
-        return super().prefill(tokens, start_pos, **kw)
+        return super().embed(tokens)
 
 
 def test_sampled_fidelity_reaches_admin_stats_and_counts_what_full_prefill_says(shared_server):

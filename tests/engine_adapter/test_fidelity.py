@@ -110,3 +110,56 @@ def test_a_shadow_blend_compares_the_budget_below_from_the_kv_the_request_was_se
     assert cost.shadow_blends == 1 and cost.shadow_row_layers == n * layers + sum(reference.computed_rows)
     assert sampler.can_blend()  # the copy is let go once its blend ran
     sampler.close()
+
+
+def test_the_engines_served_prefills_hold_back_wait_idle_until_the_last_ends():
+    """`Serving.wait_idle` returns at once on an idle engine, not while a served prefill runs,
+    and as soon as the last one ends."""
+    import threading
+
+    from engine_adapter.fidelity import Serving
+
+    serving = Serving()
+    assert serving.wait_idle(0.0)
+    inside, leave, waited = threading.Event(), threading.Event(), threading.Event()
+
+    def served() -> None:
+        with serving.prefill(), serving.prefill():  # two adapters' prefills at once
+            inside.set()
+            leave.wait(60)
+
+    t = threading.Thread(target=served)
+    t.start()
+    inside.wait(60)
+    assert not serving.wait_idle(0.05)  # still serving: the bound ran out
+    waiter = threading.Thread(target=lambda: serving.wait_idle(60) and waited.set())
+    waiter.start()
+    assert not waited.wait(0.2)
+    leave.set()
+    assert waited.wait(60)
+    t.join()
+    waiter.join()
+
+
+def test_a_shadow_gives_way_to_served_prefills_before_each_model_call(engine):
+    """Every call a shadow makes of the model (embedding, each layer's two, the logits) first
+    waits for the engine's served prefills; the sample is the same full prefill's."""
+    from engine_adapter.fidelity import Serving
+
+    class Counting(Serving):
+        waits = 0
+
+        def wait_idle(self, timeout: float) -> bool:
+            Counting.waits += 1
+            return super().wait_idle(timeout)
+
+    sampler = ShadowSampler(engine, Counting())
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    served = engine.prefill(torch.tensor(prompt), all_logits=False)[0][-1]
+    result = dataclasses.replace(_result(engine, len(prompt), True), logits=served)
+    assert sampler.observe([prompt[:5], prompt[5:]], result, "query", 0.25, True)
+    sampler.wait()
+    (sample,) = sampler.take()
+    assert sample.top1_agree and sample.kl == pytest.approx(0.0, abs=1e-9)
+    assert Counting.waits == 2 * engine.cfg.num_layers + 2
+    sampler.close()
