@@ -24,7 +24,7 @@ requests:
   fidelity controller asks of a sampled request, on every request of a cold start): one
   request at a time on an idle engine, as vLLM alone runs them. That work's cost is the
   sampling cost (docs/fidelity.md), not part of a request's TTFT; left to overlap the next
-  request, a cold start's shadows halve that request's CPU here.
+  request, a shadow slows it although it gives way (docs/fidelity.md).
 
 Per request the connector reports what it did (RequestOutput.kv_transfer_params["kvcraft"]):
 tokens claimed, row-layers recomputed (and its time split when it reports one; the columns
@@ -245,12 +245,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             out["rows"].append(row)
         out["connector"] = blend["metrics"]
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
-        a, b = alone["memory"], blend["memory"]
-        out["memory"] = {"weights_mib": weights, "alone_peak_rss_mib": a["peak_rss_mib"],
-                         "blend_peak_rss_mib": b["peak_rss_mib"], "alone_anon_mib": a["anon_mib"],
-                         "blend_anon_mib": b["anon_mib"], "blend_shmem_mib": b["shmem_mib"],
-                         "added_share_of_weights": (b["peak_rss_mib"] - a["peak_rss_mib"]) / weights,
-                         "added_private_share_of_weights": (b["anon_mib"] - a["anon_mib"]) / weights}
+        mem_a, mem_b = alone["memory"], blend["memory"]
+        out["memory"] = {"weights_mib": weights, "alone_peak_rss_mib": mem_a["peak_rss_mib"],
+                         "blend_peak_rss_mib": mem_b["peak_rss_mib"], "alone_anon_mib": mem_a["anon_mib"],
+                         "blend_anon_mib": mem_b["anon_mib"], "blend_shmem_mib": mem_b["shmem_mib"],
+                         "added_share_of_weights": (mem_b["peak_rss_mib"] - mem_a["peak_rss_mib"]) / weights,
+                         "added_private_share_of_weights": (mem_b["anon_mib"] - mem_a["anon_mib"]) / weights}
     return _speedups(out)
 
 

@@ -51,6 +51,8 @@ class ContextBuilder:
 
     def __init__(self, settings: ConnectorSettings, client: Any, vllm_config: Any, chunk_model_id: str,
                  block_size: int) -> None:
+        from engine_adapter.fidelity import Serving
+
         self.settings = settings
         self._client = client
         self._vllm_config = vllm_config
@@ -61,7 +63,7 @@ class ContextBuilder:
         # serves), all over the one engine: blends of different requests run at once.
         self._thread = threading.local()
         self._adapters: list[Any] = []
-        self._serving: Any = None  # fidelity.Serving: every adapter's prefills, which the shadows give way to
+        self._serving = Serving()  # every adapter's prefills, which the shadows give way to
         self._engine: Any = None
         self._steps: Any = None  # the engine's static steps, with `blend_graphs`
         self._attn: list[Any] | None = None
@@ -72,12 +74,8 @@ class ContextBuilder:
         """This loader thread's adapter over the model's engine."""
         adapter = getattr(self._thread, "adapter", None)
         if adapter is None:
-            from engine_adapter.fidelity import Serving
             from engine_adapter.policy import Policy
             from engine_adapter.rag import RAGAdapter
-
-            with self._lock:
-                self._serving = self._serving or Serving()
 
             # Each request runs the policy its BlendLoad names (`build`); shadow prefills of the
             # requests Plans mark run on this adapter's background thread, over vLLM's weights.
@@ -201,7 +199,7 @@ class ContextBuilder:
         # vLLM's own K/V have the model's dtype before the cache update; the backend converts
         # (and scales, for fp8 caches) exactly as it does for vLLM's rows.
         dtype = self._vllm_config.model_config.dtype
-        for layer, ((k, v), a) in enumerate(zip(kv, attn)):
+        for (k, v), a in zip(kv, attn):
             cache = a.kv_cache
             if stop > k.shape[1]:
                 raise BlendFailed(f"claimed tokens up to {stop}, the blend has {k.shape[1]}")
