@@ -29,12 +29,14 @@ option the named policy does not have is refused.
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine_adapter.policies.base import ReusePolicy
 from engine_adapter.policies.cacheblend import CacheBlend
 from engine_adapter.policies.cachecraft import CacheCraft, FocusTracker, focused_chunks
 from engine_adapter.policies.default import QueryAware
 from engine_adapter.policies.epic import Epic
-from engine_adapter.policies.exact import Full, Prefix
+from engine_adapter.policies.exact import Full, Prefix, PrefixOf
 from engine_adapter.policies.naive import Naive
 
 # Every policy by its name, in the order users see them listed; POLICIES is the names.
@@ -78,6 +80,25 @@ def parse_policy(spec: str) -> ReusePolicy:
         raise ValueError(f"policy spec {spec!r}: {e}") from None
 
 
+def with_budget(policy: ReusePolicy, budget: float, reuse: bool = True) -> ReusePolicy:
+    """`policy` spending the fidelity controller's recompute budget (`Plan.recompute_budget`):
+    1 is exact reuse only (`PrefixOf`: the leading chunks stored behind exactly the chunks
+    before them; full prefill with `reuse` off, `Plan.no_reuse`), 0 leaves the policy as it is."""
+    if budget <= 0:
+        return policy
+    if budget >= 1:
+        return PrefixOf(layer_budget_s=policy.layer_budget_s, of=policy.name) if reuse else \
+            Full(layer_budget_s=policy.layer_budget_s)
+    return dataclasses.replace(policy, budget=budget)
+
+
+def spent_budget(policy: ReusePolicy) -> float:
+    """The recompute budget a request served by `policy` ran with: 1 where every row not
+    exactly reused is computed (full prefill, the prefix cache), 0 for a policy without one (or
+    CacheBlend named by its ratio)."""
+    return 1.0 if isinstance(policy, (Full, Prefix)) else float(getattr(policy, "budget", None) or 0.0)
+
+
 def _number(value: str, spec: str, key: str) -> int | float:
     for kind in (int, float):
         try:
@@ -88,4 +109,5 @@ def _number(value: str, spec: str, key: str) -> int | float:
 
 
 __all__ = ["CacheBlend", "CacheCraft", "DEFAULT_POLICY", "Epic", "FocusTracker", "Full", "Naive", "POLICIES",
-           "Policy", "Prefix", "QueryAware", "ReusePolicy", "focused_chunks", "parse_policy"]
+           "Policy", "Prefix", "PrefixOf", "QueryAware", "ReusePolicy", "focused_chunks", "parse_policy",
+           "spent_budget", "with_budget"]

@@ -25,7 +25,7 @@ served from stored KV whose Plan says `fidelity_sample` are computed again by fu
 on a background thread after their first token, and the comparisons travel to the service
 with the next Plan, beside the timings. An adapter that runs the default policy is
 *adaptive*: it spends the recompute budget its Plan gives (`Plan.recompute_budget`, the
-service's fidelity controller; 1 means full prefill), so the service holds its model's
+service's fidelity controller; 1 means exact reuse only: the prefix cache's), so the service holds its model's
 first-token agreement at `fidelity_target`. An adapter given a policy spends that policy's
 budget. `RAGAdapter.generate` also decodes the answer; a sampled request's shadow then
 compares the answer's first tokens under teacher forcing too.
@@ -47,8 +47,8 @@ from engine_adapter.generate import Generation, greedy
 from engine_adapter.graphs import StepGraphs
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.loader import ServiceLayerSource
-from engine_adapter.policy import DEFAULT_POLICY, Full, ReusePolicy, parse_policy
-from engine_adapter.prompt import Segment
+from engine_adapter.policy import DEFAULT_POLICY, ReusePolicy, parse_policy, spent_budget, with_budget
+from engine_adapter.prompt import Layout, Segment
 from engine_adapter.source import RecordingLayerSource
 from kvclient.client import KVClient, Ref
 from kvclient.copy_stream import GpuLayerSource
@@ -84,22 +84,6 @@ class RequestReport:
     plan_error: str = ""
     sampled: bool = False  # a shadow full prefill measures this request's fidelity (after it)
     budget: float = 0.0  # the recompute budget it ran with (1: full prefill); 0: its policy has none
-
-
-def with_budget(policy: ReusePolicy, budget: float) -> ReusePolicy:
-    """`policy` spending the fidelity controller's recompute budget (`Plan.recompute_budget`):
-    1 is full prefill, 0 leaves the policy as it is."""
-    if budget <= 0:
-        return policy
-    if budget >= 1:
-        return Full(layer_budget_s=policy.layer_budget_s)
-    return dataclasses.replace(policy, budget=budget)
-
-
-def spent_budget(policy: ReusePolicy) -> float:
-    """The recompute budget a request served by `policy` ran with: 1 for full prefill, 0 for a
-    policy without one (or CacheBlend named by its ratio)."""
-    return 1.0 if isinstance(policy, Full) else float(getattr(policy, "budget", None) or 0.0)
 
 
 class RAGAdapter:
@@ -201,8 +185,8 @@ class RAGAdapter:
         policy = policy or self._budgeted(plan)
         by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
         segments, refs = self._segments(plan, by_key, chunks, question)
-        if isinstance(policy, Full):
-            refs = {}  # it reads no stored KV: nothing to Locate or stream
+        reused = set(policy.reused(Layout.of(segments, self.model_id)))
+        refs = {s: r for s, r in refs.items() if s in reused}  # what it reads (full prefill: none) is all streamed
         source = ServiceLayerSource(self.client, refs, local=self.local,
                                     deadline=time.monotonic() + FETCH_TIMEOUT_S,
                                     depth=max(1, plan.preload_depth) if plan else 1)
@@ -262,7 +246,9 @@ class RAGAdapter:
     def _budgeted(self, plan: Plan | None) -> ReusePolicy:
         """The policy this request runs: an adaptive adapter's default policy with its Plan's
         recompute budget, else the adapter's own."""
-        return with_budget(self.policy, plan.recompute_budget) if plan is not None and self.adaptive else self.policy
+        if plan is None or not self.adaptive:
+            return self.policy
+        return with_budget(self.policy, plan.recompute_budget, reuse=not plan.no_reuse)
 
     def _segments(self, plan: Plan | None, by_key: dict[str, tuple[int, ...]],
                   chunks: Sequence[Sequence[int]], question: Sequence[int]) -> tuple[list[Segment], dict[int, Ref]]:

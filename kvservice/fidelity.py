@@ -31,8 +31,17 @@ samples leave it measuring (its interval straddling the target), and moves up on
 is shown short. Plans mark every request while the budget given or the one below is
 measuring, and `fidelity_sample` of them otherwise. A short budget stays short (no samples
 reach it again): the budget settles after at most 2 x len(LADDER) moves and never
-oscillates. A model on which no budget below 1 holds the target ends at full
-prefill, logged once and shown in the metrics (`kvcraft_fidelity_budget` = 1).
+oscillates. A model on which no budget below 1 holds the target ends at budget 1, logged
+once and shown in the metrics (`kvcraft_fidelity_budget` = 1).
+
+Budget 1 is exact reuse only (state EXACT): the engine serves from storage the leading
+chunks whose KV was computed behind exactly the chunks before them, as a prefix cache
+would, and computes the rest (`engine_adapter.policy.with_budget`), so falling back costs
+no more than a prefix cache. Exact reuse agrees with full prefill by construction; what it
+trusts is the stored bytes. So its first MIN_VERDICT_SAMPLES requests served from storage
+are measured too (then `fidelity_sample` of them), and if its samples are shown short the
+stored KV is not what this engine computes (a broken writer, a wrong model id): Plans say
+`no_reuse` from then on (state AT_FULL), and the engine computes full prefill.
 
 The tallies persist in the metadata database (`MetadataDB.put_fidelity`), unsynced and at
 most once a second (`PERSIST_EVERY_S`) while samples arrive, and at close: a crash loses
@@ -54,7 +63,7 @@ log = logging.getLogger("kvcraft.fidelity")
 Z95 = 1.959964  # the standard normal's 97.5% quantile: a two-sided 95% interval
 PERSIST_EVERY_S = 1.0
 
-# The recompute budgets the controller gives (1: full prefill, no reuse), and where a model
+# The recompute budgets the controller gives (1: exact reuse only, no recompute budget), and where a model
 # starts: above kvcraft.recompute.DEFAULT_BUDGET (15%), the budget the synthetic tasks were
 # tuned at (docs/quality.md): conservative until its own samples say more. The rung at 20%:
 # a budget whose agreement sits just above the target cannot be shown held within
@@ -84,7 +93,8 @@ MIN_VERDICT_SAMPLES = 10
 MAX_MEASURING_SAMPLES = 400
 
 MEASURING, HELD, SHORT, KEPT = "measuring", "held", "short", "kept"  # a budget's verdict
-AT_FULL = "full"  # a Choice's state where no budget below 1 holds the target
+EXACT = "exact"  # a Choice's state at budget 1: exact reuse only (the prefix cache's)
+AT_FULL = "full"  # at budget 1 where exact reuse is shown short as well: no stored KV served
 
 
 def wilson(agree: int, samples: int, z: float = Z95) -> tuple[float, float]:
@@ -198,7 +208,7 @@ class Choice(NamedTuple):
     model_id: str
     policy: str
     budget: float  # one of LADDER
-    state: str  # MEASURING, HELD, KEPT, or AT_FULL
+    state: str  # MEASURING, HELD, KEPT; at budget 1 EXACT or AT_FULL
     below: float = 0.0  # the least budget below tried, measured by shadow blends; 0: none
 
 
@@ -208,6 +218,7 @@ class Decision(NamedTuple):
     budget: float  # recompute_budget: one of LADDER; 0: the engine's own
     sample: bool  # fidelity_sample: measure this request
     below: float = 0.0  # fidelity_below: with sample, the budget its shadow also blends at; 0: none
+    no_reuse: bool = False  # no_reuse: with budget 1, serve no stored KV (exact reuse shown short)
 
 
 class FidelityBook:
@@ -271,7 +282,11 @@ class FidelityBook:
                 return Decision(0.0, seen < FIRST_SAMPLES or self._rng.random() < self.sample)
             choice = self._choose_locked(model_id, policy)
             if choice.state == AT_FULL:
-                return Decision(FULL, False)  # full prefill: nothing served from stored KV to measure
+                return Decision(FULL, False, no_reuse=True)  # nothing served from stored KV to measure
+            if choice.state == EXACT:
+                exact = self._tallies.get((model_id, policy), {}).get(FULL)
+                first = exact is None or exact.samples < MIN_VERDICT_SAMPLES
+                return Decision(FULL, first or self._rng.random() < self.sample)
             if choice.state == MEASURING or choice.below:
                 return Decision(choice.budget, True, choice.below)
             return Decision(choice.budget, self._rng.random() < self.sample)
@@ -286,7 +301,7 @@ class FidelityBook:
 
         def verdict(b: float) -> str:
             if b == FULL:
-                return HELD  # full prefill is the reference itself
+                return HELD  # exact: never left for a budget below (its samples judge its reuse)
             t = by_budget.get(b)
             return t.verdict(self.target) if t is not None else MEASURING
 
@@ -308,8 +323,12 @@ class FidelityBook:
         if least < i and (verdict(LADDER[least]) == HELD or served(LADDER[least])):
             i = least
         budget = LADDER[i]
-        state = AT_FULL if budget == FULL else verdict(budget)
-        below = LADDER[least] if least < i and state != AT_FULL else 0.0
+        if budget == FULL:  # the reference itself for climbing; its exact reuse judged by its own samples
+            exact = by_budget.get(FULL)
+            state = AT_FULL if exact is not None and exact.verdict(self.target) == SHORT else EXACT
+        else:
+            state = verdict(budget)
+        below = LADDER[least] if least < i and budget != FULL else 0.0
         choice = Choice(model_id, policy, budget, state, below)
         last = self._choices.get((model_id, policy))
         if last != choice:
@@ -327,9 +346,14 @@ class FidelityBook:
 
         who = f"model {now.model_id} policy {now.policy}"
         if now.state == AT_FULL:
+            log.warning("kvcraft fidelity: %s: exact reuse disagrees with full prefill (%s; target %.3f): its stored "
+                        "KV is not what this engine computes; its requests are served by full prefill from now on",
+                        who, seen(FULL), self.target)
+        elif now.budget == FULL and (last is None or last.budget != FULL):
             below = LADDER[-2]
             log.warning("kvcraft fidelity: %s cannot hold first-token agreement >= %.3f with reuse (budget %.2f: %s); "
-                        "its requests are served by full prefill from now on", who, self.target, below, seen(below))
+                        "its requests are served by exact reuse only (the prefix cache's) from now on", who,
+                        self.target, below, seen(below))
         elif last is None:
             log.info("kvcraft fidelity: %s starts at recompute budget %.2f (%s)", who, now.budget, now.state)
         elif last.budget != now.budget:

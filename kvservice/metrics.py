@@ -9,7 +9,7 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvservice.fidelity import AT_FULL, HELD, Choice, Tally
+from kvservice.fidelity import AT_FULL, EXACT, HELD, Choice, Tally
 from kvservice.store import ChunkStore
 
 
@@ -47,14 +47,14 @@ class _StoreCollector:
 
 def _budgets(choices: list[Choice]) -> Iterator[Metric]:
     budget = GaugeMetricFamily("kvcraft_fidelity_budget", "Recompute budget the fidelity controller gives adaptive "
-                               "engines (1: full prefill, no budget holds the target)", labels=["model", "policy"])
+                               "engines (1: exact reuse only, no budget holds the target)", labels=["model", "policy"])
     held = GaugeMetricFamily("kvcraft_fidelity_held", "1 when that budget's agreement is shown at or above "
-                             "fidelity_target (or it is full prefill), 0 while it is being measured or kept "
+                             "fidelity_target (or it is 1: exact reuse, or full prefill), 0 while it is being measured or kept "
                              "(at the sample cap, its observed agreement at or above the target)",
                              labels=["model", "policy"])
     for c in choices:
         budget.add_metric([c.model_id, c.policy], c.budget)
-        held.add_metric([c.model_id, c.policy], 1.0 if c.state in (HELD, AT_FULL) else 0.0)
+        held.add_metric([c.model_id, c.policy], 1.0 if c.state in (HELD, EXACT, AT_FULL) else 0.0)
     yield from (budget, held)
 
 

@@ -127,6 +127,7 @@ class PlanningService:
         if req.policy:  # after the samples: the budget follows what they say
             d = self.store.fidelity.decide(req.model_id, req.policy, req.adaptive)
             resp.recompute_budget, resp.fidelity_sample, resp.fidelity_below = d.budget, d.sample, d.below
+            resp.no_reuse = d.no_reuse
         return resp
 
     def _to_preload(self, chunks: tuple[ChunkPlan, ...]) -> list[str]:

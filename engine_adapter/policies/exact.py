@@ -1,7 +1,8 @@
 """The policies that compute what full prefill computes: `full` (no reuse: every row at every
 layer; the ground truth, and how new chunks get their variants and statistics) and `prefix`
 (a prefix cache: only the leading run of chunks whose variant was computed behind exactly the
-chunks before it, which is exact, nothing recomputed)."""
+chunks before it, which is exact, nothing recomputed). `PrefixOf` is an adaptive policy at
+recompute budget 1: the prefix cache, under that policy's name."""
 
 from __future__ import annotations
 
@@ -32,4 +33,17 @@ class Prefix(ReusePolicy):
         return run
 
 
-__all__ = ["Full", "Prefix"]
+@dataclass(frozen=True)
+class PrefixOf(Prefix):
+    """The adaptive policy `of` at the fidelity controller's budget 1 (`policy.with_budget`):
+    the prefix cache's exact reuse, named as `of`, so that the shadows' samples of it count at
+    budget 1 of that policy (the controller leaves even this reuse when they disagree)."""
+
+    of: str = "query"
+
+    @property
+    def name(self) -> str:  # type: ignore[override] - the policy whose budget it spends
+        return self.of
+
+
+__all__ = ["Full", "Prefix", "PrefixOf"]

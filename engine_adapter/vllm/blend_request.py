@@ -117,7 +117,8 @@ class Blend:
         self.lease_id = plan.lease_id
         self.budget = plan.recompute_budget
         if self.adaptive and plan.recompute_budget >= 1:
-            self.declined = "the fidelity controller serves this model by full prefill (docs/quality.md)"
+            self.declined = ("the fidelity controller serves this model by exact reuse only: vLLM alone, with its "
+                             "prefix cache (docs/fidelity.md)")
             self.release(client)
             return False
         keys = [chunk_key(chunk_model_id, c) for c in chunks]

@@ -149,7 +149,7 @@ class ContextBuilder:
         options.setdefault("layer_budget_s", DEFAULT_LAYER_WAIT_S)
         policy = make_blend_policy(ld.policy, options)
         if is_adaptive(ld.policy, ld.options):
-            from engine_adapter.rag import with_budget
+            from engine_adapter.policy import with_budget
 
             policy = with_budget(policy, ld.plan.recompute_budget)
         at, chunks = 0, []

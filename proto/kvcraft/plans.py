@@ -94,9 +94,10 @@ class Plan:
     computed_tokens: int = 0            # chunk tokens the engine computes (fresh + recompute)
     other_keys: tuple[str, ...] = ()    # the key table's tail (module docstring)
     variant_prefixes: tuple[KeyChain, ...] = ()  # the prefixes chosen variants were computed behind
-    recompute_budget: float = 0.0       # the fidelity controller's budget (1: full prefill); 0: none set
+    recompute_budget: float = 0.0       # the fidelity controller's budget (1: exact reuse only); 0: none set
     fidelity_sample: bool = False       # measure this request against full prefill (docs/quality.md)
     fidelity_below: float = 0.0         # with fidelity_sample: the budget the shadow also blends at; 0: none
+    no_reuse: bool = False              # with budget 1: serve no stored KV, full prefill
 
 
 class _Chain(Protocol):

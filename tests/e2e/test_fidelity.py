@@ -1,6 +1,7 @@
 """Fidelity on live traffic end to end: a RAGAdapter measures the blended requests its Plans
 mark with shadow full prefills, off the request's path; the service tallies what the next Plan
-carries, and an adaptive adapter's budget follows them (to full prefill where reuse fails)."""
+carries, and an adaptive adapter's budget follows them (to exact reuse only where reuse with a
+budget fails, to full prefill where exact reuse fails too)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from engine_adapter.fidelity import compare
 from engine_adapter.probe import TRUSTED
 from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient
-from kvservice.fidelity import COLD_START, LADDER
+from kvservice.fidelity import COLD_START, LADDER, MIN_VERDICT_SAMPLES
 from tests.e2e.test_adapter_service import ENGINE, QUESTION, chunks, in_plan_order, warm
 
 
@@ -142,9 +143,38 @@ def test_an_adaptive_adapter_measures_the_least_budget_by_a_shadow_blend_the_ser
 
 
 # Plans an adaptive adapter may take, when reuse gives wrong answers, before its model is
-# served by full prefill: three budgets (COLD_START and the two above) shown short, each after
-# MIN_VERDICT_SAMPLES samples when they all disagree (31 Plans here), more when some agree.
+# served by exact reuse only (budget 1): three budgets (COLD_START and the two above) shown
+# short, each after MIN_VERDICT_SAMPLES samples when they all disagree (31 Plans here), more
+# when some agree; then, when exact reuse disagrees too, its own MIN_VERDICT_SAMPLES (a sample
+# goes with the Plan after its request's) before no stored KV is served.
 PLANS_TO_FULL = 60
+PLANS_TO_NO_REUSE = MIN_VERDICT_SAMPLES + 3
+
+
+def test_at_budget_1_an_adaptive_adapter_reuses_the_exact_prefix_and_computes_the_rest(shared_server):
+    """Budget 1 (no budget below holds the target) is exact reuse, as a prefix cache: the
+    leading chunks stored behind exactly the chunks before them come from storage, the rest
+    is computed; the logits are full prefill's. `no_reuse` (exact reuse shown wrong) computes
+    every row."""
+    engine, cs = HeldShadows(), chunks(15, n=4)
+    layers, n = engine.cfg.num_layers, sum(map(len, cs)) + len(QUESTION)
+    with KVClient(shared_server.address) as client:
+        first = RAGAdapter(engine, client, Policy("full"), gate=ReuseGate())
+        first.prefill(cs[:3], QUESTION, reorder=False)  # stored: a, b behind a, c behind a b
+        first.close()
+        prompt = [cs[0], cs[1], cs[3], cs[2]]  # a b stored exactly, d new, c behind another prefix
+        full = engine.prefill(torch.tensor([t for c in prompt for t in c] + QUESTION))[0][-1]
+        adapter = RAGAdapter(engine, client, gate=TRUSTED, store_back=False, shadows=False)
+        for no_reuse, reused, served in [(False, 2, "query"), (True, 0, "full")]:
+            plan = client.plan(adapter.model_id, prompt, len(QUESTION), first_turn=False, policy="query",
+                               adaptive=True)
+            assert sum(1 for c in plan.chunks if c.reused) == 3  # a, b and c offered; a b exact
+            plan = dataclasses.replace(plan, recompute_budget=1.0, no_reuse=no_reuse)
+            result, report = adapter.serve(plan, prompt, QUESTION)
+            assert (report.budget, report.reused_chunks, report.policy) == (1.0, reused, served)
+            assert report.computed_rows == (n - reused * len(cs[0])) * layers
+            assert torch.allclose(result.logits, full, atol=1e-4, rtol=0)
+        adapter.close()
 
 
 def test_an_adaptive_adapter_on_broken_kv_ends_at_full_prefill_with_full_prefills_answers(shared_server):
@@ -162,17 +192,21 @@ def test_an_adaptive_adapter_on_broken_kv_ends_at_full_prefill_with_full_prefill
                                     for k, v in kv])
         adapter = RAGAdapter(engine, client, gate=TRUSTED, store_back=False)
         orders = itertools.cycle(itertools.permutations(range(len(cs)), 4))
-        budgets, sampled = [], 0
-        for _ in range(PLANS_TO_FULL):
+        budgets, exact, sampled = [], [], 0
+        for _ in range(PLANS_TO_FULL + PLANS_TO_NO_REUSE):
             order = next(orders)
             result, report = adapter.prefill([cs[i] for i in order], QUESTION, reorder=False)
             adapter.flush()  # its sample goes with the next Plan
             budgets.append(report.budget)
             sampled += report.sampled
             if report.budget == 1.0:
-                break
+                exact.append(report.reused_chunks)
+                if not report.reused_chunks:
+                    break
         assert budgets[0] == COLD_START and budgets[-1] == 1.0, budgets
         assert sorted(set(budgets)) == budgets[:1] + sorted(set(budgets) - {budgets[0]})  # only ever up
+        # Budget 1: the leading chunk (stored alone) reused exactly, shown wrong, then nothing.
+        assert len(exact) <= PLANS_TO_NO_REUSE and set(exact[:-1]) == {1} and exact[-1] == 0, exact
         for order in [(5, 4, 3, 2), (0, 2, 4, 1)]:
             prompt = [cs[i] for i in order]
             result, report = adapter.prefill(prompt, QUESTION, reorder=False)
@@ -182,4 +216,4 @@ def test_an_adaptive_adapter_on_broken_kv_ends_at_full_prefill_with_full_prefill
         adapter.close()
         (choice,) = [b for b in client.stats().budgets if b.model_id == model]
     assert (choice.policy, choice.budget, choice.state) == ("query", 1.0, "full")
-    assert sampled >= 3  # the budgets were left on evidence
+    assert sampled >= 3 + MIN_VERDICT_SAMPLES  # the budgets, and exact reuse, were left on evidence

@@ -105,14 +105,14 @@ def _stream(book: FidelityBook, model: str, agreement: dict[float, float], n: in
     for _ in range(n):
         book.observe(model, pending)
         pending = []
-        budget, sample, below = book.decide(model, "query", True)
+        budget, sample, below, no_reuse = book.decide(model, "query", True)
         given.append(budget)
+        assert not no_reuse or (budget == FULL and not sample)
         if proven is not None:
             held = {t.budget for t in book.tallies() if t.model_id == model and t.verdict(book.target) == "held"}
             proven.append(budget in held)
         if sample:
-            assert budget < FULL  # full prefill has nothing to measure
-            pending.append(Sample("query", rng.random() < agreement[budget], 0.0, budget, budget))
+            pending.append(Sample("query", rng.random() < agreement.get(budget, 1.0), 0.0, budget, budget))
             if below:
                 assert below < budget
                 pending.append(Sample("query", rng.random() < agreement[below], 0.0, below, below, shadow_blend=True))
@@ -160,16 +160,40 @@ def test_a_budget_below_the_cold_start_is_served_only_once_its_samples_hold_the_
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_a_model_reuse_cannot_serve_ends_at_full_prefill_logged_once(seed, caplog):
-    """Agreement 50% at every budget: full prefill within 60 Plans, then nothing sampled."""
+def test_a_model_reuse_cannot_serve_ends_at_exact_reuse_logged_once(seed, caplog):
+    """Agreement 50% at every budget below 1, exact reuse agreeing: budget 1 within 60 Plans,
+    served as exact reuse (stored KV, not `no_reuse`), its first MIN_VERDICT_SAMPLES requests
+    measured, then about `sample` of them."""
     book = FidelityBook(target=0.95, sample=0.03, seed=seed)
     with caplog.at_level(logging.INFO, logger="kvcraft.fidelity"):
         given = _stream(book, "m" * 32, dict.fromkeys(LADDER[:-1], 0.5), 400, seed)
     assert FULL in given[:60] and set(given[given.index(FULL):]) == {FULL}
     assert [m for m in _moves(given)] == [(0.25, 0.40), (0.40, 0.60), (0.60, FULL)]
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "full prefill" in warned[0].getMessage()
-    assert book.decide("m" * 32, "query", True) == (FULL, False, 0.0)
+    assert len(warned) == 1 and "exact reuse only" in warned[0].getMessage()
+    (exact,) = [t for t in book.tallies() if t.budget == FULL]
+    assert MIN_VERDICT_SAMPLES <= exact.samples <= MIN_VERDICT_SAMPLES + 30  # then 3% of ~350 Plans
+    assert [book.decide("m" * 32, "query", True).no_reuse for _ in range(50)] == [False] * 50
+    (choice,) = book.choices()
+    assert (choice.budget, choice.state) == (FULL, "exact")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stored_kv_that_even_exact_reuse_disagrees_with_ends_without_reuse(seed, caplog):
+    """Agreement 0 at every budget, exact reuse included (stored KV that is noise): budget 1,
+    then its own samples shown short within MIN_VERDICT_SAMPLES of them: `no_reuse`, nothing
+    sampled again, warned once more."""
+    book = FidelityBook(target=0.95, sample=0.03, seed=seed)
+    with caplog.at_level(logging.INFO, logger="kvcraft.fidelity"):
+        given = _stream(book, "m" * 32, dict.fromkeys(LADDER, 0.0), 200, seed)
+    (exact,) = [t for t in book.tallies() if t.budget == FULL]
+    assert exact.samples == MIN_VERDICT_SAMPLES and exact.top1_agree == 0  # short at the first verdict
+    assert book.decide("m" * 32, "query", True) == (FULL, False, 0.0, True)
+    (choice,) = book.choices()
+    assert (choice.budget, choice.state) == (FULL, "full")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and "exact reuse only" in warned[0] and "not what this engine computes" in warned[1]
+    assert given.index(FULL) < 60
 
 
 def test_the_budget_a_restart_finds_is_the_one_the_samples_say(tmp_path):
@@ -182,22 +206,22 @@ def test_the_budget_a_restart_finds_is_the_one_the_samples_say(tmp_path):
     db = MetadataDB(tmp_path / "metadata")
     try:
         again = FidelityBook(db, target=0.95, sample=0.0)
-        assert again.decide("m" * 32, "query", True) == (LADDER[0], False, 0.0)  # held: measured at the rate, 0
+        assert again.decide("m" * 32, "query", True) == (LADDER[0], False, 0.0, False)  # held: measured at the rate, 0
         # another model starts cold, the least budget measured beside it
-        assert again.decide("n" * 32, "query", True) == (COLD_START, True, LADDER[0])
+        assert again.decide("n" * 32, "query", True) == (COLD_START, True, LADDER[0], False)
     finally:
         db.close()
 
 
 def test_engines_that_keep_their_own_budget_get_none_and_their_first_requests_measured():
     book = FidelityBook(target=0.95, sample=0.0)
-    assert book.decide("m" * 32, "naive", False) == (0.0, True, 0.0)
+    assert book.decide("m" * 32, "naive", False) == (0.0, True, 0.0, False)
     book.observe("m" * 32, [Sample("naive", True, 0.0, 0.1)] * (FIRST_SAMPLES - 1))
-    assert book.decide("m" * 32, "naive", False) == (0.0, True, 0.0)
+    assert book.decide("m" * 32, "naive", False) == (0.0, True, 0.0, False)
     book.observe("m" * 32, [Sample("naive", True, 0.0, 0.1)])
-    assert book.decide("m" * 32, "naive", False) == (0.0, False, 0.0)  # rate 0 after the first ones
+    assert book.decide("m" * 32, "naive", False) == (0.0, False, 0.0, False)  # rate 0 after the first ones
     assert book.choices() == []
-    assert FidelityBook(target=0.0).decide("m" * 32, "query", True) == (0.0, True, 0.0)  # no target: no budget
+    assert FidelityBook(target=0.0).decide("m" * 32, "query", True) == (0.0, True, 0.0, False)  # no target: no budget
 
 
 def _model() -> str:
@@ -367,14 +391,14 @@ def test_a_budget_given_once_held_stays_while_measuring_and_moves_up_only_when_s
     book = FidelityBook(target=0.95, sample=0.0)
     book.observe(model, [Sample("query", True, 0.0, 0.25, COLD_START)] * 80
                  + [Sample("query", True, 0.0, least, least, shadow_blend=True)] * 80)
-    assert book.decide(model, "query", True) == (least, False, 0.0)  # held: at the rate, 0
+    assert book.decide(model, "query", True) == (least, False, 0.0, False)  # held: at the rate, 0
     book.observe(model, [Sample("query", False, 0.0, least, least)] * 3)  # 80 of 83: [0.899, 0.988]
     lower, upper = wilson(80, 83)
     assert lower < 0.95 <= upper
-    assert book.decide(model, "query", True) == (least, True, 0.0)  # still given, measured
+    assert book.decide(model, "query", True) == (least, True, 0.0, False)  # still given, measured
     book.observe(model, [Sample("query", False, 0.0, least, least)] * 10)  # 80 of 93: upper < 0.95
     assert wilson(80, 93)[1] < 0.95
-    assert book.decide(model, "query", True) == (COLD_START, True, LADDER[1])  # 10% measured below
+    assert book.decide(model, "query", True) == (COLD_START, True, LADDER[1], False)  # 10% measured below
 
 
 def test_at_the_cap_the_budget_given_is_kept_at_or_above_the_target_and_a_budget_below_is_not_given():
@@ -398,11 +422,11 @@ def test_at_the_cap_the_budget_given_is_kept_at_or_above_the_target_and_a_budget
     book = FidelityBook(target=0.95, sample=0.0)
     book.observe(model, served(COLD_START, above, n) + tried(LADDER[0], 0, MIN_VERDICT_SAMPLES)
                  + tried(LADDER[1], above, n))
-    assert book.decide(model, "query", True) == (COLD_START, True, LADDER[2])  # 10% kept unserved: 15% tried
+    assert book.decide(model, "query", True) == (COLD_START, True, LADDER[2], False)  # 10% kept unserved: 15% tried
     (choice,) = book.choices()
     assert choice.state == "kept"
     book.observe(model, tried(LADDER[2], above, n) + tried(LADDER[3], above, n))
-    assert book.decide(model, "query", True) == (COLD_START, False, 0.0)  # nothing left to try: at the rate
+    assert book.decide(model, "query", True) == (COLD_START, False, 0.0, False)  # nothing left to try: at the rate
     # served samples that take its upper bound under the target: short, up a rung
     book.observe(model, served(COLD_START, 0, 60))
     assert wilson(above, n + 60)[1] < 0.95

@@ -1,7 +1,8 @@
 """The connector's scheduler side under the fidelity controller (no vLLM process: a request's
 `Blend` asks a real service for its Plan as the scheduler does): a request by the default
 policy without options is adaptive and gets the controller's budget; where no budget holds
-the target the blend is declined, its lease released, and vLLM computes the request alone."""
+the target (budget 1: exact reuse only) the blend is declined, its lease released, and vLLM
+computes the request alone, with its own prefix cache."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _ask(blend: Blend, client: KVClient, model: str) -> bool | None:
     return got
 
 
-def test_the_default_policy_without_options_is_adaptive_and_declined_at_full_prefill(shared_server):
+def test_the_default_policy_without_options_is_adaptive_and_declined_at_budget_1(shared_server):
     model = uuid.uuid4().hex
     with KVClient(shared_server.address) as client:
         client.store(model, PROMPT[:4], [(_zeros(), _zeros())])  # something to reuse, so the Plan leases
@@ -52,7 +53,7 @@ def test_the_default_policy_without_options_is_adaptive_and_declined_at_full_pre
                         policy="query", adaptive=True)
         declined = Blend(CHUNKS, "query", ())
         assert _ask(declined, client, model) is False
-        assert declined.budget == 1.0 and "full prefill" in declined.declined and not declined.lease_id
+        assert declined.budget == 1.0 and "exact reuse only" in declined.declined and not declined.lease_id
 
 
 def _zeros():  # noqa: ANN202

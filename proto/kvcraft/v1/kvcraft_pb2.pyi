@@ -199,7 +199,7 @@ class ChunkPlan(_message.Message):
     def __init__(self, chunk_key: _Optional[str] = ..., position: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., source: _Optional[_Union[ChunkPlan.Source, str]] = ..., variant_id: _Optional[str] = ..., tier: _Optional[str] = ..., cfo: _Optional[float] = ..., recompute: _Optional[_Iterable[int]] = ..., variant_prefix_chain: _Optional[int] = ..., variant_prefix_length: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("order", "dropped", "chunks", "history", "ratio", "preload_depth", "load_s_per_layer", "compute_s_per_layer", "lease_id", "lease_expires_unix_ms", "computed_tokens", "other_keys", "variant_prefixes", "recompute_budget", "fidelity_sample", "fidelity_below")
+    __slots__ = ("order", "dropped", "chunks", "history", "ratio", "preload_depth", "load_s_per_layer", "compute_s_per_layer", "lease_id", "lease_expires_unix_ms", "computed_tokens", "other_keys", "variant_prefixes", "recompute_budget", "fidelity_sample", "fidelity_below", "no_reuse")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class PlanResponse(_message.Message):
     RECOMPUTE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     FIDELITY_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     FIDELITY_BELOW_FIELD_NUMBER: _ClassVar[int]
+    NO_REUSE_FIELD_NUMBER: _ClassVar[int]
     order: _containers.RepeatedScalarFieldContainer[str]
     dropped: _containers.RepeatedScalarFieldContainer[str]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlan]
@@ -232,7 +233,8 @@ class PlanResponse(_message.Message):
     recompute_budget: float
     fidelity_sample: bool
     fidelity_below: float
-    def __init__(self, order: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., history: _Optional[_Iterable[str]] = ..., ratio: _Optional[float] = ..., preload_depth: _Optional[int] = ..., load_s_per_layer: _Optional[float] = ..., compute_s_per_layer: _Optional[float] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., other_keys: _Optional[_Iterable[str]] = ..., variant_prefixes: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ..., recompute_budget: _Optional[float] = ..., fidelity_sample: _Optional[bool] = ..., fidelity_below: _Optional[float] = ...) -> None: ...
+    no_reuse: bool
+    def __init__(self, order: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., history: _Optional[_Iterable[str]] = ..., ratio: _Optional[float] = ..., preload_depth: _Optional[int] = ..., load_s_per_layer: _Optional[float] = ..., compute_s_per_layer: _Optional[float] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., other_keys: _Optional[_Iterable[str]] = ..., variant_prefixes: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ..., recompute_budget: _Optional[float] = ..., fidelity_sample: _Optional[bool] = ..., fidelity_below: _Optional[float] = ..., no_reuse: _Optional[bool] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
     __slots__ = ("model_id", "token_ids", "prefix_keys", "num_layers", "key_spec", "value_spec", "stats")
