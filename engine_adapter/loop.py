@@ -111,6 +111,8 @@ class _Loop:
         keep = self.sel.choice(view) if p.n_cand else None
         keep = None if keep is None or keep >= p.n_cand else keep
         mass_of = self.stats.mass_rows(question_mass) if (self.stats.fresh or question_mass) else None
+        later = mass_of is not None and not question_mass and not self.m.triton  # the statistics' alone: after
+        mass_of = None if later else mass_of
         key_reads = self.key_reads() if reads else None
         if self.static is not None:
             done = self.static.layer(layer, p, h, got, self.spec.carry if layer == 0 else None, keep, key_reads,
@@ -130,6 +132,9 @@ class _Loop:
             reads_rows = self.merge.question_among(p, after_choice=keep is not None)
         out = layer_step(self.m, layer, h, p.step, cache, choice=choice, mass_of=mass_of, reads=key_reads,
                          reads_rows=reads_rows, segments=self.lay.bounds if mass_of is not None else None)
+        if later:
+            out.mass = self.stats.later(out.q, out.rows, out.K, out.rows.rows if cache.pos is None else cache.pos,
+                                        self.m.scale)
         self.res.kv.append((out.K, out.V))
         return out, (chosen[0] if chosen else p)
 

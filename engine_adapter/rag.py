@@ -291,9 +291,10 @@ class RAGAdapter:
             if context is not None:
                 known = refs.get(s)  # the plan named a variant this request did not reuse
                 learn = (context, (starts[s], starts[s + 1]), tuple(question), known.variant_id if known else "")
-            self._pending.append(self._stores.submit(self._store_one, tokens, kv, fresh.prefix, fresh.stats, learn))
+            self._pending.append(self._stores.submit(self._store_one, tokens, kv, fresh.prefix, fresh, learn))
 
-    def _store_one(self, tokens, kv, prefix, stats, learn=None) -> None:  # noqa: ANN001 - background task
+    def _store_one(self, tokens, kv, prefix, fresh, learn=None) -> None:  # noqa: ANN001 - background task
+        stats = fresh.stats  # computed here, after the request's first token (`engine_adapter.stats`)
         if learn is not None:
             try:
                 stats = self._learned(tokens, kv, prefix, stats, *learn)

@@ -4,6 +4,8 @@ computed, the new variants to store) with its per-layer `LayerTiming` and `Fresh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
 
 from torch import Tensor
 
@@ -26,7 +28,11 @@ class FreshChunk:
 
     prefix: tuple[str, ...]  # keys of the chunks before it (the variant's prefix)
     kv: list[tuple[Tensor, Tensor]]  # per layer (K RoPE-free [Hkv,T,D], V [Hkv,T,D])
-    stats: VariantStats
+    later: Callable[[], VariantStats]  # its statistics, computed at the first read (`engine_adapter.stats`)
+
+    @cached_property
+    def stats(self) -> VariantStats:
+        return self.later()
 
 
 @dataclass

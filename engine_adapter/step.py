@@ -156,7 +156,7 @@ class Stepped:
     kept: Tensor | None = None  # with a choice: [R'] indices into the rows in of those kept
     cand_out: Tensor | None = None  # with a choice: the kept candidates' indices among the rows out
     deviation: Tensor | None = None  # with a choice: [C] each candidate's deviation
-    mass: Tensor | None = None  # [M, S] attention mass per segment of the rows asked for
+    mass: Any = None  # [M, S] attention mass per segment of the rows asked for (the loop: or `stats.Later`)
     rotate_s: float = 0.0  # the stored K's rotation's wall time (eager steps; on a GPU its launch's)
     attend_s: float = 0.0  # the attention's
 

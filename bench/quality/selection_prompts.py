@@ -101,7 +101,7 @@ def prompts(engine: LlamaEngine, n: int, seed: int = 1, progress: bool = False,
         for j, c in enumerate(chunks[i]):
             prefix = (chunk_key(fp, behind[i][j]),)
             stored[j] = (_variant(engine, behind[i][j], c) if stats
-                         else FreshChunk(prefix, found["stored", i, j].kv, VariantStats()))
+                         else FreshChunk(prefix, found["stored", i, j].kv, VariantStats))
             if observe:
                 observed[j] = found["observed0", i, j]
         out.append(Prompt(chunks[i], list(enc[i].question_ids), enc[i].answer_ids[0], exs[i].kind, stored,

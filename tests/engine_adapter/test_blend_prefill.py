@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource
 from kvcraft.keys import chunk_key
-from kvkernels import apply_rope
+from kvkernels import apply_rope, attention_mass
 
 
 @pytest.fixture(scope="module")
@@ -187,9 +188,13 @@ def test_wait_deadline_is_the_per_layer_budget(engine, prompts):
 def test_fresh_chunks_carry_rope_free_kv_and_attention_stats(engine, tmp_path):
     g = torch.Generator().manual_seed(5)
     a, b, q = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 24, 6))
-    r = blend_prefill(engine, [Segment(a), Segment(b), Segment(q, question=True)], Policy("full"),
-                      InMemoryLayerSource({}), gate=TRUSTED)
-    assert set(r.fresh) == {0, 1}
+    with mock.patch("engine_adapter.stats.attention_mass", side_effect=attention_mass) as mass:
+        r = blend_prefill(engine, [Segment(a), Segment(b), Segment(q, question=True)], Policy("full"),
+                          InMemoryLayerSource({}), gate=TRUSTED)
+        assert set(r.fresh) == {0, 1}
+        assert mass.call_count == 0  # the request's first token never waits for the statistics
+        r.fresh[1].stats, r.fresh[0].stats
+        assert mass.call_count == engine.cfg.num_layers  # at the first read, once for every chunk
     assert r.fresh[0].prefix == () and r.fresh[1].prefix == (chunk_key(engine.model_spec().fingerprint(), a),)
     # Independent truth: transformers' eager attention probabilities, same weights.
     engine.save_pretrained(tmp_path)

@@ -191,12 +191,13 @@ def _triton_launches(policy: str | None, layers: int, chunk_len: int = 12, graph
     steps = StepGraphs(engine, tokens_step=16, rows_step=8) if graphs else None
     source = InMemoryLayerSource({i: v.kv for i, v in p.cache.items()})
     options = {"ratio": ratio} if ratio is not None else {}
+    segments = p.segments()  # (reads the stored chunks' statistics: not the prefill's launches)
 
     def prefill() -> None:
         if policy is None:
             engine.prefill(p.tokens, all_logits=False)
         else:
-            blend_prefill(engine, p.segments(), Policy(policy, **options), source, gate=TRUSTED, stats=False,
+            blend_prefill(engine, segments, Policy(policy, **options), source, gate=TRUSTED, stats=False,
                           steps=steps)
 
     if warm:
