@@ -35,6 +35,12 @@ from kvkernels import KeyReads, attention_mass, selective_attention_triton
 CAUSAL = "causal"
 EVERY_KEY = "every key"
 ATTENTION_RUNS = 2  # runs of rows per CPU attention call (`RowBlocks`)
+# Rows that are the prompt's last ones, at least this share of it (a prefix reused, the rest
+# computed: the prefix cache's pass), are read as causal attention of every row, the rows
+# before theirs zeros (`Visibility.after`): the causal kernel skips what no row sees and reads
+# no mask, so it beats the masked runs where those rows are few (SmolLM2's shape at 2,200
+# tokens, a layer: 49 ms against 71 with 80 rows before, even at 700, behind at 1,100).
+SUFFIX_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ class Visibility:
     mask: Tensor
     blocks: RowBlocks | None = None
     grouped: Tensor | None = None  # the mask repeated for each query head of a kv head [G*R, T]
+    after: int | None = None  # the rows are the keys' last ones, after this many (SUFFIX_SHARE)
 
 
 def position_mask(q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Tensor:
@@ -146,6 +153,9 @@ def _plain(q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, *, is_causal: b
 def _sdpa(q: Tensor, K: Tensor, V: Tensor, visible: Visibility, scale: float) -> Tensor:
     """Fused SDPA with the rows' mask: whole, or in runs of rows each over its keys."""
     gqa = q.shape[0] != K.shape[0]
+    if visible.after is not None:
+        padded = torch.cat([q.new_zeros(q.shape[0], visible.after, q.shape[2]), q], 1)
+        return _plain(padded, K, V, None, is_causal=True, scale=scale)[:, visible.after:]
     blocks = visible.blocks
     if blocks is None:
         return _plain(q, K, V, visible.mask, scale=scale)
@@ -202,4 +212,5 @@ def _mass(q: Tensor, q_pos: Tensor, K: Tensor, k_pos: Tensor, segments: Tensor, 
     return attention_mass(q, q_pos, K, k_pos, segments, scale=scale)
 
 
-__all__ = ["ATTENTION_RUNS", "CAUSAL", "EVERY_KEY", "RowBlocks", "Visibility", "add_reads", "attend", "position_mask"]
+__all__ = ["ATTENTION_RUNS", "CAUSAL", "EVERY_KEY", "SUFFIX_SHARE", "RowBlocks", "Visibility", "add_reads", "attend",
+           "position_mask"]

@@ -25,10 +25,10 @@ served from stored KV whose Plan says `fidelity_sample` are computed again by fu
 on a background thread after their first token, and the comparisons travel to the service
 with the next Plan, beside the timings. An adapter that runs the default policy is
 *adaptive*: it spends the recompute budget its Plan gives (`Plan.recompute_budget`, the
-service's fidelity controller; 1 means exact reuse only: the prefix cache's), so the service holds its model's
-first-token agreement at `fidelity_target`. An adapter given a policy spends that policy's
-budget. `RAGAdapter.generate` also decodes the answer; a sampled request's shadow then
-compares the answer's first tokens under teacher forcing too.
+service's fidelity controller; 1 means exact reuse only, the prefix cache's), so the service
+holds its model's first-token agreement at `fidelity_target`. An adapter given a policy
+spends that policy's budget. `RAGAdapter.generate` also decodes the answer; a sampled
+request's shadow then compares the answer's first tokens under teacher forcing too.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class RequestReport:
     fallbacks: list[tuple[int, int]] = field(default_factory=list)
     plan_error: str = ""
     sampled: bool = False  # a shadow full prefill measures this request's fidelity (after it)
-    budget: float = 0.0  # the recompute budget it ran with (1: full prefill); 0: its policy has none
+    budget: float = 0.0  # the recompute budget it ran with (1: exact reuse only, or full prefill); 0: none
 
 
 class RAGAdapter:

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from engine_adapter.attention import CAUSAL, RowBlocks, Visibility, position_mask
+from engine_adapter.attention import CAUSAL, SUFFIX_SHARE, RowBlocks, Visibility, position_mask
 from engine_adapter.step import Rotation, Rows
 
 
@@ -74,6 +74,8 @@ class RowSets:
             return CAUSAL
         mask = position_mask(rows, self.pos, self.dtype)
         grouped = mask.repeat(self.heads // self.kv_heads, 1) if self.grouped else None
+        if self.causal and host is not None and len(host) >= SUFFIX_SHARE * self.n and host[0] + len(host) == self.n:
+            return Visibility(mask, None, grouped, after=host[0])  # the prompt's last rows (a prefix reused)
         if not self.runs:
             return Visibility(mask, None, grouped)
         ends = [r + 1 for r in (host if host is not None else rows.tolist())]

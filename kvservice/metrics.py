@@ -49,8 +49,8 @@ def _budgets(choices: list[Choice]) -> Iterator[Metric]:
     budget = GaugeMetricFamily("kvcraft_fidelity_budget", "Recompute budget the fidelity controller gives adaptive "
                                "engines (1: exact reuse only, no budget holds the target)", labels=["model", "policy"])
     held = GaugeMetricFamily("kvcraft_fidelity_held", "1 when that budget's agreement is shown at or above "
-                             "fidelity_target (or it is 1: exact reuse, or full prefill), 0 while it is being measured or kept "
-                             "(at the sample cap, its observed agreement at or above the target)",
+                             "fidelity_target (or it is 1: exact reuse, or full prefill), 0 while it is being "
+                             "measured or kept (at the sample cap, its observed agreement at or above the target)",
                              labels=["model", "policy"])
     for c in choices:
         budget.add_metric([c.model_id, c.policy], c.budget)

@@ -11,6 +11,8 @@ import torch
 
 from engine_adapter.attention import (ATTENTION_RUNS, CAUSAL, EVERY_KEY, RowBlocks, Visibility, attend,
                                       position_mask)
+from engine_adapter.rowset import RowSets
+from engine_adapter.step import Rotation
 from kvkernels import KeyReads, selective_attention_reference
 
 SCALE = 1 / math.sqrt(16)
@@ -59,6 +61,29 @@ def test_attend_on_cpu_in_runs_of_rows_matches_the_reference(dtype, R):
         got, _ = _attend(q, q_pos, k, v, pos, Visibility(mask, blocks))
         assert got.dtype == dtype and got.shape == (4, R, 16)
         torch.testing.assert_close(got.float(), expected.float(), **ATTEND_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("before", [1, 7, 15])
+def test_the_prompts_last_rows_read_as_causal_attention_match_the_reference(dtype, before):
+    """A prefix reused and the rest computed (the prefix cache's pass): the rows set's
+    visibility says so where they are at least SUFFIX_SHARE of the prompt, and the attention
+    is the reference's; fewer rows keep the masked runs."""
+    T = 60
+    g = torch.Generator().manual_seed(before)
+    pos = torch.arange(T)
+    rows = RowSets(T, pos, Rotation(torch.ones(T, 8), torch.zeros(T, 8), False), [True] * T, [False] * T,
+                   triton=False, heads=4, kv_heads=2, head_dim=16, dtype=dtype, causal=True, runs=True,
+                   grouped=False)
+    visible = rows.of(range(before, T)).step.visible
+    assert visible.after == before
+    assert rows.of(range(T // 2, T)).step.visible.after is None  # half the prompt: below SUFFIX_SHARE
+    q = torch.randn(4, T - before, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, T, 16, generator=g).to(dtype) for _ in range(2))
+    expected, _ = selective_attention_reference(q, pos[before:], k, v, pos, scale=SCALE)
+    got, _ = _attend(q, pos[before:], k, v, pos, visible)
+    assert got.dtype == dtype and got.shape == (4, T - before, 16)
+    torch.testing.assert_close(got.float(), expected.float(), **ATTEND_TOL[dtype])
 
 
 def test_runs_of_rows_read_the_keys_up_to_their_last_row_cut_where_that_reads_fewest():

@@ -16,7 +16,12 @@ from tests.engine_adapter import golden
 
 # Largest difference allowed, relative to the largest magnitude of the compared values
 # (logits, statistics); 0: bit for bit.
-TOLERANCE: dict[str, float] = {}
+TOLERANCE: dict[str, float] = {
+    # The prefix cache's pass computes the prompt's last rows: read as causal attention of
+    # every row (engine_adapter.attention.SUFFIX_SHARE), another SDPA kernel than the masked
+    # runs the goldens were recorded with, which sums each row's keys in another order.
+    "prefix": 1e-5,
+}
 
 
 def _close(name: str, got: list[float], want: list[float], tol: float) -> None:
