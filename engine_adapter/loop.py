@@ -158,6 +158,7 @@ class _Loop:
 
     def catch_up(self, layer: int, p: RowSet, h: Tensor) -> Tensor:
         """Rows p through layers 0..layer-1 over the merged caches (their K/V written there)."""
+        self.stats.now()  # the statistics' mass over those caches as they were
         for before in range(layer):
             h = layer_step(self.m, before, h, p.step, self.merge.written(before)).h
         return h

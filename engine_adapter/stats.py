@@ -84,6 +84,16 @@ class FreshStats:
         at = rows.index_of(self.rows)
         return Later(q.index_select(1, at), rows.pos.index_select(0, at), K, k_pos, scale)
 
+    def now(self) -> None:
+        """Compute the mass put off so far, before a catch-up writes rows into those layers'
+        caches (a fallback): what the layers held when they ran."""
+        self._mass = [self._computed(m) for m in self._mass]
+
+    def _computed(self, m: Tensor | Later) -> Tensor:
+        if not isinstance(m, Later):
+            return m
+        return attention_mass(m.q, m.q_pos, m.K, m.k_pos, self.lay.bounds, scale=m.scale)
+
     def chunks(self) -> dict[int, FreshChunk]:
         """The fresh chunks: their KV now, their statistics when first read."""
         return {s: FreshChunk(prefix=self.lay.keys[:s],
@@ -101,9 +111,7 @@ class FreshStats:
     def _compute(self) -> dict[int, VariantStats]:
         inter: Tensor | None = None  # [fresh rows, S] sum over layers of their mass per segment
         intra: dict[int, list[Tensor]] = {s: [] for s in self.fresh}  # per layer, mass to own chunk (0-d)
-        for m in self._mass:
-            if isinstance(m, Later):
-                m = attention_mass(m.q, m.q_pos, m.K, m.k_pos, self.lay.bounds, scale=m.scale)
+        for m in map(self._computed, self._mass):
             inter = m if inter is None else inter + m  # eq. 3 per token and segment
             for s, (a, b) in self.span.items():
                 intra[s].append(m[a:b, s].sum())  # eq. 4

@@ -18,6 +18,7 @@ from engine_adapter.policy import Policy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource
+from engine_adapter.stats import FreshStats
 from kvcraft.keys import chunk_key
 from kvkernels import apply_rope, attention_mass
 
@@ -147,6 +148,24 @@ def test_missing_layer_is_computed_from_layer_zero_and_matches_full_prefill(engi
     assert (r.logits - ref).abs().max() < 1e-4
     assert r.recomputed_rows == [0, 0, len(p.chunks[1]), len(p.chunks[1])]
     assert sum("layer 2 of chunk(s) [1] absent" in m for m in caplog.messages) == 1
+
+
+def test_a_fallback_leaves_the_fresh_chunks_statistics_as_computed_in_the_pass(engine):
+    """A chunk stored behind another prefix, absent from layer 2 on, is caught up through
+    layers 0-1, its recomputed K/V written over theirs; the fresh chunk after it attended to
+    the stored K/V there, and its statistics (their mass computed after the pass) say so."""
+    p = make_prompt(engine, 23)
+    segments = p.segments()
+    segments[2] = Segment(p.chunks[2])  # fresh
+    source = lambda: p.source(withhold={(1, 2)})  # noqa: E731
+    real = FreshStats.later
+    with mock.patch.object(FreshStats, "later", lambda self, *a: self._computed(real(self, *a))):
+        in_pass = blend_prefill(engine, segments, Policy("naive"), source(), gate=TRUSTED)
+        stats = in_pass.fresh[2].stats
+    after = blend_prefill(engine, segments, Policy("naive"), source(), gate=TRUSTED)
+    assert in_pass.fallbacks == after.fallbacks == [(1, 2)]
+    assert after.fresh[2].stats == stats
+    assert stats.prefix_attention[1] > 0
 
 
 def test_corrupt_layer_is_treated_as_missing(engine):
