@@ -111,7 +111,8 @@ class _Loop:
         keep = self.sel.choice(view) if p.n_cand else None
         keep = None if keep is None or keep >= p.n_cand else keep
         mass_of = self.stats.mass_rows(question_mass) if (self.stats.fresh or question_mass) else None
-        later = mass_of is not None and not question_mass and not self.m.triton  # the statistics' alone: after
+        # the statistics' alone, on the CPU: computed after the pass (`stats.py`)
+        later = mass_of is not None and not question_mass and not self.m.triton and self.static is None
         mass_of = None if later else mass_of
         key_reads = self.key_reads() if reads else None
         if self.static is not None:
