@@ -162,8 +162,8 @@ class _BlockingCall:
         self.reader = threading.Thread(target=self._read, name="kvcraft-plan-reader", daemon=True)
         self.reader.start()
 
-    def send(self, request: pb.PlanRequest) -> Future:
-        answer: Future = Future()
+    def send(self, request: pb.PlanRequest, deadline: float, timeout: float) -> Future:
+        answer = _Answer(deadline, timeout)
         self.waiting.append(answer)
         self.requests.put(request)
         return answer
@@ -175,7 +175,13 @@ class _BlockingCall:
                 with self.lock:
                     answer = self.waiting.popleft()
                 try:
+                    if time.monotonic() > answer.deadline:  # late, as a unary call's answer past its deadline
+                        raise answer.expired()
                     answer.set_result(_answer(got))
+                except DeadlineExceededError as late:
+                    _settle(answer, late)
+                    if got.plan.lease_id:  # nobody uses this Plan: free what it holds
+                        self.release(got.plan.lease_id)
                 except KVCraftError as refused:
                     _settle(answer, refused)
                 except InvalidStateError:  # its caller gave up (timeout, cancel): free what the plan holds
@@ -190,6 +196,18 @@ class _BlockingCall:
             self.requests.put(_END)  # grpcio's sending thread waits on the queue: let it end
             for answer in waiting:
                 _settle(answer, error)
+
+
+class _Answer(Future):
+    """The Future of one Plan sent on a blocking call, with the deadline it was sent with."""
+
+    def __init__(self, deadline: float, timeout: float) -> None:
+        super().__init__()
+        self.deadline = deadline
+        self.timeout = timeout
+
+    def expired(self) -> DeadlineExceededError:
+        return DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no Plan answer within {self.timeout} s")
 
 
 def _settle(answer: Future, error: Exception) -> None:
@@ -213,11 +231,11 @@ class BlockingPlanStream:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._current: _BlockingCall | None = None
-        # (deadline, n, future, timeout) of the Plans sent. The watchdog drops answered ones
+        # (deadline, n, future) of the Plans sent. The watchdog drops answered ones
         # as they reach the top and fails those past their deadline; it is woken only when a
         # new deadline is the earliest, so a Plan costs it nothing when timeouts are alike.
         # `plan_future` drops the answered ones when they outnumber the waiting ones.
-        self._deadlines: list[tuple[float, int, Future, float]] = []
+        self._deadlines: list[tuple[float, int, _Answer]] = []
         self._numbers = itertools.count()
         self._watchdog: threading.Thread | None = None
         self._closed = False
@@ -231,8 +249,8 @@ class BlockingPlanStream:
                 raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "the client is closed")
             if self._current is None or self._current.ended:
                 self._current = _BlockingCall(self._open_call, self._forget, self._lock)
-            answer = self._current.send(request)
-            entry = (time.monotonic() + timeout, next(self._numbers), answer, timeout)
+            answer = self._current.send(request, time.monotonic() + timeout, timeout)
+            entry = (answer.deadline, next(self._numbers), answer)
             heap = self._deadlines
             if len(heap) > 2 * len(self._current.waiting) + 64:  # mostly answered: keep it to what waits
                 heap[:] = [e for e in heap if not e[2].done()]
@@ -260,16 +278,15 @@ class BlockingPlanStream:
                 now = time.monotonic()
                 heap = self._deadlines
                 while heap and (heap[0][2].done() or heap[0][0] <= now):
-                    _, _, answer, timeout = heapq.heappop(heap)
+                    _, _, answer = heapq.heappop(heap)
                     if not answer.done():
-                        expired.append((answer, timeout))
+                        expired.append(answer)
                 if not expired:
                     if self._closed:
                         return
                     self._wake.wait(heap[0][0] - now if heap else None)
-            for answer, timeout in expired:  # outside the lock: a future's callbacks may plan again
-                _settle(answer, DeadlineExceededError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                                      f"no Plan answer within {timeout} s"))
+            for answer in expired:  # outside the lock: a future's callbacks may plan again
+                _settle(answer, answer.expired())
 
     def _forget(self, lease_id: str) -> None:
         try:
