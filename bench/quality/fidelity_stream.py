@@ -41,7 +41,8 @@ Runs, each on a fresh `kvcraft serve` (its default configuration, an empty data 
    at each budget of the controller's ladder below 1, `naive`, `cacheblend:budget=0.15`
    (on the 4-layer synthetic models a budget of 15% is below layer 0 alone, refused:
    `cacheblend:ratio=0.15` there, CacheBlend's r, as the tables of docs/quality.md), against
-   the same references.
+   the same references; with `--new-tokens` each decodes its answers too, compared as the
+   adaptive run's (a full prefill of the prompt and the policy's own answer per request).
 
 Reported (`report`): the adaptive run's budget trajectory, its settled budget (the one in
 force from the last change on), true agreement and computed share of the requests from the
@@ -303,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sweep-requests", type=int, help="serve the sweep's policies the stream's first M requests "
                                                        "alone (default: all)")
     p.add_argument("--new-tokens", type=int, default=0,
-                   help="the adaptive run decodes each answer (greedy, up to N tokens) and compares its first "
+                   help="every run decodes each answer (greedy, up to N tokens) and compares its first "
                         f"{ANSWER_TOKENS} after the first under teacher forcing; 0: first tokens alone")
     p.add_argument("--threads", type=int, default=2)
     results.add_argument(p, "fidelity-stream")
@@ -361,7 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     m = a.sweep_requests or len(reqs)
     for spec in sweep:
         if spec not in have:
-            runs.append(serve(engine, reqs[:m], spec, ref[:m], ref_s[:m], progress=progress, as_retrieved=flags[:m]))
+            if a.new_tokens:  # each policy's own answers, compared under teacher forcing: a reference of its own
+                run = serve(engine, reqs[:m], spec, progress=progress, as_retrieved=flags[:m],
+                            new_tokens=a.new_tokens, stop=sorted(stop_tokens(model_dir)))
+            else:
+                run = serve(engine, reqs[:m], spec, ref[:m], ref_s[:m], progress=progress, as_retrieved=flags[:m])
+            runs.append(run)
             write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date)  # each run saved as it ends
     write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date, show=True)
     return 0

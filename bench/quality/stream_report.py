@@ -172,10 +172,11 @@ def print_report(rep: dict, title: str) -> None:
               + (f"   fixed run: {h['fixed_agreement']:.3f} covered {h['covers_fixed']}" if "covers_fixed" in h else ""))
     if a["overall"].get("answer_tokens"):
         print(answers_line(a, ANSWER_TOKENS))
-    print(f"{'policy':<26} {'reqs':>5} {'agreement':>10} {'s.e.':>6} {'computed':>9} {'TTFT ms':>8}")
+    print(f"{'policy':<26} {'reqs':>5} {'agreement':>10} {'s.e.':>6} {'computed':>9} {'TTFT ms':>8} "
+          f"{'answers (teacher forced)':>24}")
     for t in s["table"]:
         print(f"{t['policy']:<26} {t['requests']:>5} {t['agreement']:>10.3f} {t['se']:>6.3f} "
-              f"{pct(t['computed_share']):>9} {t['ttft_s'] * 1e3:>8.1f}")
+              f"{pct(t['computed_share']):>9} {t['ttft_s'] * 1e3:>8.1f} {ratio(t.get('answer_agreement')):>24}")
     b = s["smallest_budget_meeting_target"]
     if b is None:
         print("no fixed budget of the sweep meets the target")

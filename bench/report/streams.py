@@ -31,14 +31,23 @@ def stream_tables(result: dict) -> str:
     st, c = a["settled"], a["sampling_cost"]
     moves = ", ".join(f"{t['to']:.2f} from request {t['request']}" for t in a["trajectory"])
     state = ", ".join(f"{b['budget']:.2f} {b['state']}" for b in a["service_budgets"])
+    # The answers' column where any run compared answers under teacher forcing (`--new-tokens`).
+    answers = any(r.get("answer_tokens") for r in (a["overall"], *s["table"]))
+    head = ("| true agreement (s.e.) | computed | computed, as retrieved | TTFT (ms) |"
+            + (f" answers, first {ANSWER_TOKENS} tokens (teacher forced) |" if answers else ""))
+    rule = "|---|---|---|---|---|---|" + ("---|" if answers else "")
+
+    def cells(r: dict) -> str:
+        return (f"{r['agreement']:.3f} ({r['se']:.3f}) | {pct(r['computed_share'])} | "
+                f"{pct(r.get('computed_share_as_retrieved', 1.0))} | {r['ttft_s'] * 1e3:.1f} |"
+                + (f" {ratio(r.get('answer_agreement'))} |" if answers else ""))
+
     lines = [f"**{meta_['task']}** ({a['requests']} requests, {meta_['prompt_tokens_mean']:.0f} prompt tokens on "
              f"average): budget {moves}; at the end the service says {state}.", "",
-             "| adaptive run | requests | true agreement (s.e.) | computed | computed, as retrieved | TTFT (ms) |",
-             "|---|---|---|---|---|---|"]
+             "| adaptive run | requests " + head, rule]
     for name, r in (("whole stream", a["overall"]), (f"settled ({a['settled_budget']:.2f}, from request "
                                                     f"{a['settled_from_request']})", st)):
-        lines.append(f"| {name} | {r['requests']} | {r['agreement']:.3f} ({r['se']:.3f}) | {pct(r['computed_share'])} "
-                     f"| {pct(r['computed_share_as_retrieved'])} | {r['ttft_s'] * 1e3:.1f} |")
+        lines.append(f"| {name} | {r['requests']} | {cells(r)}")
     lines += ["", f"Sampled {a['sampled']} of {a['requests']} requests ({a['blended']} blended; {a['sampled_after_settle']} "
               f"after the settle; {c.get('shadow_blends', 0)} of the shadows also blended at a budget below); the "
               f"shadows computed {pct(c['row_share'])} of all row-layers (served + shadows), "
@@ -59,14 +68,11 @@ def stream_tables(result: dict) -> str:
         lines.append(f"| {h['budget']:.2f} | {h['requests']} ({h['blended']}) | {h.get('service_samples', 0)} "
                      f"({h.get('service_top1_agree', 0)} agree; {h.get('service_shadow_blends', 0)}) | {iv} | "
                      f"{served} | {fixed} |")
-    lines += ["", "| fixed policy | requests | true agreement (s.e.) | computed | computed, as retrieved | TTFT (ms) |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| fixed policy | requests " + head, rule]
     for t in s["table"]:
         name = t["policy"] + (f" ({t['timed']} of them timed; the others' full prefill was their shadow)"
                               if t.get("timed", t["requests"]) < t["requests"] else "")
-        lines.append(f"| {name} | {t['requests']} | {t['agreement']:.3f} ({t['se']:.3f}) | "
-                     f"{pct(t['computed_share'])} | {pct(t.get('computed_share_as_retrieved', 1.0))} | "
-                     f"{t['ttft_s'] * 1e3:.1f} |")
+        lines.append(f"| {name} | {t['requests']} | {cells(t)}")
     b = s["smallest_budget_meeting_target"]
     swept = {t["requests"] for t in s["table"] if not t["policy"].startswith(("full", "adaptive"))}
     lines += ["", ("" if swept <= {a["requests"]} else f"(The sweep served the stream's first {min(swept)} requests.) ")

@@ -123,3 +123,22 @@ def test_a_short_stream_as_deployed():
     assert 0 < finished and finished - int(pending) <= blends <= finished  # the cold start tries the least budget
     assert 0 < run["sampling_cost"]["row_share"] < 1
     assert rep["trajectory"][0] == {"request": 0, "from": None, "to": 0.25}  # the cold start
+
+
+@pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="no trained model committed")
+def test_with_new_tokens_every_fixed_policy_compares_its_own_answers_under_teacher_forcing(tmp_path):
+    """`--new-tokens`: the sweep's rows carry answers too. Full prefill served by the policy
+    `full` decodes the answer full prefill predicts, so teacher forcing over it agrees on every
+    token (an answer compared at the wrong position would not); naive reuse compares as many."""
+    out = tmp_path / "stream.json"
+    assert fs.main(["--task", "short", "--requests", "4", "--sweep", "full", "naive", "--new-tokens", "5",
+                    "--json", str(out), "--quiet"]) == 0
+    result = json.loads(out.read_text())
+    runs = {r["policy"]: fs.unpack(r["requests"]) for r in result["runs"]}
+    for policy in ("full", "naive"):
+        rows = runs[policy]
+        assert len(rows) == 4 and all(0 < r["answer_tokens"] <= 4 for r in rows), policy
+    assert all(r["answer_agree"] == r["answer_tokens"] for r in runs["full"])
+    assert all(r["answer_agree"] <= r["answer_tokens"] for r in runs["naive"])
+    table = {t["policy"]: t for t in result["report"]["sweep"]["table"]}
+    assert table["full"]["answer_agreement"] == 1.0
