@@ -174,7 +174,7 @@ def _answers(console, client, n: int) -> bool:  # noqa: ANN001 - rich Console, K
     for col in ("question", "answer", "full prefill", *(name for name, _ in settings)):
         table.add_column(col)
     for i, p in enumerate(prompts):
-        full = int(engine.prefill(torch.tensor(sum(p.chunks, []) + p.question), all_logits=False)[0][-1].argmax())
+        full = int(engine.prefill(torch.tensor(sum(p.chunks, []) + p.question), all_logits=False, kv=False)[0][-1].argmax())
         got = {"full prefill": full}
         for name, _ in settings:
             r, _ = adapters[name].prefill(p.chunks, p.question, reorder=False)

@@ -233,7 +233,7 @@ class ShadowSampler:
         fed = max(len(answer) - 1, 0)  # the last answer token is predicted, never fed
         tokens = torch.tensor([t for span in spans for t in span] + answer[:fed], dtype=torch.long)  # [N + fed]
         try:
-            logits, _ = self._model.prefill(tokens, all_logits=False, last=fed + 1)  # [fed + 1, V]
+            logits, _ = self._model.prefill(tokens, all_logits=False, last=fed + 1, kv=False)  # [fed + 1, V]
             agree, kl = compare(logits[0], served)
             compared, answer_agree = answer_agreement(logits, answer)
         except Exception as e:  # noqa: BLE001 - a failed shadow never touches the traffic

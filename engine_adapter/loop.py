@@ -28,6 +28,7 @@ from torch import Tensor
 
 from engine_adapter.dispatch import StaticRunner
 from engine_adapter.merge import Merge
+from engine_adapter.model import own
 from engine_adapter.prompt import Layout
 from engine_adapter.result import BlendResult, LayerTiming
 from engine_adapter.rowset import RowSet
@@ -136,7 +137,7 @@ class _Loop:
         if later:
             out.mass = self.stats.later(out.q, out.rows, out.K, out.rows.rows if cache.pos is None else cache.pos,
                                         self.m.scale)
-        self.res.kv.append((out.K, out.V))
+        self.res.kv.append((own(out.K), own(out.V)))  # a full prefill's are views of larger tensors
         return out, (chosen[0] if chosen else p)
 
     def chosen(self, p: RowSet, kept: Tensor, cand: Tensor, keep: int, into: list[RowSet]) -> Rows:

@@ -60,24 +60,34 @@ class LayerModel:
                          rope_theta=c.rope_theta, rope_scaling=c.rope_scaling)
 
     @torch.no_grad()
-    def prefill(self, tokens: Tensor, start_pos: int = 0, *, all_logits: bool = True, last: int = 1
-                ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    def prefill(self, tokens: Tensor, start_pos: int = 0, *, all_logits: bool = True, last: int = 1,
+                kv: bool = True) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """Logits and per-layer KV (K post-RoPE [Hkv,T,D], V) of tokens at start_pos..
 
         Logits are [T, V], or [last, V] for the last `last` tokens alone with
         all_logits=False (what serving needs: the first output token; the vocabulary
         projection of every row is a large share of a small model's prefill).
+        kv=False: no KV kept (an empty list), so a layer's tensors are let go once the
+        next layer has its input (a prefill for its logits alone: a fidelity shadow's).
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         pos = torch.arange(start_pos, start_pos + len(tokens))
         rows = Rows(torch.arange(len(tokens)), pos, Rotation(*rope_tables(self.rope, pos), self.triton), CAUSAL)
         h = self.embed(tokens)  # [T, d]
-        kv = []
+        cache = []
         for layer in range(self.cfg.num_layers):
             out = layer_step(self, layer, h, rows, LayerCache(None, None, None))
-            kv.append((out.K, out.V))
+            if kv:
+                cache.append((own(out.K), own(out.V)))
             h = out.h
-        return self.logits(h if all_logits else h[-last:]), kv
+        return self.logits(h if all_logits else h[-last:]), cache
 
 
-__all__ = ["LayerModel"]
+def own(t: Tensor) -> Tensor:
+    """`t` in storage of its own size. A full prefill's K/V are views of the layer's QKV
+    projection (V) and of its rotated q and k (K): kept as they are, each would hold every
+    query head's rows too (5x the KV for SmolLM2's 9 query and 3 kv heads)."""
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
+__all__ = ["LayerModel", "own"]

@@ -53,7 +53,7 @@ def run(chunk_len: int = 96, interval_s: float = 0.03) -> list[tuple[str, BlendR
         ("cacheblend, chunk 1\nlayer 4 missing", Policy("cacheblend", ratio=0.15), 0.0, {(1, 4)}),
     ]
     blend_prefill(eng, segs(0.15), Policy("naive"), InMemoryLayerSource({}), gate=TRUSTED)  # warm-up
-    ref = eng.prefill(torch.tensor(sum(chunks, []) + question))[0][-1]
+    ref = eng.prefill(torch.tensor(sum(chunks, []) + question), kv=False)[0][-1]
     out = []
     for name, policy, ratio, withhold in cases:
         src = ScheduledLayerSource({i: v.kv for i, v in cache.items()}, interval_s, withhold=withhold)
@@ -92,7 +92,7 @@ def run_service(chunk_len: int = 96) -> list[tuple[str, BlendResult, float]]:
             for ch in chunks:
                 warm.prefill([rand(chunk_len), ch], question, reorder=False)
             warm.close()
-            ref = eng.prefill(torch.tensor(sum(chunks, []) + question))[0][-1]
+            ref = eng.prefill(torch.tensor(sum(chunks, []) + question), kv=False)[0][-1]
             RAGAdapter(eng, c, Policy("naive"), gate=TRUSTED, store_back=False).prefill(chunks, question,
                                                                                        reorder=False)  # warm-up
             for name, policy in cases:

@@ -316,7 +316,7 @@ def run(work: Workload, repeats: int, data_dir: Path) -> dict:
     engine = work.engine
     model_id = engine.model_spec().fingerprint()
     tokens = torch.tensor(sum(work.chunks, []) + work.question)
-    ref = engine.prefill(tokens, all_logits=False)[0][-1]
+    ref = engine.prefill(tokens, all_logits=False, kv=False)[0][-1]
     with ServiceProcess(data_dir) as service, KVClient(service.address) as client:
         ranking = _store_chunks(engine, client, model_id, work)
         cases = _cases(work, client, tokens, ranking)

@@ -100,7 +100,7 @@ def run(task: str, n: int, policy: ReusePolicy, seed: int = 1, progress: bool = 
             for chunks, question, gold in (track(reqs, description=f"{task}: {policy.name}") if progress else reqs):
                 result, _ = adapter.prefill(chunks, question, reorder=False)
                 adapter.flush()  # the next request sees what this one stored, as a slower stream would
-                full = engine.prefill(torch.tensor([t for c in chunks for t in c] + question), all_logits=False)[0][-1]
+                full = engine.prefill(torch.tensor([t for c in chunks for t in c] + question), all_logits=False, kv=False)[0][-1]
                 answer, expected = int(result.logits.argmax()), int(full.argmax())
                 stream.requests += 1
                 stream.agree += answer == expected

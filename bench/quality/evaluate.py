@@ -104,7 +104,7 @@ def evaluate(n_examples: int, settings: Sequence[Setting] = SETTINGS, model_dir:
                                              shadows=False)  # its own reference below
                         result, rep = adapter.prefill(chunks, list(e.question_ids), reorder=s.reorder)
                         ordered = _in_order(engine, chunks, rep.order)
-                        ref = engine.prefill(torch.tensor([t for c in ordered for t in c] + list(e.question_ids)))[0][-1]
+                        ref = engine.prefill(torch.tensor([t for c in ordered for t in c] + list(e.question_ids)), kv=False)[0][-1]
                         stats[s.label].add(
                             correct=int(result.logits.argmax()) == answer,
                             kind=exs[i].kind,

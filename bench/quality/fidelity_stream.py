@@ -171,7 +171,7 @@ def _full(engine, chunks, question, seconds: list[float], memo: "ShadowMemo | No
         picks = hit
     else:
         t0 = time.perf_counter()
-        logits, _ = engine.prefill(torch.tensor(tokens + answer[:fed]), all_logits=False, last=fed + 1)
+        logits, _ = engine.prefill(torch.tensor(tokens + answer[:fed]), all_logits=False, last=fed + 1, kv=False)
         seconds.append(time.perf_counter() - t0)
         picks = logits.argmax(dim=-1).tolist()
     return picks[0], fed, sum(int(p == t) for p, t in zip(picks[1:], answer[1:]))
