@@ -98,6 +98,7 @@ class _GivingWay(LayerModel):
         self.m, self.serving = model, serving
         self.cfg, self.rope, self.scale = model.cfg, model.rope, model.scale
         self.triton, self.dtype, self.device = model.triton, model.dtype, model.device
+        self.max_rows = model.max_rows
 
     def embed(self, tokens: Tensor) -> Tensor:
         self.serving.wait_idle(YIELD_S)

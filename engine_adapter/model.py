@@ -13,7 +13,8 @@ kvcraft owns the rows, the merged cache, the rotation and the attention; the mod
 
 and `cfg` (the shapes: this process's heads where a model is sharded), `rope` (its own RoPE, for
 `prefill`), `scale`, `dtype`, `device`, `triton` (the step's own Triton kernels: rotation with
-the K/V write, attention by position). `prefill` is the plain full prefill: the layer step over
+the K/V write, attention by position), `max_rows` (the most rows `layer_out` is given at once:
+an inference engine's tokens per forward pass; None: no bound). `prefill` is the plain full prefill: the layer step over
 every row.
 """
 
@@ -39,6 +40,7 @@ class LayerModel:
     triton: bool
     dtype: torch.dtype
     device: torch.device
+    max_rows: int | None = None  # rows `layer_out` takes at once (None: every row; `step._layer_out`)
 
     def embed(self, tokens: Tensor) -> Tensor:
         raise NotImplementedError

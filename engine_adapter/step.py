@@ -225,8 +225,19 @@ def _attend_and_out(model: Any, layer: int, out: Stepped, cache: LayerCache, seg
                          segments=segments, mass_rows=None if mass_of is None else rows.index_of(mass_of),
                          reads=reads, reads_rows=reads_rows)
     out.attend_s = time.perf_counter() - t0  # (eagerly; a graph's replay runs no Python)
-    out.h = model.layer_out(layer, out.h, o)
+    out.h = _layer_out(model, layer, out.h, o)
     return out
+
+
+def _layer_out(model: Any, layer: int, h: Tensor, o: Tensor) -> Tensor:
+    """`model.layer_out` over blocks of at most `model.max_rows` rows (None: all at once). Its
+    MLP's working tensors are the largest of a layer (an 8B Llama's: 28,672 values a row in
+    gate and up); an engine's own forward pass is sized for its token budget, and a prompt
+    longer than that is computed within it, as the engine's chunked prefill would."""
+    n = model.max_rows
+    if n is None or h.dim() != 2 or h.shape[0] <= n:
+        return model.layer_out(layer, h, o)
+    return torch.cat([model.layer_out(layer, h[a:a + n], o[:, a:a + n]) for a in range(0, h.shape[0], n)])
 
 
 def _choose(out: Stepped, choice: Choice, old: tuple[Tensor, Tensor, Tensor]) -> Stepped:

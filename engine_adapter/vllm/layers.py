@@ -44,6 +44,10 @@ class VllmLayers(LayerModel):
         self.triton = self.device.type == "cuda"
         self._layers = list(model.model.layers)
         self._turn = model.kvcraft_turn  # vLLM's forward pass and these calls take turns on a CPU
+        # vLLM's token budget per forward pass (max_num_batched_tokens): the memory it profiled
+        # its activations with, and left the rest to its KV cache. A blend of a longer prompt
+        # runs its MLPs within it (`step._layer_out`).
+        self.max_rows = model.kvcraft_max_rows
 
     def embed(self, tokens: Tensor) -> Tensor:
         with self._turn:

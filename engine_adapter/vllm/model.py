@@ -93,6 +93,7 @@ def _blending(name: str) -> type:
         base.__init__(self, vllm_config=vllm_config, prefix=prefix, **kw)
         self.kvcraft_name = blend_name(vllm_config.model_config)
         self._kvcraft_layers = None
+        self.kvcraft_max_rows = vllm_config.scheduler_config.max_num_batched_tokens
         on_cpu = vllm_config.device_config.device_type == "cpu"
         self.kvcraft_turn = CPU_TURN if on_cpu else contextlib.nullcontext()  # see CPU_TURN
         if on_cpu:
