@@ -14,8 +14,8 @@ kvcraft owns the rows, the merged cache, the rotation and the attention; the mod
 and `cfg` (the shapes: this process's heads where a model is sharded), `rope` (its own RoPE, for
 `prefill`), `scale`, `dtype`, `device`, `triton` (the step's own Triton kernels: rotation with
 the K/V write, attention by position), `max_rows` (the most rows `layer_out` is given at once:
-an inference engine's tokens per forward pass; None: no bound). `prefill` is the plain full prefill: the layer step over
-every row.
+an inference engine's tokens per forward pass; None: no bound). `prefill` is the plain full
+prefill: the layer step over every row.
 """
 
 from __future__ import annotations
