@@ -2,12 +2,12 @@
 prefill's KV in hand (oracles no deployment has), beside naive reuse and the default policy.
 
     kvcraft bench real-bound [--data musique_s.json] [--first 0 --prompts 100] [--passages 1]
-        [--budgets 0.15 0.3 0.5] [--new-tokens 16] [--json OUT]
+        [--budgets 0.15 0.3 0.5] [--greedy] [--new-tokens 16] [--json OUT]
 
 `kvbench.quality.real_quality` measures the policies as deployed; none keeps ROUGE-L >= 0.90 against
 full prefill's answer at <= 15% of the row-layers computed (docs/quality.md). This asks
 whether a better selection could: per record, the rows of the reused passages to recompute
-from layer 0 are chosen knowing what full prefill computes, three ways:
+from layer 0 are chosen knowing what full prefill computes, three ways (four with --greedy):
 
   deviation   the rows whose stored K and V deviate most from full prefill's, summed over
               the layers (each layer's squared deviation over its mean squared norm):
@@ -19,7 +19,12 @@ from layer 0 are chosen knowing what full prefill computes, three ways:
               attention in place of the question pass's over stale KV;
   free question pass
               the default's own picks (its question pass over the stored KV) without
-              paying for that pass: what the default keeps if it cost nothing.
+              paying for that pass: what the default keeps if it cost nothing;
+  greedy      (with --greedy) blocks of GREEDY_BLOCK consecutive passage rows added one at a
+              time, each the block whose recompute brings the last position's next-token
+              distribution closest to full prefill's (KL(full || blend), every remaining block
+              tried: the true effect, not an estimate); a budget gets the blocks added before
+              it is spent. At a block's grain: a row's would take ~64x the blends.
 
 Beside them, full prefill in bfloat16 (the precision GPUs serve in) against full prefill in
 fp32: how far a change that keeps every row exact in all but rounding moves the answers.
@@ -40,13 +45,14 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from engine_adapter import LlamaEngine
 from engine_adapter.blend import BlendResult, blend_prefill, prefill_with_picks, question_reads, run_passes
+from engine_adapter.fidelity import compare
 from engine_adapter.generate import greedy, stop_tokens
 from engine_adapter.policy import DEFAULT_POLICY, Naive, Policy, QueryAware
 from engine_adapter.probe import TRUSTED
@@ -58,12 +64,13 @@ from kvbench.common import musique
 from kvbench.quality.real_quality import meta, rouge_l_stats, warm_chunks
 
 BUDGETS = (0.15, 0.3, 0.5)
+GREEDY_BLOCK = 64  # passage rows the greedy search adds at a time
 COLUMNS = {"rouge_l_vs_full": "ROUGE-L vs full", "identical_to_full": "identical to full",
            "first_token_agrees": "first token = full", "f1": "F1", "computed_share": "row-layers computed"}
 
 
 def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[float] = BUDGETS,
-        new_tokens: int = 16, progress: bool = True) -> dict:
+        new_tokens: int = 16, progress: bool = True, search: bool = False) -> dict:
     """The rows per case (`COLUMNS`, means over the records) and every record's answers."""
     from rich.console import Console
     from rich.progress import track
@@ -78,7 +85,7 @@ def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[fl
     items = range(len(records))
     with torch.no_grad():
         for i in (track(items, description="MuSiQue records", console=Console(stderr=True)) if progress else items):
-            served = _record(engine, bf16, prompts, i, budgets, new_tokens, stop)
+            served = _record(engine, bf16, prompts, i, budgets, new_tokens, stop, search)
             for got in served.values():
                 got["answer"] = tok.decode(got["tokens"], skip_special_tokens=True).strip()
             out.append(_score(records[i], served))
@@ -148,10 +155,47 @@ def oracle_scores(engine: LlamaEngine, s: Served, full: BlendResult, naive: Blen
     return {"deviation": deviation, "reads": question_reads(engine, s.layout, exact, s.reused, layer_budget_s=1.0).reads}
 
 
+def greedy_blocks(kl: Callable[[list[int]], float], blocks: Sequence[Sequence[int]], rows: int) -> list[list[int]]:
+    """Forward selection: blocks in the order added, each the one whose rows joined to those
+    added before give the lowest `kl(rows)`, while the rows added fit in `rows` (ties: the
+    earlier block)."""
+    left, added, taken = [list(b) for b in blocks], [], []
+    while True:
+        tried = [(kl(sorted(taken + b)), j) for j, b in enumerate(left) if len(taken) + len(b) <= rows]
+        if not tried:
+            return added
+        _, j = min(tried)
+        added.append(left.pop(j))
+        taken += added[-1]
+
+
+def passage_blocks(q: QuestionReads, lay: Layout, size: int = GREEDY_BLOCK) -> list[list[int]]:
+    """The rows a selection may pick (`most_read`'s candidates: live, not of an exact chunk),
+    each segment's in runs of `size` consecutive ones."""
+    out = []
+    for seg in range(len(lay.segments)):
+        rows = [r for r in range(*lay.edges[seg:seg + 2]) if bool(q.live[r])]
+        if rows and not (lay.segments[seg].cached and lay.segments[seg].cached_prefix == lay.keys[:seg]):
+            out += [rows[a:a + size] for a in range(0, len(rows), size)]
+    return out
+
+
+def with_rows(engine: LlamaEngine, s: Served, q: QuestionReads, rows: Sequence[int]) -> BlendResult:
+    """The prefill that recomputes exactly `rows` (prompt rows among `q`'s live ones) through
+    every layer after the question pass `q`."""
+    score = torch.zeros(s.layout.n)
+    score[list(rows)] = 1.0
+    picks = most_read(QuestionReads(score, q.live, q.result, q.layer0), s.layout, len(rows), heads=False,
+                      num_layers=engine.cfg.num_layers)
+    return prefill_with_picks(engine, s.layout, q, picks, s.source(), stats=False)
+
+
 def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[musique.Prompt], i: int,
-            budgets: Sequence[float], new_tokens: int, stop: frozenset[int]) -> dict[str, dict]:
+            budgets: Sequence[float], new_tokens: int, stop: frozenset[int], search: bool = False
+            ) -> dict[str, dict]:
     """Record i's answers per case: tokens and computed share. bf16: the engine in bfloat16,
-    whose full prefill measures how far another precision moves an answer (None: no such row)."""
+    whose full prefill measures how far another precision moves an answer (None: no such row).
+    search: the greedy search's rows at each budget too (`greedy_blocks`)."""
     L = engine.cfg.num_layers
     s = served(engine, prompts, i)
     lay, question = s.layout, len(prompts[i].question)
@@ -175,14 +219,26 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[mus
         return out
     oracle = oracle_scores(engine, s, full, naive)
     asked = question_reads(engine, lay, s.source(), s.reused, layer_budget_s=1.0)
+    rows_at = {b: max(0, int(b * lay.n) - question) for b in budgets}  # through every layer; the question paid once
+    path = []
+    if search:
+        path = greedy_blocks(lambda rows: compare(full.logits, with_rows(engine, s, asked, rows).logits)[1],
+                             passage_blocks(asked, lay), max(rows_at.values()))
     for b in budgets:
         policy = QueryAware(budget=b)
-        n = max(0, int(b * lay.n) - question)  # rows through every layer; the question paid once
+        n = rows_at[b]
         for name, score, heads in (("deviation", oracle["deviation"], False), ("reads", oracle["reads"], True),
                                    ("free question pass", asked.reads, True)):
             q = QuestionReads(score, asked.live, asked.result, asked.layer0)
             picks = most_read(q, lay, n, heads=heads, num_layers=L, depth=policy.head_depth(L))
             answer(f"{name} {b:.0%}", prefill_with_picks(engine, lay, q, picks, s.source(), stats=False))
+        if search:
+            rows: list[int] = []
+            for block in path:
+                if len(rows) + len(block) > n:
+                    break
+                rows += block
+            answer(f"greedy {b:.0%}", with_rows(engine, s, asked, sorted(rows)))
     return out
 
 
@@ -219,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budgets", type=float, nargs="*", default=list(BUDGETS), metavar="SHARE",
                    help="shares of the prompt's row-layers each selection may compute (0 < share <= 1); "
                         "none: only full prefill (fp32 and bf16), naive reuse and the default")
+    p.add_argument("--greedy", action="store_true",
+                   help="also the greedy search's rows at each budget (tens of blends a record per budget step)")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--model-dir", help="the model folder (default: as `kvcraft model fetch`; fetched if absent)")
@@ -235,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = records[:a.prompts]
     if len(records) < 2:
         p.error(f"fewer than 2 records from index {a.first} in {a.data} (each needs a neighbour's passage)")
-    result = run(fetch(a.model_dir).path, records, a.budgets, a.new_tokens)
+    result = run(fetch(a.model_dir).path, records, a.budgets, a.new_tokens, search=a.greedy)
     print(table(result))
     results.save("real-bound", argv, result, a.json)
     return 0

@@ -22,3 +22,44 @@ def test_the_summary_pairs_each_case_with_the_default_record_by_record():
     assert dev["rouge_l_vs_default_se"] == pytest.approx(statistics.stdev([0.1, -0.1, 0.3]) / 3 ** 0.5)
     assert rows["query (default)"]["rouge_l_vs_default"] == 0.0
     assert "| deviation 15% | 0.800 | 0.115 | +0.100 (0.115) |" in real_bound.table({"cases": list(rows.values())})
+
+
+def test_greedy_adds_the_block_best_with_those_before_not_the_best_alone():
+    """A worked example: B alone beats C alone, but C joined to A beats B joined to A."""
+    a, b, c = [0, 1], [2], [3]
+    kl = {(): 10.0, (0, 1): 4.0, (2,): 5.0, (3,): 6.0, (0, 1, 2): 3.9, (0, 1, 3): 1.0, (2, 3): 2.0, (0, 1, 2, 3): 0.5}
+    asked = []
+
+    def measured(rows):
+        asked.append(tuple(rows))
+        return kl[tuple(rows)]
+
+    assert real_bound.greedy_blocks(measured, [a, b, c], rows=3) == [a, c]
+    assert asked == [(0, 1), (2,), (3,), (0, 1, 2), (0, 1, 3)]  # every block that fits, against those added
+    assert real_bound.greedy_blocks(lambda rows: kl[tuple(rows)], [a, b, c], rows=1) == [b]  # A never fits
+
+
+def test_recomputing_every_block_of_the_passages_gives_full_prefill():
+    import torch
+
+    from engine_adapter.blend import question_reads
+    from engine_adapter.llama import LlamaEngine
+    from engine_adapter.prompt import Layout
+    from tests.engine_adapter.adapter_helpers import make_prompt
+
+    engine = LlamaEngine.random("tiny", seed=0, std=0.1)
+    p = make_prompt(engine, 0, chunk_len=20)
+    segments = p.segments()
+    s = real_bound.Served(segments, Layout.of(segments, engine.model_spec().fingerprint()),
+                          {i: v.kv for i, v in p.cache.items()})
+    asked = question_reads(engine, s.layout, s.source(), s.reused, layer_budget_s=1.0)
+    blocks = real_bound.passage_blocks(asked, s.layout, size=8)
+    assert [len(b) for b in blocks] == [8, 8, 4] * 4  # each chunk's 20 rows, in runs of 8
+    rows = sorted(r for b in blocks for r in b)
+    assert rows == list(range(80))
+    full = engine.prefill(p.tokens, all_logits=False, kv=False)[0][-1]
+    naive = real_bound.with_rows(engine, s, asked, []).logits
+    got = real_bound.with_rows(engine, s, asked, rows)
+    assert sum(got.computed_rows) >= 80 * engine.cfg.num_layers
+    torch.testing.assert_close(got.logits, full, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(naive, full, rtol=1e-4, atol=1e-4)  # the stored KV alone is not full prefill's
