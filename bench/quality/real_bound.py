@@ -61,6 +61,7 @@ from engine_adapter.policies.picks import QuestionReads, most_read
 from engine_adapter.source import InMemoryLayerSource
 from kvbench import results
 from kvbench.common import musique
+from kvbench.report.quality import musique_table
 from kvbench.quality.real_quality import meta, rouge_l_stats, warm_chunks
 
 BUDGETS = (0.15, 0.3, 0.5)
@@ -94,14 +95,17 @@ def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[fl
 
 
 def summarize(records: Sequence[dict]) -> list[dict]:
-    """One row per case: `COLUMNS` averaged over the records, ROUGE-L's standard error and the
-    paired difference from the default policy per record (mean, standard error)."""
+    """One row per case: `COLUMNS` averaged over the records, the standard errors of ROUGE-L
+    and of first-token agreement, the paired difference from the default policy per record
+    (mean, standard error), and the records' count."""
     labels = list(records[0]["served"]) if records else []
     default = f"{DEFAULT_POLICY} (default)"
     rows = []
     for label in labels:
+        first = [r["served"][label]["first_token_agrees"] for r in records]
+        se = statistics.stdev(first) / len(first) ** 0.5 if len(first) > 1 else 0.0
         rows.append({"case": label, **{k: statistics.fmean(r["served"][label][k] for r in records) for k in COLUMNS},
-                     **rouge_l_stats(records, label, default)})
+                     **rouge_l_stats(records, label, default), "first_token_se": se, "records": len(records)})
     return rows
 
 
@@ -252,18 +256,6 @@ def _score(record: musique.Record, served: dict) -> dict:
     return {"id": record.id, "question": record.question, "gold": list(record.answers), "served": served}
 
 
-def table(result: dict) -> str:
-    names = list(COLUMNS.values())
-    names[1:1] = ["s.e.", "vs the default, paired (s.e.)"]
-    lines = ["| case | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for row in result["cases"]:
-        cells = [f"{row['rouge_l_vs_full']:.3f}", f"{row['rouge_l_se']:.3f}",
-                 f"{row['rouge_l_vs_default']:+.3f} ({row['rouge_l_vs_default_se']:.3f})", f"{row['identical_to_full']:.0%}",
-                 f"{row['first_token_agrees']:.0%}", f"{row['f1']:.3f}", f"{row['computed_share']:.1%}"]
-        lines.append(f"| {row['case']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench real-bound", description=__doc__.split("\n")[0])
@@ -294,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(records) < 2:
         p.error(f"fewer than 2 records from index {a.first} in {a.data} (each needs a neighbour's passage)")
     result = run(fetch(a.model_dir).path, records, a.budgets, a.new_tokens, search=a.greedy)
-    print(table(result))
+    print(musique_table(result))
     results.save("real-bound", argv, result, a.json)
     return 0
 

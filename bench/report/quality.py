@@ -79,7 +79,9 @@ def naive_check(named: Named) -> str:
 # What a MuSiQue row shows, in order: (JSON key, column, format); a column only where a row has it.
 MUSIQUE = (("rouge_l_vs_full", "ROUGE-L vs full", lambda x: f"{x:.3f}"), ("rouge_l_se", "s.e.", lambda x: f"{x:.3f}"),
            ("identical_to_full", "identical to full", lambda x: f"{x:.0%}"),
-           ("first_token_agrees", "first token = full", lambda x: f"{x:.0%}"), ("f1", "F1", lambda x: f"{x:.3f}"),
+           ("first_token_agrees", "first token = full", lambda x: f"{x:.0%}"),
+           ("first_token_se", "s.e.", lambda x: f"{x:.0%}"), ("records", "records (n)", str),
+           ("f1", "F1", lambda x: f"{x:.3f}"),
            ("exact_match", "EM", lambda x: f"{x:.1%}"), ("computed_share", "row-layers computed", lambda x: f"{x:.1%}"),
            ("ttft_s", "mean TTFT (s)", lambda x: f"{x:.2f}"),
            ("speedup_vs_transformers", "speed-up vs transformers", lambda x: f"{x:.2f}x"))

@@ -7,6 +7,7 @@ import statistics
 import pytest
 
 from kvbench.quality import real_bound
+from kvbench.report.quality import musique_table
 
 
 def test_the_summary_pairs_each_case_with_the_default_record_by_record():
@@ -21,7 +22,9 @@ def test_the_summary_pairs_each_case_with_the_default_record_by_record():
     assert dev["rouge_l_vs_default"] == pytest.approx(0.1)
     assert dev["rouge_l_vs_default_se"] == pytest.approx(statistics.stdev([0.1, -0.1, 0.3]) / 3 ** 0.5)
     assert rows["query (default)"]["rouge_l_vs_default"] == 0.0
-    assert "| deviation 15% | 0.800 | 0.115 | +0.100 (0.115) |" in real_bound.table({"cases": list(rows.values())})
+    assert dev["first_token_se"] == 0.0 and dev["records"] == 3
+    printed = musique_table({"cases": list(rows.values())})
+    assert "| deviation 15% | 0.800 | 0.115 | +0.100 (0.115) | 0% | 100% | 0% | 3 |" in printed
 
 
 def test_greedy_adds_the_block_best_with_those_before_not_the_best_alone():
