@@ -57,7 +57,7 @@ from engine_adapter.generate import greedy, stop_tokens
 from engine_adapter.policy import DEFAULT_POLICY, Naive, Policy, QueryAware
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
-from engine_adapter.policies.picks import QuestionReads, most_read
+from engine_adapter.policies.picks import QuestionReads, candidate_rows, most_read
 from engine_adapter.source import InMemoryLayerSource
 from kvbench import results
 from kvbench.common import musique
@@ -174,13 +174,13 @@ def greedy_blocks(kl: Callable[[list[int]], float], blocks: Sequence[Sequence[in
 
 
 def passage_blocks(q: QuestionReads, lay: Layout, size: int = GREEDY_BLOCK) -> list[list[int]]:
-    """The rows a selection may pick (`most_read`'s candidates: live, not of an exact chunk),
-    each segment's in runs of `size` consecutive ones."""
+    """The rows a selection may pick (`candidate_rows`), each segment's in runs of `size`
+    consecutive ones."""
+    candidates = candidate_rows(q, lay).tolist()
     out = []
     for seg in range(len(lay.segments)):
-        rows = [r for r in range(*lay.edges[seg:seg + 2]) if bool(q.live[r])]
-        if rows and not (lay.segments[seg].cached and lay.segments[seg].cached_prefix == lay.keys[:seg]):
-            out += [rows[a:a + size] for a in range(0, len(rows), size)]
+        rows = [r for r in range(*lay.edges[seg:seg + 2]) if candidates[r]]
+        out += [rows[a:a + size] for a in range(0, len(rows), size)]
     return out
 
 

@@ -92,6 +92,16 @@ class Picks:
     depth: int
 
 
+def candidate_rows(q: QuestionReads, lay: Layout) -> Tensor:
+    """[N] bool, on the CPU: the rows a pick may recompute, those still live after pass 1 but
+    not of a chunk stored behind exactly the chunks before it here (exact: nothing to repair)."""
+    candidates = q.live.to("cpu", copy=True)  # a copy: q.live stays as pass 1 left it
+    for s, seg in enumerate(lay.segments):
+        if seg.cached and seg.cached_prefix == lay.keys[:s]:  # stored behind this very prefix: exact
+            candidates[lay.span(s)] = False
+    return candidates
+
+
 def most_read(q: QuestionReads, lay: Layout, n: int, heads: bool = False,
               num_layers: int = 1, depth: int | None = None) -> Picks:
     """What `n` rows recomputed through every layer buy, as recompute lists per reused segment.
@@ -110,10 +120,7 @@ def most_read(q: QuestionReads, lay: Layout, n: int, heads: bool = False,
     L = num_layers
     depth = L if depth is None else depth
     # The picks are a loop over rows: on the CPU (two reads of the device, not one per row).
-    candidates = q.live.to("cpu", copy=True)  # a copy: q.live stays as pass 1 left it
-    for s, seg in enumerate(lay.segments):
-        if seg.cached and seg.cached_prefix == lay.keys[:s]:  # stored behind this very prefix: exact
-            candidates[lay.span(s)] = False
+    candidates = candidate_rows(q, lay)
     score = q.reads.cpu().masked_fill(~candidates, -1.0)
     n = min(n, int(candidates.sum()))
     shallow: list[int] = []
@@ -187,5 +194,5 @@ def _heads(score: Tensor, lay: Layout, budget: int, L: int, depth: int) -> tuple
     return sorted(deep | shallow), sorted(shallow)
 
 
-__all__ = ["DEVIATION_MAX_SHARE", "Picks", "QuestionReads", "joined_score", "most_read", "picks_budget",
+__all__ = ["DEVIATION_MAX_SHARE", "Picks", "QuestionReads", "candidate_rows", "joined_score", "most_read", "picks_budget",
            "uses_deviation"]
