@@ -24,7 +24,9 @@ from layer 0 are chosen knowing what full prefill computes, three ways (four wit
               time, each the block whose recompute brings the last position's next-token
               distribution closest to full prefill's (KL(full || blend), every remaining block
               tried: the true effect, not an estimate); a budget gets the blocks added before
-              it is spent. At a block's grain: a row's would take ~64x the blends.
+              it is spent. At a block's grain: a row's would take ~64x the blends. Its rows
+              and the prompt's segment edges are kept per record (`rows`, `edges`): where
+              the picks lie (`kvbench.report.quality.oracle`).
 
 Beside them, full prefill in bfloat16 (the precision GPUs serve in) against full prefill in
 fp32: how far a change that keeps every row exact in all but rounding moves the answers.
@@ -243,6 +245,7 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[mus
                     break
                 rows += block
             answer(f"greedy {b:.0%}", with_rows(engine, s, asked, sorted(rows)))
+            out[f"greedy {b:.0%}"] |= {"rows": sorted(rows), "edges": list(lay.edges)}  # where the oracle's picks lie
     return out
 
 

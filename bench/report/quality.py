@@ -118,5 +118,64 @@ def musique(named: Named) -> str:
     return "\n\n".join(musique_table(r) for _, r in named) + f"\n\n{sources(named)}"
 
 
+ORACLE_SELECTIONS = ("deviation", "reads", "free question pass", "greedy")
+BUDGET_CASE = re.compile(r"^(?P<selection>.+) (?P<budget>\d+)%$")
+PASSAGES = re.compile(r"--passages (\d+)")
+
+
+def _agreement(row: dict) -> str:
+    """First-token agreement (its standard error) and ROUGE-L of the 16-token answers vs full prefill's."""
+    return f"{row['first_token_agrees']:.0%} ({row['first_token_se']:.0%}) · {row['rouge_l_vs_full']:.2f}"
+
+
+def oracle(named: Named) -> str:
+    """`kvcraft bench real-bound --greedy` runs as one table: a row per (passages, budget), a
+    column per selection; under it, naive reuse and the default of each run."""
+    head = ["passages (records)", "budget", *ORACLE_SELECTIONS[:-1], "greedy search (the oracle)", "greedy's computed"]
+    body, fixed = [], []
+    for _, r in named:
+        passages = int(m[1]) if (m := PASSAGES.search(r["command"])) else 1
+        group = f"{passages} ({r['meta']['records']})"
+        cases = {c["case"]: c for c in r["cases"]}
+        budgets = list(dict.fromkeys(int(m["budget"]) for c in cases if (m := BUDGET_CASE.match(c))))
+        for b in budgets:
+            cells = [_agreement(cases[f"{s} {b}%"]) if f"{s} {b}%" in cases else "" for s in ORACLE_SELECTIONS]
+            greedy = cases.get(f"greedy {b}%")
+            body.append([group, f"{b}%", *cells, pct(greedy["computed_share"]) if greedy else ""])
+        default = next(c for name, c in cases.items() if name.endswith(" (default)"))
+        fixed.append(f"{passages} passages: naive reuse {_agreement(cases['naive'])} at "
+                     f"{pct(cases['naive']['computed_share'])} computed, the default {_agreement(default)} at "
+                     f"{pct(default['computed_share'])}")
+    return (table(head, body) + "\n\nEach cell: first token = full prefill's (standard error) · ROUGE-L of the "
+            "16-token answer against full prefill's. " + "; ".join(fixed) + ". " + _where_picked(named) +
+            f"\n\n{sources(named)}")
+
+
+def _where_picked(named: Named, edge: int = 64) -> str:
+    """Where the greedy search's rows lie in their passages at its largest budget: the share in a
+    passage's first `edge` rows, its last `edge`, and between (against those regions' share of
+    the passages' rows, what picks spread evenly would give)."""
+    picked = {"first": 0, "last": 0, "between": 0}
+    rows_in = dict(picked)
+    for _, r in named:
+        for rec in r["records"]:
+            greedy = [v for k, v in rec["served"].items() if k.startswith("greedy ") and "rows" in v]
+            if not greedy:
+                continue
+            top = max(greedy, key=lambda v: v["computed_share"])
+            edges = top["edges"]
+            for a, b in zip(edges[1:-2], edges[2:-1]):  # the passages (between instruction and question)
+                for row in range(a, b):
+                    where = "first" if row - a < edge else "last" if b - row <= edge else "between"
+                    rows_in[where] += 1
+                    picked[where] += row in top["rows"]
+    total, total_in = sum(picked.values()), sum(rows_in.values())
+    if not total:
+        return ""
+    return ("Of the greedy search's rows at its largest budget, in the passages: " + ", ".join(
+        f"{picked[w] / total:.0%} {'elsewhere' if w == 'between' else f'in its {w} {edge} rows'} "
+        f"({rows_in[w] / total_in:.0%} of the rows)" for w in picked) + ".")
+
+
 VIEWS = {"deployed": deployed, "selection": selection, "evaluate": evaluate, "naive-check": naive_check,
-         "musique": musique}
+         "musique": musique, "oracle": oracle}

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from kvbench.quality import real_bound
-from kvbench.report.quality import musique_table
+from kvbench.report.quality import musique_table, oracle
 
 
 def test_the_summary_pairs_each_case_with_the_default_record_by_record():
@@ -25,6 +25,27 @@ def test_the_summary_pairs_each_case_with_the_default_record_by_record():
     assert dev["first_token_se"] == 0.0 and dev["records"] == 3
     printed = musique_table({"cases": list(rows.values())})
     assert "| deviation 15% | 0.800 | 0.115 | +0.100 (0.115) | 0% | 100% | 0% | 3 |" in printed
+
+
+def test_the_oracle_table_puts_each_budget_of_each_run_on_a_row_and_counts_where_greedy_picked():
+    def case(name, first, se, rouge, share):
+        return {"case": name, "first_token_agrees": first, "first_token_se": se, "rouge_l_vs_full": rouge,
+                "computed_share": share}
+
+    cases = [case("naive", 0.5, 0.1, 0.7, 0.02), case("query (default)", 0.9, 0.05, 0.8, 0.15),
+             *(case(f"{s} 15%", 0.75, 0.1, 0.75, 0.15) for s in ("deviation", "reads", "free question pass")),
+             case("greedy 15%", 1.0, 0.0, 0.9, 0.13)]
+    # one passage of 200 rows, 100..299: its first 64 are 100..163, its last 64 236..299
+    picks = list(range(100, 110)) + list(range(170, 220)) + list(range(250, 290))
+    run = {"command": "kvcraft bench real-bound --passages 5 --greedy", "date": "2026-12-03", "machine": {},
+           "meta": {"records": 1}, "cases": cases,
+           "records": [{"served": {"greedy 15%": {"computed_share": 0.13, "rows": picks, "edges": [0, 100, 300, 320]}}}]}
+    printed = oracle([("x.json", run)])
+    assert "| 5 (1) | 15% | 75% (10%) · 0.75 | 75% (10%) · 0.75 | 75% (10%) · 0.75 | 100% (0%) · 0.90 | 13.0% |" in printed
+    assert "naive reuse 50% (10%) · 0.70 at 2.0% computed, the default 90% (5%) · 0.80 at 15.0%" in printed
+    # of 100 picks: 10 in the first 64 rows (32% of 200), 40 in the last 64, 50 between (72 rows, 36%)
+    assert ("10% in its first 64 rows (32% of the rows), 40% in its last 64 rows (32% of the rows), "
+            "50% elsewhere (36% of the rows)") in printed
 
 
 def test_greedy_adds_the_block_best_with_those_before_not_the_best_alone():
