@@ -18,13 +18,16 @@ pass). On the CPU the reads come from the same probabilities the output is made 
 softmax; fused SDPA returns none); on the Triton path from inside the kernel's launch.
 
 The Triton kernel is `kvkernels.selective_attention_triton`, its plain-torch reference
-`kvkernels.selective_attention_reference` (tests compare them).
+`kvkernels.selective_attention_reference` (tests compare them). Inside an inference engine on a
+CPU, the engine's own attention kernel computes the output where nothing else is asked
+(`LayerModel.attention`: vLLM's, `engine_adapter.vllm.attention`); what each row sees is
+decided here either way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +95,7 @@ class Visibility:
     blocks: RowBlocks | None = None
     grouped: Tensor | None = None  # the mask repeated for each query head of a kv head [G*R, T]
     after: int | None = None  # the rows are the keys' last ones, after this many (SUFFIX_SHARE)
+    runs: Any = None  # the rows as the engine's attention kernel takes them (`LayerModel.attention`)
 
 
 def position_mask(q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Tensor:
@@ -102,7 +106,8 @@ def position_mask(q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Tensor:
 
 def attend(q: Tensor, q_pos: Tensor, K: Tensor, V: Tensor, k_pos: Tensor, visible: "str | Visibility | None", *,
            scale: float, triton: bool, segments: Tensor | None = None, mass_rows: Tensor | None = None,
-           reads: "KeyReads | None" = None, reads_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+           reads: "KeyReads | None" = None, reads_rows: Tensor | None = None,
+           engine: Any = None) -> tuple[Tensor, Tensor | None]:
     """Attention of rotated q [Hq, R, D] (rows at q_pos [R]) over the cache K (rotated), V
     [Hkv, T, D] (keys at k_pos [T]) -> (o [Hq, R, D], mass).
 
@@ -111,7 +116,13 @@ def attend(q: Tensor, q_pos: Tensor, K: Tensor, V: Tensor, k_pos: Tensor, visibl
     attention each of those rows puts on each segment, averaged over heads (fp32).
     reads (`add(x)` of x [..., T]: a `kvkernels.KeyReads`): add what the rows read of each key,
     summed over heads and rows, each row weighted by `reads_rows` [..., R] (None: every row 1).
-    On the CPU, leading batch dims pass through (a batch of prompts: `observe`, `learned`)."""
+    On the CPU, leading batch dims pass through (a batch of prompts: `observe`, `learned`).
+    engine: the inference engine's attention kernel (`LayerModel.attention`): it computes the
+    output where nothing else is asked and the rows see the keys by position (`Visibility.runs`)."""
+    if engine is not None and reads is None and segments is None and q.dim() == 3:
+        runs = engine.causal(q.shape[1]) if visible == CAUSAL else getattr(visible, "runs", None)
+        if runs is not None:
+            return engine(q, K, V, runs, scale), None
     if visible == CAUSAL or visible == EVERY_KEY:
         o = _plain(q, K, V, None, is_causal=visible == CAUSAL, scale=scale)
         mass = None if segments is None else _mass(q, q_pos, K, k_pos, segments, mass_rows, scale)

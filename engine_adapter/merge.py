@@ -55,7 +55,8 @@ class Merge:
         self.rot = Rotation(*rope_tables(rope_for_spec(model.model_spec()), torch.arange(self.n)), model.triton)
         self.rowsets = RowSets(self.n, self.pos, self.rot, self.live_host, self.reused_host, triton=model.triton,
                                heads=c.num_heads, kv_heads=self.hkv, head_dim=self.hd, dtype=model.dtype,
-                               causal=not spec.hidden, runs=not spec.whole, grouped=spec.whole)
+                               causal=not spec.hidden, runs=not spec.whole, grouped=spec.whole,
+                               engine=model.attention)
         self._zeros = torch.zeros(self.hkv, self.n, self.hd, dtype=model.dtype)  # rows neither stored nor computed
         self._raw = torch.empty(self.hkv, self.n, self.hd, dtype=model.dtype)  # a layer's K before its rotation
         self.res = BlendResult(logits=torch.empty(0), kv=[], reuse=bool(spec.reused),

@@ -14,7 +14,9 @@ kvcraft owns the rows, the merged cache, the rotation and the attention; the mod
 and `cfg` (the shapes: this process's heads where a model is sharded), `rope` (its own RoPE, for
 `prefill`), `scale`, `dtype`, `device`, `triton` (the step's own Triton kernels: rotation with
 the K/V write, attention by position), `max_rows` (the most rows `layer_out` is given at once:
-an inference engine's tokens per forward pass; None: no bound). `prefill` is the plain full
+an inference engine's tokens per forward pass; None: no bound), `attention` (the engine's own
+attention kernel, for what kvcraft's attention decides: which keys each row reads; None:
+kvcraft's own arithmetic, `engine_adapter.attention`). `prefill` is the plain full
 prefill: the layer step over every row.
 """
 
@@ -41,6 +43,7 @@ class LayerModel:
     dtype: torch.dtype
     device: torch.device
     max_rows: int | None = None  # rows `layer_out` takes at once (None: every row; `step._layer_out`)
+    attention: Any = None  # the engine's attention kernel (`vllm.attention.VllmCpuAttention`); None: kvcraft's
 
     def embed(self, tokens: Tensor) -> Tensor:
         raise NotImplementedError

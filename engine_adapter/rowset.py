@@ -5,7 +5,7 @@ of reused chunks still served from stored KV), each derived once per set of rows
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -41,10 +41,11 @@ class RowSets:
 
     def __init__(self, n: int, pos: Tensor, rot: Rotation, live: list[bool], reused: list[bool], *, triton: bool,
                  heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, causal: bool, runs: bool,
-                 grouped: bool):
+                 grouped: bool, engine: Any = None):
         self.n, self.pos, self.rot, self.live, self.reused = n, pos, rot, live, reused
         self.triton, self.heads, self.kv_heads, self.head_dim, self.dtype = triton, heads, kv_heads, head_dim, dtype
         self.causal, self.runs, self.grouped = causal, runs, grouped
+        self.engine = engine  # the engine's attention kernel (`LayerModel.attention`), or None
 
     def of(self, host: Sequence[int]) -> RowSet:
         """The rows `host` (sorted prompt rows)."""
@@ -74,6 +75,8 @@ class RowSets:
             return CAUSAL
         mask = position_mask(rows, self.pos, self.dtype)
         grouped = mask.repeat(self.heads // self.kv_heads, 1) if self.grouped else None
+        if self.causal and self.engine is not None:  # keys by position: the engine's kernel
+            return Visibility(mask, None, grouped, runs=self.engine.runs(host or rows.tolist(), self.n))
         if self.causal and host is not None and len(host) >= SUFFIX_SHARE * self.n and host[0] + len(host) == self.n:
             return Visibility(mask, None, grouped, after=host[0])  # the prompt's last rows (a prefix reused)
         if not self.runs:

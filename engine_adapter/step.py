@@ -223,7 +223,7 @@ def _attend_and_out(model: Any, layer: int, out: Stepped, cache: LayerCache, seg
     o, out.mass = attend(out.q, rows.pos, out.K, out.V, rows.rows if cache.pos is None else cache.pos,
                          CAUSAL if cache.pos is None else rows.visible, scale=model.scale, triton=model.triton,
                          segments=segments, mass_rows=None if mass_of is None else rows.index_of(mass_of),
-                         reads=reads, reads_rows=reads_rows)
+                         reads=reads, reads_rows=reads_rows, engine=model.attention)
     out.attend_s = time.perf_counter() - t0  # (eagerly; a graph's replay runs no Python)
     out.h = _layer_out(model, layer, out.h, o)
     return out

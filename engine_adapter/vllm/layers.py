@@ -5,7 +5,8 @@ called on the rows being computed: `input_layernorm`, `self_attn.qkv_proj` (with
 `q_norm`/`k_norm` per head), `self_attn.o_proj`, `post_attention_layernorm` (vLLM's fused
 residual add and RMSNorm) and `mlp`, sharded and quantized as vLLM built them, on vLLM's kernels;
 the embedding and the vocabulary projection are vLLM's too. kvcraft owns the rows, the merged
-cache, the rotation and the attention over it (`step.layer_step`). No weight is copied.
+cache, the rotation and which keys each row attends to (`step.layer_step`); on a CPU vLLM's
+attention kernel computes it (`vllm.attention`). No weight is copied.
 
 One class covers every architecture whose vLLM decoder layer has those modules (Llama, Mistral,
 Qwen2, Qwen3: `llama.ARCHITECTURES`); the architecture's own config (biases, q/k norms) is
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from engine_adapter.llama import LlamaConfig
 from engine_adapter.model import LayerModel
+from engine_adapter.vllm.attention import VllmCpuAttention
 
 
 class VllmLayers(LayerModel):
@@ -48,6 +50,9 @@ class VllmLayers(LayerModel):
         # its activations with, and left the rest to its KV cache. A blend of a longer prompt
         # runs its MLPs within it (`step._layer_out`).
         self.max_rows = model.kvcraft_max_rows
+        # On a CPU, vLLM's attention kernel computes the attention kvcraft decides (`vllm.attention`)
+        self.attention = None if self.triton else VllmCpuAttention(self.cfg.num_heads, self.cfg.num_kv_heads,
+                                                                   self.cfg.head_dim, self.dtype, self._turn)
 
     def embed(self, tokens: Tensor) -> Tensor:
         with self._turn:

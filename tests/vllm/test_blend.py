@@ -141,14 +141,16 @@ def test_full_recompute_through_the_blend_path_is_vllm_alone(world, blended):
 
 
 def _assert_cache_is_the_references(dump: dict, layout: dict, result) -> None:  # noqa: ANN001
-    """The blocks a blend wrote into vLLM's cache equal the reference engine's blended K/V."""
+    """The blocks a blend wrote into vLLM's cache equal the reference engine's blended K/V, to
+    fp32's rounding: inside vLLM its attention kernel computes the blend's attention, the
+    reference engine's is torch's, and they sum in other orders (~1e-6 of the values apart)."""
     a, n = dump["first_token"], dump["tokens"]
     for layer, ((kc, vc), (K, V)) in enumerate(zip(dump["layers"], result.kv)):
         # vLLM's blocks as the backend stores them -> [heads, tokens, hd]
         got_k = torch.cat([_tokens_major(b, layout["k"]) for b in kc])[:n].transpose(0, 1)
         got_v = torch.cat([_tokens_major(b, layout["v"]) for b in vc])[:n].transpose(0, 1)
-        torch.testing.assert_close(got_k, K[:, a:a + n], rtol=0, atol=1e-5, msg=f"K layer {layer}")
-        torch.testing.assert_close(got_v, V[:, a:a + n], rtol=0, atol=1e-5, msg=f"V layer {layer}")
+        torch.testing.assert_close(got_k, K[:, a:a + n], rtol=1e-5, atol=1e-5, msg=f"K layer {layer}")
+        torch.testing.assert_close(got_v, V[:, a:a + n], rtol=1e-5, atol=1e-5, msg=f"V layer {layer}")
 
 
 def test_blended_kv_in_vllms_cache_is_the_reference_engines(world, blended):
