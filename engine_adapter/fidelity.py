@@ -70,25 +70,52 @@ class Serving:
 
     def __init__(self) -> None:
         self._running = 0
+        self._held: dict[str, float] = {}  # key -> when its hold ends by itself (`hold`)
         self._idle = threading.Condition()
 
     @contextlib.contextmanager
     def prefill(self) -> Iterator[None]:
         """Around a served prefill."""
-        with self._idle:
-            self._running += 1
+        self.begin()
         try:
             yield
         finally:
-            with self._idle:
-                self._running -= 1
-                if not self._running:
-                    self._idle.notify_all()
+            self.end()
+
+    def begin(self) -> None:
+        """A served request's work starts (`end` when it ends: the engine's forward pass after a
+        blend, for one)."""
+        with self._idle:
+            self._running += 1
+
+    def end(self) -> None:
+        with self._idle:
+            self._running -= 1
+            self._idle.notify_all()
+
+    def hold(self, key: str, seconds: float) -> None:
+        """Served work that ends when `release(key)` says so, or by itself after `seconds`
+        (an engine's forward pass over a blended request, which may never come)."""
+        with self._idle:
+            self._held[key] = time.monotonic() + seconds
+
+    def release(self, key: str) -> None:
+        with self._idle:
+            if self._held.pop(key, None) is not None:
+                self._idle.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
-        """Until no served prefill runs, at most `timeout` seconds; whether none runs."""
+        """Until no served prefill runs nor hold lasts, at most `timeout` seconds; whether so."""
+        end = time.monotonic() + timeout
         with self._idle:
-            return self._idle.wait_for(lambda: not self._running, timeout)
+            while True:
+                now = time.monotonic()
+                self._held = {k: t for k, t in self._held.items() if t > now}
+                if not self._running and not self._held:
+                    return True
+                if now >= end:
+                    return False
+                self._idle.wait(min([end] + list(self._held.values())) - now)
 
 
 class _GivingWay(LayerModel):
@@ -98,7 +125,7 @@ class _GivingWay(LayerModel):
         self.m, self.serving = model, serving
         self.cfg, self.rope, self.scale = model.cfg, model.rope, model.scale
         self.triton, self.dtype, self.device = model.triton, model.dtype, model.device
-        self.max_rows = model.max_rows
+        self.max_rows, self.attention = model.max_rows, model.attention
 
     def embed(self, tokens: Tensor) -> Tensor:
         self.serving.wait_idle(YIELD_S)

@@ -63,7 +63,7 @@ class ContextBuilder:
         # serves), all over the one engine: blends of different requests run at once.
         self._thread = threading.local()
         self._adapters: list[Any] = []
-        self._serving = Serving()  # every adapter's prefills, which the shadows give way to
+        self.serving = Serving()  # every adapter's prefills (and vLLM's forward after them): shadows give way
         self._engine: Any = None
         self._steps: Any = None  # the engine's static steps, with `blend_graphs`
         self._attn: list[Any] | None = None
@@ -81,7 +81,7 @@ class ContextBuilder:
             # requests Plans mark run on this adapter's background thread, over vLLM's weights.
             adapter = RAGAdapter(self._model_engine(), self._client, Policy("full"),
                                  store_back=self.settings.blend_store_back, local=self.settings.local,
-                                 steps=self._steps, serving=self._serving)
+                                 steps=self._steps, serving=self.serving)
             adapter.model_id = self.chunk_model_id
             self._thread.adapter = adapter
             with self._lock:

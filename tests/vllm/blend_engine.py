@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
             got = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in asks]
         res = [{"output": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params} for o in got]
         done = {"outputs": res, "seconds": time.monotonic() - t0}
-        if phase.get("stored"):  # variants the service holds of these chunks once store-backs are done
+        if "stored" in phase:  # variants the service holds of these chunks once store-backs (and shadows) are done
             from kvclient.client import KVClient
             from kvcraft.keys import chunk_key
 

@@ -53,7 +53,8 @@ def served(tmp_path_factory):
                    "stored": chunks},
                   {"requests": [{**r, "salt": "reordered"} for r in reordered], "max_tokens": MAX_TOKENS,
                    "stored": []},  # waits for the shadows too
-                  {"requests": [{**reordered[0], "salt": "after"}], "max_tokens": MAX_TOKENS}]  # carries their samples
+                  # carry their samples: a blend takes the samples finished by then, the next Plan sends them
+                  {"requests": [{**reordered[i], "salt": "after"} for i in range(2)], "max_tokens": MAX_TOKENS}]
         blend = engine_run(tmp, "blend", {**run, "model": str(model), "kv": kv, "blend_model": True, "phases": phases},
                            timeout=600, target="tests.vllm.blend_engine:main")
         with KVClient(server.address) as c:

