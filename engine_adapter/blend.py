@@ -9,6 +9,8 @@ blend -> probe -> loop.
 
 from __future__ import annotations
 
+import dataclasses
+
 from itertools import zip_longest
 from typing import Any, Protocol, Sequence
 
@@ -94,6 +96,9 @@ def question_reads(engine: LlamaEngine, lay: Layout, source: LayerSource, reused
 def prefill_with_picks(engine: LlamaEngine, lay: Layout, q: QuestionReads, picks: Picks, source: LayerSource, *,
                        stats: bool = True, layer_budget_s: float = 0.05) -> BlendResult:
     """The default policy's second pass alone (`policies.default.prefill_pass`), after the
-    question pass `q`, with `picks` (any rows: an oracle's, another score's)."""
+    question pass `q`, with `picks` (any rows: an oracle's, another score's). It writes its rows
+    over copies of `q`'s merged caches, so one question pass serves any number of them."""
     prompt = Prompt(lay, tuple(q.result.reused_segments), engine.cfg.num_layers, stats)
-    return run_pass(engine, lay, prefill_pass(prompt, q, picks), source, layer_budget_s)
+    kept = dataclasses.replace(q.result, kv=[(k.clone(), v.clone()) for k, v in q.result.kv])
+    return run_pass(engine, lay, prefill_pass(prompt, dataclasses.replace(q, result=kept), picks), source,
+                    layer_budget_s)

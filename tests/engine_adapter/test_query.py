@@ -141,6 +141,21 @@ def test_every_reused_row_picked_is_full_prefill(engine, prompts):
         assert torch.allclose(k, rk, atol=1e-4) and torch.allclose(v, rv, atol=1e-4)
 
 
+def test_one_question_pass_serves_many_second_passes_each_as_if_alone(engine, prompts):
+    """The benchmarks rank rows many ways after one question pass (`kvcraft bench real-bound`):
+    a second pass must not see the rows an earlier one wrote into the question pass's caches."""
+    p = prompts[2]
+    q = question_reads(engine, p.segments(), p.source())
+    none = torch.tensor([], dtype=torch.long)
+    many = Picks({0: tuple(range(len(p.chunks[0]))), 1: (0, 1, 2)}, none, engine.cfg.num_layers)
+    one = Picks({0: (1,)}, none, engine.cfg.num_layers)
+    alone = _second_pass(engine, p, question_reads(engine, p.segments(), p.source()), one)
+    _second_pass(engine, p, q, many)  # (not every row: that pass would be a full prefill, reading no cache)
+    after = _second_pass(engine, p, q, one)
+    assert torch.equal(after.logits, alone.logits)
+    assert all(torch.equal(a, b) for x, y in zip(after.kv, alone.kv) for a, b in zip(x, y))
+
+
 def test_chunk_head_rows_run_the_first_layers_then_keep_the_stored_kv(engine, prompts):
     """Every reused row a head row through layers 0..1 of 4: those layers' KV is full
     prefill's, the later layers' the stored KV, and the question reads them as a plain
