@@ -10,7 +10,6 @@ blend -> probe -> loop.
 from __future__ import annotations
 
 import dataclasses
-
 from itertools import zip_longest
 from typing import Any, Protocol, Sequence
 
