@@ -3,7 +3,7 @@
 kvcraft decides what each computed row attends to: the layer's merged cache, every key at a
 position up to the row's own (`attention.attend`). On a CPU, vLLM's own kernel
 (`cpu_attention_with_kv_cache`, what vLLM's prefill runs) computes that 2-3x faster than
-torch's fused SDPA (SmolLM2's shape at 1,312 tokens, a layer: ~15 ms against ~40). It reads
+torch's fused SDPA (12 heads, 4 KV heads, 1,312 tokens, a layer: ~15 ms against ~40). It reads
 a paged cache and takes a batch of requests, each a run of query rows that are the last
 positions of its sequence; so a set of rows in position order is given as its runs of
 consecutive rows, each run a request over the keys up to its last row, every request over
