@@ -256,11 +256,12 @@ class WorkerSide:
             for r in done:
                 self._report_failed |= self._failed.pop(r, set())
             # vLLM runs the requests reported last time in the step this call ends
-            ran, self._forward = self._forward, done & self._built
+            ran, reported = self._forward, done & self._built
+            self._forward = reported
             self._built -= done
         for r in ran:
             self.context.serving.release(r)
-        for r in self._forward:  # served until its forward pass, FORWARD_WAIT_S at most (an abort)
+        for r in reported:  # served until its forward pass, FORWARD_WAIT_S at most (an abort)
             self.context.serving.hold(r, FORWARD_WAIT_S)
             self.context.serving.end()  # (its blend's)
         return done
