@@ -163,12 +163,12 @@ def _where_picked(named: Named, edge: int = 64) -> str:
             if not greedy:
                 continue
             top = max(greedy, key=lambda v: v["computed_share"])
-            edges = top["edges"]
+            edges, rows = top["edges"], set(top["rows"])
             for a, b in zip(edges[1:-2], edges[2:-1]):  # the passages (between instruction and question)
                 for row in range(a, b):
                     where = "first" if row - a < edge else "last" if b - row <= edge else "between"
                     rows_in[where] += 1
-                    picked[where] += row in top["rows"]
+                    picked[where] += row in rows
     total, total_in = sum(picked.values()), sum(rows_in.values())
     if not total:
         return ""

@@ -40,6 +40,7 @@ class Runs:
     keys: int  # keys in the cache the rows attend over
     slots: Tensor  # [keys] each key's slot in the block copy
     tail: Tensor  # the last block's slots past the keys (zeroed each call: read, at weight 0)
+    blank: Tensor  # [tail, Hkv, D] zeros written there
 
 
 class VllmCpuAttention:
@@ -69,7 +70,9 @@ class VllmCpuAttention:
                 num_reqs=len(starts), num_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                 seq_lens=seq_lens, dtype=self.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1,
                 isa=self.isa, enable_kv_split=False)
-        return Runs(qsl, seq_lens, table, metadata, keys, torch.arange(keys), torch.arange(keys, blocks * BLOCK))
+        tail = torch.arange(keys, blocks * BLOCK)
+        blank = torch.zeros(tail.shape[0], self.kv_heads, self.head_dim, dtype=self.dtype)
+        return Runs(qsl, seq_lens, table, metadata, keys, torch.arange(keys), tail, blank)
 
     def causal(self, n: int) -> Runs:
         """Every row of an n-token prompt, in order (a full prefill; the last few lengths kept)."""
@@ -94,13 +97,13 @@ class VllmCpuAttention:
         memory, as the o-proj reads it)."""
         key_blocks, value_blocks = self._blocks(runs.keys)
         out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype)
-        zeros = K.new_zeros(runs.tail.shape[0], self.kv_heads, self.head_dim)
         with self.turn:
             self.ops.cpu_attn_reshape_and_cache(K.transpose(0, 1), V.transpose(0, 1), key_blocks, value_blocks,
                                                 runs.slots, self.isa)
             # the kernel reads whole blocks: a number times 0 is 0, what an earlier call or the
             # allocation left there need not be
-            self.ops.cpu_attn_reshape_and_cache(zeros, zeros, key_blocks, value_blocks, runs.tail, self.isa)
+            self.ops.cpu_attn_reshape_and_cache(runs.blank, runs.blank, key_blocks, value_blocks, runs.tail,
+                                                self.isa)
             self.ops.cpu_attention_with_kv_cache(
                 query=q.transpose(0, 1), key_cache=key_blocks, value_cache=value_blocks, output=out,
                 query_start_loc=runs.query_start_loc, seq_lens=runs.seq_lens, scale=scale, causal=True,

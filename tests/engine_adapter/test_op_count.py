@@ -5,9 +5,9 @@ number per layer, whatever the prompt's length; so does every pass of every poli
 the number of chunks, rows and layers: full prefill's layer step plus OVERHEAD_PER_LAYER at most.
 
 Every pass runs the one layer step (`step.layer_step`), full prefill included: 40 operations a
-layer on the tiny model (full prefill 42: its K and V copied into storage of their own). A one-pass policy adds the merge of the stored K/V (two
-concatenations and the stored K's rotation, which turns the rows' k with it: 6 less the rows'
-own turn of k, 5), the write of its rows' K/V into the merged cache (2) and the CPU attention's
+layer on the tiny model (full prefill 42: its K and V copied into storage of their own). A
+one-pass policy adds the merge of the stored K/V (two concatenations and the stored K's
+rotation, which turns the rows' k with it: 6 less the rows' own turn of k, 5), the write of its rows' K/V into the merged cache (2) and the CPU attention's
 second run of rows (4): 51. The default runs two passes a layer by design (it reads the
 question before it chooses the rows): its question pass adds the merge and the write, and its
 attention returns the question's reads from the same softmax as its output (5 more than fused

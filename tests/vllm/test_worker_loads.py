@@ -162,5 +162,5 @@ def test_a_blended_request_vllm_never_runs_holds_the_shadows_a_bounded_time():
     _blend_reported(worker, "r2")
     t = time.monotonic()
     assert not context.serving.wait_idle(0)
-    assert context.serving.wait_idle(FORWARD_WAIT_S + 30)  # no further step: the timer ends it
+    assert context.serving.wait_idle(FORWARD_WAIT_S + 30)  # no further step: its deadline ends it
     assert time.monotonic() - t >= FORWARD_WAIT_S * 0.5
