@@ -133,6 +133,9 @@ class StaticRows(Rows):
     def index_of(self, prompt_rows: Tensor) -> Tensor:
         return torch.searchsorted(self.rows, prompt_rows)  # the rows change per prefill: no memo
 
+    def computed(self, n: int) -> Tensor:
+        return torch.zeros(n, dtype=torch.bool, device=self.rows.device).index_fill_(0, self.rows, True)  # (nor here)
+
 
 class StaticStep:
     """One bucket of rows over a bucket of tokens: the rows' hidden states and the step over

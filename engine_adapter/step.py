@@ -9,7 +9,8 @@ rows. Per layer, for rows R (positions p) with hidden states h [R, d]:
     x = RMSNorm(h); q, k, v = x Wqkv                         (the model's own linear parts)
     K = rotate(stored K) where the cache holds it RoPE-free  (Cache-Craft §3.4.1: K is stored
                                                               without RoPE, rotated to its new place)
-    q, k rotated to p; k, v written into the cache at R      (one Triton launch on CUDA)
+    q, k rotated to p; k, v written into the cache at R      (one Triton launch on CUDA, the stored
+                                                              K's rotation in it where no choice reads it)
     [a choice of rows: keep the candidates whose written K/V deviate most from the stored
      ones, CacheBlend §4.3; the rest of the layer runs for those]
     o = attention of the rows over the cache, by position    (`engine_adapter.attention`)
@@ -108,6 +109,13 @@ class Rows:
             self.memo[key] = (prompt_rows, torch.searchsorted(self.rows, prompt_rows))
         return self.memo[key][1]
 
+    def computed(self, n: int) -> Tensor:
+        """[n] bool: True at these rows' cache rows of a cache of n keys, once per set."""
+        key = ("computed", n)
+        if key not in self.memo:
+            self.memo[key] = torch.zeros(n, dtype=torch.bool, device=self.rows.device).index_fill_(0, self.rows, True)
+        return self.memo[key]
+
 
 @dataclass
 class LayerCache:
@@ -184,7 +192,11 @@ def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache,
         K = cache.rot(cache.raw, out=K)
         out = Stepped(rows, rows.rows, h, rows.rot(q), qkv, K, V, rotate_s=time.perf_counter() - t0)
         return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows)
-    if cache.raw is not None:
+    stored = None
+    if cache.raw is not None and model.triton and choice is None:  # rotated in the rows' write's launch
+        stored = (cache.raw, cache.rot.cos, cache.rot.sin, rows.computed(cache.raw.shape[1]))
+        K = torch.empty_like(cache.raw) if K is None else K
+    elif cache.raw is not None:
         K = cache.rot(cache.raw, out=K)
     rotate_s = time.perf_counter() - t0
     old = None
@@ -196,7 +208,7 @@ def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache,
         if fresh:
             K = torch.empty(hkv, rows.count, qkv.shape[-1], dtype=qkv.dtype, device=qkv.device)
             V = torch.empty_like(K)
-        q = rope_write_triton(qkv, heads, rows.rot.cos, rows.rot.sin, rows.rows, K, V)
+        q = rope_write_triton(qkv, heads, rows.rot.cos, rows.rot.sin, rows.rows, K, V, stored)
     else:  # (with leading batch dims too: a batch of prompts)
         qk, v = qkv.split([heads + hkv, hkv], dim=-3)
         q, k = rows.rot(qk).split([heads, hkv], dim=-3)  # one rotation turns q and k

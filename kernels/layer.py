@@ -25,7 +25,12 @@ import triton
 import triton.language as tl
 
 from ._triton_util import check_launchable
-from .rope import rotate_reference
+from .rope import _rotate_halves, rotate_reference
+
+# The stored K of a layer's merged cache before its rotation, with what rotates it: (raw
+# [Hkv, N, D], cos [N, D/2], sin [N, D/2] fp32 at the keys' positions, computed [N] bool:
+# the keys the rows write, which the rotation skips). `rope_write` rotates it into K.
+Stored = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 # ---- residual add + RMSNorm ------------------------------------------------------------
 
@@ -177,7 +182,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _check_rope_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                      K: torch.Tensor, V: torch.Tensor) -> None:
+                      K: torch.Tensor, V: torch.Tensor, stored: "Stored | None" = None) -> None:
     H, R, D = qkv.shape
     hkv = K.shape[0]
     if K.dim() != 3 or K.shape != V.shape or heads + 2 * hkv != H or K.shape[2] != D:
@@ -190,12 +195,26 @@ def _check_rope_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: tor
         raise ValueError(f"rows must be integer [R={R}], got {tuple(rows.shape)} {rows.dtype}")
     if not (qkv.dtype == K.dtype == V.dtype):
         raise ValueError(f"qkv, K and V must share a dtype, got {qkv.dtype}, {K.dtype}, {V.dtype}")
+    if stored is not None:
+        raw, raw_cos, raw_sin, computed = stored
+        N = K.shape[1]
+        if raw.shape != K.shape or raw.dtype != K.dtype or raw.data_ptr() == K.data_ptr():
+            raise ValueError(f"stored K must be [Hkv, N, D] {tuple(K.shape)} in K's dtype, apart from K: "
+                             f"got {tuple(raw.shape)} {raw.dtype}")
+        if raw_cos.shape != (N, D // 2) or raw_sin.shape != (N, D // 2) or raw_cos.dtype != torch.float32:
+            raise ValueError(f"the stored K's cos and sin must be fp32 [N={N}, D/2={D // 2}], "
+                             f"got {tuple(raw_cos.shape)} {raw_cos.dtype}, {tuple(raw_sin.shape)}")
+        if computed.shape != (N,) or computed.dtype != torch.bool:
+            raise ValueError(f"computed must be bool [N={N}], got {tuple(computed.shape)} {computed.dtype}")
 
 
 def rope_write_reference(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                         K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """:func:`rope_write` in plain torch: a rotation of q and k, two index copies."""
-    _check_rope_write(qkv, heads, cos, sin, rows, K, V)
+                         K: torch.Tensor, V: torch.Tensor, stored: "Stored | None" = None) -> torch.Tensor:
+    """:func:`rope_write` in plain torch: the stored K's rotation into K (where given), a
+    rotation of q and k, two index copies."""
+    _check_rope_write(qkv, heads, cos, sin, rows, K, V, stored)
+    if stored is not None:
+        K.copy_(rotate_reference(stored[0], stored[1], stored[2]))
     hkv = K.shape[0]
     qk = rotate_reference(qkv[:heads + hkv], cos, sin)
     K.index_copy_(1, rows, qk[heads:])
@@ -206,68 +225,91 @@ def rope_write_reference(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: 
 @triton.jit
 def _rope_write_kernel(
     x_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rows_ptr,
-    R, HALF, HEADS, HKV,
+    raw_ptr, raw_cos_ptr, raw_sin_ptr, computed_ptr,
+    R, N, HALF, HEADS, HKV,
     stride_xh, stride_xt, stride_xd,
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_kt, stride_kd,
     stride_vh, stride_vt, stride_vd,
-    stride_c, stride_s,
+    stride_rh, stride_rt, stride_rd,
+    stride_c, stride_s, stride_rc, stride_rs,
     BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     # One program: one of the heads + 2 Hkv heads of qkv, BLOCK_T rows. Query heads go to
     # q (rotated, in row order), key heads to K at the rows' cache rows (rotated), value
-    # heads to V at the same rows (as they are).
+    # heads to V at the same rows (as they are). With the stored K (`raw`), Hkv programs
+    # more per block: one head of it, BLOCK_T keys, rotated into K at every key no row
+    # writes (so no two programs write one place, and the rows' K is what K holds there).
     h = tl.program_id(0)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_HALF)
-    mask_t = offs_t < R
-    mask = mask_t[:, None] & (offs_d[None, :] < HALF)
-    src = x_ptr + h * stride_xh + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    if h < HEADS + HKV:
-        cos = tl.load(cos_ptr + offs_t[:, None] * stride_c + offs_d[None, :], mask=mask, other=0.0)
-        sin = tl.load(sin_ptr + offs_t[:, None] * stride_s + offs_d[None, :], mask=mask, other=0.0)
-        y1 = x1 * cos - x2 * sin
-        y2 = x2 * cos + x1 * sin
-        if h < HEADS:
-            dst = q_ptr + h * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd
-            step = HALF * stride_qd
-        else:
-            at = tl.load(rows_ptr + offs_t, mask=mask_t, other=0)
-            dst = k_ptr + (h - HEADS) * stride_kh + at[:, None] * stride_kt + offs_d[None, :] * stride_kd
-            step = HALF * stride_kd
+    if h >= HEADS + 2 * HKV:
+        mask_n = offs_t < N
+        keep = tl.load(computed_ptr + offs_t, mask=mask_n, other=1) == 0
+        mask = (mask_n & keep)[:, None] & (offs_d[None, :] < HALF)
+        cos = tl.load(raw_cos_ptr + offs_t[:, None] * stride_rc + offs_d[None, :], mask=mask, other=0.0)
+        sin = tl.load(raw_sin_ptr + offs_t[:, None] * stride_rs + offs_d[None, :], mask=mask, other=0.0)
+        kh = h - HEADS - 2 * HKV
+        _rotate_halves(raw_ptr + kh * stride_rh, k_ptr + kh * stride_kh, offs_t, offs_d, mask, cos, sin, HALF,
+                       stride_rt, stride_rd, stride_kt, stride_kd)
     else:
-        y1, y2 = x1, x2
-        at = tl.load(rows_ptr + offs_t, mask=mask_t, other=0)
-        dst = v_ptr + (h - HEADS - HKV) * stride_vh + at[:, None] * stride_vt + offs_d[None, :] * stride_vd
-        step = HALF * stride_vd
-    tl.store(dst, y1.to(k_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + step, y2.to(k_ptr.dtype.element_ty), mask=mask)
+        mask_t = offs_t < R
+        mask = mask_t[:, None] & (offs_d[None, :] < HALF)
+        src = x_ptr + h * stride_xh + offs_t[:, None] * stride_xt + offs_d[None, :] * stride_xd
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
+        if h < HEADS + HKV:
+            cos = tl.load(cos_ptr + offs_t[:, None] * stride_c + offs_d[None, :], mask=mask, other=0.0)
+            sin = tl.load(sin_ptr + offs_t[:, None] * stride_s + offs_d[None, :], mask=mask, other=0.0)
+            y1 = x1 * cos - x2 * sin
+            y2 = x2 * cos + x1 * sin
+            if h < HEADS:
+                dst = q_ptr + h * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd
+                step = HALF * stride_qd
+            else:
+                at = tl.load(rows_ptr + offs_t, mask=mask_t, other=0)
+                dst = k_ptr + (h - HEADS) * stride_kh + at[:, None] * stride_kt + offs_d[None, :] * stride_kd
+                step = HALF * stride_kd
+        else:
+            y1, y2 = x1, x2
+            at = tl.load(rows_ptr + offs_t, mask=mask_t, other=0)
+            dst = v_ptr + (h - HEADS - HKV) * stride_vh + at[:, None] * stride_vt + offs_d[None, :] * stride_vd
+            step = HALF * stride_vd
+        tl.store(dst, y1.to(k_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + step, y2.to(k_ptr.dtype.element_ty), mask=mask)
 
 
 def rope_write_triton(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                      K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """:func:`rope_write` as one Triton launch; equals the reference bit for bit (no fused
-    multiply-adds)."""
-    _check_rope_write(qkv, heads, cos, sin, rows, K, V)
+                      K: torch.Tensor, V: torch.Tensor, stored: Stored | None = None) -> torch.Tensor:
+    """:func:`rope_write` as one Triton launch (the stored K's rotation in it too); equals the
+    reference bit for bit (no fused multiply-adds)."""
+    _check_rope_write(qkv, heads, cos, sin, rows, K, V, stored)
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    check_launchable(_rope_write_kernel, qkv, cos, sin, rows, K, V)
+    if stored is None:  # no program of the stored K runs: any tensors stand in for it
+        raw, raw_cos, raw_sin, computed, n = K, cos, sin, rows, 0
+    else:
+        raw, raw_cos, raw_sin, computed = stored
+        raw_cos = raw_cos if raw_cos.stride(-1) == 1 else raw_cos.contiguous()
+        raw_sin = raw_sin if raw_sin.stride(-1) == 1 else raw_sin.contiguous()
+        n = K.shape[1]
+    check_launchable(_rope_write_kernel, qkv, cos, sin, rows, K, V, raw, raw_cos, raw_sin, computed)
     H, R, D = qkv.shape
     hkv = K.shape[0]
     q = torch.empty(heads, R, D, dtype=qkv.dtype, device=qkv.device)
-    if R == 0:
+    if max(R, n) == 0:
         return q
     block_t = 16
-    _rope_write_kernel[(H, triton.cdiv(R, block_t))](
+    _rope_write_kernel[(H + (hkv if n else 0), triton.cdiv(max(R, n), block_t))](
         qkv, q, K, V, cos, sin, rows,
-        R, D // 2, heads, hkv,
+        raw, raw_cos, raw_sin, computed,
+        R, n, D // 2, heads, hkv,
         qkv.stride(0), qkv.stride(1), qkv.stride(2),
         q.stride(0), q.stride(1), q.stride(2),
         K.stride(0), K.stride(1), K.stride(2),
         V.stride(0), V.stride(1), V.stride(2),
-        cos.stride(0), sin.stride(0),
+        raw.stride(0), raw.stride(1), raw.stride(2),
+        cos.stride(0), sin.stride(0), raw_cos.stride(0), raw_sin.stride(0),
         BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(D // 2),
         enable_fp_fusion=False,  # a fused multiply-add would round differently from the reference
     )
@@ -275,15 +317,17 @@ def rope_write_triton(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: tor
 
 
 def rope_write(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-               K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+               K: torch.Tensor, V: torch.Tensor, stored: Stored | None = None) -> torch.Tensor:
     """The computed rows' attention inputs in one step (Cache-Craft §3.4.3: the computed
     rows' K/V replace the stored ones in the merged cache, RoPE at their positions).
 
     qkv [heads + 2 Hkv, R, D]: the rows' pre-RoPE q, k and v heads (`LlamaEngine.qkv`'s
     one matmul); cos, sin fp32 [R, D/2]: `rope_tables` at the rows' positions; rows [R]:
     their rows in the layer's cache K, V [Hkv, N, D] (K post-RoPE). Writes the rotated k
-    into K and v into V at `rows`; returns the rotated q [heads, R, D].
+    into K and v into V at `rows`; returns the rotated q [heads, R, D]. `stored` (`Stored`):
+    the layer's stored K, RoPE-free (Cache-Craft §3.4.1), rotated to the keys' positions into
+    K first, in the same launch: the merge's rotation and the rows' write as one.
     CUDA: one Triton launch; else torch."""
     if qkv.is_cuda:
-        return rope_write_triton(qkv, heads, cos, sin, rows, K, V)
-    return rope_write_reference(qkv, heads, cos, sin, rows, K, V)
+        return rope_write_triton(qkv, heads, cos, sin, rows, K, V, stored)
+    return rope_write_reference(qkv, heads, cos, sin, rows, K, V, stored)

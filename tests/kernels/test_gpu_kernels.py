@@ -91,3 +91,8 @@ def test_layer_kernels_llama3_8b_shape(dtype: torch.dtype) -> None:
     q = layer.rope_write_triton(qkv, 32, cos[rows], sin[rows], rows, *caches)
     q0 = layer.rope_write_reference(qkv, 32, cos[rows], sin[rows], rows, *copies)
     assert torch.equal(q, q0) and torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])
+    raw = torch.randn(8, T, 128, device="cuda", generator=g).to(dtype)  # the stored K, rotated in the same launch
+    stored = (raw, cos, sin, torch.zeros(T, dtype=torch.bool, device="cuda").index_fill_(0, rows, True))
+    q = layer.rope_write_triton(qkv, 32, cos[rows], sin[rows], rows, *caches, stored)
+    q0 = layer.rope_write_reference(qkv, 32, cos[rows], sin[rows], rows, *copies, stored)
+    assert torch.equal(q, q0) and torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])

@@ -154,6 +154,38 @@ def test_rope_write_triton_matches_reference(dtype: torch.dtype, heads: int, hkv
     assert torch.equal(rope_write(qkv, heads, cos, sin, at, K2, V2), rope_write_reference(qkv, heads, cos, sin, at, K1, V1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,hkv,rows,n", [(4, 2, 1, 5), (6, 2, 19, 50), (8, 1, 40, 40)])
+def test_rope_write_with_the_stored_k_rotates_it_into_every_key_no_row_writes(dtype: torch.dtype, heads: int,
+                                                                              hkv: int, rows: int, n: int) -> None:
+    # The merge's rotation in the rows' launch: K is the stored K rotated to the keys'
+    # positions, then the rows' k over it at their rows (as two separate steps would leave
+    # it: RoPE from the positions, not the launch's tables), V the stored V with the rows' v.
+    qkv, at, pos, _, V, cfg = _qkv_case(dtype, heads, hkv, rows, n, 7 * rows + n)
+    g = torch.Generator().manual_seed(n)
+    raw = torch.randn(hkv, n, 32, generator=g).to(dtype)
+    key_pos = torch.arange(n) + 7
+    cos, sin = rope_tables(cfg, pos)
+    stored = (raw, *rope_tables(cfg, key_pos), torch.zeros(n, dtype=torch.bool).index_fill_(0, at, True))
+    K = torch.full_like(raw, float("nan"))  # no key left unwritten
+    V0 = V.clone()
+    q = rope_write_triton(qkv, heads, cos, sin, at, K, V, stored)
+    K1, V1 = torch.empty_like(raw), V0.clone()
+    q1 = rope_write_reference(qkv, heads, cos, sin, at, K1, V1, stored)
+    assert torch.equal(V, V1)
+    _close_or_ulp(q, q1)
+    _close_or_ulp(K, K1)
+    if dtype != torch.bfloat16:
+        assert torch.equal(q, q1) and torch.equal(K, K1)
+    expect = apply_rope_reference(raw, key_pos, cfg)
+    expect[:, at] = apply_rope_reference(qkv[heads:heads + hkv], pos, cfg)
+    torch.testing.assert_close(K1.float(), expect.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-3)
+    with pytest.raises(ValueError, match="computed must be bool"):
+        rope_write_triton(qkv, heads, cos, sin, at, K, V, (*stored[:3], stored[3].long()))
+    with pytest.raises(ValueError, match="apart from K"):
+        rope_write_triton(qkv, heads, cos, sin, at, K, V, (K, *stored[1:]))
+
+
 def test_rope_write_refuses_mismatched_shapes() -> None:
     qkv, at, pos, K, V, cfg = _qkv_case(torch.float32, 4, 2, 11, 30, 0)
     cos, sin = rope_tables(cfg, pos)
