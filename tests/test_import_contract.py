@@ -79,3 +79,13 @@ def test_a_forbidden_import_breaks_the_contract(tmp_path, module, line, contract
     broken = out.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken, out.stdout
     assert arrow in broken, out.stdout
+
+
+def test_engine_adapter_modules_stay_readable():
+    # docs/adapter.md "One layer step": the loop one file under 200 lines, no module of the
+    # engine side over 400 (one that grows past it splits by what its parts are for)
+    lines = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
+             for p in (ROOT / "engine_adapter").rglob("*.py")}
+    assert len(lines) > 20  # the folder was read
+    assert {p: n for p, n in lines.items() if n > 400} == {}
+    assert lines["engine_adapter/loop.py"] < 200

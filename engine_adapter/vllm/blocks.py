@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvcraft.keys import chunk_key, variant_id
@@ -102,3 +104,26 @@ class KVCraftWorkerMeta(KVConnectorWorkerMetadata):
             self.blends.update(other.blends)
             self.timings += other.timings  # concatenated protobuf messages merge on parsing
         return self
+
+
+def kv_views(t: torch.Tensor, block_size: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) views of one layer's paged KV in vLLM, each [num_blocks, kv_heads, block_size, head_dim]."""
+    bs, h, d = block_size, kv_heads, head_dim
+    nb = t.shape[0]
+    if t.dim() == 4 and tuple(t.shape[1:]) == (h, bs, 2 * d):
+        # CPU backend: [blocks, heads, block, 2*hd], K rows then V rows per (block, head)
+        v = t.view(nb, h, 2, bs, d)
+        return v[:, :, 0], v[:, :, 1]
+    if t.dim() == 5 and tuple(t.shape[1:]) == (2, bs, h, d):
+        # flash-attention NHD: [blocks, 2, block, heads, hd]
+        return t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3)
+    raise ValueError(f"KVCraftConnector does not know the paged KV layout {tuple(t.shape)} "
+                     f"(block {bs}, kv heads {h}, head dim {d})")
+
+
+def block_mismatch(blocks: Any, shape: tuple[int, ...], k_dtype: torch.dtype, v_dtype: torch.dtype) -> str:
+    """Why these stored (K, V) blocks do not fit vLLM's cache blocks ("" when they do)."""
+    for k, v in blocks:
+        if tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != k_dtype or v.dtype != v_dtype:
+            return f"a block of shape {tuple(k.shape)} {k.dtype}, not {shape} {k_dtype}"
+    return ""

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from engine_adapter.loader import ServiceLayerSource
-from engine_adapter.vllm.blocks import BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta
+from engine_adapter.vllm.blocks import (BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta,
+                                        block_mismatch, kv_views)
 from engine_adapter.vllm.config import ConnectorSettings
 from engine_adapter.vllm.metrics import ConnectorMetrics
 from kvcraft.keys import ModelSpec
@@ -106,23 +107,9 @@ class WorkerSide:
             return int(m.group(1)) if m else 0
 
         names = sorted(kv_caches, key=index)
-        self._layers = [self._kv_views(kv_caches[n]) for n in names]
+        self._layers = [kv_views(kv_caches[n], self.block_size, self.spec.num_kv_heads, self.spec.head_dim) for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._layer_names = names
-
-    def _kv_views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) views of one layer's paged KV, each [num_blocks, kv_heads, block_size, head_dim]."""
-        bs, h, d = self.block_size, self.spec.num_kv_heads, self.spec.head_dim
-        nb = t.shape[0]
-        if t.dim() == 4 and tuple(t.shape[1:]) == (h, bs, 2 * d):
-            # CPU backend: [blocks, heads, block, 2*hd], K rows then V rows per (block, head)
-            v = t.view(nb, h, 2, bs, d)
-            return v[:, :, 0], v[:, :, 1]
-        if t.dim() == 5 and tuple(t.shape[1:]) == (2, bs, h, d):
-            # flash-attention NHD: [blocks, 2, block, heads, hd]
-            return t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3)
-        raise ValueError(f"KVCraftConnector does not know the paged KV layout {tuple(t.shape)} "
-                         f"(block {bs}, kv heads {h}, head dim {d})")
 
     # -- loads -------------------------------------------------------------------------------
     def start_loads(self, meta: KVCraftMetadata) -> None:
@@ -214,7 +201,7 @@ class WorkerSide:
                     why = source.error or f"layer {i} not complete within load_timeout_s={timeout}s"
                     break
                 if ids is None:  # a variant's layers share one shape and dtype: the first layer tells
-                    why = _mismatch(got.values(), tuple(kc.shape[1:]), kc.dtype, vc.dtype)
+                    why = block_mismatch(got.values(), tuple(kc.shape[1:]), kc.dtype, vc.dtype)
                     if why:
                         break
                     ids = torch.tensor(ld.block_ids, dtype=torch.long, device=kc.device)
@@ -401,10 +388,3 @@ class WorkerSide:
                      "shutdown_drain_s=%.1fs were dropped (dropped_saves)", self.shutdown_s, left,
                      self.settings.shutdown_drain_s)
 
-
-def _mismatch(blocks: Any, shape: tuple[int, ...], k_dtype: torch.dtype, v_dtype: torch.dtype) -> str:
-    """Why these (K, V) blocks do not fit vLLM's cache blocks ("" when they do)."""
-    for k, v in blocks:
-        if tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != k_dtype or v.dtype != v_dtype:
-            return f"a block of shape {tuple(k.shape)} {k.dtype}, not {shape} {k_dtype}"
-    return ""
