@@ -22,7 +22,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -53,11 +53,13 @@ def stop_tokens(model_dir: str | Path) -> frozenset[int]:
 
 @torch.no_grad()
 def greedy(engine: LlamaEngine, logits: Tensor, kv: list[tuple[Tensor, Tensor]], max_new_tokens: int,
-           stop: Iterable[int] = ()) -> Generation:
+           stop: Iterable[int] = (), feed: Sequence[int] = ()) -> Generation:
     """Greedy tokens after a prefill of N tokens at positions 0..N-1.
 
     logits: the last prompt position's, [V] (or [..., V]: the last row is used);
     kv: per layer (K post-RoPE [Hkv, N, D], V [Hkv, N, D]), e.g. `BlendResult.kv`. Not modified.
+    feed: teacher forcing: these tokens are fed back in place of the model's own (up to
+    len(feed) steps); the tokens returned are still its own, each its pick after feed[:i].
     """
     if max_new_tokens < 1:
         return Generation((), False, 0.0)
@@ -73,12 +75,13 @@ def greedy(engine: LlamaEngine, logits: Tensor, kv: list[tuple[Tensor, Tensor]],
         cache.append((ck, cv))
     out = [int(logits.reshape(-1, logits.shape[-1])[-1].argmax())]
     t0 = time.perf_counter()
-    for pos in range(n, cap):
-        if out[-1] in stop:
+    for pos in range(n, cap if not feed else min(cap, n + len(feed) - 1)):
+        fed = feed[pos - n] if feed else out[-1]
+        if fed in stop:
             break
         at, keys = torch.tensor([pos]), torch.arange(pos + 1)
         rows = Rows(at, at, Rotation(*rope_tables(engine.rope, at), engine.triton), EVERY_KEY)
-        h = engine.embed(torch.tensor(out[-1:]))  # [1, d]
+        h = engine.embed(torch.tensor([fed]))  # [1, d]
         for layer, (ck, cv) in enumerate(cache):
             h = layer_step(engine, layer, h, rows, LayerCache(ck[:, :pos + 1], cv[:, :pos + 1], keys)).h
         out.append(int(engine.logits(h)[0].argmax()))

@@ -69,7 +69,8 @@ from kvbench.quality.real_quality import meta, rouge_l_stats, warm_chunks
 BUDGETS = (0.15, 0.3, 0.5)
 GREEDY_BLOCK = 64  # passage rows the greedy search adds at a time
 COLUMNS = {"rouge_l_vs_full": "ROUGE-L vs full", "identical_to_full": "identical to full",
-           "first_token_agrees": "first token = full", "f1": "F1", "computed_share": "row-layers computed"}
+           "first_token_agrees": "first token = full", "answer_forced_agrees": "answer, teacher forced",
+           "f1": "F1", "computed_share": "row-layers computed"}
 
 
 def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[float] = BUDGETS,
@@ -208,15 +209,20 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[mus
     out = {}
 
     def answer(label: str, result: BlendResult) -> None:
-        gen = greedy(engine, result.logits, result.kv, new_tokens, stop)
-        out[label] = {"tokens": list(gen.tokens), "computed_share": result.computed_share}
+        decoded(label, engine, result.logits, result.kv, result.computed_share)
+
+    def decoded(label: str, model: LlamaEngine, logits: Tensor, kv: list, share: float) -> None:
+        """Its answer, and its picks fed full prefill's answer (teacher forcing: `forced`)."""
+        gen = greedy(model, logits, kv, new_tokens, stop)
+        ref = out["full"]["tokens"] if out else list(gen.tokens)
+        forced = greedy(model, logits, kv, new_tokens, stop, feed=ref)
+        out[label] = {"tokens": list(gen.tokens), "forced": list(forced.tokens), "computed_share": share}
 
     full = run_passes(engine, lay, Policy("full"), InMemoryLayerSource({}), [])
     answer("full", full)
     if bf16 is not None:  # bf16 on a CPU is slow: its row is a run of its own (no budgets)
         logits, kv = bf16.prefill(lay.tokens, all_logits=False)
-        gen = greedy(bf16, logits[-1], kv, new_tokens, stop)
-        out["full, bf16"] = {"tokens": list(gen.tokens), "computed_share": 1.0}
+        decoded("full, bf16", bf16, logits[-1], kv, 1.0)
     naive = run_passes(engine, lay, Naive(), s.source(), s.reused)
     answer("naive", naive)
     answer(f"{DEFAULT_POLICY} (default)", blend_prefill(engine, s.segments, Policy(DEFAULT_POLICY), s.source(),
@@ -256,6 +262,8 @@ def _score(record: musique.Record, served: dict) -> dict:
         got["rouge_l_vs_full"] = musique.rouge_l(got["answer"], ref["answer"])
         got["identical_to_full"] = float(got["tokens"] == ref["tokens"])
         got["first_token_agrees"] = float(got["tokens"][:1] == ref["tokens"][:1])
+        # of full prefill's answer tokens, the share this case predicts when fed the ones before
+        got["answer_forced_agrees"] = statistics.fmean(int(a == b) for a, b in zip(got["forced"], ref["tokens"]))
     return {"id": record.id, "question": record.question, "gold": list(record.answers), "served": served}
 
 

@@ -80,7 +80,8 @@ def naive_check(named: Named) -> str:
 MUSIQUE = (("rouge_l_vs_full", "ROUGE-L vs full", lambda x: f"{x:.3f}"), ("rouge_l_se", "s.e.", lambda x: f"{x:.3f}"),
            ("identical_to_full", "identical to full", lambda x: f"{x:.0%}"),
            ("first_token_agrees", "first token = full", lambda x: f"{x:.0%}"),
-           ("first_token_se", "s.e.", lambda x: f"{x:.0%}"), ("records", "records (n)", str),
+           ("first_token_se", "s.e.", lambda x: f"{x:.0%}"),
+           ("answer_forced_agrees", "answer, teacher forced", lambda x: f"{x:.0%}"), ("records", "records (n)", str),
            ("f1", "F1", lambda x: f"{x:.3f}"),
            ("exact_match", "EM", lambda x: f"{x:.1%}"), ("computed_share", "row-layers computed", lambda x: f"{x:.1%}"),
            ("ttft_s", "mean TTFT (s)", lambda x: f"{x:.2f}"),
@@ -124,8 +125,10 @@ PASSAGES = re.compile(r"--passages (\d+)")
 
 
 def _agreement(row: dict) -> str:
-    """First-token agreement (its standard error) and ROUGE-L of the 16-token answers vs full prefill's."""
-    return f"{row['first_token_agrees']:.0%} ({row['first_token_se']:.0%}) · {row['rouge_l_vs_full']:.2f}"
+    """First-token agreement (its standard error), ROUGE-L of the 16-token answers vs full
+    prefill's, and the share of full prefill's answer predicted under teacher forcing."""
+    forced = f" · {row['answer_forced_agrees']:.0%}" if "answer_forced_agrees" in row else ""
+    return f"{row['first_token_agrees']:.0%} ({row['first_token_se']:.0%}) · {row['rouge_l_vs_full']:.2f}{forced}"
 
 
 def oracle(named: Named) -> str:
@@ -147,7 +150,9 @@ def oracle(named: Named) -> str:
                      f"{pct(cases['naive']['computed_share'])} computed, the default {_agreement(default)} at "
                      f"{pct(default['computed_share'])}")
     return (table(head, body) + "\n\nEach cell: first token = full prefill's (standard error) · ROUGE-L of the "
-            "16-token answer against full prefill's. " + "; ".join(fixed) + ". " + _where_picked(named) +
+            "16-token answer against full prefill's · where measured, full prefill's 16-token answer under teacher "
+            "forcing: the share of its tokens the case predicts, fed the ones before. " + "; ".join(fixed) + ". " +
+            _where_picked(named) +
             f"\n\n{sources(named)}")
 
 

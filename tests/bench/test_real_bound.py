@@ -13,7 +13,8 @@ from kvbench.report.quality import musique_table, oracle
 def test_the_summary_pairs_each_case_with_the_default_record_by_record():
     rouge = {"full": [1.0, 1.0, 1.0], "query (default)": [0.5, 0.9, 0.7], "deviation 15%": [0.6, 0.8, 1.0]}
     records = [{"served": {label: {"rouge_l_vs_full": got[i], "identical_to_full": 0.0, "first_token_agrees": 1.0,
-                                   "f1": 0.0, "computed_share": 0.15} for label, got in rouge.items()}}
+                                   "answer_forced_agrees": got[i] / 2, "f1": 0.0, "computed_share": 0.15}
+                           for label, got in rouge.items()}}
                for i in range(3)]
     rows = {r["case"]: r for r in real_bound.summarize(records)}
     dev = rows["deviation 15%"]
@@ -23,8 +24,9 @@ def test_the_summary_pairs_each_case_with_the_default_record_by_record():
     assert dev["rouge_l_vs_default_se"] == pytest.approx(statistics.stdev([0.1, -0.1, 0.3]) / 3 ** 0.5)
     assert rows["query (default)"]["rouge_l_vs_default"] == 0.0
     assert dev["first_token_se"] == 0.0 and dev["records"] == 3
+    assert dev["answer_forced_agrees"] == pytest.approx(0.4)
     printed = musique_table({"cases": list(rows.values())})
-    assert "| deviation 15% | 0.800 | 0.115 | +0.100 (0.115) | 0% | 100% | 0% | 3 |" in printed
+    assert "| deviation 15% | 0.800 | 0.115 | +0.100 (0.115) | 0% | 100% | 0% | 40% | 3 |" in printed
 
 
 def test_the_oracle_table_puts_each_budget_of_each_run_on_a_row_and_counts_where_greedy_picked():
@@ -32,7 +34,7 @@ def test_the_oracle_table_puts_each_budget_of_each_run_on_a_row_and_counts_where
         return {"case": name, "first_token_agrees": first, "first_token_se": se, "rouge_l_vs_full": rouge,
                 "computed_share": share}
 
-    cases = [case("naive", 0.5, 0.1, 0.7, 0.02), case("query (default)", 0.9, 0.05, 0.8, 0.15),
+    cases = [case("naive", 0.5, 0.1, 0.7, 0.02) | {"answer_forced_agrees": 0.625}, case("query (default)", 0.9, 0.05, 0.8, 0.15),
              *(case(f"{s} 15%", 0.75, 0.1, 0.75, 0.15) for s in ("deviation", "reads", "free question pass")),
              case("greedy 15%", 1.0, 0.0, 0.9, 0.13)]
     # one passage of 200 rows, 100..299: its first 64 are 100..163, its last 64 236..299
@@ -42,10 +44,21 @@ def test_the_oracle_table_puts_each_budget_of_each_run_on_a_row_and_counts_where
            "records": [{"served": {"greedy 15%": {"computed_share": 0.13, "rows": picks, "edges": [0, 100, 300, 320]}}}]}
     printed = oracle([("x.json", run)])
     assert "| 5 (1) | 15% | 75% (10%) · 0.75 | 75% (10%) · 0.75 | 75% (10%) · 0.75 | 100% (0%) · 0.90 | 13.0% |" in printed
-    assert "naive reuse 50% (10%) · 0.70 at 2.0% computed, the default 90% (5%) · 0.80 at 15.0%" in printed
+    assert "naive reuse 50% (10%) · 0.70 · 62% at 2.0% computed, the default 90% (5%) · 0.80 at 15.0%" in printed
     # of 100 picks: 10 in the first 64 rows (32% of 200), 40 in the last 64, 50 between (72 rows, 36%)
     assert ("10% in its first 64 rows (32% of the rows), 40% in its last 64 rows (32% of the rows), "
             "50% elsewhere (36% of the rows)") in printed
+
+
+def test_teacher_forcing_scores_the_share_of_full_prefills_answer_each_case_predicts():
+    from kvbench.common import musique
+
+    record = musique.Record(id=0, question="q", answers=("a",), passages=())
+    served = {"full": {"tokens": [5, 6, 7, 8], "forced": [5, 6, 7, 8], "answer": "a b"},
+              "naive": {"tokens": [5, 9, 9, 9], "forced": [5, 9, 7, 1], "answer": "a c"}}
+    got = real_bound._score(record, served)["served"]
+    assert got["naive"]["answer_forced_agrees"] == 0.5 and got["full"]["answer_forced_agrees"] == 1.0
+    assert got["naive"]["identical_to_full"] == 0.0 and got["naive"]["first_token_agrees"] == 1.0
 
 
 def test_greedy_adds_the_block_best_with_those_before_not_the_best_alone():

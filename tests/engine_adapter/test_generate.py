@@ -94,6 +94,20 @@ def test_full_policy_blend_then_greedy_equals_prefill_then_greedy(models, prompt
     assert greedy(engine, r.logits, r.kv, 6).tokens == greedy(engine, logits, kv, 6).tokens
 
 
+def test_teacher_forcing_predicts_what_transformers_predicts_over_the_fed_tokens(models, prompts):
+    # fed tokens that are not the model's own: each pick is transformers' argmax after the
+    # prompt and the tokens fed before it (one forward over all of them, causal)
+    engine, hf, _ = models
+    p = prompts[4]
+    feed = [int(t) for t in torch.randint(0, engine.cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(4))]
+    logits, kv = engine.prefill(torch.tensor(p.prompt_ids), all_logits=False)
+    got = greedy(engine, logits, kv, 16, feed=feed)
+    with torch.no_grad():
+        ref = hf(torch.tensor([p.prompt_ids + feed[:-1]])).logits[0, len(p.prompt_ids) - 1:].argmax(-1).tolist()
+    assert len(got.tokens) == len(feed) and list(got.tokens) == ref
+    assert greedy(engine, logits, kv, 4, feed=feed).tokens == got.tokens[:4]  # at most max_new_tokens
+
+
 def test_greedy_leaves_the_prefill_cache_untouched(models, prompts):
     engine = models[0]
     logits, kv = engine.prefill(torch.tensor(prompts[0].prompt_ids), all_logits=False)
