@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -47,6 +47,7 @@ from engine_adapter.policy import ReusePolicy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
 from engine_adapter.source import RecordedLayerSource
+from kvcraft.heap import IdleTrim
 from kvcraft.v1 import kvcraft_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,15 @@ YIELD_S = 0.25
 
 class Serving:
     """The prefills an engine is serving now (one for all the adapters over one engine), for
-    its shadows to give way to."""
+    its shadows to give way to. With `trim_idle_s`, the heap is trimmed once neither served
+    work nor a shadow has run for that long (`kvcraft.heap.IdleTrim`: inside an inference
+    engine's process, where kvcraft's threads' freed memory would stay resident)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trim_idle_s: float | None = None, on_trim: Callable[[], None] = lambda: None) -> None:
         self._running = 0
         self._held: dict[str, float] = {}  # key -> when its hold ends by itself (`hold`)
         self._idle = threading.Condition()
+        self.trim = IdleTrim(self.busy, trim_idle_s, on_trim) if trim_idle_s is not None else None
 
     @contextlib.contextmanager
     def prefill(self) -> Iterator[None]:
@@ -87,11 +91,13 @@ class Serving:
         blend, for one)."""
         with self._idle:
             self._running += 1
+        self.touch()
 
     def end(self) -> None:
         with self._idle:
             self._running -= 1
             self._idle.notify_all()
+        self.touch()
 
     def hold(self, key: str, seconds: float) -> None:
         """Served work that ends when `release(key)` says so, or by itself after `seconds`
@@ -103,6 +109,22 @@ class Serving:
         with self._idle:
             if self._held.pop(key, None) is not None:
                 self._idle.notify_all()
+        self.touch()
+
+    def touch(self) -> None:
+        """kvcraft work started or ended (served, or a shadow): the idle trim waits again."""
+        if self.trim is not None:
+            self.trim.touch()
+
+    def busy(self) -> bool:
+        """Whether a served prefill runs or a hold lasts."""
+        with self._idle:
+            now = time.monotonic()
+            return bool(self._running) or any(t > now for t in self._held.values())
+
+    def close(self) -> None:
+        if self.trim is not None:
+            self.trim.close()
 
     def wait_idle(self, timeout: float) -> bool:
         """Until no served prefill runs nor hold lasts, at most `timeout` seconds; whether so."""
@@ -257,6 +279,14 @@ class ShadowSampler:
 
     def _shadow(self, spans: list[Sequence[int]], served: Tensor, policy: str, budget: float, share: float,
                 answer: list[int], below: ShadowBlend | None) -> None:
+        self.serving.touch()
+        try:
+            self._measure(spans, served, policy, budget, share, answer, below)
+        finally:
+            self.serving.touch()
+
+    def _measure(self, spans: list[Sequence[int]], served: Tensor, policy: str, budget: float, share: float,
+                 answer: list[int], below: ShadowBlend | None) -> None:
         t0 = time.perf_counter()
         fed = max(len(answer) - 1, 0)  # the last answer token is predicted, never fed
         tokens = torch.tensor([t for span in spans for t in span] + answer[:fed], dtype=torch.long)  # [N + fed]

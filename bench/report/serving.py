@@ -61,7 +61,11 @@ def memory_sentence(m: dict | None) -> str:
         return ""
     return (f" Peak resident memory of the engine process: vLLM alone {num(m['alone_peak_rss_mib'], 0)} MiB, "
             f"vLLM + kvcraft {num(m['blend_peak_rss_mib'], 0)} MiB ({m['added_share_of_weights']:+.1%} of the "
-            f"weights' {num(m['weights_mib'], 0)} MiB); at the end, private memory {num(m['alone_anon_mib'], 0)} "
+            f"weights' {num(m['weights_mib'], 0)} MiB); "
+            + (f"right after the last request, private memory {num(m['alone_anon_before_rest_mib'], 0)} and "
+               f"{num(m['blend_anon_before_rest_mib'], 0)} MiB; at rest (freed heap handed back: kvcraft's idle "
+               f"trim, the same malloc_trim in vLLM alone) " if "blend_anon_before_rest_mib" in m else "at the end, ")
+            + f"private memory {num(m['alone_anon_mib'], 0)} "
             f"and {num(m['blend_anon_mib'], 0)} MiB ({m['added_private_share_of_weights']:+.1%} of the weights), "
             f"the service's shared segments touched {num(m['blend_shmem_mib'], 0)} MiB.")
 

@@ -183,6 +183,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         front.close()
     out = {"outputs": results[0]["outputs"], "metrics": results[-1]["metrics"], "phases": results,
            "startup_s": startup}
+    if spec.get("rest"):  # the memory `engine_main` reports is then the engine's at rest
+        out["memory_before_rest"] = memory_mib()
+        _rest(llm, spec, results[-1]["metrics"].get("heap_trims", 0))
     if spec.get("shutdown"):  # the engine's own shutdown path: scheduler then worker connector
         worker = None
         if spec.get("kv"):
@@ -196,6 +199,22 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             out["metrics"] = {**out["metrics"], "dropped_saves": worker.metrics.get("dropped_saves")}
             out["connector_shutdown_s"] = worker.shutdown_s
     return out
+
+
+def _rest(llm: Any, spec: dict[str, Any], trims: float, timeout_s: float = 30.0) -> None:
+    """At rest: with kvcraft, until its idle trim has handed the freed heap back (`kvcraft.heap`:
+    a second after the last blend or shadow); vLLM alone, the same malloc_trim called here, so
+    that the two compare like for like."""
+    if not spec.get("kv"):
+        from kvcraft.heap import malloc_trim
+
+        malloc_trim()()
+        return
+    from engine_adapter.vllm import connector_metrics
+
+    end = time.monotonic() + timeout_s
+    while connector_metrics(llm)["heap_trims"] <= trims and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def _settle(llm: Any) -> None:

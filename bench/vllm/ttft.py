@@ -206,7 +206,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         prompts = [[t for c in r["chunks"] for t in c] + r["question"] for r in reqs]
         plain = [{"prompt": p, "reset_prefix_cache": True, "cache_salt": f"alone-{i}"} for i, p in enumerate(prompts)]
         t = time.perf_counter()
-        alone = engine_run(tmp, "alone", {"model": str(model), "enforce_eager": a.eager, "phases": [
+        alone = engine_run(tmp, "alone", {"model": str(model), "enforce_eager": a.eager, "rest": True, "phases": [
             {"requests": plain[:a.warmup], "max_tokens": 1}, {"requests": plain[a.warmup:], "max_tokens": 1}]})
         out["vllm_alone_wall_s"] = time.perf_counter() - t
         out["load_average"]["after_alone"] = os.getloadavg()
@@ -229,7 +229,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             blend = engine_run(tmp, "blend", {
                 "model": str(model), "enforce_eager": a.eager, **BLEND_MODEL,
                 "kv": {"address": service.address, "blend_policy": "cacheblend", "blend_store_back": False},
-                "phases": [{"requests": warm, "max_tokens": 1, "settle": True},
+                "rest": True, "phases": [{"requests": warm, "max_tokens": 1, "settle": True},
                            {"requests": timed, "max_tokens": 1, "settle": True}]})
             out["vllm_blend_wall_s"] = time.perf_counter() - t
             if HEADLINE in policies:
@@ -249,6 +249,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         out["memory"] = {"weights_mib": weights, "alone_peak_rss_mib": mem_a["peak_rss_mib"],
                          "blend_peak_rss_mib": mem_b["peak_rss_mib"], "alone_anon_mib": mem_a["anon_mib"],
                          "blend_anon_mib": mem_b["anon_mib"], "blend_shmem_mib": mem_b["shmem_mib"],
+                         "alone_anon_before_rest_mib": alone["memory_before_rest"]["anon_mib"],
+                         "blend_anon_before_rest_mib": blend["memory_before_rest"]["anon_mib"],
                          "added_share_of_weights": (mem_b["peak_rss_mib"] - mem_a["peak_rss_mib"]) / weights,
                          "added_private_share_of_weights": (mem_b["anon_mib"] - mem_a["anon_mib"]) / weights}
     return _speedups(out)

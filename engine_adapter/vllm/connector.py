@@ -105,7 +105,7 @@ class KVCraftConnector(KVConnectorBase_V1):
                 from engine_adapter.vllm.context import ContextBuilder
 
                 context = ContextBuilder(self.settings, self._client, vllm_config, self.chunk_model_id,
-                                         self.block_size)
+                                         self.block_size, self.metrics)
             self.worker = WorkerSide(self.settings, self.spec, self.model_id, self.block_size, self._client,
                                      self.metrics, context=context)
         log.info("kvcraft connector (%s) for %s at %s, model id %s", role.name, self.spec.name,

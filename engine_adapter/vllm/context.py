@@ -50,8 +50,9 @@ class ContextBuilder:
     """Builds blended context KV into vLLM's paged cache (see the module docstring)."""
 
     def __init__(self, settings: ConnectorSettings, client: Any, vllm_config: Any, chunk_model_id: str,
-                 block_size: int) -> None:
+                 block_size: int, metrics: Any = None) -> None:
         from engine_adapter.fidelity import Serving
+        from kvcraft.heap import IDLE_TRIM_S
 
         self.settings = settings
         self._client = client
@@ -63,7 +64,10 @@ class ContextBuilder:
         # serves), all over the one engine: blends of different requests run at once.
         self._thread = threading.local()
         self._adapters: list[Any] = []
-        self.serving = Serving()  # every adapter's prefills (and vLLM's forward after them): shadows give way
+        # every adapter's prefills (and vLLM's forward after them): shadows give way; the heap
+        # trimmed once they and the shadows are idle (kvcraft.heap)
+        self.serving = Serving(trim_idle_s=IDLE_TRIM_S,
+                               on_trim=(lambda: metrics.add(heap_trims=1)) if metrics is not None else (lambda: None))
         self._engine: Any = None
         self._steps: Any = None  # the engine's static steps, with `blend_graphs`
         self._attn: list[Any] | None = None

@@ -52,6 +52,7 @@ WORKER_COUNTERS = (
     "blend_failed",            # blends reported failed (vLLM recomputed the request)
     "blend_failed_tokens",
     "blend_s",                 # seconds spent building contexts (loader threads)
+    "heap_trims",              # freed heap handed back to the OS once blends and shadows were idle (kvcraft.heap)
 )
 
 

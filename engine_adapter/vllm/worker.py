@@ -380,6 +380,8 @@ class WorkerSide:
             self.context.serving.release(r)
         for _ in built:
             self.context.serving.end()
+        if self.context is not None:
+            self.context.serving.close()
         self.shutdown_s = time.monotonic() - t0
         if drained:
             log.info("kvcraft: worker side shut down in %.2fs, every save sent", self.shutdown_s)

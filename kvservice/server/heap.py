@@ -16,15 +16,13 @@ trim with glibc's default arenas, +1 MiB with one).
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import logging
 from typing import Callable
 
+from kvcraft.heap import IDLE_TRIM_S, malloc_trim
 from kvservice.server.status import InFlight
 
-IDLE_TRIM_S = 1.0
 log = logging.getLogger("kvcraft.server")
 
 
@@ -64,15 +62,6 @@ class Freezer:
         return at is not None and self._index_size() >= at + max(REFREEZE_MIN_VARIANTS, at // 4)
 
 
-def _malloc_trim() -> Callable[[], None]:
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
-    except (OSError, AttributeError):
-        return lambda: None
-    trim.argtypes = [ctypes.c_size_t]
-    return lambda: trim(0) and None
-
-
 class IdleTrim:
     """`InFlight.on_idle`: trim the heap `idle_s` after the last RPC ended, unless one
     is running by then (on the event loop; the trim itself on a worker thread), and
@@ -83,7 +72,7 @@ class IdleTrim:
         self.inflight = inflight
         self.freezer = freezer
         self.idle_s = idle_s
-        self._trim = _malloc_trim()
+        self._trim = malloc_trim()
         self._later: asyncio.TimerHandle | None = None
 
     def __call__(self) -> None:

@@ -4,7 +4,9 @@ worker side is driven as vLLM drives it, `start_loads` then `get_finished`'s cal
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -115,10 +117,10 @@ class _Built:
     itself: test_blend.py): its `fidelity.Serving`, and a build that reports at once whether
     the shadows were held while it ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, serving: Any = None) -> None:
         from engine_adapter.fidelity import Serving
 
-        self.serving = Serving()
+        self.serving = serving or Serving()
         self.held_while_building: list[bool] = []
 
     def build(self, bl: BlendLoad, layer_names: list[str]) -> dict:
@@ -164,3 +166,23 @@ def test_a_blended_request_vllm_never_runs_holds_the_shadows_a_bounded_time():
     assert not context.serving.wait_idle(0)
     assert context.serving.wait_idle(FORWARD_WAIT_S + 30)  # no further step: its deadline ends it
     assert time.monotonic() - t >= FORWARD_WAIT_S * 0.5
+
+
+def test_the_heap_is_trimmed_once_the_blends_and_vllms_pass_over_them_are_done():
+    """What kvcraft's threads freed goes back to the OS once no blend, forward pass over one or
+    shadow runs (`kvcraft.heap.IdleTrim`, as `context.ContextBuilder` sets it up), never
+    while one does; the worker's shutdown ends the trimming thread."""
+    from engine_adapter.fidelity import Serving
+
+    trimmed = threading.Event()
+    context = _Built(Serving(trim_idle_s=0.01, on_trim=trimmed.set))
+    worker = WorkerSide(ConnectorSettings(idle_wait_s=30.0), SPEC, MODEL_ID, BLOCK, None, ConnectorMetrics(),
+                        context=context)
+    try:
+        _blend_reported(worker, "r3")
+        assert not trimmed.is_set()  # served from the blend's start to vLLM's pass over it: busy
+        worker.finished_loads()  # the pass ran
+        assert trimmed.wait(30)
+    finally:
+        worker.shutdown(lambda: None)
+    assert not context.serving.trim._thread.is_alive()
