@@ -183,9 +183,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         front.close()
     out = {"outputs": results[0]["outputs"], "metrics": results[-1]["metrics"], "phases": results,
            "startup_s": startup}
-    if spec.get("rest"):  # the memory `engine_main` reports is then the engine's at rest
+    if spec.get("rest"):  # the engine's memory right after its last request, and at rest
         out["memory_before_rest"] = memory_mib()
         _rest(llm, spec, results[-1]["metrics"].get("heap_trims", 0))
+        out["memory_at_rest"] = memory_mib()
     if spec.get("shutdown"):  # the engine's own shutdown path: scheduler then worker connector
         worker = None
         if spec.get("kv"):
