@@ -125,9 +125,25 @@ def sweep_report(runs: Sequence[dict], settled_share: float | None, target: floa
     return out
 
 
+def as_retrieved_speed(rows: Sequence[dict], reference_s: Sequence[float | None], start: int) -> dict | None:
+    """The settled requests (from `start`) whose every chunk was stored before (as retrieved):
+    their true agreement and computed share, and their TTFT beside full prefill's own on the
+    same requests (those the reference timed; the others' full prefill was a shadow's)."""
+    at = [i for i in range(start, len(rows)) if rows[i].get("as_retrieved", i % 2 == 1)]
+    timed = [i for i in at if reference_s[i] is not None]
+    if not timed:
+        return None
+    served, full = mean([rows[i]["ttft_s"] for i in timed]), mean([reference_s[i] for i in timed])
+    p = sum(rows[i]["agree"] for i in at) / len(at)
+    return {"requests": len(at), "timed": len(timed), "agreement": p, "se": math.sqrt(p * (1 - p) / len(at)),
+            "computed_share": mean([rows[i]["share"] for i in at]), "ttft_s": served, "full_ttft_s": full,
+            "speedup": full / served}
+
+
 def report(adaptive: dict, sweep: Sequence[dict], policy: str, reference_s: Sequence[float],
            target: float = TARGET) -> dict:
     a = adaptive_report(adaptive, policy)
+    a["settled_as_retrieved"] = as_retrieved_speed(adaptive["requests"], reference_s, a["settled_from_request"])
     timed = [x for x in reference_s if x is not None]
     full = {"policy": "full prefill (engine alone)", "requests": len(reference_s), "agreement": 1.0, "se": 0.0,
             "computed_share": 1.0, "ttft_s": mean(timed), "timed": len(timed)}

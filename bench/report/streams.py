@@ -48,6 +48,11 @@ def stream_tables(result: dict) -> str:
     for name, r in (("whole stream", a["overall"]), (f"settled ({a['settled_budget']:.2f}, from request "
                                                     f"{a['settled_from_request']})", st)):
         lines.append(f"| {name} | {r['requests']} | {cells(r)}")
+    if (ar := a.get("settled_as_retrieved")) is not None:
+        lines += ["", f"Settled requests as retrieved (every chunk stored before): {ar['requests']}, true agreement "
+                  f"{ar['agreement']:.3f} ({ar['se']:.3f}), computed {pct(ar['computed_share'])}; TTFT "
+                  f"{ar['ttft_s'] * 1e3:.1f} ms against full prefill's {ar['full_ttft_s'] * 1e3:.1f} ms on the same "
+                  f"requests ({ar['timed']} timed): {ar['speedup']:.1f}x."]
     lines += ["", f"Sampled {a['sampled']} of {a['requests']} requests ({a['blended']} blended; {a['sampled_after_settle']} "
               f"after the settle; {c.get('shadow_blends', 0)} of the shadows also blended at a budget below); the "
               f"shadows computed {pct(c['row_share'])} of all row-layers (served + shadows), "

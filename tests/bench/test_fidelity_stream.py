@@ -89,6 +89,18 @@ def test_answer_agreement_and_requests_as_retrieved_against_brute_force():
     assert sr.rate(_rows([0.25] * 4))["answer_agreement"] is None  # no answers compared
 
 
+def test_the_settled_requests_as_retrieved_are_timed_beside_full_prefill_on_the_same_requests():
+    # 8 requests, settled from request 2; as retrieved: 3, 5, 7; full prefill timed on 3 and 7 only
+    rows = [{"ttft_s": 1.0 + i, "share": 0.1 * i, "agree": int(i != 5), "as_retrieved": i % 2 == 1} for i in range(8)]
+    reference = [9.0, 9.0, 9.0, 16.0, 9.0, None, 9.0, 20.0]
+    got = sr.as_retrieved_speed(rows, reference, start=2)
+    assert got["requests"] == 3 and got["timed"] == 2
+    assert got["agreement"] == pytest.approx(2 / 3) and got["computed_share"] == pytest.approx(0.5)
+    assert got["ttft_s"] == pytest.approx(6.0) and got["full_ttft_s"] == pytest.approx(18.0)  # (4 + 8) / 2, (16 + 20) / 2
+    assert got["speedup"] == pytest.approx(3.0)
+    assert sr.as_retrieved_speed(rows, [None] * 8, start=2) is None
+
+
 def test_columns_round_trip():
     rows = _rows([0.25, 0.4])
     back = fs.unpack(json.loads(json.dumps(fs.columns(rows))))
