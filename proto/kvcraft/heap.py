@@ -2,12 +2,12 @@
 
 glibc keeps freed memory in the heap for the next allocations: under traffic that saves an
 mmap, page faults and a munmap per buffer, but after a burst it stays resident. The service
-trims its heap once no RPC has run for a second (`kvservice.server.heap`); inside an inference
-engine's process, kvcraft's blends and fidelity shadows run on threads of their own, each
-with its own glibc arena, so their peaks add up and stay (docs/vllm.md, "Memory"), and
-`IdleTrim` trims there once no kvcraft work has run for a second. The first request after an
-idle spell faults its pages in again (on the 2-core VM ~16 ms per 115 MiB); under steady
-traffic no trim runs.
+trims its heap once no RPC has run for a second (`kvservice.server.heap`). Inside an
+inference engine's process kvcraft's blends and fidelity shadows run on threads of their own,
+each with its own glibc arena, so their peaks add up and stay (docs/vllm.md, "Memory of the
+engine process"); `IdleTrim` trims there once no kvcraft work has run for a second. The first
+request after an idle spell faults its pages in again (on the 2-core VM 16 ms more for a
+115 MiB tensor); under steady traffic no trim runs.
 """
 
 from __future__ import annotations
