@@ -119,8 +119,12 @@ class Serving:
     def busy(self) -> bool:
         """Whether a served prefill runs or a hold lasts."""
         with self._idle:
-            now = time.monotonic()
-            return bool(self._running) or any(t > now for t in self._held.values())
+            return self._busy(time.monotonic())
+
+    def _busy(self, now: float) -> bool:
+        """`busy`, under the lock; the holds ended by `now` dropped."""
+        self._held = {k: t for k, t in self._held.items() if t > now}
+        return bool(self._running or self._held)
 
     def close(self) -> None:
         if self.trim is not None:
@@ -132,8 +136,7 @@ class Serving:
         with self._idle:
             while True:
                 now = time.monotonic()
-                self._held = {k: t for k, t in self._held.items() if t > now}
-                if not self._running and not self._held:
+                if not self._busy(now):
                     return True
                 if now >= end:
                     return False

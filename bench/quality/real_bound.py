@@ -212,11 +212,11 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[mus
         decoded(label, engine, result.logits, result.kv, result.computed_share)
 
     def decoded(label: str, model: LlamaEngine, logits: Tensor, kv: list, share: float) -> None:
-        """Its answer, and its picks fed full prefill's answer (teacher forcing: `forced`)."""
-        gen = greedy(model, logits, kv, new_tokens, stop)
-        ref = out["full"]["tokens"] if out else list(gen.tokens)
-        forced = greedy(model, logits, kv, new_tokens, stop, feed=ref)
-        out[label] = {"tokens": list(gen.tokens), "forced": list(forced.tokens), "computed_share": share}
+        """Its answer, and its picks fed full prefill's answer (teacher forcing: `forced`; full
+        prefill's own, the first, fed its own picks: the same tokens)."""
+        tokens = list(greedy(model, logits, kv, new_tokens, stop).tokens)
+        forced = list(greedy(model, logits, kv, new_tokens, stop, feed=out["full"]["tokens"]).tokens) if out else tokens
+        out[label] = {"tokens": tokens, "forced": forced, "computed_share": share}
 
     full = run_passes(engine, lay, Policy("full"), InMemoryLayerSource({}), [])
     answer("full", full)

@@ -50,7 +50,7 @@ class ContextBuilder:
     """Builds blended context KV into vLLM's paged cache (see the module docstring)."""
 
     def __init__(self, settings: ConnectorSettings, client: Any, vllm_config: Any, chunk_model_id: str,
-                 block_size: int, metrics: Any = None) -> None:
+                 block_size: int, metrics: Any) -> None:
         from engine_adapter.fidelity import Serving
         from kvcraft.heap import IDLE_TRIM_S
 
@@ -66,8 +66,7 @@ class ContextBuilder:
         self._adapters: list[Any] = []
         # every adapter's prefills (and vLLM's forward after them): shadows give way; the heap
         # trimmed once they and the shadows are idle (kvcraft.heap)
-        self.serving = Serving(trim_idle_s=IDLE_TRIM_S,
-                               on_trim=(lambda: metrics.add(heap_trims=1)) if metrics is not None else (lambda: None))
+        self.serving = Serving(trim_idle_s=IDLE_TRIM_S, on_trim=lambda: metrics.add(heap_trims=1))
         self._engine: Any = None
         self._steps: Any = None  # the engine's static steps, with `blend_graphs`
         self._attn: list[Any] | None = None
