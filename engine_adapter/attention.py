@@ -17,6 +17,10 @@ summed over rows and heads (`reads`, a `kvkernels.KeyReads`: the default policy'
 pass). On the CPU the reads come from the same probabilities the output is made of (one
 softmax; fused SDPA returns none); on the Triton path from inside the kernel's launch.
 
+A pass may also change how some rows read the keys of chunks encoded apart (`Rescale`, APE's
+query attention: `policies.ape`): those rows' output is computed again, in plain torch, and
+written over the attention's.
+
 The Triton kernel is `kvkernels.selective_attention_triton`, its plain-torch reference
 `kvkernels.selective_attention_reference` (tests compare them). Inside an inference engine on a
 CPU, the engine's own attention kernel computes the output where nothing else is asked
@@ -26,6 +30,7 @@ decided here either way.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -33,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine_adapter.selection import Rescale
 from kvkernels import KeyReads, attention_mass, selective_attention_triton
 
 CAUSAL = "causal"
@@ -98,6 +104,44 @@ class Visibility:
     runs: Any = None  # the rows as the engine's attention kernel takes them (`LayerModel.attention`)
 
 
+@dataclass(frozen=True)
+class RescaledRows:
+    """What a `Rescale` reads with for one set of rows over one cache, derived once (not per
+    layer): which of the rows read that way, their position mask and the chunks' keys."""
+
+    at: Tensor  # [Rq] indices into the rows
+    mask: Tensor  # [G*Rq, T] fp32 additive: their position mask, once per query head of a kv head
+    chunk: Tensor  # [T] bool: the keys of the chunks encoded apart
+    temperature: float
+    log_scale: float
+
+    @classmethod
+    def of(cls, rescale: Rescale, rows: Tensor, q_pos: Tensor, k_pos: Tensor, groups: int) -> "RescaledRows":
+        """rows [R]: the step's prompt rows (sorted) at q_pos; k_pos [T]: the keys' positions."""
+        at = torch.arange(rows.shape[0], device=rows.device) if rescale.rows is None else \
+            torch.searchsorted(rows, rescale.rows.to(rows.device))
+        n = min(k_pos.shape[0], rescale.keys.shape[0])
+        chunk = torch.cat([rescale.keys[:n].to(k_pos.device), k_pos.new_zeros(k_pos.shape[0] - n, dtype=torch.bool)])
+        mask = position_mask(q_pos.index_select(0, at), k_pos, torch.float32).repeat(groups, 1)
+        return cls(at, mask, chunk, rescale.temperature, math.log(rescale.scale))
+
+
+def rescaled_attention(q: Tensor, K: Tensor, V: Tensor, r: RescaledRows, scale: float) -> Tensor:
+    """o [Hq, Rq, D] of the rows `r.at` of q [Hq, R, D] over K, V [Hkv, T, D] as APE reads
+    (`Rescale`), in fp32. One softmax: APE's two-level softmax is the softmax of the logits s
+    with, at the chunks' keys, s/T + (T - 1) lse_chunks(s/T) + log S (each group then carries
+    exp(its lse) of the total, as APE combines them); a row that sees no chunk key reads as
+    usual (its lse, -inf, is clamped: the chunks' logits stay -inf)."""
+    Hq, D = q.shape[0], q.shape[2]
+    Hkv = K.shape[0]
+    s = torch.baddbmm(r.mask, q.index_select(1, r.at).float().reshape(Hkv, -1, D), K.float().transpose(1, 2),
+                      alpha=scale)  # [Hkv, G*Rq, T]
+    sharp = (s / r.temperature).masked_fill_(~r.chunk, float("-inf"))
+    shift = sharp.logsumexp(-1, keepdim=True).clamp_(min=-1e30).mul_(r.temperature - 1).add_(r.log_scale)
+    probs = torch.where(r.chunk, sharp.add_(shift), s).softmax(-1)
+    return torch.bmm(probs, V.float()).view(Hq, -1, D).to(q.dtype)
+
+
 def position_mask(q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Tensor:
     """[R, T] additive: 0 where k_pos[j] <= q_pos[r], else -inf."""
     return torch.zeros(q_pos.shape[0], k_pos.shape[0], dtype=dtype).masked_fill_(
@@ -107,7 +151,7 @@ def position_mask(q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Tensor:
 def attend(q: Tensor, q_pos: Tensor, K: Tensor, V: Tensor, k_pos: Tensor, visible: "str | Visibility | None", *,
            scale: float, triton: bool, segments: Tensor | None = None, mass_rows: Tensor | None = None,
            reads: "KeyReads | None" = None, reads_rows: Tensor | None = None,
-           engine: Any = None) -> tuple[Tensor, Tensor | None]:
+           engine: Any = None, rescale: "RescaledRows | None" = None) -> tuple[Tensor, Tensor | None]:
     """Attention of rotated q [Hq, R, D] (rows at q_pos [R]) over the cache K (rotated), V
     [Hkv, T, D] (keys at k_pos [T]) -> (o [Hq, R, D], mass).
 
@@ -118,7 +162,13 @@ def attend(q: Tensor, q_pos: Tensor, K: Tensor, V: Tensor, k_pos: Tensor, visibl
     summed over heads and rows, each row weighted by `reads_rows` [..., R] (None: every row 1).
     On the CPU, leading batch dims pass through (a batch of prompts: `observe`, `learned`).
     engine: the inference engine's attention kernel (`LayerModel.attention`): it computes the
-    output where nothing else is asked and the rows see the keys by position (`Visibility.runs`)."""
+    output where nothing else is asked and the rows see the keys by position (`Visibility.runs`).
+    rescale: the output of its rows (`RescaledRows.at`) computed again as APE reads
+    (`rescaled_attention`)."""
+    if rescale is not None:
+        o, mass = attend(q, q_pos, K, V, k_pos, visible, scale=scale, triton=triton, segments=segments,
+                         mass_rows=mass_rows, reads=reads, reads_rows=reads_rows, engine=engine)
+        return o.index_copy_(1, rescale.at, rescaled_attention(q, K, V, rescale, scale)), mass
     if engine is not None and reads is None and segments is None and q.dim() == 3:
         runs = engine.causal(q.shape[1]) if visible == CAUSAL else getattr(visible, "runs", None)
         if runs is not None:
@@ -223,5 +273,5 @@ def _mass(q: Tensor, q_pos: Tensor, K: Tensor, k_pos: Tensor, segments: Tensor, 
     return attention_mass(q, q_pos, K, k_pos, segments, scale=scale)
 
 
-__all__ = ["ATTENTION_RUNS", "CAUSAL", "EVERY_KEY", "SUFFIX_SHARE", "RowBlocks", "Visibility", "add_reads", "attend",
-           "position_mask"]
+__all__ = ["ATTENTION_RUNS", "CAUSAL", "EVERY_KEY", "SUFFIX_SHARE", "RescaledRows", "RowBlocks", "Visibility",
+           "add_reads", "attend", "position_mask", "rescaled_attention"]

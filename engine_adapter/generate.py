@@ -29,6 +29,7 @@ from torch import Tensor
 
 from engine_adapter.attention import EVERY_KEY
 from engine_adapter.llama import LlamaEngine
+from engine_adapter.selection import Rescale
 from engine_adapter.step import LayerCache, Rotation, Rows, layer_step
 from kvkernels import rope_tables
 
@@ -53,13 +54,14 @@ def stop_tokens(model_dir: str | Path) -> frozenset[int]:
 
 @torch.no_grad()
 def greedy(engine: LlamaEngine, logits: Tensor, kv: list[tuple[Tensor, Tensor]], max_new_tokens: int,
-           stop: Iterable[int] = (), feed: Sequence[int] = ()) -> Generation:
+           stop: Iterable[int] = (), feed: Sequence[int] = (), rescale: Rescale | None = None) -> Generation:
     """Greedy tokens after a prefill of N tokens at positions 0..N-1.
 
     logits: the last prompt position's, [V] (or [..., V]: the last row is used);
     kv: per layer (K post-RoPE [Hkv, N, D], V [Hkv, N, D]), e.g. `BlendResult.kv`. Not modified.
     feed: teacher forcing: these tokens are fed back in place of the model's own (up to
     len(feed) steps); the tokens returned are still its own, each its pick after feed[:i].
+    rescale: each new token reads the chunks encoded apart as APE does (`policies.ape`).
     """
     if max_new_tokens < 1:
         return Generation((), False, 0.0)
@@ -83,7 +85,8 @@ def greedy(engine: LlamaEngine, logits: Tensor, kv: list[tuple[Tensor, Tensor]],
         rows = Rows(at, at, Rotation(*rope_tables(engine.rope, at), engine.triton), EVERY_KEY)
         h = engine.embed(torch.tensor([fed]))  # [1, d]
         for layer, (ck, cv) in enumerate(cache):
-            h = layer_step(engine, layer, h, rows, LayerCache(ck[:, :pos + 1], cv[:, :pos + 1], keys)).h
+            h = layer_step(engine, layer, h, rows, LayerCache(ck[:, :pos + 1], cv[:, :pos + 1], keys),
+                           rescale=rescale).h
         out.append(int(engine.logits(h)[0].argmax()))
     return Generation(tuple(out), out[-1] in stop, time.perf_counter() - t0)
 

@@ -44,7 +44,7 @@ def run_pass(model: Any, lay: Layout, spec: Pass, source: LayerSource, layer_bud
              steps: Any = None, all_logits: bool = False) -> BlendResult:
     """One pass (`Pass`) over the layers. `steps`: the model's static steps (`graphs.StepGraphs`),
     used where this prefill gets them (another prefill may hold them: then eagerly)."""
-    if steps is None:
+    if steps is None or spec.rescale is not None:
         return _Loop(model, lay, spec, source, layer_budget_s, None).run(all_logits)
     with steps.lease() as leased:
         return _Loop(model, lay, spec, source, layer_budget_s, steps if leased else None).run(all_logits)
@@ -133,7 +133,8 @@ class _Loop:
             assert not keep, "a choice that keeps candidates with the question's reads"
             reads_rows = self.merge.question_among(p, after_choice=keep is not None)
         out = layer_step(self.m, layer, h, p.step, cache, choice=choice, mass_of=mass_of, reads=key_reads,
-                         reads_rows=reads_rows, segments=self.lay.bounds if mass_of is not None else None)
+                         reads_rows=reads_rows, segments=self.lay.bounds if mass_of is not None else None,
+                         rescale=self.spec.rescale)
         if later:
             out.mass = self.stats.later(out.q, out.rows, out.K, out.rows.rows if cache.pos is None else cache.pos,
                                         self.m.scale)
@@ -162,5 +163,5 @@ class _Loop:
         """Rows p through layers 0..layer-1 over the merged caches (their K/V written there)."""
         self.stats.now()  # the statistics' mass over those caches as they were
         for before in range(layer):
-            h = layer_step(self.m, before, h, p.step, self.merge.written(before)).h
+            h = layer_step(self.m, before, h, p.step, self.merge.written(before), rescale=self.spec.rescale).h
         return h

@@ -17,6 +17,8 @@ cacheblend  HKVD with gradual filtering (CacheBlend §4.3): all reused tokens on
             paper's steady-state r (`ratio`) or by its whole `budget`.  policies/cacheblend.py
 epic        each reused chunk's first tokens recomputed (the attention sink a chunk grows
             when computed apart; EPIC, Hu et al. 2024).                  policies/epic.py
+ape         naive reuse, the question reading the reused chunks with APE's attention
+            temperature and scale (Yang et al., ICLR 2025).              policies/ape.py
 query       query-aware: a question pass with naive reuse measures which reused tokens the
             question reads (joined with the KV deviation of their stored layer-1 K/V); the
             second pass recomputes the most-read ones from layer 0, as many as the `budget`
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine_adapter.policies.ape import Ape
 from engine_adapter.policies.base import ReusePolicy
 from engine_adapter.policies.cacheblend import CacheBlend
 from engine_adapter.policies.cachecraft import CacheCraft, FocusTracker, focused_chunks
@@ -41,7 +44,7 @@ from engine_adapter.policies.naive import Naive
 
 # Every policy by its name, in the order users see them listed; POLICIES is the names.
 _KINDS: dict[str, type[ReusePolicy]] = {
-    kind.name: kind for kind in (Full, Prefix, Naive, CacheCraft, CacheBlend, Epic, QueryAware)}
+    kind.name: kind for kind in (Full, Prefix, Naive, CacheCraft, CacheBlend, Epic, Ape, QueryAware)}
 POLICIES: tuple[str, ...] = tuple(_KINDS)
 
 
@@ -108,6 +111,6 @@ def _number(value: str, spec: str, key: str) -> int | float:
     raise ValueError(f"policy spec {spec!r}: option {key!r} needs a number, got {value!r}")
 
 
-__all__ = ["CacheBlend", "CacheCraft", "DEFAULT_POLICY", "Epic", "FocusTracker", "Full", "Naive", "POLICIES",
+__all__ = ["Ape", "CacheBlend", "CacheCraft", "DEFAULT_POLICY", "Epic", "FocusTracker", "Full", "Naive", "POLICIES",
            "Policy", "Prefix", "PrefixOf", "QueryAware", "ReusePolicy", "focused_chunks", "parse_policy",
            "spent_budget", "with_budget"]

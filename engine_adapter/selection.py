@@ -13,6 +13,9 @@ selection a read-only `LayerView` (the rows, the candidates, the layout) and ask
     drop(view)     prompt rows that stop after this layer (with their chunks' KV as stored)
     finish(view)   once the pass ends
 
+A pass may also carry a change of how some rows read the keys (`Rescale`: APE's attention
+temperature and scale, `policies.ape`).
+
 A selection never writes the loop's state and imports nothing private of it; every default
 changes nothing. Plug-ins: `policies.cacheblend` (HKVD), `policies.cachecraft` (Alg. 1),
 `policies.default` (the question pass and the chunk heads).
@@ -137,6 +140,28 @@ class Carry:
 
 
 @dataclass(frozen=True)
+class Rescale:
+    """APE's attention of the query over chunks encoded in parallel (Yang et al., "APE: Faster
+    and Longer Context-Augmented Generation via Adaptive Parallel Encoding", ICLR 2025):
+    the keys split in two groups, those of the chunks encoded apart (`keys`) and the rest (the
+    shared prefix, the query). Within the chunks' group the logits are divided by the
+    temperature T (sharper); the group's total weight is the softmax of the two groups'
+    log-sum-exps with the chunks' taken as T lse(s/T) + log S (S: the scale), the rest's as
+    usual. T = S = 1 is plain attention."""
+
+    temperature: float
+    scale: float
+    keys: Tensor  # [N] bool over the cache's rows: the keys of the chunks encoded apart (past N: none)
+    rows: Tensor | None = None  # the prompt rows that read this way, sorted (None: every row of the step)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.temperature <= 1.0:
+            raise ValueError(f"temperature {self.temperature} outside (0, 1]")
+        if not self.scale > 0.0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
+
+
+@dataclass(frozen=True)
 class Pass:
     """One pass over the layers, as a policy states it."""
 
@@ -153,6 +178,7 @@ class Pass:
     # layer -> (K post-RoPE, V) an earlier pass merged over the same stored KV, every row it
     # computed at that layer among this pass's: this pass writes its rows over it
     caches: Mapping[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    rescale: Rescale | None = None  # some rows read the chunks encoded apart as APE does (eagerly: no static step)
 
 
-__all__ = ["Carry", "LayerView", "Pass", "Seen", "Selection", "Selections", "Wants"]
+__all__ = ["Carry", "LayerView", "Pass", "Rescale", "Seen", "Selection", "Selections", "Wants"]

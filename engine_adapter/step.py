@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from engine_adapter.attention import CAUSAL, Visibility, attend
+from engine_adapter.attention import CAUSAL, RescaledRows, Visibility, attend
+from engine_adapter.selection import Rescale
 from kvkernels import KeyReads, kv_deviation, rotate_triton
 from kvkernels.layer import rope_write_triton
 
@@ -171,12 +172,13 @@ class Stepped:
 
 def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache, *, choice: Choice | None = None,
                segments: Tensor | None = None, mass_of: Tensor | None = None, reads: KeyReads | None = None,
-               reads_rows: Tensor | None = None) -> Stepped:
+               reads_rows: Tensor | None = None, rescale: Rescale | None = None) -> Stepped:
     """Layer `layer` for hidden rows h [R, d] at `rows` over `cache` (see the module docstring).
     `model.triton`: the Triton kernels (the fused rotate-and-write, the attention by position).
     What the attention returns besides (`attention.attend`): with `segments`, the attention
     mass per segment of the prompt rows `mass_of` (sorted; rows a choice keeps); with `reads`,
     what the rows that attend read of each key (each weighted by `reads_rows` [R]; None: 1).
+    rescale: some rows read the chunks encoded apart as APE does (`attention.Rescale`).
     On the CPU, leading batch dims pass through (h [..., R, d]: a batch of prompts, with rows
     [R] the same in each, or [..., R] each its own; `observe`, `learned`)."""
     qkv = model.qkv_heads(layer, h)  # [Hq+2Hkv, R, D] pre-RoPE
@@ -191,7 +193,7 @@ def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache,
         V.index_copy_(1, rows.rows, v)
         K = cache.rot(cache.raw, out=K)
         out = Stepped(rows, rows.rows, h, rows.rot(q), qkv, K, V, rotate_s=time.perf_counter() - t0)
-        return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows)
+        return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows, rescale)
     stored = None
     if cache.raw is not None and model.triton and choice is None:  # rotated in the rows' write's launch
         stored = (cache.raw, cache.rot.cos, cache.rot.sin, rows.computed(cache.raw.shape[1]))
@@ -224,18 +226,26 @@ def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache,
     out = Stepped(rows, rows.rows, h, q, qkv, K, V, rotate_s=rotate_s)
     if choice is not None:
         out = _choose(out, choice, old)
-    return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows)
+    return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows, rescale)
 
 
 def _attend_and_out(model: Any, layer: int, out: Stepped, cache: LayerCache, segments: Tensor | None,
-                    mass_of: Tensor | None, reads: KeyReads | None, reads_rows: Tensor | None) -> Stepped:
+                    mass_of: Tensor | None, reads: KeyReads | None, reads_rows: Tensor | None,
+                    rescale: Rescale | None) -> Stepped:
     """The rest of `layer_step`, for `out`'s rows once their K/V are in the cache: their
     attention over it (and what it returns besides), then the model's o-proj and MLP."""
     rows, t0 = out.rows, time.perf_counter()
-    o, out.mass = attend(out.q, rows.pos, out.K, out.V, rows.rows if cache.pos is None else cache.pos,
+    k_pos = rows.rows if cache.pos is None else cache.pos
+    if rescale is not None:
+        key = ("rescale", id(rescale), out.K.shape[-2])
+        if key not in rows.memo:  # once per set of rows
+            rows.memo[key] = (rescale, RescaledRows.of(rescale, rows.rows, rows.pos, k_pos,
+                                                      model.cfg.num_heads // model.cfg.num_kv_heads))
+        rescale = rows.memo[key][1]
+    o, out.mass = attend(out.q, rows.pos, out.K, out.V, k_pos,
                          CAUSAL if cache.pos is None else rows.visible, scale=model.scale, triton=model.triton,
                          segments=segments, mass_rows=None if mass_of is None else rows.index_of(mass_of),
-                         reads=reads, reads_rows=reads_rows, engine=model.attention)
+                         reads=reads, reads_rows=reads_rows, engine=model.attention, rescale=rescale)
     out.attend_s = time.perf_counter() - t0  # (eagerly; a graph's replay runs no Python)
     out.h = _layer_out(model, layer, out.h, o)
     return out

@@ -2,7 +2,7 @@
 prefill's KV in hand (oracles no deployment has), beside naive reuse and the default policy.
 
     kvcraft bench real-bound [--data musique_s.json] [--first 0 --prompts 100] [--passages 1]
-        [--budgets 0.15 0.3 0.5] [--greedy] [--new-tokens 16] [--json OUT]
+        [--budgets 0.15 0.3 0.5] [--greedy] [--ape T,S ...] [--new-tokens 16] [--json OUT]
 
 `kvbench.quality.real_quality` measures the policies as deployed; none keeps ROUGE-L >= 0.90 against
 full prefill's answer at <= 15% of the row-layers computed (docs/quality.md). This asks
@@ -27,6 +27,11 @@ from layer 0 are chosen knowing what full prefill computes, three ways (four wit
               it is spent. At a block's grain: a row's would take ~64x the blends. Its rows
               and the prompt's segment edges are kept per record (`rows`, `edges`): where
               the picks lie (`kvbench.report.quality.oracle`).
+
+With --ape, APE's attention (`policies.ape`: naive reuse, the question and the answer reading
+the reused passages with temperature T and scale S) at each T,S given, twice: over the stored
+variants above, and over each passage encoded behind the instruction alone (APE's shared
+prefix; "behind the instruction"), beside naive reuse of those.
 
 Beside them, full prefill in bfloat16 (the precision GPUs serve in) against full prefill in
 fp32: how far a change that keeps every row exact in all but rounding moves the answers.
@@ -58,6 +63,7 @@ from engine_adapter.fidelity import compare
 from engine_adapter.generate import greedy, stop_tokens
 from engine_adapter.policy import DEFAULT_POLICY, Naive, Policy, QueryAware
 from engine_adapter.probe import TRUSTED
+from engine_adapter.selection import Rescale
 from engine_adapter.prompt import Layout, Segment
 from engine_adapter.policies.picks import QuestionReads, candidate_rows, most_read
 from engine_adapter.source import InMemoryLayerSource
@@ -74,7 +80,8 @@ COLUMNS = {"rouge_l_vs_full": "ROUGE-L vs full", "identical_to_full": "identical
 
 
 def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[float] = BUDGETS,
-        new_tokens: int = 16, progress: bool = True, search: bool = False) -> dict:
+        new_tokens: int = 16, progress: bool = True, search: bool = False,
+        apes: Sequence[tuple[float, float]] = ()) -> dict:
     """The rows per case (`COLUMNS`, means over the records) and every record's answers."""
     from rich.console import Console
     from rich.progress import track
@@ -82,14 +89,15 @@ def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[fl
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = LlamaEngine.from_pretrained(model_dir)
-    bf16 = None if budgets else LlamaEngine.from_pretrained(model_dir, dtype=torch.bfloat16)  # its own run
+    # bf16 on a CPU is slow: its row is a run of its own (no budgets, no APE)
+    bf16 = None if budgets or apes else LlamaEngine.from_pretrained(model_dir, dtype=torch.bfloat16)
     stop = stop_tokens(model_dir)
     prompts = [musique.prompt(tok, r) for r in records]
     out = []
     items = range(len(records))
     with torch.no_grad():
         for i in (track(items, description="MuSiQue records", console=Console(stderr=True)) if progress else items):
-            served = _record(engine, bf16, prompts, i, budgets, new_tokens, stop, search)
+            served = _record(engine, bf16, prompts, i, budgets, new_tokens, stop, search, apes)
             for got in served.values():
                 got["answer"] = tok.decode(got["tokens"], skip_special_tokens=True).strip()
             out.append(_score(records[i], served))
@@ -142,6 +150,20 @@ def served(engine: LlamaEngine, prompts: Sequence[musique.Prompt], i: int) -> Se
                 *(Segment(c, cached=True, cached_prefix=v.prefix) for c, v in zip(p.passages, mine)),
                 Segment(p.question, question=True)]
     stored = {0: warmed.fresh[0].kv} | {1 + k: v.kv for k, v in enumerate(mine)}
+    return Served(segments, Layout.of(segments, model_id), stored)
+
+
+def behind_instruction(engine: LlamaEngine, s: Served, p: musique.Prompt) -> Served:
+    """`s` with each passage's variant encoded behind the instruction alone (APE's shared prefix)."""
+    model_id = engine.model_spec().fingerprint()
+    stored = {0: s.stored[0]}
+    segments = [s.segments[0]]
+    for k, passage in enumerate(p.passages):
+        alone = run_passes(engine, Layout.of([Segment(p.instruction), Segment(passage)], model_id), Policy("full"),
+                           InMemoryLayerSource({}), [])
+        stored[1 + k] = alone.fresh[1].kv
+        segments.append(Segment(passage, cached=True, cached_prefix=alone.fresh[1].prefix))
+    segments.append(s.segments[-1])
     return Served(segments, Layout.of(segments, model_id), stored)
 
 
@@ -198,24 +220,27 @@ def with_rows(engine: LlamaEngine, s: Served, q: QuestionReads, rows: Sequence[i
 
 
 def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[musique.Prompt], i: int,
-            budgets: Sequence[float], new_tokens: int, stop: frozenset[int], search: bool = False
-            ) -> dict[str, dict]:
+            budgets: Sequence[float], new_tokens: int, stop: frozenset[int], search: bool = False,
+            apes: Sequence[tuple[float, float]] = ()) -> dict[str, dict]:
     """Record i's answers per case: tokens and computed share. bf16: the engine in bfloat16,
     whose full prefill measures how far another precision moves an answer (None: no such row).
-    search: the greedy search's rows at each budget too (`greedy_blocks`)."""
+    search: the greedy search's rows at each budget too (`greedy_blocks`). apes: APE's cases at
+    each (T, S) (the module docstring)."""
     L = engine.cfg.num_layers
     s = served(engine, prompts, i)
     lay, question = s.layout, len(prompts[i].question)
     out = {}
 
-    def answer(label: str, result: BlendResult) -> None:
-        decoded(label, engine, result.logits, result.kv, result.computed_share)
+    def answer(label: str, result: BlendResult, rescale: Rescale | None = None) -> None:
+        decoded(label, engine, result.logits, result.kv, result.computed_share, rescale)
 
-    def decoded(label: str, model: LlamaEngine, logits: Tensor, kv: list, share: float) -> None:
+    def decoded(label: str, model: LlamaEngine, logits: Tensor, kv: list, share: float,
+                rescale: Rescale | None = None) -> None:
         """Its answer, and its picks fed full prefill's answer (teacher forcing: `forced`; full
         prefill's own, the first, fed its own picks: the same tokens)."""
-        tokens = list(greedy(model, logits, kv, new_tokens, stop).tokens)
-        forced = list(greedy(model, logits, kv, new_tokens, stop, feed=out["full"]["tokens"]).tokens) if out else tokens
+        tokens = list(greedy(model, logits, kv, new_tokens, stop, rescale=rescale).tokens)
+        forced = list(greedy(model, logits, kv, new_tokens, stop, feed=out["full"]["tokens"],
+                             rescale=rescale).tokens) if out else tokens
         out[label] = {"tokens": tokens, "forced": forced, "computed_share": share}
 
     full = run_passes(engine, lay, Policy("full"), InMemoryLayerSource({}), [])
@@ -227,6 +252,15 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[mus
     answer("naive", naive)
     answer(f"{DEFAULT_POLICY} (default)", blend_prefill(engine, s.segments, Policy(DEFAULT_POLICY), s.source(),
                                                         gate=TRUSTED, stats=False))
+    if apes:
+        shared = behind_instruction(engine, s, prompts[i])
+        answer("naive, behind the instruction",
+               run_passes(engine, shared.layout, Naive(), shared.source(), shared.reused))
+        for t, scale in apes:
+            ape = Policy("ape", temperature=t, scale=scale)
+            for where, v in (("", s), (", behind the instruction", shared)):
+                answer(f"ape T={t:g} S={scale:g}{where}", run_passes(engine, v.layout, ape, v.source(), v.reused),
+                       ape.rescale(v.layout))
     if not budgets:
         return out
     oracle = oracle_scores(engine, s, full, naive)
@@ -280,6 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "none: only full prefill (fp32 and bf16), naive reuse and the default")
     p.add_argument("--greedy", action="store_true",
                    help="also the greedy search's rows at each budget (tens of blends a record per budget step)")
+    p.add_argument("--ape", nargs="*", default=[], metavar="T,S",
+                   help="APE's attention at each temperature,scale, over the stored variants and over passages "
+                        "encoded behind the instruction alone")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--model-dir", help="the model folder (default: as `kvcraft model fetch`; fetched if absent)")
@@ -289,6 +326,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--first must be >= 0, --prompts, --passages and --new-tokens >= 1")
     if not all(0 < b <= 1 for b in a.budgets):
         p.error(f"--budgets must lie in (0, 1], got {a.budgets}")
+    try:
+        apes = [tuple(float(x) for x in pair.split(",", 1)) for pair in a.ape]
+        for t, scale in apes:
+            Policy("ape", temperature=t, scale=scale)
+    except ValueError as e:
+        p.error(f"--ape must be T,S pairs (0 < T <= 1, S > 0), got {a.ape}: {e}")
     from kvbench.common.realmodel import fetch
 
     torch.set_num_threads(a.threads)
@@ -296,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = records[:a.prompts]
     if len(records) < 2:
         p.error(f"fewer than 2 records from index {a.first} in {a.data} (each needs a neighbour's passage)")
-    result = run(fetch(a.model_dir).path, records, a.budgets, a.new_tokens, search=a.greedy)
+    result = run(fetch(a.model_dir).path, records, a.budgets, a.new_tokens, search=a.greedy, apes=apes)
     print(musique_table(result))
     results.save("real-bound", argv, result, a.json)
     return 0

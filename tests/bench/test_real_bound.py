@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from kvbench.quality import real_bound
-from kvbench.report.quality import musique_table, oracle
+from kvbench.report.quality import ape, musique_table, oracle
 
 
 def test_the_summary_pairs_each_case_with_the_default_record_by_record():
@@ -48,6 +48,23 @@ def test_the_oracle_table_puts_each_budget_of_each_run_on_a_row_and_counts_where
     # of 100 picks: 10 in the first 64 rows (32% of 200), 40 in the last 64, 50 between (72 rows, 36%)
     assert ("10% in its first 64 rows (32% of the rows), 40% in its last 64 rows (32% of the rows), "
             "50% elsewhere (36% of the rows)") in printed
+
+
+def test_the_ape_table_puts_each_run_in_a_column_and_leaves_a_case_a_run_lacks_empty():
+    def case(name, first, share):
+        return {"case": name, "first_token_agrees": first, "first_token_se": 0.1, "rouge_l_vs_full": 0.5,
+                "answer_forced_agrees": 0.75, "computed_share": share}
+
+    runs = [(f"{p}.json", {"command": f"kvcraft bench real-bound --passages {p} --ape 0.9,1", "date": "2026-12-03",
+                           "machine": {}, "meta": {"records": n},
+                           "cases": [case("full", 1.0, 1.0), case("naive", 0.5, 0.02)] +
+                                    ([case("ape T=0.9 S=1", 0.25, 0.01)] if p == 3 else [])})
+            for p, n in ((3, 24), (10, 6))]
+    printed = ape(runs)
+    assert "| case | 3 passages (24) | 10 passages (6) |" in printed
+    assert "| naive | 50% (10%) · 0.50 · 75% at 2.0% | 50% (10%) · 0.50 · 75% at 2.0% |" in printed
+    assert "| ape T=0.9 S=1 | 25% (10%) · 0.50 · 75% at 1.0% |  |" in printed
+    assert "| full |" not in printed
 
 
 def test_teacher_forcing_scores_the_share_of_full_prefills_answer_each_case_predicts():

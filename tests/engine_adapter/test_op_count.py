@@ -48,6 +48,9 @@ from tests.engine_adapter.adapter_helpers import make_prompt
 # of the rows' K/V (2), then the CPU attention's second run of rows (4) or the question pass's
 # reads from the attention's own softmax (5).
 OVERHEAD_PER_LAYER = 13
+# APE's attention of the question's rows a layer (below): its logits, the chunks' share
+# sharpened and rescaled, one softmax, the product, written over the step's output
+APE_ATTENTION_OPS = 17
 
 
 class Dispatched(TorchDispatchMode):
@@ -113,12 +116,23 @@ def _query_passes(layers: int, **shape: int) -> tuple[int, int]:
     return seen["question"], total - seen["question"]
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "query"])  # query: per pass, below
+# query: per pass, below; ape: its question rows' attention computed again, below
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p not in ("query", "ape")])
 def test_each_policy_dispatches_no_more_than_full_prefill_per_layer_plus_a_constant(policy: str):
     full, mine = per_layer(None), per_layer(policy)
     assert mine <= full + OVERHEAD_PER_LAYER, f"{policy}: {mine} ops per layer, full prefill {full}"
     assert _ops(policy, 4, chunk_len=48) == _ops(policy, 4), f"{policy}: the count grows with rows"
     assert _ops(policy, 4, chunks=6) == _ops(policy, 4), f"{policy}: the count grows with chunks"
+
+
+def test_ape_dispatches_naive_reuses_count_plus_its_attention_whatever_the_rows_and_chunks():
+    # APE's attention (`attention.rescaled_attention`: plain torch, no kernel of its own) runs
+    # for the question's rows beside the step's attention: a constant more a layer than naive
+    # reuse, whatever the rows and chunks.
+    naive, mine = per_layer("naive"), per_layer("ape")
+    assert naive < mine <= naive + APE_ATTENTION_OPS, f"ape: {mine} ops per layer, naive reuse {naive}"
+    assert _ops("ape", 4, chunk_len=48) == _ops("ape", 4), "ape: the count grows with rows"
+    assert _ops("ape", 4, chunks=6) == _ops("ape", 4), "ape: the count grows with chunks"
 
 
 def test_each_pass_of_the_default_policy_dispatches_no_more_than_full_prefill_per_layer_plus_a_constant():

@@ -87,8 +87,9 @@ def test_each_policy_on_static_steps_equals_the_eager_step(engines, policy: str)
     # phase's (layers
     # 0..L-2, its reads added up in the bucket's buffer) and its second phase's
     # (`test_the_default_policys_second_phase_...` below: layer by layer, the two phases'
-    # flags are one here). Not here: full prefill (no blend loop).
-    assert static_layers == [0, 1, 2]
+    # flags are one here). Not here: full prefill (no blend loop); APE's pass runs eagerly (its
+    # question rows' attention is computed again in torch, `attention.rescaled_attention`).
+    assert static_layers == ([] if policy == "ape" else [0, 1, 2])
 
 
 def test_the_default_policys_second_phase_runs_every_layer_static_its_carried_question_rows_too(engines):

@@ -67,8 +67,19 @@ def test_recomputing_every_passage_row_gives_full_prefill(case):
     assert got.logits.argmax() == full.logits.argmax()
 
 
+def test_one_passage_encoded_behind_the_instruction_is_exact_reuse(case):
+    # APE's shared prefix: with one passage, behind the instruction is where the prompt has it
+    engine, prompt, s, full, naive, _ = case
+    shared = real_bound.behind_instruction(engine, s, prompt)
+    assert shared.segments[1].cached_prefix == (s.layout.keys[0],)
+    with torch.no_grad():
+        exact = run_passes(engine, shared.layout, Naive(), shared.source(), shared.reused)
+    torch.testing.assert_close(exact.logits, full.logits, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(naive.logits, full.logits, rtol=1e-4, atol=1e-4)  # the stored variant is not
+
+
 @pytest.mark.parametrize("argv", [["--budgets", "1.5"], ["--budgets", "0"], ["--prompts", "0"], ["--first", "-1"],
-                                  ["--passages", "0"]])
+                                  ["--passages", "0"], ["--ape", "0,1"], ["--ape", "0.9"], ["--ape", "0.9,x"]])
 def test_refuses_bad_arguments_before_loading_anything(argv, capsys):
     with pytest.raises(SystemExit) as e:
         real_bound.main(argv)

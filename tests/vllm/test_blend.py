@@ -93,6 +93,8 @@ BLEND_OPTIONS = {"ratio": 0.3, "layer_budget_s": 30.0}
 # The default policy at a budget where its joined selection (reads + KV deviation) runs: on this
 # 4-layer model its layer-0 pass over the reused rows fits half of the picks' budget only so high.
 QUERY_OPTIONS = {"budget": 0.6, "layer_budget_s": 30.0}
+# APE far from plain attention (T = S = 1), so that its question rows' K/V differ from naive reuse's
+APE_OPTIONS = {"temperature": 0.5, "scale": 0.8, "layer_budget_s": 30.0}
 
 
 def _blend_spec(w: dict, phases: list[dict], **kv) -> dict:
@@ -105,15 +107,17 @@ def _blend_spec(w: dict, phases: list[dict], **kv) -> dict:
 def blended(world):
     """One blending vLLM: policy full on every request, then CacheBlend r=30% one request at a
     time (KV dumped), then the same CacheBlend requests all in one generate call, then the
-    default policy (`QUERY_OPTIONS`) one at a time (KV dumped)."""
+    default policy (`QUERY_OPTIONS`) one at a time (KV dumped), then APE (`APE_OPTIONS`, KV dumped)."""
     full = [{**r, "policy": "full", "salt": "full"} for r in world["requests"]]
     blend = [{**r, "salt": "cacheblend"} for r in world["requests"]]
     together = [{**r, "salt": "together"} for r in world["requests"]]
     query = [{**r, "policy": "query", "options": QUERY_OPTIONS, "salt": "query"} for r in world["requests"]]
+    ape = [{**r, "policy": "ape", "options": APE_OPTIONS, "salt": "ape"} for r in world["requests"]]
     spec = _blend_spec(world, [{"requests": full, "max_tokens": MAX_TOKENS},
                                {"requests": blend, "max_tokens": MAX_TOKENS},
                                {"requests": together, "max_tokens": MAX_TOKENS, "batch": True},
-                               {"requests": query, "max_tokens": MAX_TOKENS}],
+                               {"requests": query, "max_tokens": MAX_TOKENS},
+                               {"requests": ape, "max_tokens": MAX_TOKENS}],
                        blend_store_back=False, blend_options=BLEND_OPTIONS, load_concurrency=2)
     spec["dump"] = str(world["tmp"] / "blend-kv.pt")
     out, log = run_engine(world["tmp"], "blend", spec)
@@ -219,6 +223,35 @@ def test_the_default_policys_joined_selection_in_vllms_cache_is_the_reference_en
             _assert_cache_is_the_references(d, dumps["layout"], result)
             assert o["output"][0] == int(result.logits.argmax())
         ref.close()
+
+
+def test_apes_question_rows_in_vllms_cache_are_the_reference_engines(world, blended):
+    """APE (`APE_OPTIONS`): the question's rows read the reused chunks rescaled inside vLLM's
+    blend as in the reference engine's (vLLM's cache and first token), and not as naive reuse."""
+    from engine_adapter import Policy
+    from engine_adapter.rag import RAGAdapter
+    from kvclient.client import KVClient
+
+    out, _, dumps = blended
+    phase = out["phases"][4]
+    blends = [d for d in dumps["blends"] if d["policy"] == "ape"]
+    assert len(blends) == EXAMPLES
+    with KVClient(world["server"].address) as client:
+        ref = RAGAdapter(world["engine"], client, Policy("ape", **APE_OPTIONS), store_back=False, shadows=False)
+        naive = RAGAdapter(world["engine"], client, Policy("naive", layer_budget_s=30.0), store_back=False,
+                           shadows=False)
+        for d, o, e in zip(blends, phase["outputs"], world["exs"]):
+            k = o["kv"]["kvcraft"]
+            assert k["blended"] and k["reused_chunks"] >= 1 and k["policy"] == "ape", k
+            chunks, question = [list(c) for c in e.chunk_ids], list(e.question_ids)
+            result, rep = ref.prefill(chunks, question, reorder=False)
+            assert rep.reused_chunks == k["reused_chunks"]
+            _assert_cache_is_the_references(d, dumps["layout"], result)
+            assert o["output"][0] == int(result.logits.argmax())
+            plain, _ = naive.prefill(chunks, question, reorder=False)
+            assert (result.logits - plain.logits).abs().max() > 1e-3  # the rescale ran
+        ref.close()
+        naive.close()
 
 
 def test_blends_of_requests_sent_at_once_overlap_and_answer_as_one_at_a_time(world, blended):
