@@ -158,7 +158,8 @@ def oracle(named: Named) -> str:
 
 def ape(named: Named) -> str:
     """`kvcraft bench real-bound --ape` runs as one table: a row per case but full prefill, a
-    column per run (passages, records); each cell as the oracle table's, with its share computed."""
+    column per run (passages, records); each cell as the oracle table's, then its share computed
+    (the page says so)."""
     runs = [(int(m[1]) if (m := PASSAGES.search(r["command"])) else 1, r) for _, r in named]
     cases = list(dict.fromkeys(c["case"] for _, r in runs for c in r["cases"] if c["case"] != "full"))
     head = ["case", *(f"{p} passages ({r['meta']['records']})" for p, r in runs)]
@@ -166,9 +167,7 @@ def ape(named: Named) -> str:
     for case in cases:
         rows = [next((c for c in r["cases"] if c["case"] == case), None) for _, r in runs]
         body.append([case, *(f"{_agreement(c)} at {pct(c['computed_share'])}" if c else "" for c in rows)])
-    return (table(head, body) + "\n\nEach cell: first token = full prefill's (standard error) · ROUGE-L of the "
-            "16-token answer against full prefill's · full prefill's answer under teacher forcing: the share of its "
-            "tokens the case predicts · the share of row-layers computed." + f"\n\n{sources(named)}")
+    return table(head, body) + f"\n\n{sources(named)}"
 
 
 def _where_picked(named: Named, edge: int = 64) -> str:
