@@ -178,7 +178,7 @@ def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache,
     What the attention returns besides (`attention.attend`): with `segments`, the attention
     mass per segment of the prompt rows `mass_of` (sorted; rows a choice keeps); with `reads`,
     what the rows that attend read of each key (each weighted by `reads_rows` [R]; None: 1).
-    rescale: some rows read the chunks encoded apart as APE does (`attention.Rescale`).
+    rescale: some rows read the chunks encoded apart as APE does (`selection.Rescale`).
     On the CPU, leading batch dims pass through (h [..., R, d]: a batch of prompts, with rows
     [R] the same in each, or [..., R] each its own; `observe`, `learned`)."""
     qkv = model.qkv_heads(layer, h)  # [Hq+2Hkv, R, D] pre-RoPE

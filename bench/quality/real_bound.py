@@ -63,9 +63,9 @@ from engine_adapter.fidelity import compare
 from engine_adapter.generate import greedy, stop_tokens
 from engine_adapter.policy import DEFAULT_POLICY, Naive, Policy, QueryAware
 from engine_adapter.probe import TRUSTED
-from engine_adapter.selection import Rescale
 from engine_adapter.prompt import Layout, Segment
 from engine_adapter.policies.picks import QuestionReads, candidate_rows, most_read
+from engine_adapter.selection import Rescale
 from engine_adapter.source import InMemoryLayerSource
 from kvbench import results
 from kvbench.common import musique
