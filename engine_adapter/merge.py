@@ -47,7 +47,7 @@ class Merge:
         self.reused_tokens = sum(self.reused_host)
         self.live_host = list(self.reused_host)  # rows still served from stored KV
         self.live_host[-1] = False  # the last row is always computed
-        self.question = list(range(*lay.edges[-2:])) if lay.segments[-1].question else [self.n - 1]
+        self.question = list(lay.question_rows())
         hidden = torch.zeros(self.n, dtype=torch.bool)
         if spec.hidden:
             hidden.index_fill_(0, torch.tensor(list(spec.hidden), dtype=torch.long), True)

@@ -73,6 +73,10 @@ class Layout:
     def n(self) -> int:
         return len(self.tokens)
 
+    def question_rows(self) -> range:
+        """The question's rows (the last row where the prompt has no question segment)."""
+        return range(*self.edges[-2:]) if self.segments[-1].question else range(self.n - 1, self.n)
+
     def rows(self, s: int) -> Tensor:
         return torch.arange(self.edges[s], self.edges[s + 1])
 

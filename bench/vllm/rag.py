@@ -83,37 +83,44 @@ def build_tiny_llama(path: str | Path, *, layers: int = 2, hidden: int = 128, he
     return path
 
 
-def quantize_w8a8(src: str | Path, dst: str | Path) -> Path:
-    """`src`'s model as an int8 W8A8 checkpoint in the compressed-tensors format (which vLLM
-    serves on a CPU through oneDNN): each decoder layer's linear weights symmetric int8 per
-    output channel with their scales, activations quantized per token at run time; embeddings,
-    norms and the vocabulary projection as they were. Made here, with no quantization library."""
+def _quantized_copy(src: str | Path, dst: str | Path, quantize: Any, quantization_config: dict) -> Path:
+    """`src` copied to `dst` with each decoder layer's linear weight `name` replaced by
+    `quantize(name, w)`'s tensors and `quantization_config` in config.json; embeddings, norms
+    and the vocabulary projection as they were."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     src, dst = Path(src), Path(dst)
     shutil.copytree(src, dst)
-    weights = load_file(dst / "model.safetensors")
     out = {}
-    for name, w in weights.items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # [out, 1]
-            out[name] = torch.round(w.float() / scale).clamp(-128, 127).to(torch.int8)
-            out[name.removesuffix("weight") + "weight_scale"] = scale.to(w.dtype)
-        else:
-            out[name] = w
+    for name, w in load_file(dst / "model.safetensors").items():
+        linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
+        out |= quantize(name, w) if linear else {name: w}
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
-    int8 = {"num_bits": 8, "type": "int", "symmetric": True}
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"],
-                                      "weights": {**int8, "strategy": "channel", "dynamic": False},
-                                      "input_activations": {**int8, "strategy": "token", "dynamic": True}}},
-        "ignore": ["lm_head"]}
+    config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config, indent=1))
     return dst
+
+
+def quantize_w8a8(src: str | Path, dst: str | Path) -> Path:
+    """`src`'s model as an int8 W8A8 checkpoint in the compressed-tensors format (which vLLM
+    serves on a CPU through oneDNN): each decoder layer's linear weights symmetric int8 per
+    output channel with their scales, activations quantized per token at run time; embeddings,
+    norms and the vocabulary projection as they were. Made here, with no quantization library."""
+    def int8(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # [out, 1]
+        return {name: torch.round(w.float() / scale).clamp(-128, 127).to(torch.int8),
+                name.removesuffix("weight") + "weight_scale": scale.to(w.dtype)}
+
+    bits = {"num_bits": 8, "type": "int", "symmetric": True}
+    return _quantized_copy(src, dst, int8, {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**bits, "strategy": "channel", "dynamic": False},
+                                      "input_activations": {**bits, "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head"]})
 
 
 def quantize_gptq(src: str | Path, dst: str | Path, group_size: int = 64) -> Path:
@@ -123,18 +130,7 @@ def quantize_gptq(src: str | Path, dst: str | Path, group_size: int = 64) -> Pat
     scales; embeddings, norms and the vocabulary projection as they were. The values are
     rounded to nearest, not GPTQ's calibrated updates: the format and the kernels are GPTQ's,
     the error a little larger. Made here, with no quantization library."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    src, dst = Path(src), Path(dst)
-    shutil.copytree(src, dst)
-    weights = load_file(dst / "model.safetensors")
-    out = {}
-    for name, w in weights.items():
-        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
-            out[name] = w
-            continue
+    def int4(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         rows, cols = w.shape  # [out, in]
         groups = w.float().t().reshape(cols // group_size, group_size, rows)  # [groups, size, out]
         scale = groups.abs().amax(dim=1).clamp(min=1e-12) * 2 / 15  # [groups, out]
@@ -142,18 +138,14 @@ def quantize_gptq(src: str | Path, dst: str | Path, group_size: int = 64) -> Pat
         packed = torch.zeros(cols // 8, rows, dtype=torch.int32)
         for i in range(8):  # input i of each eight at bits 4i..4i+3
             packed |= q[i::8] << (4 * i)
-        zeros = torch.zeros(cols // group_size, rows // 8, dtype=torch.int32)
-        for i in range(8):  # GPTQ stores the zero point less one, packed along the outputs
-            zeros |= torch.full_like(zeros, 7) << (4 * i)
         base = name.removesuffix(".weight")
-        out |= {f"{base}.qweight": packed, f"{base}.scales": scale.to(torch.float16),
-                f"{base}.qzeros": zeros, f"{base}.g_idx": torch.arange(cols, dtype=torch.int32) // group_size}
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
-                                     "sym": True, "checkpoint_format": "gptq"}
-    (dst / "config.json").write_text(json.dumps(config, indent=1))
-    return dst
+        # GPTQ stores the zero point less one (7), eight to an int32 along the outputs
+        return {f"{base}.qweight": packed, f"{base}.scales": scale.to(torch.float16),
+                f"{base}.qzeros": torch.full((cols // group_size, rows // 8), 0x77777777, dtype=torch.int32),
+                f"{base}.g_idx": torch.arange(cols, dtype=torch.int32) // group_size}
+
+    return _quantized_copy(src, dst, int4, {"quant_method": "gptq", "bits": 4, "group_size": group_size,
+                                            "desc_act": False, "sym": True, "checkpoint_format": "gptq"})
 
 
 def front_model_id(model: str) -> str:

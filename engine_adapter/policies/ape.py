@@ -54,7 +54,7 @@ class Ape(ReusePolicy):
 
     def passes(self, prompt: Prompt) -> Passes:
         lay = prompt.layout
-        question = lay.rows(len(lay.segments) - 1) if lay.segments[-1].question else torch.tensor([lay.n - 1])
+        question = torch.tensor(list(lay.question_rows()))
         yield Pass(prompt.reused, prompt.computed(), stats=prompt.stats,
                    rescale=dataclasses.replace(self.rescale(lay, prompt.reused), rows=question))
 

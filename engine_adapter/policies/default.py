@@ -114,7 +114,7 @@ class QuestionPhase(Selection):
         reused = [False] * n
         for s in prompt.reused:
             reused[lay.span(s)] = [True] * len(lay.segments[s].tokens)
-        asker = set(range(*lay.edges[-2:])) if lay.segments[-1].question else {n - 1}
+        asker = set(lay.question_rows())
         self.asking = [r for r in range(n) if not reused[r] and r in asker | {n - 1}]
         # Fresh chunks' rows (computed once, in pass 2) are hidden: placed after every row, so
         # the position-causal mask keeps them out.
