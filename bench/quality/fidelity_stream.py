@@ -5,7 +5,9 @@ at what compute, against every fixed budget on the same stream?
     kvcraft bench fidelity-stream --task long --requests 300 --json docs/results/fidelity-long-seed1.json
     kvcraft bench fidelity-stream --task musique --data musique_s.json --requests 300 --new-tokens 16 \\
         --json docs/results/fidelity-musique-300.json
-    (--sweep query:budget=0.05 ... narrows the fixed-budget sweep; --sweep none skips it)
+    (--sweep query:budget=0.05 ... narrows the fixed-budget sweep; --sweep none skips it;
+    --state DIR keeps the adaptive run's service data and progress: a run stopped with
+    --stop-after N, or killed, goes on from its last request when the same command runs again)
 
 A stream of N requests, each served once, in order, every request counted (the first ones
 too), on held-out draws:
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import random
 import sys
@@ -214,33 +217,50 @@ class ShadowMemo:
 
 def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = None,  # noqa: ANN001
           ref_s: list[float] | None = None, progress: bool = True, as_retrieved: Sequence[bool] = (),
-          new_tokens: int = 0, stop: Sequence[int] = ()) -> dict:
+          new_tokens: int = 0, stop: Sequence[int] = (), state: Path | None = None,
+          stop_after: int | None = None) -> dict:
     """One run on a fresh service. spec: ADAPTIVE (the default adapter, shadows on) or a
     policy spec (shadows off). ref: full prefill's tokens; None: computed beside each request
     (appended to `ref` / `ref_s` lists returned in the result), with teacher forcing over the
-    answer when `new_tokens` (each request decodes up to that many: `RAGAdapter.generate`)."""
+    answer when `new_tokens` (each request decodes up to that many: `RAGAdapter.generate`).
+
+    state: a folder that keeps the run's service data and the requests served so far
+    (`Progress`): a run stopped there (after `stop_after` more requests, or killed) goes on
+    from the request after the last one saved, its service restarted on the same data, as a
+    deployment restarts its service, with a new adapter (the engine's side starts afresh).
+    The result says where each part began ("parts"); it is partial (fewer requests than
+    `reqs`) until the last part ends."""
     import torch
 
+    from engine_adapter.fidelity import SamplingCost
     from engine_adapter.policy import parse_policy
     from engine_adapter.rag import RAGAdapter
     from kvclient.client import KVClient
     from kvservice.launcher import ServiceProcess
 
     layers = engine.cfg.num_layers
-    commit = results.commit()  # the code this run starts with (others may commit meanwhile)
     own_ref = ref is None
     ref, ref_s = (list(ref) if ref is not None else []), (list(ref_s) if ref_s is not None else [])
-    rows: list[Served] = []
+    progress_file = Progress(state, spec, reqs, new_tokens) if state is not None else None
+    done = progress_file.load() if progress_file is not None else Progress.empty()
+    rows: list[Served] = [Served(**r) for r in done["requests"]]
+    if own_ref:
+        ref, ref_s = done["reference"]["tokens"], done["reference"]["seconds"]
+    first = len(rows)
+    end = len(reqs) if stop_after is None else min(len(reqs), first + stop_after)
+    part = {"first_request": first, "commit": results.commit(),  # the code this part starts with
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    shadow_hits = done["reference"].get("from_shadows", 0)
     t_run = time.perf_counter()
     with torch.no_grad(), tempfile.TemporaryDirectory(prefix="kvcraft-fidelity-") as tmp, \
-            ServiceProcess(Path(tmp) / "data") as service, KVClient(service.address) as client:
+            ServiceProcess((state or Path(tmp)) / "data") as service, KVClient(service.address) as client:
         memo = None
         if spec == ADAPTIVE:
             adapter = RAGAdapter(engine, client)
             memo = ShadowMemo(engine) if own_ref else None
         else:
             adapter = RAGAdapter(engine, client, parse_policy(spec), shadows=False)
-        for i, (chunks, question) in enumerate(_track(reqs, spec, progress)):
+        for i, (chunks, question) in enumerate(_track(reqs[first:end], spec, progress), start=first):
             answer: Sequence[int] = ()
             if new_tokens:
                 gen, result, report = adapter.generate(chunks, question, new_tokens, stop, reorder=False)
@@ -259,18 +279,63 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
                                plan_failed=bool(report.plan_error),
                                as_retrieved=bool(as_retrieved[i]) if as_retrieved else i % 2 == 1,
                                answer_tokens=compared, answer_agree=agreeing))
+            if progress_file is not None:
+                progress_file.save(done, rows, ref, ref_s, shadow_hits + (memo.hits if memo else 0))
         stats = client.stats()
         cost = adapter.sampling_cost()
         adapter.close()
         if memo is not None:
             memo.close()
-    out = {"policy": spec, "commit": commit, "seconds": time.perf_counter() - t_run,
+    part.update(last_request=len(rows) - 1, seconds=time.perf_counter() - t_run, sampling_cost=asdict(cost))
+    parts = [*done["parts"], part]
+    if progress_file is not None:
+        progress_file.save(done, rows, ref, ref_s, shadow_hits + (memo.hits if memo else 0), parts)
+    total = {k: sum(p["sampling_cost"][k] for p in parts) for k in asdict(cost)}
+    out = {"policy": spec, "commit": parts[0]["commit"], "seconds": sum(p["seconds"] for p in parts),
            "requests": [asdict(r) for r in rows],
            "service": fidelity_record(stats),
-           "sampling_cost": {**asdict(cost), "row_share": cost.row_share}}
+           "sampling_cost": {**total, "row_share": SamplingCost(**total).row_share}}
+    if len(parts) > 1:
+        out["parts"] = [{k: v for k, v in p.items() if k != "sampling_cost"} for p in parts]
     if own_ref:
-        out["reference"] = {"tokens": ref, "seconds": ref_s, "from_shadows": memo.hits if memo else 0}
+        out["reference"] = {"tokens": ref, "seconds": ref_s, "from_shadows": shadow_hits + (memo.hits if memo else 0)}
     return out
+
+
+class Progress:
+    """A run's requests served so far, in `state`/progress.json (written after every request,
+    replaced whole), and the parts it ran in. Refuses a folder another stream or run left."""
+
+    def __init__(self, state: Path, spec: str, reqs: Sequence[Request], new_tokens: int) -> None:
+        self.path = Path(state) / "progress.json"
+        tokens = hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:16]  # the stream itself: data, seed, layout
+        self.key = {"policy": spec, "requests": len(reqs), "new_tokens": new_tokens, "tokens_sha256": tokens}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def empty() -> dict:
+        return {"requests": [], "reference": {"tokens": [], "seconds": [], "from_shadows": 0}, "parts": []}
+
+    def load(self) -> dict:
+        if not self.path.exists():
+            if (self.path.parent / "data").exists():
+                raise SystemExit(f"{self.path.parent}: service data without {self.path.name}: not a run to go on with")
+            self.save(self.empty(), [], [], [], 0)  # before the service makes its data here
+            return self.empty()
+        saved = json.loads(self.path.read_text())
+        if saved["stream"] != self.key:
+            raise SystemExit(f"{self.path} holds another run ({saved['stream']}), not {self.key}")
+        return saved
+
+    def save(self, done: dict, rows: Sequence[Served], ref: list, ref_s: list, shadow_hits: int,
+             parts: list | None = None) -> None:
+        """The requests served, the references and the parts before this one (`parts`: with it)."""
+        body = {"stream": self.key, "requests": [asdict(r) for r in rows],
+                "reference": {"tokens": ref, "seconds": ref_s, "from_shadows": shadow_hits},
+                "parts": done["parts"] if parts is None else parts}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(self.path)
 
 
 def _track(items, description: str, progress: bool):  # noqa: ANN001, ANN202
@@ -310,8 +375,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     results.add_argument(p, "fidelity-stream")
     p.add_argument("--resume", type=Path, help="a result JSON of the same stream: its adaptive run and reference are "
                                                "kept, and its sweep runs; only the --sweep policies it lacks run")
+    p.add_argument("--state", type=Path, help="a folder for the adaptive run's service data and the requests it "
+                                              "served: a run stopped or killed goes on from there when the same "
+                                              "command runs again, its service restarted on the same data")
+    p.add_argument("--stop-after", type=int, help="with --state: stop the adaptive run after serving this many "
+                                                  "more requests (the results file is written once all are served)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     a = p.parse_args(argv)
+    if a.stop_after is not None and a.state is None:
+        p.error("--stop-after needs --state (where the run goes on from)")
     a.argv = argv
     import torch
 
@@ -355,7 +427,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"{a.resume} is another stream ({old['meta']['task']}, {len(adaptive['requests'])} requests)")
     else:
         adaptive = serve(engine, reqs, ADAPTIVE, progress=progress, as_retrieved=flags, new_tokens=a.new_tokens,
-                         stop=sorted(stop_tokens(model_dir)))
+                         stop=sorted(stop_tokens(model_dir)), state=a.state, stop_after=a.stop_after)
+        if len(adaptive["requests"]) < len(reqs):
+            print(f"adaptive: {len(adaptive['requests'])} of {len(reqs)} requests served, kept in {a.state}; "
+                  "the same command goes on from there")
+            return 0
         write(a, adaptive, runs, adaptive["reference"]["seconds"], reqs, commands, model_dir, first_date)
     ref, ref_s = adaptive["reference"]["tokens"], adaptive["reference"]["seconds"]
     have = {r["policy"] for r in runs}

@@ -45,6 +45,10 @@ def stream_tables(result: dict) -> str:
     lines = [f"**{meta_['task']}** ({a['requests']} requests, {meta_['prompt_tokens_mean']:.0f} prompt tokens on "
              f"average): budget {moves}; at the end the service says {state}.", "",
              "| adaptive run | requests " + head, rule]
+    if parts := result["runs"][0].get("parts"):  # `--state`: stopped and gone on with
+        lines[0] += (f" Served in {len(parts)} parts: the service restarted on its data (and the engine's adapter "
+                     f"afresh) before request{'s' * (len(parts) > 2)} "
+                     + ", ".join(str(p["first_request"]) for p in parts[1:]) + ".")
     for name, r in (("whole stream", a["overall"]), (f"settled ({a['settled_budget']:.2f}, from request "
                                                     f"{a['settled_from_request']})", st)):
         lines.append(f"| {name} | {r['requests']} | {cells(r)}")

@@ -154,3 +154,43 @@ def test_with_new_tokens_every_fixed_policy_compares_its_own_answers_under_teach
     assert all(r["answer_agree"] <= r["answer_tokens"] for r in runs["naive"])
     table = {t["policy"]: t for t in result["report"]["sweep"]["table"]}
     assert table["full"]["answer_agreement"] == 1.0
+
+
+@pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="no trained model committed")
+def test_a_stream_stopped_and_gone_on_with_is_the_whole_stream_and_its_service_kept_its_tallies(tmp_path):
+    """`--state`: a stream served in two parts (stopped after 12 requests, the service
+    restarted on its data) serves every request once, in order: each part's references are
+    the ones a full prefill of that request gives (computed here again, apart), and the
+    service's tallies after the second part count the first part's samples too (a restart
+    that lost them would hold fewer samples than the requests the benchmark saw sampled)."""
+    from engine_adapter import LlamaEngine
+
+    engine = LlamaEngine.from_pretrained(MODEL_DIR)
+    reqs = fs.synthetic_stream("short", 24, seed=1)
+    first = fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, state=tmp_path / "state", stop_after=12)
+    assert len(first["requests"]) == 12 and "parts" not in first
+    run = fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, state=tmp_path / "state")
+    rows = run["requests"]
+    assert len(rows) == 24 and [p["first_request"] for p in run["parts"]] == [0, 12]
+    assert rows[:12] == first["requests"]
+    alone = [fs._full(engine, chunks, question, []) [0] for chunks, question in reqs]
+    assert run["reference"]["tokens"] == alone
+    rep = sr.adaptive_report(run, "query")
+    lost = int(rows[11]["sampled"]) + int(rows[-1]["sampled"])  # a sample waits for the next Plan
+    tallied = sum(h.get("service_samples", 0) - h.get("service_shadow_blends", 0) for h in rep["honesty"])
+    assert sum(r["sampled"] for r in rows) - lost <= tallied <= sum(r["sampled"] for r in rows)
+    assert tallied > sum(r["sampled"] for r in rows[12:])  # the first part's samples are still counted
+    with pytest.raises(SystemExit, match="another run"):
+        fs.serve(engine, reqs[:20], fs.ADAPTIVE, progress=False, state=tmp_path / "state")
+
+
+def test_a_stream_served_in_parts_says_where_each_began():
+    from pathlib import Path
+
+    from kvbench.report.streams import stream_tables
+
+    result = json.loads((Path(__file__).parents[2] / "docs/results/fidelity-musique-300.json").read_text())
+    assert "parts" not in stream_tables(result)
+    result["runs"][0]["parts"] = [{"first_request": 0}, {"first_request": 140}, {"first_request": 230}]
+    assert "Served in 3 parts: the service restarted on its data (and the engine's adapter afresh) before " \
+           "requests 140, 230." in stream_tables(result)
