@@ -21,8 +21,9 @@ too), on held-out draws:
   passages of the next record (record 0's for the last), behind the instruction, with its
   question; then the record as retrieved. After every record's two, a second retrieval of
   each record's question, in the same order of records: its passages 2..k+1 (the first
-  dropped, the next one in the file's ranking added: a chunk no request stored). 120
-  records give at most 360 requests.
+  dropped, the next one in the file's ranking added: a chunk no request stored; at
+  `--passages 10`, MuSiQue's all, the same ten with the first ranked last). 120 records
+  give at most 360 requests.
 
 Runs, each on a fresh `kvcraft serve` (its default configuration, an empty data dir):
 
@@ -114,7 +115,8 @@ def musique_stream(tok, records: Sequence, n: int, seed: int, neighbours: int = 
     """Per record: its first `passages` passages shuffled among `neighbours` passages of the
     next record (of the first, for the last), behind the instruction, its question; then the
     record as retrieved. Then per record, in the same order, a second retrieval: its passages
-    2..passages+1 (records need passages + 1 of them). The first n requests."""
+    2..passages+1, or where the record has no more passages than that (MuSiQue's ten, at ten
+    a prompt) the same passages with the first ranked last. The first n requests."""
     from kvbench.common import musique
 
     prompts = [musique.prompt(tok, dataclasses.replace(r, passages=r.passages[:passages])) for r in records]
@@ -128,10 +130,10 @@ def musique_stream(tok, records: Sequence, n: int, seed: int, neighbours: int = 
         out.append(([list(c) for c in p.chunks()], list(p.question)))
     if n > len(out):
         for r in records:
-            if len(r.passages) <= passages:
-                raise SystemExit(f"record {r.id} has {len(r.passages)} passages: a second retrieval needs "
-                                 f"{passages + 1}")
-            p = musique.prompt(tok, dataclasses.replace(r, passages=r.passages[1:passages + 1]))
+            if len(r.passages) < passages:
+                raise SystemExit(f"record {r.id} has {len(r.passages)} passages, fewer than {passages}")
+            again = r.passages[1:passages + 1] if len(r.passages) > passages else [*r.passages[1:], r.passages[0]]
+            p = musique.prompt(tok, dataclasses.replace(r, passages=again))
             out.append(([list(c) for c in p.chunks()], list(p.question)))
     if len(out) < n:
         raise SystemExit(f"{len(records)} records give {len(out)} requests, fewer than {n}")
