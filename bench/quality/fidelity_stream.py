@@ -59,6 +59,7 @@ target, and the adaptive run's settled computed share over that budget's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -255,13 +256,17 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
     shadow_hits = done["reference"].get("from_shadows", 0)
     t_run = time.perf_counter()
     with torch.no_grad(), tempfile.TemporaryDirectory(prefix="kvcraft-fidelity-") as tmp, \
-            ServiceProcess((state or Path(tmp)) / "data") as service, KVClient(service.address) as client:
+            ServiceProcess((state or Path(tmp)) / "data") as service, KVClient(service.address) as client, \
+            contextlib.ExitStack() as closing:
         memo = None
         if spec == ADAPTIVE:
             adapter = RAGAdapter(engine, client)
             memo = ShadowMemo(engine) if own_ref else None
         else:
             adapter = RAGAdapter(engine, client, parse_policy(spec), shadows=False)
+        closing.callback(adapter.close)  # (an interrupted run too: its shadow thread, the engine's prefill)
+        if memo is not None:
+            closing.callback(memo.close)
         for i, (chunks, question) in enumerate(_track(reqs[first:end], spec, progress), start=first):
             answer: Sequence[int] = ()
             if new_tokens:
@@ -281,17 +286,16 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
                                plan_failed=bool(report.plan_error),
                                as_retrieved=bool(as_retrieved[i]) if as_retrieved else i % 2 == 1,
                                answer_tokens=compared, answer_agree=agreeing))
-            if progress_file is not None:
-                progress_file.save(done, rows, ref, ref_s, shadow_hits + (memo.hits if memo else 0))
+            if progress_file is not None:  # this part as far as it went: a kill loses the request in flight alone
+                part.update(last_request=i, seconds=time.perf_counter() - t_run,
+                            sampling_cost=asdict(adapter.sampling_cost()))
+                progress_file.save(rows, ref, ref_s, shadow_hits + (memo.hits if memo else 0), [*done["parts"], part])
         stats = client.stats()
         cost = adapter.sampling_cost()
-        adapter.close()
-        if memo is not None:
-            memo.close()
     part.update(last_request=len(rows) - 1, seconds=time.perf_counter() - t_run, sampling_cost=asdict(cost))
     parts = [*done["parts"], part]
     if progress_file is not None:
-        progress_file.save(done, rows, ref, ref_s, shadow_hits + (memo.hits if memo else 0), parts)
+        progress_file.save(rows, ref, ref_s, shadow_hits + (memo.hits if memo else 0), parts)
     total = {k: sum(p["sampling_cost"][k] for p in parts) for k in asdict(cost)}
     out = {"policy": spec, "commit": parts[0]["commit"], "seconds": sum(p["seconds"] for p in parts),
            "requests": [asdict(r) for r in rows],
@@ -322,19 +326,17 @@ class Progress:
         if not self.path.exists():
             if (self.path.parent / "data").exists():
                 raise SystemExit(f"{self.path.parent}: service data without {self.path.name}: not a run to go on with")
-            self.save(self.empty(), [], [], [], 0)  # before the service makes its data here
+            self.save([], [], [], 0, [])  # before the service makes its data here
             return self.empty()
         saved = json.loads(self.path.read_text())
         if saved["stream"] != self.key:
             raise SystemExit(f"{self.path} holds another run ({saved['stream']}), not {self.key}")
         return saved
 
-    def save(self, done: dict, rows: Sequence[Served], ref: list, ref_s: list, shadow_hits: int,
-             parts: list | None = None) -> None:
-        """The requests served, the references and the parts before this one (`parts`: with it)."""
+    def save(self, rows: Sequence[Served], ref: list, ref_s: list, shadow_hits: int, parts: list) -> None:
+        """The requests served, their references, and the parts that served them."""
         body = {"stream": self.key, "requests": [asdict(r) for r in rows],
-                "reference": {"tokens": ref, "seconds": ref_s, "from_shadows": shadow_hits},
-                "parts": done["parts"] if parts is None else parts}
+                "reference": {"tokens": ref, "seconds": ref_s, "from_shadows": shadow_hits}, "parts": parts}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body))
         tmp.replace(self.path)

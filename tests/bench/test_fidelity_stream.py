@@ -157,26 +157,41 @@ def test_with_new_tokens_every_fixed_policy_compares_its_own_answers_under_teach
 
 
 @pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="no trained model committed")
-def test_a_stream_stopped_and_gone_on_with_is_the_whole_stream_and_its_service_kept_its_tallies(tmp_path):
-    """`--state`: a stream served in two parts (stopped after 12 requests, the service
-    restarted on its data) serves every request once, in order: each part's references are
-    the ones a full prefill of that request gives (computed here again, apart), and the
-    service's tallies after the second part count the first part's samples too (a restart
-    that lost them would hold fewer samples than the requests the benchmark saw sampled)."""
+def test_a_stream_stopped_killed_and_gone_on_with_is_the_whole_stream_and_its_service_kept_its_tallies(
+        tmp_path, monkeypatch):
+    """`--state`: a stream served in three parts (stopped after 12 requests; then killed in
+    its 18th request; each time the service restarted on its data) serves every request
+    once, in order: the references are the ones a full prefill of each request gives
+    (computed here again, apart), and the service's tallies at the end count the earlier
+    parts' samples too (a restart that lost them would hold fewer samples than the requests
+    the benchmark saw sampled)."""
     from engine_adapter import LlamaEngine
 
     engine = LlamaEngine.from_pretrained(MODEL_DIR)
     reqs = fs.synthetic_stream("short", 24, seed=1)
     first = fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, state=tmp_path / "state", stop_after=12)
     assert len(first["requests"]) == 12 and "parts" not in first
+    full, calls = fs._full, []
+
+    def killed(*args, **kwargs):  # the benchmark's reference of request 17: the process dies there
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return full(*args, **kwargs)
+
+    monkeypatch.setattr(fs, "_full", killed)
+    with pytest.raises(KeyboardInterrupt):
+        fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, state=tmp_path / "state")
+    monkeypatch.setattr(fs, "_full", full)
     run = fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, state=tmp_path / "state")
     rows = run["requests"]
-    assert len(rows) == 24 and [p["first_request"] for p in run["parts"]] == [0, 12]
+    assert len(rows) == 24 and [(p["first_request"], p["last_request"]) for p in run["parts"]] == [(0, 11), (12, 16),
+                                                                                                     (17, 23)]
     assert rows[:12] == first["requests"]
-    alone = [fs._full(engine, chunks, question, []) [0] for chunks, question in reqs]
+    alone = [full(engine, chunks, question, [])[0] for chunks, question in reqs]
     assert run["reference"]["tokens"] == alone
     rep = sr.adaptive_report(run, "query")
-    lost = int(rows[11]["sampled"]) + int(rows[-1]["sampled"])  # a sample waits for the next Plan
+    lost = sum(int(rows[i]["sampled"]) for i in (11, 16, 23))  # a sample waits for the next Plan
     tallied = sum(h.get("service_samples", 0) - h.get("service_shadow_blends", 0) for h in rep["honesty"])
     assert sum(r["sampled"] for r in rows) - lost <= tallied <= sum(r["sampled"] for r in rows)
     assert tallied > sum(r["sampled"] for r in rows[12:])  # the first part's samples are still counted
