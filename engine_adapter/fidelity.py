@@ -232,7 +232,7 @@ class ShadowSampler:
         adapter's alone)."""
         self.engine = engine
         self.serving = serving or Serving()
-        self._model = _GivingWay(engine, self.serving)  # what the shadows compute with
+        self.model = _GivingWay(engine, self.serving)  # what the shadows compute with (its `prefill`, their full prefill)
         self._lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None  # made at the first sample
         self._queued: list[Future] = []
@@ -294,7 +294,7 @@ class ShadowSampler:
         fed = max(len(answer) - 1, 0)  # the last answer token is predicted, never fed
         tokens = torch.tensor([t for span in spans for t in span] + answer[:fed], dtype=torch.long)  # [N + fed]
         try:
-            logits, _ = self._model.prefill(tokens, all_logits=False, last=fed + 1, kv=False)  # [fed + 1, V]
+            logits, _ = self.model.prefill(tokens, all_logits=False, last=fed + 1, kv=False)  # [fed + 1, V]
             agree, kl = compare(logits[0], served)
             compared, answer_agree = answer_agreement(logits, answer)
         except Exception as e:  # noqa: BLE001 - a failed shadow never touches the traffic
@@ -306,7 +306,7 @@ class ShadowSampler:
         rows = len(tokens) * self.engine.cfg.num_layers
         if below is not None:
             try:
-                blended = blend_prefill(self._model, below.segments, below.policy, below.source, gate=TRUSTED,
+                blended = blend_prefill(self.model, below.segments, below.policy, below.source, gate=TRUSTED,
                                         stats=False)
                 agree, kl = compare(logits[0], blended.logits)
                 samples.append(pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, budget=below.budget,

@@ -184,18 +184,19 @@ def _full(engine, chunks, question, seconds: list[float], memo: "ShadowMemo | No
 
 
 class ShadowMemo:
-    """The next tokens of the full prefills the adapter's shadow thread ran (`engine.prefill`,
-    the same call on the same tokens as the reference's: the prompt, then the answer fed
-    under teacher forcing): the reference of a sampled request is its shadow's own full
-    prefill, not computed a second time. Keyed by the prompt's and the fed answer's tokens,
-    so a shadow of other tokens (another order) is never taken for the reference."""
+    """The next tokens of the full prefills the adapter's shadow thread ran (`prefill` of the
+    shadows' model, `ShadowSampler.model`: the same computation on the same tokens as the
+    reference's, the prompt, then the answer fed under teacher forcing): the reference of a
+    sampled request is its shadow's own full prefill, not computed a second time. Keyed by
+    the prompt's and the fed answer's tokens, so a shadow of other tokens (another order) is
+    never taken for the reference."""
 
-    def __init__(self, engine) -> None:  # noqa: ANN001
-        self._engine = engine
-        self._prefill = engine.prefill
+    def __init__(self, model) -> None:  # noqa: ANN001 - the shadows' model
+        self._model = model
+        self._prefill = model.prefill
         self._got: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
         self.hits = 0
-        engine.prefill = self  # the instance attribute hides the method, for this engine only
+        model.prefill = self  # the instance attribute hides the method, for this model only
 
     def __call__(self, tokens, *args, **kwargs):  # noqa: ANN001, ANN204
         import threading
@@ -215,7 +216,7 @@ class ShadowMemo:
         return hit
 
     def close(self) -> None:
-        del self._engine.prefill  # the method again
+        del self._model.prefill  # the method again
 
 
 def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = None,  # noqa: ANN001
@@ -261,7 +262,7 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
         memo = None
         if spec == ADAPTIVE:
             adapter = RAGAdapter(engine, client)
-            memo = ShadowMemo(engine) if own_ref else None
+            memo = ShadowMemo(adapter.fidelity.model) if own_ref else None
         else:
             adapter = RAGAdapter(engine, client, parse_policy(spec), shadows=False)
         closing.callback(adapter.close)  # (an interrupted run too: its shadow thread, the engine's prefill)

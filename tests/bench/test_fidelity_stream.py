@@ -122,6 +122,8 @@ def test_a_short_stream_as_deployed():
     run = fs.serve(engine, reqs, fs.ADAPTIVE, progress=False)
     rows = run["requests"]
     assert len(rows) == 30 and len(run["reference"]["tokens"]) == 30
+    # a sampled request's reference is its shadow's full prefill (flushed before the reference)
+    assert run["reference"]["from_shadows"] == sum(r["sampled"] for r in rows) > 0
     assert all(r["blended"] or not r["sampled"] for r in rows)
     rep = sr.adaptive_report(run, "query")
     pending = rows[-1]["sampled"]
