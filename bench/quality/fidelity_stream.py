@@ -265,6 +265,10 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
             memo = ShadowMemo(adapter.fidelity.model) if own_ref else None
         else:
             adapter = RAGAdapter(engine, client, parse_policy(spec), shadows=False)
+
+        def hits() -> int:  # references taken from shadows, every part's
+            return shadow_hits + (memo.hits if memo else 0)
+
         closing.callback(adapter.close)  # (an interrupted run too: its shadow thread, the engine's prefill)
         if memo is not None:
             closing.callback(memo.close)
@@ -290,13 +294,13 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
             if progress_file is not None:  # this part as far as it went: a kill loses the request in flight alone
                 part.update(last_request=i, seconds=time.perf_counter() - t_run,
                             sampling_cost=asdict(adapter.sampling_cost()))
-                progress_file.save(rows, ref, ref_s, shadow_hits + (memo.hits if memo else 0), [*done["parts"], part])
+                progress_file.save(rows, ref, ref_s, hits(), [*done["parts"], part])
         stats = client.stats()
         cost = adapter.sampling_cost()
     part.update(last_request=len(rows) - 1, seconds=time.perf_counter() - t_run, sampling_cost=asdict(cost))
-    parts = [*done["parts"], part]
+    parts = [*done["parts"], part] if end > first or not done["parts"] else done["parts"]  # (run again once done)
     if progress_file is not None:
-        progress_file.save(rows, ref, ref_s, shadow_hits + (memo.hits if memo else 0), parts)
+        progress_file.save(rows, ref, ref_s, hits(), parts)
     total = {k: sum(p["sampling_cost"][k] for p in parts) for k in asdict(cost)}
     out = {"policy": spec, "commit": parts[0]["commit"], "seconds": sum(p["seconds"] for p in parts),
            "requests": [asdict(r) for r in rows],
@@ -305,7 +309,7 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
     if len(parts) > 1:
         out["parts"] = [{k: v for k, v in p.items() if k != "sampling_cost"} for p in parts]
     if own_ref:
-        out["reference"] = {"tokens": ref, "seconds": ref_s, "from_shadows": shadow_hits + (memo.hits if memo else 0)}
+        out["reference"] = {"tokens": ref, "seconds": ref_s, "from_shadows": hits()}
     return out
 
 

@@ -197,6 +197,8 @@ def test_a_stream_stopped_killed_and_gone_on_with_is_the_whole_stream_and_its_se
     tallied = sum(h.get("service_samples", 0) - h.get("service_shadow_blends", 0) for h in rep["honesty"])
     assert sum(r["sampled"] for r in rows) - lost <= tallied <= sum(r["sampled"] for r in rows)
     assert tallied > sum(r["sampled"] for r in rows[12:])  # the first part's samples are still counted
+    again = fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, state=tmp_path / "state")  # run once done
+    assert again["requests"] == rows and again["parts"] == run["parts"]
     with pytest.raises(SystemExit, match="another run"):
         fs.serve(engine, reqs[:20], fs.ADAPTIVE, progress=False, state=tmp_path / "state")
 
