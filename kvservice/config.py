@@ -91,6 +91,10 @@ class Config:
     log_level: str = "INFO"
     # Seconds a SIGTERM waits for in-flight RPCs before stopping.
     drain_s: float = 5.0
+    # Drain and stop, as on SIGTERM, once the process that started the service has exited
+    # (checked every second): for services started by another program (the launcher of
+    # tests, benchmarks and the demo) that must not outlive it when it is killed.
+    exit_with_parent: bool = False
     # Remote tier (docs/scale-out.md): a Mooncake Store cluster shared by kvcraft nodes.
     # Off while remote_master is empty. In a TOML file the [remote] table sets these
     # without the prefix (master = "10.0.0.5:50051").

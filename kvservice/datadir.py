@@ -101,6 +101,22 @@ class DataDirLock:
                        f"{' '.join(sys.argv)}\n").encode(), 0)
         return cls(data_dir, fd)
 
+    def lost(self) -> str:
+        """Why this lock no longer keeps the data dir, "" while it does: the lock file (or
+        the data dir) was removed or replaced under this process, so another process may
+        lock the new file while this one still opens files by path in the new dir."""
+        if self._fd is None:
+            return ""
+        path = self.data_dir / LOCK_FILE
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            return f"{path} was removed"
+        held = os.fstat(self._fd)
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return f"{path} is no longer the file this process locked (the data dir was removed and made again)"
+        return ""
+
     def release(self) -> None:
         """Let go (the file stays: removing it could let two processes lock two files)."""
         if self._fd is not None:

@@ -20,6 +20,9 @@ from kvservice.segments import remove_stale_segments
 # message; one arena, so that the server's malloc_trim once idle reaches every freed
 # page (kvservice/server/heap.py, docs/operations.md; deploy/ sets the same).
 SERVER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20), "MALLOC_ARENA_MAX": "1"}
+# A killed test or benchmark leaves no service holding its data dir (config exit_with_parent;
+# an env var, which a checkout older than the setting ignores: bench/service/load.py runs one).
+CHILD_ENV = {"KVCRAFT_EXIT_WITH_PARENT": "true"}
 
 
 class ChildProcess:
@@ -127,8 +130,9 @@ class ServiceProcess(ChildProcess):
                 return True
             return False
 
+        env = {**os.environ, **SERVER_ENV, **CHILD_ENV, **self.env}
         self._launch([sys.executable, "-m", "kvservice.cli", "serve", "--config", str(cfg)], ready, timeout,
-                     stdout=subprocess.PIPE, text=True, env={**os.environ, **SERVER_ENV, **self.env}, cwd=self.cwd)
+                     stdout=subprocess.PIPE, text=True, env=env, cwd=self.cwd)
         return self
 
     def stop(self) -> int:

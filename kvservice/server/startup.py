@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -162,6 +163,31 @@ async def start_server(cfg: Config) -> RunningServer:
     return RunningServer(server, store, port, health_servicer, metrics, inflight, heap)
 
 
+WATCH_S = 1.0  # how often `serve` checks that it still owns its data dir (and its parent lives)
+LOST_DATA_DIR_EXIT = 3  # `kvcraft serve`'s exit code when its data dir was removed under it
+
+
+async def _watch(store: ChunkStore, stop: asyncio.Event, parent: int | None) -> None:
+    """Every WATCH_S: a data dir removed (or replaced) under the running service ends it at
+    once, writing nothing more: RocksDB and the tiers open files by path, so going on (even
+    a drain's flush) would write into whatever dir now has that name, which the lock no
+    longer keeps from a second service. With `parent` (exit_with_parent), the process that
+    started the service having exited starts the SIGTERM drain."""
+    while True:
+        await asyncio.sleep(WATCH_S)
+        lost = store.data_dir_lost()
+        if lost:
+            log.critical("%s: stopping now, writing nothing more (exit code %d): the data dir that has its name "
+                         "now may belong to another service", lost, LOST_DATA_DIR_EXIT)
+            logging.shutdown()
+            os._exit(LOST_DATA_DIR_EXIT)
+        if parent is not None and os.getppid() != parent:
+            log.warning("the process that started this service (pid %d) has exited: draining (exit_with_parent)",
+                        parent)
+            stop.set()
+            return
+
+
 async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain in-flight RPCs for up to cfg.drain_s."""
     running = await start_server(cfg)
@@ -176,7 +202,9 @@ async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(_watch(running.store, stop, os.getppid() if cfg.exit_with_parent else None))
     await stop.wait()
+    watch.cancel()
     log.info("draining: health NOT_SERVING, %d RPCs running, waiting up to %.1fs",
              running.inflight.active, cfg.drain_s)
     await running.drain(cfg.drain_s)

@@ -106,6 +106,10 @@ class ChunkStore:
                 tier.close()
         self._dir_lock.release()
 
+    def data_dir_lost(self) -> str:
+        """Why this store no longer owns its data dir, "" while it does (DataDirLock.lost)."""
+        return self._dir_lock.lost()
+
     # -- Store ---------------------------------------------------------------------------
     def begin_store(self, header: StoreHeader, staging: tuple[str, int, int] | None = None) -> StoreSession:
         """staging: a co-located Store's (StoreLocal) staging area: (staging id, client pid, fd)."""

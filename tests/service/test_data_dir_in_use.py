@@ -4,8 +4,10 @@ and the service holding it keeps serving."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +104,44 @@ def test_metadata_held_without_the_data_dir_lock_is_in_use_naming_the_process(tm
         other.kill()
         other.wait()
     MetadataDB(path).close()  # the holder gone, it opens
+
+
+def test_a_data_dir_removed_and_made_again_under_a_service_stops_it_before_a_second_service_writes_there(tmp_path):
+    data = tmp_path / "data"
+    first = ServiceProcess(data).start()
+    try:
+        with KVClient(first.address) as c:
+            c.store(MODEL, TOKENS, random_layers(1))
+        shutil.rmtree(data)  # an operator's `rm -rf data && mkdir data` with the service still running
+        data.mkdir()
+        assert first.proc.wait(timeout=30) == 3
+        assert "kvcraft.lock was removed: stopping now, writing nothing more (exit code 3)" in first.log()
+        with ServiceProcess(data) as second, KVClient(second.address) as c:  # the new dir is its alone
+            key = c.store(MODEL, TOKENS, random_layers(2)).chunk_key
+            got = c.fetch(key)
+            assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(got, random_layers(2)))
+    finally:
+        first.close()
+
+
+def test_a_service_started_by_a_process_that_is_killed_drains_and_lets_go_of_its_data_dir(tmp_path):
+    """The launcher's services (tests, benchmarks, the demo) set exit_with_parent: SIGKILL the
+    program that started one and the service stops, so the next run can take the data dir."""
+    data = tmp_path / "data"
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from kvservice.launcher import ServiceProcess\n"
+        "s = ServiceProcess(Path(sys.argv[1])).start(); print(s.proc.pid, flush=True); time.sleep(600)"),
+        str(data)], stdout=subprocess.PIPE, text=True)
+    service = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while True:  # the orphan's lock goes when it exits: until then a second service is refused
+        try:
+            with ServiceProcess(data) as second, KVClient(second.address) as c:
+                c.store(MODEL, TOKENS, random_layers(1))
+            break
+        except RuntimeError as e:
+            assert f"in use by process {service}" in str(e), e
+            assert time.monotonic() < deadline, f"the service {service} outlived the process that started it"
+    assert "has exited: draining (exit_with_parent)" in (tmp_path / "data-server.log").read_text()
