@@ -110,8 +110,10 @@ class DataDirLock:
         path = self.data_dir / LOCK_FILE
         try:
             now = os.stat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return f"{path} was removed"
+        except OSError:  # not known now (permissions changed, a stalled mount): asked again later
+            return ""
         held = os.fstat(self._fd)
         if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
             return f"{path} is no longer the file this process locked (the data dir was removed and made again)"
