@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -42,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(a: argparse.Namespace) -> int:
+    parent = os.getppid()  # first: the process that started this one, while it surely lives (exit_with_parent)
     try:
         cfg = load_config(a.config, overrides={"host": a.host, "port": a.port, "data_dir": a.data_dir,
                                                "metrics_port": a.metrics_port})
@@ -63,7 +65,7 @@ def serve(a: argparse.Namespace) -> int:
     from kvservice.metadata import MetadataDamaged
 
     try:
-        uvloop.run(run_server(cfg, on_ready=ready))
+        uvloop.run(run_server(cfg, on_ready=ready, parent=parent))
     except (MetadataDamaged, DataDirInUse) as e:
         print(f"kvcraft serve: {e}", file=sys.stderr)
         return 2

@@ -188,8 +188,12 @@ async def _watch(store: ChunkStore, stop: asyncio.Event, parent: int | None) -> 
             return
 
 
-async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain in-flight RPCs for up to cfg.drain_s."""
+async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = None,
+                parent: int | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain in-flight RPCs for up to cfg.drain_s. parent: the
+    process that started this one, taken when the process began (with cfg.exit_with_parent:
+    its exit starts the drain; taken after the ready line, a starter killed right after reading
+    it would go unnoticed)."""
     running = await start_server(cfg)
     rep = running.store.recovery
     frozen = running.heap.freeze()
@@ -202,7 +206,7 @@ async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watch = asyncio.create_task(_watch(running.store, stop, os.getppid() if cfg.exit_with_parent else None))
+    watch = asyncio.create_task(_watch(running.store, stop, parent if cfg.exit_with_parent else None))
     await stop.wait()
     watch.cancel()
     log.info("draining: health NOT_SERVING, %d RPCs running, waiting up to %.1fs",

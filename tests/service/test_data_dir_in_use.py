@@ -125,16 +125,15 @@ def test_a_data_dir_removed_and_made_again_under_a_service_stops_it_before_a_sec
 
 
 def test_a_service_started_by_a_process_that_is_killed_drains_and_lets_go_of_its_data_dir(tmp_path):
-    """The launcher's services (tests, benchmarks, the demo) set exit_with_parent: SIGKILL the
-    program that started one and the service stops, so the next run can take the data dir."""
+    """The launcher's services (tests, benchmarks, the demo) set exit_with_parent: end the
+    program that started one (even the moment it is ready) and the service stops, so the next run can take the data dir."""
     data = tmp_path / "data"
     parent = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from kvservice.launcher import ServiceProcess\n"
-        "s = ServiceProcess(Path(sys.argv[1])).start(); print(s.proc.pid, flush=True); time.sleep(600)"),
-        str(data)], stdout=subprocess.PIPE, text=True)
+        "import os, sys; from pathlib import Path; from kvservice.launcher import ServiceProcess\n"
+        "s = ServiceProcess(Path(sys.argv[1])).start(); print(s.proc.pid, flush=True); os._exit(9)"),
+        str(data)], stdout=subprocess.PIPE, text=True)  # gone, uncleaned, the moment its service is ready
     service = int(parent.stdout.readline())
-    parent.kill()
-    parent.wait()
+    assert parent.wait() == 9
     deadline = time.monotonic() + 30
     while True:  # the orphan's lock goes when it exits: until then a second service is refused
         try:
