@@ -126,7 +126,8 @@ def test_a_data_dir_removed_and_made_again_under_a_service_stops_it_before_a_sec
 
 def test_a_service_started_by_a_process_that_is_killed_drains_and_lets_go_of_its_data_dir(tmp_path):
     """The launcher's services (tests, benchmarks, the demo) set exit_with_parent: end the
-    program that started one (even the moment it is ready) and the service stops, so the next run can take the data dir."""
+    program that started one (even the moment it is ready) and the service stops, so the next
+    run can take the data dir."""
     data = tmp_path / "data"
     parent = subprocess.Popen([sys.executable, "-c", (
         "import os, sys; from pathlib import Path; from kvservice.launcher import ServiceProcess\n"
