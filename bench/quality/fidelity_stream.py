@@ -7,7 +7,8 @@ at what compute, against every fixed budget on the same stream?
         --json docs/results/fidelity-musique-300.json
     (--sweep query:budget=0.05 ... narrows the fixed-budget sweep; --sweep none skips it;
     --state DIR keeps the adaptive run's service data and progress: a run stopped with
-    --stop-after N, or killed, goes on from its last request when the same command runs again)
+    --stop-after N or Ctrl-C, or killed, goes on from its last request when the same command runs
+    again; DIR without its data/, elsewhere, on the service's tallies that progress.json kept)
 
 A stream of N requests, each served once, in order, every request counted (the first ones
 too), on held-out draws:
@@ -229,11 +230,14 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
     answer when `new_tokens` (each request decodes up to that many: `RAGAdapter.generate`).
 
     state: a folder that keeps the run's service data and the requests served so far
-    (`Progress`): a run stopped there (after `stop_after` more requests, or killed) goes on
-    from the request after the last one saved, its service restarted on the same data, as a
-    deployment restarts its service, with a new adapter (the engine's side starts afresh).
-    The result says where each part began ("parts"); it is partial (fewer requests than
-    `reqs`) until the last part ends."""
+    (`Progress`): a run stopped there (after `stop_after` more requests, on SIGINT after the
+    request in flight, or killed) goes on from the request after the last one saved, its
+    service restarted on the same data, as a deployment restarts its service, with a new
+    adapter (the engine's side starts afresh). Where the service's data is gone (the folder
+    committed without it, on another machine), the service starts on the controller's tallies
+    that the progress file kept at the last part's end, every chunk's KV to compute again, as a
+    service whose disk was replaced. The result says where each part began ("parts"); it is
+    partial (fewer requests than `reqs`) until the last part ends."""
     import torch
 
     from engine_adapter.fidelity import SamplingCost
@@ -255,10 +259,13 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
     part = {"first_request": first, "commit": results.commit(),  # the code this part starts with
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     shadow_hits = done["reference"].get("from_shadows", 0)
+    if progress_file is not None and rows and not (state / "data" / "metadata").exists():
+        progress_file.seed(state / "data")
+        part["service_data"] = "tallies"  # the data dir was gone: the tallies alone, no chunk's KV
     t_run = time.perf_counter()
     with torch.no_grad(), tempfile.TemporaryDirectory(prefix="kvcraft-fidelity-") as tmp, \
             ServiceProcess((state or Path(tmp)) / "data") as service, KVClient(service.address) as client, \
-            contextlib.ExitStack() as closing:
+            contextlib.ExitStack() as closing, StopOnInterrupt(state is not None) as interrupt:
         memo = None
         if spec == ADAPTIVE:
             adapter = RAGAdapter(engine, client)
@@ -295,11 +302,14 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
                 part.update(last_request=i, seconds=time.perf_counter() - t_run,
                             sampling_cost=asdict(adapter.sampling_cost()))
                 progress_file.save(rows, ref, ref_s, hits(), [*done["parts"], part])
+            if interrupt.asked:
+                break
         stats = client.stats()
         cost = adapter.sampling_cost()
     part.update(last_request=len(rows) - 1, seconds=time.perf_counter() - t_run, sampling_cost=asdict(cost))
     parts = [*done["parts"], part] if end > first or not done["parts"] else done["parts"]  # (run again once done)
     if progress_file is not None:
+        progress_file.keep_tallies(state / "data")  # the service has stopped: its tallies as it wrote them
         progress_file.save(rows, ref, ref_s, hits(), parts)
     total = {k: sum(p["sampling_cost"][k] for p in parts) for k in asdict(cost)}
     out = {"policy": spec, "commit": parts[0]["commit"], "seconds": sum(p["seconds"] for p in parts),
@@ -313,14 +323,48 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
     return out
 
 
+class StopOnInterrupt(contextlib.AbstractContextManager):
+    """With `on` (a run that can go on), the first SIGINT (Ctrl-C) asks the run to stop once the
+    request in flight is served and saved (`asked`); a second one interrupts at once."""
+
+    def __init__(self, on: bool) -> None:
+        import threading
+
+        self.asked = False
+        self._on = on and threading.current_thread() is threading.main_thread()
+        self._before = None
+
+    def __enter__(self) -> "StopOnInterrupt":
+        import signal
+
+        if self._on:
+            self._before = signal.signal(signal.SIGINT, self._ask)
+        return self
+
+    def _ask(self, signum, frame) -> None:  # noqa: ANN001
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+        print("stopping once the request in flight is saved (Ctrl-C again: at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        import signal
+
+        if self._before is not None:
+            signal.signal(signal.SIGINT, self._before)
+
+
 class Progress:
     """A run's requests served so far, in `state`/progress.json (written after every request,
-    replaced whole), and the parts it ran in. Refuses a folder another stream or run left."""
+    replaced whole), the parts it ran in, and the service's fidelity tallies as the last part
+    left them (`keep_tallies`; `seed` starts a service from them where its data is gone).
+    Refuses a folder another stream or run left."""
 
     def __init__(self, state: Path, spec: str, reqs: Sequence[Request], new_tokens: int) -> None:
         self.path = Path(state) / "progress.json"
         tokens = hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:16]  # the stream itself: data, seed, layout
         self.key = {"policy": spec, "requests": len(reqs), "new_tokens": new_tokens, "tokens_sha256": tokens}
+        self.tallies: list[dict] = []
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     @staticmethod
@@ -336,12 +380,38 @@ class Progress:
         saved = json.loads(self.path.read_text())
         if saved["stream"] != self.key:
             raise SystemExit(f"{self.path} holds another run ({saved['stream']}), not {self.key}")
+        self.tallies = saved.get("tallies", [])
         return saved
+
+    def keep_tallies(self, data: Path) -> None:
+        """The fidelity tallies in the stopped service's data dir `data`."""
+        from kvservice.metadata import MetadataDB
+
+        db = MetadataDB(data / "metadata")
+        try:
+            self.tallies = [asdict(t) for t in db.load_fidelity()]
+        finally:
+            db.close()
+
+    def seed(self, data: Path) -> None:
+        """A new data dir `data` holding the kept tallies alone."""
+        from kvservice.fidelity import Tally
+        from kvservice.metadata import MetadataDB
+
+        if not self.tallies:
+            raise SystemExit(f"{self.path.parent}: requests served but neither the service's data ({data}) nor "
+                             "its tallies: the run cannot go on as it was; start again in a new folder")
+        db = MetadataDB(data / "metadata")
+        try:
+            db.put_fidelity([Tally(**t) for t in self.tallies])
+        finally:
+            db.close()
 
     def save(self, rows: Sequence[Served], ref: list, ref_s: list, shadow_hits: int, parts: list) -> None:
         """The requests served, their references, and the parts that served them."""
         body = {"stream": self.key, "requests": [asdict(r) for r in rows],
-                "reference": {"tokens": ref, "seconds": ref_s, "from_shadows": shadow_hits}, "parts": parts}
+                "reference": {"tokens": ref, "seconds": ref_s, "from_shadows": shadow_hits}, "parts": parts,
+                "tallies": self.tallies}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body))
         tmp.replace(self.path)

@@ -49,6 +49,10 @@ def stream_tables(result: dict) -> str:
         lines[0] += (f" Served in {len(parts)} parts: the service restarted on its data (and the engine's adapter "
                      f"afresh) before request{'s' * (len(parts) > 2)} "
                      + ", ".join(str(p["first_request"]) for p in parts[1:]) + ".")
+        if seeded := [str(p["first_request"]) for p in parts if p.get("service_data") == "tallies"]:
+            lines[0] += (f" Before request{'s' * (len(seeded) > 1)} {', '.join(seeded)} its data dir was not there "
+                         "(another machine): it restarted on the fidelity tallies the benchmark kept, every chunk's "
+                         "KV computed again.")
     for name, r in (("whole stream", a["overall"]), (f"settled ({a['settled_budget']:.2f}, from request "
                                                     f"{a['settled_from_request']})", st)):
         lines.append(f"| {name} | {r['requests']} | {cells(r)}")

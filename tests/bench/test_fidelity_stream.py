@@ -203,6 +203,55 @@ def test_a_stream_stopped_killed_and_gone_on_with_is_the_whole_stream_and_its_se
         fs.serve(engine, reqs[:20], fs.ADAPTIVE, progress=False, state=tmp_path / "state")
 
 
+@pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="no trained model committed")
+def test_a_stream_interrupted_and_gone_on_with_elsewhere_starts_its_service_on_the_kept_tallies(tmp_path, monkeypatch):
+    """SIGINT stops a `--state` run once the request in flight is saved; the folder without the
+    service's data (committed, on another machine) goes on with a service started on the
+    tallies the progress file kept: the first part's samples still count, no chunk's KV is
+    served from before (a request whose chunks an earlier one stored is computed whole), and
+    the part says so. Without the tallies either, the folder is refused."""
+    import os
+    import shutil
+    import signal
+
+    from engine_adapter import LlamaEngine
+
+    engine = LlamaEngine.from_pretrained(MODEL_DIR)
+    reqs = fs.synthetic_stream("short", 20, seed=1)
+    state = tmp_path / "state"
+    full, calls = fs._full, []
+
+    def interrupted(*args, **kwargs):  # Ctrl-C while request 9 is served (its reference)
+        calls.append(1)
+        if len(calls) == 10:
+            os.kill(os.getpid(), signal.SIGINT)
+        return full(*args, **kwargs)
+
+    monkeypatch.setattr(fs, "_full", interrupted)
+    first = fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, state=state)
+    monkeypatch.setattr(fs, "_full", full)
+    assert len(first["requests"]) == 10
+    kept = json.loads((state / "progress.json").read_text())["tallies"]
+    sampled = sum(r["sampled"] for r in first["requests"])
+    served_samples = sum(t["samples"] - t["shadow_blends"] for t in kept)
+    assert sampled - 1 <= served_samples <= sampled and served_samples > 0
+    shutil.rmtree(state / "data")
+    run = fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, state=state)
+    rows = run["requests"]
+    assert len(rows) == 20 and rows[:10] == first["requests"]
+    assert [p.get("service_data") for p in run["parts"]] == [None, "tallies"]
+    stored_before = {tuple(c) for chunks, _ in reqs[:10] for c in chunks}
+    assert any(tuple(c) in stored_before for c in reqs[10][0]) and not rows[10]["blended"]
+    rep = sr.adaptive_report(run, "query")
+    tallied = sum(h.get("service_samples", 0) - h.get("service_shadow_blends", 0) for h in rep["honesty"])
+    assert tallied >= served_samples + sum(r["sampled"] for r in rows[10:19])
+    saved = json.loads((state / "progress.json").read_text())
+    shutil.rmtree(state / "data")
+    (state / "progress.json").write_text(json.dumps({**saved, "tallies": []}))
+    with pytest.raises(SystemExit, match="neither the service's data"):
+        fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, state=state)
+
+
 def test_a_stream_served_in_parts_says_where_each_began():
     from pathlib import Path
 
