@@ -12,9 +12,10 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from kvservice.config import load_config
+from kvservice.config import STARTER_PID_ENV, load_config
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
@@ -42,8 +43,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return repair(a) if a.command == "repair" else serve(a)
 
 
+def starter_pid() -> int:
+    """The process that started this one (exit_with_parent): the launcher's pid where it says
+    (`KVCRAFT_STARTER_PID`) and it is gone already, this process then an orphan from its start
+    (the watch drains at once); else the parent now, while it surely lives."""
+    parent = os.getppid()
+    try:
+        starter = int(os.environ.get(STARTER_PID_ENV, ""))
+    except ValueError:
+        return parent
+    if starter == parent:
+        return parent
+    try:  # another parent: the starter exited (reparented), or a process between them (a prefix that forked)
+        state = Path(f"/proc/{starter}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return starter  # gone
+    return starter if state in ("Z", "X") else parent
+
+
 def serve(a: argparse.Namespace) -> int:
-    parent = os.getppid()  # first: the process that started this one, while it surely lives (exit_with_parent)
+    parent = starter_pid()  # first, while the starter surely lives
     try:
         cfg = load_config(a.config, overrides={"host": a.host, "port": a.port, "data_dir": a.data_dir,
                                                "metrics_port": a.metrics_port})

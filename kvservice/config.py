@@ -19,6 +19,10 @@ from kvcraft.recompute import DEFAULT_BUDGET
 from kvservice.fidelity import DEFAULT_SAMPLE as DEFAULT_FIDELITY_SAMPLE
 from kvservice.fidelity import DEFAULT_TARGET as DEFAULT_FIDELITY_TARGET
 
+# exit_with_parent: the pid of the process that starts `kvcraft serve`, where it says (`kvservice.launcher`):
+# a starter gone before the service began is noticed too (`kvservice.cli.starter_pid`)
+STARTER_PID_ENV = "KVCRAFT_STARTER_PID"
+
 GiB = 1 << 30
 MiB = 1 << 20
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Sequence
 
+from kvservice.config import STARTER_PID_ENV
 from kvservice.segments import remove_stale_segments
 
 
@@ -130,7 +131,7 @@ class ServiceProcess(ChildProcess):
                 return True
             return False
 
-        env = {**os.environ, **SERVER_ENV, **CHILD_ENV, **self.env}
+        env = {**os.environ, **SERVER_ENV, **CHILD_ENV, STARTER_PID_ENV: str(os.getpid()), **self.env}
         self._launch([sys.executable, "-m", "kvservice.cli", "serve", "--config", str(cfg)], ready, timeout,
                      stdout=subprocess.PIPE, text=True, env=env, cwd=self.cwd)
         return self

@@ -145,3 +145,46 @@ def test_a_service_started_by_a_process_that_is_killed_drains_and_lets_go_of_its
             assert f"in use by process {service}" in str(e), e
             assert time.monotonic() < deadline, f"the service {service} outlived the process that started it"
     assert "has exited: draining (exit_with_parent)" in (tmp_path / "data-server.log").read_text()
+
+
+def test_a_service_whose_starter_is_gone_before_it_begins_drains_at_once(tmp_path):
+    """A starter that dies before the service's Python has begun (the service an orphan from its
+    first line: its parent then is not the starter) is noticed too: the launcher names itself
+    (`KVCRAFT_STARTER_PID`), and the service drains at its first check."""
+    import os
+    import signal
+
+    data, log = tmp_path / "data", tmp_path / "orphan.log"
+    cfg = tmp_path / "orphan.toml"
+    cfg.write_text(f'host = "127.0.0.1"\nport = 0\ndata_dir = "{data}"\n')
+    starter = subprocess.Popen([sys.executable, "-c", (
+        "import os, subprocess, sys\n"
+        "p = subprocess.Popen(['sh', '-c', 'sleep 2; exec \"$@\"', 'sh', sys.executable, '-m', 'kvservice.cli', "
+        "'serve', '--config', sys.argv[1]], stdout=open(sys.argv[2], 'w'), stderr=subprocess.STDOUT, "
+        "env={**os.environ, 'KVCRAFT_EXIT_WITH_PARENT': 'true', 'KVCRAFT_STARTER_PID': str(os.getpid())})\n"
+        "print(p.pid, flush=True); os._exit(9)"), str(cfg), str(log)], stdout=subprocess.PIPE, text=True)
+    service = int(starter.stdout.readline())
+    assert starter.wait() == 9
+    deadline = time.monotonic() + 30
+    try:
+        while "has exited: draining (exit_with_parent)" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, f"the service {service} outlived its starter: {log.read_text()}"
+            time.sleep(0.2)
+        while _running(service):
+            assert time.monotonic() < deadline, f"the service {service} did not stop"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.kill(service, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    with ServiceProcess(data) as second, KVClient(second.address) as c:  # the data dir is free again
+        c.store(MODEL, TOKENS, random_layers(1))
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
