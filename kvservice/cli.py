@@ -77,8 +77,13 @@ def serve(a: argparse.Namespace) -> int:
 
     def ready(running) -> None:  # noqa: ANN001 - RunningServer
         # One parseable line: tests and scripts wait for it (port 0 picks a free port).
-        print(f"kvcraft serving on {cfg.host}:{running.port} data_dir={cfg.data_dir}"
-              + (f" metrics_port={running.metrics.port}" if running.metrics.port else ""), flush=True)
+        line = (f"kvcraft serving on {cfg.host}:{running.port} data_dir={cfg.data_dir}"
+                + (f" metrics_port={running.metrics.port}" if running.metrics.port else ""))
+        try:
+            print(line, flush=True)
+        except BrokenPipeError:  # nobody reads it (its reader gone): serve on, the line in the log
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the buffered line flushes there)
+            logging.getLogger("kvcraft.serve").warning("stdout is closed: %s", line)
 
     from kvservice.datadir import DataDirInUse
     from kvservice.metadata import MetadataDamaged

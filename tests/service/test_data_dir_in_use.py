@@ -1,6 +1,8 @@
 """A data dir another live process holds is refused as in use, naming that process, never
 reported as damaged: `kvcraft serve` and `kvcraft repair` both refuse it, change nothing,
-and the service holding it keeps serving."""
+and the service holding it keeps serving. And what lets a data dir go: the dir removed under its
+service, the program that started the service gone (before or after it began), never a
+ready line nobody reads."""
 
 from __future__ import annotations
 
@@ -188,3 +190,32 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def test_a_service_whose_ready_line_nobody_reads_serves_on(tmp_path):
+    """stdout's reader gone before the ready line (a starter that read nothing): the service
+    serves on and says where in its log, rather than dying of a broken pipe."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data, log = tmp_path / "data", tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "kvservice.cli", "serve", "--port", str(port), "--data-dir",
+                                 str(data)], stdout=subprocess.PIPE, stderr=err)
+    proc.stdout.close()
+    try:
+        deadline = time.monotonic() + 60
+        while "stdout is closed: kvcraft serving on" not in log.read_text():
+            assert proc.poll() is None, f"the service exited ({proc.returncode}): {log.read_text()}"
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        with KVClient(f"127.0.0.1:{port}") as c:
+            layers = random_layers(1)
+            got = c.fetch(c.store(MODEL, TOKENS, layers).chunk_key)
+            assert all(torch.equal(a, b) for x, y in zip(got, layers) for a, b in zip(x, y))
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0, log.read_text()
