@@ -262,3 +262,7 @@ def test_a_stream_served_in_parts_says_where_each_began():
     result["runs"][0]["parts"] = [{"first_request": 0}, {"first_request": 140}, {"first_request": 230}]
     assert "Served in 3 parts: the service restarted on its data (and the engine's adapter afresh) before " \
            "requests 140, 230." in stream_tables(result)
+    assert "data dir was not there" not in stream_tables(result)
+    result["runs"][0]["parts"][2]["service_data"] = "tallies"
+    assert "Before request 230 its data dir was not there (another machine): it restarted on the fidelity " \
+           "tallies the benchmark kept, every chunk's KV computed again." in stream_tables(result)
