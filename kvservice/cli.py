@@ -54,11 +54,16 @@ def starter_pid() -> int:
         return parent
     if starter == parent:
         return parent
-    try:  # another parent: the starter exited (reparented), or a process between them (a prefix that forked)
-        state = Path(f"/proc/{starter}/stat").read_text().rpartition(")")[2].split()[0]
+    # another parent: the starter exited (reparented), or a process between them (a prefix that forked)
+    return starter if exited(starter) else parent
+
+
+def exited(pid: int) -> bool:
+    """Whether process `pid` is gone or has exited (a zombie has), by /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
     except (OSError, IndexError):
-        return starter  # gone
-    return starter if state in ("Z", "X") else parent
+        return True
 
 
 def serve(a: argparse.Namespace) -> int:
@@ -82,7 +87,9 @@ def serve(a: argparse.Namespace) -> int:
         try:
             print(line, flush=True)
         except BrokenPipeError:  # nobody reads it (its reader gone): serve on, the line in the log
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the buffered line flushes there)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # (the buffered line flushes there)
+            os.close(devnull)
             logging.getLogger("kvcraft.serve").warning("stdout is closed: %s", line)
 
     from kvservice.datadir import DataDirInUse

@@ -17,6 +17,7 @@ import torch
 
 from kvclient.client import KVClient
 from kvcraft.keys import ModelSpec
+from kvservice.cli import exited
 from kvservice.config import load_config
 from kvservice.datadir import DataDirInUse
 from kvservice.launcher import ServiceProcess
@@ -172,7 +173,7 @@ def test_a_service_whose_starter_is_gone_before_it_begins_drains_at_once(tmp_pat
         while "has exited: draining (exit_with_parent)" not in (log.read_text() if log.exists() else ""):
             assert time.monotonic() < deadline, f"the service {service} outlived its starter: {log.read_text()}"
             time.sleep(0.2)
-        while _running(service):
+        while not exited(service):
             assert time.monotonic() < deadline, f"the service {service} did not stop"
             time.sleep(0.2)
     finally:
@@ -182,14 +183,6 @@ def test_a_service_whose_starter_is_gone_before_it_begins_drains_at_once(tmp_pat
             pass
     with ServiceProcess(data) as second, KVClient(second.address) as c:  # the data dir is free again
         c.store(MODEL, TOKENS, random_layers(1))
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (a zombie has)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_a_service_whose_ready_line_nobody_reads_serves_on(tmp_path):
