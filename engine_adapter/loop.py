@@ -3,7 +3,8 @@
 Before the first layer: the rows the pass computes (`Pass.first`) and what derives from them
 (`rowset`). Then per layer (Cache-Craft §3.4.3; CacheBlend §4), whatever the policy:
   1. wait for layer l of the reused chunks, until a deadline (`layer_budget_s`); a chunk
-     absent (late, missing, corrupt) is computed from then on (`merge.Merge.fall_back`);
+     absent (late, missing, corrupt; at tensor parallel > 1, on any rank) is computed from
+     then on (`merge.Merge.fall_back`); the ranks check they hold the same rows (`ranks`);
   2. the layer's cache: the stored RoPE-free K/V of the live chunks in prompt order, zeros
      between them, or an earlier pass's cache to write over (`merge.Merge.cache`);
   3. one layer step (`step.layer_step`, or its capture, `graphs`): Q/K/V of the rows, the
@@ -77,6 +78,8 @@ class _Loop:
             got = self.merge.wait(layer)
             t1 = time.perf_counter()
             p, h = self.merge.fall_back(layer, got, p, h, self.catch_up)
+            if self.m.ranks is not None:  # a tensor-parallel engine's ranks compute one set of rows
+                self.m.ranks.same_rows(f"the rows of layer {layer}", p.rows)
             view = self.view(layer, p)
             wants = self.sel.wants(view)
             cand = p.cand  # the candidates the layer's choice, if any, chose among
@@ -94,6 +97,8 @@ class _Loop:
         if self.static is not None:
             self.static.own(self.res.kv)
         reads = None if self.reads is None else self.reads.total()[:self.lay.n]
+        if reads is not None and self.m.ranks is not None:
+            reads = self.m.ranks.sum(reads)  # every rank's query heads
         self.sel.finish(self.view(depth, p), reads)
         self.res.reused_segments = list(self.merge.live)
         if depth < self.L:
@@ -157,7 +162,10 @@ class _Loop:
         seen = Seen(p.rows, out.h, out.qkv, out.rows_in, self.m.cfg.num_kv_heads, out.deviation, cand)
         if out.mass is None:
             return seen
-        return dataclasses.replace(seen, mass=self.stats.record(out.rows_in, seen.k, seen.v, out.mass, question_mass))
+        mass = self.stats.record(out.rows_in, seen.k, seen.v, out.mass, question_mass)
+        if mass is not None and self.m.ranks is not None:
+            mass = self.m.ranks.mean(mass)  # a mean over every rank's heads
+        return dataclasses.replace(seen, mass=mass)
 
     def catch_up(self, layer: int, p: RowSet, h: Tensor) -> Tensor:
         """Rows p through layers 0..layer-1 over the merged caches (their K/V written there)."""

@@ -40,6 +40,9 @@ class Merge:
         c = model.cfg
         self.m, self.lay, self.spec, self.source, self.budget_s = model, lay, spec, source, layer_budget_s
         self.n, self.hkv, self.hd = lay.n, c.num_kv_heads, c.head_dim
+        # stored KV holds every KV head; one rank of a tensor-parallel engine reads its own
+        self.stored_hkv = model.model_spec().num_kv_heads
+        self.heads = None if model.ranks is None else slice(*model.ranks.kv_heads(self.stored_hkv))
         self.live = list(spec.reused)  # reused chunks still served from stored KV
         self.reused_host = [False] * self.n  # rows of reused chunks
         for s in spec.reused:
@@ -138,14 +141,24 @@ class Merge:
     # ---- stored KV -----------------------------------------------------------------------
 
     def wait(self, layer: int) -> LayerKV:
+        """The live chunks' stored K/V of `layer` that arrived intact by the layer's deadline
+        (this rank's heads of it; on a tensor-parallel engine, those that reached every rank)."""
         if not self.live:
             return {}
         got = self.source.wait_layer(layer, time.monotonic() + self.budget_s)
         want = {s: len(self.lay.segments[s].tokens) for s in self.live}
-        return {s: kv for s, kv in got.items() if s in want and self._valid(kv, want[s])}
+        got = {s: self._own(kv) for s, kv in got.items() if s in want and self._valid(kv, want[s])}
+        if self.m.ranks is not None:
+            have = self.m.ranks.all_have([s in got for s in self.live])
+            got = {s: got[s] for s, ok in zip(self.live, have) if ok}
+        return got
 
     def _valid(self, kv: tuple[Tensor, Tensor], t: int) -> bool:
-        return len(kv) == 2 and all(x.shape == (self.hkv, t, self.hd) and x.dtype == self.m.dtype for x in kv)
+        return len(kv) == 2 and all(x.shape == (self.stored_hkv, t, self.hd) and x.dtype == self.m.dtype for x in kv)
+
+    def _own(self, kv: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """This rank's heads of a chunk's stored K/V (views)."""
+        return kv if self.heads is None else (kv[0][self.heads], kv[1][self.heads])
 
     def cache(self, layer: int, got: LayerKV, p: RowSet, chooses: bool) -> LayerCache:
         """The layer's cache for the eager step: the rows' own K/V where they are every row in

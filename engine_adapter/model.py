@@ -16,8 +16,9 @@ and `cfg` (the shapes: this process's heads where a model is sharded), `rope` (i
 the K/V write, attention by position), `max_rows` (the most rows `layer_out` is given at once:
 an inference engine's tokens per forward pass; None: no bound), `attention` (the engine's own
 attention kernel, for what kvcraft's attention decides: which keys each row reads; None:
-kvcraft's own arithmetic, `engine_adapter.attention`). `prefill` is the plain full
-prefill: the layer step over every row.
+kvcraft's own arithmetic, `engine_adapter.attention`), `ranks` (`ranks.TensorRanks` where the
+model is one rank of a tensor-parallel engine: `cfg` counts this rank's heads, `model_spec()` the
+whole model's; None: one process). `prefill` is the plain full prefill: the layer step over every row.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class LayerModel:
     device: torch.device
     max_rows: int | None = None  # rows `layer_out` takes at once (None: every row; `step._layer_out`)
     attention: Any = None  # the engine's attention kernel (`vllm.attention.VllmCpuAttention`); None: kvcraft's
+    ranks: Any = None  # `ranks.TensorRanks` of a tensor-parallel engine; None: the whole model in this process
 
     def embed(self, tokens: Tensor) -> Tensor:
         raise NotImplementedError

@@ -117,7 +117,9 @@ class RAGAdapter:
         self.shadows = shadows
         self.gate = gate
         self.store_back = store_back
-        self.model_id = engine.model_spec().fingerprint()
+        spec = engine.model_spec()
+        self.model_id = spec.fingerprint()
+        self.stored_kv_heads = spec.num_kv_heads  # stored KV holds every KV head of the model
         self._stores = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-store")
         self._pending: list[Future] = []
         self._timings = pb.TimingReport()
@@ -275,7 +277,9 @@ class RAGAdapter:
             log.warning("kvcraft Release failed (%s); the lease will time out", e)
 
     def _store_back(self, segments: list[Segment], result: BlendResult, refs: Mapping[int, Ref]) -> None:
-        """Store the fresh chunks in the background; refs: segment -> the variant the plan named."""
+        """Store the fresh chunks in the background; refs: segment -> the variant the plan named.
+        On a tensor-parallel engine each is gathered whole first (every rank takes part) and
+        rank 0 stores it (`ranks.TensorRanks`)."""
         self._pending = [f for f in self._pending if not f.done()]  # a long-lived adapter keeps only live ones
         question = segments[-1].tokens if segments[-1].question else ()
         q0 = sum(len(seg.tokens) for seg in segments[:-1])
@@ -284,9 +288,15 @@ class RAGAdapter:
         starts = [0]
         for seg in segments:
             starts.append(starts[-1] + len(seg.tokens))
+        ranks = self.engine.ranks
         for s, fresh in result.fresh.items():
             tokens = segments[s].tokens
             kv = [(k.contiguous(), v.contiguous()) for k, v in fresh.kv]
+            if ranks is not None:  # a tensor-parallel engine's: every rank's heads, stored by rank 0
+                whole = self.stored_kv_heads
+                kv = [(ranks.gather_heads(k, whole), ranks.gather_heads(v, whole)) for k, v in kv]
+                if ranks.rank:
+                    continue
             learn = None
             if context is not None:
                 known = refs.get(s)  # the plan named a variant this request did not reuse

@@ -225,7 +225,9 @@ def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache,
             V.scatter_(-2, at, v)
     out = Stepped(rows, rows.rows, h, q, qkv, K, V, rotate_s=rotate_s)
     if choice is not None:
-        out = _choose(out, choice, old)
+        out = _choose(out, choice, old, model.ranks)
+        if model.ranks is not None:  # (a tensor-parallel engine's ranks: one choice, `ranks`)
+            model.ranks.same_rows(f"the rows layer {layer} kept", out.kept)
     return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows, rescale)
 
 
@@ -262,14 +264,18 @@ def _layer_out(model: Any, layer: int, h: Tensor, o: Tensor) -> Tensor:
     return torch.cat([model.layer_out(layer, h[a:a + n], o[:, a:a + n]) for a in range(0, h.shape[0], n)])
 
 
-def _choose(out: Stepped, choice: Choice, old: tuple[Tensor, Tensor, Tensor]) -> Stepped:
+def _choose(out: Stepped, choice: Choice, old: tuple[Tensor, Tensor, Tensor], ranks: Any) -> Stepped:
     """`Choice` over fixed slots, with no host read: the deviation, a stable sort, prefix sums
-    and a search (the same where the counts are exact, eagerly)."""
+    and a search (the same where the counts are exact, eagerly). `ranks`: a tensor-parallel
+    engine's (`ranks.TensorRanks`): the deviation is summed over every rank's heads."""
     at, k_old, v_old = old
     K, V, rows = out.K, out.V, out.rows
     slots = torch.arange(1, choice.cand.shape[0] + 1, device=at.device)
     valid = slots <= choice.n_cand  # [slots] which candidate slots hold one
-    dev = kv_deviation(K.index_select(1, at), V.index_select(1, at), k_old, v_old).masked_fill(~valid, float("-inf"))
+    dev = kv_deviation(K.index_select(1, at), V.index_select(1, at), k_old, v_old)
+    if ranks is not None:
+        dev = ranks.sum(dev)
+    dev = dev.masked_fill(~valid, float("-inf"))
     # The `keep` of highest deviation, ties to the lower slot: a candidate stays where fewer
     # than `keep` rank before it.
     order = torch.sort(dev, descending=True, stable=True).indices

@@ -43,7 +43,8 @@ FOLDER_MARKS = {"vllm": "vllm", "realmodel": "realmodel"}
 LONGEST_FIRST = (
     "realmodel/test_fetch.py", "vllm/test_blend.py", "vllm/test_example_server.py",
     "vllm/test_docs_commands.py", "vllm/test_blend_quality.py", "vllm/test_connector_correctness.py",
-    "vllm/test_openai_server.py", "vllm/test_real_model.py", "vllm/test_architectures.py", "quality/test_deployed.py",
+    "vllm/test_openai_server.py", "vllm/test_real_model.py", "vllm/test_architectures.py",
+    "vllm/test_tensor_parallel.py", "quality/test_deployed.py",
     "service/test_crash.py", "cluster/test_frozen.py", "cluster/test_hosts.py", "realmodel/test_demo.py",
     "realmodel/test_real_quality.py",
     "realmodel/test_real_bound.py", "engine_adapter/test_static_steps.py", "engine_adapter/test_golden.py",

@@ -100,10 +100,24 @@ class KVCraftWorkerMeta(KVConnectorWorkerMetadata):
     timings: bytes = b""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVCraftWorkerMeta":
+        """Another rank's (tensor parallel > 1, the same step): a request's numbers are one
+        rank's, with `ranks` counting the ranks that reported it and `ranks_differ` naming
+        what they disagreed on (they compute the same rows, `engine_adapter.ranks`)."""
         if isinstance(other, KVCraftWorkerMeta):
-            self.blends.update(other.blends)
+            for req_id, theirs in other.blends.items():
+                mine = self.blends.setdefault(req_id, theirs)
+                if mine is theirs:
+                    continue
+                mine["ranks"] = mine.get("ranks", 1) + theirs.get("ranks", 1)
+                differ = [k for k in RANK_AGREED if mine.get(k) != theirs.get(k)]
+                if differ:
+                    mine["ranks_differ"] = sorted(set(mine.get("ranks_differ", [])) | set(differ))
             self.timings += other.timings  # concatenated protobuf messages merge on parsing
         return self
+
+
+# What every rank of a blend computes alike (the rest, timings, is its own)
+RANK_AGREED = ("blended", "fallback", "claimed_tokens", "kvcraft_row_layers", "reused_chunks", "fresh_chunks")
 
 
 def kv_views(t: torch.Tensor, block_size: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,9 @@ with the block identity in blocks.py and the namespace/settings in config.py. Ea
 instance has its own counters (`metrics`).
 
 Not handled (the connector then neither loads nor saves the request): LoRA,
-multimodal inputs, prompt embeddings. Tensor/pipeline parallelism > 1 is refused.
+multimodal inputs, prompt embeddings. Pipeline parallelism > 1 is refused; at tensor
+parallelism > 1 the connector blends (every rank its heads, `engine_adapter.ranks`) and keeps
+no vLLM blocks (a rank's block holds its heads alone; vLLM's own prefix cache serves them).
 """
 
 from __future__ import annotations
@@ -64,8 +66,14 @@ class KVCraftConnector(KVConnectorBase_V1):
             log.warning("kvcraft: kv_load_failure_policy=%r: a failed load fails the request; "
                         "use 'recompute' (kv_transfer_config() sets it)", tc.kv_load_failure_policy)
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size * par.pipeline_parallel_size != 1:
-            raise ValueError("KVCraftConnector supports tensor/pipeline parallel size 1 only")
+        if par.pipeline_parallel_size != 1:
+            raise ValueError(f"KVCraftConnector: pipeline parallel size {par.pipeline_parallel_size} is not supported "
+                             "(1 only; tensor parallel is)")
+        # At tensor parallel > 1 the ranks blend in step on vLLM's step thread (worker.py), and
+        # vLLM's own blocks are not kept in the service: each rank's block holds its heads alone.
+        self.tensor_parallel = par.tensor_parallel_size
+        if self.tensor_parallel > 1 and self.settings.blend_graphs:
+            raise ValueError("kv_connector_extra_config blend_graphs needs tensor parallel size 1")
         self.block_size = vllm_config.cache_config.block_size
         self.spec = spec_from_vllm(vllm_config, self.settings)
         self.model_id = self.spec.fingerprint()
@@ -98,7 +106,8 @@ class KVCraftConnector(KVConnectorBase_V1):
                 watch.check_stored()
             self.scheduler = SchedulerSide(self.settings, self.model_id, self.block_size, self._client,
                                            self._block_ids_of, self.metrics, chunk_model_id=self.chunk_model_id,
-                                           num_layers=self.spec.num_layers, namespaces=watch)
+                                           num_layers=self.spec.num_layers, namespaces=watch,
+                                           prefix_blocks=self.tensor_parallel == 1)
         else:
             context = None
             if self.chunk_model_id:
@@ -107,7 +116,7 @@ class KVCraftConnector(KVConnectorBase_V1):
                 context = ContextBuilder(self.settings, self._client, vllm_config, self.chunk_model_id,
                                          self.block_size, self.metrics)
             self.worker = WorkerSide(self.settings, self.spec, self.model_id, self.block_size, self._client,
-                                     self.metrics, context=context)
+                                     self.metrics, context=context, in_step=self.tensor_parallel > 1)
         log.info("kvcraft connector (%s) for %s at %s, model id %s", role.name, self.spec.name,
                  self.settings.address, self.model_id)
 

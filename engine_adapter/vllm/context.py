@@ -81,10 +81,12 @@ class ContextBuilder:
             from engine_adapter.rag import RAGAdapter
 
             # Each request runs the policy its BlendLoad names (`build`); shadow prefills of the
-            # requests Plans mark run on this adapter's background thread, over vLLM's weights.
-            adapter = RAGAdapter(self._model_engine(), self._client, Policy("full"),
-                                 store_back=self.settings.blend_store_back, local=self.settings.local,
-                                 steps=self._steps, serving=self.serving)
+            # requests Plans mark run on this adapter's background thread, over vLLM's weights
+            # (not at tensor parallel > 1: the ranks would have to run them in step).
+            engine = self._model_engine()
+            adapter = RAGAdapter(engine, self._client, Policy("full"), store_back=self.settings.blend_store_back,
+                                 local=self.settings.local, steps=self._steps, serving=self.serving,
+                                 shadows=engine.ranks is None)
             adapter.model_id = self.chunk_model_id
             self._thread.adapter = adapter
             with self._lock:
@@ -163,8 +165,10 @@ class ContextBuilder:
         t1 = time.perf_counter()
         result, report = adapter.serve(ld.plan, chunks, question, policy=policy)
         report_bytes = adapter.take_timings().SerializeToString()  # the scheduler side sends them with a Plan
-        with self._lock:
-            self._timings = report_bytes  # the latest blend's: the controller's estimators decay anyway
+        ranks = adapter.engine.ranks
+        if ranks is None or ranks.rank == 0:  # (the ranks' are alike: rank 0's are sent)
+            with self._lock:
+                self._timings = report_bytes  # the latest blend's: the controller's estimators decay anyway
         t2 = time.perf_counter()
         if result.fallbacks:
             chunk, layer = result.fallbacks[0]
@@ -186,7 +190,7 @@ class ContextBuilder:
                 "vllm_computed_tokens": vllm_tokens, "kvcraft_row_layers": int(row_layers), "num_layers": L,
                 "computed_share": (row_layers / L + vllm_tokens) / n, "reused_chunks": report.reused_chunks,
                 "fresh_chunks": report.fresh_chunks, "fallback": "", "budget": report.budget,
-                "sampled": report.sampled, "timings": timings}
+                "sampled": report.sampled, "timings": timings, "ranks": 1}
 
     def _write(self, kv: list[tuple[torch.Tensor, torch.Tensor]], ld: BlendLoad, attn: list[Any]) -> None:
         """Rows [first_token, first_token + tokens) of every layer into the blocks (the last

@@ -6,7 +6,9 @@ called on the rows being computed: `input_layernorm`, `self_attn.qkv_proj` (with
 residual add and RMSNorm) and `mlp`, sharded and quantized as vLLM built them, on vLLM's kernels;
 the embedding and the vocabulary projection are vLLM's too. kvcraft owns the rows, the merged
 cache, the rotation and which keys each row attends to (`step.layer_step`); on a CPU vLLM's
-attention kernel computes it (`vllm.attention`). No weight is copied.
+attention kernel computes it (`vllm.attention`). No weight is copied. At tensor parallel > 1
+each rank's modules hold its heads and add the ranks' parts themselves (vLLM's all-reduces): the
+blend runs on every rank in step, its choices agreed (`engine_adapter.ranks`).
 
 One class covers every architecture whose vLLM decoder layer has those modules (Llama, Mistral,
 Qwen2, Qwen3: `llama.ARCHITECTURES`); the architecture's own config (biases, q/k norms) is
@@ -24,7 +26,9 @@ from torch import Tensor
 
 from engine_adapter.llama import LlamaConfig
 from engine_adapter.model import LayerModel
+from engine_adapter.ranks import TensorRanks
 from engine_adapter.vllm.attention import VllmCpuAttention
+from kvcraft.keys import ModelSpec
 
 
 class VllmLayers(LayerModel):
@@ -34,11 +38,12 @@ class VllmLayers(LayerModel):
     def __init__(self, model: Any, name: str) -> None:
         whole = LlamaConfig.from_hf(model.config.to_dict(), name=name)
         attn = model.model.layers[0].self_attn
-        if (attn.num_heads, attn.num_kv_heads) != (whole.num_heads, whole.num_kv_heads):
-            raise ValueError(f"{name}: this process holds {attn.num_heads} of {whole.num_heads} attention heads "
-                             "(tensor parallel): kvcraft blends an unsharded model (tensor parallel 1)")
         self.m = model
-        self.cfg = dataclasses.replace(whole, head_dim=attn.head_dim)
+        # this process's heads (all of them at tensor parallel 1); stored KV holds every KV head
+        self.cfg = dataclasses.replace(whole, head_dim=attn.head_dim, num_heads=attn.num_heads,
+                                       num_kv_heads=attn.num_kv_heads)
+        self.stored_kv_heads = whole.num_kv_heads
+        self.ranks = TensorRanks.of_vllm()
         self.rope = whole.rope()
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         embed = model.model.embed_tokens.weight
@@ -53,6 +58,10 @@ class VllmLayers(LayerModel):
         # On a CPU, vLLM's attention kernel computes the attention kvcraft decides (`vllm.attention`)
         self.attention = None if self.triton else VllmCpuAttention(self.cfg.num_heads, self.cfg.num_kv_heads,
                                                                    self.cfg.head_dim, self.dtype, self._turn)
+
+    def model_spec(self) -> ModelSpec:
+        """The whole model's (every KV head), whatever share of it this process holds."""
+        return dataclasses.replace(super().model_spec(), num_kv_heads=self.stored_kv_heads)
 
     def embed(self, tokens: Tensor) -> Tensor:
         with self._turn:

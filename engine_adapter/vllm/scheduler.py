@@ -25,6 +25,7 @@ Bounds (docs/vllm.md "What the connector guarantees"):
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+log = logging.getLogger("kvcraft.vllm")
 
 
 @dataclass
@@ -66,10 +69,13 @@ class SchedulerSide:
 
     def __init__(self, settings: ConnectorSettings, model_id: str, block_size: int, client: Any,
                  block_ids_of: Callable[[str], list[int]], metrics: ConnectorMetrics,
-                 chunk_model_id: str = "", num_layers: int = 0, namespaces: Any = None) -> None:
+                 chunk_model_id: str = "", num_layers: int = 0, namespaces: Any = None,
+                 prefix_blocks: bool = True) -> None:
         """namespaces: an `engine_adapter.namespace.NamespaceWatch` told of blends that
-        reused nothing (chunks stored under another dtype are reported), or None."""
+        reused nothing (chunks stored under another dtype are reported), or None.
+        prefix_blocks: vLLM's blocks are looked up and saved (off: blending alone)."""
         self.settings = settings
+        self.prefix_blocks = prefix_blocks
         self.namespaces = namespaces
         self.model_id = model_id
         self.chunk_model_id = chunk_model_id
@@ -229,7 +235,7 @@ class SchedulerSide:
                        or getattr(request, "prompt_embeds", None) is not None)
         if unsupported:  # neither loaded nor saved
             return _Request(tokens, [], [], service_blocks=0, saved_upto=len(tokens) // self.block_size)
-        keys, vids = block_chain(self.model_id, tokens, self.block_size)
+        keys, vids = block_chain(self.model_id, tokens, self.block_size) if self.prefix_blocks else ([], [])
         return _Request(tokens, keys, vids, blend=parse_blend(request, tokens, self.settings, self.metrics))
 
     # -- blending ----------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """The connector's worker side: background loads into vLLM's paged KV, batched saves out of it.
 
 Loads: each request's load (blocks vLLM allocated and will not touch until the load is
-reported finished) runs on a loader thread: one `engine_adapter.loader.ServiceLayerSource`
+reported finished) runs on a loader thread (at tensor parallel > 1 a blend runs in
+`start_loads` itself, on vLLM's step thread after the step's forward pass, and is reported in
+the same step: vLLM calls every rank there with the same metadata, so the ranks' blends call
+vLLM's collectives in one order): one `engine_adapter.loader.ServiceLayerSource`
 (the service's shared memory when `local` and it runs on this host, else one FetchLayers
 stream), the blocks checked once (shape, dtype), then per layer the request's blocks
 gathered into one [blocks, heads, block, hd] tensor and scattered into vLLM's cache with
@@ -61,8 +64,11 @@ class WorkerSide:
     """Worker-role half of KVCraftConnector (see the module docstring)."""
 
     def __init__(self, settings: ConnectorSettings, spec: ModelSpec, model_id: str, block_size: int, client: Any,
-                 metrics: ConnectorMetrics, context: Any = None) -> None:
+                 metrics: ConnectorMetrics, context: Any = None, in_step: bool = False) -> None:
+        """in_step: blends run in `start_loads` itself, on vLLM's step thread (tensor parallel > 1:
+        every rank's blend calls vLLM's collectives in the same order as the others')."""
         self.settings = settings
+        self.in_step = in_step
         self.context = context  # context.ContextBuilder when blending is on
         self._blend_results: dict[str, dict[str, Any]] = {}
         self._layer_names: list[str] = []
@@ -121,6 +127,8 @@ class WorkerSide:
         for bl in meta.blends:
             if self._closing or self.context is None:
                 self._finish_blend(bl, None, "shutting down" if self._closing else "blending is off here")
+            elif self.in_step:  # every rank the same blends in the same order; reported this step
+                self._blend(bl, time.perf_counter())
             else:
                 self._start(self._blend, bl, time.perf_counter())
 
@@ -159,7 +167,7 @@ class WorkerSide:
             numbers = {"blended": False, "policy": bl.policy, "prompt_tokens": n, "claimed_tokens": 0,
                        "vllm_computed_tokens": n, "kvcraft_row_layers": 0, "num_layers": len(self._layers),
                        "computed_share": 1.0, "reused_chunks": 0, "fresh_chunks": 0, "fallback": why,
-                       "budget": bl.plan.recompute_budget, "sampled": False}
+                       "budget": bl.plan.recompute_budget, "sampled": False, "ranks": 1}
         with self._lock:
             self._finished.add(bl.req_id)
             self._blend_results[bl.req_id] = numbers

@@ -5,6 +5,8 @@
 
 spec: {"model", "dtype" (default float32), "kv": kv_connector_extra_config or null (vLLM alone), "blend_model": bool
 (hf_overrides to KVCraftLlamaForCausalLM) or the kvcraft class name of another architecture, "num_blocks", "max_model_len", "service_pid",
+"tensor_parallel" (default 1; above 1 the worker side is in vLLM's worker processes: no dumps,
+faults or worker counters),
 "phases": [{"requests": [{"prompt": [...], "chunks": [...], "policy", "options", "salt"}],
 "max_tokens", "batch": bool (all in one generate call), "signal": "SIGSTOP"|"SIGCONT"|"SIGKILL" (to the service, before the phase),
 "pause": path (before the phase: create path.waiting, then wait up to 120 s for path.go,
@@ -52,12 +54,14 @@ def main(argv: list[str]) -> int:
 
         kv = dict(spec["kv"])
         kw["kv_transfer_config"] = kv_transfer_config(kv.pop("address"), **kv)
+    shm_before = _vllm_segments()
     llm = LLM(model=spec["model"], block_size=32, dtype=spec.get("dtype", "float32"), seed=0, enable_prefix_caching=True,
               max_model_len=spec.get("max_model_len", 256), max_num_batched_tokens=spec.get("max_model_len", 256),
-              num_gpu_blocks_override=spec.get("num_blocks", 64), enforce_eager=spec.get("enforce_eager", False), **kw)
+              num_gpu_blocks_override=spec.get("num_blocks", 64), enforce_eager=spec.get("enforce_eager", False),
+              tensor_parallel_size=spec.get("tensor_parallel", 1), **kw)
     worker = None
     dumps: list = []
-    if spec.get("kv"):
+    if spec.get("kv") and spec.get("tensor_parallel", 1) == 1:
         from engine_adapter.vllm import connector_metrics, connectors_of
 
         worker = connectors_of(llm)[1].worker
@@ -118,7 +122,15 @@ def main(argv: list[str]) -> int:
         torch.save({"blends": dumps, "layout": _layout(worker, spec.get("num_blocks", 64) - 1)}, spec["dump"])
     with open(out_path, "w") as f:
         json.dump(out, f)
+    if spec.get("tensor_parallel", 1) > 1:
+        llm.llm_engine.engine_core.shutdown()  # its worker processes exit
+        for name in _vllm_segments() - shm_before:  # vLLM 0.32's CPU communicator leaves its segments
+            os.unlink(f"/dev/shm/{name}")
     return 0
+
+
+def _vllm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_")}
 
 
 def _pause(path: str) -> None:
