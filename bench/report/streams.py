@@ -3,6 +3,8 @@ and every stream's summary in one table."""
 
 from __future__ import annotations
 
+import re
+
 from kvbench.report.markdown import pct, sources, table
 
 Named = list[tuple[str, dict]]
@@ -17,6 +19,15 @@ def answers_line(a: dict, tokens: int = ANSWER_TOKENS) -> str:
     return (f"Answers under teacher forcing (the first {tokens} tokens after the first): true agreement "
             f"{ratio(a['overall']['answer_agreement'])} over the stream ({a['overall']['answer_tokens']} tokens), "
             f"{ratio(a['settled']['answer_agreement'])} settled; per budget, {per}.")
+
+
+def label(meta: dict) -> str:
+    """The stream's task, with its passages a prompt for MuSiQue (a file written before `meta` kept
+    them: from its last command's `--passages`, 3 by default)."""
+    if meta["task"] != "musique":
+        return meta["task"]
+    given = re.search(r"--passages (\d+)", meta["commands"][-1])
+    return f"musique, {meta.get('passages', int(given.group(1)) if given else 3)} passages"
 
 
 def ratio(x: float | None) -> str:
@@ -42,7 +53,7 @@ def stream_tables(result: dict) -> str:
                 f"{pct(r.get('computed_share_as_retrieved', 1.0))} | {r['ttft_s'] * 1e3:.1f} |"
                 + (f" {ratio(r.get('answer_agreement'))} |" if answers else ""))
 
-    lines = [f"**{meta_['task']}** ({a['requests']} requests, {meta_['prompt_tokens_mean']:.0f} prompt tokens on "
+    lines = [f"**{label(meta_)}** ({a['requests']} requests, {meta_['prompt_tokens_mean']:.0f} prompt tokens on "
              f"average): budget {moves}; at the end the service says {state}.", "",
              "| adaptive run | requests " + head, rule]
     if parts := result["runs"][0].get("parts"):  # `--state`: stopped and gone on with
@@ -106,7 +117,7 @@ def streams_summary(named: Named) -> str:
     for _, r in named:
         m, a, s = r["meta"], r["report"]["adaptive"], r["report"]["sweep"]
         st, least = a["settled"], s["smallest_budget_meeting_target"]
-        rows.append([m["task"], m["seed"], f"{m['requests']:,}", f"{a['settled_budget']:.2f} ({a['settled_from_request']})",
+        rows.append([label(m), m["seed"], f"{m['requests']:,}", f"{a['settled_budget']:.2f} ({a['settled_from_request']})",
                      f"{st['agreement']:.3f} ({st['se']:.3f})", pct(st["computed_share"]),
                      "-" if least is None else f"{least:.2f} ({pct(s['its_computed_share'])})",
                      "-" if s["settled_share_ratio"] is None else f"{s['settled_share_ratio']:.2f}x"])
