@@ -17,9 +17,13 @@ rank computed is agreed first. Those choices read sums over heads, which add acr
 and every layer checks that the ranks hold the same rows (`same_rows`: before the layer, and
 after a choice of rows within it, before vLLM's modules add the ranks' parts of them), so that
 a divergence fails the blend on every rank (the engine then computes the request alone)
-instead of mixing two ranks' rows in vLLM's collectives. Stored KV is whole (every KV head): a rank reads its heads of
-it and a chunk it computed is gathered whole (`gather_heads`) and stored by rank 0, so
-engines at any tensor parallel size, and the reference engine, reuse each other's chunks.
+instead of mixing two ranks' rows in vLLM's collectives. Stored KV is whole (every KV head): a
+rank reads its heads of it and a chunk it computed is gathered whole (`gather_heads`) and
+stored by rank 0, so engines at any tensor parallel size, and the reference engine, reuse
+each other's chunks.
+
+What this does not cover: an error raised on one rank alone (not a disagreement on data) leaves
+the others waiting in their next collective until the process group's timeout.
 
 The collectives run on the ranks' CPU process group (gloo: exact integer sums, MIN/MAX),
 small tensors but the gathered KV; every rank calls them in the same order, from the thread
