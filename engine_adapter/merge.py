@@ -40,8 +40,9 @@ class Merge:
         c = model.cfg
         self.m, self.lay, self.spec, self.source, self.budget_s = model, lay, spec, source, layer_budget_s
         self.n, self.hkv, self.hd = lay.n, c.num_kv_heads, c.head_dim
+        stored = model.model_spec()
         # stored KV holds every KV head; one rank of a tensor-parallel engine reads its own
-        self.stored_hkv = model.model_spec().num_kv_heads
+        self.stored_hkv = stored.num_kv_heads
         self.heads = None if model.ranks is None else slice(*model.ranks.kv_heads(self.stored_hkv))
         self.live = list(spec.reused)  # reused chunks still served from stored KV
         self.reused_host = [False] * self.n  # rows of reused chunks
@@ -55,7 +56,7 @@ class Merge:
         if spec.hidden:
             hidden.index_fill_(0, torch.tensor(list(spec.hidden), dtype=torch.long), True)
         self.pos = torch.where(hidden, self.n, torch.arange(self.n))  # [N] where the attention sees each key
-        self.rot = Rotation(*rope_tables(rope_for_spec(model.model_spec()), torch.arange(self.n)), model.triton)
+        self.rot = Rotation(*rope_tables(rope_for_spec(stored), torch.arange(self.n)), model.triton)
         self.rowsets = RowSets(self.n, self.pos, self.rot, self.live_host, self.reused_host, triton=model.triton,
                                heads=c.num_heads, kv_heads=self.hkv, head_dim=self.hd, dtype=model.dtype,
                                causal=not spec.hidden, runs=not spec.whole, grouped=spec.whole,

@@ -117,9 +117,7 @@ class RAGAdapter:
         self.shadows = shadows
         self.gate = gate
         self.store_back = store_back
-        spec = engine.model_spec()
-        self.model_id = spec.fingerprint()
-        self.stored_kv_heads = spec.num_kv_heads  # stored KV holds every KV head of the model
+        self.model_id = engine.model_spec().fingerprint()
         self._stores = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-store")
         self._pending: list[Future] = []
         self._timings = pb.TimingReport()
@@ -289,11 +287,11 @@ class RAGAdapter:
         for seg in segments:
             starts.append(starts[-1] + len(seg.tokens))
         ranks = self.engine.ranks
+        whole = self.engine.model_spec().num_kv_heads  # stored KV holds every KV head of the model
         for s, fresh in result.fresh.items():
             tokens = segments[s].tokens
             kv = [(k.contiguous(), v.contiguous()) for k, v in fresh.kv]
             if ranks is not None:  # a tensor-parallel engine's: every rank's heads, stored by rank 0
-                whole = self.stored_kv_heads
                 kv = [(ranks.gather_heads(k, whole), ranks.gather_heads(v, whole)) for k, v in kv]
                 if ranks.rank:
                     continue

@@ -539,7 +539,8 @@ def write(a: argparse.Namespace, adaptive: dict, runs: list[dict], ref_s: list, 
     rep = report(adaptive, runs, parse_policy(DEFAULT_POLICY).name, ref_s)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     meta = {"task": a.task, "model": Path(model_dir).name, "requests": a.requests, "seed": a.seed,
-            **({"passages": a.passages} if a.task == "musique" else {}), "threads": a.threads, "torch_threads": torch.get_num_threads(), "first_date": first_date or now,
+            **({"passages": a.passages} if a.task == "musique" else {}), "threads": a.threads,
+            "torch_threads": torch.get_num_threads(), "first_date": first_date or now,
             "commands": [*commands, f"{now}: {results.command('fidelity-stream', a.argv)}"],
             "prompt_tokens_mean": mean([len(q) + sum(map(len, c)) for c, q in reqs]),
             "run_seconds": {r["policy"]: r["seconds"] for r in [adaptive, *runs]}}
