@@ -111,6 +111,11 @@ class Serving:
                 self._idle.notify_all()
         self.touch()
 
+    def watch(self, pool: ThreadPoolExecutor) -> None:
+        """`pool`'s threads do this engine's kvcraft work: the idle trim releases their heaps too."""
+        if self.trim is not None:
+            self.trim.watch(pool)
+
     def touch(self) -> None:
         """kvcraft work started or ended (served, or a shadow): the idle trim waits again."""
         if self.trim is not None:
@@ -271,6 +276,7 @@ class ShadowSampler:
                 return False
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-fidelity")
+                self.serving.watch(self._worker)
             self._sampled += 1
             served = result.logits.detach().clone()
             share = result.computed_share

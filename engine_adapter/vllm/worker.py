@@ -80,6 +80,8 @@ class WorkerSide:
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._layer_index: dict[str, int] = {}
         self._loader = ThreadPoolExecutor(max_workers=settings.load_concurrency, thread_name_prefix="kvcraft-load")
+        if context is not None:
+            context.serving.watch(self._loader)  # blends run here: their heaps released when idle
         self._lock = threading.Lock()
         self._sources: set[ServiceLayerSource] = set()
         self._local = settings.local  # off for good once the service's memory proves to be on another host
