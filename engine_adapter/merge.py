@@ -7,7 +7,7 @@ earlier pass carried through layer 0 written in; the step rotates K to the promp
 and writes its rows over it. Where an earlier pass merged the same layer (`Pass.caches`), the
 step writes its rows over that cache instead.
 
-A reused chunk whose layer l is absent (late, missing, corrupt) is computed from then on
+A reused chunk whose layer l is absent (late past `patience`, missing, corrupt) is computed from then on
 (`fall_back`). Its rows need hidden states at layer l, which were never computed, so they are
 caught up: run through layers 0..l-1 over the merged caches (their K/V written there), then
 they join the computed rows at layer l. Correct first; it costs l layers of that chunk,
@@ -39,7 +39,7 @@ class Merge:
     def __init__(self, model: Any, lay: Layout, spec: Pass, source: LayerSource, layer_budget_s: float) -> None:
         c = model.cfg
         self.m, self.lay, self.spec, self.source, self.budget_s = model, lay, spec, source, layer_budget_s
-        self.n, self.hkv, self.hd = lay.n, c.num_kv_heads, c.head_dim
+        self.n, self.hkv, self.hd, self.layers = lay.n, c.num_kv_heads, c.head_dim, c.num_layers
         stored = model.model_spec()
         # stored KV holds every KV head; one rank of a tensor-parallel engine reads its own
         self.stored_hkv = stored.num_kv_heads
@@ -143,16 +143,33 @@ class Merge:
 
     def wait(self, layer: int) -> LayerKV:
         """The live chunks' stored K/V of `layer` that arrived intact by the layer's deadline
-        (this rank's heads of it; on a tensor-parallel engine, those that reached every rank)."""
+        (`patience`; this rank's heads of it; on a tensor-parallel engine, those that reached
+        every rank)."""
         if not self.live:
             return {}
-        got = self.source.wait_layer(layer, time.monotonic() + self.budget_s)
+        got = self.source.wait_layer(layer, time.monotonic() + self.patience())
         want = {s: len(self.lay.segments[s].tokens) for s in self.live}
         got = {s: self._own(kv) for s, kv in got.items() if s in want and self._valid(kv, want[s])}
         if self.m.ranks is not None:
             have = self.m.ranks.all_have([s in got for s in self.live])
             got = {s: got[s] for s, ok in zip(self.live, have) if ok}
         return got
+
+    def patience(self) -> float:
+        """How long the next layer of the live chunks is waited for: `layer_budget_s`, or, once
+        the pass has computed a layer, up to what falling back would cost: the live chunks' rows
+        through every layer (caught up through the layers before, computed in the rest) at the
+        pass's own rate so far. Waiting up to the price of the alternative and then paying it
+        never costs more than twice the better of the two choices made knowing when the layer
+        arrives (rent or buy: Karlin, Manasse, Rudolph & Sleator, "Competitive snoopy caching",
+        1988). A layer a slow tier streams behind the compute (a disk read) is waited for where
+        the catch-up would cost more; a stream that ended answers at once either way."""
+        rows = sum(self.res.computed_rows)
+        if not self.res.timings or not rows:
+            return self.budget_s
+        rate = sum(t.compute_s for t in self.res.timings) / rows  # seconds per row-layer computed
+        live = sum(len(self.lay.segments[s].tokens) for s in self.live)
+        return max(self.budget_s, rate * live * self.layers)
 
     def _valid(self, kv: tuple[Tensor, Tensor], t: int) -> bool:
         return len(kv) == 2 and all(x.shape == (self.stored_hkv, t, self.hd) and x.dtype == self.m.dtype for x in kv)

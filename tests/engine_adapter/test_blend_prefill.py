@@ -150,6 +150,42 @@ def test_missing_layer_is_computed_from_layer_zero_and_matches_full_prefill(engi
     assert sum("layer 2 of chunk(s) [1] absent" in m for m in caplog.messages) == 1
 
 
+class _LateLayer(InMemoryLayerSource):
+    """Layer `layer` of chunk `chunk` arrives `after_s` after it is asked for: a caller that
+    waits that long gets it, one that does not finds it absent (no clock: the deadline decides)."""
+
+    def __init__(self, kv, chunk: int, layer: int, after_s: float):
+        super().__init__(kv)
+        self.late, self.after_s, self.patience = (chunk, layer), after_s, {}
+
+    def wait_layer(self, layer, deadline):
+        self.patience[layer] = deadline - time.monotonic()
+        got = super().wait_layer(layer, deadline)
+        if layer == self.late[1] and self.patience[layer] < self.after_s:
+            del got[self.late[0]]
+        return got
+
+
+def test_a_late_layer_is_waited_for_while_falling_back_would_cost_more(engine):
+    """Rent or buy: from layer 1 on a late layer is waited for up to what computing the live
+    chunks' rows would cost, at the pass's own rate; one later than that falls back as before."""
+    p = make_prompt(engine, 21, behind="same")
+    policy = Policy("naive", layer_budget_s=0.0)
+    on_time = _blend(engine, p, policy)
+    live_rows = sum(len(c) for c in p.chunks)
+    soon = _LateLayer(p.source().kv, chunk=1, layer=2, after_s=1e-4)  # behind the compute, and soon
+    r = _blend(engine, p, policy, source=soon)
+    assert r.fallbacks == [] and torch.equal(r.logits, on_time.logits)
+    # its patience: the rows' cost through every layer at the rate of layers 0-1, as timed
+    rate = sum(t.compute_s for t in r.timings[:2]) / sum(r.computed_rows[:2])
+    assert soon.patience[2] == pytest.approx(rate * live_rows * engine.cfg.num_layers, rel=0.05)
+    assert soon.patience[0] <= 0.0  # layer 0: layer_budget_s alone (nothing computed to price it)
+    never = _LateLayer(p.source().kv, chunk=1, layer=2, after_s=3600.0)
+    r = _blend(engine, p, policy, source=never)
+    assert r.fallbacks == [(1, 2)]
+    assert (r.logits - engine.prefill(p.tokens)[0][-1]).abs().max() < 1e-4
+
+
 def test_a_fallback_leaves_the_fresh_chunks_statistics_as_computed_in_the_pass(engine):
     """A chunk stored behind another prefix, absent from layer 2 on, is caught up through
     layers 0-1, its recomputed K/V written over theirs; the fresh chunk after it attended to
