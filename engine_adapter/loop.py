@@ -94,6 +94,7 @@ class _Loop:
             self.res.timings.append(LayerTiming(wait_s=t1 - t0, compute_s=time.perf_counter() - t1,
                                                 rotate_s=self.merge.merge_s + out.rotate_s, attend_s=out.attend_s,
                                                 static=self.static_ran(layer)))
+        self.merge.priced()
         if self.static is not None:
             self.static.own(self.res.kv)
         reads = None if self.reads is None else self.reads.total()[:self.lay.n]

@@ -156,20 +156,33 @@ class Merge:
         return got
 
     def patience(self) -> float:
-        """How long the next layer of the live chunks is waited for: `layer_budget_s`, or, once
-        the pass has computed a layer, up to what falling back would cost: the live chunks' rows
-        through every layer (caught up through the layers before, computed in the rest) at the
-        pass's own rate so far. Waiting up to the price of the alternative and then paying it
-        never costs more than twice the better of the two choices made knowing when the layer
-        arrives (rent or buy: Karlin, Manasse, Rudolph & Sleator, "Competitive snoopy caching",
-        1988). A layer a slow tier streams behind the compute (a disk read) is waited for where
-        the catch-up would cost more; a stream that ended answers at once either way."""
-        rows = sum(self.res.computed_rows)
-        if not self.res.timings or not rows:
+        """How long the next layer of the live chunks is waited for: up to what falling back
+        would cost, the live chunks' rows through every layer (caught up through the layers
+        before, computed in the rest) at the pass's rate so far (at layer 0, the model's last
+        pass's), and at least `layer_budget_s` (alone before any pass has a rate). Waiting up to
+        the price of the alternative and then paying it never costs more than twice the better
+        of the two choices made knowing when the layer arrives (rent or buy: Karlin, Manasse,
+        Rudolph & Sleator, "Competitive snoopy caching", 1988). A layer a slow tier streams
+        behind the compute (a disk read) is waited for where the catch-up would cost more; a
+        stream that ended answers at once either way."""
+        rate = self.rate()
+        if rate is None:
             return self.budget_s
-        rate = sum(t.compute_s for t in self.res.timings) / rows  # seconds per row-layer computed
         live = sum(len(self.lay.segments[s].tokens) for s in self.live)
         return max(self.budget_s, rate * live * self.layers)
+
+    def rate(self) -> float | None:
+        """Seconds per row-layer computed: this pass's so far, else the model's last pass's
+        (`LayerModel.row_layer_s`, which `priced` keeps); None before any."""
+        rows = sum(self.res.computed_rows)
+        if self.res.timings and rows:
+            return sum(t.compute_s for t in self.res.timings) / rows
+        return self.m.row_layer_s
+
+    def priced(self) -> None:
+        """After the pass: its rate is the model's price of falling back at the next pass's layer 0."""
+        if self.res.timings and sum(self.res.computed_rows):
+            self.m.row_layer_s = self.rate()
 
     def _valid(self, kv: tuple[Tensor, Tensor], t: int) -> bool:
         return len(kv) == 2 and all(x.shape == (self.stored_hkv, t, self.hd) and x.dtype == self.m.dtype for x in kv)

@@ -46,6 +46,9 @@ class LayerModel:
     max_rows: int | None = None  # rows `layer_out` takes at once (None: every row; `step._layer_out`)
     attention: Any = None  # the engine's attention kernel (`vllm.attention.VllmCpuAttention`); None: kvcraft's
     ranks: Any = None  # `ranks.TensorRanks` of a tensor-parallel engine; None: the whole model in this process
+    # seconds per row-layer of the last blended pass over this model: the next pass's price of
+    # falling back before it has computed a layer of its own (`merge.Merge.patience`)
+    row_layer_s: float | None = None
 
     def embed(self, tokens: Tensor) -> Tensor:
         raise NotImplementedError

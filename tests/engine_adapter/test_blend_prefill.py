@@ -166,23 +166,25 @@ class _LateLayer(InMemoryLayerSource):
         return got
 
 
-def test_a_late_layer_is_waited_for_while_falling_back_would_cost_more(engine):
-    """Rent or buy: from layer 1 on a late layer is waited for up to what computing the live
-    chunks' rows would cost, at the pass's own rate; one later than that falls back as before."""
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_late_layer_is_waited_for_while_falling_back_would_cost_more(engine, layer):
+    """Rent or buy: a late layer is waited for up to what computing the live chunks' rows
+    through every layer would cost, at the pass's rate so far (layer 0: the model's last
+    pass's); one later than that falls back as before."""
     p = make_prompt(engine, 21, behind="same")
     policy = Policy("naive", layer_budget_s=0.0)
     on_time = _blend(engine, p, policy)
-    live_rows = sum(len(c) for c in p.chunks)
-    soon = _LateLayer(p.source().kv, chunk=1, layer=2, after_s=1e-4)  # behind the compute, and soon
+    price = sum(len(c) for c in p.chunks) * engine.cfg.num_layers  # the live rows through every layer
+    soon = _LateLayer(p.source().kv, chunk=1, layer=layer, after_s=1e-4)  # behind the compute, and soon
     r = _blend(engine, p, policy, source=soon)
     assert r.fallbacks == [] and torch.equal(r.logits, on_time.logits)
-    # its patience: the rows' cost through every layer at the rate of layers 0-1, as timed
-    rate = sum(t.compute_s for t in r.timings[:2]) / sum(r.computed_rows[:2])
-    assert soon.patience[2] == pytest.approx(rate * live_rows * engine.cfg.num_layers, rel=0.05)
-    assert soon.patience[0] <= 0.0  # layer 0: layer_budget_s alone (nothing computed to price it)
-    never = _LateLayer(p.source().kv, chunk=1, layer=2, after_s=3600.0)
+    before = sum(t.compute_s for t in on_time.timings) / sum(on_time.computed_rows)  # the last pass's rate
+    assert soon.patience[0] == pytest.approx(before * price, rel=0.05)
+    rate = sum(t.compute_s for t in r.timings[:2]) / sum(r.computed_rows[:2])  # this pass's, layers 0-1
+    assert soon.patience[2] == pytest.approx(rate * price, rel=0.05)
+    never = _LateLayer(p.source().kv, chunk=1, layer=layer, after_s=3600.0)
     r = _blend(engine, p, policy, source=never)
-    assert r.fallbacks == [(1, 2)]
+    assert r.fallbacks == [(1, layer)]
     assert (r.logits - engine.prefill(p.tokens)[0][-1]).abs().max() < 1e-4
 
 
@@ -225,7 +227,8 @@ class _NeverArrives:
         return {}
 
 
-def test_source_that_never_delivers_yields_full_prefill(engine, prompts):
+def test_source_that_never_delivers_yields_full_prefill(engine, prompts, monkeypatch):
+    monkeypatch.setattr(engine, "row_layer_s", None)  # no pass has priced a fallback yet: layer_budget_s alone
     p, src = prompts[1], _NeverArrives()
     r = _blend(engine, p, Policy("cacheblend", ratio=0.15, layer_budget_s=0.0), source=src)
     assert (r.logits - engine.prefill(p.tokens)[0][-1]).abs().max() < 1e-4
@@ -234,7 +237,8 @@ def test_source_that_never_delivers_yields_full_prefill(engine, prompts):
     assert len(r.timings) == engine.cfg.num_layers
 
 
-def test_wait_deadline_is_the_per_layer_budget(engine, prompts):
+def test_wait_deadline_is_the_per_layer_budget_before_any_pass_prices_a_fallback(engine, prompts, monkeypatch):
+    monkeypatch.setattr(engine, "row_layer_s", None)
     src = _NeverArrives()
     _blend(engine, prompts[1], Policy("naive", layer_budget_s=0.25), source=src)
     assert 0.0 < src.budgets[0] <= 0.25
