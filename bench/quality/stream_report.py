@@ -194,7 +194,9 @@ def print_report(rep: dict, title: str) -> None:
         print(f"{t['policy']:<26} {t['requests']:>5} {t['agreement']:>10.3f} {t['se']:>6.3f} "
               f"{pct(t['computed_share']):>9} {t['ttft_s'] * 1e3:>8.1f} {ratio(t.get('answer_agreement')):>24}")
     b = s["smallest_budget_meeting_target"]
-    if b is None:
+    if not any(not t["policy"].startswith(("full", "adaptive")) for t in s["table"]):
+        print("no fixed budget ran beside it (--sweep none)")
+    elif b is None:
         print("no fixed budget of the sweep meets the target")
     else:
         print(f"smallest fixed budget with agreement >= target: {b:.2f} (computed {pct(s['its_computed_share'])}); "

@@ -99,6 +99,9 @@ def stream_tables(result: dict) -> str:
         lines.append(f"| {name} | {t['requests']} | {cells(t)}")
     b = s["smallest_budget_meeting_target"]
     swept = {t["requests"] for t in s["table"] if not t["policy"].startswith(("full", "adaptive"))}
+    if not swept:
+        lines += ["", "No fixed budget ran beside it (`--sweep none`)."]
+        return "\n".join(lines)
     lines += ["", ("" if swept <= {a["requests"]} else f"(The sweep served the stream's first {min(swept)} requests.) ")
               + "Smallest fixed budget with true agreement >= 0.95: " + (
         "none" if b is None else f"{b:.2f} ({pct(s['its_computed_share'])} computed); the adaptive run's settled "
