@@ -117,6 +117,8 @@ class KVCraftConnector(KVConnectorBase_V1):
                                          self.block_size, self.metrics)
             self.worker = WorkerSide(self.settings, self.spec, self.model_id, self.block_size, self._client,
                                      self.metrics, context=context, in_step=self.tensor_parallel > 1)
+            if context is not None:  # blends run on the loader threads: the idle trim releases their heaps
+                context.serving.watch(self.worker.loader)
         log.info("kvcraft connector (%s) for %s at %s, model id %s", role.name, self.spec.name,
                  self.settings.address, self.model_id)
 

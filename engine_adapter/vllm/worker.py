@@ -79,9 +79,7 @@ class WorkerSide:
         self.metrics = metrics
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._layer_index: dict[str, int] = {}
-        self._loader = ThreadPoolExecutor(max_workers=settings.load_concurrency, thread_name_prefix="kvcraft-load")
-        if context is not None:
-            context.serving.watch(self._loader)  # blends run here: their heaps released when idle
+        self.loader = ThreadPoolExecutor(max_workers=settings.load_concurrency, thread_name_prefix="kvcraft-load")
         self._lock = threading.Lock()
         self._sources: set[ServiceLayerSource] = set()
         self._local = settings.local  # off for good once the service's memory proves to be on another host
@@ -137,7 +135,7 @@ class WorkerSide:
     def _start(self, fn: Any, *args: Any) -> None:
         with self._lock:
             self._running += 1
-        self._loader.submit(self._ran, fn, *args)
+        self.loader.submit(self._ran, fn, *args)
 
     def _ran(self, fn: Any, *args: Any) -> None:
         try:
@@ -383,7 +381,7 @@ class WorkerSide:
             s.cancel()
         close_channel()  # Stores still in flight end now; their errors are expected, not logged
         self._saver.shutdown(wait=True)
-        self._loader.shutdown(wait=True)
+        self.loader.shutdown(wait=True)
         with self._lock:
             built, held, self._built, self._forward = self._built, self._forward, set(), set()
         for r in held:
