@@ -1,8 +1,15 @@
-"""kvcraft.heap.IdleTrim: a trim once the work has been idle, never while it is busy."""
+"""kvcraft.heap: a trim once the work has been idle, never while it is busy; the heap tops of the
+threads it watches released."""
 
 from __future__ import annotations
 
+import ctypes.util
+import json
+import subprocess
+import sys
 import threading
+
+import pytest
 
 from kvcraft.heap import IdleTrim
 
@@ -73,13 +80,6 @@ print(json.dumps({"plain": plain - before, "released": rss_mib() - before}))
 
 
 def test_a_pool_threads_heap_top_is_released_where_malloc_trim_alone_keeps_it():
-    import ctypes.util
-    import json
-    import subprocess
-    import sys
-
-    import pytest
-
     if "libc.so" not in (ctypes.util.find_library("c") or ""):
         pytest.skip("glibc's heap only")
     out = subprocess.run([sys.executable, "-c", _THREAD_TOP], capture_output=True, text=True, timeout=120, check=True)
