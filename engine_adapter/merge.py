@@ -165,24 +165,24 @@ class Merge:
         Rudolph & Sleator, "Competitive snoopy caching", 1988). A layer a slow tier streams
         behind the compute (a disk read) is waited for where the catch-up would cost more; a
         stream that ended answers at once either way."""
-        rate = self.rate()
+        rate = self.pass_rate()
+        rate = self.m.row_layer_s if rate is None else rate
         if rate is None:
             return self.budget_s
         live = sum(len(self.lay.segments[s].tokens) for s in self.live)
         return max(self.budget_s, rate * live * self.layers)
 
-    def rate(self) -> float | None:
-        """Seconds per row-layer computed: this pass's so far, else the model's last pass's
-        (`LayerModel.row_layer_s`, which `priced` keeps); None before any."""
+    def pass_rate(self) -> float | None:
+        """Seconds per row-layer this pass has computed so far; None before its first layer."""
         rows = sum(self.res.computed_rows)
-        if self.res.timings and rows:
-            return sum(t.compute_s for t in self.res.timings) / rows
-        return self.m.row_layer_s
+        return sum(t.compute_s for t in self.res.timings) / rows if self.res.timings and rows else None
 
     def priced(self) -> None:
-        """After the pass: its rate is the model's price of falling back at the next pass's layer 0."""
-        if self.res.timings and sum(self.res.computed_rows):
-            self.m.row_layer_s = self.rate()
+        """After the pass: its rate is the model's price of falling back at the next pass's
+        layer 0 (`LayerModel.row_layer_s`)."""
+        rate = self.pass_rate()
+        if rate is not None:
+            self.m.row_layer_s = rate
 
     def _valid(self, kv: tuple[Tensor, Tensor], t: int) -> bool:
         return len(kv) == 2 and all(x.shape == (self.stored_hkv, t, self.hd) and x.dtype == self.m.dtype for x in kv)

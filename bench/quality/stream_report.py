@@ -9,7 +9,7 @@ import math
 import statistics
 from typing import Sequence
 
-from kvbench.report.streams import ANSWER_TOKENS, answers_line, ratio
+from kvbench.report.streams import ANSWER_TOKENS, answers_line, fixed_runs, ratio
 from kvservice.fidelity import DEFAULT_TARGET as TARGET
 from kvservice.fidelity import ladder_budget
 
@@ -194,7 +194,7 @@ def print_report(rep: dict, title: str) -> None:
         print(f"{t['policy']:<26} {t['requests']:>5} {t['agreement']:>10.3f} {t['se']:>6.3f} "
               f"{pct(t['computed_share']):>9} {t['ttft_s'] * 1e3:>8.1f} {ratio(t.get('answer_agreement')):>24}")
     b = s["smallest_budget_meeting_target"]
-    if not any(not t["policy"].startswith(("full", "adaptive")) for t in s["table"]):
+    if not fixed_runs(s["table"]):
         print("no fixed budget ran beside it (--sweep none)")
     elif b is None:
         print("no fixed budget of the sweep meets the target")

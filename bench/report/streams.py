@@ -34,6 +34,12 @@ def ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def fixed_runs(runs: list[dict]) -> set[int]:
+    """The request counts of a stream's fixed-policy runs (its sweep; neither the adaptive run
+    nor full prefill); empty where none ran (`--sweep none`)."""
+    return {t["requests"] for t in runs if not t["policy"].startswith(("full", "adaptive"))}
+
+
 def stream_tables(result: dict) -> str:
     """A stream's report as tables: the adaptive run, each budget's samples against the truth, the
     fixed policies; "smallest fixed budget" under them."""
@@ -98,7 +104,7 @@ def stream_tables(result: dict) -> str:
                               if t.get("timed", t["requests"]) < t["requests"] else "")
         lines.append(f"| {name} | {t['requests']} | {cells(t)}")
     b = s["smallest_budget_meeting_target"]
-    swept = {t["requests"] for t in s["table"] if not t["policy"].startswith(("full", "adaptive"))}
+    swept = fixed_runs(s["table"])
     if not swept:
         lines += ["", "No fixed budget ran beside it (`--sweep none`)."]
         return "\n".join(lines)
