@@ -9,6 +9,7 @@ start method, with vLLM preloaded). The server is started the first time an engi
 output and log to a file and runs its entry point, a `module:function(argv) -> int`.
 
     out = engine_run(tmp, "alone", spec)      # kvbench.vllm.rag's engine through spec's phases
+    outs = engines_in_turns(tmp, {"alone": a, "blend": b}, ["alone", "blend", "blend", ...])  # side by side
     proc = EngineProcess(ENGINE, [spec_path, out_path], log).start()   # to signal or watch it
     proc.wait(timeout=600)                    # the exit code; a process still running is killed
 """
@@ -21,10 +22,12 @@ import json
 import logging
 import multiprocessing
 import os
+import select
 import sys
+import time
 from multiprocessing import forkserver
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 ENGINE = "kvbench.vllm.rag:engine_main"  # a vLLM instance through a spec's phases (kvbench.vllm.rag.run)
 ENGINE_TIMEOUT_S = 1800
@@ -133,3 +136,62 @@ def engine_run(tmp: Path, name: str, spec: dict[str, Any], timeout: float = ENGI
         raise RuntimeError(f"vLLM engine {name!r} exited {code}:\n"
                            + (text[crash:crash + 20000] if crash >= 0 else text[-6000:]))
     return json.loads((tmp / f"{name}.out").read_text())
+
+
+class Turn:
+    """In an engine process run by `engines_in_turns` (spec "turns": two FIFOs' paths): `with
+    turn:` waits for the driver's go and reports done at the end, so that the engines take
+    turns, one request each. Without "turns" it waits for nothing."""
+
+    def __init__(self, fifos: dict[str, str] | None) -> None:
+        self._go = os.open(fifos["go"], os.O_RDONLY) if fifos else None
+        self._done = os.open(fifos["done"], os.O_WRONLY) if fifos else None
+
+    def __enter__(self) -> None:
+        if self._go is not None and not os.read(self._go, 1):
+            raise RuntimeError("the engines' turn driver went away")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._done is not None:
+            os.write(self._done, b".")
+
+
+def engines_in_turns(tmp: Path, specs: dict[str, dict[str, Any]], order: Iterable[str],
+                     timeout: float = ENGINE_TIMEOUT_S, target: str = ENGINE) -> dict[str, dict[str, Any]]:
+    """Engine processes side by side, one request at a time across them: `order` names the
+    engine of each turn (a request of its phases, in order; with spec "rest", its last turn
+    the memory at rest). Each starts at once and waits for its first turn; a turn starts when
+    the one before has ended, so a machine whose speed drifts slows each engine alike (the
+    benchmarks compare engines in one run). Returns each engine's result (as `engine_run`)."""
+    fifos, procs, ends = {}, {}, {}
+    for name in specs:
+        fifos[name] = {end: str(tmp / f"{name}.{end}") for end in ("go", "done")}
+        for path in fifos[name].values():
+            os.mkfifo(path)
+        # read-write: neither open blocks, and the engine's own opens find the other end there
+        ends[name] = {end: os.open(path, os.O_RDWR) for end, path in fifos[name].items()}
+    try:
+        for name, spec in specs.items():
+            (tmp / f"{name}.json").write_text(json.dumps({**spec, "turns": fifos[name]}))
+            (tmp / f"{name}.log").write_text("")
+            argv = [tmp / f"{name}.json", tmp / f"{name}.out"]
+            procs[name] = EngineProcess(target, argv, tmp / f"{name}.log").start()
+        deadline = time.monotonic() + timeout
+        for name in order:
+            os.write(ends[name]["go"], b".")
+            while not select.select([ends[name]["done"]], [], [], 1.0)[0]:
+                if procs[name].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM engine {name!r} ended or stalled in its turn:\n"
+                                       + (tmp / f"{name}.log").read_text()[-6000:])
+            os.read(ends[name]["done"], 1)
+        for name, proc in procs.items():
+            if proc.wait(max(1.0, deadline - time.monotonic())) != 0:
+                raise RuntimeError(f"vLLM engine {name!r} exited {proc.poll()}:\n"
+                                   + (tmp / f"{name}.log").read_text()[-6000:])
+        return {name: json.loads((tmp / f"{name}.out").read_text()) for name in specs}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        for fds in ends.values():
+            for fd in fds.values():
+                os.close(fd)

@@ -210,15 +210,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     phases = spec.get("phases") or [{"requests": spec["requests"], "max_tokens": spec.get("max_tokens", 8),
                                      "return_prompts": spec.get("return_prompts", False),
                                      "drain_saves_s": spec.get("drain_saves_s", 0)}]
-    results = [_phase(llm, front, spec, ph) for ph in phases]
+    from kvbench.common.engines import Turn
+
+    turn = Turn(spec.get("turns"))  # engines side by side: each request in its turn
+    results = [_phase(llm, front, spec, ph, turn) for ph in phases]
     if front is not None:
         front.close()
     out = {"outputs": results[0]["outputs"], "metrics": results[-1]["metrics"], "phases": results,
            "startup_s": startup}
     if spec.get("rest"):  # the engine's memory right after its last request, and at rest
-        out["memory_before_rest"] = memory_mib()
-        _rest(llm, spec, results[-1]["metrics"].get("heap_trims", 0))
-        out["memory_at_rest"] = memory_mib()
+        with turn:
+            out["memory_before_rest"] = memory_mib()
+            _rest(llm, spec, results[-1]["metrics"].get("heap_trims", 0))
+            out["memory_at_rest"] = memory_mib()
     if spec.get("shutdown"):  # the engine's own shutdown path: scheduler then worker connector
         worker = None
         if spec.get("kv"):
@@ -261,10 +265,11 @@ def _settle(llm: Any) -> None:
         context.flush()
 
 
-def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> dict[str, Any]:
+def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any], turn: Any) -> dict[str, Any]:
     """One phase: optional service signal / prefix-cache reset, then its requests (one at a
     time, each after the one before's background work with "settle"; or all in one generate
-    call with "batch"), then optionally wait for the saves."""
+    call with "batch"), then optionally wait for the saves. Each request, or the batch, in its
+    `turn` (`kvbench.common.engines.engines_in_turns`)."""
     import signal
 
     from vllm import SamplingParams
@@ -280,46 +285,20 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
         reqs = ph["requests"]
         prompts = [TokensPrompt(prompt_token_ids=list(r["prompt"]),
                                 **({"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {})) for r in reqs]
-        t = time.perf_counter()
-        res = llm.generate(prompts, [_request_params(params, r) for r in reqs], use_tqdm=False)
-        wall = time.perf_counter() - t
+        with turn:
+            t = time.perf_counter()
+            res = llm.generate(prompts, [_request_params(params, r) for r in reqs], use_tqdm=False)
+            wall = time.perf_counter() - t
         for r, o in zip(reqs, res):
             outs.append({"prompt_len": len(r["prompt"]), "prompt": list(r["prompt"]) if ph.get("return_prompts")
                          else None, "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
                          "ttft_s": wall, **({"kv_transfer_params": o.kv_transfer_params}
                                             if getattr(o, "kv_transfer_params", None) else {})})
     for r in ([] if ph.get("batch") else ph["requests"]):
-        reset = llm.reset_prefix_cache() if r.get("reset_prefix_cache") else None
-        before = _counters(llm) if spec.get("kv") and ph.get("per_request_metrics") else None
-        t = time.perf_counter()
-        if "prompt" in r:
-            prompt, extra = list(r["prompt"]), {}
-        elif front is not None:
-            fp = front.build(r.get("conv", ""), r["chunks"], r["question"])
-            prompt = fp.token_ids
-            extra = {"chunk_tokens": fp.chunk_tokens, "dropped_tokens": fp.dropped_tokens, "planned": fp.planned}
-        else:
-            prompt = list(r.get("preamble", [])) + [t for c in r["chunks"] for t in c] + list(r["question"])
-            extra = {"chunk_tokens": len(prompt) - len(r["question"]), "dropped_tokens": 0}
-            if spec.get("blend") and "kv_transfer_params" not in r:  # chunk boundaries for kvcraft blending
-                lens = [len(c) for c in ([r["preamble"]] if r.get("preamble") else []) + list(r["chunks"])]
-                r = {**r, "kv_transfer_params": {"kvcraft": {"chunks": lens, **spec["blend"]}}}
-        p = _request_params(params, r)
-        salt = {"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {}
-        (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, **salt)], p, use_tqdm=False)
-        ttft = time.perf_counter() - t
-        if reset is not None:
-            extra["prefix_cache_reset"] = bool(reset)
-        if before is not None:
-            after = _counters(llm)
-            extra["metrics"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-        if getattr(o, "kv_transfer_params", None):  # the connector's per-request report
-            extra["kv_transfer_params"] = o.kv_transfer_params
-        outs.append({"prompt_len": len(prompt), "prompt": prompt if ph.get("return_prompts") else None,
-                     "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0),
-                     "ttft_s": ttft, **extra})
-        if ph.get("settle") and spec.get("kv"):
-            _settle(llm)
+        with turn:
+            outs.append(_request(llm, front, spec, ph, params, r))
+            if ph.get("settle") and spec.get("kv"):
+                _settle(llm)
     metrics: dict[str, Any] = {}
     if spec.get("kv"):
         from engine_adapter.vllm import connector_metrics, connectors_of
@@ -328,6 +307,41 @@ def _phase(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any]) -> di
             metrics["saves_drained"] = connectors_of(llm)[1].worker.drain_saves(ph["drain_saves_s"])
         metrics.update(connector_metrics(llm))
     return {"outputs": outs, "metrics": metrics}
+
+
+def _request(llm: Any, front: Any, spec: dict[str, Any], ph: dict[str, Any], params: Any,
+             r: dict[str, Any]) -> dict[str, Any]:
+    """One request of a phase, on its own: its output, TTFT and what the connector reported."""
+    from vllm.inputs import TokensPrompt
+
+    reset = llm.reset_prefix_cache() if r.get("reset_prefix_cache") else None
+    before = _counters(llm) if spec.get("kv") and ph.get("per_request_metrics") else None
+    t = time.perf_counter()
+    if "prompt" in r:
+        prompt, extra = list(r["prompt"]), {}
+    elif front is not None:
+        fp = front.build(r.get("conv", ""), r["chunks"], r["question"])
+        prompt = fp.token_ids
+        extra = {"chunk_tokens": fp.chunk_tokens, "dropped_tokens": fp.dropped_tokens, "planned": fp.planned}
+    else:
+        prompt = list(r.get("preamble", [])) + [t for c in r["chunks"] for t in c] + list(r["question"])
+        extra = {"chunk_tokens": len(prompt) - len(r["question"]), "dropped_tokens": 0}
+        if spec.get("blend") and "kv_transfer_params" not in r:  # chunk boundaries for kvcraft blending
+            lens = [len(c) for c in ([r["preamble"]] if r.get("preamble") else []) + list(r["chunks"])]
+            r = {**r, "kv_transfer_params": {"kvcraft": {"chunks": lens, **spec["blend"]}}}
+    p = _request_params(params, r)
+    salt = {"cache_salt": r["cache_salt"]} if r.get("cache_salt") else {}
+    (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, **salt)], p, use_tqdm=False)
+    ttft = time.perf_counter() - t
+    if reset is not None:
+        extra["prefix_cache_reset"] = bool(reset)
+    if before is not None:
+        after = _counters(llm)
+        extra["metrics"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    if getattr(o, "kv_transfer_params", None):  # the connector's per-request report
+        extra["kv_transfer_params"] = o.kv_transfer_params
+    return {"prompt_len": len(prompt), "prompt": prompt if ph.get("return_prompts") else None,
+            "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0), "ttft_s": ttft, **extra}
 
 
 def _request_params(params: Any, r: dict[str, Any]) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.common.engines import EngineProcess, engine_run
+from kvbench.common.engines import EngineProcess, Turn, engine_run, engines_in_turns
 
 pytestmark = pytest.mark.slow  # over ~10 s: after the inner loop (README, "Developing")
 
@@ -39,6 +39,37 @@ def raises(argv: list[str]) -> int:
 def hangs(argv: list[str]) -> int:
     time.sleep(600)
     return 0
+
+
+def takes_turns(argv: list[str]) -> int:
+    """Each of its spec's "turns" requests: when it started and ended; with "die_at", exit there."""
+    spec = json.loads(Path(argv[0]).read_text())
+    turn, spans = Turn(spec["turns"]), []
+    for i in range(spec["requests"]):
+        with turn:
+            if i == spec.get("die_at"):
+                os._exit(5)
+            start = time.monotonic()
+            sum(range(200_000))  # some work in the turn
+            spans.append((start, time.monotonic()))
+    Path(argv[1]).write_text(json.dumps({"spans": spans}))
+    return 0
+
+
+def test_engines_take_turns_in_the_order_given(tmp_path):
+    order = ["a", "a", "b", "a", "b", "b", "a"]
+    outs = engines_in_turns(tmp_path, {"a": {"requests": 4}, "b": {"requests": 3}}, order, timeout=120,
+                            target=f"{HERE}:takes_turns")
+    spans = {name: iter(out["spans"]) for name, out in outs.items()}
+    timeline = [(name, *next(spans[name])) for name in order]
+    for (_, _, end), (_, start, _) in zip(timeline, timeline[1:]):
+        assert end <= start  # one request at a time across the processes, in the order given
+
+
+def test_an_engine_that_dies_in_its_turn_is_reported_with_its_log(tmp_path):
+    with pytest.raises(RuntimeError, match="'b' ended or stalled in its turn"):
+        engines_in_turns(tmp_path, {"a": {"requests": 2}, "b": {"requests": 2, "die_at": 1}},
+                         ["a", "b", "b", "a"], timeout=120, target=f"{HERE}:takes_turns")
 
 
 def test_an_engine_runs_in_its_own_process_with_its_environment_and_log(tmp_path):
