@@ -10,10 +10,12 @@ in a real kvcraft service (its own process, loopback) behind ANOTHER chunk first
 earlier request would have left it (kvcraft's reference engine computes it with the same
 weights: the chunk keys are the ones the connector plans with).
 
-Then, each mode in its own vLLM process, the same requests one at a time (greedy,
+Then two vLLM processes side by side, taking turns one request at a time
+(`kvbench.common.engines.engines_in_turns`: request i through vLLM alone, then through each
+policy, so a machine whose speed drifts slows both alike), the same requests (greedy,
 max_tokens=1, so the wall time of a request is its TTFT), vLLM's own prefix cache reset
-before each request (so nothing but kvcraft supplies KV), after `--warmup` untimed
-requests:
+before each request (so nothing but kvcraft supplies KV), after untimed requests: prompts of
+ROW_COUNTS lengths (see there), then `--warmup` of the timed kind:
 
 - vLLM alone: the stock Llama, no connector;
 - vLLM + kvcraft: the plugin model class + connector with blending on; every request
@@ -58,6 +60,12 @@ POLICIES: dict[str, dict[str, Any]] = {
     "full (kvcraft recomputes all)": {"name": "full"},
 }
 HEADLINE = "cacheblend budget 15%"
+# vLLM's oneDNN linear layers keep a compiled kernel per row count they were called with, up to
+# 32 per layer (`create_onednn_mm(weight, 32)` in vllm.model_executor.layers.utils; ~43 KiB each
+# on the 2-core VM). Live traffic fills that cache in vLLM alone as well (each step's token count
+# is a row count); requests of one shape would leave vLLM alone's nearly empty and count the
+# blends' row counts as kvcraft's memory. So each engine first serves prompts of this many lengths.
+ROW_COUNTS = 40
 
 
 def add_workload_arguments(ap: argparse.ArgumentParser) -> None:
@@ -187,7 +195,7 @@ def summarize(label: str, outs: list[dict[str, Any]], layers: int) -> dict[str, 
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    from kvbench.common.engines import engine_run
+    from kvbench.common.engines import engine_run, engines_in_turns
     from kvbench.vllm.quality import BLEND_MODEL, blend_params
     from kvservice.launcher import ServiceProcess
 
@@ -205,14 +213,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         model = build_model(tmp / "model", a.layers, a.hidden, a.heads, a.kv_heads, a.mlp)
         prompts = [[t for c in r["chunks"] for t in c] + r["question"] for r in reqs]
         plain = [{"prompt": p, "reset_prefix_cache": True, "cache_salt": f"alone-{i}"} for i, p in enumerate(prompts)]
-        t = time.perf_counter()
-        alone = engine_run(tmp, "alone", {"model": str(model), "enforce_eager": a.eager, "rest": True, "phases": [
-            {"requests": plain[:a.warmup], "max_tokens": 1}, {"requests": plain[a.warmup:], "max_tokens": 1}]})
-        out["vllm_alone_wall_s"] = time.perf_counter() - t
-        out["load_average"]["after_alone"] = os.getloadavg()
-        out["rows"].append(summarize("vLLM alone", alone["phases"][1]["outputs"], a.layers))
-        base = alone["phases"][1]["outputs"]
+        longest = max(map(len, prompts))
+        filler = random.Random(a.seed + 1).choices(range(512), k=longest)  # no chunk's tokens: nothing to reuse
+        lengths = [1 + i * (longest - 1) // (ROW_COUNTS - 1) for i in range(ROW_COUNTS)]
+        shapes = {"requests": [{"prompt": filler[:n], "reset_prefix_cache": True} for n in lengths], "max_tokens": 1}
+        alone = {"model": str(model), "enforce_eager": a.eager, "rest": True, "phases": [
+            shapes, {"requests": plain[:a.warmup], "max_tokens": 1}, {"requests": plain[a.warmup:], "max_tokens": 1}]}
         if not policies:
+            base = engine_run(tmp, "alone", alone)["phases"][-1]["outputs"]
+            out["rows"].append(summarize("vLLM alone", base, a.layers))
             return _speedups(out)
         with ServiceProcess(tmp / "data") as service:
             out["warm_s"] = warm_service(model, service.address, pool, a.seed)
@@ -225,18 +234,25 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             warm = [{"prompt": prompts[i], "reset_prefix_cache": True, "cache_salt": f"{n}-{i}",
                      "kv_transfer_params": blend_params(policies[n], reqs[i]["chunks"])}
                     for i in range(a.warmup) for n in names]
+            blend = {"model": str(model), "enforce_eager": a.eager, **BLEND_MODEL,
+                     "kv": {"address": service.address, "blend_policy": "cacheblend", "blend_store_back": False},
+                     "rest": True, "phases": [shapes, {"requests": warm, "max_tokens": 1, "settle": True},
+                                              {"requests": timed, "max_tokens": 1, "settle": True}]}
+            # side by side: each engine's untimed requests, then request i of vLLM alone and of
+            # each policy in turn, then each engine's memory at rest
+            order = (["alone"] * (ROW_COUNTS + a.warmup) + ["blend"] * (ROW_COUNTS + len(warm))
+                     + (["alone"] + ["blend"] * len(names)) * a.requests + ["alone", "blend"])
             t = time.perf_counter()
-            blend = engine_run(tmp, "blend", {
-                "model": str(model), "enforce_eager": a.eager, **BLEND_MODEL,
-                "kv": {"address": service.address, "blend_policy": "cacheblend", "blend_store_back": False},
-                "rest": True, "phases": [{"requests": warm, "max_tokens": 1, "settle": True},
-                           {"requests": timed, "max_tokens": 1, "settle": True}]})
-            out["vllm_blend_wall_s"] = time.perf_counter() - t
+            ran = engines_in_turns(tmp, {"alone": alone, "blend": blend}, order)
+            out["vllm_wall_s"] = time.perf_counter() - t
             if HEADLINE in policies:
                 out["engine_split"] = {"policy": policies[HEADLINE], **engine_split(
                     model, service.address, reqs[a.warmup - 1 if a.warmup else 0:], policies[HEADLINE])}
+        alone, blend = ran["alone"], ran["blend"]
+        base = alone["phases"][-1]["outputs"]
+        out["rows"].append(summarize("vLLM alone", base, a.layers))
         out["load_average"]["end"] = os.getloadavg()
-        outs = blend["phases"][1]["outputs"]
+        outs = blend["phases"][-1]["outputs"]
         for j, name in enumerate(names):
             mine = outs[j::len(names)]
             row = summarize(f"vLLM + kvcraft, {name}", mine, a.layers)

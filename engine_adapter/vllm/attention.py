@@ -7,9 +7,10 @@ torch's fused SDPA (12 heads, 4 KV heads, 1,312 tokens, a layer: ~15 ms against 
 a paged cache and takes a batch of requests, each a run of query rows that are the last
 positions of its sequence; so a set of rows in position order is given as its runs of
 consecutive rows, each run a request over the keys up to its last row, every request over
-the same blocks: a copy of the layer's merged cache in vLLM's block layout (one buffer per
-thread, reused). The result is the position-causal attention of `attention.attend`, in
-fp32 within ~1e-6 of torch's (tests/vllm/test_engine_attention.py).
+the same blocks: a copy of the layer's merged cache in vLLM's block layout (made per call:
+under traffic glibc hands the same freed block back, and at rest none stays resident). The
+result is the position-causal attention of `attention.attend`, in fp32 within ~1e-6 of
+torch's (tests/vllm/test_engine_attention.py).
 
 What the torch attention returns besides the output (the question's reads, the attention
 mass) and passes that hide keys past the prompt (the default's question pass) stay on
@@ -18,7 +19,6 @@ kvcraft's own attention. On a GPU the step's Triton kernel attends.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -54,7 +54,6 @@ class VllmCpuAttention:
         self.ops, self.heads, self.kv_heads, self.head_dim, self.dtype = _custom_ops, heads, kv_heads, head_dim, dtype
         self.isa = _get_attn_isa(dtype, BLOCK, head_dim)
         self.turn = turn
-        self._local = threading.local()  # each loader thread's block copy
         self._causal: dict[int, Runs] = {}
 
     def runs(self, rows: Sequence[int], keys: int) -> Runs:
@@ -83,13 +82,11 @@ class VllmCpuAttention:
         return self._causal[n]
 
     def _blocks(self, keys: int) -> tuple[Tensor, Tensor]:
-        """This thread's block copy with room for `keys`: (key blocks, value blocks) as vLLM's
-        CPU backend views its cache ([blocks, Hkv, BLOCK, D] each)."""
+        """A block copy with room for `keys`: (key blocks, value blocks) as vLLM's CPU backend
+        views its cache ([blocks, Hkv, BLOCK, D] each)."""
         blocks = -(-keys // BLOCK)
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.shape[0] < blocks:
-            buf = self._local.buf = torch.empty(blocks, self.kv_heads, BLOCK, 2 * self.head_dim, dtype=self.dtype)
-        paged = buf[:blocks].view(blocks, self.kv_heads, 2 * BLOCK, self.head_dim)
+        buf = torch.empty(blocks, self.kv_heads, BLOCK, 2 * self.head_dim, dtype=self.dtype)
+        paged = buf.view(blocks, self.kv_heads, 2 * BLOCK, self.head_dim)
         return paged[:, :, :BLOCK], paged[:, :, BLOCK:]
 
     def __call__(self, q: Tensor, K: Tensor, V: Tensor, runs: Runs, scale: float) -> Tensor:
@@ -100,8 +97,8 @@ class VllmCpuAttention:
         with self.turn:
             self.ops.cpu_attn_reshape_and_cache(K.transpose(0, 1), V.transpose(0, 1), key_blocks, value_blocks,
                                                 runs.slots, self.isa)
-            # the kernel reads whole blocks: a number times 0 is 0, what an earlier call or the
-            # allocation left there need not be
+            # the kernel reads whole blocks: a number times 0 is 0, what the allocation left
+            # there need not be
             self.ops.cpu_attn_reshape_and_cache(runs.blank, runs.blank, key_blocks, value_blocks, runs.tail,
                                                 self.isa)
             self.ops.cpu_attention_with_kv_cache(
