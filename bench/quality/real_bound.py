@@ -2,7 +2,7 @@
 prefill's KV in hand (oracles no deployment has), beside naive reuse and the default policy.
 
     kvcraft bench real-bound [--data musique_s.json] [--first 0 --prompts 100] [--passages 1]
-        [--budgets 0.15 0.3 0.5] [--greedy] [--ape T,S ...] [--new-tokens 16] [--json OUT]
+        [--budgets 0.15 0.3 0.5] [--greedy] [--ape T,S ...] [--only ID ...] [--new-tokens 16] [--json OUT]
 
 `kvbench.quality.real_quality` measures the policies as deployed; none keeps ROUGE-L >= 0.90 against
 full prefill's answer at <= 15% of the row-layers computed (docs/quality.md). This asks
@@ -81,8 +81,9 @@ COLUMNS = {"rouge_l_vs_full": "ROUGE-L vs full", "identical_to_full": "identical
 
 def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[float] = BUDGETS,
         new_tokens: int = 16, progress: bool = True, search: bool = False,
-        apes: Sequence[tuple[float, float]] = ()) -> dict:
-    """The rows per case (`COLUMNS`, means over the records) and every record's answers."""
+        apes: Sequence[tuple[float, float]] = (), only: Sequence[int] = ()) -> dict:
+    """The rows per case (`COLUMNS`, means over the records) and every record's answers. only: the
+    ids of the records to run (default: all), each still with its neighbour's passage from `records`."""
     from rich.console import Console
     from rich.progress import track
     from transformers import AutoTokenizer
@@ -94,7 +95,7 @@ def run(model_dir: Path, records: Sequence[musique.Record], budgets: Sequence[fl
     stop = stop_tokens(model_dir)
     prompts = [musique.prompt(tok, r) for r in records]
     out = []
-    items = range(len(records))
+    items = [i for i, r in enumerate(records) if not only or r.id in only]
     with torch.no_grad():
         for i in (track(items, description="MuSiQue records", console=Console(stderr=True)) if progress else items):
             served = _record(engine, bf16, prompts, i, budgets, new_tokens, stop, search, apes)
@@ -236,12 +237,14 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[mus
 
     def decoded(label: str, model: LlamaEngine, logits: Tensor, kv: list, share: float,
                 rescale: Rescale | None = None) -> None:
-        """Its answer, and its picks fed full prefill's answer (teacher forcing: `forced`; full
-        prefill's own, the first, fed its own picks: the same tokens)."""
+        """Its answer, its picks fed full prefill's answer (teacher forcing: `forced`; full
+        prefill's own, the first, fed its own picks: the same tokens), and its first token's
+        margin: the logit of its top next token over the runner-up's."""
         tokens = list(greedy(model, logits, kv, new_tokens, stop, rescale=rescale).tokens)
         forced = list(greedy(model, logits, kv, new_tokens, stop, feed=out["full"]["tokens"],
                              rescale=rescale).tokens) if out else tokens
-        out[label] = {"tokens": tokens, "forced": forced, "computed_share": share}
+        top = logits.float().reshape(-1).topk(2).values
+        out[label] = {"tokens": tokens, "forced": forced, "computed_share": share, "margin": float(top[0] - top[1])}
 
     full = run_passes(engine, lay, Policy("full"), InMemoryLayerSource({}), [])
     answer("full", full)
@@ -317,6 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ape", nargs="*", default=[], metavar="T,S",
                    help="APE's attention at each temperature,scale, over the stored variants and over passages "
                         "encoded behind the instruction alone")
+    p.add_argument("--only", type=int, nargs="+", default=[], metavar="ID",
+                   help="run only these records (ids: indices in --data) of the range, each with the same "
+                        "neighbour's passage as in a run of the whole range")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--model-dir", help="the model folder (default: as `kvcraft model fetch`; fetched if absent)")
@@ -339,7 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = records[:a.prompts]
     if len(records) < 2:
         p.error(f"fewer than 2 records from index {a.first} in {a.data} (each needs a neighbour's passage)")
-    result = run(fetch(a.model_dir).path, records, a.budgets, a.new_tokens, search=a.greedy, apes=apes)
+    if missing := sorted(set(a.only) - {r.id for r in records}):
+        p.error(f"--only must name records of the range, got {missing} outside {records[0].id}-{records[-1].id}")
+    result = run(fetch(a.model_dir).path, records, a.budgets, a.new_tokens, search=a.greedy, apes=apes,
+                 only=a.only)
     print(musique_table(result))
     results.save("real-bound", argv, result, a.json)
     return 0

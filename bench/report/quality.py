@@ -134,11 +134,13 @@ def _agreement(row: dict) -> str:
 def oracle(named: Named) -> str:
     """`kvcraft bench real-bound --greedy` runs as one table: a row per (passages, budget), a
     column per selection; under it, naive reuse and the default of each run."""
-    head = ["passages (records)", "budget", *ORACLE_SELECTIONS[:-1], "greedy search (the oracle)", "greedy's computed"]
+    head = ["passages (records: ids)", "budget", *ORACLE_SELECTIONS[:-1], "greedy search (the oracle)",
+            "greedy's computed"]
     body, fixed = [], []
     for _, r in named:
         passages = int(m[1]) if (m := PASSAGES.search(r["command"])) else 1
-        group = f"{passages} ({r['meta']['records']})"
+        ids = _ids(r["records"])
+        group = f"{passages} ({r['meta']['records']}{f': {ids}' if ids else ''})"
         cases = {c["case"]: c for c in r["cases"]}
         budgets = list(dict.fromkeys(int(m["budget"]) for c in cases if (m := BUDGET_CASE.match(c))))
         for b in budgets:
@@ -146,7 +148,8 @@ def oracle(named: Named) -> str:
             greedy = cases.get(f"greedy {b}%")
             body.append([group, f"{b}%", *cells, pct(greedy["computed_share"]) if greedy else ""])
         default = next(c for name, c in cases.items() if name.endswith(" (default)"))
-        fixed.append(f"{passages} passages: naive reuse {_agreement(cases['naive'])} at "
+        where = f"{passages} passages{f', records {ids}' if ids else ''}"
+        fixed.append(f"{where}: naive reuse {_agreement(cases['naive'])} at "
                      f"{pct(cases['naive']['computed_share'])} computed, the default {_agreement(default)} at "
                      f"{pct(default['computed_share'])}")
     return (table(head, body) + "\n\nEach cell: first token = full prefill's (standard error) · ROUGE-L of the "
@@ -154,6 +157,17 @@ def oracle(named: Named) -> str:
             "forcing: the share of its tokens the case predicts, fed the ones before. " + "; ".join(fixed) + ". " +
             _where_picked(named) +
             f"\n\n{sources(named)}")
+
+
+def _ids(records: list[dict]) -> str:
+    """The records' ids (indices in the MuSiQue file) as a range where they run on, else listed;
+    "" where the results lack them."""
+    ids = [rec["id"] for rec in records if "id" in rec]
+    if not ids:
+        return ""
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+    return ", ".join(map(str, ids))
 
 
 def ape(named: Named) -> str:
@@ -168,6 +182,47 @@ def ape(named: Named) -> str:
         rows = [next((c for c in r["cases"] if c["case"] == case), None) for _, r in runs]
         body.append([case, *(f"{_agreement(c)} at {pct(c['computed_share'])}" if c else "" for c in rows)])
     return table(head, body) + f"\n\n{sources(named)}"
+
+
+MARGINS = (0.5, 1.0, 2.0)  # logits: the gates `margin_gate` tries
+
+
+def gated(records: list[dict], case: str, margin: float) -> tuple[float, float, float]:
+    """`case` with a gate on its own first token: a record whose top next-token logit leads the
+    runner-up's by less than `margin` is computed again in full (its first token full prefill's).
+    (First-token agreement, share of records recomputed, row-layers computed per record: the
+    case's, plus all of them where recomputed.)"""
+    served = [r["served"][case] for r in records]
+    again = [s["margin"] < margin for s in served]
+    agree = [1.0 if a else s["first_token_agrees"] for s, a in zip(served, again)]
+    computed = [s["computed_share"] + a for s, a in zip(served, again)]
+    return statistics.fmean(agree), statistics.fmean(again), statistics.fmean(computed)
+
+
+def margin_gate(named: Named) -> str:
+    """`kvcraft bench real-bound` runs with margins: each case but full prefill, ungated and
+    under each gate of `MARGINS`; under it, full prefill's margins where a case kept its first
+    token and where one lost it."""
+    body, notes = [], []
+    for _, r in named:
+        recs = [rec for rec in r["records"] if "margin" in rec["served"]["full"]]
+        cases = [c for c in recs[0]["served"] if c != "full"] if recs else []
+        for case in cases:
+            cells = [f"{pct(a, 0)} · {pct(s)}" for a, _, s in [gated(recs, case, 0.0)]]
+            cells += [f"{pct(a, 0)} · {pct(g, 0)} · {pct(s)}" for a, g, s in (gated(recs, case, m) for m in MARGINS)]
+            body.append([f"{case} ({len(recs)}: {_ids(recs)})", *cells])
+        lost = [rec["served"]["full"]["margin"] for rec in recs
+                if any(not v["first_token_agrees"] for v in rec["served"].values())]
+        kept = [rec["served"]["full"]["margin"] for rec in recs
+                if all(v["first_token_agrees"] for v in rec["served"].values())]
+        if lost and kept:
+            notes.append(f"records {_ids(recs)}: full prefill's margin {statistics.median(kept):.2f} (median) where "
+                         f"every case kept the first token ({len(kept)} records), {statistics.median(lost):.2f} "
+                         f"where one lost it ({len(lost)}; largest {max(lost):.2f})")
+    head = ["case (records)", "ungated: first token = full · computed",
+            *(f"margin < {m:g}: first token = full · recomputed · computed" for m in MARGINS)]
+    return (table(head, body) + "\n\nMargin: the logit of the case's first token over the runner-up's. " +
+            "; ".join(notes) + f".\n\n{sources(named)}")
 
 
 def _where_picked(named: Named, edge: int = 64) -> str:
@@ -197,4 +252,4 @@ def _where_picked(named: Named, edge: int = 64) -> str:
 
 
 VIEWS = {"deployed": deployed, "selection": selection, "evaluate": evaluate, "naive-check": naive_check,
-         "musique": musique, "oracle": oracle, "ape": ape}
+         "musique": musique, "oracle": oracle, "ape": ape, "margin-gate": margin_gate}

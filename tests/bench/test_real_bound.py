@@ -50,6 +50,41 @@ def test_the_oracle_table_puts_each_budget_of_each_run_on_a_row_and_counts_where
             "50% elsewhere (36% of the rows)") in printed
 
 
+def test_the_oracle_table_names_the_records_each_run_measured():
+    def run(ids):
+        cases = [{"case": name, "first_token_agrees": 1.0, "first_token_se": 0.0, "rouge_l_vs_full": 1.0,
+                  "computed_share": 0.05} for name in ("naive", "query (default)", "greedy 5%")]
+        return {"command": "kvcraft bench real-bound --passages 10 --greedy", "date": "2026-12-04", "machine": {},
+                "meta": {"records": len(ids)}, "cases": cases, "records": [{"id": i, "served": {}} for i in ids]}
+
+    printed = oracle([("a.json", run([72, 73, 74])), ("b.json", run([89, 90, 106]))])
+    assert "| 10 (3: 72-74) | 5% |" in printed
+    assert "| 10 (3: 89, 90, 106) | 5% |" in printed
+    assert "10 passages, records 89, 90, 106: naive reuse" in printed
+
+
+def test_a_margin_gate_computes_again_the_records_whose_own_first_token_is_a_near_tie():
+    from kvbench.report.quality import gated, margin_gate
+
+    def rec(i, full_margin, agrees, margin):
+        return {"id": i, "served": {"full": {"first_token_agrees": 1.0, "margin": full_margin, "computed_share": 1.0},
+                                    "naive": {"first_token_agrees": agrees, "margin": margin,
+                                              "computed_share": 0.01}}}
+
+    # lost where naive reuse is unsure (0.2), kept where sure (3.0) and once where unsure (0.4)
+    recs = [rec(0, 0.1, 0.0, 0.2), rec(1, 3.0, 1.0, 3.0), rec(2, 0.3, 1.0, 0.4), rec(3, 2.5, 1.0, 2.0)]
+    assert gated(recs, "naive", 0.0) == (0.75, 0.0, 0.01)
+    agree, again, computed = gated(recs, "naive", 1.0)  # records 0 and 2 computed again
+    assert (agree, again) == (1.0, 0.5) and computed == pytest.approx(0.51)
+    assert gated(recs, "naive", 2.0)[1] == 0.5  # a margin of exactly 2.0 passes a gate at 2
+    run = {"command": "kvcraft bench real-bound --passages 10", "date": "2026-12-04", "machine": {},
+           "meta": {"records": 4}, "records": recs}
+    printed = margin_gate([("m.json", run)])
+    assert "| naive (4: 0-3) | 75% · 1.0% | 100% · 50% · 51.0% |" in printed
+    assert ("margin 2.50 (median) where every case kept the first token (3 records), 0.10 where one lost it (1;"
+            in printed)
+
+
 def test_the_ape_table_puts_each_run_in_a_column_and_leaves_a_case_a_run_lacks_empty():
     def case(name, first, share):
         return {"case": name, "first_token_agrees": first, "first_token_se": 0.1, "rouge_l_vs_full": 0.5,

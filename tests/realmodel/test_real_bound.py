@@ -79,9 +79,24 @@ def test_one_passage_encoded_behind_the_instruction_is_exact_reuse(case):
 
 
 @pytest.mark.parametrize("argv", [["--budgets", "1.5"], ["--budgets", "0"], ["--prompts", "0"], ["--first", "-1"],
-                                  ["--passages", "0"], ["--ape", "0,1"], ["--ape", "0.9"], ["--ape", "0.9,x"]])
+                                  ["--passages", "0"], ["--only", "5", "--prompts", "3"], ["--ape", "0,1"],
+                                  ["--ape", "0.9"], ["--ape", "0.9,x"]])
 def test_refuses_bad_arguments_before_loading_anything(argv, capsys):
     with pytest.raises(SystemExit) as e:
         real_bound.main(argv)
     assert e.value.code == 2
     assert "must" in capsys.readouterr().err
+
+
+def test_each_case_reports_its_first_tokens_margin_over_the_runner_up(fetched, case):
+    engine, prompt, *_ = case
+    tok = AutoTokenizer.from_pretrained(fetched.path)
+    prompts = [musique.prompt(tok, r) for r in musique.load(passages=1, limit=2)]
+    with torch.no_grad():
+        out = real_bound._record(engine, None, prompts, 0, budgets=[], new_tokens=1, stop=frozenset())
+        hf = AutoModelForCausalLM.from_pretrained(fetched.path, dtype=torch.float32)
+        last = hf(torch.tensor([prompt.tokens])).logits[0, -1]
+    top = last.topk(2)
+    assert out["full"]["margin"] == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-3)
+    assert out["full"]["tokens"][0] == int(top.indices[0])
+    assert out["naive"]["margin"] != pytest.approx(out["full"]["margin"], abs=1e-3)  # naive reuse moves the logits
