@@ -47,6 +47,7 @@ from engine_adapter.generate import Generation, greedy
 from engine_adapter.graphs import StepGraphs
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.loader import ServiceLayerSource
+from engine_adapter.near_tie import settle
 from engine_adapter.policy import DEFAULT_POLICY, ReusePolicy, parse_policy, spent_budget, with_budget
 from engine_adapter.prompt import Layout, Segment
 from engine_adapter.source import RecordingLayerSource
@@ -92,7 +93,7 @@ class RAGAdapter:
     def __init__(self, engine: LlamaEngine, client: KVClient, policy: ReusePolicy | None = None, *,
                  gate: Gate | None = None, store_back: bool = True, local: bool = False,
                  learn: bool = False, shadows: bool = True, steps: StepGraphs | None = None,
-                 serving: Serving | None = None) -> None:
+                 serving: Serving | None = None, near_tie: float | None = None) -> None:
         """policy: None runs the default (`policy.DEFAULT_POLICY`) with the recompute budget
         each Plan gives (the service's fidelity controller); a policy given runs as given.
         local: the service runs
@@ -106,10 +107,10 @@ class RAGAdapter:
         steps: the engine's static steps (`graphs.StepGraphs`, CUDA graphs; adapters of one
         engine may share them: a prefill that finds them in use runs eagerly).
         serving: the prefills the engine serves, shared by the adapters over one engine (its
-        shadows give way to all of them; `fidelity.Serving`; None: this adapter's own)."""
-        self.steps = steps
-        self.local = local
-        self.learn = learn
+        shadows give way to all of them; `fidelity.Serving`; None: this adapter's own).
+        near_tie: a blended request whose first token leads by less than this many logits is
+        served by full prefill instead (`engine_adapter.near_tie`; None: off)."""
+        self.steps, self.local, self.learn, self.near_tie = steps, local, learn, near_tie
         self.engine = engine
         self.client = client
         self.policy = policy if policy is not None else parse_policy(DEFAULT_POLICY)
@@ -203,6 +204,7 @@ class RAGAdapter:
             with self.fidelity.serving.prefill():  # the shadows give way meanwhile
                 result = blend_prefill(self.engine, segments, policy, recording or feed, gate=self.gate,
                                        stats=self.store_back, steps=self.steps)
+                result = settle(self.engine, segments, result, self.near_tie)
         finally:
             if feed is not source:
                 source.cancel()  # a copy feeder waiting on the stream returns

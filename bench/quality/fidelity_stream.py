@@ -223,10 +223,10 @@ class ShadowMemo:
 def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = None,  # noqa: ANN001
           ref_s: list[float] | None = None, progress: bool = True, as_retrieved: Sequence[bool] = (),
           new_tokens: int = 0, stop: Sequence[int] = (), state: Path | None = None,
-          stop_after: int | None = None) -> dict:
-    """One run on a fresh service. spec: ADAPTIVE (the default adapter, shadows on) or a
-    policy spec (shadows off). ref: full prefill's tokens; None: computed beside each request
-    (appended to `ref` / `ref_s` lists returned in the result), with teacher forcing over the
+          stop_after: int | None = None, near_tie: float | None = None) -> dict:
+    """One run on a fresh service. spec: ADAPTIVE (the default adapter, shadows on; `near_tie`:
+    its `RAGAdapter(near_tie=...)`) or a policy spec (shadows off). ref: full prefill's tokens;
+    None: computed beside each request (appended to `ref` / `ref_s` lists returned in the result), with teacher forcing over the
     answer when `new_tokens` (each request decodes up to that many: `RAGAdapter.generate`).
 
     state: a folder that keeps the run's service data and the requests served so far
@@ -268,7 +268,7 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
             contextlib.ExitStack() as closing, StopOnInterrupt(state is not None) as interrupt:
         memo = None
         if spec == ADAPTIVE:
-            adapter = RAGAdapter(engine, client)
+            adapter = RAGAdapter(engine, client, near_tie=near_tie)
             memo = ShadowMemo(adapter.fidelity.model) if own_ref else None
         else:
             adapter = RAGAdapter(engine, client, parse_policy(spec), shadows=False)
@@ -451,6 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="every run decodes each answer (greedy, up to N tokens) and compares its first "
                         f"{ANSWER_TOKENS} after the first under teacher forcing; 0: first tokens alone")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--near-tie", type=float, metavar="LOGITS", help="the adaptive run serves by full prefill a "
+                   "blended request whose first token leads the runner-up by less (`engine_adapter.near_tie`)")
     results.add_argument(p, "fidelity-stream")
     p.add_argument("--resume", type=Path, help="a result JSON of the same stream: its adaptive run and reference are "
                                                "kept, and its sweep runs; only the --sweep policies it lacks run")
@@ -463,6 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.stop_after is not None and a.state is None:
         p.error("--stop-after needs --state (where the run goes on from)")
+    if a.near_tie is not None and not a.near_tie > 0:
+        p.error(f"--near-tie must be a margin > 0 logits, got {a.near_tie}")
     a.argv = argv
     import torch
 
@@ -506,7 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"{a.resume} is another stream ({old['meta']['task']}, {len(adaptive['requests'])} requests)")
     else:
         adaptive = serve(engine, reqs, ADAPTIVE, progress=progress, as_retrieved=flags, new_tokens=a.new_tokens,
-                         stop=sorted(stop_tokens(model_dir)), state=a.state, stop_after=a.stop_after)
+                         stop=sorted(stop_tokens(model_dir)), state=a.state, stop_after=a.stop_after,
+                         near_tie=a.near_tie)
         if len(adaptive["requests"]) < len(reqs):
             print(f"adaptive: {len(adaptive['requests'])} of {len(reqs)} requests served, kept in {a.state}; "
                   "the same command goes on from there")
@@ -539,7 +544,7 @@ def write(a: argparse.Namespace, adaptive: dict, runs: list[dict], ref_s: list, 
     rep = report(adaptive, runs, parse_policy(DEFAULT_POLICY).name, ref_s)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     meta = {"task": a.task, "model": Path(model_dir).name, "requests": a.requests, "seed": a.seed,
-            **({"passages": a.passages} if a.task == "musique" else {}), "threads": a.threads,
+            **({"passages": a.passages} if a.task == "musique" else {}), "threads": a.threads, "near_tie": a.near_tie,
             "torch_threads": torch.get_num_threads(), "first_date": first_date or now,
             "commands": [*commands, f"{now}: {results.command('fidelity-stream', a.argv)}"],
             "prompt_tokens_mean": mean([len(q) + sum(map(len, c)) for c, q in reqs]),

@@ -61,6 +61,7 @@ from engine_adapter import LlamaEngine
 from engine_adapter.blend import BlendResult, blend_prefill, prefill_with_picks, question_reads, run_passes
 from engine_adapter.fidelity import compare
 from engine_adapter.generate import greedy, stop_tokens
+from engine_adapter.near_tie import lead
 from engine_adapter.policy import DEFAULT_POLICY, Naive, Policy, QueryAware
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Layout, Segment
@@ -243,8 +244,7 @@ def _record(engine: LlamaEngine, bf16: LlamaEngine | None, prompts: Sequence[mus
         tokens = list(greedy(model, logits, kv, new_tokens, stop, rescale=rescale).tokens)
         forced = list(greedy(model, logits, kv, new_tokens, stop, feed=out["full"]["tokens"],
                              rescale=rescale).tokens) if out else tokens
-        top = logits.float().reshape(-1).topk(2).values
-        out[label] = {"tokens": tokens, "forced": forced, "computed_share": share, "margin": float(top[0] - top[1])}
+        out[label] = {"tokens": tokens, "forced": forced, "computed_share": share, "margin": lead(logits)}
 
     full = run_passes(engine, lay, Policy("full"), InMemoryLayerSource({}), [])
     answer("full", full)

@@ -200,13 +200,13 @@ def gated(records: list[dict], case: str, margin: float) -> tuple[float, float, 
 
 
 def margin_gate(named: Named) -> str:
-    """`kvcraft bench real-bound` runs with margins: each case but full prefill, ungated and
+    """`kvcraft bench real-bound` runs with margins: each case reusing KV, ungated and
     under each gate of `MARGINS`; under it, full prefill's margins where a case kept its first
     token and where one lost it."""
     body, notes = [], []
     for _, r in named:
         recs = [rec for rec in r["records"] if "margin" in rec["served"]["full"]]
-        cases = [c for c in recs[0]["served"] if c != "full"] if recs else []
+        cases = [c for c in recs[0]["served"] if not c.startswith("full")] if recs else []  # reuse alone
         for case in cases:
             cells = [f"{pct(a, 0)} · {pct(s)}" for a, _, s in [gated(recs, case, 0.0)]]
             cells += [f"{pct(a, 0)} · {pct(g, 0)} · {pct(s)}" for a, g, s in (gated(recs, case, m) for m in MARGINS)]
@@ -216,13 +216,13 @@ def margin_gate(named: Named) -> str:
         kept = [rec["served"]["full"]["margin"] for rec in recs
                 if all(v["first_token_agrees"] for v in rec["served"].values())]
         if lost and kept:
-            notes.append(f"records {_ids(recs)}: full prefill's margin {statistics.median(kept):.2f} (median) where "
+            notes.append(f"Records {_ids(recs)}: full prefill's margin {statistics.median(kept):.2f} (median) where "
                          f"every case kept the first token ({len(kept)} records), {statistics.median(lost):.2f} "
                          f"where one lost it ({len(lost)}; largest {max(lost):.2f})")
     head = ["case (records)", "ungated: first token = full · computed",
             *(f"margin < {m:g}: first token = full · recomputed · computed" for m in MARGINS)]
-    return (table(head, body) + "\n\nMargin: the logit of the case's first token over the runner-up's. " +
-            "; ".join(notes) + f".\n\n{sources(named)}")
+    said = ["Margin: the logit of the case's first token over the runner-up's", *notes]
+    return f"{table(head, body)}\n\n{'. '.join(said)}.\n\n{sources(named)}"
 
 
 def _where_picked(named: Named, edge: int = 64) -> str:

@@ -266,3 +266,10 @@ def test_a_stream_served_in_parts_says_where_each_began():
     result["runs"][0]["parts"][2]["service_data"] = "tallies"
     assert "Before request 230 its data dir was not there (another machine): it restarted on the fidelity " \
            "tallies the benchmark kept, every chunk's KV computed again." in stream_tables(result)
+
+
+@pytest.mark.parametrize("margin", ["0", "-1"])
+def test_a_near_tie_margin_that_gates_nothing_is_refused_before_anything_runs(margin, capsys):
+    with pytest.raises(SystemExit) as e:
+        fs.main(["--task", "short", "--requests", "4", "--near-tie", margin])
+    assert e.value.code == 2 and "--near-tie must be a margin > 0" in capsys.readouterr().err

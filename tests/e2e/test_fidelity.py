@@ -217,3 +217,33 @@ def test_an_adaptive_adapter_on_broken_kv_ends_at_full_prefill_with_full_prefill
         (choice,) = [b for b in client.stats().budgets if b.model_id == model]
     assert (choice.policy, choice.budget, choice.state) == ("query", 1.0, "full")
     assert sampled >= 3 + MIN_VERDICT_SAMPLES  # the budgets, and exact reuse, were left on evidence
+
+
+def test_a_blend_whose_first_token_is_a_near_tie_is_served_by_full_prefill(shared_server):
+    """`near_tie`: the requests whose blended first token leads the runner-up by less than the
+    margin are served exactly (full prefill of the order served, nothing reused), the others as
+    without the gate; the margin is read off the ungated blends, the full prefills computed here."""
+    engine, cs = HeldShadows(), chunks(13)
+    orders = list(itertools.permutations(range(4)))[1:24:3]
+    with KVClient(shared_server.address) as client:
+        warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
+        ungated = RAGAdapter(engine, client, Policy("naive"), gate=TRUSTED, store_back=False, shadows=False)
+        blends = [ungated.prefill([cs[i] for i in o], QUESTION, reorder=False) for o in orders]
+        leads = sorted(float(v[0] - v[1]) for v in (r.logits.topk(2).values for r, _ in blends))
+        margin = (leads[len(leads) // 2 - 1] + leads[len(leads) // 2]) / 2  # half the requests under it
+        gated = RAGAdapter(engine, client, Policy("naive"), gate=TRUSTED, store_back=False, shadows=False,
+                           near_tie=margin)
+        for order, (blend, before) in zip(orders, blends):
+            result, report = gated.prefill([cs[i] for i in order], QUESTION, reorder=False)
+            top = blend.logits.topk(2).values
+            if float(top[0] - top[1]) < margin:
+                served = [t for c in in_plan_order(cs, report.order, engine) for t in c] + QUESTION
+                torch.testing.assert_close(result.logits, engine.prefill(torch.tensor(served))[0][-1])
+                computed = before.computed_rows + len(served) * engine.cfg.num_layers  # the blend's, then every row
+                assert (report.reused_chunks, report.computed_rows) == (0, computed)
+            else:
+                torch.testing.assert_close(result.logits, blend.logits)
+                assert report.computed_rows == before.computed_rows and report.reused_chunks > 0
+        ungated.close()
+        gated.close()
+    assert leads[0] < margin < leads[-1]
