@@ -1,8 +1,9 @@
 """Every policy computes what it computed before the loop became one layer step
 (tests/engine_adapter/golden.py says what the goldens hold and how they were recorded).
 
-Identical where the arithmetic is the same op for op; within TOLERANCE where the rewrite
-orders a sum differently (stated per case below, with the reason)."""
+The tokens (the top logits' and the decoded), the rows computed, the chunks reused and the
+fallbacks are identical; the values within CPU_KERNELS of the largest compared magnitude, or
+TOLERANCE where the rewrite orders a sum differently (stated per case below, with the reason)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ import pytest
 
 from tests.engine_adapter import golden
 
-# Largest difference allowed, relative to the largest magnitude of the compared values
-# (logits, statistics); 0: bit for bit.
+# Largest difference allowed, relative to the largest magnitude of the compared values (logits,
+# statistics). Bit for bit holds only on the CPU that recorded the goldens: float32 kernels
+# (MKL, oneDNN) choose their code per CPU and order a matmul's sums by it. On an Intel Xeon with
+# AMX the same code differs from the recording by up to 9.7e-7 of the largest magnitude (the
+# quality model's fresh chunks' KV sums; SmolLM2's top logits 9.1e-7): ten times that is allowed.
+CPU_KERNELS = 1e-5
 TOLERANCE: dict[str, float] = {
     # The prefix cache's pass computes the prompt's last rows: read as causal attention of
     # every row (engine_adapter.attention.SUFFIX_SHARE), another SDPA kernel than the masked
@@ -32,7 +37,7 @@ def _close(name: str, got: list[float], want: list[float], tol: float) -> None:
 
 
 def _compare(case: str, got: dict, want: dict) -> None:
-    tol = TOLERANCE.get(case.split("/", 1)[1], 0.0)
+    tol = TOLERANCE.get(case.split("/", 1)[1], CPU_KERNELS)
     for key in ("computed_rows", "reused_segments", "fallbacks", "decoded"):
         assert got[key] == want[key], f"{case}: {key} {got[key]} != {want[key]}"
     assert got["top_ids"] == want["top_ids"], f"{case}: the top logits' tokens differ"
