@@ -226,8 +226,9 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
           stop_after: int | None = None, near_tie: float | None = None) -> dict:
     """One run on a fresh service. spec: ADAPTIVE (the default adapter, shadows on; `near_tie`:
     its `RAGAdapter(near_tie=...)`) or a policy spec (shadows off). ref: full prefill's tokens;
-    None: computed beside each request (appended to `ref` / `ref_s` lists returned in the result), with teacher forcing over the
-    answer when `new_tokens` (each request decodes up to that many: `RAGAdapter.generate`).
+    None: computed beside each request (appended to `ref` / `ref_s` lists returned in the
+    result), with teacher forcing over the answer when `new_tokens` (each request decodes up to
+    that many: `RAGAdapter.generate`).
 
     state: a folder that keeps the run's service data and the requests served so far
     (`Progress`): a run stopped there (after `stop_after` more requests, on SIGINT after the
