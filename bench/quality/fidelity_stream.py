@@ -250,7 +250,7 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
     layers = engine.cfg.num_layers
     own_ref = ref is None
     ref, ref_s = (list(ref) if ref is not None else []), (list(ref_s) if ref_s is not None else [])
-    progress_file = Progress(state, spec, reqs, new_tokens) if state is not None else None
+    progress_file = Progress(state, spec, reqs, new_tokens, near_tie) if state is not None else None
     done = progress_file.load() if progress_file is not None else Progress.empty()
     rows: list[Served] = [Served(**r) for r in done["requests"]]
     if own_ref:
@@ -361,10 +361,12 @@ class Progress:
     left them (`keep_tallies`; `seed` starts a service from them where its data is gone).
     Refuses a folder another stream or run left."""
 
-    def __init__(self, state: Path, spec: str, reqs: Sequence[Request], new_tokens: int) -> None:
+    def __init__(self, state: Path, spec: str, reqs: Sequence[Request], new_tokens: int,
+                 near_tie: float | None) -> None:
         self.path = Path(state) / "progress.json"
         tokens = hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:16]  # the stream itself: data, seed, layout
-        self.key = {"policy": spec, "requests": len(reqs), "new_tokens": new_tokens, "tokens_sha256": tokens}
+        self.key = {"policy": spec, "near_tie": near_tie, "requests": len(reqs), "new_tokens": new_tokens,
+                    "tokens_sha256": tokens}
         self.tallies: list[dict] = []
         self.path.parent.mkdir(parents=True, exist_ok=True)
 

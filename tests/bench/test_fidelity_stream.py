@@ -201,6 +201,8 @@ def test_a_stream_stopped_killed_and_gone_on_with_is_the_whole_stream_and_its_se
     assert again["requests"] == rows and again["parts"] == run["parts"]
     with pytest.raises(SystemExit, match="another run"):
         fs.serve(engine, reqs[:20], fs.ADAPTIVE, progress=False, state=tmp_path / "state")
+    with pytest.raises(SystemExit, match="another run"):  # the same stream, gated: not the run this folder holds
+        fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, state=tmp_path / "state", near_tie=0.5)
 
 
 @pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="no trained model committed")
