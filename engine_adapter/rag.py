@@ -85,6 +85,7 @@ class RequestReport:
     plan_error: str = ""
     sampled: bool = False  # a shadow full prefill measures this request's fidelity (after it)
     budget: float = 0.0  # the recompute budget it ran with (1: exact reuse only, or full prefill); 0: none
+    near_tie: bool = False  # blended, then served by full prefill: its first token led by under `near_tie`
 
 
 class RAGAdapter:
@@ -202,9 +203,9 @@ class RAGAdapter:
             recording = RecordingLayerSource(feed)
         try:
             with self.fidelity.serving.prefill():  # the shadows give way meanwhile
-                result = blend_prefill(self.engine, segments, policy, recording or feed, gate=self.gate,
-                                       stats=self.store_back, steps=self.steps)
-                result = settle(self.engine, segments, result, self.near_tie)
+                blend = blend_prefill(self.engine, segments, policy, recording or feed, gate=self.gate,
+                                      stats=self.store_back, steps=self.steps)
+                result = settle(self.engine, segments, blend, self.near_tie)
         finally:
             if feed is not source:
                 source.cancel()  # a copy feeder waiting on the stream returns
@@ -242,6 +243,7 @@ class RAGAdapter:
             plan_error="" if plan else "plan failed",
             sampled=sampled,
             budget=budget,
+            near_tie=result is not blend,
         )
         return result, report
 

@@ -101,6 +101,7 @@ class Served:
     as_retrieved: bool = False  # every chunk of its prompt stored before (the stream's second request of each)
     answer_tokens: int = 0  # answer tokens after the first compared with full prefill (teacher forcing)
     answer_agree: int = 0  # of those, full prefill's next token is the served one
+    near_tie: bool = False  # blended, then served by full prefill (RequestReport.near_tie)
 
 
 # -- the streams ---------------------------------------------------------------------
@@ -298,7 +299,7 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
                                prompt_tokens=report.prompt_tokens, fallbacks=len(report.fallbacks),
                                plan_failed=bool(report.plan_error),
                                as_retrieved=bool(as_retrieved[i]) if as_retrieved else i % 2 == 1,
-                               answer_tokens=compared, answer_agree=agreeing))
+                               answer_tokens=compared, answer_agree=agreeing, near_tie=report.near_tie))
             if progress_file is not None:  # this part as far as it went: a kill loses the request in flight alone
                 part.update(last_request=i, seconds=time.perf_counter() - t_run,
                             sampling_cost=asdict(adapter.sampling_cost()))

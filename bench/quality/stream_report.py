@@ -125,11 +125,10 @@ def sweep_report(runs: Sequence[dict], settled_share: float | None, target: floa
     return out
 
 
-def as_retrieved_speed(rows: Sequence[dict], reference_s: Sequence[float | None], start: int) -> dict | None:
-    """The settled requests (from `start`) whose every chunk was stored before (as retrieved):
-    their true agreement and computed share, and their TTFT beside full prefill's own on the
-    same requests (those the reference timed; the others' full prefill was a shadow's)."""
-    at = [i for i in range(start, len(rows)) if rows[i].get("as_retrieved", i % 2 == 1)]
+def speed(rows: Sequence[dict], reference_s: Sequence[float | None], at: Sequence[int]) -> dict | None:
+    """Requests `at` (indices into `rows`): their true agreement and computed share, and their TTFT
+    beside full prefill's own on the same requests (those the reference timed; the others' full
+    prefill was a shadow's)."""
     timed = [i for i in at if reference_s[i] is not None]
     if not timed:
         return None
@@ -140,10 +139,25 @@ def as_retrieved_speed(rows: Sequence[dict], reference_s: Sequence[float | None]
             "speedup": full / served}
 
 
+def as_retrieved_speed(rows: Sequence[dict], reference_s: Sequence[float | None], start: int) -> dict | None:
+    """`speed` of the settled requests (from `start`) whose every chunk was stored before (as retrieved)."""
+    return speed(rows, reference_s, [i for i in range(start, len(rows)) if rows[i].get("as_retrieved", i % 2 == 1)])
+
+
+def near_ties(rows: Sequence[dict], start: int) -> dict:
+    """Requests served by full prefill after their blend (`RAGAdapter(near_tie=...)`), in the whole
+    stream and from `start` (the settle) on."""
+    gated = [i for i, r in enumerate(rows) if r.get("near_tie")]
+    return {"overall": len(gated), "settled": sum(i >= start for i in gated)}
+
+
 def report(adaptive: dict, sweep: Sequence[dict], policy: str, reference_s: Sequence[float],
            target: float = TARGET) -> dict:
     a = adaptive_report(adaptive, policy)
-    a["settled_as_retrieved"] = as_retrieved_speed(adaptive["requests"], reference_s, a["settled_from_request"])
+    rows, start = adaptive["requests"], a["settled_from_request"]
+    a["settled_speed"] = speed(rows, reference_s, range(start, len(rows)))
+    a["settled_as_retrieved"] = as_retrieved_speed(rows, reference_s, start)
+    a["near_ties"] = near_ties(rows, start)
     timed = [x for x in reference_s if x is not None]
     full = {"policy": "full prefill (engine alone)", "requests": len(reference_s), "agreement": 1.0, "se": 0.0,
             "computed_share": 1.0, "ttft_s": mean(timed), "timed": len(timed)}

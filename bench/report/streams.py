@@ -73,11 +73,19 @@ def stream_tables(result: dict) -> str:
     for name, r in (("whole stream", a["overall"]), (f"settled ({a['settled_budget']:.2f}, from request "
                                                     f"{a['settled_from_request']})", st)):
         lines.append(f"| {name} | {r['requests']} | {cells(r)}")
-    if (ar := a.get("settled_as_retrieved")) is not None:
-        lines += ["", f"Settled requests as retrieved (every chunk stored before): {ar['requests']}, true agreement "
-                  f"{ar['agreement']:.3f} ({ar['se']:.3f}), computed {pct(ar['computed_share'])}; TTFT "
-                  f"{ar['ttft_s'] * 1e3:.1f} ms against full prefill's {ar['full_ttft_s'] * 1e3:.1f} ms on the same "
-                  f"requests ({ar['timed']} timed): {ar['speedup']:.1f}x."]
+    speeds = [f"{name}: {r['requests']}, true agreement {r['agreement']:.3f} ({r['se']:.3f}), computed "
+              f"{pct(r['computed_share'])}; TTFT {r['ttft_s'] * 1e3:.1f} ms against full prefill's "
+              f"{r['full_ttft_s'] * 1e3:.1f} ms on the same requests ({r['timed']} timed): {r['speedup']:.1f}x."
+              for name, r in (("Settled requests", a.get("settled_speed")),
+                              ("Settled requests as retrieved (every chunk stored before)",
+                               a.get("settled_as_retrieved"))) if r is not None]
+    if margin := meta_.get("near_tie"):
+        n = a["near_ties"]
+        speeds.append(f"Near ties (a blend whose first token leads by less than {margin} logits) served by full "
+                      f"prefill: {n['overall']} of {a['requests']} requests, {n['settled']} of the settled; their "
+                      "computed share and TTFT count the blend and full prefill.")
+    if speeds:
+        lines += ["", " ".join(speeds)]
     lines += ["", f"Sampled {a['sampled']} of {a['requests']} requests ({a['blended']} blended; {a['sampled_after_settle']} "
               f"after the settle; {c.get('shadow_blends', 0)} of the shadows also blended at a budget below); the "
               f"shadows computed {pct(c['row_share'])} of all row-layers (served + shadows), "

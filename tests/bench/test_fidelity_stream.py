@@ -99,6 +99,10 @@ def test_the_settled_requests_as_retrieved_are_timed_beside_full_prefill_on_the_
     assert got["ttft_s"] == pytest.approx(6.0) and got["full_ttft_s"] == pytest.approx(18.0)  # (4 + 8) / 2, (16 + 20) / 2
     assert got["speedup"] == pytest.approx(3.0)
     assert sr.as_retrieved_speed(rows, [None] * 8, start=2) is None
+    settled = sr.speed(rows, reference, range(2, 8))  # every settled request: 2-7, full prefill timed on 5 of them
+    assert settled["requests"] == 6 and settled["timed"] == 5
+    assert settled["ttft_s"] == pytest.approx((3 + 4 + 5 + 7 + 8) / 5)
+    assert settled["full_ttft_s"] == pytest.approx((9 + 16 + 9 + 9 + 20) / 5)
 
 
 def test_columns_round_trip():
@@ -137,6 +141,24 @@ def test_a_short_stream_as_deployed():
     assert 0 < finished and finished - int(pending) <= blends <= finished  # the cold start tries the least budget
     assert 0 < run["sampling_cost"]["row_share"] < 1
     assert rep["trajectory"][0] == {"request": 0, "from": None, "to": 0.25}  # the cold start
+
+
+@pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="no trained model committed")
+def test_a_stream_gated_on_every_lead_serves_each_blend_by_full_prefill_and_says_so():
+    """`near_tie` above any lead the model gives: every request that stored KV would serve is
+    computed again by full prefill (its first token is the reference's, nothing reused, nothing
+    sampled, its share the blend's plus every row's), and the rows and the report count those
+    requests, the others not."""
+    from engine_adapter import LlamaEngine
+
+    engine = LlamaEngine.from_pretrained(MODEL_DIR)
+    reqs = fs.synthetic_stream("short", 12, seed=1)
+    rows = fs.serve(engine, reqs, fs.ADAPTIVE, progress=False, near_tie=1e9)["requests"]
+    gated = [r for r in rows if r["near_tie"]]
+    assert len(gated) >= 6  # every example's second request, at least, had its chunks stored
+    assert all(r["agree"] and r["share"] > 1 and not r["blended"] and not r["sampled"] for r in gated)
+    assert not any(r["blended"] for r in rows) and all(r["share"] == 1 for r in rows if not r["near_tie"])
+    assert sr.near_ties(rows, start=4) == {"overall": len(gated), "settled": sum(r["near_tie"] for r in rows[4:])}
 
 
 @pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="no trained model committed")

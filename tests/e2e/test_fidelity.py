@@ -240,10 +240,11 @@ def test_a_blend_whose_first_token_is_a_near_tie_is_served_by_full_prefill(share
                 served = [t for c in in_plan_order(cs, report.order, engine) for t in c] + QUESTION
                 torch.testing.assert_close(result.logits, engine.prefill(torch.tensor(served))[0][-1])
                 computed = before.computed_rows + len(served) * engine.cfg.num_layers  # the blend's, then every row
-                assert (report.reused_chunks, report.computed_rows) == (0, computed)
+                assert (report.reused_chunks, report.computed_rows, report.near_tie) == (0, computed, True)
             else:
                 torch.testing.assert_close(result.logits, blend.logits)
                 assert report.computed_rows == before.computed_rows and report.reused_chunks > 0
+                assert not report.near_tie
         ungated.close()
         gated.close()
     assert leads[0] < margin < leads[-1]
