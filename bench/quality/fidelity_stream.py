@@ -143,12 +143,18 @@ def musique_stream(tok, records: Sequence, n: int, seed: int, neighbours: int = 
     return out[:n]
 
 
-def retrieved(n: int, records: int | None = None) -> list[bool]:
-    """Which of a stream's n requests are served as retrieved, every chunk stored before: the
-    second of each example's (record's) two; a second retrieval brings a chunk no request
-    stored, and `records` (musique) says where those begin."""
-    last = n if records is None else 2 * records
-    return [i % 2 == 1 and i < last for i in range(n)]
+def retrieved(reqs: Sequence[Request]) -> list[bool]:
+    """Which of a stream's requests are served as retrieved: every chunk of the request was in an
+    earlier one (computed and stored back before it). In these streams the second of each
+    example's (record's) two, and a second retrieval of a record at ten passages (its passages
+    reordered; at fewer, it brings a passage no request stored)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for chunks, _ in reqs:
+        keys = [tuple(c) for c in chunks]
+        out.append(all(k in seen for k in keys))
+        seen.update(keys)
+    return out
 
 
 # -- the runs ------------------------------------------------------------------------
@@ -494,13 +500,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = musique.load(a.data, passages=a.passages + 1)[a.first:a.first + a.records]
         reqs = musique_stream(AutoTokenizer.from_pretrained(model_dir), records, a.requests, a.seed, a.neighbours,
                               a.passages)
-        flags = retrieved(len(reqs), len(records))
     else:
         from kvbench.quality.deployed import TASKS as SYNTH
 
         model_dir = SYNTH[a.task][1]
         reqs = synthetic_stream(a.task, a.requests, a.seed)
-        flags = retrieved(len(reqs))
+    flags = retrieved(reqs)
     engine = LlamaEngine.from_pretrained(model_dir)
     progress = not a.quiet
     commands, runs, first_date = [], [], None

@@ -77,8 +77,11 @@ def test_answer_agreement_and_requests_as_retrieved_against_brute_force():
     for r in rows:
         r["answer_tokens"] = rng.randrange(0, 17)
         r["answer_agree"] = rng.randrange(0, r["answer_tokens"] + 1)
-    flags = fs.retrieved(30, records=10)  # 10 records: 20 requests, then 10 second retrievals
-    assert flags == [i % 2 == 1 and i < 20 for i in range(30)] and fs.retrieved(4) == [False, True, False, True]
+    # every chunk in an earlier request: a second retrieval that reorders them is, one that brings a new chunk not
+    assert fs.retrieved([([[0], [1], [2]], [9]), ([[0], [2], [1]], [8]), ([[0], [2], [3]], [9]),
+                         ([[0], [3], [1]], [9])]) == [False, True, False, True]
+    assert fs.retrieved(fs.synthetic_stream("short", 8, seed=1)) == [False, True] * 4  # each example's second
+    flags = [i % 2 == 1 and i < 20 for i in range(30)]  # 10 records: 20 requests, then 10 second retrievals
     for r, f in zip(rows, flags):
         r["as_retrieved"] = f
     got = sr.rate(rows)
