@@ -98,7 +98,7 @@ class Served:
     prompt_tokens: int
     fallbacks: int = 0
     plan_failed: bool = False
-    as_retrieved: bool = False  # every chunk of its prompt stored before (the stream's second request of each)
+    as_retrieved: bool = False  # every chunk of its prompt was in an earlier request (`retrieved`)
     answer_tokens: int = 0  # answer tokens after the first compared with full prefill (teacher forcing)
     answer_agree: int = 0  # of those, full prefill's next token is the served one
     near_tie: bool = False  # blended, then served by full prefill (RequestReport.near_tie)
