@@ -228,7 +228,7 @@ class ShadowMemo:
 
 
 def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = None,  # noqa: ANN001
-          ref_s: list[float] | None = None, progress: bool = True, as_retrieved: Sequence[bool] = (),
+          ref_s: list[float] | None = None, progress: bool = True,
           new_tokens: int = 0, stop: Sequence[int] = (), state: Path | None = None,
           stop_after: int | None = None, near_tie: float | None = None) -> dict:
     """One run on a fresh service. spec: ADAPTIVE (the default adapter, shadows on; `near_tie`:
@@ -255,6 +255,7 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
     from kvservice.launcher import ServiceProcess
 
     layers = engine.cfg.num_layers
+    flags = retrieved(reqs)
     own_ref = ref is None
     ref, ref_s = (list(ref) if ref is not None else []), (list(ref_s) if ref_s is not None else [])
     progress_file = Progress(state, spec, reqs, new_tokens, near_tie) if state is not None else None
@@ -304,7 +305,7 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
                                agree=int(result.logits.argmax()) == ref[i], share=share, ttft_s=report.ttft_s,
                                prompt_tokens=report.prompt_tokens, fallbacks=len(report.fallbacks),
                                plan_failed=bool(report.plan_error),
-                               as_retrieved=bool(as_retrieved[i]) if as_retrieved else i % 2 == 1,
+                               as_retrieved=flags[i],
                                answer_tokens=compared, answer_agree=agreeing, near_tie=report.near_tie))
             if progress_file is not None:  # this part as far as it went: a kill loses the request in flight alone
                 part.update(last_request=i, seconds=time.perf_counter() - t_run,
@@ -505,7 +506,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         model_dir = SYNTH[a.task][1]
         reqs = synthetic_stream(a.task, a.requests, a.seed)
-    flags = retrieved(reqs)
     engine = LlamaEngine.from_pretrained(model_dir)
     progress = not a.quiet
     commands, runs, first_date = [], [], None
@@ -518,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(adaptive["requests"]) != len(reqs) or old["meta"]["task"] != a.task:
             p.error(f"{a.resume} is another stream ({old['meta']['task']}, {len(adaptive['requests'])} requests)")
     else:
-        adaptive = serve(engine, reqs, ADAPTIVE, progress=progress, as_retrieved=flags, new_tokens=a.new_tokens,
+        adaptive = serve(engine, reqs, ADAPTIVE, progress=progress, new_tokens=a.new_tokens,
                          stop=sorted(stop_tokens(model_dir)), state=a.state, stop_after=a.stop_after,
                          near_tie=a.near_tie)
         if len(adaptive["requests"]) < len(reqs):
@@ -532,10 +532,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for spec in sweep:
         if spec not in have:
             if a.new_tokens:  # each policy's own answers, compared under teacher forcing: a reference of its own
-                run = serve(engine, reqs[:m], spec, progress=progress, as_retrieved=flags[:m],
+                run = serve(engine, reqs[:m], spec, progress=progress,
                             new_tokens=a.new_tokens, stop=sorted(stop_tokens(model_dir)))
             else:
-                run = serve(engine, reqs[:m], spec, ref[:m], ref_s[:m], progress=progress, as_retrieved=flags[:m])
+                run = serve(engine, reqs[:m], spec, ref[:m], ref_s[:m], progress=progress)
             runs.append(run)
             write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date)  # each run saved as it ends
     write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date, show=True)
