@@ -343,6 +343,7 @@ class Planner:
             start += n
             best = None
             best_cfo = 2.0
+            best_key = tie_key(None, s_new)
             learned_lists = []  # every variant's learned scores, not only the best's
             if use_variants:
                 for v in variants_of(k):
@@ -365,8 +366,8 @@ class Planner:
                             c *= alpha
                             if c > 1.0:
                                 c = 1.0
-                    if c < best_cfo or (c == best_cfo and tie_key(v) < tie_key(best)):
-                        best, best_cfo = v, c
+                    if c < best_cfo or (c == best_cfo and tie_key(v, s_new) < best_key):
+                        best, best_cfo, best_key = v, c, tie_key(v, s_new)
             if best is None or best_cfo >= max_cfo:
                 plans.append(new_chunk_plan(ChunkPlan, (k, n, i, span, FRESH, None, None, 1.0, ())))
                 fresh_tokens += n

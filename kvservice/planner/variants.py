@@ -166,10 +166,11 @@ def choose_variant(variants: Sequence[Variant], s_new_pos: Mapping[str, int],
     """The lowest-CFO variant (Cache-Craft §3.3), or None -> compute the chunk fresh."""
     best: Variant | None = None
     best_cfo = 2.0
+    best_key = tie_key(None, s_new_pos)
     for v in variants:
         c = variant_cfo(v, s_new_pos, alpha)
-        if c < best_cfo or (c == best_cfo and tie_key(v) < tie_key(best)):
-            best, best_cfo = v, c
+        if c < best_cfo or (c == best_cfo and tie_key(v, s_new_pos) < best_key):
+            best, best_cfo, best_key = v, c, tie_key(v, s_new_pos)
     if best is None or best_cfo >= max_cfo:
         return None
     return VariantChoice(best, best_cfo)
@@ -181,8 +182,17 @@ def fr_increment(cfo_value: float, floor: float = 0.01) -> float:
     return 1.0 / max(cfo_value, floor)
 
 
-def tie_key(v: Variant | None) -> tuple[int, str]:
-    """Order of equally good variants: faster tier first, then smaller id."""
+def tie_key(v: Variant | None, s_new_pos: Mapping[str, int]) -> tuple[bool, int, str]:
+    """Order of equally good variants: one computed behind exactly the chunks now before it
+    first (its KV is full prefill's: what exact reuse serves; another of CFO 0 has the same
+    chunks before it in another order or with others between), then faster tier, then smaller id."""
     if v is None:
-        return (len(TIER_RANK) + 1, "")
-    return (TIER_RANK.get(v.tier, len(TIER_RANK)), v.variant_id)
+        return (True, len(TIER_RANK) + 1, "")
+    return (not is_exact(v, s_new_pos), TIER_RANK.get(v.tier, len(TIER_RANK)), v.variant_id)
+
+
+def is_exact(v: Variant, s_new_pos: Mapping[str, int]) -> bool:
+    """Was `v` computed behind exactly the chunks before it now (`s_new_pos`: key -> position,
+    the prompt's chunks before it), in the same order?"""
+    pk = v.prefix_keys
+    return len(pk) == len(s_new_pos) and all(s_new_pos.get(k) == j for j, k in enumerate(pk))

@@ -93,8 +93,21 @@ def test_chooses_lowest_cfo_and_recomputes_top_tokens():
 def test_tie_goes_to_faster_tier():
     slow = variant(X, [C1], tier="disk")
     fast = variant(X, [C1, C2], tier="gpu")
-    # both exact on their overlap (beta 1): CFO 0 for both
-    assert choose_variant([slow, fast], pos([C1, C2]), alpha=1.0).info is fast
+    # both exact on their overlap (beta 1): CFO 0 for both; neither behind exactly C1 C2 C3
+    assert choose_variant([slow, fast], pos([C1, C2, C3]), alpha=1.0).info is fast
+    assert choose_variant([fast, slow], pos([C1, C2, C3]), alpha=1.0).info is fast
+
+
+def test_among_variants_of_cfo_0_the_one_behind_exactly_the_chunks_before_it_wins():
+    """Its KV is what full prefill computes (what exact reuse, a prefix cache's, serves); the
+    others of CFO 0 have the same chunks before them in another layout, on a faster tier too."""
+    exact = variant(X, [C1, C2], tier="disk")
+    subset, other_order = variant(X, [C1], tier="gpu"), variant(X, [C2, C1], tier="gpu")
+    assert variant_cfo(subset, pos([C1, C2]), alpha=1.0) == variant_cfo(exact, pos([C1, C2]), alpha=1.0) == 0.0
+    for variants in ([subset, exact], [exact, subset]):
+        assert choose_variant(variants, pos([C1, C2]), alpha=1.0).info is exact
+    assert choose_variant([subset, other_order], pos([C1, C2]), alpha=1.0).info is subset  # CFO 0 against > 0
+    assert choose_variant([variant(X, [], tier="disk"), variant(X, [], tier="gpu")], {}).info.tier == "gpu"
 
 
 prefixes = st.lists(st.sampled_from([key(i) for i in range(6)]), max_size=5, unique=True)
