@@ -27,7 +27,8 @@ def label(meta: dict) -> str:
     if meta["task"] != "musique":
         return meta["task"]
     given = re.search(r"--passages (\d+)", meta["commands"][-1])
-    return f"musique, {meta.get('passages', int(given.group(1)) if given else 3)} passages"
+    gate = f", near ties under {meta['near_tie']:g} served by full prefill" if meta.get("near_tie") else ""
+    return f"musique, {meta.get('passages', int(given.group(1)) if given else 3)} passages{gate}"
 
 
 def ratio(x: float | None) -> str:
