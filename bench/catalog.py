@@ -48,6 +48,8 @@ GROUPS: dict[str, tuple[Benchmark, ...]] = {
     "engine (kvbench.engine)": (
         Benchmark("ttft", "kvbench.engine.ttft",
                   "time to first token of every reuse policy against full prefill, on CPU"),
+        Benchmark("blend-cost", "kvbench.engine.blend_cost",
+                  "TTFT of a blend, exact reuse and full prefill by the share of the prompt stored (the cost gate)"),
         Benchmark("timeline", "kvbench.engine.timeline",
                   "per-layer wait and compute of blended prefills, as a figure", parses_help=False),
         Benchmark("static-steps", "kvbench.engine.static_steps",

@@ -26,9 +26,9 @@ on a background thread after their first token, and the comparisons travel to th
 with the next Plan, beside the timings. An adapter that runs the default policy is
 *adaptive*: it spends the recompute budget its Plan gives (`Plan.recompute_budget`, the
 service's fidelity controller; 1 means exact reuse only, the prefix cache's), so the service
-holds its model's first-token agreement at `fidelity_target`. An adapter given a policy
-spends that policy's budget. `RAGAdapter.generate` also decodes the answer; a sampled
-request's shadow then compares the answer's first tokens under teacher forcing too.
+holds its model's first-token agreement at `fidelity_target`, and serves exact reuse where the
+blend would not be faster (`engine_adapter.cost`). An adapter given a policy spends its budget.
+`RAGAdapter.generate` also decodes the answer; a sampled request's shadow compares it too.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from engine_adapter import learned
 from engine_adapter.blend import BlendResult, Gate, blend_prefill
+from engine_adapter.cost import worth_blending
 from engine_adapter.fidelity import MAX_SAMPLES_PER_PLAN, SamplingCost, Serving, ShadowBlend, ShadowSampler
 from engine_adapter.generate import Generation, greedy
 from engine_adapter.graphs import StepGraphs
@@ -86,6 +87,7 @@ class RequestReport:
     sampled: bool = False  # a shadow full prefill measures this request's fidelity (after it)
     budget: float = 0.0  # the recompute budget it ran with (1: exact reuse only, or full prefill); 0: none
     near_tie: bool = False  # blended, then served by full prefill: its first token led by under `near_tie`
+    blend_skipped: bool = False  # its Plan's budget, served by exact reuse: no blend paid (`engine_adapter.cost`)
 
 
 class RAGAdapter:
@@ -97,9 +99,8 @@ class RAGAdapter:
                  serving: Serving | None = None, near_tie: float | None = None) -> None:
         """policy: None runs the default (`policy.DEFAULT_POLICY`) with the recompute budget
         each Plan gives (the service's fidelity controller); a policy given runs as given.
-        local: the service runs
-        on this host; read reused KV from its shared memory (Locate) instead of streaming
-        it over gRPC. learn: store-back sends learned recompute scores for chunks computed
+        local: the service runs on this host; read reused KV from its shared memory (Locate)
+        instead of streaming it over gRPC. learn: store-back sends learned recompute scores for chunks computed
         in full while a variant of them is stored (for `cachecraft`'s lists; off by default:
         the default policy does not use them, and learning costs (T + 2) x (question +
         chosen + 1) rows of compute per chunk of T tokens and round, docs/adapter.md).
@@ -135,10 +136,8 @@ class RAGAdapter:
     def generate(self, chunks: Sequence[Sequence[int]], question: Sequence[int], max_new_tokens: int,
                  stop: Iterable[int] = (), conversation_id: str = "", reorder: bool = True
                  ) -> tuple[Generation, BlendResult, RequestReport]:
-        """`prefill`, then greedy decoding of the answer (`generate.greedy`, up to
-        max_new_tokens, a stop token included). A sampled request's shadow prefill runs after
-        the answer and compares its first tokens too, under teacher forcing
-        (`engine_adapter.fidelity`)."""
+        """`prefill`, then greedy decoding of the answer (`generate.greedy`, up to max_new_tokens,
+        a stop token included); a sampled request's shadow compares those too (teacher forcing)."""
         answers: list[Generation] = []
 
         def answer(result: BlendResult) -> Sequence[int]:
@@ -178,16 +177,18 @@ class RAGAdapter:
     def serve(self, plan: Plan | None, chunks: Sequence[Sequence[int]], question: Sequence[int], *,
               policy: ReusePolicy | None = None, t0: float | None = None,
               answer: Callable[[BlendResult], Sequence[int]] | None = None) -> tuple[BlendResult, RequestReport]:
-        """What `prefill` does after its Plan: fetch (shared memory when `local`), blend, release
-        the leases, store fresh chunks back. `plan`: a Plan of `chunks` (None: full prefill);
-        `policy`: this request's (default: the adapter's); `answer`: decodes the answer after
-        the prefill (its tokens go to the shadow prefill, if sampled). The vLLM connector's
-        worker side calls it with the plan its scheduler side obtained."""
+        """What `prefill` does after its Plan: fetch (shared memory when `local`), blend, release the
+        leases, store fresh chunks back. `plan`: a Plan of `chunks` (None: full prefill); `policy`:
+        this request's (default: the adapter's, cost-gated); `answer`: decodes the answer after the
+        prefill (for the shadow). The vLLM connector's worker side calls it with its scheduler's plan."""
         t0 = time.perf_counter() if t0 is None else t0
-        policy = policy or self._budgeted(plan)
         by_key = {chunk_key(self.model_id, c): tuple(int(t) for t in c) for c in chunks}
         segments, refs = self._segments(plan, by_key, chunks, question)
-        reused = set(policy.reused(Layout.of(segments, self.model_id)))
+        lay = Layout.of(segments, self.model_id)  # adaptive, unmeasured: blended where that beats exact reuse
+        sample = bool(plan and plan.fidelity_sample and self.shadows)
+        skipped = bool(plan and policy is None and self.adaptive and not sample) and not worth_blending(lay, plan.recompute_budget)
+        policy = policy or self._budgeted(plan, exact=skipped)
+        reused = set(policy.reused(lay))
         refs = {s: r for s, r in refs.items() if s in reused}  # what it reads (full prefill: none) is all streamed
         source = ServiceLayerSource(self.client, refs, local=self.local,
                                     deadline=time.monotonic() + FETCH_TIMEOUT_S,
@@ -196,7 +197,6 @@ class RAGAdapter:
         # copied on a side stream while it computes the layer before (a gpu tier's are there).
         feed = (GpuLayerSource(source, self.engine.cfg.num_layers, self.engine.device)
                 if refs and self.engine.device.type == "cuda" else source)
-        sample = bool(plan and plan.fidelity_sample and self.shadows)
         budget = spent_budget(policy)
         recording = None  # the stored KV copied as it arrives, for the shadow's blend at the budget below
         if sample and refs and 0 < plan.fidelity_below < budget and self.fidelity.can_blend():
@@ -205,7 +205,7 @@ class RAGAdapter:
             with self.fidelity.serving.prefill():  # the shadows give way meanwhile
                 blend = blend_prefill(self.engine, segments, policy, recording or feed, gate=self.gate,
                                       stats=self.store_back, steps=self.steps)
-                result = settle(self.engine, segments, blend, self.near_tie)
+                result = settle(self.engine, segments, blend, self.near_tie if budget < 1 else None)  # exact: as is
         finally:
             if feed is not source:
                 source.cancel()  # a copy feeder waiting on the stream returns
@@ -242,17 +242,18 @@ class RAGAdapter:
             fallbacks=list(result.fallbacks),
             plan_error="" if plan else "plan failed",
             sampled=sampled,
-            budget=budget,
+            budget=plan.recompute_budget if skipped else budget,
             near_tie=result is not blend,
+            blend_skipped=skipped,
         )
         return result, report
 
-    def _budgeted(self, plan: Plan | None) -> ReusePolicy:
+    def _budgeted(self, plan: Plan | None, exact: bool = False) -> ReusePolicy:
         """The policy this request runs: an adaptive adapter's default policy with its Plan's
-        recompute budget, else the adapter's own."""
+        recompute budget (`exact`: 1, exact reuse only), else the adapter's own."""
         if plan is None or not self.adaptive:
             return self.policy
-        return with_budget(self.policy, plan.recompute_budget, reuse=not plan.no_reuse)
+        return with_budget(self.policy, 1.0 if exact else plan.recompute_budget, reuse=not plan.no_reuse)
 
     def _segments(self, plan: Plan | None, by_key: dict[str, tuple[int, ...]],
                   chunks: Sequence[Sequence[int]], question: Sequence[int]) -> tuple[list[Segment], dict[int, Ref]]:
@@ -365,10 +366,10 @@ class RAGAdapter:
         return self.fidelity.cost()
 
     def _learn(self, source: ServiceLayerSource, result: BlendResult) -> None:
-        """Timings for the loading controller (CacheBlend §5), sent with the next Plan:
-        per layer, the bytes that came from one tier and the seconds they took. The mapped
-        part's load is what the engine waited for it (the tensors alias the service's
-        memory: no bytes move); a part from tiers of several speeds says nothing of one."""
+        """Timings for the loading controller (CacheBlend §5), sent with the next Plan: per layer,
+        the bytes that came from one tier and the seconds they took. The mapped part's load is
+        what the engine waited for it (the tensors alias the service's memory: no bytes move);
+        a part from tiers of several speeds says nothing of one."""
         if source.mapped_tier:
             for layer in sorted(source.mapped_seconds):
                 self._timings.loads.add(tier=source.mapped_tier, bytes_per_layer=source.mapped_bytes[layer],
@@ -387,9 +388,8 @@ class RAGAdapter:
                 self._timings.computes.add(tokens_per_layer=rows, seconds=max(t.compute_s, 1e-9))
 
     def take_timings(self) -> pb.TimingReport:
-        """The load/compute timings gathered since the last Plan this adapter sent (and forget
-        them, with the fidelity samples finished by now): for a caller that plans by itself
-        (the vLLM connector)."""
+        """The load/compute timings (and finished fidelity samples) gathered since the last Plan,
+        forgotten here: for a caller that plans by itself (the vLLM connector)."""
         self._add_samples()
         out, self._timings = self._timings, pb.TimingReport()
         return out

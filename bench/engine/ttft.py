@@ -198,7 +198,7 @@ def real_workload(folder: str | None, record: int, passages: int) -> Workload:
     return Workload(engine, hf, chunks, list(p.question), behind, title, shape)
 
 
-def _store_chunks(engine: LlamaEngine, client: KVClient, model_id: str, work: Workload) -> dict:
+def store_chunks(engine: LlamaEngine, client: KVClient, model_id: str, work: Workload) -> dict:
     """Each chunk computed behind other chunks and stored; its tokens ranked by inter-attention
     (what `TopShare` recomputes first), by chunk key."""
     ranking = {}
@@ -212,8 +212,9 @@ def _store_chunks(engine: LlamaEngine, client: KVClient, model_id: str, work: Wo
     return ranking
 
 
-def _via_adapter(work: Workload, client: KVClient, policy: ReusePolicy, local: bool) -> Callable:
-    """A case's run: the prompt prefilled through the RAG adapter under `policy`."""
+def via_adapter(work: Workload, client: KVClient, policy: ReusePolicy | None, local: bool) -> Callable:
+    """A case's run: the prompt prefilled through the RAG adapter under `policy` (None: the
+    adaptive adapter, at its Plans' budget)."""
     def go() -> tuple[float, BlendResult, object]:
         # no shadow prefills: one would run beside the next timed case
         adapter = RAGAdapter(work.engine, client, policy, gate=TRUSTED, store_back=False, local=local,
@@ -226,7 +227,7 @@ def _via_adapter(work: Workload, client: KVClient, policy: ReusePolicy, local: b
     return go
 
 
-def _timed(f: Callable) -> Callable:
+def timed(f: Callable) -> Callable:
     """A case's run: `f` timed, no blend result."""
     def go() -> tuple[float, None, None]:
         t0 = time.perf_counter()
@@ -241,11 +242,11 @@ def _cases(work: Workload, client: KVClient, tokens: torch.Tensor, ranking: dict
     engine, hf, layers = work.engine, work.hf, work.engine.cfg.num_layers
 
     def via(policy: ReusePolicy, local: bool) -> Callable:
-        return _via_adapter(work, client, policy, local)
+        return via_adapter(work, client, policy, local)
 
     cases = [
-        Case("transformers SDPA full prefill", _timed(lambda: hf(tokens[None], logits_to_keep=1)), "full"),
-        Case("engine full prefill", _timed(lambda: engine.prefill(tokens, all_logits=False)), "full"),
+        Case("transformers SDPA full prefill", timed(lambda: hf(tokens[None], logits_to_keep=1)), "full"),
+        Case("engine full prefill", timed(lambda: engine.prefill(tokens, all_logits=False)), "full"),
         Case("naive (shm)", via(Naive(), True)),
         Case("naive (gRPC)", via(Naive(), False)),
     ]
@@ -263,14 +264,15 @@ def _cases(work: Workload, client: KVClient, tokens: torch.Tensor, ranking: dict
     return cases
 
 
-def _measure(cases: list[Case], repeats: int, ref: torch.Tensor) -> None:
+def measure(cases: list[Case], repeats: int, ref: torch.Tensor) -> None:
     """One untimed run of each case (allocator, first Locate, probe), then `repeats` rounds
     of samples: TTFT, its split, and the logits' deviation from full prefill."""
     def sample(case: Case) -> None:
         ttft, r, rep = case.run()
         s = {"ttft_s": ttft, "computed_share": r.computed_share if r else 1.0,
              "recompute_ratio": r.recompute_ratio if r else 0.0,
-             "reused_chunks": getattr(rep, "reused_chunks", 0),
+             "reused_chunks": getattr(rep, "reused_chunks", 0), "budget": getattr(rep, "budget", 0.0),
+             "blend_skipped": getattr(rep, "blend_skipped", False),
              **_split(ttft, r, getattr(rep, "fetch_wait_s", 0.0))}
         if r is not None:
             s["logit_dev"] = float((r.logits - ref).norm() / ref.norm())
@@ -292,17 +294,17 @@ def _prefix_cases(work: Workload, client: KVClient, model_id: str) -> list[Case]
                          gate=TRUSTED).fresh
     for i in range(k):
         client.store(model_id, chunks[i], lead[i].kv, prefix_keys=list(lead[i].prefix), stats=lead[i].stats)
-    return [Case(f"prefix, {k} of {len(chunks)} chunks (shm)", _via_adapter(work, client, Policy("prefix"), True)),
-            Case(f"prefix, {k} of {len(chunks)} chunks (gRPC)", _via_adapter(work, client, Policy("prefix"), False))]
+    return [Case(f"prefix, {k} of {len(chunks)} chunks (shm)", via_adapter(work, client, Policy("prefix"), True)),
+            Case(f"prefix, {k} of {len(chunks)} chunks (gRPC)", via_adapter(work, client, Policy("prefix"), False))]
 
 
 def _rows(cases: list[Case]) -> list[dict]:
     """Each case's medians and its speedups over the two full prefills (the first two cases)."""
-    hf_s = _median(cases[0], "ttft_s")
-    eng_s = _median(cases[1], "ttft_s")
+    hf_s = median(cases[0], "ttft_s")
+    eng_s = median(cases[1], "ttft_s")
     rows = []
     for c in cases:
-        med = {k: _median(c, k) for k in c.samples[0]}
+        med = {k: median(c, k) for k in c.samples[0]}
         rows.append({"case": c.name, "group": c.group, **med,
                      "speedup_vs_transformers": hf_s / med["ttft_s"], "speedup_vs_engine_full": eng_s / med["ttft_s"],
                      "ideal_speedup": 1.0 / med["computed_share"], "samples": c.samples})
@@ -318,16 +320,16 @@ def run(work: Workload, repeats: int, data_dir: Path) -> dict:
     tokens = torch.tensor(sum(work.chunks, []) + work.question)
     ref = engine.prefill(tokens, all_logits=False, kv=False)[0][-1]
     with ServiceProcess(data_dir) as service, KVClient(service.address) as client:
-        ranking = _store_chunks(engine, client, model_id, work)
+        ranking = store_chunks(engine, client, model_id, work)
         cases = _cases(work, client, tokens, ranking)
-        _measure(cases, repeats, ref)
+        measure(cases, repeats, ref)
         prefix = _prefix_cases(work, client, model_id)
-        _measure(prefix, repeats, ref)
+        measure(prefix, repeats, ref)
         cases += prefix
     return {"title": work.title, "shape": work.shape, "rows": _rows(cases)}
 
 
-def _median(c: Case, key: str) -> float:
+def median(c: Case, key: str) -> float:
     return statistics.median(s[key] for s in c.samples if key in s) if any(key in s for s in c.samples) else float("nan")
 
 

@@ -102,6 +102,7 @@ class Served:
     answer_tokens: int = 0  # answer tokens after the first compared with full prefill (teacher forcing)
     answer_agree: int = 0  # of those, full prefill's next token is the served one
     near_tie: bool = False  # blended, then served by full prefill (RequestReport.near_tie)
+    blend_skipped: bool = False  # served by exact reuse at its Plan's budget (RequestReport.blend_skipped)
 
 
 # -- the streams ---------------------------------------------------------------------
@@ -301,12 +302,14 @@ def serve(engine, reqs: Sequence[Request], spec: str, ref: list[int] | None = No
                 token, compared, agreeing = _full(engine, chunks, question, ref_s, memo, answer)
                 ref.append(token)
             share = report.computed_rows / (report.prompt_tokens * layers) if result.computed_rows else 1.0
-            rows.append(Served(budget=report.budget, blended=report.reused_chunks > 0, sampled=report.sampled,
+            rows.append(Served(budget=report.budget, blended=report.reused_chunks > 0 and not report.blend_skipped,
+                               sampled=report.sampled,
                                agree=int(result.logits.argmax()) == ref[i], share=share, ttft_s=report.ttft_s,
                                prompt_tokens=report.prompt_tokens, fallbacks=len(report.fallbacks),
                                plan_failed=bool(report.plan_error),
                                as_retrieved=flags[i],
-                               answer_tokens=compared, answer_agree=agreeing, near_tie=report.near_tie))
+                               answer_tokens=compared, answer_agree=agreeing, near_tie=report.near_tie,
+                               blend_skipped=report.blend_skipped))
             if progress_file is not None:  # this part as far as it went: a kill loses the request in flight alone
                 part.update(last_request=i, seconds=time.perf_counter() - t_run,
                             sampling_cost=asdict(adapter.sampling_cost()))

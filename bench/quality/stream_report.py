@@ -144,11 +144,12 @@ def as_retrieved_speed(rows: Sequence[dict], reference_s: Sequence[float | None]
     return speed(rows, reference_s, [i for i in range(start, len(rows)) if rows[i].get("as_retrieved", i % 2 == 1)])
 
 
-def near_ties(rows: Sequence[dict], start: int) -> dict:
-    """Requests served by full prefill after their blend (`RAGAdapter(near_tie=...)`), in the whole
-    stream and from `start` (the settle) on."""
-    gated = [i for i, r in enumerate(rows) if r.get("near_tie")]
-    return {"overall": len(gated), "settled": sum(i >= start for i in gated)}
+def flagged(rows: Sequence[dict], start: int, flag: str) -> dict:
+    """Requests whose row says `flag` (`near_tie`: served by full prefill after their blend;
+    `blend_skipped`: served by exact reuse, the cost gate's), in the whole stream and from
+    `start` (the settle) on."""
+    at = [i for i, r in enumerate(rows) if r.get(flag)]
+    return {"overall": len(at), "settled": sum(i >= start for i in at)}
 
 
 def report(adaptive: dict, sweep: Sequence[dict], policy: str, reference_s: Sequence[float],
@@ -157,7 +158,8 @@ def report(adaptive: dict, sweep: Sequence[dict], policy: str, reference_s: Sequ
     rows, start = adaptive["requests"], a["settled_from_request"]
     a["settled_speed"] = speed(rows, reference_s, range(start, len(rows)))
     a["settled_as_retrieved"] = as_retrieved_speed(rows, reference_s, start)
-    a["near_ties"] = near_ties(rows, start)
+    a["near_ties"] = flagged(rows, start, "near_tie")
+    a["blends_skipped"] = flagged(rows, start, "blend_skipped")
     timed = [x for x in reference_s if x is not None]
     full = {"policy": "full prefill (engine alone)", "requests": len(reference_s), "agreement": 1.0, "se": 0.0,
             "computed_share": 1.0, "ttft_s": mean(timed), "timed": len(timed)}

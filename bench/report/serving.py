@@ -28,6 +28,28 @@ def ttft(named: Named) -> str:
     return "\n\n".join(out) + f"\n\n{sources(named)}"
 
 
+def blend_cost(named: Named) -> str:
+    """Per count of passages stored: the share stored, what the cost gate reads at each budget
+    (the rows a blend computes over exact reuse's), what the adapter as deployed served, and
+    every case's TTFT beside full prefill's."""
+    out = []
+    for _, r in named:
+        limit, names = r["blend_limit"], [c["case"] for c in r["rows"][0]["cases"]]
+        budgets = list(r["rows"][0]["planned_share"])
+        body = [[f"{row['stored_passages']} of {row['passages']}", pct(row["stored_share"], 0),
+                 " · ".join(f"{pct(p, 0)} {'blend' if p < limit else 'exact'}"
+                            for p in (row["planned_share"][b] for b in budgets)),
+                 "blend" if row["deployed_blended"] else "exact reuse",
+                 *(f"{num(c['ttft_s'] * 1e3, 0)} ({times(c['vs_full'], 2)})" for c in row["cases"])]
+                for row in r["rows"]]
+        gate = f"the gate at {' · '.join(pct(float(b), 0) for b in budgets)}"
+        out.append(f"{r['title']}; median of {r['repeats']}, {r['threads']} torch thread(s). The gate blends where "
+                   f"the blend computes under {pct(limit, 0)} of exact reuse's rows; as deployed, at a fresh "
+                   f"service's budget ({pct(r['rows'][0]['deployed_budget'], 0)}). TTFT ms (speed-up over full "
+                   "prefill):\n\n" + table(["passages stored", "stored", gate, "as deployed", *names], body))
+    return "\n\n".join(out) + f"\n\n{sources(named)}"
+
+
 def ttft_lengths(named: Named) -> str:
     """TTFT per policy at each prompt length (the plot's numbers)."""
     (_, r), = named
@@ -137,6 +159,7 @@ def vllm_rag(named: Named) -> str:
               f" ({r['config']['conversations']} conversations of the default trace).\n\n{sources(named)}")
 
 
-VIEWS = {"ttft": ttft, "ttft-lengths": ttft_lengths, "vllm-ttft": vllm_ttft, "vllm-concurrency": vllm_concurrency,
+VIEWS = {"ttft": ttft, "ttft-lengths": ttft_lengths, "blend-cost": blend_cost, "vllm-ttft": vllm_ttft,
+         "vllm-concurrency": vllm_concurrency,
          "vllm-quality": vllm_quality, "vllm-real": vllm_real, "vllm-real-adaptive": vllm_real_adaptive,
          "vllm-rag": vllm_rag}

@@ -85,6 +85,10 @@ def stream_tables(result: dict) -> str:
         speeds.append(f"Near ties (a blend whose first token leads by less than {margin} logits) served by full "
                       f"prefill: {n['overall']} of {a['requests']} requests, {n['settled']} of the settled; their "
                       "computed share and TTFT count the blend and full prefill.")
+    if (n := a.get("blends_skipped")) and n["overall"]:
+        speeds.append(f"Served by exact reuse because too little of them was stored for a blend to pay "
+                      f"(`engine_adapter.cost`): {n['overall']} of {a['requests']} requests, {n['settled']} of the "
+                      "settled.")
     if speeds:
         lines += ["", " ".join(speeds)]
     lines += ["", f"Sampled {a['sampled']} of {a['requests']} requests ({a['blended']} blended; {a['sampled_after_settle']} "

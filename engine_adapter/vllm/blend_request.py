@@ -9,12 +9,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from engine_adapter.cost import blend_pays
 from engine_adapter.vllm.config import ConnectorSettings, make_blend_policy
 from engine_adapter.vllm.lookup import Breaker
 from engine_adapter.vllm.metrics import ConnectorMetrics
 from kvclient.errors import DeadlineExceededError
 from kvcraft.keys import chunk_key
-from kvcraft.plans import Plan
+from kvcraft.plans import Plan, variant_prefixes
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -128,8 +129,26 @@ class Blend:
             self.release(client)
             return False
         self.reused_chunks = sum(1 for cp in plan.chunks if cp.reused)
+        stored = [n for n, cp in zip(self.chunk_tokens, plan.chunks) if cp.reused]
+        exact = exact_tokens(plan, keys, self.chunk_tokens)
+        if self.adaptive and not blend_pays(len(tokens), stored, exact, plan.recompute_budget):
+            self.declined = ("too little of it is stored for a blend to beat vLLM alone, with its prefix cache "
+                             "(docs/fidelity.md, \"Blend only where it pays\")")
+            self.release(client)
+            return False
         self.plan = plan
         return True
+
+
+def exact_tokens(plan: Plan, keys: list[str], chunk_tokens: tuple[int, ...]) -> int:
+    """The tokens of the leading chunks stored behind exactly the chunks before them: what a
+    prefix cache holds of the prompt."""
+    n = 0
+    for i, (cp, prefix) in enumerate(zip(plan.chunks, variant_prefixes(plan))):
+        if not (cp.reused and prefix == tuple(keys[:i])):
+            break
+        n += chunk_tokens[i]
+    return n
 
 
 PARAM_KEYS = ("chunks", "policy", "options")

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from engine_adapter import LlamaEngine, Policy, ReuseGate
+from engine_adapter.cost import BLEND_LIMIT, planned_share
 from engine_adapter.fidelity import compare
 from engine_adapter.probe import TRUSTED
 from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient
 from kvservice.fidelity import COLD_START, LADDER, MIN_VERDICT_SAMPLES
-from tests.e2e.test_adapter_service import ENGINE, QUESTION, chunks, in_plan_order, warm
+from tests.e2e.test_adapter_service import ENGINE, QUESTION, chunks, full_logits, in_plan_order, warm
 
 
 class HeldShadows(LlamaEngine):
@@ -175,6 +176,41 @@ def test_at_budget_1_an_adaptive_adapter_reuses_the_exact_prefix_and_computes_th
             assert report.computed_rows == (n - reused * len(cs[0])) * layers
             assert torch.allclose(result.logits, full, atol=1e-4, rtol=0)
         adapter.close()
+
+
+def test_an_adaptive_request_with_too_few_chunks_stored_to_blend_is_served_by_exact_reuse(shared_server):
+    """The cost gate (`engine_adapter.cost`): a request whose blend would compute BLEND_LIMIT or
+    more of the rows exact reuse computes is served by exact reuse unless its Plan asks to measure
+    it: that prefix from storage, every other row computed, full prefill's logits; its fresh
+    chunks are stored back, so the same prompt next is exact reuse of every chunk. The same chunks
+    in another order, all stored behind other prefixes, are blended at the Plan's budget. A near-tie
+    margin above any lead serves that blend again by full prefill, never exact reuse (full
+    prefill's already)."""
+    engine, cs = HeldShadows(), chunks(16, n=5)
+    layers, q = engine.cfg.num_layers, len(QUESTION)
+    with KVClient(shared_server.address) as client:
+        first = RAGAdapter(engine, client, Policy("full"), gate=ReuseGate())
+        first.prefill(cs[:2], QUESTION, reorder=False)  # stored: a alone, b behind a
+        first.close()
+        prompt = [cs[0], cs[2], cs[1], cs[3], cs[4]]  # a exact; b stored behind another prefix; c, d, e new
+        n = sum(map(len, prompt)) + q
+        measured = RAGAdapter(engine, client, gate=TRUSTED, store_back=False)  # the cold start measures all
+        _, report = measured.prefill(prompt, QUESTION, reorder=False)
+        measured.close()
+        assert report.sampled and not report.blend_skipped and report.reused_chunks == 2
+        adapter = RAGAdapter(engine, client, gate=TRUSTED, near_tie=1e9, shadows=False)
+        # 5 chunks of 20 tokens and a question of 5: the blend computes 105 - 0.75 x 40 rows, exact reuse 85
+        assert planned_share(n, [len(cs[0]), len(cs[1])], len(cs[0]), COLD_START) == 75 / 85 >= BLEND_LIMIT
+        for reused in (1, 5):  # then every chunk, stored back by the first, behind exactly the ones before it
+            result, report = adapter.prefill(prompt, QUESTION, reorder=False)
+            adapter.flush()
+            assert report.blend_skipped and report.budget == COLD_START and not report.near_tie
+            assert (report.reused_chunks, report.policy) == (reused, "query")
+            assert report.computed_rows == (n - sum(map(len, prompt[:reused]))) * layers
+            assert torch.allclose(result.logits, full_logits(engine, prompt, QUESTION), atol=1e-4, rtol=0)
+        result, report = adapter.prefill(prompt[::-1], QUESTION, reorder=False)
+        adapter.close()
+    assert not report.blend_skipped and report.near_tie and report.budget == COLD_START
 
 
 def test_an_adaptive_adapter_on_broken_kv_ends_at_full_prefill_with_full_prefills_answers(shared_server):

@@ -1,8 +1,9 @@
 """The connector's scheduler side under the fidelity controller (no vLLM process: a request's
 `Blend` asks a real service for its Plan as the scheduler does): a request by the default
 policy without options is adaptive and gets the controller's budget; where no budget holds
-the target (budget 1: exact reuse only) the blend is declined, its lease released, and vLLM
-computes the request alone, with its own prefix cache."""
+the target (budget 1: exact reuse only), or too little of it is stored for a blend to pay
+(`engine_adapter.cost`), the blend is declined, its lease released, and vLLM computes the
+request alone, with its own prefix cache."""
 
 from __future__ import annotations
 
@@ -39,7 +40,11 @@ def _ask(blend: Blend, client: KVClient, model: str) -> bool | None:
 def test_the_default_policy_without_options_is_adaptive_and_declined_at_budget_1(shared_server):
     model = uuid.uuid4().hex
     with KVClient(shared_server.address) as client:
-        client.store(model, PROMPT[:4], [(_zeros(), _zeros())])  # something to reuse, so the Plan leases
+        client.store(model, PROMPT[:4], [(_zeros(), _zeros())])  # the first chunk: exact reuse alone
+        exact = Blend(CHUNKS, "query", ())  # all a blend would add to vLLM's prefix cache: nothing stored
+        assert _ask(exact, client, model) is False
+        assert exact.budget == COLD_START and "too little of it is stored" in exact.declined and not exact.lease_id
+        client.store(model, PROMPT[4:8], [(_zeros(), _zeros())])  # the second, stored alone: a blend's to reuse
         adaptive = Blend(CHUNKS, "query", ())
         assert _ask(adaptive, client, model) is True
         assert adaptive.adaptive and adaptive.budget == COLD_START and adaptive.lease_id
