@@ -46,7 +46,7 @@ def blend_cost(named: Named) -> str:
         out.append(f"{r['title']}; median of {r['repeats']}, {r['threads']} torch thread(s). The gate blends where "
                    f"the blend computes under {pct(limit, 0)} of exact reuse's rows; as deployed, at a fresh "
                    f"service's budget ({pct(r['rows'][0]['deployed_budget'], 0)}). TTFT ms (speed-up over full "
-                   "prefill):\n\n" + table(["passages stored", "stored", gate, "as deployed", *names], body))
+                   "prefill):\n\n" + table(["passages stored", "stored", gate, "as deployed, served by", *names], body))
     return "\n\n".join(out) + f"\n\n{sources(named)}"
 
 
