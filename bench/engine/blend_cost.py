@@ -15,7 +15,8 @@ untimed run:
 - the default policy forced to each budget of `--budgets` (a policy named runs as named):
   5%, where the fidelity controller settles on MuSiQue, and 25%, its cold start;
 - as deployed: the adaptive adapter at its Plan's budget (a fresh service's cold start),
-  which blends or serves exact reuse as the cost gate says (`engine_adapter.cost`).
+  which blends or serves exact reuse as the cost gate says (`engine_adapter.cost`); no shadow
+  prefills, so unmeasured, as most of a settled model's requests are (a measured one blends).
 
 Each row gives the share of exact reuse's rows (those past the instruction) that are stored,
 what the gate reads at each budget (`cost.planned_share`: the rows the blend computes over exact
@@ -94,7 +95,7 @@ def run(work: Workload, k: int, budgets: Sequence[float], repeats: int, data_dir
     n, lens = len(tokens), [len(c) for c in work.chunks]
     deployed = cases[-1].samples[-1]
     return {"stored_passages": k, "passages": len(lens) - 1, "prompt_tokens": n,
-            "stored_share": (sum(lens[1:k + 1])) / (n - lens[0]),
+            "stored_share": sum(lens[1:k + 1]) / (n - lens[0]),
             "planned_share": {f"{b:g}": planned_share(n, lens[:k + 1], lens[0], b) for b in budgets},
             "deployed_blended": not deployed["blend_skipped"], "deployed_budget": deployed["budget"],
             "cases": [{"case": c.name, "ttft_s": median(c, "ttft_s"), "vs_full": full_s / median(c, "ttft_s"),

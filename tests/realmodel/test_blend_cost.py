@@ -28,6 +28,6 @@ def test_as_deployed_the_prompt_is_served_by_exact_reuse_until_enough_is_stored(
         assert deployed["computed_share"] == like["computed_share"]
         assert deployed["logit_dev"] == pytest.approx(like["logit_dev"], abs=1e-6)
     # The instruction alone stored: a blend would compute more than exact reuse. The passage too:
-    # at 25% it computes well under 70% of exact reuse's rows (passage ~5x the question's rows).
+    # at 25% it computes under 70% of exact reuse's rows (a passage is most of the prompt).
     assert [r["deployed_blended"] for r in rows] == [False, True]
     assert rows[1]["cases"][-1]["logit_dev"] > 1e-4  # a blend, not exact reuse

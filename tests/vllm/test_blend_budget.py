@@ -37,7 +37,8 @@ def _ask(blend: Blend, client: KVClient, model: str) -> bool | None:
     return got
 
 
-def test_the_default_policy_without_options_is_adaptive_and_declined_at_budget_1(shared_server):
+def test_the_default_policy_without_options_is_adaptive_and_declined_where_a_blend_would_not_pay_or_at_budget_1(
+        shared_server):
     model = uuid.uuid4().hex
     with KVClient(shared_server.address) as client:
         client.store(model, PROMPT[:4], [(_zeros(), _zeros())])  # the first chunk: exact reuse alone
