@@ -95,19 +95,20 @@ def command(name: str, argv: Sequence[str]) -> str:
     return shlex.join(["kvcraft", "bench", name, *argv])
 
 
-def envelope(name: str, argv: Sequence[str]) -> dict[str, Any]:
+def envelope(name: str, argv: Sequence[str], ran_on: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"name": name, "command": command(name, argv), "commit": commit(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine()}
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": ran_on or machine()}
 
 
 def save(name: str, argv: Sequence[str], result: dict[str, Any], path: Path | str | None = None,
-         dumps: Callable[[dict], str] | None = None) -> Path:
+         dumps: Callable[[dict], str] | None = None, ran_on: dict[str, Any] | None = None) -> Path:
     """Write `result` with its envelope to `path` (default: `default_path(name)`); the path.
-    `dumps`: the benchmark's own JSON layout (default: indented)."""
+    `dumps`: the benchmark's own JSON layout (default: indented). `ran_on`: the machine that
+    measured `result` where not this one (results measured elsewhere, reported again here)."""
     clash = set(result) & set(ENVELOPE)
     if clash:
         raise ValueError(f"{name}: result fields {sorted(clash)} are the envelope's")
-    out = {**envelope(name, argv), **result}
+    out = {**envelope(name, argv, ran_on), **result}
     path = Path(path) if path else default_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dumps(out) if dumps else json.dumps(out, indent=1) + "\n")

@@ -511,9 +511,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         reqs = synthetic_stream(a.task, a.requests, a.seed)
     engine = LlamaEngine.from_pretrained(model_dir)
     progress = not a.quiet
-    commands, runs, first_date = [], [], None
+    commands, runs, first_date, ran_on = [], [], None, None
     if a.resume:
         old = json.loads(a.resume.read_text())
+        ran_on = old["machine"]  # its runs' machine, until this one serves a run
         prior = [{**r, "requests": unpack(r["requests"])} for r in old["runs"]]
         adaptive, runs = prior[0], prior[1:]
         commands = old["meta"]["commands"]
@@ -540,15 +541,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 run = serve(engine, reqs[:m], spec, ref[:m], ref_s[:m], progress=progress)
             runs.append(run)
+            ran_on = None
             write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date)  # each run saved as it ends
-    write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date, show=True)
+    write(a, adaptive, runs, ref_s, reqs, commands, model_dir, first_date, show=True, ran_on=ran_on)
     return 0
 
 
 def write(a: argparse.Namespace, adaptive: dict, runs: list[dict], ref_s: list, reqs: Sequence[Request],
-          commands: list[str], model_dir: Path | str, first_date: str | None = None, show: bool = False) -> None:
+          commands: list[str], model_dir: Path | str, first_date: str | None = None, show: bool = False,
+          ran_on: dict | None = None) -> None:
     """The results file (`kvbench.results`): the report, every run's requests, and `meta`: the
-    stream's settings and, for a file a resumed run added to, each command that wrote it."""
+    stream's settings and, for a file a resumed run added to, each command that wrote it. `ran_on`:
+    the machine of a resumed file's runs, where this one served none (`results.save`)."""
     import torch
 
     from engine_adapter.policy import DEFAULT_POLICY, parse_policy
@@ -564,7 +568,7 @@ def write(a: argparse.Namespace, adaptive: dict, runs: list[dict], ref_s: list, 
     if show:
         print_report(rep, f"{a.task}: {len(reqs)} requests, seed {a.seed}")
     results.save("fidelity-stream", a.argv, {"meta": meta, "report": rep, "runs": [adaptive, *runs]}, a.json,
-                 dumps=dumps)
+                 dumps=dumps, ran_on=ran_on)
 
 
 def columns(rows: Sequence[dict]) -> dict:

@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from kvbench import results
 from kvbench.quality import fidelity_stream as fs
 from kvbench.quality import stream_report as sr
 from kvbench.quality.modeling import MODEL_DIR
@@ -181,6 +182,16 @@ def test_with_new_tokens_every_fixed_policy_compares_its_own_answers_under_teach
     assert all(r["answer_agree"] <= r["answer_tokens"] for r in runs["naive"])
     table = {t["policy"]: t for t in result["report"]["sweep"]["table"]}
     assert table["full"]["answer_agreement"] == 1.0
+    # Reported again (`--resume`, nothing to serve): the machine that served it stays named; once
+    # this one serves a run of it, this one is named.
+    result["machine"] = {**result["machine"], "cpu": "the machine that served it"}
+    out.write_text(json.dumps(result))
+    again = ["--task", "short", "--requests", "4", "--resume", str(out), "--new-tokens", "5", "--json", str(out),
+             "--quiet"]
+    assert fs.main([*again, "--sweep", "full", "naive"]) == 0
+    assert json.loads(out.read_text())["machine"]["cpu"] == "the machine that served it"
+    assert fs.main([*again, "--sweep", "full", "naive", "prefix"]) == 0
+    assert json.loads(out.read_text())["machine"] == results.machine()
 
 
 @pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(), reason="no trained model committed")
