@@ -40,15 +40,12 @@ def planned_share(prompt_tokens: int, stored: Sequence[int], exact_tokens: int, 
     return blend_rows / max(1, prompt_tokens - exact_tokens)
 
 
-def blend_pays(prompt_tokens: int, stored: Sequence[int], exact_tokens: int, budget: float) -> bool:
-    """Is a blend at `budget` worth serving over exact reuse? (Budgets outside (0, 1) are not
-    a blend's: nothing to decide.)"""
-    return not 0 < budget < 1 or planned_share(prompt_tokens, stored, exact_tokens, budget) < BLEND_LIMIT
-
-
 def worth_blending(lay: Layout, budget: float) -> bool:
-    """`blend_pays` for the default policy at `budget` on the prompt `lay` (it reuses every chunk
-    stored: `lay`'s cached segments)."""
+    """Is a blend of the prompt `lay` at `budget` by the default policy (it reuses every stored
+    chunk: `lay`'s cached segments) worth serving over exact reuse? Budgets outside (0, 1) are
+    not a blend's: nothing to decide."""
+    if not 0 < budget < 1:
+        return True
     stored = [len(seg.tokens) for seg in lay.segments if seg.cached]
     exact = sum(len(lay.segments[s].tokens) for s in Prefix().reused(lay))
-    return blend_pays(lay.n, stored, exact, budget)
+    return planned_share(lay.n, stored, exact, budget) < BLEND_LIMIT

@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from engine_adapter.cost import blend_pays
+from engine_adapter.cost import worth_blending
+from engine_adapter.prompt import Layout, Segment
 from engine_adapter.vllm.config import ConnectorSettings, make_blend_policy
 from engine_adapter.vllm.lookup import Breaker
 from engine_adapter.vllm.metrics import ConnectorMetrics
@@ -129,26 +130,17 @@ class Blend:
             self.release(client)
             return False
         self.reused_chunks = sum(1 for cp in plan.chunks if cp.reused)
-        stored = [n for n, cp in zip(self.chunk_tokens, plan.chunks) if cp.reused]
-        exact = exact_tokens(plan, keys, self.chunk_tokens)
-        if self.adaptive and not blend_pays(len(tokens), stored, exact, plan.recompute_budget):
+        # The prompt as the worker side's RAGAdapter lays it out, for the cost gate's one reading of it.
+        segments = [Segment(c, key=k, cached=cp.reused, cached_prefix=prefix)
+                    for c, k, cp, prefix in zip(chunks, keys, plan.chunks, variant_prefixes(plan))]
+        question = [Segment(tokens[at:], question=True)] if len(tokens) > at else []
+        if self.adaptive and not worth_blending(Layout.of(segments + question, chunk_model_id), plan.recompute_budget):
             self.declined = ("too little of it is stored for a blend to beat vLLM alone, with its prefix cache "
                              "(docs/fidelity.md, \"Blend only where it pays\")")
             self.release(client)
             return False
         self.plan = plan
         return True
-
-
-def exact_tokens(plan: Plan, keys: list[str], chunk_tokens: tuple[int, ...]) -> int:
-    """The tokens of the leading chunks stored behind exactly the chunks before them: what a
-    prefix cache holds of the prompt."""
-    n = 0
-    for i, (cp, prefix) in enumerate(zip(plan.chunks, variant_prefixes(plan))):
-        if not (cp.reused and prefix == tuple(keys[:i])):
-            break
-        n += chunk_tokens[i]
-    return n
 
 
 PARAM_KEYS = ("chunks", "policy", "options")
