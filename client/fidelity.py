@@ -13,8 +13,9 @@ def fidelity_table(stats: pb.StatsResponse, model_id: str | None = None) -> str:
     samples; `model_id`: that model's lines only."""
     target = (f"fidelity target: first-token agreement >= {stats.fidelity_target:.3f}\n" if stats.fidelity_target
               else "fidelity target: none (fidelity_target = 0): engines spend budgets of their own\n")
-    out = target + _table(("model", "policy", "budget", "state", "measuring below"),
-                          [(c.model_id, c.policy, f"{c.budget:.2f}", c.state, f"{c.below:.2f}" if c.below else "-")
+    out = target + _table(("model", "policy", "budget", "state", "measuring below", "near ties under"),
+                          [(c.model_id, c.policy, f"{c.budget:.2f}", c.state, f"{c.below:.2f}" if c.below else "-",
+                            f"{c.near_tie:.2f}" if c.near_tie else "-")
                            for c in stats.budgets if model_id in (None, c.model_id)])
     fidelity = [r for r in stats.fidelity if model_id in (None, r.model_id)]
     if not fidelity:
@@ -41,7 +42,8 @@ def fidelity_record(stats: pb.StatsResponse) -> dict:
                           "mean_kl": f.mean_kl, "mean_computed_share": f.mean_computed_share,
                           "answer_tokens": f.answer_tokens, "answer_agree": f.answer_agree,
                           "shadow_blends": f.shadow_blends} for f in stats.fidelity],
-            "budgets": [{"policy": b.policy, "budget": round(b.budget, 4), "state": b.state, "below": round(b.below, 4)}
+            "budgets": [{"policy": b.policy, "budget": round(b.budget, 4), "state": b.state, "below": round(b.below, 4),
+                         "near_tie": round(b.near_tie, 4)}
                         for b in stats.budgets]}
 
 

@@ -152,7 +152,7 @@ def plan_of(r: pb.PlanResponse) -> Plan:
         lease_expires_unix_ms=r.lease_expires_unix_ms, computed_tokens=r.computed_tokens,
         other_keys=tuple(r.other_keys), variant_prefixes=tuple(KeyChain(tuple(c.ranges)) for c in r.variant_prefixes),
         recompute_budget=round(r.recompute_budget, 6), fidelity_sample=r.fidelity_sample,  # float32 on the wire
-        fidelity_below=round(r.fidelity_below, 6), no_reuse=r.no_reuse)
+        fidelity_below=round(r.fidelity_below, 6), no_reuse=r.no_reuse, near_tie=round(r.near_tie, 6))
 
 
 def variant_ref(r: RefLike) -> pb.VariantRef:

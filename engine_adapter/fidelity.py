@@ -43,6 +43,7 @@ from engine_adapter.blend import blend_prefill
 from engine_adapter.result import BlendResult
 from engine_adapter.llama import LlamaEngine
 from engine_adapter.model import LayerModel
+from engine_adapter.near_tie import lead
 from engine_adapter.policy import ReusePolicy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
@@ -253,18 +254,24 @@ class ShadowSampler:
             return self._blends_held < MAX_SHADOW_BLENDS
 
     def observe(self, spans: Sequence[Sequence[int]], result: BlendResult, policy: str, budget: float,
-                sample: bool, answer: Sequence[int] = (), below: ShadowBlend | None = None) -> bool:
+                sample: bool, answer: Sequence[int] = (), below: ShadowBlend | None = None,
+                blend: BlendResult | None = None) -> bool:
         """Count a served request; if it is blended and `sample` (its Plan asked), queue its
         shadow prefill. spans: the prompt's token spans in the order served (chunks, then the
         question); budget: the recompute budget it ran with (0: its policy has none); answer:
         the tokens it generated, if any (the first from `result.logits`), compared under
         teacher forcing; below: the shadow blend to compute as well, if the Plan named a
-        budget below (its stored KV is let go if the request is not sampled). Returns whether
+        budget below (its stored KV is let go if the request is not sampled); blend: the blend
+        a near tie was served by full prefill (`result`) instead of: the sample is the blend's,
+        against `result`'s logits, no shadow prefill (nor answer) to compute. Returns whether
         it was sampled."""
+        full = result.logits if blend is not None and blend is not result else None
         with self._lock:
             self._served += 1
             self._served_rows += sum(result.computed_rows) if result.computed_rows else 0
             self._served_s += sum(t.compute_s for t in result.timings)
+            if full is not None:
+                result, answer = blend, ()
             if not (result.reuse and result.reused_segments):
                 return False
             self._blended += 1
@@ -282,25 +289,28 @@ class ShadowSampler:
             share = result.computed_share
             answer = [int(t) for t in answer[:ANSWER_TOKENS + 1]]
             self._blends_held += below is not None
+            full = full.detach().clone() if full is not None else None
             self._queued.append(self._worker.submit(self._shadow, list(spans), served, policy, budget, share, answer,
-                                                    below))
+                                                    below, full))
             return True
 
     def _shadow(self, spans: list[Sequence[int]], served: Tensor, policy: str, budget: float, share: float,
-                answer: list[int], below: ShadowBlend | None) -> None:
+                answer: list[int], below: ShadowBlend | None, full: Tensor | None) -> None:
         self.serving.touch()
         try:
-            self._measure(spans, served, policy, budget, share, answer, below)
+            self._measure(spans, served, policy, budget, share, answer, below, full)
         finally:
             self.serving.touch()
 
     def _measure(self, spans: list[Sequence[int]], served: Tensor, policy: str, budget: float, share: float,
-                 answer: list[int], below: ShadowBlend | None) -> None:
+                 answer: list[int], below: ShadowBlend | None, full: Tensor | None) -> None:
+        """full: full prefill's logits, computed already (a near tie's): no shadow prefill."""
         t0 = time.perf_counter()
         fed = max(len(answer) - 1, 0)  # the last answer token is predicted, never fed
         tokens = torch.tensor([t for span in spans for t in span] + answer[:fed], dtype=torch.long)  # [N + fed]
         try:
-            logits, _ = self.model.prefill(tokens, all_logits=False, last=fed + 1, kv=False)  # [fed + 1, V]
+            logits = (full[None] if full is not None else
+                      self.model.prefill(tokens, all_logits=False, last=fed + 1, kv=False)[0])  # [fed + 1, V]
             agree, kl = compare(logits[0], served)
             compared, answer_agree = answer_agreement(logits, answer)
         except Exception as e:  # noqa: BLE001 - a failed shadow never touches the traffic
@@ -308,15 +318,16 @@ class ShadowSampler:
             self._let_go(below)
             return
         samples = [pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, computed_share=share, budget=budget,
-                                     answer_tokens=compared, answer_agree=answer_agree)]
-        rows = len(tokens) * self.engine.cfg.num_layers
+                                     answer_tokens=compared, answer_agree=answer_agree, lead=lead(served))]
+        rows = len(tokens) * self.engine.cfg.num_layers if full is None else 0
         if below is not None:
             try:
                 blended = blend_prefill(self.model, below.segments, below.policy, below.source, gate=TRUSTED,
                                         stats=False)
                 agree, kl = compare(logits[0], blended.logits)
                 samples.append(pb.FidelitySample(policy=policy, top1_agree=agree, kl=kl, budget=below.budget,
-                                                 computed_share=blended.computed_share, shadow_blend=True))
+                                                 computed_share=blended.computed_share, shadow_blend=True,
+                                                 lead=lead(blended.logits)))
                 rows += sum(blended.computed_rows)
             except Exception as e:  # noqa: BLE001
                 log.warning("kvcraft fidelity: a shadow blend failed (%s); its sample is skipped", e)

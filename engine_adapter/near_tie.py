@@ -7,8 +7,9 @@ it (median 0.21 logits, against 1.95 where none did), and no choice of recompute
 keeps 0.95 of first tokens. The blend's own lead is known with its first token, without full
 prefill: a request whose lead is under the margin is computed again by full prefill before its
 first token is returned. It pays the blend and full prefill; the others pay nothing. The margin
-is the adapter's (`RAGAdapter(near_tie=...)`), off by default: measured offline and on one
-300-request stream of this one model (docs/fidelity.md, "Near ties").
+is the one each Plan gives, which the service learns per model from the leads of the sampled
+blends that lost the first token (`kvservice.fidelity`), or the adapter's own
+(`RAGAdapter(near_tie=...)`; docs/fidelity.md, "Near ties").
 """
 
 from __future__ import annotations

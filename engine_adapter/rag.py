@@ -6,8 +6,8 @@
   layers ahead of the layer being computed, Cache-Craft Alg. 2) -> blend_prefill
   -> Release -> store the freshly computed chunks back in the background -> keep the
   measured per-layer timings for the next Plan (the loading controller learns from them).
-Whatever the service does — down, slow, a chunk dropped as corrupt — the request
-completes: a missing layer is computed by the driver, a failed Plan means full prefill.
+Whatever the service does (down, slow, a chunk dropped as corrupt) the request completes:
+a missing layer is computed by the driver, a failed Plan means full prefill.
 
 Learned recompute lists (`engine_adapter.learned`: which tokens of a reused chunk to
 recompute, measured at a request's answer instead of estimated from attention; `learn=True`,
@@ -111,7 +111,8 @@ class RAGAdapter:
         serving: the prefills the engine serves, shared by the adapters over one engine (its
         shadows give way to all of them; `fidelity.Serving`; None: this adapter's own).
         near_tie: a blended request whose first token leads by less than this many logits is
-        served by full prefill instead (`engine_adapter.near_tie`; None: off)."""
+        served by full prefill instead (`engine_adapter.near_tie`; None: the margin each Plan
+        gives, learned by the service from its samples; 0: never)."""
         self.steps, self.local, self.learn, self.near_tie = steps, local, learn, near_tie
         self.engine = engine
         self.client = client
@@ -205,7 +206,8 @@ class RAGAdapter:
             with self.fidelity.serving.prefill():  # the shadows give way meanwhile
                 blend = blend_prefill(self.engine, segments, policy, recording or feed, gate=self.gate,
                                       stats=self.store_back, steps=self.steps)
-                result = settle(self.engine, segments, blend, self.near_tie if budget < 1 else None)  # exact: as is
+                margin = self.near_tie if self.near_tie is not None else plan.near_tie if plan else None
+                result = settle(self.engine, segments, blend, margin if budget < 1 else None)  # exact: as is
         finally:
             if feed is not source:
                 source.cancel()  # a copy feeder waiting on the stream returns
@@ -227,7 +229,7 @@ class RAGAdapter:
         below = (ShadowBlend(segments, with_budget(policy, plan.fidelity_below), plan.fidelity_below, recording.replay())
                  if recording else None)
         sampled = self.fidelity.observe([s.tokens for s in segments], result, policy.name, budget, sample, tokens,
-                                        below)
+                                        below, blend)
         report = RequestReport(
             policy=policy.name,
             order=list(plan.order) if plan else [chunk_key(self.model_id, c) for c in chunks],
@@ -239,9 +241,7 @@ class RAGAdapter:
             recomputed_rows=sum(result.recomputed_rows),
             fetch_wait_s=sum(t.wait_s for t in result.timings),
             ttft_s=ttft,
-            fallbacks=list(result.fallbacks),
-            plan_error="" if plan else "plan failed",
-            sampled=sampled,
+            fallbacks=list(result.fallbacks), plan_error="" if plan else "plan failed", sampled=sampled,
             budget=plan.recompute_budget if skipped else budget,
             near_tie=result is not blend,
             blend_skipped=skipped,

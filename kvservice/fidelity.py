@@ -43,6 +43,17 @@ are measured too (then `fidelity_sample` of them), and if its samples are shown 
 stored KV is not what this engine computes (a broken writer, a wrong model id): Plans say
 `no_reuse` from then on (state AT_FULL), and the engine computes full prefill.
 
+Near ties (docs/fidelity.md, "Near ties"): the first tokens reuse loses are mostly those the
+blend's own top token leads the runner-up by a fraction of a logit, and the blend's lead is
+known with its first token. Each sample carries its blend's lead; a tally counts its samples by
+lead (`LEAD_EDGES`), and the lost ones apart. The margin Plans give (`PlanResponse.near_tie`:
+a blend leading by less is served by full prefill) is the edge above the largest lead a sampled
+blend of the (model, policy) lost its first token at, below 1, and at most the edge under
+which MAX_GATED of its samples' leads fall: learned from the model's own losses, in its own
+logits, and never sending more than about a fifth of the blends to full prefill. No loss
+sampled: no margin. The budgets are judged on the blends as they are (a near tie's sample is
+its blend's), so the margin only adds to the agreement the samples show.
+
 The tallies persist in the metadata database (`MetadataDB.put_fidelity`), unsynced and at
 most once a second (`PERSIST_EVERY_S`) while samples arrive, and at close: a crash loses
 at most the last second's samples, never a variant.
@@ -50,6 +61,7 @@ at most the last second's samples, never a variant.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import random
@@ -91,6 +103,13 @@ MIN_VERDICT_SAMPLES = 10
 # 0.95 target: a budget tried below the one given that sits between the two is not given
 # (a step up, never fidelity), while the budget given stays given at or above the target.
 MAX_MEASURING_SAMPLES = 400
+
+# The bins of the samples' leads (the blend's top logit over the runner-up's), and the most
+# of the samples' leads a near-tie margin may lie above. On MuSiQue at 10 passages the blends
+# that lost the first token led by 0.02-0.67 logits, and 13-26% of all led by under 0.7
+# (docs/fidelity.md, "Near ties").
+LEAD_EDGES = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0)
+MAX_GATED = 0.2
 
 MEASURING, HELD, SHORT, KEPT = "measuring", "held", "short", "kept"  # a budget's verdict
 EXACT = "exact"  # a Choice's state at budget 1: exact reuse only (the prefix cache's)
@@ -136,6 +155,18 @@ class Sample:
     answer_tokens: int = 0  # answer tokens after the first compared under teacher forcing
     answer_agree: int = 0  # of those, predicted by full prefill as the served request chose
     shadow_blend: bool = False  # the shadow's blend at `budget` (Plan.fidelity_below), not the served request
+    lead: float | None = None  # the compared blend's first token's lead, logits; None: not known
+
+
+def lead_bin(lead: float) -> int:
+    """The bin of a lead among LEAD_EDGES: i where LEAD_EDGES[i-1] <= lead < LEAD_EDGES[i]."""
+    return bisect.bisect_right(LEAD_EDGES, lead)
+
+
+def _count(bins: tuple[int, ...], i: int) -> tuple[int, ...]:
+    out = list(bins) or [0] * (len(LEAD_EDGES) + 1)
+    out[i] += 1
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -152,12 +183,18 @@ class Tally:
     answer_tokens: int = 0
     answer_agree: int = 0
     shadow_blends: int = 0  # of the samples, the shadows' blends at this budget (never served)
+    leads: tuple[int, ...] = ()  # the samples with a lead, per bin of LEAD_EDGES (); none yet)
+    lost: tuple[int, ...] = ()  # of those, the ones whose first token was not full prefill's
 
     def add(self, s: Sample) -> "Tally":
+        leads, lost = self.leads, self.lost
+        if s.lead is not None:
+            i = lead_bin(s.lead)
+            leads, lost = _count(leads, i), (lost if s.top1_agree else _count(lost, i))
         return Tally(self.model_id, self.policy, self.samples + 1, self.top1_agree + int(s.top1_agree),
                      self.kl_sum + s.kl, self.computed_share_sum + s.computed_share, self.budget,
                      self.answer_tokens + s.answer_tokens, self.answer_agree + s.answer_agree,
-                     self.shadow_blends + int(s.shadow_blend))
+                     self.shadow_blends + int(s.shadow_blend), leads, lost)
 
     def verdict(self, target: float) -> str:
         """HELD, SHORT, MEASURING, or at the cap KEPT, against a target agreement rate."""
@@ -194,6 +231,28 @@ class Tally:
         return self.answer_agree / self.answer_tokens if self.answer_tokens else None
 
 
+def near_tie_margin(tallies: Iterable[Tally]) -> float:
+    """The near-tie margin the samples of `tallies` ask for (module docstring): the edge above
+    the largest lead a sample lost its first token at, capped at the largest edge under which
+    at most MAX_GATED of the samples' leads lie; 0: no loss with a lead, or no edge that low."""
+    leads = [0] * (len(LEAD_EDGES) + 1)
+    lost = [0] * (len(LEAD_EDGES) + 1)
+    for t in tallies:
+        for i, (n, m) in enumerate(zip(t.leads, t.lost or (0,) * len(t.leads))):
+            leads[i] += n
+            lost[i] += m
+    top = max((i for i, n in enumerate(lost) if n), default=None)
+    if top is None:
+        return 0.0
+    cap, under = 0.0, 0
+    for i, edge in enumerate(LEAD_EDGES[:top + 1]):
+        under += leads[i]
+        if under > MAX_GATED * sum(leads):
+            break
+        cap = edge
+    return cap
+
+
 class TallyStore(Protocol):
     """Where tallies persist (`kvservice.metadata.MetadataDB`)."""
 
@@ -210,6 +269,7 @@ class Choice(NamedTuple):
     budget: float  # one of LADDER
     state: str  # MEASURING, HELD, KEPT; at budget 1 EXACT or AT_FULL
     below: float = 0.0  # the least budget below tried, measured by shadow blends; 0: none
+    near_tie: float = 0.0  # the near-tie margin Plans give (`near_tie_margin`); 0: none
 
 
 class Decision(NamedTuple):
@@ -219,6 +279,7 @@ class Decision(NamedTuple):
     sample: bool  # fidelity_sample: measure this request
     below: float = 0.0  # fidelity_below: with sample, the budget its shadow also blends at; 0: none
     no_reuse: bool = False  # no_reuse: with budget 1, serve no stored KV (exact reuse shown short)
+    near_tie: float = 0.0  # near_tie: with budget below 1, the margin under which a blend is served in full
 
 
 class FidelityBook:
@@ -288,8 +349,8 @@ class FidelityBook:
                 first = exact is None or exact.samples < MIN_VERDICT_SAMPLES
                 return Decision(FULL, first or self._rng.random() < self.sample)
             if choice.state == MEASURING or choice.below:
-                return Decision(choice.budget, True, choice.below)
-            return Decision(choice.budget, self._rng.random() < self.sample)
+                return Decision(choice.budget, True, choice.below, near_tie=choice.near_tie)
+            return Decision(choice.budget, self._rng.random() < self.sample, near_tie=choice.near_tie)
 
     def choices(self) -> list[Choice]:
         """The controller's current budget of every adaptive (model, policy) that planned."""
@@ -329,7 +390,8 @@ class FidelityBook:
         else:
             state = verdict(budget)
         below = LADDER[least] if least < i and budget != FULL else 0.0
-        choice = Choice(model_id, policy, budget, state, below)
+        margin = near_tie_margin(t for b, t in by_budget.items() if b < FULL) if budget != FULL else 0.0
+        choice = Choice(model_id, policy, budget, state, below, margin)
         last = self._choices.get((model_id, policy))
         if last != choice:
             self._choices[(model_id, policy)] = choice
@@ -360,6 +422,9 @@ class FidelityBook:
             why = min(last.budget, now.budget)  # down: the one below held; up: the one given fell short
             log.info("kvcraft fidelity: %s recompute budget %.2f -> %.2f (at %.2f: %s; target %.3f)", who,
                      last.budget, now.budget, why, seen(why), self.target)
+        if now.near_tie != (last.near_tie if last else 0.0):
+            log.info("kvcraft fidelity: %s serves blends whose first token leads by under %.2f logits by full prefill "
+                     "(near ties; learned from the leads of the sampled blends that lost it)", who, now.near_tie)
 
     def _persist_due(self) -> None:
         with self._lock:

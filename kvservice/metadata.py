@@ -37,7 +37,7 @@ from rocksdict import Options, ReadOptions, Rdict, WriteBatch, WriteOptions
 
 from kvservice import variant_codec
 from kvservice.datadir import DataDirInUse, holder
-from kvservice.fidelity import Tally
+from kvservice.fidelity import LEAD_EDGES, Tally
 from kvservice.index import Variant, VariantIndex
 
 # "access" and "fidelity" came later: a database without them has no such records yet
@@ -47,10 +47,12 @@ _WRITTEN = ("variants", "access", "fidelity")  # the families batches write to
 ACCESS = struct.Struct("<dq")  # fr, last access (unix ms)
 # samples, top-1 agreements, sum of KL, sum of computed share, answer tokens compared, of
 # them agreeing (a record of the first four alone: no answer compared)
-FIDELITY = struct.Struct("<QQddQQQ")
+LEAD_BINS = len(LEAD_EDGES) + 1
+FIDELITY = struct.Struct(f"<QQddQQQ{2 * LEAD_BINS}I")  # ... shadow blends, the leads' bins, the lost ones'
+FIDELITY_BLENDS = struct.Struct("<QQddQQQ")  # a record from before the samples' leads were counted
 FIDELITY_ANSWERS = struct.Struct("<QQddQQ")  # a record from before shadow blends were counted
 FIDELITY_FIRST = struct.Struct("<QQdd")  # from before answers were compared
-_FIDELITY_BY_SIZE = {f.size: f for f in (FIDELITY, FIDELITY_ANSWERS, FIDELITY_FIRST)}
+_FIDELITY_BY_SIZE = {f.size: f for f in (FIDELITY, FIDELITY_BLENDS, FIDELITY_ANSWERS, FIDELITY_FIRST)}
 MODEL_ID_CHARS = 32
 log = logging.getLogger("kvcraft.metadata")
 
@@ -322,9 +324,12 @@ class MetadataDB:
                 key, raw = it.key(), it.value()
                 if len(raw) in _FIDELITY_BY_SIZE and len(key) > MODEL_ID_CHARS:
                     samples, agree, kl, share, *rest = _FIDELITY_BY_SIZE[len(raw)].unpack(raw)
+                    rest, bins = rest[:3], rest[3:]
+                    leads = tuple(bins[:LEAD_BINS]) if any(bins) else ()
                     policy, _, budget = key[MODEL_ID_CHARS:].partition(b"\0")
                     out.append(Tally(key[:MODEL_ID_CHARS].decode("ascii", "replace"), policy.decode("utf-8", "replace"),
-                                     samples, agree, kl, share, _budget(budget), *rest))
+                                     samples, agree, kl, share, _budget(budget), *rest,
+                                     leads=leads, lost=tuple(bins[LEAD_BINS:]) if leads else ()))
                 it.next()
             it.status()
         except Exception as e:  # the iterator's status: Corruption, IOError
@@ -341,7 +346,8 @@ class MetadataDB:
         """Fidelity tallies, unsynced (a crash loses the last second's samples)."""
         self._put("fidelity", [(f"{t.model_id}{t.policy}\0{t.budget:.4f}".encode(),
                                 FIDELITY.pack(t.samples, t.top1_agree, t.kl_sum, t.computed_share_sum,
-                                              t.answer_tokens, t.answer_agree, t.shadow_blends))
+                                              t.answer_tokens, t.answer_agree, t.shadow_blends,
+                                              *(t.leads or (0,) * LEAD_BINS), *(t.lost or (0,) * LEAD_BINS)))
                                for t in tallies], False)
 
     def _reset_access(self) -> None:

@@ -52,10 +52,14 @@ def _budgets(choices: list[Choice]) -> Iterator[Metric]:
                              "fidelity_target (or it is 1: exact reuse, or full prefill), 0 while it is being "
                              "measured or kept (at the sample cap, its observed agreement at or above the target)",
                              labels=["model", "policy"])
+    near_tie = GaugeMetricFamily("kvcraft_fidelity_near_tie", "Logits under which a blend's first token's lead "
+                                 "sends it to full prefill, learned from the samples (0: none)",
+                                 labels=["model", "policy"])
     for c in choices:
         budget.add_metric([c.model_id, c.policy], c.budget)
         held.add_metric([c.model_id, c.policy], 1.0 if c.state in (HELD, EXACT, AT_FULL) else 0.0)
-    yield from (budget, held)
+        near_tie.add_metric([c.model_id, c.policy], c.near_tie)
+    yield from (budget, held, near_tie)
 
 
 def _fidelity(tallies: list[Tally]) -> Iterator[Metric]:

@@ -122,12 +122,13 @@ class PlanningService:
             resp.variant_prefixes.add(ranges=ranges)
         if req.timings.fidelity:  # here, once: a retried plan above returns the retry's answer
             self.store.fidelity.observe(req.model_id, [Sample(s.policy, s.top1_agree, s.kl, s.computed_share, s.budget,
-                                                              s.answer_tokens, s.answer_agree, s.shadow_blend)
+                                                              s.answer_tokens, s.answer_agree, s.shadow_blend,
+                                                              s.lead if s.HasField("lead") else None)
                                                        for s in req.timings.fidelity])
         if req.policy:  # after the samples: the budget follows what they say
             d = self.store.fidelity.decide(req.model_id, req.policy, req.adaptive)
             resp.recompute_budget, resp.fidelity_sample, resp.fidelity_below = d.budget, d.sample, d.below
-            resp.no_reuse = d.no_reuse
+            resp.no_reuse, resp.near_tie = d.no_reuse, d.near_tie
         return resp
 
     def _to_preload(self, chunks: tuple[ChunkPlan, ...]) -> list[str]:

@@ -70,7 +70,8 @@ def stats_response(s: StoreStats, fidelity: Sequence[Tally] = (), budgets: Seque
                          mean_computed_share=t.mean_computed_share, budget=t.budget,
                          answer_tokens=t.answer_tokens, answer_agree=t.answer_agree, shadow_blends=t.shadow_blends)
     for c in budgets:
-        out.budgets.add(model_id=c.model_id, policy=c.policy, budget=c.budget, state=c.state, below=c.below)
+        out.budgets.add(model_id=c.model_id, policy=c.policy, budget=c.budget, state=c.state, below=c.below,
+                        near_tie=c.near_tie)
     out.fidelity_target = target
     return out
 

@@ -465,8 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="every run decodes each answer (greedy, up to N tokens) and compares its first "
                         f"{ANSWER_TOKENS} after the first under teacher forcing; 0: first tokens alone")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--near-tie", type=float, metavar="LOGITS", help="the adaptive run serves by full prefill a "
-                   "blended request whose first token leads the runner-up by less (`engine_adapter.near_tie`)")
+    p.add_argument("--near-tie", type=float, metavar="LOGITS", help="the adaptive run's near-tie margin: it serves "
+                   "by full prefill a blended request whose first token leads the runner-up by less "
+                   "(`engine_adapter.near_tie`; default: the margin the service learns; 0: none)")
     results.add_argument(p, "fidelity-stream")
     p.add_argument("--resume", type=Path, help="a result JSON of the same stream: its adaptive run and reference are "
                                                "kept, and its sweep runs; only the --sweep policies it lacks run")
@@ -479,8 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.stop_after is not None and a.state is None:
         p.error("--stop-after needs --state (where the run goes on from)")
-    if a.near_tie is not None and not a.near_tie > 0:
-        p.error(f"--near-tie must be a margin > 0 logits, got {a.near_tie}")
+    if a.near_tie is not None and not a.near_tie >= 0:
+        p.error(f"--near-tie must be a margin >= 0 logits, got {a.near_tie}")
     a.argv = argv
     import torch
 
@@ -560,7 +561,8 @@ def write(a: argparse.Namespace, adaptive: dict, runs: list[dict], ref_s: list, 
     rep = report(adaptive, runs, parse_policy(DEFAULT_POLICY).name, ref_s)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     meta = {"task": a.task, "model": Path(model_dir).name, "requests": a.requests, "seed": a.seed,
-            **({"passages": a.passages} if a.task == "musique" else {}), "threads": a.threads, "near_tie": a.near_tie,
+            **({"passages": a.passages} if a.task == "musique" else {}), "threads": a.threads,
+            "near_tie": "learned" if a.near_tie is None else a.near_tie,
             "torch_threads": torch.get_num_threads(), "first_date": first_date or now,
             "commands": [*commands, f"{now}: {results.command('fidelity-stream', a.argv)}"],
             "prompt_tokens_mean": mean([len(q) + sum(map(len, c)) for c, q in reqs]),

@@ -23,11 +23,13 @@ def answers_line(a: dict, tokens: int = ANSWER_TOKENS) -> str:
 
 def label(meta: dict) -> str:
     """The stream's task, with its passages a prompt for MuSiQue (a file written before `meta` kept
-    them: from its last command's `--passages`, 3 by default)."""
+    them: from its last command's `--passages`, 3 by default), and its near-tie gate where it is not
+    the default's (the margin the service learns)."""
+    gate = ("" if meta.get("near_tie") == "learned" else ", no near-tie gate" if not meta.get("near_tie") else
+            f", near ties under {meta['near_tie']:g} served by full prefill")
     if meta["task"] != "musique":
-        return meta["task"]
+        return meta["task"] + gate
     given = re.search(r"--passages (\d+)", meta["commands"][-1])
-    gate = f", near ties under {meta['near_tie']:g} served by full prefill" if meta.get("near_tie") else ""
     return f"musique, {meta.get('passages', int(given.group(1)) if given else 3)} passages{gate}"
 
 
@@ -80,9 +82,13 @@ def stream_tables(result: dict) -> str:
               for name, r in (("Settled requests", a.get("settled_speed")),
                               ("Settled requests as retrieved (every chunk stored before)",
                                a.get("settled_as_retrieved"))) if r is not None]
-    if margin := meta_.get("near_tie"):
-        n = a["near_ties"]
-        speeds.append(f"Near ties (a blend whose first token leads by less than {margin} logits) served by full "
+    learned = [b["near_tie"] for b in a.get("service_budgets", []) if b.get("near_tie")]
+    n = a.get("near_ties", {"overall": 0, "settled": 0})
+    margin = meta_.get("near_tie") if meta_.get("near_tie") != "learned" else None
+    if margin or n["overall"] or learned:
+        under = (f"less than {margin} logits" if margin else "less than the margin the service learned (at the "
+                 f"end {learned[0]:g} logits)" if learned else "less than the margin the service learned")
+        speeds.append(f"Near ties (a blend whose first token leads by {under}) served by full "
                       f"prefill: {n['overall']} of {a['requests']} requests, {n['settled']} of the settled; their "
                       "computed share and TTFT count the blend and full prefill.")
     if (n := a.get("blends_skipped")) and n["overall"]:

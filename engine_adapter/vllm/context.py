@@ -82,11 +82,12 @@ class ContextBuilder:
 
             # Each request runs the policy its BlendLoad names (`build`); shadow prefills of the
             # requests Plans mark run on this adapter's background thread, over vLLM's weights
-            # (not at tensor parallel > 1: the ranks would have to run them in step).
+            # (not at tensor parallel > 1: the ranks would have to run them in step). No near-tie
+            # gate: its full prefill would run through kvcraft's loop, not vLLM's (docs/vllm.md).
             engine = self._model_engine()
             adapter = RAGAdapter(engine, self._client, Policy("full"), store_back=self.settings.blend_store_back,
                                  local=self.settings.local, steps=self._steps, serving=self.serving,
-                                 shadows=engine.ranks is None)
+                                 shadows=engine.ranks is None, near_tie=0.0)
             adapter.model_id = self.chunk_model_id
             self._thread.adapter = adapter
             with self._lock:

@@ -65,6 +65,8 @@ def check_fidelity(samples: Sequence[Any]) -> None:
                                   f"[0, {MAX_COMPUTED_SHARE:g}]")
         if not 0 <= s.budget <= 1:
             raise InvalidArgument(f"{where}.budget is {s.budget}; expected a number in [0, 1]")
+        if s.HasField("lead") and not (math.isfinite(s.lead) and s.lead >= 0):
+            raise InvalidArgument(f"{where}.lead is {s.lead}; expected a finite number >= 0 (logits)")
         if s.answer_tokens > MAX_ANSWER_TOKENS:
             raise InvalidArgument(f"{where}.answer_tokens is {s.answer_tokens}; at most {MAX_ANSWER_TOKENS}")
         if s.answer_agree > s.answer_tokens:

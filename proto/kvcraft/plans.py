@@ -98,6 +98,7 @@ class Plan:
     fidelity_sample: bool = False       # measure this request against full prefill (docs/quality.md)
     fidelity_below: float = 0.0         # with fidelity_sample: the budget the shadow also blends at; 0: none
     no_reuse: bool = False              # with budget 1: serve no stored KV, full prefill
+    near_tie: float = 0.0               # a blend whose first token leads by less is served in full; 0: none
 
 
 class _Chain(Protocol):

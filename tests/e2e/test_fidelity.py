@@ -16,19 +16,24 @@ import torch
 from engine_adapter import LlamaEngine, Policy, ReuseGate
 from engine_adapter.cost import BLEND_LIMIT, planned_share
 from engine_adapter.fidelity import compare
+from engine_adapter.near_tie import lead
+from engine_adapter.policy import DEFAULT_POLICY, parse_policy, with_budget
 from engine_adapter.probe import TRUSTED
 from engine_adapter.rag import RAGAdapter
 from kvclient.client import KVClient
-from kvservice.fidelity import COLD_START, LADDER, MIN_VERDICT_SAMPLES
+from kvcraft.v1 import kvcraft_pb2 as pb
+from kvservice.fidelity import COLD_START, LADDER, LEAD_EDGES, MIN_VERDICT_SAMPLES
 from tests.e2e.test_adapter_service import ENGINE, QUESTION, chunks, full_logits, in_plan_order, warm
 
 
 class HeldShadows(LlamaEngine):
-    """ENGINE's weights under a name of its own; its full prefills on the sampler's thread
-    wait for `release` at their first call (the embedding)."""
+    """ENGINE's weights under a name of its own (`logit_scale`: its logits that many times
+    larger, as a sharper model's); its full prefills on the sampler's thread wait for `release`
+    at their first call (the embedding)."""
 
-    def __init__(self) -> None:
-        super().__init__(dataclasses.replace(ENGINE.cfg, name=f"tiny-fidelity-{uuid.uuid4().hex}"), ENGINE.w)
+    def __init__(self, logit_scale: float = 1.0) -> None:
+        w = {**ENGINE.w, "model.norm.weight": ENGINE.w["model.norm.weight"] * logit_scale}
+        super().__init__(dataclasses.replace(ENGINE.cfg, name=f"tiny-fidelity-{uuid.uuid4().hex}"), w)
         self.release = threading.Event()
         self.release.set()
         self.waiting = threading.Event()
@@ -284,3 +289,53 @@ def test_a_blend_whose_first_token_is_a_near_tie_is_served_by_full_prefill(share
         ungated.close()
         gated.close()
     assert leads[0] < margin < leads[-1]
+
+
+def test_an_adaptive_adapter_serves_near_ties_under_the_margin_its_plans_give_and_samples_their_blends(
+        shared_server):
+    """The service learns the near-tie margin from the samples' leads (`kvservice.fidelity`:
+    the edge above the largest lead lost): one loss just under an edge among many kept. An
+    adaptive adapter then serves a blend that leads by less by full prefill, the others as
+    blended, and a near tie's sample is its blend's, against the full prefill it was served by
+    (the budget is judged on the blends as they are)."""
+    engine, cs = HeldShadows(logit_scale=30.0), chunks(13)  # leads of tenths of a logit to a few
+    model = engine.model_spec().fingerprint()
+    orders = list(itertools.permutations(range(4)))[1:24:3]
+    with KVClient(shared_server.address) as client:
+        warm(RAGAdapter(engine, client, Policy("full"), gate=ReuseGate()), cs)
+        cold = with_budget(parse_policy(DEFAULT_POLICY), COLD_START)  # the adaptive adapter's first Plans' policy
+        ungated = RAGAdapter(engine, client, cold, gate=TRUSTED, store_back=False, shadows=False, near_tie=0.0)
+        blends = [ungated.prefill([cs[i] for i in o], QUESTION, reorder=False)[0] for o in orders]
+        ungated.close()
+        leads = sorted(lead(b.logits) for b in blends)
+        split = [e for e in LEAD_EDGES if leads[0] < e < leads[-1]]
+        assert split, leads  # an edge with some requests' leads under it and some over
+        margin = split[0]
+        under = max((e for e in LEAD_EDGES if e < margin), default=0.0)
+        lost = pb.FidelitySample(policy="query", top1_agree=False, kl=1.0, computed_share=0.3, budget=COLD_START,
+                                 lead=under)
+        kept = pb.FidelitySample(policy="query", top1_agree=True, kl=0.1, computed_share=0.3, budget=COLD_START,
+                                 lead=2 * LEAD_EDGES[-1])
+        for samples in ([lost] + [kept] * 49, [kept] * 50):  # at most 64 a Plan
+            plan = client.plan(model, cs, len(QUESTION), timings=pb.TimingReport(fidelity=samples), policy="query",
+                               adaptive=True)
+        assert plan.near_tie == pytest.approx(margin) and plan.recompute_budget == COLD_START
+        adapter = RAGAdapter(engine, client, gate=TRUSTED, store_back=False)
+        agree, gated = 0, []
+        for order, blend in zip(orders, blends):
+            prompt = [cs[i] for i in order]
+            result, report = adapter.prefill(prompt, QUESTION, reorder=False)
+            adapter.flush()
+            full = full_logits(engine, in_plan_order(cs, report.order, engine), QUESTION)
+            assert report.sampled and report.budget == COLD_START
+            assert report.near_tie == (lead(blend.logits) < margin)
+            torch.testing.assert_close(result.logits, full if report.near_tie else blend.logits)
+            agree += int(blend.logits.argmax()) == int(full.argmax())
+            gated.append(report.near_tie)
+            # its samples (and its shadow blend's) now, so that the margin the next Plan gives is known here
+            margin = client.plan(model, cs, len(QUESTION), timings=adapter.take_timings(), policy="query",
+                                 adaptive=True).near_tie
+        adapter.close()
+        (tally,) = [t for t in client.stats().fidelity if t.model_id == model and t.budget == pytest.approx(COLD_START)]
+    assert (tally.samples, tally.top1_agree) == (100 + len(orders), 99 + agree)
+    assert any(gated) and not all(gated), gated

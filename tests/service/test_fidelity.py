@@ -19,9 +19,9 @@ from kvcli import main as cli
 from kvclient.client import KVClient
 from kvclient.errors import InvalidArgumentError
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.fidelity import (COLD_START, FIRST_SAMPLES, FULL, LADDER, MAX_MEASURING_SAMPLES, MIN_VERDICT_SAMPLES,
-                                FidelityBook, Sample, Tally, wilson)
-from kvservice.metadata import FIDELITY, FIDELITY_ANSWERS, FIDELITY_FIRST, MetadataDB
+from kvservice.fidelity import (COLD_START, FIRST_SAMPLES, FULL, LADDER, LEAD_EDGES, MAX_GATED, MAX_MEASURING_SAMPLES,
+                                MIN_VERDICT_SAMPLES, FidelityBook, Sample, Tally, wilson)
+from kvservice.metadata import FIDELITY, FIDELITY_ANSWERS, FIDELITY_BLENDS, FIDELITY_FIRST, MetadataDB
 from tests.conftest import wait_for
 
 
@@ -77,12 +77,15 @@ def test_metadata_keeps_tallies(tmp_path):
     kept = [Tally("a" * 32, "cacheblend", 2, 2, 0.0, 0.3), Tally("a" * 32, "naive", 5, 3, 1.25, 0.5),
             Tally("a" * 32, "query", 3, 2, 0.5, 0.2, budget=0.05, shadow_blends=3),
             Tally("a" * 32, "query", 4, 4, 0.5, 0.2, budget=0.25, answer_tokens=60, answer_agree=51),
-            Tally("a" * 32, "query", 1, 0, 0.5, 0.2, budget=0.4)]
+            Tally("a" * 32, "query", 1, 0, 0.5, 0.2, budget=0.4),
+            Tally("a" * 32, "query", 3, 2, 0.5, 0.2, budget=0.6, leads=(0, 2, 0, 0, 0, 0, 0, 0, 0, 1),
+                  lost=(0, 1, 0, 0, 0, 0, 0, 0, 0, 0))]
     db.put_fidelity(kept)
-    # records of data dirs from before answers were compared (four fields) and before shadow
-    # blends were counted (six)
+    # records of data dirs from before answers were compared (four fields), before shadow
+    # blends were counted (six) and before the leads were (seven)
     db._put("fidelity", [(b"b" * 32 + b"naive\x000.0000", FIDELITY_FIRST.pack(3, 2, 0.75, 0.25)),
-                         (b"c" * 32 + b"naive\x000.0000", FIDELITY_ANSWERS.pack(3, 2, 0.75, 0.25, 16, 9))], True)
+                         (b"c" * 32 + b"naive\x000.0000", FIDELITY_ANSWERS.pack(3, 2, 0.75, 0.25, 16, 9)),
+                         (b"d" * 32 + b"naive\x000.0000", FIDELITY_BLENDS.pack(3, 2, 0.75, 0.25, 16, 9, 1))], True)
     db.close()
     db = MetadataDB(tmp_path / "metadata")
     try:
@@ -90,8 +93,38 @@ def test_metadata_keeps_tallies(tmp_path):
     finally:
         db.close()
     assert got == [*kept, Tally("b" * 32, "naive", 3, 2, 0.75, 0.25),
-                   Tally("c" * 32, "naive", 3, 2, 0.75, 0.25, answer_tokens=16, answer_agree=9)]
+                   Tally("c" * 32, "naive", 3, 2, 0.75, 0.25, answer_tokens=16, answer_agree=9),
+                   Tally("d" * 32, "naive", 3, 2, 0.75, 0.25, answer_tokens=16, answer_agree=9, shadow_blends=1)]
     assert got[3].answer_agreement == pytest.approx(51 / 60) and got[0].answer_agreement is None
+
+
+def _margin_by_brute_force(samples: list[Sample]) -> float:
+    """The near-tie margin from its definition: the least edge above every lead a sample lost at,
+    or the largest edge under which at most MAX_GATED of the leads lie if that is lower."""
+    leads = [s.lead for s in samples if s.lead is not None]
+    lost = [s.lead for s in samples if s.lead is not None and not s.top1_agree]
+    if not lost:
+        return 0.0
+    want = min((e for e in LEAD_EDGES if e > max(lost)), default=LEAD_EDGES[-1])
+    return max((e for e in LEAD_EDGES if e <= want and sum(x < e for x in leads) <= MAX_GATED * len(leads)),
+               default=0.0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_near_tie_margin_covers_the_leads_lost_and_sends_at_most_a_fifth_to_full_prefill(seed):
+    """Samples at budgets below 1 with leads (some exactly on an edge), losses likelier at small
+    leads; some without a lead, and some at budget 1 (exact reuse), which never count."""
+    rng = random.Random(seed)
+    book, model = FidelityBook(target=0.95, sample=0.0), "m" * 32
+    samples = []
+    for _ in range(rng.randrange(1, 60)):
+        lead = rng.choice([rng.expovariate(0.7), rng.choice(LEAD_EDGES), None])
+        lost = rng.random() < (0.5 if lead is not None and lead < 0.6 else 0.03)
+        samples.append(Sample("query", not lost, 0.1, 0.1, rng.choice(LADDER[:-1]), lead=lead))
+    exact = [Sample("query", False, 0.1, 1.0, FULL, lead=5.0)] * rng.randrange(3)  # exact reuse: no margin
+    book.observe(model, samples + exact)
+    d = book.decide(model, "query", True)
+    assert d.near_tie == pytest.approx(_margin_by_brute_force(samples) if d.budget < FULL else 0.0)
 
 
 def _stream(book: FidelityBook, model: str, agreement: dict[float, float], n: int, seed: int = 0,
@@ -105,7 +138,7 @@ def _stream(book: FidelityBook, model: str, agreement: dict[float, float], n: in
     for _ in range(n):
         book.observe(model, pending)
         pending = []
-        budget, sample, below, no_reuse = book.decide(model, "query", True)
+        budget, sample, below, no_reuse, near_tie = book.decide(model, "query", True)
         given.append(budget)
         assert not no_reuse or (budget == FULL and not sample)
         if proven is not None:
@@ -188,7 +221,7 @@ def test_stored_kv_that_even_exact_reuse_disagrees_with_ends_without_reuse(seed,
         given = _stream(book, "m" * 32, dict.fromkeys(LADDER, 0.0), 200, seed)
     (exact,) = [t for t in book.tallies() if t.budget == FULL]
     assert exact.samples == MIN_VERDICT_SAMPLES and exact.top1_agree == 0  # short at the first verdict
-    assert book.decide("m" * 32, "query", True) == (FULL, False, 0.0, True)
+    assert book.decide("m" * 32, "query", True) == (FULL, False, 0.0, True, 0.0)
     (choice,) = book.choices()
     assert (choice.budget, choice.state) == (FULL, "full")
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -206,22 +239,24 @@ def test_the_budget_a_restart_finds_is_the_one_the_samples_say(tmp_path):
     db = MetadataDB(tmp_path / "metadata")
     try:
         again = FidelityBook(db, target=0.95, sample=0.0)
-        assert again.decide("m" * 32, "query", True) == (LADDER[0], False, 0.0, False)  # held: measured at the rate, 0
+        # held: measured at the rate, 0
+        assert again.decide("m" * 32, "query", True) == (LADDER[0], False, 0.0, False, 0.0)
         # another model starts cold, the least budget measured beside it
-        assert again.decide("n" * 32, "query", True) == (COLD_START, True, LADDER[0], False)
+        assert again.decide("n" * 32, "query", True) == (COLD_START, True, LADDER[0], False, 0.0)
     finally:
         db.close()
 
 
 def test_engines_that_keep_their_own_budget_get_none_and_their_first_requests_measured():
     book = FidelityBook(target=0.95, sample=0.0)
-    assert book.decide("m" * 32, "naive", False) == (0.0, True, 0.0, False)
+    assert book.decide("m" * 32, "naive", False) == (0.0, True, 0.0, False, 0.0)
     book.observe("m" * 32, [Sample("naive", True, 0.0, 0.1)] * (FIRST_SAMPLES - 1))
-    assert book.decide("m" * 32, "naive", False) == (0.0, True, 0.0, False)
+    assert book.decide("m" * 32, "naive", False) == (0.0, True, 0.0, False, 0.0)
     book.observe("m" * 32, [Sample("naive", True, 0.0, 0.1)])
-    assert book.decide("m" * 32, "naive", False) == (0.0, False, 0.0, False)  # rate 0 after the first ones
+    assert book.decide("m" * 32, "naive", False) == (0.0, False, 0.0, False, 0.0)  # rate 0 after the first ones
     assert book.choices() == []
-    assert FidelityBook(target=0.0).decide("m" * 32, "query", True) == (0.0, True, 0.0, False)  # no target: no budget
+    # no target: no budget
+    assert FidelityBook(target=0.0).decide("m" * 32, "query", True) == (0.0, True, 0.0, False, 0.0)
 
 
 def _model() -> str:
@@ -263,8 +298,8 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
         _plan(c, model, [pb.FidelitySample(policy="naive", top1_agree=False, kl=0.75, computed_share=0.25,
                                            answer_tokens=16, answer_agree=9),
                          pb.FidelitySample(policy="query", top1_agree=True, kl=0.0, computed_share=0.125),
-                         pb.FidelitySample(policy="query", top1_agree=True, kl=0.0, computed_share=0.1, budget=0.05,
-                                           shadow_blend=True)])
+                         pb.FidelitySample(policy="query", top1_agree=False, kl=0.0, computed_share=0.1, budget=0.05,
+                                           shadow_blend=True, lead=0.25)])  # lost: a margin of 0.2 (a fifth)
     server.restart()  # SIGTERM: the close writes what the once-a-second writes had not
     with KVClient(server.address) as c:
         got = _of(c.stats(), model)
@@ -294,6 +329,7 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     assert f'kvcraft_fidelity_shadow_blends_total{{budget="0.05",model="{model}",policy="query"}} 1.0' in text
     assert f'kvcraft_fidelity_budget{{model="{model}",policy="query"}} {COLD_START!r}' in text
     assert f'kvcraft_fidelity_held{{model="{model}",policy="query"}} 0.0' in text
+    assert f'kvcraft_fidelity_near_tie{{model="{model}",policy="query"}} 0.2' in text  # its lead survived both
 
 
 @pytest.mark.parametrize("sample,field", [
@@ -308,6 +344,9 @@ def test_tallies_survive_restarts_and_reach_the_metrics(start_server):
     (dict(policy="naive", kl=0.1, computed_share=0.1, budget=1.5), "timings.fidelity[0].budget"),
     (dict(policy="naive", kl=0.1, computed_share=0.1, budget=math.nan), "timings.fidelity[0].budget"),
     (dict(policy="naive", kl=0.1, computed_share=0.1, answer_tokens=4097), "timings.fidelity[0].answer_tokens"),
+    (dict(policy="naive", kl=0.1, computed_share=0.1, lead=-0.5), "timings.fidelity[0].lead"),
+    (dict(policy="naive", kl=0.1, computed_share=0.1, lead=math.nan), "timings.fidelity[0].lead"),
+    (dict(policy="naive", kl=0.1, computed_share=0.1, lead=math.inf), "timings.fidelity[0].lead"),
     (dict(policy="naive", kl=0.1, computed_share=0.1, answer_tokens=3, answer_agree=4),
      "timings.fidelity[0].answer_agree"),
 ])
@@ -344,9 +383,12 @@ def test_adaptive_plans_carry_the_controllers_budget_and_admin_fidelity_shows_it
         plan = _plan(c, model, [], policy="query", adaptive=True)
         assert (plan.recompute_budget, plan.fidelity_sample, plan.fidelity_below) == (COLD_START, True, LADDER[0])
         up = LADDER[LADDER.index(COLD_START) + 1]
-        short = [pb.FidelitySample(policy="query", top1_agree=False, kl=2.0, computed_share=0.3, budget=COLD_START)]
-        assert _plan(c, model, short * (MIN_VERDICT_SAMPLES - 1), policy="query", adaptive=True).recompute_budget \
-            == COLD_START  # too few samples for a verdict
+        short = [pb.FidelitySample(policy="query", top1_agree=False, kl=2.0, computed_share=0.3, budget=COLD_START,
+                                   lead=0.4)]
+        plan = _plan(c, model, short * (MIN_VERDICT_SAMPLES - 1), policy="query", adaptive=True)
+        assert plan.recompute_budget == COLD_START  # too few samples for a verdict
+        # every lead lost, in [0.3, 0.5): a margin of 0.5 would take them all, 0.3 none (a fifth at most)
+        assert plan.near_tie == pytest.approx(0.3)
         assert _plan(c, model, short, policy="query", adaptive=True).recompute_budget == up
         _plan(c, model, [pb.FidelitySample(policy="cacheblend", top1_agree=a, kl=0.5, computed_share=0.2,
                                            answer_tokens=8, answer_agree=n) for a, n in ((True, 8), (True, 5), (False, 1))])
@@ -355,10 +397,10 @@ def test_adaptive_plans_carry_the_controllers_budget_and_admin_fidelity_shows_it
     assert cli.main(["admin", "--address", shared_server.address, "fidelity"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "fidelity target: first-token agreement >= 0.950"
-    assert lines[1].split() == ["model", "policy", "budget", "state", "measuring", "below"]
+    assert lines[1].split() == ["model", "policy", "budget", "state", "measuring", "below", "near", "ties", "under"]
     # up a step from a short cold start: nothing below it is tried
     assert [line.split() for line in lines if line.startswith(model)][0] == [model, "query", f"{up:.2f}", "measuring",
-                                                                             "-"]
+                                                                             "-", "0.30"]
     (head,) = [line.split()[:6] for line in lines if line.startswith("model") and "samples" in line]
     assert head == ["model", "policy", "budget", "samples", "shadow_blends", "top1_agree"]
     rows = {tuple(line.split()[1:3]): line.split() for line in lines if line.startswith(model)}
@@ -391,14 +433,14 @@ def test_a_budget_given_once_held_stays_while_measuring_and_moves_up_only_when_s
     book = FidelityBook(target=0.95, sample=0.0)
     book.observe(model, [Sample("query", True, 0.0, 0.25, COLD_START)] * 80
                  + [Sample("query", True, 0.0, least, least, shadow_blend=True)] * 80)
-    assert book.decide(model, "query", True) == (least, False, 0.0, False)  # held: at the rate, 0
+    assert book.decide(model, "query", True) == (least, False, 0.0, False, 0.0)  # held: at the rate, 0
     book.observe(model, [Sample("query", False, 0.0, least, least)] * 3)  # 80 of 83: [0.899, 0.988]
     lower, upper = wilson(80, 83)
     assert lower < 0.95 <= upper
-    assert book.decide(model, "query", True) == (least, True, 0.0, False)  # still given, measured
+    assert book.decide(model, "query", True) == (least, True, 0.0, False, 0.0)  # still given, measured
     book.observe(model, [Sample("query", False, 0.0, least, least)] * 10)  # 80 of 93: upper < 0.95
     assert wilson(80, 93)[1] < 0.95
-    assert book.decide(model, "query", True) == (COLD_START, True, LADDER[1], False)  # 10% measured below
+    assert book.decide(model, "query", True) == (COLD_START, True, LADDER[1], False, 0.0)  # 10% measured below
 
 
 def test_at_the_cap_the_budget_given_is_kept_at_or_above_the_target_and_a_budget_below_is_not_given():
@@ -422,11 +464,12 @@ def test_at_the_cap_the_budget_given_is_kept_at_or_above_the_target_and_a_budget
     book = FidelityBook(target=0.95, sample=0.0)
     book.observe(model, served(COLD_START, above, n) + tried(LADDER[0], 0, MIN_VERDICT_SAMPLES)
                  + tried(LADDER[1], above, n))
-    assert book.decide(model, "query", True) == (COLD_START, True, LADDER[2], False)  # 10% kept unserved: 15% tried
+    # 10% kept unserved: 15% tried
+    assert book.decide(model, "query", True) == (COLD_START, True, LADDER[2], False, 0.0)
     (choice,) = book.choices()
     assert choice.state == "kept"
     book.observe(model, tried(LADDER[2], above, n) + tried(LADDER[3], above, n))
-    assert book.decide(model, "query", True) == (COLD_START, False, 0.0, False)  # nothing left to try: at the rate
+    assert book.decide(model, "query", True) == (COLD_START, False, 0.0, False, 0.0)  # nothing left to try: at the rate
     # served samples that take its upper bound under the target: short, up a rung
     book.observe(model, served(COLD_START, 0, 60))
     assert wilson(above, n + 60)[1] < 0.95

@@ -89,7 +89,7 @@ class PlanChunk(_message.Message):
     def __init__(self, chunk_key: _Optional[str] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FidelitySample(_message.Message):
-    __slots__ = ("policy", "top1_agree", "kl", "computed_share", "budget", "answer_tokens", "answer_agree", "shadow_blend")
+    __slots__ = ("policy", "top1_agree", "kl", "computed_share", "budget", "answer_tokens", "answer_agree", "shadow_blend", "lead")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TOP1_AGREE_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class FidelitySample(_message.Message):
     ANSWER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_AGREE_FIELD_NUMBER: _ClassVar[int]
     SHADOW_BLEND_FIELD_NUMBER: _ClassVar[int]
+    LEAD_FIELD_NUMBER: _ClassVar[int]
     policy: str
     top1_agree: bool
     kl: float
@@ -106,7 +107,8 @@ class FidelitySample(_message.Message):
     answer_tokens: int
     answer_agree: int
     shadow_blend: bool
-    def __init__(self, policy: _Optional[str] = ..., top1_agree: _Optional[bool] = ..., kl: _Optional[float] = ..., computed_share: _Optional[float] = ..., budget: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., answer_agree: _Optional[int] = ..., shadow_blend: _Optional[bool] = ...) -> None: ...
+    lead: float
+    def __init__(self, policy: _Optional[str] = ..., top1_agree: _Optional[bool] = ..., kl: _Optional[float] = ..., computed_share: _Optional[float] = ..., budget: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., answer_agree: _Optional[int] = ..., shadow_blend: _Optional[bool] = ..., lead: _Optional[float] = ...) -> None: ...
 
 class TimingReport(_message.Message):
     __slots__ = ("loads", "computes", "fidelity")
@@ -199,7 +201,7 @@ class ChunkPlan(_message.Message):
     def __init__(self, chunk_key: _Optional[str] = ..., position: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., source: _Optional[_Union[ChunkPlan.Source, str]] = ..., variant_id: _Optional[str] = ..., tier: _Optional[str] = ..., cfo: _Optional[float] = ..., recompute: _Optional[_Iterable[int]] = ..., variant_prefix_chain: _Optional[int] = ..., variant_prefix_length: _Optional[int] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("order", "dropped", "chunks", "history", "ratio", "preload_depth", "load_s_per_layer", "compute_s_per_layer", "lease_id", "lease_expires_unix_ms", "computed_tokens", "other_keys", "variant_prefixes", "recompute_budget", "fidelity_sample", "fidelity_below", "no_reuse")
+    __slots__ = ("order", "dropped", "chunks", "history", "ratio", "preload_depth", "load_s_per_layer", "compute_s_per_layer", "lease_id", "lease_expires_unix_ms", "computed_tokens", "other_keys", "variant_prefixes", "recompute_budget", "fidelity_sample", "fidelity_below", "no_reuse", "near_tie")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +219,7 @@ class PlanResponse(_message.Message):
     FIDELITY_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     FIDELITY_BELOW_FIELD_NUMBER: _ClassVar[int]
     NO_REUSE_FIELD_NUMBER: _ClassVar[int]
+    NEAR_TIE_FIELD_NUMBER: _ClassVar[int]
     order: _containers.RepeatedScalarFieldContainer[str]
     dropped: _containers.RepeatedScalarFieldContainer[str]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlan]
@@ -234,7 +237,8 @@ class PlanResponse(_message.Message):
     fidelity_sample: bool
     fidelity_below: float
     no_reuse: bool
-    def __init__(self, order: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., history: _Optional[_Iterable[str]] = ..., ratio: _Optional[float] = ..., preload_depth: _Optional[int] = ..., load_s_per_layer: _Optional[float] = ..., compute_s_per_layer: _Optional[float] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., other_keys: _Optional[_Iterable[str]] = ..., variant_prefixes: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ..., recompute_budget: _Optional[float] = ..., fidelity_sample: _Optional[bool] = ..., fidelity_below: _Optional[float] = ..., no_reuse: _Optional[bool] = ...) -> None: ...
+    near_tie: float
+    def __init__(self, order: _Optional[_Iterable[str]] = ..., dropped: _Optional[_Iterable[str]] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlan, _Mapping]]] = ..., history: _Optional[_Iterable[str]] = ..., ratio: _Optional[float] = ..., preload_depth: _Optional[int] = ..., load_s_per_layer: _Optional[float] = ..., compute_s_per_layer: _Optional[float] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., other_keys: _Optional[_Iterable[str]] = ..., variant_prefixes: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ..., recompute_budget: _Optional[float] = ..., fidelity_sample: _Optional[bool] = ..., fidelity_below: _Optional[float] = ..., no_reuse: _Optional[bool] = ..., near_tie: _Optional[float] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
     __slots__ = ("model_id", "token_ids", "prefix_keys", "num_layers", "key_spec", "value_spec", "stats")
@@ -543,18 +547,20 @@ class FidelityStats(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., policy: _Optional[str] = ..., samples: _Optional[int] = ..., top1_agree: _Optional[int] = ..., agree_lower: _Optional[float] = ..., agree_upper: _Optional[float] = ..., mean_kl: _Optional[float] = ..., mean_computed_share: _Optional[float] = ..., budget: _Optional[float] = ..., answer_tokens: _Optional[int] = ..., answer_agree: _Optional[int] = ..., shadow_blends: _Optional[int] = ...) -> None: ...
 
 class FidelityBudget(_message.Message):
-    __slots__ = ("model_id", "policy", "budget", "state", "below")
+    __slots__ = ("model_id", "policy", "budget", "state", "below", "near_tie")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BELOW_FIELD_NUMBER: _ClassVar[int]
+    NEAR_TIE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     policy: str
     budget: float
     state: str
     below: float
-    def __init__(self, model_id: _Optional[str] = ..., policy: _Optional[str] = ..., budget: _Optional[float] = ..., state: _Optional[str] = ..., below: _Optional[float] = ...) -> None: ...
+    near_tie: float
+    def __init__(self, model_id: _Optional[str] = ..., policy: _Optional[str] = ..., budget: _Optional[float] = ..., state: _Optional[str] = ..., below: _Optional[float] = ..., near_tie: _Optional[float] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
