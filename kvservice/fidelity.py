@@ -48,8 +48,9 @@ blend's own top token leads the runner-up by a fraction of a logit, and the blen
 known with its first token. Each sample carries its blend's lead; a tally counts its samples by
 lead (`LEAD_EDGES`), and the lost ones apart. The margin Plans give (`PlanResponse.near_tie`:
 a blend leading by less is served by full prefill) is the edge above the largest lead a sampled
-blend of the (model, policy) lost its first token at, below 1, and at most the edge under
-which MAX_GATED of its samples' leads fall: learned from the model's own losses, in its own
+blend of the (model, policy) lost its first token at, at the budget given or above it (below 1:
+a budget below loses first tokens a served one keeps), and at most the edge under which
+MAX_GATED of those samples' leads fall: learned from the model's own losses, in its own
 logits, and never sending more than about a fifth of the blends to full prefill. No loss
 sampled: no margin. The budgets are judged on the blends as they are (a near tie's sample is
 its blend's), so the margin only adds to the agreement the samples show.
@@ -183,7 +184,7 @@ class Tally:
     answer_tokens: int = 0
     answer_agree: int = 0
     shadow_blends: int = 0  # of the samples, the shadows' blends at this budget (never served)
-    leads: tuple[int, ...] = ()  # the samples with a lead, per bin of LEAD_EDGES (); none yet)
+    leads: tuple[int, ...] = ()  # the samples with a lead, per bin of LEAD_EDGES (empty: none yet)
     lost: tuple[int, ...] = ()  # of those, the ones whose first token was not full prefill's
 
     def add(self, s: Sample) -> "Tally":
@@ -390,7 +391,7 @@ class FidelityBook:
         else:
             state = verdict(budget)
         below = LADDER[least] if least < i and budget != FULL else 0.0
-        margin = near_tie_margin(t for b, t in by_budget.items() if b < FULL) if budget != FULL else 0.0
+        margin = near_tie_margin(t for b, t in by_budget.items() if budget <= b < FULL)  # 0 at FULL
         choice = Choice(model_id, policy, budget, state, below, margin)
         last = self._choices.get((model_id, policy))
         if last != choice:
