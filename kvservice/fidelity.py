@@ -47,12 +47,13 @@ Near ties (docs/fidelity.md, "Near ties"): the first tokens reuse loses are most
 blend's own top token leads the runner-up by a fraction of a logit, and the blend's lead is
 known with its first token. Each sample carries its blend's lead; a tally counts its samples by
 lead (`LEAD_EDGES`), and the lost ones apart. The margin Plans give (`PlanResponse.near_tie`:
-a blend leading by less is served by full prefill) is the edge above the largest lead a sampled
-blend of the (model, policy) lost its first token at, at the budget given or above it (below 1:
-a budget below loses first tokens a served one keeps), and at most the edge under which
-MAX_GATED of those samples' leads fall: learned from the model's own losses, in its own
-logits, and never sending more than about a fifth of the blends to full prefill. No loss
-sampled: no margin. The budgets are judged on the blends as they are (a near tie's sample is
+a blend leading by less is served by full prefill) is learned from the samples of the (model,
+policy) at the budget given or above it (below 1: a budget below loses first tokens a served one
+keeps): the largest edge, up to the one above the largest lead lost, under which at most
+MAX_GATED of the samples' leads lie (never more than about a fifth of the blends sent to full
+prefill) and at least MIN_LOST of them lost the first token (one in ten caught: where blends
+lose first tokens at any lead, a gate costs compute and catches few). In the model's own logits,
+from its own losses; no loss sampled, no margin. The budgets are judged on the blends as they are (a near tie's sample is
 its blend's), so the margin only adds to the agreement the samples show.
 
 The tallies persist in the metadata database (`MetadataDB.put_fidelity`), unsynced and at
@@ -105,12 +106,16 @@ MIN_VERDICT_SAMPLES = 10
 # (a step up, never fidelity), while the budget given stays given at or above the target.
 MAX_MEASURING_SAMPLES = 400
 
-# The bins of the samples' leads (the blend's top logit over the runner-up's), and the most
-# of the samples' leads a near-tie margin may lie above. On MuSiQue at 10 passages the blends
-# that lost the first token led by 0.02-0.67 logits, and 13-26% of all led by under 0.7
-# (docs/fidelity.md, "Near ties").
+# The bins of the samples' leads (the blend's top logit over the runner-up's); the most of the
+# samples' leads a near-tie margin may lie above (what the gate may cost); the least share of
+# the samples under it that lost their first token (what it must catch: one in ten of the
+# requests it sends to full prefill). On MuSiQue at 10 passages the blends that lost the first
+# token led by 0.02-0.67 logits, and 13-26% of all led by under 0.7 (docs/fidelity.md, "Near
+# ties"); on the synthetic tasks' small models blends lose first tokens at any lead, and a
+# margin there would cost compute and catch few.
 LEAD_EDGES = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0)
 MAX_GATED = 0.2
+MIN_LOST = 0.1
 
 MEASURING, HELD, SHORT, KEPT = "measuring", "held", "short", "kept"  # a budget's verdict
 EXACT = "exact"  # a Choice's state at budget 1: exact reuse only (the prefix cache's)
@@ -233,25 +238,24 @@ class Tally:
 
 
 def near_tie_margin(tallies: Iterable[Tally]) -> float:
-    """The near-tie margin the samples of `tallies` ask for (module docstring): the edge above
-    the largest lead a sample lost its first token at, capped at the largest edge under which
-    at most MAX_GATED of the samples' leads lie; 0: no loss with a lead, or no edge that low."""
+    """The near-tie margin the samples of `tallies` ask for (module docstring): the largest edge
+    at most the one above the largest lead a sample lost its first token at, under which at most
+    MAX_GATED of the samples' leads lie and at least MIN_LOST of those lost it; 0: none such."""
     leads = [0] * (len(LEAD_EDGES) + 1)
     lost = [0] * (len(LEAD_EDGES) + 1)
     for t in tallies:
         for i, (n, m) in enumerate(zip(t.leads, t.lost or (0,) * len(t.leads))):
             leads[i] += n
             lost[i] += m
-    top = max((i for i, n in enumerate(lost) if n), default=None)
-    if top is None:
-        return 0.0
-    cap, under = 0.0, 0
+    top = max((i for i, n in enumerate(lost) if n), default=-1)
+    margin, under, under_lost = 0.0, 0, 0
     for i, edge in enumerate(LEAD_EDGES[:top + 1]):
-        under += leads[i]
+        under, under_lost = under + leads[i], under_lost + lost[i]
         if under > MAX_GATED * sum(leads):
             break
-        cap = edge
-    return cap
+        if under_lost and under_lost >= MIN_LOST * under:
+            margin = edge
+    return margin
 
 
 class TallyStore(Protocol):
