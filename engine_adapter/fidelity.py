@@ -274,7 +274,7 @@ class ShadowSampler:
                 result, answer = blend, ()
             if not (result.reuse and result.reused_segments):
                 return False
-            self._blended += 1
+            self._blended += full is None  # a near tie was served by full prefill, not from stored KV
             if not sample:
                 return False
             self._queued = [f for f in self._queued if not f.done()]

@@ -335,7 +335,9 @@ def test_an_adaptive_adapter_serves_near_ties_under_the_margin_its_plans_give_an
             # its samples (and its shadow blend's) now, so that the margin the next Plan gives is known here
             margin = client.plan(model, cs, len(QUESTION), timings=adapter.take_timings(), policy="query",
                                  adaptive=True).near_tie
+        cost = adapter.sampling_cost()
         adapter.close()
         (tally,) = [t for t in client.stats().fidelity if t.model_id == model and t.budget == pytest.approx(COLD_START)]
     assert (tally.samples, tally.top1_agree) == (100 + len(orders), 99 + agree)
+    assert (cost.served, cost.blended, cost.sampled) == (len(orders), gated.count(False), len(orders))
     assert any(gated) and not all(gated), gated
