@@ -187,7 +187,8 @@ class RAGAdapter:
         segments, refs = self._segments(plan, by_key, chunks, question)
         lay = Layout.of(segments, self.model_id)  # adaptive, unmeasured: blended where that beats exact reuse
         sample = bool(plan and plan.fidelity_sample and self.shadows)
-        skipped = bool(plan and policy is None and self.adaptive and not sample) and not worth_blending(lay, plan.recompute_budget)
+        skipped = bool(plan and policy is None and self.adaptive and not sample)
+        skipped = skipped and not worth_blending(lay, plan.recompute_budget)
         policy = policy or self._budgeted(plan, exact=skipped)
         reused = set(policy.reused(lay))
         refs = {s: r for s, r in refs.items() if s in reused}  # what it reads (full prefill: none) is all streamed
@@ -243,8 +244,7 @@ class RAGAdapter:
             ttft_s=ttft,
             fallbacks=list(result.fallbacks), plan_error="" if plan else "plan failed", sampled=sampled,
             budget=plan.recompute_budget if skipped else budget,
-            near_tie=result is not blend,
-            blend_skipped=skipped,
+            near_tie=result is not blend, blend_skipped=skipped,
         )
         return result, report
 

@@ -53,8 +53,9 @@ keeps): the largest edge, up to the one above the largest lead lost, under which
 MAX_GATED of the samples' leads lie (never more than about a fifth of the blends sent to full
 prefill) and at least MIN_LOST of them lost the first token (one in ten caught: where blends
 lose first tokens at any lead, a gate costs compute and catches few). In the model's own logits,
-from its own losses; no loss sampled, no margin. The budgets are judged on the blends as they are (a near tie's sample is
-its blend's), so the margin only adds to the agreement the samples show.
+from its own losses; no loss sampled, no margin. The budgets are judged on the blends as they
+are (a near tie's sample is its blend's), so the margin only adds to the agreement the samples
+show.
 
 The tallies persist in the metadata database (`MetadataDB.put_fidelity`), unsynced and at
 most once a second (`PERSIST_EVERY_S`) while samples arrive, and at close: a crash loses
