@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from kvcraft.keys import chunk_key
+from kvcraft.plans import Plan, variant_prefixes
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,12 @@ class Layout:
 
     def chunk_indices(self) -> list[int]:
         return [s for s, seg in enumerate(self.segments) if not seg.question]
+
+
+def planned_chunks(plan: Plan, tokens: Mapping[str, Sequence[int]]) -> list[Segment]:
+    """The chunks of a Plan as segments, in its order (`tokens`: each chunk's tokens by key):
+    cached where the Plan reuses a stored variant, behind the chunks that variant was computed
+    behind, with the Plan's recompute list. The question is the caller's to append."""
+    return [Segment(tokens[cp.chunk_key], key=cp.chunk_key, cached=cp.reused, cached_prefix=prefix,
+                    recompute=cp.recompute)
+            for cp, prefix in zip(plan.chunks, variant_prefixes(plan))]

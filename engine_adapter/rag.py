@@ -50,13 +50,13 @@ from engine_adapter.llama import LlamaEngine
 from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.near_tie import settle
 from engine_adapter.policy import DEFAULT_POLICY, ReusePolicy, parse_policy, spent_budget, with_budget
-from engine_adapter.prompt import Layout, Segment
+from engine_adapter.prompt import Layout, Segment, planned_chunks
 from engine_adapter.source import RecordingLayerSource
 from kvclient.client import KVClient, Ref
 from kvclient.copy_stream import GpuLayerSource
 from kvclient.errors import InvalidArgumentError, KVCraftError
 from kvcraft.keys import chunk_key
-from kvcraft.plans import Plan, variant_prefixes
+from kvcraft.plans import Plan
 from kvcraft.recompute import merge_scores
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
@@ -227,8 +227,8 @@ class RAGAdapter:
             self._store_back(segments, result, refs)
         self._learn(source, result)
         tokens = answer(result) if answer is not None else ()
-        below = (ShadowBlend(segments, with_budget(policy, plan.fidelity_below), plan.fidelity_below, recording.replay())
-                 if recording else None)
+        below = (ShadowBlend(segments, with_budget(policy, plan.fidelity_below), plan.fidelity_below,
+                             recording.replay()) if recording else None)
         sampled = self.fidelity.observe([s.tokens for s in segments], result, policy.name, budget, sample, tokens,
                                         below, blend)
         report = RequestReport(
@@ -257,21 +257,13 @@ class RAGAdapter:
 
     def _segments(self, plan: Plan | None, by_key: dict[str, tuple[int, ...]],
                   chunks: Sequence[Sequence[int]], question: Sequence[int]) -> tuple[list[Segment], dict[int, Ref]]:
-        segments: list[Segment] = []
-        refs: dict[int, Ref] = {}
-        self._plan_tiers = {}
         if plan is None:
-            segments = [Segment(tuple(c)) for c in chunks]
+            segments, reused = [Segment(tuple(c)) for c in chunks], {}
         else:
-            for cp, variant_prefix in zip(plan.chunks, variant_prefixes(plan)):
-                cached = cp.reused
-                if cached:
-                    refs[len(segments)] = Ref(cp.chunk_key, cp.variant_id, cp.cfo)
-                    self._plan_tiers[len(segments)] = cp.tier
-                segments.append(Segment(by_key[cp.chunk_key], key=cp.chunk_key, cached=cached,
-                                        cached_prefix=variant_prefix, recompute=cp.recompute))
+            segments, reused = planned_chunks(plan, by_key), {s: cp for s, cp in enumerate(plan.chunks) if cp.reused}
+        self._plan_tiers = {s: cp.tier for s, cp in reused.items()}
         segments.append(Segment(tuple(question), question=True))
-        return segments, refs
+        return segments, {s: Ref(cp.chunk_key, cp.variant_id, cp.cfo) for s, cp in reused.items()}
 
     def _release(self, lease_id: str) -> None:
         try:

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from engine_adapter.cost import worth_blending
-from engine_adapter.prompt import Layout, Segment
+from engine_adapter.prompt import Layout, Segment, planned_chunks
 from engine_adapter.vllm.config import ConnectorSettings, make_blend_policy
 from engine_adapter.vllm.lookup import Breaker
 from engine_adapter.vllm.metrics import ConnectorMetrics
 from kvclient.errors import DeadlineExceededError
 from kvcraft.keys import chunk_key
-from kvcraft.plans import Plan, variant_prefixes
+from kvcraft.plans import Plan
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -131,8 +131,7 @@ class Blend:
             return False
         self.reused_chunks = sum(1 for cp in plan.chunks if cp.reused)
         # The prompt as the worker side's RAGAdapter lays it out, for the cost gate's one reading of it.
-        segments = [Segment(c, key=k, cached=cp.reused, cached_prefix=prefix)
-                    for c, k, cp, prefix in zip(chunks, keys, plan.chunks, variant_prefixes(plan))]
+        segments = planned_chunks(plan, dict(zip(keys, chunks)))
         question = [Segment(tokens[at:], question=True)] if len(tokens) > at else []
         if self.adaptive and not worth_blending(Layout.of(segments + question, chunk_model_id), plan.recompute_budget):
             self.declined = ("too little of it is stored for a blend to beat vLLM alone, with its prefix cache "
