@@ -429,8 +429,13 @@ class FidelityBook:
             log.info("kvcraft fidelity: %s recompute budget %.2f -> %.2f (at %.2f: %s; target %.3f)", who,
                      last.budget, now.budget, why, seen(why), self.target)
         if now.near_tie != (last.near_tie if last else 0.0):
-            log.info("kvcraft fidelity: %s serves blends whose first token leads by under %.2f logits by full prefill "
-                     "(near ties; learned from the leads of the sampled blends that lost it)", who, now.near_tie)
+            if now.near_tie:
+                log.info("kvcraft fidelity: %s serves blends whose first token leads by under %.2f logits by full "
+                         "prefill (near ties; learned from the leads of the sampled blends that lost it)", who,
+                         now.near_tie)
+            else:
+                log.info("kvcraft fidelity: %s serves no near tie by full prefill (the sampled blends' losses give "
+                         "no margin within the gate's cost)", who)
 
     def _persist_due(self) -> None:
         with self._lock:

@@ -236,6 +236,21 @@ def test_stored_kv_that_even_exact_reuse_disagrees_with_ends_without_reuse(seed,
     assert given.index(FULL) < 60
 
 
+def test_a_margin_learned_and_then_lost_is_logged_each_time(caplog):
+    """One blend lost at a lead of 0.25 among ten: a margin of 0.3 (one in ten under it), logged
+    with its value; ten more blends leading by under 0.1 put over half the leads under any
+    margin that catches it: none, logged as none (not as a margin of 0)."""
+    book, model = FidelityBook(target=0.95, sample=0.0), "m" * 32
+    lost = Sample("query", False, 0.1, 0.1, COLD_START, lead=0.25)
+    with caplog.at_level(logging.INFO, logger="kvcraft.fidelity"):
+        book.observe(model, [lost] + [Sample("query", True, 0.1, 0.1, COLD_START, lead=2.5)] * 9)
+        assert book.decide(model, "query", True).near_tie == pytest.approx(0.3)
+        book.observe(model, [Sample("query", True, 0.1, 0.1, COLD_START, lead=0.05)] * 10)
+        assert book.decide(model, "query", True).near_tie == 0.0
+    said = [r.getMessage() for r in caplog.records if "near tie" in r.getMessage()]
+    assert len(said) == 2 and "under 0.30 logits" in said[0] and "serves no near tie" in said[1]
+
+
 def test_the_budget_a_restart_finds_is_the_one_the_samples_say(tmp_path):
     db = MetadataDB(tmp_path / "metadata")
     book = FidelityBook(db, target=0.95, sample=0.0)
