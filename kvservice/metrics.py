@@ -41,6 +41,11 @@ class _StoreCollector:
         yield GaugeMetricFamily("kvcraft_inflight_store_bytes", "What open Store streams are counted at "
                                 "(max_inflight_store_bytes)", value=s.inflight_store_bytes)
         yield GaugeMetricFamily("kvcraft_inflight_stores", "Store streams open now", value=s.inflight_stores)
+        if s.cluster is not None:
+            yield GaugeMetricFamily("kvcraft_cluster_master_up", "1 while this node's Mooncake master answers; 0 while "
+                                    "it does not (Plans use this node's own tiers)", value=float(s.cluster.master_up))
+            yield GaugeMetricFamily("kvcraft_cluster_silent_segments", "Other nodes' segments skipped because they "
+                                    "stopped answering", value=len(s.cluster.silent_segments))
         yield from _fidelity(self.store.fidelity.tallies())
         yield from _budgets(self.store.fidelity.choices())
 

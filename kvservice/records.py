@@ -85,6 +85,13 @@ class StoreStats:
     pinned: int
     inflight_store_bytes: int = 0
     inflight_stores: int = 0
+    cluster: ClusterStats | None = None  # a node of a cluster: what it reaches now
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    master_up: bool  # the Mooncake master answers (cluster calls are made)
+    silent_segments: tuple[str, ...]  # segments skipped because they stopped answering
 
 
 @dataclass(frozen=True)

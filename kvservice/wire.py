@@ -73,6 +73,9 @@ def stats_response(s: StoreStats, fidelity: Sequence[Tally] = (), budgets: Seque
         out.budgets.add(model_id=c.model_id, policy=c.policy, budget=c.budget, state=c.state, below=c.below,
                         near_tie=c.near_tie)
     out.fidelity_target = target
+    if s.cluster is not None:
+        out.cluster.master_up = s.cluster.master_up
+        out.cluster.silent_segments.extend(s.cluster.silent_segments)
     return out
 
 

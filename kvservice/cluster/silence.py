@@ -44,6 +44,11 @@ class SilentSegments:
     def __bool__(self) -> bool:
         return bool(self._silent)
 
+    def endpoints(self) -> tuple[str, ...]:
+        """The silent segments now, in order."""
+        with self._lock:
+            return tuple(sorted(self._silent))
+
     def add(self, endpoint: str, why: str) -> None:
         """The segment at `endpoint` did not answer (`why`): skipped until a probe answers."""
         if not endpoint:

@@ -325,8 +325,10 @@ class ChunkStore:
             c = self.counters
             tiers = [TierStats(t.name, t.usage(), t.budget_bytes, len(t), c.hits[t.name], c.misses[t.name],
                                c.layer_reads[t.name]) for t in self.tiers]
+            cluster = None if self.cluster is None else self.cluster.stats()
             return StoreStats(self.index.chunk_count(), len(self.index), tiers, c.evictions, c.moves,
-                              len(self._leases), self.index.pinned, self._s.inflight_store_bytes, self._s.inflight_stores)
+                              len(self._leases), self.index.pinned, self._s.inflight_store_bytes, self._s.inflight_stores,
+                              cluster)
 
     def list_chunks(self, model_id: str, page_size: int, page_token: str) -> tuple[list[ChunkSummary], str]:
         """One page of chunks in key order after `page_token`; the next page's token ("":

@@ -31,6 +31,7 @@ from kvservice.cluster.records import payload_key, record_bytes
 from kvservice.cluster.view import MISSING, UNLISTED, ClusterView, Lookup
 from kvservice.errors import KVCraftError
 from kvservice.index import Variant
+from kvservice.records import ClusterStats
 from kvservice.store.state import StoreState
 from kvservice.tiers.base import Tier, TierFull
 from kvservice.variant_codec import to_variant
@@ -72,6 +73,12 @@ class ClusterSync:
         state.listeners.append(self)
         view.client.on_rejoin.append(self.republish)
         self.republish()  # a restart: what this node holds may be gone from the cluster
+
+    def stats(self) -> ClusterStats:
+        """Whether the master answers (`kvservice.cluster.watch`) and which segments are
+        skipped (`kvservice.cluster.silence`): Admin Stats and the metrics."""
+        client = self.view.client
+        return ClusterStats(client.up, client.silent.endpoints())
 
     # -- putting this node's variants back -------------------------------------------------
     def republish(self, retry: int = 0, only: frozenset[str] | None = None) -> None:

@@ -16,6 +16,7 @@ from kvservice.index import VariantIndex
 from kvservice.tiers.base import PayloadShape
 from kvservice.tiers.remote import RemoteTier
 from kvservice.variant_codec import to_variant
+from tests.cluster.conftest import wait_for
 
 
 def assert_right(r: dict) -> None:
@@ -31,6 +32,32 @@ def compute(cluster, host: str, prompts: Iterable[int]) -> list[dict]:
     for r in out:
         assert_right(r)
     return out
+
+
+def reaches(cluster, host: str):
+    """What node `host` reaches of the cluster now (Admin Stats `cluster`: master_up,
+    silent_segments)."""
+    with KVClient(cluster.address(host)) as c:
+        stats = c.stats()
+    assert stats.HasField("cluster"), f"node {host.upper()} says it is no cluster node"
+    return stats.cluster
+
+
+def wait_master(cluster, hosts: Iterable[str], up: bool, timeout: float) -> None:
+    """Wait until every node of `hosts` says its master answers (`up`) or does not: a node
+    that has not noticed the master is back plans from its own tiers, whatever the cluster
+    lists."""
+    hosts = list(hosts)
+    wait_for(f"{', '.join(hosts).upper()} say the master is {'up' if up else 'down'}",
+             lambda: all(reaches(cluster, h).master_up == up for h in hosts), timeout)
+
+
+def wait_reading_every_segment(cluster, hosts: Iterable[str], timeout: float) -> None:
+    """Wait until no node of `hosts` skips a segment (a node resumed answers the others'
+    probes within a few tenths of a second)."""
+    hosts = list(hosts)
+    wait_for(f"{', '.join(hosts).upper()} read every segment",
+             lambda: not any(reaches(cluster, h).silent_segments for h in hosts), timeout)
 
 
 def chunk_vids(cluster, host: str, local: bool = False) -> dict[str, list[str]]:

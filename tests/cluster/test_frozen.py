@@ -19,7 +19,7 @@ from kvclient.client import KVClient
 from kvcraft.keys import ModelSpec, chunk_key
 from tests.cluster.conftest import CLIENT_TTL_S, NODES, running_cluster, wait_for
 from tests.cluster.helpers import (HealthWatch, all_listed, assert_right, chunk_vids, compute, listed, misdescribed,
-                                   unlisted)
+                                   reaches, unlisted, wait_master, wait_reading_every_segment)
 from tests.conftest import random_layers
 
 pytestmark = pytest.mark.slow
@@ -115,6 +115,7 @@ def test_while_a_node_is_frozen_the_others_reuse_every_chunk_the_healthy_nodes_h
             v for k, vs in chunk_vids(cluster, "a", local=True).items() if k in new["chunk_keys"] for v in vs}, 10)
         reread = engine_c.prefill(node_c, WHILE_B_SILENT)
         b_own = [engine_a.prefill(node_a, p) for p in MINE["b"]]
+        skipped = reaches(cluster, "a").silent_segments
     cluster.saw("B frozen: A and C read each other's prompts", crossed + [reread])
     cluster.saw("B frozen: A reads B's prompts", b_own)
     for r in crossed + [reread]:
@@ -122,6 +123,7 @@ def test_while_a_node_is_frozen_the_others_reuse_every_chunk_the_healthy_nodes_h
     for r in b_own:  # what only B's segment held is computed: its own chunks, never a wrong answer
         assert_right(r)
         assert r["ttft_s"] < REQUEST_S, r
+    assert [s.rpartition(":")[0] for s in skipped] == [cluster.net.address("b")], skipped  # what A's Stats says
     assert_fast_health(cluster, health, "B frozen: health checks of A and C")
     assert_listings_describe_their_payloads(cluster)
 
@@ -136,6 +138,7 @@ def test_a_node_frozen_past_the_client_ttl_lists_its_variants_again_after_sigcon
         wait_for("the master dropped B's segment", lambda: segments_dropped(cluster) > dropped, CLIENT_TTL_S + 10)
     took = wait_listed(cluster, ["b"], RELIST_S)
     cluster.measured["B frozen past client_ttl: listed again after SIGCONT, s"] = took
+    wait_reading_every_segment(cluster, ("a", "c"), RELIST_S)  # they skip B's until a probe of theirs finds it back
     answers = [cluster.engines[h].prefill(cluster.address(h), p) for h in ("a", "c") for p in B_PAST_TTL]
     cluster.saw("B frozen past client_ttl, resumed: A and C read B's prompts", answers)
     for r in answers:
@@ -164,16 +167,21 @@ def test_variants_a_node_holds_are_listed_again_when_another_node_s_copies_are_d
 
 def test_after_the_master_is_frozen_every_node_s_variants_are_listed_again(cluster):
     """The master frozen 20 s while engine C computes prompts: requests and health checks
-    stay fast; once it is resumed, every variant every node holds is listed within 10 s,
-    those C computed meanwhile included, and engine A reuses every chunk of C's prompts."""
+    stay fast, and every node says the master is down; once it is resumed, every node says
+    it is up and every variant every node holds is listed within 10 s, those C computed
+    meanwhile included, and engine A reuses every chunk of C's prompts."""
     engine_c, node_c = cluster.engines["c"], cluster.address("c")
     with HealthWatch([cluster.address(h) for h in NODES]) as health, cluster.master.frozen():
         t0 = time.monotonic()
         during = [engine_c.prefill(node_c, p) for p in C_WHILE_MASTER_FROZEN]
         engine_c.flush(node_c)
+        wait_master(cluster, NODES, False, MASTER_FREEZE_S / 2)
         time.sleep(max(0.0, t0 + MASTER_FREEZE_S - time.monotonic()))  # the fault's length, not a wait for a state
-    took = wait_listed(cluster, NODES, RELIST_S)
-    cluster.measured["master frozen 20 s: every node's variants listed after SIGCONT, s"] = took
+    t0 = time.monotonic()
+    wait_master(cluster, NODES, True, RELIST_S)
+    cluster.measured["master frozen 20 s: every node says it answers after SIGCONT, s"] = time.monotonic() - t0
+    wait_listed(cluster, NODES, RELIST_S - (time.monotonic() - t0))
+    cluster.measured["master frozen 20 s: every node's variants listed after SIGCONT, s"] = time.monotonic() - t0
     after = [cluster.engines["a"].prefill(cluster.address("a"), p) for p in C_WHILE_MASTER_FROZEN]
     cluster.saw("master frozen 20 s: C computes", during)
     cluster.saw("master frozen 20 s, resumed: A reads C's prompts", after)

@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvclient.client import KVClient
-from tests.cluster.conftest import CLIENT_TTL_S, wait_for
-from tests.cluster.helpers import all_listed, assert_right, chunk_vids, chunks_listed, compute
+from tests.cluster.conftest import CLIENT_TTL_S, NODES, wait_for
+from tests.cluster.helpers import all_listed, assert_right, chunk_vids, chunks_listed, compute, wait_master
 
 pytestmark = pytest.mark.slow
 
@@ -167,6 +167,7 @@ def test_master_killed_and_restarted_nodes_rejoin_without_a_restart(cluster):
     """The master dies: nodes keep serving from their own tiers. It comes back on the same
     address, empty: the nodes rejoin by themselves and the cluster fills again."""
     cluster.master.kill()
+    wait_master(cluster, NODES, False, 10)
     engine_a, node_a = cluster.engines["a"], cluster.address("a")
     for p in FIRST_A:  # A's own variants, from its own tiers
         r = engine_a.prefill(node_a, p)
@@ -179,6 +180,7 @@ def test_master_killed_and_restarted_nodes_rejoin_without_a_restart(cluster):
     # chunk can share an entry: the chunk, not each variant, is what must come back).
     held = chunk_vids(cluster, "a", local=True)
     wait_for("the restarted master refilled from the nodes", lambda: chunks_listed(cluster, held), 60)
+    wait_master(cluster, ["c"], True, 30)  # until C's client reaches the new master, C plans from its own tiers
     engine_c, node_c = cluster.engines["c"], cluster.address("c")
     refilled = engine_c.prefill(node_c, FIRST_A[0])  # C never computed it: it reads the refilled cluster
     (late,) = compute(cluster, "a", [LATE_A[0]])  # stored after the restart

@@ -9,7 +9,9 @@ nothing sleeps for timing.
 
 from __future__ import annotations
 
+import socket
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from kvservice.cluster import records
 from kvservice.cluster.view import ClusterView
 from kvservice.launcher import ServiceProcess
 
-from tests.conftest import random_layers
+from tests.conftest import random_layers, wait_for
 from tests.service.remote_helpers import MiB
 
 SPEC = ModelSpec("remote-test", num_layers=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
@@ -54,12 +56,25 @@ def wait_listed(view: ClusterView, key: str, vid: str, timeout: float = 30.0) ->
         time.sleep(0.05)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def master_up_gauge(node: ServiceProcess) -> float:
+    """kvcraft_cluster_master_up as the node's metrics endpoint gives it."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{node.settings['metrics_port']}/metrics", timeout=10).read()
+    (line,) = [ln for ln in text.decode().splitlines() if ln.startswith("kvcraft_cluster_master_up ")]
+    return float(line.split()[1])
+
+
 @pytest.fixture(scope="module")
 def nodes(cluster, tmp_path_factory):
     """Node A and node B (B with a 1-byte host tier: what it reads from the cluster
     stays remote-only, so every fetch of it really reads the cluster)."""
     tmp = tmp_path_factory.mktemp("nodes")
-    a = ServiceProcess(tmp / "node-a", **remote_settings(cluster.master)).start()
+    a = ServiceProcess(tmp / "node-a", metrics_port=free_port(), **remote_settings(cluster.master)).start()
     b = ServiceProcess(tmp / "node-b", host_budget_bytes=1, **remote_settings(cluster.master)).start()
     yield a, b
     for n in (a, b):  # SIGTERM: each leaves the cluster (unmounts its segment) on the way out
@@ -173,6 +188,7 @@ def test_master_killed_mid_fetch_then_restarted(nodes, view, cluster):
         stream = iter(cb.fetch_layers(refs))
         first = next(stream)
         assert_bit_identical([(first.key, first.value)], [remote_layers[first.index][first.layer]])
+        assert ca.stats().cluster.master_up and cb.stats().cluster.master_up and master_up_gauge(a) == 1.0
         cluster.master.kill()
         streamed_ok, stream_not_found = 1, False
         try:
@@ -183,6 +199,9 @@ def test_master_killed_mid_fetch_then_restarted(nodes, view, cluster):
             stream_not_found = True
         ok, missing = _fetch_all_or_not_found(cb, refs, remote_layers)
         assert stream_not_found or missing, "the master's death was never noticed: the test tested nothing"
+        for c, node in ((ca, a), (cb, b)):
+            wait_for(lambda: not c.stats().cluster.master_up, f"{node.address} saying its master is down", 10)
+        assert master_up_gauge(a) == 0.0
         # Both nodes keep serving their local tiers, and B keeps planning.
         assert_bit_identical(cb.fetch(own.chunk_key), own_layers)
         for r, layers in zip(stored, remote_layers):
@@ -202,13 +221,13 @@ def test_master_killed_mid_fetch_then_restarted(nodes, view, cluster):
             new = ca.store(MODEL, tokens_of(7), layers)
             time.sleep(0.2)
         # B rejoins on its own too, maybe later than A: until its client reaches the new master
-        # its view is empty and it plans the chunk fresh (never an error).
-        while True:
+        # (Stats says its master is down) its view is empty and it plans the chunk fresh (never an error).
+        while not cb.stats().cluster.master_up:
             plan = cb.plan(MODEL, [tokens_of(7)], question_tokens=8)
-            if plan.chunks[0].variant_id or time.monotonic() > deadline:
-                break
-            assert plan.chunks[0].source == pb.ChunkPlan.FRESH
+            assert plan.chunks[0].source == pb.ChunkPlan.FRESH or cb.stats().cluster.master_up, plan
+            assert time.monotonic() < deadline, "node B did not reach the restarted master within 60s"
             time.sleep(0.2)
-        assert plan.chunks[0].variant_id == new.variant_id and plan.chunks[0].tier == "remote", \
-            "node B did not see what A wrote to the restarted master within 60s"
+        plan = cb.plan(MODEL, [tokens_of(7)], question_tokens=8)
+        assert plan.chunks[0].variant_id == new.variant_id and plan.chunks[0].tier == "remote", plan
+        assert master_up_gauge(a) == 1.0
         assert_bit_identical([(f.key, f.value) for f in cb.fetch_layers([Ref(new.chunk_key, new.variant_id)])], layers)

@@ -155,6 +155,7 @@ def test_metrics_endpoint_reports_tiers(start_server):
     assert f'kvcraft_tier_bytes{{tier="disk"}} {float(disk.bytes_used)}' in text
     assert f"kvcraft_moves_total {float(stats.moves)}" in text
     assert "kvcraft_fetch_seconds_count 1.0" in text
+    assert not stats.HasField("cluster") and "kvcraft_cluster" not in text  # not a cluster node
 
 
 def test_same_host_fast_path_reads_the_slab_without_copies(start_server):

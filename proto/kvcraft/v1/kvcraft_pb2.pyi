@@ -567,7 +567,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("chunks", "variants", "tiers", "evictions", "moves", "leases", "pinned", "inflight_store_bytes", "inflight_stores", "fidelity", "budgets", "fidelity_target")
+    __slots__ = ("chunks", "variants", "tiers", "evictions", "moves", "leases", "pinned", "inflight_store_bytes", "inflight_stores", "fidelity", "budgets", "fidelity_target", "cluster")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -580,6 +580,7 @@ class StatsResponse(_message.Message):
     FIDELITY_FIELD_NUMBER: _ClassVar[int]
     BUDGETS_FIELD_NUMBER: _ClassVar[int]
     FIDELITY_TARGET_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     variants: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -592,7 +593,16 @@ class StatsResponse(_message.Message):
     fidelity: _containers.RepeatedCompositeFieldContainer[FidelityStats]
     budgets: _containers.RepeatedCompositeFieldContainer[FidelityBudget]
     fidelity_target: float
-    def __init__(self, chunks: _Optional[int] = ..., variants: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., moves: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ..., inflight_store_bytes: _Optional[int] = ..., inflight_stores: _Optional[int] = ..., fidelity: _Optional[_Iterable[_Union[FidelityStats, _Mapping]]] = ..., budgets: _Optional[_Iterable[_Union[FidelityBudget, _Mapping]]] = ..., fidelity_target: _Optional[float] = ...) -> None: ...
+    cluster: ClusterStats
+    def __init__(self, chunks: _Optional[int] = ..., variants: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., moves: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ..., inflight_store_bytes: _Optional[int] = ..., inflight_stores: _Optional[int] = ..., fidelity: _Optional[_Iterable[_Union[FidelityStats, _Mapping]]] = ..., budgets: _Optional[_Iterable[_Union[FidelityBudget, _Mapping]]] = ..., fidelity_target: _Optional[float] = ..., cluster: _Optional[_Union[ClusterStats, _Mapping]] = ...) -> None: ...
+
+class ClusterStats(_message.Message):
+    __slots__ = ("master_up", "silent_segments")
+    MASTER_UP_FIELD_NUMBER: _ClassVar[int]
+    SILENT_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    master_up: bool
+    silent_segments: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, master_up: _Optional[bool] = ..., silent_segments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListChunksRequest(_message.Message):
     __slots__ = ("model_id", "page_size", "page_token")
