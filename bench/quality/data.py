@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 NAMES = (
     "alice bob carol dave erin frank grace heidi ivan judy kevin laura mike nina "
@@ -241,11 +241,17 @@ def examples(split: str, count: int, seed: int | None = None) -> list[Example]:
 
 
 def iter_examples(split: str, count: int | None = None, seed: int | None = None) -> Iterator[Example]:
+    return draws(make_example, (TRAIN_SEED, HELDOUT_SEED), split, count, seed)
+
+
+def draws(make: Callable[[random.Random], Example], seeds: tuple[int, int], split: str, count: int | None,
+          seed: int | None) -> Iterator[Example]:
+    """A task's examples of ``split`` (`make` draws one; `seeds`: its train and held-out bases)."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    base = TRAIN_SEED if split == "train" else HELDOUT_SEED
+    base = seeds[0] if split == "train" else seeds[1]
     rng = random.Random(base if seed is None else base + seed)
     i = 0
     while count is None or i < count:
-        yield make_example(rng)
+        yield make(rng)
         i += 1

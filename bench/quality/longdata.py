@@ -102,11 +102,4 @@ def examples(split: str, count: int, seed: int | None = None) -> list[Example]:
 
 
 def iter_examples(split: str, count: int | None = None, seed: int | None = None) -> Iterator[Example]:
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    base = TRAIN_SEED if split == "train" else HELDOUT_SEED
-    rng = random.Random(base if seed is None else base + seed)
-    i = 0
-    while count is None or i < count:
-        yield make_example(rng)
-        i += 1
+    return data.draws(make_example, (TRAIN_SEED, HELDOUT_SEED), split, count, seed)
