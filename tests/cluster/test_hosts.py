@@ -167,13 +167,13 @@ def test_master_killed_and_restarted_nodes_rejoin_without_a_restart(cluster):
     """The master dies: nodes keep serving from their own tiers. It comes back on the same
     address, empty: the nodes rejoin by themselves and the cluster fills again."""
     cluster.master.kill()
-    wait_master(cluster, NODES, False, 10)
     engine_a, node_a = cluster.engines["a"], cluster.address("a")
-    for p in FIRST_A:  # A's own variants, from its own tiers
+    for p in FIRST_A:  # A's own variants, from its own tiers (whether or not A noticed yet)
         r = engine_a.prefill(node_a, p)
         cluster.saw("master killed: A serves its own variants", [r])
         assert r["reused"] == r["chunks"] and r["fallbacks"] == 0, r
         assert_right(r)
+    wait_master(cluster, NODES, False, 10)
     cluster.master.start()
     # The nodes rejoin by themselves and put back what they hold: every chunk A holds is
     # listed again (a chunk's list has remote_list_slots entries, so two variants of one
