@@ -9,18 +9,19 @@ nothing sleeps for timing.
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvclient.client import KVClient, Ref
 from kvclient.errors import NotFoundError
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.cluster import records
+from kvservice.cluster.master import free_port
 from kvservice.cluster.view import ClusterView
 from kvservice.launcher import ServiceProcess
 
@@ -56,17 +57,12 @@ def wait_listed(view: ClusterView, key: str, vid: str, timeout: float = 30.0) ->
         time.sleep(0.05)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def master_up_gauge(node: ServiceProcess) -> float:
     """kvcraft_cluster_master_up as the node's metrics endpoint gives it."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{node.settings['metrics_port']}/metrics", timeout=10).read()
-    (line,) = [ln for ln in text.decode().splitlines() if ln.startswith("kvcraft_cluster_master_up ")]
-    return float(line.split()[1])
+    (sample,) = [m.samples[0] for m in text_string_to_metric_families(text.decode())
+                 if m.name == "kvcraft_cluster_master_up"]
+    return sample.value
 
 
 @pytest.fixture(scope="module")
