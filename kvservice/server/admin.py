@@ -10,6 +10,7 @@ from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice import wire
 from kvservice.config import Config
 from kvservice.errors import InvalidArgument
+from kvservice.records import Selector
 from kvservice.server.status import InFlight, rpc
 from kvservice.store import ChunkStore
 
@@ -27,28 +28,29 @@ class AdminServicer:
 
     @rpc
     async def ListChunks(self, request: pb.ListChunksRequest, context: Any) -> pb.ListChunksResponse:
+        if request.model_id:  # (a filter no chunk can match would read the whole index for nothing)
+            _check_key("model_id", request.model_id)
         return wire.list_chunks_response(*self.store.list_chunks(request.model_id, request.page_size,
                                                                  request.page_token))
 
     @rpc
     async def GetChunk(self, request: pb.GetChunkRequest, context: Any) -> pb.GetChunkResponse:
-        if not is_key(request.chunk_key):
-            raise InvalidArgument(f"chunk_key {request.chunk_key[:40]!r} is not 32 lowercase hex chars")
+        _check_key("chunk_key", request.chunk_key)
         return pb.GetChunkResponse(variants=[wire.variant_message(v, self.store.leased(v.variant_id))
                                              for v in self.store.get_chunk(request.chunk_key)])
 
     @rpc
     async def Evict(self, request: pb.VariantSelector, context: Any) -> pb.EvictResponse:
-        evicted, skipped = await asyncio.to_thread(self.store.evict, wire.selector(request))
+        evicted, skipped = await asyncio.to_thread(self.store.evict, _selector(request))
         return pb.EvictResponse(evicted=evicted, skipped_protected=skipped)
 
     @rpc
     async def Pin(self, request: pb.VariantSelector, context: Any) -> pb.PinResponse:
-        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, wire.selector(request), True))
+        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, _selector(request), True))
 
     @rpc
     async def Unpin(self, request: pb.VariantSelector, context: Any) -> pb.PinResponse:
-        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, wire.selector(request), False))
+        return pb.PinResponse(variants=await asyncio.to_thread(self.store.set_pinned, _selector(request), False))
 
     @rpc
     async def Flush(self, request: pb.FlushRequest, context: Any) -> pb.FlushResponse:
@@ -58,3 +60,17 @@ class AdminServicer:
     @rpc
     async def Config(self, request: pb.ConfigRequest, context: Any) -> pb.ConfigResponse:
         return pb.ConfigResponse(toml=self.cfg.to_toml())
+
+
+def _check_key(field: str, value: str) -> None:
+    if not is_key(value):
+        raise InvalidArgument(f"{field} {value[:40]!r} is not 32 lowercase hex chars")
+
+
+def _selector(msg: pb.VariantSelector) -> Selector:
+    """The variants an Evict, Pin or Unpin names (its key checked: a malformed one is not
+    merely absent)."""
+    which = msg.WhichOneof("target")
+    if which is not None:
+        _check_key(which, getattr(msg, which))
+    return wire.selector(msg)

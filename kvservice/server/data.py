@@ -21,7 +21,7 @@ from kvservice.index import Variant
 from kvservice.metrics import Metrics
 from kvservice.server.codecs import as_message, check_parsed, message_bytes
 from kvservice.server.peers import check_same_host
-from kvservice.server.status import InFlight, rpc, storage_error
+from kvservice.server.status import InFlight, rpc, status_of, storage_error
 from kvservice.store import ChunkStore, staging
 from kvservice.store.session import StagedWriter
 
@@ -199,7 +199,7 @@ class DataServicer:
                 opening.add_done_callback(lambda f: _release_opened(loop, f, self._end_early))
                 raise
         except KVCraftError as e:
-            await context.abort(e.code, str(e))
+            await context.abort(*status_of(e, "FetchLayers"))
         timer = self.metrics.fetch_seconds.time()
         timer.__enter__()
         closed = False
@@ -234,7 +234,7 @@ class DataServicer:
         except KVCraftError as e:
             closed = True
             _release_after(loop, reading, self._end_early, infos)
-            await context.abort(e.code, str(e))
+            await context.abort(*status_of(e, "FetchLayers"))
         else:
             # Before the status goes out, so a client that saw the stream end also
             # sees the promotion to the host tier.

@@ -65,17 +65,30 @@ def rpc(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     return wrapper
 
 
+# A status's message travels in a trailer, percent-encoded past printable ASCII (a byte: up to
+# 3 chars), and a grpc client refuses trailers past 8-16 KiB: it would see RESOURCE_EXHAUSTED
+# "metadata size exceeds hard limit", not the problem. So a message is cut to this many bytes.
+MAX_MESSAGE_BYTES = 2000
+
+
 def status_of(e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     """The status a call that raised `e` ends with: a domain error's own, a full disk's
     (`storage_error`), else INTERNAL naming only the kind (a bug: logged whole here, so
-    call it inside the `except`)."""
+    call it inside the `except`). A message is cut to MAX_MESSAGE_BYTES of UTF-8."""
     if isinstance(e, KVCraftError):
-        return e.code, str(e)
+        return e.code, _bounded(str(e))
     known = storage_error(e)
     if known is not None:
-        return known.code, str(known)
+        return known.code, _bounded(str(known))
     log.exception("%s failed", method)
     return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}"
+
+
+def _bounded(message: str) -> str:
+    raw = message.encode()
+    if len(raw) <= MAX_MESSAGE_BYTES:
+        return message
+    return raw[:MAX_MESSAGE_BYTES - 40].decode(errors="ignore") + f"... (cut from {len(raw):,} bytes)"
 
 
 def storage_error(e: BaseException) -> KVCraftError | None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvclient.client import KVClient, Ref, plan_request
-from kvclient.errors import InvalidArgumentError, KVCraftError, ResourceExhaustedError
+from kvclient.errors import InvalidArgumentError, KVCraftError, NotFoundError, ResourceExhaustedError
 from kvcraft.keys import ModelSpec
 from kvcraft.plans import prefix_keys
 from kvcraft.v1 import kvcraft_pb2 as pb
@@ -99,6 +99,40 @@ def test_non_finite_timings_are_refused_and_do_not_poison_later_plans(kvserver, 
         assert math.isfinite(plan.load_s_per_layer) and plan.load_s_per_layer > 0
         c.release(plan.lease_id)
     assert "Traceback" not in kvserver.log()
+
+
+# -- keys that are not keys, and a status message's size ----------------------------------
+@pytest.mark.parametrize("field", ["chunk_key", "variant_id"])
+@pytest.mark.parametrize("bad", ["00", "A" * 32, "q" * 100_000, "é" * 40_000])
+def test_a_malformed_key_to_evict_pin_or_unpin_is_invalid_argument_naming_it(kvserver, field, bad):
+    """Not NOT_FOUND (a key of the wrong form is a caller's bug, not an absent chunk), and never
+    the whole key echoed: a 100 KB one in the status would pass grpc's trailer limit, and the
+    caller would see RESOURCE_EXHAUSTED for a size no one asked about."""
+    with KVClient(kvserver.address, timeout=10) as c:
+        key = c.store(MODEL, tokens(1), layers()).chunk_key
+        for call in (c.evict, c.pin, c.unpin):
+            with pytest.raises(InvalidArgumentError, match=f"INVALID_ARGUMENT: {field} .* is not 32 lowercase hex chars") as e:
+                call(**{field: bad})
+            assert len(str(e.value)) < 200
+        with pytest.raises(NotFoundError, match="is not stored"):  # a well-formed key stored nowhere
+            c.evict(**{field: "0" * 32})
+        assert c.stats().variants == 1 and c.evict(chunk_key=key).evicted == 1
+        if field == "chunk_key":  # (once) a listing's model filter, likewise
+            with pytest.raises(InvalidArgumentError, match="INVALID_ARGUMENT: model_id .* is not 32 lowercase hex"):
+                c.list_chunks(model_id=bad)
+    assert "Traceback" not in kvserver.log()
+
+
+def test_a_status_message_is_cut_to_what_a_grpc_trailer_carries():
+    from kvservice.errors import InvalidArgument
+    from kvservice.server.status import MAX_MESSAGE_BYTES, status_of
+
+    for text in ("x" * 100_000, "é" * 50_000, "ok"):
+        code, message = status_of(InvalidArgument(text), "Test")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(message.encode()) <= MAX_MESSAGE_BYTES
+        assert message == text if len(text.encode()) <= MAX_MESSAGE_BYTES else message.startswith(text[:100])
+        assert (message == text) or f"cut from {len(text.encode()):,} bytes" in message
 
 
 # -- item 3: bytes that are not protobuf -------------------------------------------------
