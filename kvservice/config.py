@@ -232,8 +232,11 @@ def load_config(
     types = {f.name: f.type for f in fields(Config)}
     merged: dict[str, Any] = {}
     if file:
-        with open(file, "rb") as fh:
-            doc = tomllib.load(fh)
+        try:
+            with open(file, "rb") as fh:
+                doc = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{file}: not TOML: {e}") from None
         doc = doc.get("kvcraft", doc)  # allow a [kvcraft] table or top-level keys
         remote = doc.pop("remote", {})
         if not isinstance(remote, dict):

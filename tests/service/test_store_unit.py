@@ -63,6 +63,9 @@ def test_settings_precedence_defaults_file_env_flags(tmp_path):
         load_config(f, env={})
     with pytest.raises(ValueError, match="KVCRAFT|port"):
         load_config(env={"KVCRAFT_PORT": "many"})
+    f.write_text("[[[\n")
+    with pytest.raises(ValueError, match=r"kvcraft\.toml: not TOML: .*line 1"):  # the file named, where it broke
+        load_config(f, env={})
 
 
 def test_leases_match_a_brute_force_reference(tmp_path):
