@@ -128,6 +128,8 @@ class StagingPool:
 def uniform(layers: Sequence[tuple["torch.Tensor", "torch.Tensor"]]) -> bool:
     """Every layer has the first layer's K and V dtype and shape (else the gRPC stream
     runs, and the service names the bad layer as it always does)."""
+    if not layers:
+        return False  # (the gRPC path's header refuses it)
     k0, v0 = layers[0]
     return all(k.dtype == k0.dtype and v.dtype == v0.dtype and k.shape == k0.shape and v.shape == v0.shape
                for k, v in layers)

@@ -61,12 +61,23 @@ def _with_token_ids(make: Callable[[Sequence[int]], M], token_ids: Sequence[int]
 # -- Store ------------------------------------------------------------------------------
 def store_header(model_id: str, token_ids: Sequence[int], layers: Sequence[Layer],
                  prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> pb.StoreHeader:
+    """The Store's header; ValueError, before anything is sent, for layers that are no variant's
+    (none, or one that is not a storable [kv_heads, tokens, head_dim] tensor) or a token id
+    outside uint32. (That each layer matches the first, the service checks and names.)"""
     if not layers:
         raise ValueError("layers is empty: a variant has at least one layer")
+    for i, (k, v) in enumerate(layers):
+        try:
+            spec_of(k), spec_of(v)
+        except ValueError as e:
+            raise ValueError(f"layers[{i}]: {e}") from None
     k0, v0 = layers[0]
-    header = _with_token_ids(lambda ids: pb.StoreHeader(model_id=model_id, token_ids=ids,
-                                                        prefix_keys=list(prefix_keys), num_layers=len(layers),
-                                                        key_spec=spec_of(k0), value_spec=spec_of(v0)), token_ids)
+    try:
+        header = _with_token_ids(lambda ids: pb.StoreHeader(model_id=model_id, token_ids=ids,
+                                                            prefix_keys=list(prefix_keys), num_layers=len(layers),
+                                                            key_spec=spec_of(k0), value_spec=spec_of(v0)), token_ids)
+    except ValueError as e:  # protobuf's "Value out of range: -1"
+        raise ValueError(f"token_ids: {e} (a token id is a uint32)") from None
     if stats is not None:
         header.stats.CopyFrom(pb.VariantStats(a=stats.a, b=stats.b, prefix_attention=stats.prefix_attention,
                                               token_inter_attention=stats.token_inter_attention,
@@ -86,10 +97,16 @@ def store_messages(model_id: str, token_ids: Sequence[int], layers: Sequence[Lay
                    prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> Iterator[bytes]:
     """The Store stream serialized: the header through protobuf, each layer by
     `kvcraft.codec` straight from the tensors' memory (one copy of its bytes; the same
-    wire bytes as `store_requests`)."""
-    yield pb.StoreRequest(header=store_header(model_id, token_ids, layers, prefix_keys, stats)).SerializeToString()
+    wire bytes as `store_requests`). The arguments are checked here, before the stream
+    starts (`store_header`): a ValueError raised while grpc iterates the stream would reach
+    the caller only as UNKNOWN "Exception iterating requests!"."""
+    header = pb.StoreRequest(header=store_header(model_id, token_ids, layers, prefix_keys, stats))
+    return _store_stream(header.SerializeToString(), layers)
+
+
+def _store_stream(header: bytes, layers: Sequence[Layer]) -> Iterator[bytes]:
+    yield header
     for i, (k, v) in enumerate(layers):
-        spec_of(k), spec_of(v)  # a storable dtype and shape, as store_requests checks
         yield codec.encode_store_layer(i, byte_view(k), byte_view(v))
 
 

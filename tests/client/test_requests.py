@@ -30,3 +30,31 @@ def test_an_id_outside_uint32_is_refused(bad):
                   lambda: lookup_request(MODEL, bad, None)):
         with pytest.raises(ValueError, match="out of range"):
             build()
+
+
+BAD_STORES = {  # what a Store is given -> what the ValueError says
+    "no layers": ([5, 6, 7], [], "layers is empty"),
+    "an id outside uint32": ([5, -6, 7], LAYERS, r"token_ids: .*out of range"),
+    "a 2-D layer": ([5, 6, 7], [LAYERS[0], (torch.zeros(3, 2), torch.zeros(3, 2))], r"layers\[1\]: expected a \[kv_heads"),
+    "an integer layer": ([5, 6, 7], [(torch.zeros(1, 3, 2, dtype=torch.int64),) * 2], r"layers\[0\]: dtype torch.int64"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_STORES)
+@pytest.mark.parametrize("local_store", [True, False])
+async def test_a_store_of_what_is_no_variant_raises_the_value_error_through_either_path_and_stores_nothing(
+        shared_server, case, local_store):
+    """Through shared memory or the gRPC stream, blocking or asyncio: the same ValueError before
+    anything is sent (raised inside grpc's iteration of the stream, it would reach the caller as
+    UNKNOWN "Exception iterating requests!")."""
+    from kvclient import AsyncKVClient, KVClient
+
+    ids, layers, message = BAD_STORES[case]
+    with KVClient(shared_server.address, timeout=10, local_store=local_store) as c:
+        with pytest.raises(ValueError, match=message):
+            c.store(MODEL, ids, layers)
+        async with AsyncKVClient(shared_server.address, timeout=10, local_store=local_store) as a:
+            with pytest.raises(ValueError, match=message):
+                await a.store(MODEL, ids, layers)
+        if case != "an id outside uint32":
+            assert not c.lookup(MODEL, ids).found
