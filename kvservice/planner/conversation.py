@@ -13,11 +13,14 @@ unknown conversation has no history, so nothing is dropped: forgetting can only
 cause a redundant chunk, never a missing one. For the same reason a conversation
 keeps only its last `max_chunks` keys: the history (and every Plan response, which
 carries it and each chunk's prefix) stays bounded however long the conversation
-runs. The clock is injectable so tests never sleep.
+runs. An id longer than MAX_ID_CHARS is held as its digest: what a conversation holds is
+bounded whatever id a client sends (a request may carry megabytes of one). The clock is
+injectable so tests never sleep.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from typing import Callable, Container, Iterable, Sequence
@@ -25,6 +28,7 @@ from typing import Callable, Container, Iterable, Sequence
 DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_CONVERSATIONS = 100_000
 DEFAULT_MAX_CHUNKS = 512
+MAX_ID_CHARS = 64  # a longer conversation id is held as its 128-bit blake2b digest (`_held`)
 
 
 def dedup(keys: Sequence[str], sent: "Container[str]") -> tuple[list[str], list[str]]:
@@ -59,8 +63,8 @@ class ChunkMap:
         self.max_conversations = max_conversations
         self.max_chunks = max_chunks
         self._clock = clock
-        # conv_id -> (last turn time, sent key -> send position); least recent first.
-        self._convs: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
+        # conv_id (`_held`) -> (last turn time, sent key -> send position); least recent first.
+        self._convs: OrderedDict[str | bytes, tuple[float, dict[str, int]]] = OrderedDict()
 
     def history(self, conv_id: str) -> dict[str, int] | None:
         """Keys sent in earlier turns -> their send position (0, 1, ...), in send
@@ -68,13 +72,14 @@ class ChunkMap:
         if not conv_id:
             return None
         self._expire()
-        entry = self._convs.get(conv_id)
+        entry = self._convs.get(_held(conv_id))
         return None if entry is None else entry[1]
 
     def record(self, conv_id: str, keys: Iterable[str]) -> None:
         """Remember that this turn sent `keys`; refreshes the conversation's TTL."""
         if not conv_id:
             return
+        conv_id = _held(conv_id)
         now = self._clock()
         entry = self._convs.pop(conv_id, None)
         sent: dict[str, int] = {} if entry is None else entry[1]
@@ -90,7 +95,7 @@ class ChunkMap:
             self._convs.popitem(last=False)
 
     def forget(self, conv_id: str) -> None:
-        self._convs.pop(conv_id, None)
+        self._convs.pop(_held(conv_id), None)
 
     def __len__(self) -> int:
         self._expire()
@@ -104,3 +109,11 @@ class ChunkMap:
             if first[0] > deadline:
                 break
             convs.popitem(last=False)
+
+
+def _held(conv_id: str) -> str | bytes:
+    """The key a conversation is held under: its id, or the digest of a long one (bytes, so
+    that no id a client sends is another's digest)."""
+    if len(conv_id) <= MAX_ID_CHARS:
+        return conv_id
+    return hashlib.blake2b(conv_id.encode(errors="surrogatepass"), digest_size=16).digest()

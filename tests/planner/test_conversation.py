@@ -70,3 +70,32 @@ def test_empty_conversation_id_has_no_history():
     cm = ChunkMap(clock=FakeClock())
     cm.record("", ["a"])
     assert cm.history("") is None
+
+
+def test_a_conversation_holds_little_memory_however_long_its_id():
+    """A client may name a conversation with megabytes: 200 of 100 KB ids are held in a small
+    fraction of their 20 MB, and each still has its own history (ids that differ only in their
+    last character are two conversations; an id equal to another's digest is a third)."""
+    import hashlib
+    import tracemalloc
+
+    def conv_id(i: int) -> str:  # made anew each time, as each request's is
+        return f"{'x' * 100_000}{i}"
+
+    cm = ChunkMap(clock=FakeClock())
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200):
+            cm.record(conv_id(i), [f"c{i}"])
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1_000_000, held
+    ids = [conv_id(i) for i in range(200)]
+    assert all(cm.history(conv) == {f"c{i}": 0} for i, conv in enumerate(ids))
+    assert cm.history("x" * 100_000) is None
+    digest = hashlib.blake2b(ids[0].encode(), digest_size=16)
+    assert cm.history(digest.hexdigest()) is None and cm.history(digest.digest().decode("latin-1")) is None
+    cm.forget(ids[0])
+    assert cm.history(ids[0]) is None and cm.history(ids[1]) == {"c1": 0}
