@@ -58,6 +58,12 @@ def _with_token_ids(make: Callable[[Sequence[int]], M], token_ids: Sequence[int]
         return make([int(t) for t in token_ids])
 
 
+def _check_count(name: str, value: int) -> None:
+    """A uint32 field's value, refused by name (protobuf's own error names neither)."""
+    if not 0 <= value < 1 << 32:
+        raise ValueError(f"{name} is {value}; expected 0 .. 2**32 - 1")
+
+
 # -- Store ------------------------------------------------------------------------------
 def store_header(model_id: str, token_ids: Sequence[int], layers: Sequence[Layer],
                  prefix_keys: Sequence[str] = (), stats: VariantStats | None = None) -> pb.StoreHeader:
@@ -117,6 +123,8 @@ def store_result_of(r: pb.StoreResponse, local: bool = False) -> StoreResult:
 
 # -- FetchLayers ------------------------------------------------------------------------
 def fetch_request(refs: Sequence[RefLike], first_layer: int = 0, num_layers: int = 0) -> pb.FetchRequest:
+    _check_count("first_layer", first_layer)
+    _check_count("num_layers", num_layers)
     return pb.FetchRequest(variants=[variant_ref(r) for r in refs], first_layer=first_layer, num_layers=num_layers)
 
 
@@ -139,6 +147,7 @@ def fetched_layer(msg: codec.LayerChunkView | pb.LayerChunk, device: str | torch
 def plan_request(model_id: str, chunks: Sequence[ChunkLike], question_tokens: int, conversation_id: str = "",
                  first_turn: bool | None = None, lease_ttl_s: float = 0.0,
                  timings: pb.TimingReport | None = None, policy: str = "", adaptive: bool = False) -> pb.PlanRequest:
+    _check_count("question_tokens", question_tokens)
     req = pb.PlanRequest(model_id=model_id, conversation_id=conversation_id, question_tokens=question_tokens,
                          lease_ttl_s=lease_ttl_s, timings=timings, policy=policy, adaptive=adaptive)
     for c in chunks:

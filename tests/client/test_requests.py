@@ -58,3 +58,14 @@ async def test_a_store_of_what_is_no_variant_raises_the_value_error_through_eith
                 await a.store(MODEL, ids, layers)
         if case != "an id outside uint32":
             assert not c.lookup(MODEL, ids).found
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32])
+def test_a_count_outside_uint32_is_refused_by_its_name(bad):
+    from kvclient.messages import fetch_request
+
+    with pytest.raises(ValueError, match=f"question_tokens is {bad}"):
+        plan_request(MODEL, [[1, 2]], bad)
+    for name in ("first_layer", "num_layers"):
+        with pytest.raises(ValueError, match=f"{name} is {bad}"):
+            fetch_request([("a" * 32, "")], **{name: bad})
