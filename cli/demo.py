@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from engine_adapter.policy import DEFAULT_POLICY, parse_policy
+from kvbench.common.args import count
 
 QUALITY_EXAMPLES = 24
 REAL_RECORD = 13  # index into the MuSiQue sample (bench/data/musique_dev.json)
@@ -220,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m kvcli.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-dir", help="default: a temporary directory")
-    ap.add_argument("--questions", type=int, default=QUALITY_EXAMPLES)
+    ap.add_argument("--questions", type=count(), default=QUALITY_EXAMPLES)
     ap.add_argument("--model-dir", help="the real model's folder (default: where `kvcraft model fetch` puts it)")
     a = ap.parse_args(argv)
     return run_demo(a.data_dir, quality_examples=a.questions, model_dir=a.model_dir)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from kvbench.common.args import count
 from kvbench.common.realmodel import chat, fetch
 from kvbench.common.rows import best_time
 
@@ -67,9 +68,9 @@ def measure(folder: Path, n_tokens: int = 1024, new_tokens: int = 16, repeat: in
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvcraft model parity", description=__doc__.split("\n")[0])
     p.add_argument("--dir", help="the model folder (default: as `kvcraft model fetch`; fetched if absent)")
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--new", type=int, default=16, help="greedy tokens to compare")
-    p.add_argument("--repeat", type=int, default=3, help="prefill timings: best of this many")
+    p.add_argument("--tokens", type=count(), default=1024)
+    p.add_argument("--new", type=count(0), default=16, help="greedy tokens to compare")
+    p.add_argument("--repeat", type=count(), default=3, help="prefill timings: best of this many")
     a = p.parse_args(argv)
     out = measure(fetch(a.dir).path, a.tokens, a.new, a.repeat)
     print(json.dumps(out, indent=2))

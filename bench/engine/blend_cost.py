@@ -38,6 +38,7 @@ import torch
 from engine_adapter import Policy
 from engine_adapter.cost import BLEND_LIMIT, planned_share
 from kvbench import results
+from kvbench.common.args import count
 from kvbench.engine.ttft import Case, Workload, measure, median, real_workload, store_chunks, timed, via_adapter
 from kvclient.client import KVClient
 
@@ -47,13 +48,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvcraft bench blend-cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, metavar="DIR", help="the real model's folder (default: `kvcraft model "
                                                                  "fetch`'s)")
-    ap.add_argument("--record", type=int, default=0, help="the MuSiQue sample record")
-    ap.add_argument("--passages", type=int, default=5, help="retrieved passages in the prompt")
-    ap.add_argument("--stored", type=int, nargs="+", default=None,
+    ap.add_argument("--record", type=count(0), default=0, help="the MuSiQue sample record")
+    ap.add_argument("--passages", type=count(), default=5, help="retrieved passages in the prompt")
+    ap.add_argument("--stored", type=count(0), nargs="+", default=None,
                     help="passages stored before the prompt is served, one run each (default: 0 to --passages)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.25])
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=count(), default=2)
+    ap.add_argument("--threads", type=count(), default=1)
     results.add_argument(ap, "blend-cost")
     a = ap.parse_args(argv)
     stored = a.stored if a.stored is not None else list(range(a.passages + 1))

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvbench import results
+from kvbench.common.args import count
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     parser = argparse.ArgumentParser(prog="kvcraft bench kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=2500, help="prompt length T (keys in the merged cache)")
+    parser.add_argument("--tokens", type=count(), default=2500, help="prompt length T (keys in the merged cache)")
     parser.add_argument("--ratio", type=float, default=0.15, help="fraction of rows computed")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--peak-tbps", type=float, default=4.8, help="HBM bandwidth peak, TB/s (H200)")

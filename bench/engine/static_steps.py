@@ -42,6 +42,7 @@ from engine_adapter.policy import Policy  # noqa: E402
 from engine_adapter.probe import TOLERANCE, TRUSTED  # noqa: E402
 from engine_adapter.prompt import Segment  # noqa: E402
 from engine_adapter.source import InMemoryLayerSource  # noqa: E402
+from kvbench.common.args import count
 
 POLICIES = (("naive", {}, 0.0), ("cachecraft", {}, 0.15), ("cacheblend", {"ratio": 0.15}, 0.0), ("query", {}, 0.0))
 
@@ -98,7 +99,7 @@ def run(path: str, chunk_len: int, device: str, **buckets: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("quality", "smollm2"), default="quality")
-    ap.add_argument("--chunk-len", type=int, default=40)
+    ap.add_argument("--chunk-len", type=count(), default=40)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     if args.model == "quality":

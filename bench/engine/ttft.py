@@ -60,6 +60,7 @@ from engine_adapter.prompt import Layout, Segment
 from engine_adapter.rag import RAGAdapter
 from engine_adapter.source import InMemoryLayerSource
 from kvbench import results
+from kvbench.common.args import count
 from kvclient.client import KVClient
 from kvcraft.keys import chunk_key
 
@@ -104,17 +105,17 @@ def _split(ttft: float, r: BlendResult | None, fetch_wait: float) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     ap = argparse.ArgumentParser(prog="kvcraft bench ttft", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=SHAPE.num_layers)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[5], help="chunks per prompt (several: one run each)")
-    ap.add_argument("--chunk-len", type=int, default=256)
-    ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--layers", type=count(), default=SHAPE.num_layers)
+    ap.add_argument("--chunks", type=count(), nargs="+", default=[5], help="chunks per prompt (several: one run each)")
+    ap.add_argument("--chunk-len", type=count(), default=256)
+    ap.add_argument("--question-len", type=count(), default=32)
     ap.add_argument("--real", nargs="?", const="", metavar="DIR",
                     help="the real model (its folder; default: where `kvcraft model fetch` puts it) "
                          "on a MuSiQue prompt, instead of the random-weight shape")
-    ap.add_argument("--record", type=int, default=0, help="with --real: the MuSiQue sample record")
-    ap.add_argument("--passages", type=int, default=3, help="with --real: retrieved passages in the prompt")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--record", type=count(0), default=0, help="with --real: the MuSiQue sample record")
+    ap.add_argument("--passages", type=count(), default=3, help="with --real: retrieved passages in the prompt")
+    ap.add_argument("--repeats", type=count(), default=3)
+    ap.add_argument("--threads", type=count(), default=1)
     results.add_argument(ap, "ttft")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)

@@ -41,6 +41,7 @@ from engine_adapter import LlamaEngine, ReusePolicy
 from engine_adapter.policy import DEFAULT_POLICY, parse_policy
 from engine_adapter.rag import RAGAdapter
 from kvbench import results
+from kvbench.common.args import count
 from kvbench.quality import data, longdata
 from kvbench.quality.modeling import LONG_MODEL_DIR, MODEL_DIR, build_tokenizer, encode
 from kvclient.client import KVClient
@@ -121,8 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench deployed", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=sorted(TASKS), default="short")
-    p.add_argument("--examples", type=int, default=300)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--examples", type=count(), default=300)
+    p.add_argument("--seed", type=count(0), default=1)
     p.add_argument("--policy", action="append", help=f"policy spec, e.g. naive or cacheblend:budget=0.15 "
                                                      f"(repeatable; default: {DEFAULT_POLICY})")
     results.add_argument(p, "deployed")

@@ -37,6 +37,7 @@ from engine_adapter import LlamaEngine, Policy, ReuseGate
 from engine_adapter.policy import DEFAULT_POLICY, parse_policy
 from engine_adapter.rag import RAGAdapter
 from kvbench import results
+from kvbench.common.args import count
 from kvbench.quality import data
 from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
 from kvclient.client import KVClient
@@ -218,7 +219,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--examples", type=int, default=200)
+    p.add_argument("--examples", type=count(), default=200)
     p.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     results.add_argument(p, "evaluate")
     p.add_argument("--plot", type=Path)

@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvbench import results
+from kvbench.common.args import count
 from kvbench.quality.stream_report import mean, print_report, report
 from kvbench.report.streams import ANSWER_TOKENS
 from kvclient.fidelity import fidelity_record
@@ -449,22 +450,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench fidelity-stream", description=__doc__.split("\n")[0])
     p.add_argument("--task", choices=TASKS, default="short")
-    p.add_argument("--requests", type=int, default=300, help="requests in the stream (N)")
-    p.add_argument("--seed", type=int, default=1, help="held-out draw (synthetic) / shuffle seed (musique)")
+    p.add_argument("--requests", type=count(), default=300, help="requests in the stream (N)")
+    p.add_argument("--seed", type=count(0), default=1, help="held-out draw (synthetic) / shuffle seed (musique)")
     p.add_argument("--data", type=Path, help="musique: CacheBlend's musique_s.json (held-out records 0-119)")
-    p.add_argument("--first", type=int, default=0, help="musique: first record")
-    p.add_argument("--records", type=int, default=120, help="musique: records (held-out: 0-119)")
-    p.add_argument("--passages", type=int, default=3)
-    p.add_argument("--neighbours", type=int, default=1, help="musique: passages of the next record in request 1")
+    p.add_argument("--first", type=count(0), default=0, help="musique: first record")
+    p.add_argument("--records", type=count(), default=120, help="musique: records (held-out: 0-119)")
+    p.add_argument("--passages", type=count(), default=3)
+    p.add_argument("--neighbours", type=count(0), default=1, help="musique: passages of the next record in request 1")
     p.add_argument("--model-dir", help="musique: the model folder (default: as `kvcraft model fetch`)")
     p.add_argument("--sweep", nargs="*", help="fixed policies (default: query at each ladder budget < 1, naive, "
                                               "cacheblend); `none`: no sweep")
-    p.add_argument("--sweep-requests", type=int, help="serve the sweep's policies the stream's first M requests "
+    p.add_argument("--sweep-requests", type=count(), help="serve the sweep's policies the stream's first M requests "
                                                        "alone (default: all)")
-    p.add_argument("--new-tokens", type=int, default=0,
+    p.add_argument("--new-tokens", type=count(0), default=0,
                    help="every run decodes each answer (greedy, up to N tokens) and compares its first "
                         f"{ANSWER_TOKENS} after the first under teacher forcing; 0: first tokens alone")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=count(), default=2)
     p.add_argument("--near-tie", type=float, metavar="LOGITS", help="the adaptive run's near-tie margin: it serves "
                    "by full prefill a blended request whose first token leads the runner-up by less "
                    "(`engine_adapter.near_tie`; default: the margin the service learns; 0: none)")
@@ -474,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--state", type=Path, help="a folder for the adaptive run's service data and the requests it "
                                               "served: a run stopped or killed goes on from there when the same "
                                               "command runs again, its service restarted on the same data")
-    p.add_argument("--stop-after", type=int, help="with --state: stop the adaptive run after serving this many "
+    p.add_argument("--stop-after", type=count(), help="with --state: stop the adaptive run after serving this many "
                                                   "more requests (the results file is written once all are served)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     a = p.parse_args(argv)

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 from kvbench import results
+from kvbench.common.args import count
 
 from . import data, longdata, modeling
 
@@ -131,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task", choices=("short", "long"), default="short",
                     help="short: the first task (data); long: the long task (longdata)")
     ap.add_argument("--model", default=None, help="default: the task's committed model")
-    ap.add_argument("--n", type=int, default=500, help="held-out examples")
-    ap.add_argument("--seed", type=int, default=1,
+    ap.add_argument("--n", type=count(), default=500, help="held-out examples")
+    ap.add_argument("--seed", type=count(0), default=1,
                     help="held-out draw; 1 by default: training picks its checkpoint on the default draw")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=count(), default=1)
     results.add_argument(ap, "naive-check")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

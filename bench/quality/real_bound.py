@@ -70,6 +70,7 @@ from engine_adapter.selection import Rescale
 from engine_adapter.source import InMemoryLayerSource
 from kvbench import results
 from kvbench.common import musique
+from kvbench.common.args import count
 from kvbench.report.quality import musique_table
 from kvbench.quality.real_quality import meta, rouge_l_stats, warm_chunks
 
@@ -309,9 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvcraft bench real-bound", description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, default=musique.SAMPLE,
                    help="a MuSiQue file: musique_s.json of YaoJiayi/CacheBlend (default: the 30 dev records)")
-    p.add_argument("--first", type=int, default=0, help="index of the first record")
-    p.add_argument("--prompts", type=int, help="records (default: all from --first)")
-    p.add_argument("--passages", type=int, default=1, help="passages per prompt, the record's first")
+    p.add_argument("--first", type=count(0), default=0, help="index of the first record")
+    p.add_argument("--prompts", type=count(), help="records (default: all from --first)")
+    p.add_argument("--passages", type=count(), default=1, help="passages per prompt, the record's first")
     p.add_argument("--budgets", type=float, nargs="*", default=list(BUDGETS), metavar="SHARE",
                    help="shares of the prompt's row-layers each selection may compute (0 < share <= 1); "
                         "none: only full prefill (fp32 and bf16), naive reuse and the default")
@@ -320,16 +321,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ape", nargs="*", default=[], metavar="T,S",
                    help="APE's attention at each temperature,scale, over the stored variants and over passages "
                         "encoded behind the instruction alone")
-    p.add_argument("--only", type=int, nargs="+", default=[], metavar="ID",
+    p.add_argument("--only", type=count(0), nargs="+", default=[], metavar="ID",
                    help="run only these records (ids: indices in --data) of the range, each with the same "
                         "neighbour's passage as in a run of the whole range")
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--new-tokens", type=count(), default=16)
+    p.add_argument("--threads", type=count(), default=2, help="torch threads")
     p.add_argument("--model-dir", help="the model folder (default: as `kvcraft model fetch`; fetched if absent)")
     results.add_argument(p, "real-bound")
     a = p.parse_args(argv)
-    if a.first < 0 or (a.prompts is not None and a.prompts < 1) or a.new_tokens < 1 or a.passages < 1:
-        p.error("--first must be >= 0, --prompts, --passages and --new-tokens >= 1")
     if not all(0 < b <= 1 for b in a.budgets):
         p.error(f"--budgets must lie in (0, 1], got {a.budgets}")
     try:

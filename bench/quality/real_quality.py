@@ -45,6 +45,7 @@ from engine_adapter import policy
 from engine_adapter.policy import ReusePolicy
 from kvbench import results
 from kvbench.common import musique
+from kvbench.common.args import count
 
 DEFAULT_POLICIES = ("full", "naive", "cacheblend:budget=0.15", "cachecraft", policy.DEFAULT_POLICY)
 REFERENCE = "full"
@@ -266,13 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvcraft bench real-quality", description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, default=musique.SAMPLE,
                    help="a MuSiQue file: musique_s.json of YaoJiayi/CacheBlend (default: the 30 dev records)")
-    p.add_argument("--first", type=int, default=0, help="index of the first record served")
-    p.add_argument("--prompts", type=int, help="records served (default: all from --first)")
-    p.add_argument("--passages", type=int, default=3, help="passages per prompt, the record's first")
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--first", type=count(0), default=0, help="index of the first record served")
+    p.add_argument("--prompts", type=count(), help="records served (default: all from --first)")
+    p.add_argument("--passages", type=count(), default=3, help="passages per prompt, the record's first")
+    p.add_argument("--new-tokens", type=count(), default=32)
     p.add_argument("--policy", nargs="+", type=_policy_arg, default=list(DEFAULT_POLICIES), metavar="SPEC",
                    help="e.g. full naive cacheblend:budget=0.15 cachecraft:focus_window=2 (full is always run)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (transformers and the engine alike)")
+    p.add_argument("--threads", type=count(), default=1, help="torch threads (transformers and the engine alike)")
     p.add_argument("--model-dir", help="the model folder (default: as `kvcraft model fetch`; fetched if absent)")
     results.add_argument(p, "real-quality")
     p.add_argument("--plot", type=Path)
@@ -281,8 +282,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy_specs(a.policy)
     except ValueError as e:
         p.error(str(e))
-    if a.first < 0 or (a.prompts is not None and a.prompts < 1) or a.new_tokens < 1:
-        p.error("--first must be >= 0, --prompts and --new-tokens >= 1")
     import torch
 
     from kvbench.common.realmodel import fetch

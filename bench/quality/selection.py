@@ -36,6 +36,7 @@ from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
 from engine_adapter.source import InMemoryLayerSource
 from kvbench import results
+from kvbench.common.args import count
 from kvbench.quality.modeling import LONG_MODEL_DIR, MODEL_DIR
 # the prompts: re-exported, `selection.prompts` / `selection.load_lists` stay where they were
 from kvbench.quality.selection_prompts import TASKS, Prompt, load_lists, prompts, save_lists  # noqa: F401
@@ -136,12 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     ap = argparse.ArgumentParser(prog="kvcraft bench selection", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--examples", type=int, default=300)
-    ap.add_argument("--seed", type=int, default=3,
+    ap.add_argument("--examples", type=count(), default=300)
+    ap.add_argument("--seed", type=count(0), default=3,
                     help="held-out draw (2 and 4: the validation draws methods were chosen on; 1 and 3: reports)")
     ap.add_argument("--task", choices=sorted(TASKS), default="short",
                     help="short: 6 chunks of 7-10 words; long: 5-8 chunks of 32-52 words (longdata)")
-    ap.add_argument("--observe", type=int, default=2,
+    ap.add_argument("--observe", type=count(0), default=2,
                     help="later requests that computed each chunk in full (learned lists learn from them)")
     ap.add_argument("--model-dir", type=Path, default=None, help="default: the task's committed model")
     results.add_argument(ap, "selection")

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import DynamicCache
 
+from kvbench.common.args import count
+
 from . import data, longdata, modeling
 
 # Task name -> (example module, default model directory, max positions of the model).
@@ -185,21 +187,21 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--task", choices=sorted(TASKS), default="short",
                     help="short: 6 chunks of 7-10 words (data); long: 5-8 chunks of 32-52 words (longdata)")
     ap.add_argument("--out", type=Path, default=None, help="default: the task's committed model directory")
-    ap.add_argument("--steps", type=int, default=100_000, help="upper bound; --minutes or --target stops first")
+    ap.add_argument("--steps", type=count(), default=100_000, help="upper bound; --minutes or --target stops first")
     ap.add_argument("--minutes", type=float, default=60.0, help="wall-clock budget for training")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=count(), default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-size", type=int, default=256)
+    ap.add_argument("--warmup", type=count(0), default=100)
+    ap.add_argument("--hidden", type=count(), default=128)
+    ap.add_argument("--intermediate", type=count(), default=384)
+    ap.add_argument("--layers", type=count(), default=4)
+    ap.add_argument("--heads", type=count(), default=4)
+    ap.add_argument("--kv-heads", type=count(), default=2)
+    ap.add_argument("--eval-every", type=count(), default=100)
+    ap.add_argument("--eval-size", type=count(), default=256)
     ap.add_argument("--target", type=float, default=0.985, help="stop early at this held-out EM")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=count(0), default=0)
+    ap.add_argument("--threads", type=count(), default=1)
     ap.add_argument("--init-from", type=Path, default=None, help="continue from a saved model directory")
     return ap.parse_args(argv)
 

@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from kvbench import results
+from kvbench.common.args import count
 from kvclient.client import KVClient, Ref
 from kvclient.errors import KVCraftError, NotFoundError
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
@@ -167,8 +168,8 @@ def _same(got: list, want: list) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench crash", description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=count(), default=200)
+    p.add_argument("--seed", type=count(0), default=0)
     results.add_argument(p, "crash")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvcraft-crash-") as tmp:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvbench import results, stats
+from kvbench.common.args import count
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.layout import layer_layout
 from kvcraft.records import VariantStats
@@ -147,10 +148,10 @@ def measure_delete(victims: int, mib: int, parent: str | None) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench eviction", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[16_000, 100_000, 1_000_000])
-    p.add_argument("--victims", type=int, default=1000)
-    p.add_argument("--deletes", type=int, default=100, help="victims deleted for the second table")
-    p.add_argument("--delete-mib", type=int, default=8, help="payload size of those victims")
+    p.add_argument("--sizes", type=count(), nargs="+", default=[16_000, 100_000, 1_000_000])
+    p.add_argument("--victims", type=count(), default=1000)
+    p.add_argument("--deletes", type=count(0), default=100, help="victims deleted for the second table")
+    p.add_argument("--delete-mib", type=count(), default=8, help="payload size of those victims")
     p.add_argument("--data-dir", help="where the second table's payload files go (default: the temp dir)")
     results.add_argument(p, "eviction")
     a = p.parse_args(argv)

@@ -50,6 +50,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from kvbench import results
+from kvbench.common.args import count
 from kvbench.common.rows import transfer_row
 from kvbench.service.load import server_env
 from kvclient.client import KVClient, Ref
@@ -224,9 +225,9 @@ def run(chunks: int, tokens: int, repeat: int, tree: Path | None = None) -> list
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench fetch", description=__doc__.split("\n\n")[0])
-    p.add_argument("--chunks", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--chunks", type=count(), default=4)
+    p.add_argument("--tokens", type=count(), default=512)
+    p.add_argument("--repeat", type=count(), default=3)
     p.add_argument("--server", action="append", default=[], metavar="NAME=TREE",
                    help="a checkout to run the service from (repeat to compare); default: this one")
     results.add_argument(p, "fetch")

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from kvbench import results
+from kvbench.common.args import count
 from kvbench.common.workload import DEFAULT, generate
 from kvservice.planner import ChunkRef, InMemoryCatalog, Planner, PlannerConfig
 
@@ -67,7 +68,7 @@ def replay(reqs: list[list[ChunkRef]], follow: bool) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     ap = argparse.ArgumentParser(prog="kvcraft bench front-order", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--conversations", type=int, default=200, help="of the default trace's 2000")
+    ap.add_argument("--conversations", type=count(), default=200, help="of the default trace's 2000")
     results.add_argument(ap, "front-order")
     a = ap.parse_args(argv)
     reqs = first_turns(a.conversations)

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 from sortedcontainers import SortedList
 
 from kvbench import results
+from kvbench.common.args import count
 from kvbench.common.workload import PRESETS, Request, generate
 from kvcraft.records import VariantStats
 from kvservice.index import Variant, eviction_key
@@ -95,8 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench hit-rate", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), action="append", help="trace preset(s); default: both")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--conversations", type=int, help="override the presets' conversation count")
+    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--conversations", type=count(), help="override the presets' conversation count")
     p.add_argument("--capacities", type=float, nargs="+", default=list(CAPACITIES),
                    help="cache sizes, as shares of the trace's distinct chunk tokens")
     results.add_argument(p, "hit-rate")

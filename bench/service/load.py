@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvbench import results, stats
+from kvbench.common.args import count
 
 MIX = (("fetch", 40), ("store", 15), ("lookup", 20), ("plan", 15), ("lease", 5), ("stats", 5))
 # Small model shape: 4 layers, 2 KV heads, 32 tokens per chunk, head dim 64, fp16
@@ -207,10 +208,10 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench load", description=__doc__.split("\n\n")[0])
-    p.add_argument("--clients", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--clients", type=count(), nargs="+", default=[64, 256])
     p.add_argument("--seconds", type=float, default=10.0, help="per level")
-    p.add_argument("--max-ops", type=int, default=2000, help="per client and level")
-    p.add_argument("--workers", type=int, default=2, help="client processes")
+    p.add_argument("--max-ops", type=count(), default=2000, help="per client and level")
+    p.add_argument("--workers", type=count(), default=2, help="client processes")
     p.add_argument("--server", action="append", default=[], metavar="NAME=TREE",
                    help="a checkout to run the server from (repeat to compare); default: this one")
     results.add_argument(p, "load")

@@ -46,6 +46,7 @@ from typing import Sequence
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbench import results, stats
+from kvbench.common.args import count
 from kvclient.client import AsyncKVClient, KVClient, plan_request
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.layout import layer_layout
@@ -242,8 +243,8 @@ def measure(n_variants: int, n_requests: int, seed: int = 0) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench plan-latency", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--sizes", type=count(), nargs="+", default=[10_000, 100_000, 1_000_000])
+    p.add_argument("--requests", type=count(), default=2000)
     results.add_argument(p, "plan-latency")
     a = p.parse_args(argv)
     rows = []

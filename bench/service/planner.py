@@ -46,6 +46,7 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
+from kvbench.common.args import count
 from kvcraft.keys import variant_id
 from kvcraft.records import VariantStats
 from kvcraft.tiers import HOST
@@ -275,12 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvcraft bench planner", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), action="append",
                     help="trace preset(s); default: both")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--conversations", type=int, help="override the preset's conversation count")
+    ap.add_argument("--seed", type=count(0), default=0)
+    ap.add_argument("--conversations", type=count(), help="override the preset's conversation count")
     ap.add_argument("--alpha", type=float, default=1.0, help="Cache-Craft eq. 12 alpha")
-    ap.add_argument("--variants-per-chunk", type=int, default=4, help="M, variants kept per chunk")
-    ap.add_argument("--latency-sizes", type=int, nargs="*", default=[10_000, 100_000, 1_000_000])
-    ap.add_argument("--latency-plans", type=int, default=20_000)
+    ap.add_argument("--variants-per-chunk", type=count(), default=4, help="M, variants kept per chunk")
+    ap.add_argument("--latency-sizes", type=count(), nargs="*", default=[10_000, 100_000, 1_000_000])
+    ap.add_argument("--latency-plans", type=count(), default=20_000)
     ap.add_argument("--skip-latency", action="store_true")
     results.add_argument(ap, "planner")
     ap.add_argument("--no-progress", action="store_true")

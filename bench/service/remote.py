@@ -53,6 +53,7 @@ import torch
 
 from kvbench import results
 from kvbench.common import netns
+from kvbench.common.args import count
 from kvbench.common.rows import best_time, significant, transfer_row
 from kvclient.client import KVClient, Ref
 from kvcraft.keys import ModelSpec
@@ -412,10 +413,10 @@ def print_result(out: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench remote", description=__doc__.split("\n\n")[0])
-    p.add_argument("--chunks", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--requests", type=int, default=1000, help="first N requests of the default trace; 0 = all")
+    p.add_argument("--chunks", type=count(), default=4)
+    p.add_argument("--tokens", type=count(), default=256)
+    p.add_argument("--repeat", type=count(), default=3)
+    p.add_argument("--requests", type=count(0), default=1000, help="first N requests of the default trace; 0 = all")
     p.add_argument("--hosts", choices=("auto", "namespaces", "loopback"), default="auto",
                    help="auto: network namespaces where they can be made (root, iproute2), else loopback")
     results.add_argument(p, "remote")

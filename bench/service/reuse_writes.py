@@ -24,6 +24,7 @@ import time
 from typing import Sequence
 
 from kvbench import results, stats
+from kvbench.common.args import count
 from kvcraft.keys import ModelSpec
 from kvcraft.records import Ref, VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb
@@ -102,9 +103,9 @@ def measure(tokens: int, fetches: int, rounds: int, seed: int = 0) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(prog="kvcraft bench reuse-writes", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048], help="tokens per chunk")
-    p.add_argument("--fetches", type=int, default=500, help="per round and way")
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--tokens", type=count(), nargs="+", default=[128, 512, 2048], help="tokens per chunk")
+    p.add_argument("--fetches", type=count(), default=500, help="per round and way")
+    p.add_argument("--rounds", type=count(), default=6)
     results.add_argument(p, "reuse-writes")
     a = p.parse_args(argv)
     print(f"{'tokens':>7} {'record B':>9} {'access p50 µs':>14} {'p99':>7} {'record p50 µs':>14} {'p99':>7}", flush=True)

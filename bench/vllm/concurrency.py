@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvbench import results
+from kvbench.common.args import count
 
 LEVELS = (1, 8, 32)
 POLICY = {"name": "cacheblend", "budget": 0.15}
@@ -120,10 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(argv if argv is not None else sys.argv[1:])
     ap = argparse.ArgumentParser(prog="kvcraft bench vllm-concurrency", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS), help="requests at once")
+    ap.add_argument("--levels", type=count(), nargs="+", default=list(LEVELS), help="requests at once")
     add_workload_arguments(ap)
-    ap.add_argument("--load-concurrency", type=int, default=2, help="loader threads of the overlapping mode")
-    ap.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM's CPU KV cache (32 x 1,312 tokens: ~1 GiB)")
+    ap.add_argument("--load-concurrency", type=count(), default=2, help="loader threads of the overlapping mode")
+    ap.add_argument("--kv-cache-gib", type=count(), default=2, help="vLLM's CPU KV cache (32 x 1,312 tokens: ~1 GiB)")
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile (starts ~15 s sooner)")
     results.add_argument(ap, "vllm-concurrency")
     a = ap.parse_args(argv)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvbench import results
+from kvbench.common.args import count
 from kvbench.common.engines import engine_run
 from kvbench.quality import data
 from kvbench.quality.modeling import MODEL_DIR, build_tokenizer, encode
@@ -256,8 +257,8 @@ def print_table(out: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     ap = argparse.ArgumentParser(prog="kvcraft bench vllm-quality", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--examples", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=1, help="held-out draw (evaluate's default: 1)")
+    ap.add_argument("--examples", type=count(), default=200)
+    ap.add_argument("--seed", type=count(0), default=1, help="held-out draw (evaluate's default: 1)")
     ap.add_argument("--only", nargs="*", help="settings whose label contains one of these")
     ap.add_argument("--no-reference", action="store_true", help="skip the reference engine's rows")
     ap.add_argument("--no-blend", action="store_true", help="vLLM alone + reference engine only")

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from kvbench import results, stats
+from kvbench.common.args import count
 
 
 def build_tiny_llama(path: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
@@ -459,9 +460,9 @@ def bench_main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="kvcraft bench vllm-rag", description="Replay the default RAG trace through "
                                                                           "vLLM four ways.")
-    ap.add_argument("--conversations", type=int, default=200, help="of the default trace's 2000")
+    ap.add_argument("--conversations", type=count(), default=200, help="of the default trace's 2000")
     ap.add_argument("--token-scale", type=float, default=0.5, help="chunk and question lengths x this")
-    ap.add_argument("--local-blocks", type=int, default=512,
+    ap.add_argument("--local-blocks", type=count(), default=512,
                     help="vLLM's own KV blocks (its local prefix cache), 32 tokens each")
     results.add_argument(ap, "vllm-rag")
     ap.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))

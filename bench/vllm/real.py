@@ -57,6 +57,7 @@ from typing import Any, Sequence
 
 from kvbench import results
 from kvbench.common import musique
+from kvbench.common.args import count
 from kvbench.common.engines import engine_run
 from kvbench.quality.stream_report import trajectory
 from kvbench.vllm.quality import BLEND_MODEL, LAYER_WAIT_S, blend_params
@@ -368,9 +369,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvcraft bench vllm-real", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=musique.SAMPLE,
                     help="a MuSiQue file (CacheBlend's inputs/musique_s.json); default: the 30 sample records")
-    ap.add_argument("--records", type=int, default=30, help="the file's first N records")
-    ap.add_argument("--passages", type=int, default=3, help="passages per record")
-    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    ap.add_argument("--records", type=count(), default=30, help="the file's first N records")
+    ap.add_argument("--passages", type=count(), default=3, help="passages per record")
+    ap.add_argument("--max-tokens", type=count(), default=MAX_TOKENS)
     ap.add_argument("--only", nargs="*", help="policies whose label starts with one of these")
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile (starts sooner)")
     results.add_argument(ap, "vllm-real")

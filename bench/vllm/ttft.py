@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvbench import results, stats
+from kvbench.common.args import count
 
 POLICIES: dict[str, dict[str, Any]] = {
     "cacheblend budget 15%": {"name": "cacheblend", "budget": 0.15},
@@ -70,16 +71,16 @@ ROW_COUNTS = 40
 
 def add_workload_arguments(ap: argparse.ArgumentParser) -> None:
     """The model shape and the prompts (the vLLM benchmarks share them)."""
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--mlp", type=int, default=2048)
-    ap.add_argument("--chunks", type=int, default=5)
-    ap.add_argument("--chunk-len", type=int, default=256)
-    ap.add_argument("--question-len", type=int, default=32)
-    ap.add_argument("--pool", type=int, default=12, help="distinct chunks the requests draw from")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=count(), default=12)
+    ap.add_argument("--hidden", type=count(), default=768)
+    ap.add_argument("--heads", type=count(), default=12)
+    ap.add_argument("--kv-heads", type=count(), default=4)
+    ap.add_argument("--mlp", type=count(), default=2048)
+    ap.add_argument("--chunks", type=count(), default=5)
+    ap.add_argument("--chunk-len", type=count(), default=256)
+    ap.add_argument("--question-len", type=count(), default=32)
+    ap.add_argument("--pool", type=count(), default=12, help="distinct chunks the requests draw from")
+    ap.add_argument("--seed", type=count(0), default=0)
 
 
 def build_model(path: Path, layers: int, hidden: int, heads: int, kv_heads: int, mlp: int) -> Path:
@@ -320,8 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     ap = argparse.ArgumentParser(prog="kvcraft bench vllm-ttft", description=__doc__.split("\n\n")[0])
     add_workload_arguments(ap)
-    ap.add_argument("--requests", type=int, default=10, help="timed requests per mode")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed requests per mode first")
+    ap.add_argument("--requests", type=count(), default=10, help="timed requests per mode")
+    ap.add_argument("--warmup", type=count(0), default=2, help="untimed requests per mode first")
     ap.add_argument("--policies", nargs="*", help="blend policies whose label contains one of these")
     ap.add_argument("--no-blend", action="store_true", help="vLLM alone only (no kvcraft)")
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile in both modes (starts ~15 s "

@@ -71,6 +71,42 @@ def test_bench_refuses_an_unknown_name(capsys):
     assert "no benchmark 'no-such-bench'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["vllm-ttft", "--requests", "0"], ["vllm-ttft", "--layers", "0"],
+                                  ["vllm-quality", "--examples", "0"], ["ttft", "--repeats", "0"],
+                                  ["fetch", "--tokens", "-1"], ["planner", "--conversations", "0"],
+                                  ["eviction", "--victims", "0"], ["load", "--workers", "0"],
+                                  ["real-bound", "--new-tokens", "0"], ["vllm-ttft", "--warmup", "-1"],
+                                  ["vllm-ttft", "--requests", "two"]])
+def test_bench_refuses_a_count_below_its_least_before_running_anything(argv, capsys, tmp_path, monkeypatch):
+    """A usage line and exit 2 naming the argument (a count of 0 once ran until a ZeroDivisionError,
+    or started vLLM engines for nothing)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[1]}: must be" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_count_argument_takes_whole_numbers_from_its_least():
+    import argparse
+
+    from kvbench.common.args import count
+
+    assert count()("3") == 3 and count(0)("0") == 0
+    for parse, text in ((count(), "0"), (count(0), "-1"), (count(), "1.5"), (count(), "")):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be"):
+            parse(text)
+
+
+def test_model_fetch_into_a_folder_it_cannot_make_says_so_without_a_traceback(capsys):
+    assert cli.main(["model", "fetch", "--dir", "/proc/kvcraft-model"]) == 1  # (/proc: not even root writes there)
+    err = " ".join(capsys.readouterr().err.split())
+    assert "kvcraft model fetch: No such file or directory: /proc/" in err and "writable --dir" in err
+    assert "Traceback" not in err
+
+
 def test_bench_runs_the_named_benchmark_and_writes_its_results(tmp_path, capsys):
     out = tmp_path / "fetch.json"
     assert cli.main(["bench", "fetch", "--chunks", "1", "--tokens", "8", "--repeat", "1", "--json", str(out)]) == 0
