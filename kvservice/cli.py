@@ -93,14 +93,20 @@ def serve(a: argparse.Namespace) -> int:
             logging.getLogger("kvcraft.serve").warning("stdout is closed: %s", line)
 
     from kvservice.datadir import DataDirInUse
-    from kvservice.metadata import MetadataDamaged
+    from kvservice.errors import disk_full
+    from kvservice.metadata import MetadataDamaged, MetadataDiskFull
 
     try:
         uvloop.run(run_server(cfg, on_ready=ready, parent=parent))
-    except (MetadataDamaged, DataDirInUse) as e:
+    except (MetadataDamaged, MetadataDiskFull, DataDirInUse) as e:
         print(f"kvcraft serve: {e}", file=sys.stderr)
         return 2
     except OSError as e:
+        if disk_full(e):
+            where = f": {e.filename}" if e.filename else ""
+            print(f"kvcraft serve: the disk under data_dir {cfg.data_dir} is full ({e.strerror}{where}); nothing "
+                  "was changed: free space on it, or give another --data-dir", file=sys.stderr)
+            return 2
         print(f"kvcraft serve: {e}", file=sys.stderr)
         return 1
     return 0

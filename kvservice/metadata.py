@@ -37,6 +37,7 @@ from rocksdict import Options, ReadOptions, Rdict, WriteBatch, WriteOptions
 
 from kvservice import variant_codec
 from kvservice.datadir import DataDirInUse, holder
+from kvservice.errors import disk_full
 from kvservice.fidelity import LEAD_EDGES, Tally
 from kvservice.index import Variant, VariantIndex
 
@@ -82,6 +83,17 @@ class MetadataDamaged(Exception):
         self.path = path
 
 
+class MetadataDiskFull(Exception):
+    """RocksDB cannot open the metadata because the disk under it is full: nothing changed."""
+
+    def __init__(self, path: Path, error: BaseException) -> None:
+        super().__init__(
+            f"the disk under {path.parent} is full: RocksDB cannot open the metadata in {path} ({error}). "
+            "Nothing was changed, and the metadata is not damaged (do not run `kvcraft repair`): free space on "
+            "that disk and start again")
+        self.path = path
+
+
 def _budget(raw: bytes) -> float:
     """A fidelity key's budget ("0.1500"); 0 where it is missing or not a number in [0, 1]."""
     try:
@@ -114,6 +126,8 @@ class MetadataDB:
                                    "metadata open already") from None
             if "While lock file" in str(e):  # RocksDB's own lock: held, not damaged
                 raise DataDirInUse(self.path.parent, holder(self.path / "LOCK")) from None
+            if disk_full(e):  # not damage: `kvcraft repair` would drop pins, scores and tallies for nothing
+                raise MetadataDiskFull(self.path, e) from None
             raise MetadataDamaged(self.path, f"RocksDB cannot open it ({e})") from None
         self._generation = 0
         self._closed_by: Exception | None = None  # what left `_db` None (a failed reopen)

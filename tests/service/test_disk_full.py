@@ -187,3 +187,26 @@ def test_admin_writes_on_a_full_disk_answer_resource_exhausted_and_change_nothin
         assert len(list((data / "payloads").rglob("*.kv"))) == 7
     finally:
         server.close()
+
+
+def test_a_service_started_on_a_full_disk_says_so_and_changes_nothing(small_disk):
+    """Not "the metadata is damaged, run `kvcraft repair`" (RocksDB cannot open its metadata on a
+    full disk, and repair would drop every pin, score and tally): the disk is named, exit 2, and
+    once space frees the service starts with everything as it was, the pin included."""
+    import sys
+
+    data = small_disk / "data"
+    with ServiceProcess(data) as s, KVClient(s.address, timeout=30) as c:
+        key = c.store(MODEL, _tokens(1), random_layers(1, SHAPE, 4)).chunk_key
+        assert c.pin(chunk_key=key) == 1
+    filler = small_disk / "filler"
+    _fill(filler)
+    out = subprocess.run([sys.executable, "-m", "kvservice.cli", "serve", "--port", "0", "--data-dir", str(data)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "is full" in out.stderr and "not damaged" in out.stderr and "Traceback" not in out.stderr
+    assert not list(data.glob("metadata.damaged-*"))
+    os.unlink(filler)
+    with ServiceProcess(data) as s, KVClient(s.address, timeout=30) as c:
+        (variant,) = c.get_chunk(key)
+        assert variant.pinned and _same(c.fetch(key), 1)
