@@ -118,7 +118,11 @@ def repair(a: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    import shutil
+
     from kvservice.datadir import DataDirInUse, DataDirLock
+    from kvservice.errors import disk_full
+    from kvservice.metadata import MetadataDiskFull
     from kvservice.store import ChunkStore
 
     try:
@@ -136,11 +140,25 @@ def repair(a: argparse.Namespace) -> int:
     except DataDirInUse as e:
         print(f"kvcraft repair: refused, nothing was changed: {e}", file=sys.stderr)
         return 2
+    aside = None
     if meta.exists():
         aside = Path(f"{meta}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
         meta.rename(aside)
         print(f"kvcraft repair: moved the old metadata to {aside}")
-    store = ChunkStore(cfg, repair=True, data_dir_lock=lock)
+    try:
+        store = ChunkStore(cfg, repair=True, data_dir_lock=lock)
+    except Exception as e:
+        if not (isinstance(e, MetadataDiskFull) or disk_full(e)):
+            raise
+        # Undone: the rebuild this run began goes, the old metadata comes back where it was.
+        shutil.rmtree(meta, ignore_errors=True)
+        back = ""
+        if aside is not None:
+            aside.rename(meta)
+            back = f", and the old metadata is back in {meta}"
+        print(f"kvcraft repair: the disk under {cfg.data_path} is full: nothing was rebuilt{back}; free space on "
+              "that disk and run it again", file=sys.stderr)
+        return 2
     rep = store.recovery
     store.close()
     print(f"kvcraft repair: {rep.variants} variants rebuilt from their payload files; "

@@ -191,8 +191,9 @@ def test_admin_writes_on_a_full_disk_answer_resource_exhausted_and_change_nothin
 
 def test_a_service_started_on_a_full_disk_says_so_and_changes_nothing(small_disk):
     """Not "the metadata is damaged, run `kvcraft repair`" (RocksDB cannot open its metadata on a
-    full disk, and repair would drop every pin, score and tally): the disk is named, exit 2, and
-    once space frees the service starts with everything as it was, the pin included."""
+    full disk, and repair would drop every pin, score and tally): the disk is named, exit 2; a
+    repair run anyway puts the metadata back; once space frees the service starts with
+    everything as it was, the pin included."""
     import sys
 
     data = small_disk / "data"
@@ -206,6 +207,13 @@ def test_a_service_started_on_a_full_disk_says_so_and_changes_nothing(small_disk
     assert out.returncode == 2, out.stderr[-2000:]
     assert "is full" in out.stderr and "not damaged" in out.stderr and "Traceback" not in out.stderr
     assert not list(data.glob("metadata.damaged-*"))
+    # `kvcraft repair` run anyway: it moves the metadata aside to rebuild, cannot, and puts it back
+    before = sorted(p.name for p in (data / "metadata").iterdir())
+    out = subprocess.run([sys.executable, "-m", "kvservice.cli", "repair", "--data-dir", str(data)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "is full: nothing was rebuilt, and the old metadata is back" in out.stderr
+    assert not list(data.glob("metadata.damaged-*")) and sorted(p.name for p in (data / "metadata").iterdir()) == before
     os.unlink(filler)
     with ServiceProcess(data) as s, KVClient(s.address, timeout=30) as c:
         (variant,) = c.get_chunk(key)
