@@ -157,12 +157,18 @@ class Turn:
 
 
 def engines_in_turns(tmp: Path, specs: dict[str, dict[str, Any]], order: Iterable[str],
-                     timeout: float = ENGINE_TIMEOUT_S, target: str = ENGINE) -> dict[str, dict[str, Any]]:
+                     timeout: float = ENGINE_TIMEOUT_S, target: str = ENGINE,
+                     progress: bool = True) -> dict[str, dict[str, Any]]:
     """Engine processes side by side, one request at a time across them: `order` names the
     engine of each turn (a request of its phases, in order; with spec "rest", its last turn
     the memory at rest). Each starts at once and waits for its first turn; a turn starts when
     the one before has ended, so a machine whose speed drifts slows each engine alike (the
-    benchmarks compare engines in one run). Returns each engine's result (as `engine_run`)."""
+    benchmarks compare engines in one run). Returns each engine's result (as `engine_run`).
+    progress: a bar of the turns on stderr (an engine's first turn waits for its start)."""
+    from rich.console import Console
+    from rich.progress import track
+
+    order = list(order)
     fifos, procs, ends = {}, {}, {}
     for name in specs:
         fifos[name] = {end: str(tmp / f"{name}.{end}") for end in ("go", "done")}
@@ -177,7 +183,9 @@ def engines_in_turns(tmp: Path, specs: dict[str, dict[str, Any]], order: Iterabl
             argv = [tmp / f"{name}.json", tmp / f"{name}.out"]
             procs[name] = EngineProcess(target, argv, tmp / f"{name}.log").start()
         deadline = time.monotonic() + timeout
-        for name in order:
+        turns = track(order, description=f"{len(specs)} engines in turns (each first starts)",
+                      console=Console(stderr=True), disable=not progress)
+        for name in turns:
             os.write(ends[name]["go"], b".")
             while not select.select([ends[name]["done"]], [], [], 1.0)[0]:
                 if procs[name].poll() is not None or time.monotonic() > deadline:
