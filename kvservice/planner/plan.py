@@ -257,6 +257,11 @@ class Planner:
         """
         cfg = self.config
         keys, tokens, retrieved_tokens = _chunk_table(model_id, chunks, question_tokens)
+        for i, c in enumerate(chunks):  # a count given with a key: the stored chunk's, or KV would land off its rows
+            stored = self.catalog.variants_of(c.key)
+            if stored and stored[0].token_count != c.token_count:
+                raise PlanError(f"chunks[{i}] has token_count {c.token_count}, but chunk {c.key} is stored with "
+                                f"{stored[0].token_count} tokens")
         history = self.conversations.history(conv_id)
         first = (history is None) if first_turn is None else first_turn
         order, dropped = self._dedup(keys, tokens, history)

@@ -102,6 +102,25 @@ def test_malformed_plan_is_invalid_argument(shared_server, kwargs, message):
             c.plan(question_tokens=1, **kwargs)
 
 
+@pytest.mark.parametrize("claimed", [1, 5, 7, 100])
+def test_a_chunk_named_by_key_with_another_count_than_it_is_stored_with_is_refused(shared_server, model, claimed):
+    """A count that is not the stored chunk's would place its KV over other rows (a shorter claim
+    was planned as a chunk-prefix reused whole): refused naming both, nothing leased; the true
+    count plans its variant, and an unknown key plans fresh whatever it claims."""
+    tokens = chunk_tokens(3)
+    with KVClient(shared_server.address) as c:
+        key = c.store(model, tokens, random_layers(3, (1, 6, 4))).chunk_key
+        leases = c.stats().leases
+        with pytest.raises(InvalidArgumentError, match=rf"chunks\[1\] has token_count {claimed}, but chunk {key} "
+                                                       r"is stored with 6 tokens"):
+            c.plan(model, [chunk_tokens(4), (key, claimed)], 3)
+        assert c.stats().leases == leases
+        p = c.plan(model, [(key, 6)], 3)
+        assert p.chunks[0].variant_id and p.chunks[0].token_count == 6
+        c.release(p.lease_id)
+        assert c.plan(model, [("f" * 32, claimed)], 3).chunks[0].token_count == claimed
+
+
 def test_plan_names_the_prefix_each_chosen_variant_was_computed_behind(shared_server, model):
     with KVClient(shared_server.address) as c:
         k0 = c.store(model, chunk_tokens(0), random_layers(0, (1, 6, 4)), stats=VariantStats(a=0.0, b=0.5)).chunk_key
