@@ -10,6 +10,7 @@ nothing is copied. The tensors are valid while the lease is held (the `LocalFetc
 from __future__ import annotations
 
 import threading
+import time
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -145,6 +146,9 @@ class _Located:
                  gpu_pool: GpuPool | None = None) -> None:
         self._client = client
         self.lease_id = response.lease_id
+        # The lease's end by the service's clock, which is this host's (Locate answers only
+        # clients on its host): past it the service may move the bytes these tensors alias.
+        self.expires_unix_ms = response.lease_expires_unix_ms
         self.locations = list(response.variants)
         self.variant_ids = [loc.variant_id for loc in self.locations]
         self.layers: list = []
@@ -158,6 +162,11 @@ class _Located:
             else:
                 self.layers.append(slab.layers(loc) if loc.length else None)
                 self.tier.append(tiers.HOST if loc.length else "")
+
+    def held(self, margin_s: float = 0.0) -> bool:
+        """The lease is not released and ends more than `margin_s` from now: the tensors
+        still hold the variants' bytes (and will while a reader copies them)."""
+        return bool(self.lease_id) and time.time() + margin_s < self.expires_unix_ms / 1000
 
     def _take_lease(self) -> str:
         lease_id, self.lease_id = self.lease_id, ""

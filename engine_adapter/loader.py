@@ -43,6 +43,9 @@ from kvclient.layer_stream import LayerStream
 from kvcraft.records import Ref
 
 log = logging.getLogger(__name__)
+# A mapped layer is handed out (and replayed to a later pass) only while its Locate lease has this
+# long to run: the consumer copies it at once, so the service cannot move the bytes under that copy.
+LEASE_MARGIN_S = 1.0
 
 
 class ServiceLayerSource:
@@ -62,8 +65,10 @@ class ServiceLayerSource:
         self.mapped_bytes: dict[int, int] = {}  # layer -> K+V bytes of the mapped part
         self.local_error = ""  # why Locate did not serve (then everything streams)
         self.elsewhere = False  # the service's shared memory cannot be mapped here: it runs on another host
+        self.lease_lapsed: int | None = None  # the layer from which the mapped variants were withheld (lease ended)
         self._layers: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._lease: Any = None  # kvclient.local.LocalFetch while mapped tensors are handed out
+        self._margin_s = LEASE_MARGIN_S  # (made a tenth of a shorter lease once Locate answers)
         self._lock = threading.Lock()
         self._closed = False
         if local and refs:
@@ -91,6 +96,8 @@ class ServiceLayerSource:
                 log.warning("kvcraft Locate failed (%s); streaming over gRPC instead", self.local_error)
             return
         self._lease = located
+        # the margin: LEASE_MARGIN_S, or a tenth of a shorter lease (`lease_timeout_s`)
+        self._margin_s = min(LEASE_MARGIN_S, 0.1 * max(0.0, located.expires_unix_ms / 1000 - time.time()))
         tiers = set()
         for i, layers, tier in zip(refs, located.layers, located.tier):
             if layers is not None:
@@ -124,6 +131,13 @@ class ServiceLayerSource:
         with self._lock:
             if self._closed:
                 return {}
+            if self._layers and not self._holds():
+                # Past (or about to pass) the lease's end the service may move those bytes:
+                # the mapped variants are absent from here on, and the consumer computes them.
+                log.warning("kvcraft: the Locate lease of variants %s ended before layer %d was read; computing "
+                            "them instead", sorted(self._layers), layer)
+                self.lease_lapsed = layer
+                self._layers.clear()
             got = {i: layers[layer] for i, layers in self._layers.items() if layer < len(layers)}
         if got:
             self.mapped_seconds[layer] = time.perf_counter() - t0
@@ -132,6 +146,15 @@ class ServiceLayerSource:
             streamed = self._stream.wait_layer(layer, deadline)
             got.update((self.streamed[j], kv) for j, kv in streamed.items())
         return got
+
+    def holds(self) -> bool:
+        """The layers handed out still hold the variants' bytes (`source.holds`): nothing was
+        mapped, or the Locate lease has more than its margin to run."""
+        with self._lock:
+            return self.lease_lapsed is None and (not self._layers or self._holds())
+
+    def _holds(self) -> bool:
+        return self._lease.held(self._margin_s)
 
     def cancel(self) -> None:
         """End the stream now without waiting for its reader (any thread); the consumer's

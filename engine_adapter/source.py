@@ -27,6 +27,14 @@ class LayerSource(Protocol):
         ...
 
 
+def holds(source: object) -> bool:
+    """Whether the layers `source` handed out still hold its bytes. A source whose tensors
+    alias memory that is another's once a lease ends (`loader.ServiceLayerSource`) says so
+    with a `holds()` of its own; any other's layers are the consumer's."""
+    check = getattr(source, "holds", None)
+    return True if check is None else check()
+
+
 class InMemoryLayerSource:
     """Every layer already in memory: chunk index -> per-layer (K RoPE-free, V).
 
@@ -67,6 +75,9 @@ class RecordingLayerSource:
     def close(self) -> None:
         self.source.close()
 
+    def holds(self) -> bool:
+        return holds(self.source)
+
     def replay(self) -> "RecordedLayerSource":
         return RecordedLayerSource(self.kv)
 
@@ -96,7 +107,8 @@ class ReplayLayerSource:
 
     def wait_layer(self, layer: int, deadline: float) -> LayerKV:
         if layer < len(self.received):
-            return self.received[layer]
+            # a later pass once the source's lease has ended: absent, so the consumer computes it
+            return self.received[layer] if holds(self.source) else {}
         got = self.source.wait_layer(layer, deadline)
         if layer == len(self.received):
             self.received.append(got)

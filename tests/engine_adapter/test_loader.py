@@ -174,3 +174,33 @@ def test_another_locate_failure_is_this_loads_own_and_logged(shared_server, mode
         source.close()
     assert not source.elsewhere and "deadline passed before Locate" in source.local_error
     assert "kvcraft Locate failed" in caplog.text
+
+
+def test_mapped_layers_are_withheld_once_the_locate_lease_ends_and_computed_instead(start_server, caplog):
+    """Past its lease the service may evict a variant and hand its bytes to another: a layer read
+    then would be another variant's KV. So from the lease's end (less its margin) the mapped
+    variants are absent, handed out to no later layer and replayed to no later pass (the
+    consumer computes them); streamed ones are the consumer's own and stay."""
+    from engine_adapter.source import ReplayLayerSource
+    from tests.conftest import wait_for
+
+    server = start_server(lease_timeout_s=1.0, host_budget_bytes=HOST_BUDGET)
+    with KVClient(server.address) as c:
+        (a, la), (big, _), (b, _) = store(c, 1), store(c, 2, BIG), store(c, 3)
+        source = ServiceLayerSource(c, {0: a, 1: big, 2: b}, local=True, deadline=deadline())
+        replay = ReplayLayerSource(source)
+        try:
+            assert (source.mapped, source.streamed) == ([0, 2], [1]) and source.holds()
+            first = replay.wait_layer(0, deadline())
+            assert set(first) == {0, 1, 2} and same_bytes(first[0][0], la[0][0])
+            assert set(replay.wait_layer(0, deadline())) == {0, 1, 2}  # a second pass, within the lease
+            wait_for(lambda: not source.holds(), "the lease's end less its margin", timeout=10)
+            with caplog.at_level(logging.WARNING, logger="engine_adapter.loader"):
+                assert set(replay.wait_layer(1, deadline())) == {1}  # the mapped ones withheld
+            assert source.lease_lapsed == 1 and "ended before layer 1 was read" in caplog.text
+            assert replay.wait_layer(0, deadline()) == {}  # nor replayed to a later pass
+            assert set(replay.wait_layer(2, deadline())) == {1}
+            wait_for(lambda: c.stats().leases == 0, "the service to end the lease", timeout=10)
+            assert c.evict(chunk_key=a.chunk_key).evicted == 1  # what it guards against: the bytes are free
+        finally:
+            source.close()
