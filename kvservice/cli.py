@@ -115,10 +115,9 @@ def serve(a: argparse.Namespace) -> int:
 def repair(a: argparse.Namespace) -> int:
     """Move the metadata aside (never deleted) and rebuild it from the records the
     payload files carry; every payload whose record and layers verify comes back."""
+    import shutil
     import time
     from pathlib import Path
-
-    import shutil
 
     from kvservice.datadir import DataDirInUse, DataDirLock
     from kvservice.errors import disk_full
