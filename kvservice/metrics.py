@@ -110,7 +110,10 @@ class Metrics:
         self._http = None
         self.port = 0
         if port:
-            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+            try:
+                self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+            except OSError as e:
+                raise OSError(f"cannot serve metrics on {host}:{port} (metrics_port): {e.strerror}") from None
             self.port = self._http.server_port
 
     def stop(self) -> None:

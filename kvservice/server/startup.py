@@ -121,6 +121,9 @@ async def start_server(cfg: Config) -> RunningServer:
             # 8 MiB layers peaked at +1.2 GiB RSS with it, +0.2 GiB without; Store
             # throughput unchanged). A stream then holds about the layer it is receiving.
             ("grpc.http2.bdp_probe", 0),
+            # A second service on this port would share it (grpc sets SO_REUSEPORT) and the kernel
+            # would spread clients over two stores: its start fails instead.
+            ("grpc.so_reuseport", 0),
         ]
         interceptors = [_AuthInterceptor(cfg)] if (cfg.auth_token or cfg.admin_token) else []
         server = grpc.aio.server(options=options, interceptors=interceptors)
@@ -140,16 +143,20 @@ async def start_server(cfg: Config) -> RunningServer:
             server,
         )
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert:
-            with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
-                pair = [(k.read(), c.read())]
-            ca = open(cfg.tls_client_ca, "rb").read() if cfg.tls_client_ca else None
-            creds = grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
-            port = server.add_secure_port(address, creds)
-        else:
-            port = server.add_insecure_port(address)
+        try:  # (grpcio raises RuntimeError where the port cannot be bound; some versions answer 0)
+            if cfg.tls_cert:
+                with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+                    pair = [(k.read(), c.read())]
+                ca = open(cfg.tls_client_ca, "rb").read() if cfg.tls_client_ca else None
+                creds = grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+                port = server.add_secure_port(address, creds)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(f"cannot listen on {address}: the port is in use (another service?) or the host is not "
+                          "one of this machine's addresses")
         if store.cluster is not None and not cfg.remote_advertise:  # the bound port, for the cluster view
             from kvservice.tiers.remote import advertise
 

@@ -40,6 +40,27 @@ def _tree(data: Path) -> dict[str, bytes]:
             if p.is_file() and p.name != "kvcraft.lock" and p.parent.name != "metadata"}
 
 
+def test_a_second_service_on_a_port_in_use_is_refused_and_the_first_serves_every_client(tmp_path):
+    """grpc lets listeners share a port (SO_REUSEPORT): a second service on another data dir once
+    started there, and the kernel spread new clients over two stores (a chunk stored through one
+    connection was missing through the next). Its start fails naming the address; a metrics port
+    in use likewise; every client then reaches the first service."""
+    with ServiceProcess(tmp_path / "first") as first, KVClient(first.address) as c:
+        port = first.address.rsplit(":", 1)[1]
+        key = c.store(MODEL, TOKENS, random_layers(1)).chunk_key
+        serve = subprocess.run([sys.executable, "-m", "kvcli.main", "serve", "--data-dir", str(tmp_path / "second"),
+                                "--host", "127.0.0.1", "--port", port], capture_output=True, text=True, timeout=60)
+        assert serve.returncode == 1 and "kvcraft serving on" not in serve.stdout, serve.stdout + serve.stderr
+        assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in serve.stderr
+        assert "Traceback" not in serve.stderr
+        metrics = _kvcraft("serve", "--data-dir", str(tmp_path / "third"), "--host", "127.0.0.1", "--port", "0",
+                           "--metrics-port", port)
+        assert metrics.returncode == 1 and f"cannot serve metrics on 127.0.0.1:{port} (metrics_port)" in metrics.stderr
+        for _ in range(8):  # new connections: each reaches the one service that holds the chunk
+            with KVClient(first.address) as again:
+                assert again.lookup(chunk_key=key).found
+
+
 def test_serve_and_repair_refuse_a_live_data_dir_naming_its_holder_and_it_keeps_serving(tmp_path):
     data = tmp_path / "data"
     with ServiceProcess(data) as first, KVClient(first.address) as c:
