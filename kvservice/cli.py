@@ -107,6 +107,9 @@ def serve(a: argparse.Namespace) -> int:
             print(f"kvcraft serve: the disk under data_dir {cfg.data_dir} is full ({e.strerror}{where}); nothing "
                   "was changed: free space on it, or give another --data-dir", file=sys.stderr)
             return 2
+        if e.filename and str(e.filename).startswith(str(cfg.data_path)):  # e.g. a file where the dir should be
+            print(f"kvcraft serve: cannot use data_dir {cfg.data_dir}: {e.strerror}: {e.filename}", file=sys.stderr)
+            return 2
         print(f"kvcraft serve: {e}", file=sys.stderr)
         return 1
     return 0

@@ -233,3 +233,12 @@ def test_a_service_whose_ready_line_nobody_reads_serves_on(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(30) == 0, log.read_text()
+
+
+def test_a_data_dir_that_is_a_file_is_refused_naming_it(tmp_path):
+    (tmp_path / "data").write_text("not a directory")
+    for where in (tmp_path / "data", tmp_path / "data" / "below"):
+        serve = _kvcraft("serve", "--data-dir", str(where), "--host", "127.0.0.1", "--port", "0")
+        assert serve.returncode == 2 and f"cannot use data_dir {where}: " in serve.stderr, serve.stderr
+        assert "Traceback" not in serve.stderr
+    assert (tmp_path / "data").read_text() == "not a directory"
