@@ -85,6 +85,19 @@ class Rpc(Generic[R]):
         return self.method.future(self.request, metadata=self.metadata, timeout=self.timeout)
 
 
+def check_address(address: str) -> None:
+    """ValueError for what grpc would take and misread: nothing, a URL, a port past 65535
+    (grpc dials it modulo 65536: another port). Anything else (host:port, [v6]:port,
+    unix:PATH, a grpc target scheme) goes to grpc as given."""
+    if not address:
+        raise ValueError("address is empty: give host:port (the service's, e.g. 127.0.0.1:50051)")
+    if "://" in address and address.split("://", 1)[0] in ("http", "https", "grpc", "grpcs"):
+        raise ValueError(f"address {address!r} is a URL: give host:port")
+    host, sep, port = address.rpartition(":")
+    if sep and host and not host.startswith("unix") and port.isdigit() and not 0 < int(port) < 1 << 16:
+        raise ValueError(f"address {address!r}: port {port} is outside 1..65535")
+
+
 def _metadata(token: str | None) -> Metadata:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -96,6 +109,7 @@ class ClientCore:
                  timeout: float, credentials: grpc.ChannelCredentials | None, max_message_bytes: int,
                  local_store: bool) -> None:
         """channels: `grpc` (a blocking client) or `grpc.aio` (an asyncio one)."""
+        check_address(address)
         opts = [("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes)]
         self.channel = (channels.secure_channel(address, credentials, options=opts) if credentials

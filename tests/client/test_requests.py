@@ -69,3 +69,23 @@ def test_a_count_outside_uint32_is_refused_by_its_name(bad):
     for name in ("first_layer", "num_layers"):
         with pytest.raises(ValueError, match=f"{name} is {bad}"):
             fetch_request([("a" * 32, "")], **{name: bad})
+
+
+@pytest.mark.parametrize("address,message", [("", "address is empty"), ("http://127.0.0.1:50051", "is a URL"),
+                                             ("127.0.0.1:99999", "port 99999 is outside"),
+                                             ("127.0.0.1:0", "port 0 is outside")])
+async def test_an_address_grpc_would_misread_is_refused_by_both_faces(address, message):
+    """(grpc dials port 99999 as 34463: another service's, maybe.)"""
+    from kvclient import AsyncKVClient, KVClient
+
+    with pytest.raises(ValueError, match=message):
+        KVClient(address)
+    with pytest.raises(ValueError, match=message):
+        AsyncKVClient(address)
+
+
+def test_addresses_grpc_reads_as_meant_are_taken():
+    from kvclient import KVClient
+
+    for address in ("localhost:50051", "[::1]:50051", "unix:/run/kvcraft.sock", "dns:///kv.internal:50051"):
+        KVClient(address).close()
