@@ -25,6 +25,8 @@ STARTER_PID_ENV = "KVCRAFT_STARTER_PID"
 
 GiB = 1 << 30
 MiB = 1 << 20
+MIN_MESSAGE_BYTES = MiB  # max_message_bytes below this refuses Plans of a few hundred chunks
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Config:
     max_variants_per_chunk: int = 4
     max_variants: int = 1_000_000
     # Limits on requests.
-    max_message_bytes: int = 64 * MiB
+    max_message_bytes: int = 64 * MiB  # at least MIN_MESSAGE_BYTES
     max_layers: int = 512
     max_chunk_tokens: int = 65_536
     max_variant_bytes: int = 4 * GiB
@@ -131,6 +133,12 @@ class Config:
                      "max_leases", "max_conversation_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes must be >= {MIN_MESSAGE_BYTES:,} (a Plan of many chunks, a layer "
+                             f"of a variant), got {self.max_message_bytes:,}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        object.__setattr__(self, "log_level", self.log_level.upper())  # (logging takes the upper-case names only)
         if self.gpu_budget_bytes < 0 or self.gpu_device < 0:
             raise ValueError(f"gpu_budget_bytes and gpu_device must be >= 0, got "
                              f"{self.gpu_budget_bytes} and {self.gpu_device}")

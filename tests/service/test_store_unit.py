@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -66,6 +67,15 @@ def test_settings_precedence_defaults_file_env_flags(tmp_path):
     f.write_text("[[[\n")
     with pytest.raises(ValueError, match=r"kvcraft\.toml: not TOML: .*line 1"):  # the file named, where it broke
         load_config(f, env={})
+    # values a service could start with and then serve nothing (every Plan over the message size),
+    # or that would end `kvcraft serve` in a traceback (logging's own ValueError)
+    for setting, message in (("max_message_bytes = 10", "max_message_bytes must be >= 1,048,576"),
+                             ('log_level = "LOUD"', "log_level must be one of DEBUG, INFO")):
+        f.write_text(setting + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_config(f, env={})
+    f.write_text('log_level = "debug"\n')
+    assert logging.getLevelName(load_config(f, env={}).log_level) == logging.DEBUG  # any case, as logging takes it
 
 
 def test_leases_match_a_brute_force_reference(tmp_path):
