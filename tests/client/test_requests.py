@@ -35,8 +35,10 @@ def test_an_id_outside_uint32_is_refused(bad):
 BAD_STORES = {  # what a Store is given -> what the ValueError says
     "no layers": ([5, 6, 7], [], "layers is empty"),
     "an id outside uint32": ([5, -6, 7], LAYERS, r"token_ids: .*out of range"),
-    "a 2-D layer": ([5, 6, 7], [LAYERS[0], (torch.zeros(3, 2), torch.zeros(3, 2))], r"layers\[1\]: expected a \[kv_heads"),
-    "an integer layer": ([5, 6, 7], [(torch.zeros(1, 3, 2, dtype=torch.int64),) * 2], r"layers\[0\]: dtype torch.int64"),
+    "a 2-D layer": ([5, 6, 7], [LAYERS[0], (torch.zeros(3, 2), torch.zeros(3, 2))],
+                    r"layers\[1\]: expected a \[kv_heads"),
+    "an integer layer": ([5, 6, 7], [(torch.zeros(1, 3, 2, dtype=torch.int64),) * 2],
+                         r"layers\[0\]: dtype torch.int64"),
 }
 
 

@@ -111,7 +111,8 @@ def test_a_malformed_key_to_evict_pin_or_unpin_is_invalid_argument_naming_it(kvs
     with KVClient(kvserver.address, timeout=10) as c:
         key = c.store(MODEL, tokens(1), layers()).chunk_key
         for call in (c.evict, c.pin, c.unpin):
-            with pytest.raises(InvalidArgumentError, match=f"INVALID_ARGUMENT: {field} .* is not 32 lowercase hex chars") as e:
+            with pytest.raises(InvalidArgumentError,
+                               match=f"INVALID_ARGUMENT: {field} .* is not 32 lowercase hex chars") as e:
                 call(**{field: bad})
             assert len(str(e.value)) < 200
         with pytest.raises(NotFoundError, match="is not stored"):  # a well-formed key stored nowhere
