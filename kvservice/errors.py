@@ -10,6 +10,8 @@ import errno
 
 import grpc
 
+from kvcraft.keys import is_key
+
 
 class KVCraftError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
@@ -17,6 +19,13 @@ class KVCraftError(Exception):
 
 class InvalidArgument(KVCraftError):
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def check_key(field: str, value: str, hint: str = "") -> None:
+    """InvalidArgument naming `field` unless `value` is a key (a chunk key, variant id or model
+    fingerprint: `kvcraft.keys.is_key`); the value quoted to 40 characters, `hint` after it."""
+    if not is_key(value):
+        raise InvalidArgument(f"{field} {value[:40]!r} is not 32 lowercase hex chars{hint}")
 
 
 class NotFound(KVCraftError):

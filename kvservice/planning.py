@@ -15,7 +15,7 @@ from concurrent.futures import Executor
 from kvcraft.keys import chunk_key, is_key
 from kvcraft.plans import KeyTable
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.errors import InvalidArgument, NotFound, Unavailable
+from kvservice.errors import InvalidArgument, NotFound, Unavailable, check_key
 from kvservice.fidelity import Sample
 from kvservice.index import Variant
 from kvservice.planner import ChunkPlan, ChunkRef, Planner, PlannerConfig
@@ -62,8 +62,7 @@ class PlanningService:
 
     # -- Plan ---------------------------------------------------------------------------
     def plan(self, req: pb.PlanRequest, preload: Executor | None = None, _retried: bool = False) -> pb.PlanResponse:
-        if not is_key(req.model_id):
-            raise InvalidArgument(f"model_id {req.model_id[:40]!r} is not 32 lowercase hex chars")
+        check_key("model_id", req.model_id)
         if not req.chunks:
             raise InvalidArgument("chunks is empty: a RAG request names at least one retrieved chunk")
         if len(req.chunks) > self.store.cfg.max_fetch_variants:

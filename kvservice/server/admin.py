@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvcraft.keys import is_key
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice import wire
 from kvservice.config import Config
-from kvservice.errors import InvalidArgument
+from kvservice.errors import check_key
 from kvservice.records import Selector
 from kvservice.server.status import InFlight, rpc
 from kvservice.store import ChunkStore
@@ -29,13 +28,13 @@ class AdminServicer:
     @rpc
     async def ListChunks(self, request: pb.ListChunksRequest, context: Any) -> pb.ListChunksResponse:
         if request.model_id:  # (a filter no chunk can match would read the whole index for nothing)
-            _check_key("model_id", request.model_id)
+            check_key("model_id", request.model_id)
         return wire.list_chunks_response(*self.store.list_chunks(request.model_id, request.page_size,
                                                                  request.page_token))
 
     @rpc
     async def GetChunk(self, request: pb.GetChunkRequest, context: Any) -> pb.GetChunkResponse:
-        _check_key("chunk_key", request.chunk_key)
+        check_key("chunk_key", request.chunk_key)
         return pb.GetChunkResponse(variants=[wire.variant_message(v, self.store.leased(v.variant_id))
                                              for v in self.store.get_chunk(request.chunk_key)])
 
@@ -62,15 +61,10 @@ class AdminServicer:
         return pb.ConfigResponse(toml=self.cfg.to_toml())
 
 
-def _check_key(field: str, value: str) -> None:
-    if not is_key(value):
-        raise InvalidArgument(f"{field} {value[:40]!r} is not 32 lowercase hex chars")
-
-
 def _selector(msg: pb.VariantSelector) -> Selector:
     """The variants an Evict, Pin or Unpin names (its key checked: a malformed one is not
     merely absent)."""
     which = msg.WhichOneof("target")
     if which is not None:
-        _check_key(which, getattr(msg, which))
+        check_key(which, getattr(msg, which))
     return wire.selector(msg)

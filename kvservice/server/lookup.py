@@ -7,10 +7,10 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
-from kvcraft.keys import chunk_key, is_key
+from kvcraft.keys import chunk_key
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice import wire
-from kvservice.errors import InvalidArgument, ResourceExhausted
+from kvservice.errors import InvalidArgument, ResourceExhausted, check_key
 from kvservice.planning import PlanningService
 from kvservice.server.checks import check_plan_request, check_ttl
 from kvservice.server.codecs import check_parsed
@@ -59,12 +59,10 @@ class LookupServicer:
         which = request.WhichOneof("target")
         if which == "chunk_key":
             key = request.chunk_key
-            if not is_key(key):
-                raise InvalidArgument(f"chunk_key {key[:40]!r} is not 32 lowercase hex chars")
+            check_key("chunk_key", key)
         elif which == "tokens":
             t = request.tokens
-            if not is_key(t.model_id):
-                raise InvalidArgument(f"tokens.model_id {t.model_id[:40]!r} is not 32 lowercase hex chars")
+            check_key("tokens.model_id", t.model_id)
             if not t.token_ids:
                 raise InvalidArgument("tokens.token_ids is empty")
             if len(t.token_ids) > self.store.cfg.max_chunk_tokens:

@@ -16,7 +16,7 @@ from array import array
 from concurrent.futures import Future
 
 from kvcraft.keys import chunk_key, is_key, variant_id
-from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvservice.errors import InvalidArgument, NotFound, ResourceExhausted, check_key
 from kvcraft.layout import LayerLayout, LayoutError, layer_checksum, layer_layout
 from kvcraft.records import StoreResult
 from kvservice.records import StoreHeader
@@ -43,9 +43,7 @@ def begin(s: StoreState, placement: Placement, h: StoreHeader,
     cfg = s.cfg
     if not h.model_id:
         raise InvalidArgument("header.model_id is empty")
-    if not is_key(h.model_id):
-        raise InvalidArgument(f"header.model_id {h.model_id[:40]!r} is not 32 lowercase hex chars "
-                              "(use kvcraft.keys.ModelSpec.fingerprint())")
+    check_key("header.model_id", h.model_id, " (use kvcraft.keys.ModelSpec.fingerprint())")
     tokens = len(h.token_ids)
     if tokens == 0:
         raise InvalidArgument("header.token_ids is empty: a chunk has at least one token")

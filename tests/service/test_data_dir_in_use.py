@@ -48,8 +48,7 @@ def test_a_second_service_on_a_port_in_use_is_refused_and_the_first_serves_every
     with ServiceProcess(tmp_path / "first") as first, KVClient(first.address) as c:
         port = first.address.rsplit(":", 1)[1]
         key = c.store(MODEL, TOKENS, random_layers(1)).chunk_key
-        serve = subprocess.run([sys.executable, "-m", "kvcli.main", "serve", "--data-dir", str(tmp_path / "second"),
-                                "--host", "127.0.0.1", "--port", port], capture_output=True, text=True, timeout=60)
+        serve = _kvcraft("serve", "--data-dir", str(tmp_path / "second"), "--host", "127.0.0.1", "--port", port)
         assert serve.returncode == 1 and "kvcraft serving on" not in serve.stdout, serve.stdout + serve.stderr
         assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in serve.stderr
         assert "Traceback" not in serve.stderr
