@@ -139,6 +139,9 @@ class Carry:
     v: Tensor  # [Hkv, R, D]
 
 
+MIN_TEMPERATURE = 0.01  # APE's T: the paper's values lie in [0.1, 1]
+
+
 @dataclass(frozen=True)
 class Rescale:
     """APE's attention of the query over chunks encoded in parallel (Yang et al., "APE: Faster
@@ -155,8 +158,8 @@ class Rescale:
     rows: Tensor | None = None  # the prompt rows that read this way, sorted (None: every row of the step)
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.temperature <= 1.0:
-            raise ValueError(f"temperature {self.temperature} outside (0, 1]")
+        if not MIN_TEMPERATURE <= self.temperature <= 1.0:  # (below, the logits over T overflow fp32)
+            raise ValueError(f"temperature {self.temperature} outside [{MIN_TEMPERATURE}, 1]")
         if not self.scale > 0.0:
             raise ValueError(f"scale must be > 0, got {self.scale}")
 

@@ -14,7 +14,8 @@ and per layer, through the `selection.Selection` its pass carries, which rows ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import ClassVar, Generator, Sequence
 
 from engine_adapter.prompt import Layout
@@ -53,6 +54,8 @@ class ReusePolicy:
     name: ClassVar[str]  # what `Policy` and configuration call it
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_option(f.name, str(f.type), getattr(self, f.name))
         if not self.layer_budget_s >= 0:
             raise ValueError(f"layer_budget_s must be >= 0, got {self.layer_budget_s}")
 
@@ -78,3 +81,20 @@ class ReusePolicy:
 
 
 __all__ = ["Passes", "Prompt", "ReusePolicy"]
+
+
+def _check_option(name: str, kind: str, value: object) -> None:
+    """An option of the type its field names (`int`, `float`, `str`, each maybe `| None`);
+    ValueError naming it otherwise. Options reach a policy from requests (vLLM's
+    kv_transfer_params, JSON): a bool is no number, a float no count, and no wait or share
+    is infinite or NaN."""
+    if value is None and kind.endswith("| None"):
+        return
+    kind = kind.removesuffix(" | None")
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "int" and not (number and isinstance(value, int)):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    if kind == "float" and not (number and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if kind == "str" and not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r}")

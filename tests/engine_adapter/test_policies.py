@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from engine_adapter.policy import FocusTracker, Policy, focused_chunks
@@ -71,6 +73,25 @@ def test_policy_by_name_is_an_object_of_its_kind_and_refuses_options_it_lacks():
         Policy("naive", ratio=0.3)  # naive recomputes nothing: a ratio would be silently ignored
     with pytest.raises(ValueError, match="ratio or a budget"):
         Policy("cacheblend", ratio=0.2, budget=0.2)
+
+
+@pytest.mark.parametrize("name, option, bad, good, message", [
+    ("epic", "tokens", 1.5, 8, "tokens must be a whole number, got 1.5"),
+    ("cachecraft", "focus_window", math.nan, 2, "focus_window must be a whole number, got nan"),
+    ("cacheblend", "filter_layers", True, 2, "filter_layers must be a whole number, got True"),
+    ("naive", "layer_budget_s", math.inf, 30, "layer_budget_s must be a finite number, got inf"),
+    ("query", "budget", "0.2", 0.2, "budget must be a finite number, got '0.2'"),
+    ("cacheblend", "ratio", [0.1], 0.1, r"ratio must be a finite number, got \[0.1\]"),
+    ("ape", "scale", math.inf, 2.0, "scale must be a finite number, got inf"),
+    ("ape", "temperature", 1e-40, 0.01, r"temperature 1e-40 outside \[0.01, 1\]"),
+])
+def test_an_option_of_the_wrong_kind_is_refused_by_name(name, option, bad, good, message):
+    # Options reach a policy from requests (vLLM's kv_transfer_params, JSON). Each bad value here was
+    # taken before: a count that is none failed inside the blend, an infinite wait could wait on a
+    # stalled service without end, APE's logits over a tiny temperature overflowed to NaN.
+    with pytest.raises(ValueError, match=message):
+        Policy(name, **{option: bad})
+    assert getattr(Policy(name, **{option: good}), option) == good
 
 
 @pytest.mark.parametrize("layers,budget", [(12, 0.15), (8, 0.15), (32, 0.15), (4, 0.5), (4, 0.9)])
