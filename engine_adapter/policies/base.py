@@ -80,8 +80,6 @@ class ReusePolicy:
         yield Pass(prompt.reused, sorted(first), self.selection(prompt), stats=prompt.stats)
 
 
-__all__ = ["Passes", "Prompt", "ReusePolicy"]
-
 
 def _check_option(name: str, kind: str, value: object) -> None:
     """An option of the type its field names (`int`, `float`, `str`, each maybe `| None`);
@@ -98,3 +96,6 @@ def _check_option(name: str, kind: str, value: object) -> None:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if kind == "str" and not isinstance(value, str):
         raise ValueError(f"{name} must be a string, got {value!r}")
+
+
+__all__ = ["Passes", "Prompt", "ReusePolicy"]
