@@ -80,7 +80,6 @@ class ReusePolicy:
         yield Pass(prompt.reused, sorted(first), self.selection(prompt), stats=prompt.stats)
 
 
-
 def _check_option(name: str, kind: str, value: object) -> None:
     """An option of the type its field names (`int`, `float`, `str`, each maybe `| None`);
     ValueError naming it otherwise. Options reach a policy from requests (vLLM's
