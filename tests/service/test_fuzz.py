@@ -24,7 +24,7 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 
 from kvclient.client import KVClient, store_requests
 from kvclient.errors import NotFoundError
-from kvcraft.keys import ModelSpec, chunk_key, variant_id
+from kvcraft.keys import ModelSpec, chunk_key
 from kvcraft.v1 import kvcraft_pb2 as pb
 from kvservice.server.status import MAX_MESSAGE_BYTES
 
