@@ -91,7 +91,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for group in GROUPS.values() for b
 def listing() -> str:
     width = max(map(len, BENCHMARKS))
     lines = ["kvcraft bench NAME [ARGS]   (kvcraft bench NAME --help: its options; results go to docs/results/)",
-             f"kvcraft bench report       (the results pages and their plots, rendered from docs/results/)", ""]
+             "kvcraft bench report       (the results pages and their plots, rendered from docs/results/)", ""]
     for group, members in GROUPS.items():
         lines.append(group)
         lines += [f"  {b.name:<{width}}  {b.about}" for b in members]

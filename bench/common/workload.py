@@ -26,7 +26,6 @@ metric), ~21% of a later turn's chunks already in its conversation (CRAFT §3.2)
 from __future__ import annotations
 
 import argparse
-import math
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence

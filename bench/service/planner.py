@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import random
 import sys
 import time

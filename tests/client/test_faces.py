@@ -9,7 +9,6 @@ between any two servers are set aside (random ids, clock times, the data directo
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import inspect

@@ -43,7 +43,7 @@ def test_first_turn_reordered_by_count_later_turn_keeps_retriever_order_and_drop
 
 def test_later_turn_uses_history_as_variant_context_and_no_prefix_tree():
     catalog, planner = make()
-    p1 = planner.plan("m", "conv", refs("a"), 4)
+    planner.plan("m", "conv", refs("a"), 4)
     # a variant of x computed behind [a]: exact for turn 2, where x follows history [a]
     catalog.put(variant(key("x"), [key("a")]))
     p2 = planner.plan("m", "conv", refs("x"), 4)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from kvclient.client import KVClient, Ref, plan_request
+from kvclient.client import KVClient, plan_request
 from kvclient.errors import InvalidArgumentError, KVCraftError, NotFoundError, ResourceExhaustedError
 from kvcraft.keys import ModelSpec
 from kvcraft.plans import prefix_keys

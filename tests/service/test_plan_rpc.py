@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from kvclient.client import KVClient, Ref
-from kvclient.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
-from kvcraft.keys import ModelSpec, chunk_key, variant_id
+from kvclient.client import KVClient
+from kvclient.errors import InvalidArgumentError, ResourceExhaustedError
+from kvcraft.keys import ModelSpec, chunk_key
 from kvcraft.plans import prefix_keys, variant_prefixes
 from kvcraft.records import VariantStats
 from kvcraft.v1 import kvcraft_pb2 as pb

@@ -20,7 +20,6 @@ from kvclient.client import KVClient, Ref
 from kvclient.errors import NotFoundError
 from kvcraft.keys import ModelSpec, chunk_key, variant_id
 from kvcraft.v1 import kvcraft_pb2 as pb
-from kvservice.cluster import records
 from kvservice.cluster.master import free_port
 from kvservice.cluster.view import ClusterView
 from kvservice.launcher import ServiceProcess
