@@ -211,7 +211,7 @@ async def serve(cfg: Config, on_ready: Callable[[RunningServer], None] | None = 
         on_ready(running)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (SIGHUP: the terminal it ran in closed)
         loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(_watch(running.store, stop, parent if cfg.exit_with_parent else None))
     await stop.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import grpc
@@ -210,12 +211,15 @@ def test_client_vanishing_mid_store_leaves_nothing_behind(kvserver):
     assert list((kvserver.data_dir / "payloads").rglob("*.tmp")) == []
 
 
-def test_sigterm_drains_and_exits_cleanly_keeping_data(start_server):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])  # SIGINT: Ctrl-C; SIGHUP: its terminal closed
+def test_a_stop_signal_drains_and_exits_cleanly_keeping_data(start_server, sig):
     server = start_server()
     layers = random_layers(0, (2, 4, 8), 3, torch.float16)
     with KVClient(server.address) as c:
         key = c.store(MODEL, [1, 2, 3, 4], layers).chunk_key
-    assert server.stop() == 0
+    server.proc.send_signal(getattr(signal, sig))
+    assert server.proc.wait(timeout=30) == 0  # (SIGHUP's default action ends a process with -1)
+    assert "draining" in server.log()
     server.start()
     with KVClient(server.address) as c:
         assert_bit_identical(c.fetch(key), layers)
