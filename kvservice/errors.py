@@ -48,6 +48,13 @@ class Unavailable(KVCraftError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+def read_only(e: BaseException) -> bool:
+    """Whether `e` says the data directory's filesystem takes no writes: EROFS from a file
+    (mounted read-only, or remounted so by the kernel after disk errors), or RocksDB's status
+    text."""
+    return (isinstance(e, OSError) and e.errno == errno.EROFS) or "Read-only file system" in str(e)
+
+
 def disk_full(e: BaseException) -> bool:
     """Whether `e` says the disk is full: ENOSPC / EDQUOT from a file, or RocksDB's
     status text (rocksdict raises plain Exception with it)."""

@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import grpc
 
-from kvservice.errors import KVCraftError, ResourceExhausted, disk_full
+from kvservice.errors import FailedPrecondition, KVCraftError, ResourceExhausted, disk_full, read_only
 from kvservice.server.codecs import check_parsed
 
 log = logging.getLogger("kvcraft.server")
@@ -93,10 +93,15 @@ def _bounded(message: str) -> str:
 
 def storage_error(e: BaseException) -> KVCraftError | None:
     """A full disk (ENOSPC / EDQUOT from a payload file, or RocksDB's "No space left on
-    device") is RESOURCE_EXHAUSTED naming the disk, not a bug."""
+    device") is RESOURCE_EXHAUSTED naming the disk, a read-only one (EROFS) FAILED_PRECONDITION:
+    states of the machine, not bugs."""
+    where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+    if read_only(e):
+        return FailedPrecondition(f"the filesystem under the data directory is read-only{where} (mounted so, or "
+                                  "remounted read-only by the kernel after disk errors: see its log): nothing was "
+                                  "stored or changed; reads of stored variants go on")
     if not disk_full(e):
         return None
-    where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
     return ResourceExhausted(f"the disk under the data directory is full{where}: nothing was stored or changed; "
                              "free space there (or lower disk_budget_bytes below what the disk holds); "
                              "reads of stored variants go on")

@@ -213,6 +213,11 @@ class DiskTier(Tier):
         except FileNotFoundError:
             self._settle(0, 0, drop=variant_id)
             return
+        except OSError as e:  # a read-only disk: the variant's record is gone all the same
+            log.warning("the payload of deleted variant %s stays on disk (%s): a start that finds it adopts the "
+                        "variant back (it carries its record)", variant_id, e)
+            self._settle(0, -size, drop=variant_id)  # (a Store of it again writes over the file)
+            return
         self._doomed.put(doomed)
         self._settle(0, -size, drop=variant_id)
 
