@@ -86,7 +86,17 @@ class SlabTier(Tier):
             off = self._alloc.alloc(need)
         if off is None:
             raise TierFull(f"{self.slab_name} has no free run of {need} bytes")
+        try:
+            self._back(off, need)
+        except TierFull:
+            with self._lock:
+                self._alloc.free(off, need)
+            raise
         return off
+
+    def _back(self, offset: int, n: int) -> None:
+        """Make sure memory backs slab bytes [offset, offset + n) before a copy touches them;
+        TierFull if it cannot."""
 
     def _publish(self, variant_id: str, off: int, n: int) -> None:
         with self._lock:
