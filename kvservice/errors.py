@@ -48,6 +48,16 @@ class Unavailable(KVCraftError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+# Errors of the moment, not of the payload read: the process is out of file descriptors or
+# memory, or the call was interrupted. A read that fails so is answered UNAVAILABLE (retry);
+# only an error of the file itself drops its variant.
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR})
+
+
+def transient(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS
+
+
 def read_only(e: BaseException) -> bool:
     """Whether `e` says the data directory's filesystem takes no writes: EROFS from a file
     (mounted read-only, or remounted so by the kernel after disk errors), or RocksDB's status

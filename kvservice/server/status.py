@@ -10,7 +10,8 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import grpc
 
-from kvservice.errors import FailedPrecondition, KVCraftError, ResourceExhausted, disk_full, read_only
+from kvservice.errors import (FailedPrecondition, KVCraftError, ResourceExhausted, Unavailable, disk_full, read_only,
+                              transient)
 from kvservice.server.codecs import check_parsed
 
 log = logging.getLogger("kvcraft.server")
@@ -93,9 +94,12 @@ def _bounded(message: str) -> str:
 
 def storage_error(e: BaseException) -> KVCraftError | None:
     """A full disk (ENOSPC / EDQUOT from a payload file, or RocksDB's "No space left on
-    device") is RESOURCE_EXHAUSTED naming the disk, a read-only one (EROFS) FAILED_PRECONDITION:
-    states of the machine, not bugs."""
+    device") is RESOURCE_EXHAUSTED naming the disk, a read-only one (EROFS) FAILED_PRECONDITION,
+    a process out of descriptors or memory for now UNAVAILABLE: states of the machine, not bugs."""
     where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+    if transient(e):
+        return Unavailable(f"the service is short of file descriptors or memory for now ({e.strerror}): nothing "
+                           "was stored or changed; retry")
     if read_only(e):
         return FailedPrecondition(f"the filesystem under the data directory is read-only{where} (mounted so, or "
                                   "remounted read-only by the kernel after disk errors: see its log): nothing was "

@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from kvservice.errors import NotFound
+from kvservice.errors import NotFound, Unavailable, transient
 from kvservice.index import Variant, eviction_key
 from kvcraft.layout import layer_checksum
 from kvservice.store.placement import Placement
@@ -92,6 +92,8 @@ class Promotion:
                 s.counters.misses[tier.name] += 1
                 continue
             except OSError as e:
+                if transient(e):
+                    raise Unavailable(f"variant {vid}: its {tier.name} tier read failed for now ({e}); retry") from None
                 self.placement.drop(vid, f"{tier.name} tier read failed: {e}")
                 raise NotFound(f"variant {vid}: payload unreadable, dropped; recompute it") from None
             s.counters.hits[tier.name] += 1
@@ -237,7 +239,7 @@ class Promotion:
         except NotFound:  # a layer failed its checksum; the variant was dropped
             return False
         except (KeyError, OSError) as e:
-            if not tier.shared:
+            if not (tier.shared or transient(e)):
                 self.placement.drop(v.variant_id, f"{tier.name} tier read failed: {e}")
             return False
         # In place where the writer allows it: the disk tier reads straight into the host
@@ -249,7 +251,7 @@ class Promotion:
                 if copy:
                     data = tier.get_layer(v.variant_id, layer, shape)
             except (KeyError, OSError) as e:
-                if not tier.shared:
+                if not (tier.shared or transient(e)):
                     self.placement.drop(v.variant_id, f"{tier.name} tier read failed: {e}")
                 return False
             reads[tier.name] += 1
