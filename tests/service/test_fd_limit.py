@@ -10,7 +10,6 @@ import resource
 import time
 
 import grpc
-import pytest
 import torch
 
 from kvclient.client import KVClient
