@@ -1,6 +1,6 @@
 """Recovery, run once when a store opens (docs/storage.md, "Recovery").
 
-Keep exactly the variants whose metadata and full, verified payload agree:
+Keep exactly the variants whose metadata and full payload agree:
   0. the metadata is read completely, checksums verified, before anything else; if
      it cannot be (a damaged SST, a missing database beside payload files), start-up
      stops with MetadataDamaged naming the damage and `kvcraft repair`: nothing is
@@ -8,8 +8,10 @@ Keep exactly the variants whose metadata and full, verified payload agree:
   1. every persistent tier lists its complete payloads (`Tier.scan`), deleting the
      debris of interrupted writes (*.tmp);
   2. a metadata record is kept only if some persistent tier holds its payload with
-     the exact size and every layer matching its checksum; otherwise the record and
-     the payloads are dropped;
+     the exact size (and, in a tier that does not verify its reads, every layer
+     matching its checksum); otherwise the record and the payloads are dropped. The
+     disk verifies every read: a payload damaged while the service was down is dropped
+     at its first read, never served;
   3. a payload that has no record (a crash between its rename and the metadata
      commit, metadata lost undetected, e.g. a damaged WAL, or an eviction's unlink
      lost by the machine while its unsynced delete was not) is adopted if the record
@@ -74,8 +76,11 @@ def _recover(s: StoreState, repair: bool) -> RecoveryReport:
     keep: list[tuple[Variant, list[Tier]]] = []
     drop: list[str] = []
     for vid, v in records:
+        # A tier that verifies every read (disk) is not read here: a damaged payload is found,
+        # and dropped, at its first read, and a start reads no payload (it took a full read
+        # of the disk: minutes on a large one, while engines recompute everything).
         held = [] if v is None else [t for t in persistent if files[t.name].pop(v.variant_id, None) == v.size_bytes
-                                     and _payload_ok(t, v)]
+                                     and (t.verify_reads or _payload_ok(t, v))]
         if v is None or not held:
             drop.append(vid)
             for t in persistent:

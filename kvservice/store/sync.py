@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
+from kvcraft.layout import layer_checksum
 from kvservice.cluster.records import payload_key, record_bytes
 from kvservice.cluster.view import MISSING, UNLISTED, ClusterView, Lookup
 from kvservice.errors import KVCraftError
@@ -265,7 +266,13 @@ class ClusterSync:
                     continue
                 try:
                     for layer in range(v.num_layers):
-                        writer.write_layer(src.get_layer(vid, layer, shape))
+                        data = src.get_layer(vid, layer, shape)
+                        if src.verify_reads and not _layer_ok(v, layer, data):  # (a start reads no payload)
+                            writer.abort()
+                            log.warning("write-through of %s skipped: layer %d of its %s copy fails its checksum "
+                                        "(its next read drops it)", vid, layer, src.name)
+                            return True
+                        writer.write_layer(data)
                     writer.commit()  # header and list entry: network calls, outside the store's lock
                     with s.lock:
                         if vid in s.index:
@@ -293,3 +300,8 @@ class ClusterSync:
         self._closed = True
         self._pool.shutdown(wait=True)
         self._lookups.shutdown(wait=False, cancel_futures=True)  # a lookup stuck on a lost node is not waited for
+
+
+def _layer_ok(v: Variant, layer: int, data: memoryview) -> bool:
+    kb = v.layout.key_bytes  # type: ignore[union-attr]
+    return layer_checksum(data[:kb], data[kb:]) == v.layer_checksums[layer]

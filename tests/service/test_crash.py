@@ -94,13 +94,16 @@ def test_flipped_payload_byte_is_not_found_and_dropped(start_server):
         assert c.fetch(other)  # the neighbour is untouched
 
 
-def test_payload_damaged_while_down_is_dropped_at_start(tmp_path):
+def test_payload_damaged_while_down_is_dropped_at_its_first_read(tmp_path):
     data = tmp_path / "data"
     with ServiceProcess(data) as s, KVClient(s.address) as c:
         key = c.store(MODEL, [1, 2, 3, 4], random_layers(0)).chunk_key
     (path,) = list((data / "payloads").rglob("*.kv"))
-    _flip(path, 7)
+    _flip(path, 7)  # a byte of layer 0's K
     with ServiceProcess(data) as s, KVClient(s.address) as c:
-        assert not c.lookup(chunk_key=key).found
-        assert c.stats().variants == 0
-        assert "dropped 1" in s.log()
+        assert c.stats().variants == 1  # a start reads no payload of the disk, which verifies every read
+        with pytest.raises(KVCraftError) as e:
+            c.fetch(key)
+        assert e.value.code.name == "NOT_FOUND" and "failed its checksum" in e.value.message
+        assert not c.lookup(chunk_key=key).found and c.stats().variants == 0
+        assert not path.exists()
