@@ -11,7 +11,9 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-PORT_TAKEN = "Address already in use"
+# how a server says its port was taken, lower-cased: "[Errno 98] Address already in use" (vLLM's
+# OpenAI server), "... error while attempting to bind on address (...): address already in use" (uvicorn)
+PORT_TAKEN = "address already in use"
 ATTEMPTS = 3  # ports tried: one is free when chosen, and another process may bind it before the server does
 
 
@@ -46,7 +48,7 @@ def serve(argv: Callable[[int], list[str]], env: dict, log_path: Path, ready: st
             exited = proc.poll() is not None
             if exited or time.monotonic() > deadline:
                 text = log_path.read_text()
-                if exited and PORT_TAKEN in text and attempt < ATTEMPTS:
+                if exited and PORT_TAKEN in text.lower() and attempt < ATTEMPTS:
                     break
                 proc.kill()
                 raise AssertionError(text[-4000:])
