@@ -139,7 +139,7 @@ class Carry:
     v: Tensor  # [Hkv, R, D]
 
 
-MIN_TEMPERATURE = 0.01  # APE's T: the paper's values lie in [0.1, 1]
+MIN_TEMPERATURE = 0.01  # APE's T at least (its default 0.9): far below, the logits over T overflow fp32
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class Rescale:
     rows: Tensor | None = None  # the prompt rows that read this way, sorted (None: every row of the step)
 
     def __post_init__(self) -> None:
-        if not MIN_TEMPERATURE <= self.temperature <= 1.0:  # (below, the logits over T overflow fp32)
+        if not MIN_TEMPERATURE <= self.temperature <= 1.0:
             raise ValueError(f"temperature {self.temperature} outside [{MIN_TEMPERATURE}, 1]")
         if not self.scale > 0.0:
             raise ValueError(f"scale must be > 0, got {self.scale}")

@@ -206,6 +206,7 @@ class DiskTier(Tier):
         is a metadata operation (docs/storage.md, `kvcraft bench eviction`). Its bytes
         leave `usage` at once."""
         path = self.path_of(variant_id)
+        size = 0
         try:
             size = _payload_size(path)  # usage counts layer bytes, as commit and recovery do
             doomed = path.with_name(f"{variant_id}.{secrets.token_hex(4)}{TMP_SUFFIX}")
@@ -213,7 +214,7 @@ class DiskTier(Tier):
         except FileNotFoundError:
             self._settle(0, 0, drop=variant_id)
             return
-        except OSError as e:  # a read-only disk: the variant's record is gone all the same
+        except OSError as e:  # a read-only disk, no descriptor left: the variant's record is gone all the same
             log.warning("the payload of deleted variant %s stays on disk (%s): a start that finds it adopts the "
                         "variant back (it carries its record)", variant_id, e)
             self._settle(0, -size, drop=variant_id)  # (a Store of it again writes over the file)
