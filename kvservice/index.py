@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 from sortedcontainers import SortedList
 
-from kvcraft.layout import LayerLayout
+from kvcraft.layout import LayerLayout, layer_checksum
 from kvcraft.records import VariantStats
 
 
@@ -107,6 +107,11 @@ class Variant:
     def protected(self) -> bool:
         """Leased, being fetched or pinned: never moved or deleted (Cache-Craft §3.3)."""
         return self.holds > 0 or self.pinned
+
+    def layer_intact(self, layer: int, data: memoryview) -> bool:
+        """Whether `data` (one layer: K bytes, then V) matches the checksum the layer was stored with."""
+        kb = self.layout.key_bytes  # type: ignore[union-attr]
+        return layer_checksum(data[:kb], data[kb:]) == self.layer_checksums[layer]
 
 
 EvictionKey = tuple[float, int, int, str]  # (fr, last access ms, created ms, variant id)

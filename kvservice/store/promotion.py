@@ -31,7 +31,6 @@ from typing import Iterable
 
 from kvservice.errors import NotFound, Unavailable, transient
 from kvservice.index import Variant, eviction_key
-from kvcraft.layout import layer_checksum
 from kvservice.store.placement import Placement
 from kvservice.store.state import StoreState
 from kvservice.tiers.base import TierWriter
@@ -105,8 +104,7 @@ class Promotion:
         raise NotFound(f"variant {vid}: payload unreadable, dropped; recompute it")
 
     def _verify(self, v: Variant, layer: int, data: memoryview) -> None:
-        kb = v.layout.key_bytes  # type: ignore[union-attr]
-        if layer_checksum(data[:kb], data[kb:]) != v.layer_checksums[layer]:
+        if not v.layer_intact(layer, data):
             self.s.counters.corrupt += 1
             self.placement.drop(v.variant_id, f"layer {layer} failed its checksum")
             raise NotFound(f"variant {v.variant_id} layer {layer} failed its checksum; "

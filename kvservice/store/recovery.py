@@ -31,7 +31,6 @@ from typing import Iterator
 
 from kvservice import variant_codec
 from kvservice.index import Variant
-from kvcraft.layout import layer_checksum
 from kvservice.metadata import MetadataDamaged
 from kvservice.store.state import StoreState
 from kvservice.tiers.base import Tier
@@ -150,11 +149,10 @@ def _set_aside(s: StoreState, tier: Tier, vid: str) -> None:
 def _payload_ok(tier: Tier, v: Variant) -> bool:
     if len(v.layer_checksums) != v.num_layers:
         return False
-    shape, kb = StoreState.shape(v), v.layout.key_bytes  # type: ignore[union-attr]
+    shape = StoreState.shape(v)
     try:
         for layer in range(v.num_layers):
-            data = tier.get_layer(v.variant_id, layer, shape)
-            if layer_checksum(data[:kb], data[kb:]) != v.layer_checksums[layer]:
+            if not v.layer_intact(layer, tier.get_layer(v.variant_id, layer, shape)):
                 return False
     except (KeyError, OSError):
         return False

@@ -27,7 +27,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
-from kvcraft.layout import layer_checksum
 from kvservice.cluster.records import payload_key, record_bytes
 from kvservice.cluster.view import MISSING, UNLISTED, ClusterView, Lookup
 from kvservice.errors import KVCraftError
@@ -267,7 +266,7 @@ class ClusterSync:
                 try:
                     for layer in range(v.num_layers):
                         data = src.get_layer(vid, layer, shape)
-                        if src.verify_reads and not _layer_ok(v, layer, data):  # (a start reads no payload)
+                        if src.verify_reads and not v.layer_intact(layer, data):  # (a start reads no payload)
                             writer.abort()
                             log.warning("write-through of %s skipped: layer %d of its %s copy fails its checksum "
                                         "(its next read drops it)", vid, layer, src.name)
@@ -300,8 +299,3 @@ class ClusterSync:
         self._closed = True
         self._pool.shutdown(wait=True)
         self._lookups.shutdown(wait=False, cancel_futures=True)  # a lookup stuck on a lost node is not waited for
-
-
-def _layer_ok(v: Variant, layer: int, data: memoryview) -> bool:
-    kb = v.layout.key_bytes  # type: ignore[union-attr]
-    return layer_checksum(data[:kb], data[kb:]) == v.layer_checksums[layer]

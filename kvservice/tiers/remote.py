@@ -37,7 +37,6 @@ from kvservice.cluster.view import ClusterView
 from kvservice.config import Config
 from kvservice.errors import KVCraftError, Unavailable
 from kvservice.index import Variant
-from kvcraft.layout import layer_checksum
 from kvservice.tiers.base import Buffer, PayloadShape, RecordOf, Tier, TierFull, TierWriter
 
 log = logging.getLogger("kvcraft.remote")
@@ -45,10 +44,8 @@ READERS = 4  # remote reads in flight (each waited for at most remote_timeout_s)
 
 
 def _check_layers(v: Variant, payload: bytearray, shape: PayloadShape) -> None:
-    kb = v.layout.key_bytes  # type: ignore[union-attr]
     for layer in range(shape.num_layers):
-        data = memoryview(payload)[shape.offset(layer) : shape.offset(layer + 1)]
-        if layer_checksum(data[:kb], data[kb:]) != v.layer_checksums[layer]:
+        if not v.layer_intact(layer, memoryview(payload)[shape.offset(layer) : shape.offset(layer + 1)]):
             raise BadRecord(f"layer {layer} fails its checksum")
 
 
