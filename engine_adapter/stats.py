@@ -81,6 +81,8 @@ class FreshStats:
     def later(self, q: Tensor, rows: Any, K: Tensor, k_pos: Tensor, scale: float) -> Later:
         """A layer's mass of the fresh rows, computed after the pass: q [Hq, R, D] of the
         layer's `rows` (`step.Rows`, the fresh rows among them), over its cache K at k_pos."""
+        if self.rows.shape[0] == rows.count:  # every row is fresh (a full prefill): no copy
+            return Later(q, rows.pos, K, k_pos, scale)
         at = rows.index_of(self.rows)
         return Later(q.index_select(1, at), rows.pos.index_select(0, at), K, k_pos, scale)
 
