@@ -23,7 +23,9 @@ import logging
 import multiprocessing
 import os
 import select
+import shutil
 import sys
+import tempfile
 import time
 from multiprocessing import forkserver
 from pathlib import Path
@@ -92,8 +94,12 @@ class EngineProcess:
         from kvbench.vllm.rag import engine_env
 
         self.log = Path(log)
-        self._proc = _context().Process(target=_run, args=(target, [str(a) for a in argv], str(self.log),
-                                                           env if env is not None else engine_env()), daemon=False)
+        # vLLM's ZMQ sockets are files under VLLM_RPC_BASE_PATH (the temp dir), left there by an
+        # engine that ends in os._exit or a kill: each engine's go in a folder removed after it
+        self._sockets = tempfile.mkdtemp(prefix="kvcraft-engine-")
+        env = {**(env if env is not None else engine_env()), "VLLM_RPC_BASE_PATH": self._sockets}
+        self._proc = _context().Process(target=_run, args=(target, [str(a) for a in argv], str(self.log), env),
+                                        daemon=False)
 
     def start(self) -> EngineProcess:
         self._proc.start()
@@ -114,12 +120,14 @@ class EngineProcess:
         if self._proc.exitcode is None:
             self.kill()
             raise TimeoutError(f"engine process {self.pid} still running after {timeout} s (log: {self.log})")
+        shutil.rmtree(self._sockets, ignore_errors=True)
         return self._proc.exitcode
 
     def kill(self) -> None:
         if self._proc.exitcode is None:
             self._proc.kill()
             self._proc.join(10)
+        shutil.rmtree(self._sockets, ignore_errors=True)
 
 
 def engine_run(tmp: Path, name: str, spec: dict[str, Any], timeout: float = ENGINE_TIMEOUT_S,
