@@ -95,7 +95,8 @@ class EngineProcess:
 
         self.log = Path(log)
         # vLLM's ZMQ sockets are files under VLLM_RPC_BASE_PATH (the temp dir), left there by an
-        # engine that ends in os._exit or a kill: each engine's go in a folder removed after it
+        # engine that ends in os._exit or a kill: each engine's go into a folder of its own,
+        # removed when it has ended (`wait`, `kill`)
         self._sockets = tempfile.mkdtemp(prefix="kvcraft-engine-")
         env = {**(env if env is not None else engine_env()), "VLLM_RPC_BASE_PATH": self._sockets}
         self._proc = _context().Process(target=_run, args=(target, [str(a) for a in argv], str(self.log), env),
