@@ -3,11 +3,14 @@ server and the example RAG server, as the vLLM tests start them."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -38,10 +41,15 @@ def serve(argv: Callable[[int], list[str]], env: dict, log_path: Path, ready: st
     meantime (`PORT_TAKEN` in its log) starts again on another; any other exit, or no answer
     within `timeout_s`, raises AssertionError with the log's tail (the process killed)."""
     attempt = 1
+    # vLLM's ZMQ sockets are files under VLLM_RPC_BASE_PATH (the temp dir), left there by a server
+    # that is killed: this one's go into a folder of their own, removed with the process object
+    sockets = tempfile.mkdtemp(prefix="kvcraft-server-")
+    env = {**env, "VLLM_RPC_BASE_PATH": sockets}
     while True:
         port = free_port()
         with open(log_path, "w") as log:
             proc = subprocess.Popen(argv(port), env=env, stdout=log, stderr=subprocess.STDOUT)
+        weakref.finalize(proc, shutil.rmtree, sockets, True)
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
         while not answers(base + ready):
