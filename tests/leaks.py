@@ -1,7 +1,7 @@
 """What a test run must not leave behind: processes it started (kvcraft serve, vLLM engines,
-mooncake_master, their helpers), shared-memory segments, data dirs in the temporary
-folder, and the network namespaces of simulated hosts (kvbench.common.netns; their links and
-addresses go with them). The run's first process marks its environment; every process it starts inherits
+mooncake_master, their helpers), shared-memory segments, data dirs and vLLM's files in the
+temporary folder, and the network namespaces of simulated hosts (kvbench.common.netns; their
+links and addresses go with them). The run's first process marks its environment; every process it starts inherits
 the mark, so a process still carrying it after the run is one the run left running.
 Segments carry no such mark: a run beside another run on the same machine counts the
 other's segments too (CI runs one at a time).
@@ -22,6 +22,9 @@ from kvbench.common import netns
 
 MARK = "KVCRAFT_TEST_RUN"
 SHM = Path("/dev/shm")
+# what the run's own things name in the temporary folder: kvcraft's folders, and the rendezvous
+# file of a vLLM engine at tensor parallel > 1 (its workers' torch.distributed FileStore)
+TMP_PREFIXES = ("kvcraft", "vllm_dist_")
 EXIT_WAIT_S = 10.0  # a process killed at the very end still needs a moment to be reaped
 
 
@@ -45,14 +48,15 @@ def start() -> Before:
 
 
 def left_behind(before: Before) -> list[str]:
-    """What the run left: marked processes, new segments, new kvcraft temporary dirs."""
+    """What the run left: marked processes, new segments, new kvcraft dirs and vLLM files in the
+    temporary folder."""
     deadline = time.monotonic() + EXIT_WAIT_S
     while (procs := _marked(before.run)) and time.monotonic() < deadline:
         time.sleep(0.2)
     found = [f"process {pid}: {cmd}" for pid, cmd in procs]
     found += [f"/dev/shm/{n}" for n in sorted(_names(SHM) - before.shm)]
     tmp = Path(tempfile.gettempdir())
-    found += [str(tmp / n) for n in sorted(_names(tmp) - before.tmp) if n.startswith("kvcraft")]
+    found += [str(tmp / n) for n in sorted(_names(tmp) - before.tmp) if n.startswith(TMP_PREFIXES)]
     found += [f"network namespace {n}" for n in sorted(set(netns.namespaces()) - before.namespaces)]
     return found
 

@@ -1,6 +1,6 @@
 """The run's own check (tests/leaks.py, wired in tests/conftest.py) fails a run that passed
-every test but left a process, a /dev/shm segment, a kvcraft temporary dir or a simulated
-host's network namespace behind."""
+every test but left a process, a /dev/shm segment, a kvcraft temporary dir, a vLLM engine's
+rendezvous file or a simulated host's network namespace behind."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
     tag = uuid.uuid4().hex[:12]
     shm = Path("/dev/shm") / f"kvcraft-leak-{tag}"
     tmp_dir = Path(tempfile.gettempdir()) / f"kvcraft-leak-{tag}"
+    rendezvous = Path(tempfile.gettempdir()) / f"vllm_dist_{tag}"  # a tensor-parallel vLLM's
     pid_file = tmp_path / "pid"
     ns = f"{netns.NAME}-leak-{tag}" if netns.unavailable() is None else ""  # a simulated host's namespace, as root
     (tmp_path / "test_leaky.py").write_text(textwrap.dedent(f"""
@@ -42,6 +43,7 @@ def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
             Path({str(pid_file)!r}).write_text(str(p.pid))
             Path({str(shm)!r}).write_bytes(b"x")
             Path({str(tmp_dir)!r}).mkdir()
+            Path({str(rendezvous)!r}).write_bytes(b"x")
             if {ns!r}:
                 subprocess.run(["ip", "netns", "add", {ns!r}], check=True)
     """))
@@ -52,7 +54,7 @@ def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
         assert run.returncode == 1, out
         leaked_pid = pid_file.read_text()
         assert "left behind by this run" in out and f"process {leaked_pid}:" in out, out
-        assert str(shm) in out and str(tmp_dir) in out, out
+        assert str(shm) in out and str(tmp_dir) in out and str(rendezvous) in out, out
         assert not ns or f"network namespace {ns}" in out, out
     finally:
         if ns:
@@ -63,6 +65,7 @@ def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
             except ProcessLookupError:
                 pass
         shm.unlink(missing_ok=True)
+        rendezvous.unlink(missing_ok=True)
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 

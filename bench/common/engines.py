@@ -66,8 +66,13 @@ def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str]) -> Non
     os.dup2(fd, 2)
     os.close(fd)
     faulthandler.enable(all_threads=True)  # a crash in native code logs every thread's Python stack
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # (the fork server imported it)
+
+    compile_cache = default_cache_dir()  # in the shared temp dir: every engine's compiled graphs in one cache
     os.environ.clear()
     os.environ.update(env)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache)
+    tempfile.tempdir = None  # (the fork server's, if it asked): this engine's own, its TMPDIR
     logging.getLogger("vllm").setLevel(env.get("VLLM_LOGGING_LEVEL", "INFO").upper())  # set at import, in the server
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     code = 1
@@ -94,11 +99,12 @@ class EngineProcess:
         from kvbench.vllm.rag import engine_env
 
         self.log = Path(log)
-        # vLLM's ZMQ sockets are files under VLLM_RPC_BASE_PATH (the temp dir), left there by an
-        # engine that ends in os._exit or a kill: each engine's go into a folder of its own,
-        # removed when it has ended (`wait`, `kill`)
-        self._sockets = tempfile.mkdtemp(prefix="kvcraft-engine-")
-        env = {**(env if env is not None else engine_env()), "VLLM_RPC_BASE_PATH": self._sockets}
+        # An engine ends in os._exit or a kill, so nothing it put in the temp dir is unlinked: vLLM's
+        # ZMQ sockets (files under VLLM_RPC_BASE_PATH) and, at tensor parallel > 1, its workers'
+        # rendezvous file (vllm_dist_*). Each engine gets a temp dir of its own (TMPDIR), removed
+        # when it has ended (`wait`, `kill`); torch.compile's cache stays where every engine shares it.
+        self._tmp = tempfile.mkdtemp(prefix="kvcraft-engine-")
+        env = {**(env if env is not None else engine_env()), "VLLM_RPC_BASE_PATH": self._tmp, "TMPDIR": self._tmp}
         self._proc = _context().Process(target=_run, args=(target, [str(a) for a in argv], str(self.log), env),
                                         daemon=False)
 
@@ -121,14 +127,14 @@ class EngineProcess:
         if self._proc.exitcode is None:
             self.kill()
             raise TimeoutError(f"engine process {self.pid} still running after {timeout} s (log: {self.log})")
-        shutil.rmtree(self._sockets, ignore_errors=True)
+        shutil.rmtree(self._tmp, ignore_errors=True)
         return self._proc.exitcode
 
     def kill(self) -> None:
         if self._proc.exitcode is None:
             self._proc.kill()
             self._proc.join(10)
-        shutil.rmtree(self._sockets, ignore_errors=True)
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 def engine_run(tmp: Path, name: str, spec: dict[str, Any], timeout: float = ENGINE_TIMEOUT_S,
