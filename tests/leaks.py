@@ -22,8 +22,8 @@ from kvbench.common import netns
 
 MARK = "KVCRAFT_TEST_RUN"
 SHM = Path("/dev/shm")
-# what the run's own things name in the temporary folder: kvcraft's folders, and the rendezvous
-# file of a vLLM engine at tensor parallel > 1 (its workers' torch.distributed FileStore)
+# what the run's own things name in the temporary folder: kvcraft's folders, and a vLLM engine's
+# rendezvous file (its executor's torch.distributed FileStore)
 TMP_PREFIXES = ("kvcraft", "vllm_dist_")
 EXIT_WAIT_S = 10.0  # a process killed at the very end still needs a moment to be reaped
 

@@ -31,7 +31,7 @@ def test_a_run_that_leaves_things_behind_fails_and_names_each(tmp_path):
     tag = uuid.uuid4().hex[:12]
     shm = Path("/dev/shm") / f"kvcraft-leak-{tag}"
     tmp_dir = Path(tempfile.gettempdir()) / f"kvcraft-leak-{tag}"
-    rendezvous = Path(tempfile.gettempdir()) / f"vllm_dist_{tag}"  # a tensor-parallel vLLM's
+    rendezvous = Path(tempfile.gettempdir()) / f"vllm_dist_{tag}"  # a vLLM engine's
     pid_file = tmp_path / "pid"
     ns = f"{netns.NAME}-leak-{tag}" if netns.unavailable() is None else ""  # a simulated host's namespace, as root
     (tmp_path / "test_leaky.py").write_text(textwrap.dedent(f"""

@@ -100,8 +100,8 @@ class EngineProcess:
 
         self.log = Path(log)
         # An engine ends in os._exit or a kill, so nothing it put in the temp dir is unlinked: vLLM's
-        # ZMQ sockets (files under VLLM_RPC_BASE_PATH) and, at tensor parallel > 1, its workers'
-        # rendezvous file (vllm_dist_*). Each engine gets a temp dir of its own (TMPDIR), removed
+        # ZMQ sockets (files under VLLM_RPC_BASE_PATH) and its executor's rendezvous file
+        # (vllm_dist_*, torch's FileStore). Each engine gets a temp dir of its own (TMPDIR), removed
         # when it has ended (`wait`, `kill`); torch.compile's cache stays where every engine shares it.
         self._tmp = tempfile.mkdtemp(prefix="kvcraft-engine-")
         env = {**(env if env is not None else engine_env()), "VLLM_RPC_BASE_PATH": self._tmp, "TMPDIR": self._tmp}

@@ -41,15 +41,16 @@ def serve(argv: Callable[[int], list[str]], env: dict, log_path: Path, ready: st
     meantime (`PORT_TAKEN` in its log) starts again on another; any other exit, or no answer
     within `timeout_s`, raises AssertionError with the log's tail (the process killed)."""
     attempt = 1
-    # vLLM's ZMQ sockets are files under VLLM_RPC_BASE_PATH (the temp dir), left there by a server
-    # that is killed: this one's go into a folder of their own, removed with the process object
-    sockets = tempfile.mkdtemp(prefix="kvcraft-server-")
-    env = {**env, "VLLM_RPC_BASE_PATH": sockets}
+    # What a server makes in the temp dir stays there when it is killed or its engine ends in
+    # os._exit: vLLM's ZMQ sockets (files under VLLM_RPC_BASE_PATH) and its executor's rendezvous
+    # file (vllm_dist_*). This one's temp dir is its own (TMPDIR), removed with the process object.
+    tmp = tempfile.mkdtemp(prefix="kvcraft-server-")
+    env = {**env, "VLLM_RPC_BASE_PATH": tmp, "TMPDIR": tmp}
     while True:
         port = free_port()
         with open(log_path, "w") as log:
             proc = subprocess.Popen(argv(port), env=env, stdout=log, stderr=subprocess.STDOUT)
-        weakref.finalize(proc, shutil.rmtree, sockets, True)
+        weakref.finalize(proc, shutil.rmtree, tmp, True)
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
         while not answers(base + ready):

@@ -1,7 +1,7 @@
 """The engine processes of the benchmarks and tests (`kvbench.common.engines`) leave nothing in
-the temp dir: vLLM binds its ZMQ sockets as files under VLLM_RPC_BASE_PATH and, at tensor
-parallel > 1, makes its workers' rendezvous file in the temp dir (`vllm_dist_*`), and an engine
-that ends in os._exit (every one does) or is killed never unlinks them."""
+the temp dir: vLLM binds its ZMQ sockets as files under VLLM_RPC_BASE_PATH and its executor
+makes a rendezvous file in the temp dir (`vllm_dist_*`), and an engine that ends in os._exit
+(every one does) or is killed never unlinks them."""
 
 from __future__ import annotations
 
