@@ -146,9 +146,13 @@ class _Located:
                  gpu_pool: GpuPool | None = None) -> None:
         self._client = client
         self.lease_id = response.lease_id
-        # The lease's end by the service's clock, which is this host's (Locate answers only
-        # clients on its host): past it the service may move the bytes these tensors alias.
+        # The lease's end by the service's wall clock, which is this host's (Locate answers only
+        # clients on its host): past it the service may move the bytes these tensors alias. The
+        # service ends it by a clock no one sets, so it is counted here from now on the same kind
+        # of clock (`held`): a wall clock stepped back would otherwise read a lease the service
+        # has ended as still held.
         self.expires_unix_ms = response.lease_expires_unix_ms
+        self._ends = time.monotonic() + (self.expires_unix_ms / 1000 - time.time())
         self.locations = list(response.variants)
         self.variant_ids = [loc.variant_id for loc in self.locations]
         self.layers: list = []
@@ -166,7 +170,7 @@ class _Located:
     def held(self, margin_s: float = 0.0) -> bool:
         """The lease is not released and ends more than `margin_s` from now: the tensors
         still hold the variants' bytes (and will while a reader copies them)."""
-        return bool(self.lease_id) and time.time() + margin_s < self.expires_unix_ms / 1000
+        return bool(self.lease_id) and time.monotonic() + margin_s < self._ends
 
     def _take_lease(self) -> str:
         lease_id, self.lease_id = self.lease_id, ""

@@ -48,6 +48,7 @@ LIST_SCAN = 2048  # chunk keys ListChunks reads per hold of the store's lock
 
 class ChunkStore:
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.time,
+                 elapsed: Callable[[], float] = time.monotonic,
                  tiers: list[Tier] | None = None, repair: bool = False,
                  data_dir_lock: DataDirLock | None = None) -> None:
         """repair: rebuild missing metadata from the payload files (`kvcraft repair`).
@@ -72,7 +73,7 @@ class ChunkStore:
             raise
         try:
             made = tiers if tiers is not None else build_tiers(cfg, self.instance_id)
-            self._s = StoreState(cfg, made, meta, clock)
+            self._s = StoreState(cfg, made, meta, clock, elapsed)
             self.index = self._s.index
             self.tiers = self._s.tiers
             self.listeners: list[StoreListener] = self._s.listeners

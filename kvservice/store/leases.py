@@ -19,7 +19,7 @@ from kvservice.store.state import StoreState
 @dataclass
 class Lease:
     variants: list[Variant]  # the records it holds (a variant dropped and stored again is a new one)
-    expires: float  # clock() seconds
+    ends: float  # elapsed() seconds
 
 
 class Leases:
@@ -30,7 +30,7 @@ class Leases:
     def __init__(self, state: StoreState) -> None:
         self.s = state
         self._leases: dict[str, Lease] = {}
-        # (expires, lease id) of every lease, soonest first; a released lease's entry
+        # (ends, lease id) of every lease, soonest first; a released lease's entry
         # stays until it comes up (skipped then) or the heap is rebuilt.
         self._by_expiry: list[tuple[float, str]] = []
 
@@ -44,17 +44,21 @@ class Leases:
                 f"{len(self._leases)} leases are outstanding; max_leases is {self.s.cfg.max_leases}: "
                 "release leases when done with them (Release), or wait for their ttl")
         lease_id = secrets.token_hex(16)
-        expires = self.s.clock() + (ttl_s or self.s.cfg.lease_timeout_s)
-        self._leases[lease_id] = Lease(variants, expires)
+        ttl_s = ttl_s or self.s.cfg.lease_timeout_s
+        # It ends ttl_s from now by a clock no one sets: a wall clock stepped forward (NTP, a VM
+        # resumed) would end every lease at once under the engines reading those variants, one
+        # stepped back would hold them past their ttl. Clients are told the end on the wall clock.
+        ends = self.s.elapsed() + ttl_s
+        self._leases[lease_id] = Lease(variants, ends)
         heap = self._by_expiry
         if len(heap) > 2 * len(self._leases) + 1024:  # mostly released leases' entries
-            heap[:] = [(lease.expires, lid) for lid, lease in self._leases.items()]
+            heap[:] = [(lease.ends, lid) for lid, lease in self._leases.items()]
             heapq.heapify(heap)
-        heapq.heappush(heap, (expires, lease_id))
+        heapq.heappush(heap, (ends, lease_id))
         for v in variants:
             v.holds += 1
             v.leases += 1
-        return lease_id, expires
+        return lease_id, self.s.clock() + ttl_s
 
     def release(self, lease_id: str) -> bool:
         self.expire()
@@ -65,7 +69,7 @@ class Leases:
         return True
 
     def expire(self) -> None:
-        heap, now = self._by_expiry, self.s.clock()
+        heap, now = self._by_expiry, self.s.elapsed()
         while heap and heap[0][0] <= now:
             lease = self._leases.pop(heapq.heappop(heap)[1], None)
             if lease is not None:

@@ -47,7 +47,10 @@ class Counters:
 class StoreState:
     """Shared by the parts of one `ChunkStore`; every mutation happens under `lock`."""
 
-    def __init__(self, cfg: Config, tiers: list[Tier], meta: MetadataDB, clock: Callable[[], float]) -> None:
+    def __init__(self, cfg: Config, tiers: list[Tier], meta: MetadataDB, clock: Callable[[], float],
+                 elapsed: Callable[[], float]) -> None:
+        """clock: the wall clock (unix seconds: access times kept in the metadata, a lease's end
+        as clients are told it); elapsed: a clock no one sets (when leases end, `Leases`)."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         names = [t.name for t in tiers]
@@ -57,7 +60,7 @@ class StoreState:
         if not homes:
             raise ValueError(f"no persistent tier among {names}: a Store could never be acknowledged")
         self.cfg = cfg
-        self.clock = clock
+        self.clock, self.elapsed = clock, elapsed
         self.tiers = tiers
         self.home = homes[0]  # index of the tier a Store must reach before it is acknowledged
         self.meta = meta

@@ -34,6 +34,27 @@ def test_fetch_local_tensors_alias_the_stored_bytes_until_released(shared_server
         assert not c.release(lease_id)  # leaving the block released it
 
 
+def test_a_lease_is_held_for_its_ttl_whatever_the_wall_clock_does(shared_server, model, monkeypatch):
+    """The service ends a lease by elapsed time; the client counts it the same way: the wall
+    clock stepped an hour forward under it leaves it held, one hour back does not keep it past
+    its ttl (the bytes its tensors alias may be moved then)."""
+    import time
+
+    from tests.conftest import wait_for
+
+    real = time.time
+    with KVClient(shared_server.address) as c:
+        r = c.store(model, list(range(100, 109)), random_layers(6, (1, 9, 8), 3, torch.bfloat16))
+        with c.fetch_local([r.chunk_key], ttl_s=2.0) as got:
+            assert got.held()
+            monkeypatch.setattr(time, "time", lambda: real() + 3600.0)
+            assert got.held()
+            monkeypatch.setattr(time, "time", lambda: real() - 3600.0)
+            wait_for(lambda: not got.held(), "the lease's end, 2 s after it was taken", timeout=10.0)
+            monkeypatch.setattr(time, "time", real)
+            assert not c.release(got.lease_id)  # the service ended it too
+
+
 def test_a_locate_from_another_service_instance_retires_the_old_mapping():
     from multiprocessing import shared_memory
 

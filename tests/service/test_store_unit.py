@@ -1,4 +1,4 @@
-"""ChunkStore without gRPC: lease expiry on an injected clock, config precedence."""
+"""ChunkStore without gRPC: lease expiry on injected clocks, config precedence."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_lease_protects_until_it_times_out(tmp_path):
     clock = Clock()
     cfg = load_config(env={}, overrides={"data_dir": str(tmp_path), "disk_budget_bytes": 2 * LAYER_BYTES,
                                          "lease_timeout_s": 30.0})
-    store = ChunkStore(cfg, clock=clock)
+    store = ChunkStore(cfg, clock=clock, elapsed=clock)
     a, b = put(store, [1, 2]), put(store, [3, 4])
     store.take_lease([Ref(a), Ref(b)])
     with pytest.raises(ResourceExhausted, match="leased or pinned"):
@@ -48,6 +48,28 @@ def test_lease_protects_until_it_times_out(tmp_path):
     with pytest.raises(ResourceExhausted):
         put(store, [5, 6])
     clock.now += 0.2  # past the 30 s timeout: the lease ends by itself
+    c = put(store, [5, 6])
+    assert store.lookup(c) and store.variant_count() == 2
+    store.close()
+
+
+def test_a_wall_clock_step_neither_ends_a_lease_nor_holds_it_past_its_ttl(tmp_path):
+    """The wall clock stepped an hour forward (NTP, a VM resumed) under a held lease: the
+    variants stay held, and a step back holds them no longer than the ttl; clients are told
+    the end on the wall clock as it was when the lease was taken."""
+    wall, elapsed = Clock(), Clock()
+    cfg = load_config(env={}, overrides={"data_dir": str(tmp_path), "disk_budget_bytes": 2 * LAYER_BYTES,
+                                         "lease_timeout_s": 30.0})
+    store = ChunkStore(cfg, clock=wall, elapsed=elapsed)
+    a, b = put(store, [1, 2]), put(store, [3, 4])
+    assert store.take_lease([Ref(a), Ref(b)])[2] == wall.now + 30.0
+    wall.now += 3600.0
+    with pytest.raises(ResourceExhausted, match="leased or pinned"):
+        put(store, [5, 6])
+    assert store.stats().leases == 1
+    wall.now -= 7200.0
+    elapsed.now += 30.1
+    assert store.stats().leases == 0
     c = put(store, [5, 6])
     assert store.lookup(c) and store.variant_count() == 2
     store.close()
@@ -85,7 +107,7 @@ def test_leases_match_a_brute_force_reference(tmp_path):
 
     clock = Clock()
     cfg = load_config(env={}, overrides={"data_dir": str(tmp_path), "lease_timeout_s": 30.0})
-    store = ChunkStore(cfg, clock=clock)
+    store = ChunkStore(cfg, clock=clock, elapsed=clock)
     keys = [put(store, [i, i + 1]) for i in range(0, 12, 2)]
     vids = {k: store.lookup(k)[0].variant_id for k in keys}
     rng = random.Random(5)
@@ -134,7 +156,7 @@ def test_lease_calls_do_not_walk_every_lease(tmp_path):
     and a placement cost the same as with none: no call walks all leases."""
     clock = Clock()
     cfg = load_config(env={}, overrides={"data_dir": str(tmp_path), "lease_timeout_s": 30.0})
-    store = ChunkStore(cfg, clock=clock)
+    store = ChunkStore(cfg, clock=clock, elapsed=clock)
     a, b = put(store, [1, 2]), put(store, [3, 4])
     held = [store.take_lease([Ref(a)])[0] for _ in range(2000)]
     store._leases._leases = _NoScan(store._leases._leases)
