@@ -130,6 +130,24 @@ class Placement:
                     return None
                 self.demote(victim, i)
 
+    def fit_budgets(self) -> None:
+        """At start: a persistent tier holding more than its budget (the operator lowered
+        `disk_budget_bytes` over a data dir) gives up its lowest variants by the eviction order
+        until it fits, as a Store would make room, rather than keep the excess until Stores
+        come; what is protected (pinned) stays, and the excess left is named."""
+        for i, tier in enumerate(self.s.tiers):
+            used = tier.usage() if tier.persistent else 0
+            if used <= tier.budget_bytes:
+                continue
+            gone = 0
+            while tier.usage() > tier.budget_bytes and (victim := self.lowest(i)) is not None:
+                self.demote(victim, i)
+                gone += 1
+            left = tier.usage()
+            log.warning("the %s tier held %s bytes, over its budget of %s: %d variants evicted (lowest fr first)%s",
+                        tier.name, f"{used:,}", f"{tier.budget_bytes:,}", gone,
+                        f"; {left:,} bytes remain, pinned" if left > tier.budget_bytes else "")
+
     # -- moving down and out -----------------------------------------------------------
     def demote(self, v: Variant, i: int) -> None:
         """Move `v` out of tier i: copy it one tier down unless a lower tier holds it,

@@ -309,6 +309,38 @@ def test_an_eviction_order_full_of_stale_entries_is_rebuilt_from_the_tier(tmp_pa
     store.close()
 
 
+def test_a_start_under_a_lowered_disk_budget_keeps_the_highest_variants_that_fit(tmp_path, caplog):
+    """The data dir holds 8 variants; the service starts with room for 3 on disk: it evicts
+    at once, by the eviction order (brute force: every variant sorted by its key), keeping
+    the pinned one whatever its score, and says what it did."""
+    import random
+
+    from kvservice.index import eviction_key
+
+    clock = Clock()
+    data = tmp_path / "data"
+    cfg = {"data_dir": str(data)}
+    store = ChunkStore(load_config(env={}, overrides=cfg), clock=clock)
+    keys = [put(store, [i, i + 1]) for i in range(0, 16, 2)]
+    rng = random.Random(3)
+    for _ in range(20):  # reuse at random: fr and last access differ
+        clock.now += 1
+        store.close_fetch(store.open_fetch([Ref(rng.choice(keys[1:]))]), promote=False)
+    store.set_pinned(Selector(chunk_key=keys[0]), True)  # never reused: the lowest score, kept
+    pinned = store.lookup(keys[0])[0].variant_id
+    ranked = [v.variant_id for v in sorted(store.index, key=eviction_key, reverse=True) if v.variant_id != pinned]
+    store.close()
+    with caplog.at_level(logging.WARNING, logger="kvcraft.store"):
+        store = ChunkStore(load_config(env={}, overrides={**cfg, "disk_budget_bytes": 3 * LAYER_BYTES}), clock=clock)
+    assert {v.variant_id for v in store.index} == {pinned, *ranked[:2]}
+    assert store.stats().tiers[-1].bytes_used == 3 * LAYER_BYTES
+    assert "over its budget" in caplog.text and "5 variants evicted" in caplog.text
+    store.close()
+    store = ChunkStore(load_config(env={}, overrides=cfg), clock=clock)  # durable: the records went too
+    assert {v.variant_id for v in store.index} == {pinned, *ranked[:2]}
+    store.close()
+
+
 def _scores(store: ChunkStore) -> dict[str, tuple[float, int]]:
     return {v.variant_id: (v.fr, v.last_access_ms) for v in store.index}
 
