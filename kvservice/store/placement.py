@@ -77,15 +77,20 @@ class Placement:
             self.s.counters.evictions += 1
         if len(index) >= cfg.max_variants:
             self._expire_leases()
-            # Every variant is in some tier (one with the same key in each tier holding
-            # it): the lowest of the tiers' lowest is the lowest of all.
-            lows = [v for i in range(len(self.s.tiers)) if (v := self.lowest(i)) is not None]
-            if not lows:
-                lows = self.victims(index)  # before refusing: every variant, sorted
-            if not lows:
+            victim = self._lowest_of_all()
+            if victim is None:
                 raise ResourceExhausted(f"store holds max_variants={cfg.max_variants} variants, all leased or pinned")
-            self.delete(min(lows, key=eviction_key).variant_id)
+            self.delete(victim.variant_id)
             self.s.counters.evictions += 1
+
+    def _lowest_of_all(self) -> Variant | None:
+        """The unprotected variant with the lowest eviction key in the store, or None."""
+        # Every variant is in some tier (one with the same key in each tier holding
+        # it): the lowest of the tiers' lowest is the lowest of all.
+        lows = [v for i in range(len(self.s.tiers)) if (v := self.lowest(i)) is not None]
+        if not lows:
+            lows = self.victims(self.s.index)  # before giving up: every variant, sorted
+        return min(lows, key=eviction_key) if lows else None
 
     def open_writer(self, i: int, vid: str, shape: PayloadShape) -> TierWriter:
         """A writer on tier i (the home tier or one below it), making room by demotion;
@@ -134,7 +139,18 @@ class Placement:
         """At start: a persistent tier holding more than its budget (the operator lowered
         `disk_budget_bytes` over a data dir) gives up its lowest variants by the eviction order
         until it fits, as a Store would make room, rather than keep the excess until Stores
-        come; what is protected (pinned) stays, and the excess left is named."""
+        come; and so does a store of more than `max_variants` (a Store makes room for one
+        only: the excess would stay). What is protected (pinned) stays; the excess left is named."""
+        n, cap = len(self.s.index), self.s.cfg.max_variants
+        if n > cap:
+            gone = 0
+            while len(self.s.index) > cap and (victim := self._lowest_of_all()) is not None:
+                self.delete(victim.variant_id)
+                self.s.counters.evictions += 1
+                gone += 1
+            left = len(self.s.index)
+            log.warning("the store held %s variants, over max_variants=%s: %d evicted (lowest fr first)%s",
+                        f"{n:,}", f"{cap:,}", gone, f"; {left:,} remain, pinned" if left > cap else "")
         for i, tier in enumerate(self.s.tiers):
             used = tier.usage() if tier.persistent else 0
             if used <= tier.budget_bytes:

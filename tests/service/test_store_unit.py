@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 
 import pytest
@@ -309,10 +310,12 @@ def test_an_eviction_order_full_of_stale_entries_is_rebuilt_from_the_tier(tmp_pa
     store.close()
 
 
-def test_a_start_under_a_lowered_disk_budget_keeps_the_highest_variants_that_fit(tmp_path, caplog):
-    """The data dir holds 8 variants; the service starts with room for 3 on disk: it evicts
-    at once, by the eviction order (brute force: every variant sorted by its key), keeping
-    the pinned one whatever its score, and says what it did."""
+@pytest.mark.parametrize("lowered", [{"disk_budget_bytes": 3 * LAYER_BYTES}, {"max_variants": 3}],
+                         ids=["disk_budget_bytes", "max_variants"])
+def test_a_start_under_a_lowered_budget_keeps_the_highest_variants_that_fit(tmp_path, caplog, lowered):
+    """The data dir holds 8 variants; the service starts with room for 3 (on disk, or in all):
+    it evicts at once, by the eviction order (brute force: every variant sorted by its key),
+    keeping the pinned one whatever its score, and says what it did."""
     import random
 
     from kvservice.index import eviction_key
@@ -331,10 +334,11 @@ def test_a_start_under_a_lowered_disk_budget_keeps_the_highest_variants_that_fit
     ranked = [v.variant_id for v in sorted(store.index, key=eviction_key, reverse=True) if v.variant_id != pinned]
     store.close()
     with caplog.at_level(logging.WARNING, logger="kvcraft.store"):
-        store = ChunkStore(load_config(env={}, overrides={**cfg, "disk_budget_bytes": 3 * LAYER_BYTES}), clock=clock)
+        store = ChunkStore(load_config(env={}, overrides={**cfg, **lowered}), clock=clock)
     assert {v.variant_id for v in store.index} == {pinned, *ranked[:2]}
     assert store.stats().tiers[-1].bytes_used == 3 * LAYER_BYTES
-    assert "over its budget" in caplog.text and "5 variants evicted" in caplog.text
+    assert re.search(r"held 8 variants, over max_variants=3: 5 evicted" if "max_variants" in lowered else
+                     r"disk tier held 256 bytes, over its budget of 96: 5 variants evicted", caplog.text), caplog.text
     store.close()
     store = ChunkStore(load_config(env={}, overrides=cfg), clock=clock)  # durable: the records went too
     assert {v.variant_id for v in store.index} == {pinned, *ranked[:2]}
