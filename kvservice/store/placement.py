@@ -139,9 +139,19 @@ class Placement:
         """At start: a persistent tier holding more than its budget (the operator lowered
         `disk_budget_bytes` over a data dir) gives up its lowest variants by the eviction order
         until it fits, as a Store would make room, rather than keep the excess until Stores
-        come; and so does a store of more than `max_variants` (a Store makes room for one
-        only: the excess would stay). What is protected (pinned) stays; the excess left is named."""
-        n, cap = len(self.s.index), self.s.cfg.max_variants
+        come; and so do a chunk of more than `max_variants_per_chunk` variants and a store of
+        more than `max_variants` (a Store makes room for one only: the excess would stay). What
+        is protected (pinned) stays; the excess left is named."""
+        index, per_chunk = self.s.index, self.s.cfg.max_variants_per_chunk
+        crowded = [k for k in list(index.chunk_keys_after("")) if len(index.variants_of(k)) > per_chunk]
+        if crowded:
+            victims = [v.variant_id for k in crowded
+                       for v in self.victims(index.variants_of(k))[:len(index.variants_of(k)) - per_chunk]]
+            self.delete_many(victims)
+            self.s.counters.evictions += len(victims)
+            log.warning("%d chunks held more than max_variants_per_chunk=%d variants: %d evicted (lowest fr first)",
+                        len(crowded), per_chunk, len(victims))
+        n, cap = len(index), self.s.cfg.max_variants
         if n > cap:
             gone = 0
             while len(self.s.index) > cap and (victim := self._lowest_of_all()) is not None:

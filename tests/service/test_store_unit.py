@@ -21,9 +21,9 @@ MODEL = ModelSpec("unit", 1, 1, 2, "float32").fingerprint()
 LAYER_BYTES = 2 * 1 * 2 * 2 * 4  # K + V of [1, 2, 2] fp32
 
 
-def put(store: ChunkStore, tokens: list[int]) -> str:
+def put(store: ChunkStore, tokens: list[int], prefix: tuple[str, ...] = ()) -> str:
     spec = Spec(pb.FLOAT32, (1, len(tokens), 2))
-    s = store.begin_store(StoreHeader(MODEL, tokens, (), 1, spec, spec))
+    s = store.begin_store(StoreHeader(MODEL, tokens, prefix, 1, spec, spec))
     s.add_layer(0, bytes(len(tokens) * 8), bytes(len(tokens) * 8))
     return s.finish().chunk_key
 
@@ -342,6 +342,31 @@ def test_a_start_under_a_lowered_budget_keeps_the_highest_variants_that_fit(tmp_
     store.close()
     store = ChunkStore(load_config(env={}, overrides=cfg), clock=clock)  # durable: the records went too
     assert {v.variant_id for v in store.index} == {pinned, *ranked[:2]}
+    store.close()
+
+
+def test_a_start_under_a_lowered_max_variants_per_chunk_keeps_each_chunks_highest(tmp_path, caplog):
+    """A chunk stored behind 4 prefixes; the service starts with max_variants_per_chunk 2: the
+    chunk keeps its 2 highest variants by the eviction order (brute force), the others theirs."""
+    from kvservice.index import eviction_key
+
+    clock = Clock()
+    cfg = {"data_dir": str(tmp_path / "data")}
+    store = ChunkStore(load_config(env={}, overrides=cfg), clock=clock)
+    a, b = put(store, [1, 2]), put(store, [3, 4])
+    x = [put(store, [5, 6], prefix) for prefix in ((), (a,), (b,), (a, b))][0]
+    for step, prefix in enumerate([(a,), (a, b), (a,)]):  # reuses of three of its variants
+        clock.now += 1 + step
+        vid = next(v.variant_id for v in store.lookup(x) if tuple(v.prefix_keys) == prefix)
+        store.close_fetch(store.open_fetch([Ref(x, vid)]), promote=False)
+    ranked = [v.variant_id for v in sorted(store.lookup(x), key=eviction_key, reverse=True)]
+    others = {v.variant_id for k in (a, b) for v in store.lookup(k)}
+    store.close()
+    with caplog.at_level(logging.WARNING, logger="kvcraft.store"):
+        store = ChunkStore(load_config(env={}, overrides={**cfg, "max_variants_per_chunk": 2}), clock=clock)
+    assert {v.variant_id for v in store.lookup(x)} == set(ranked[:2])
+    assert {v.variant_id for k in (a, b) for v in store.lookup(k)} == others
+    assert "1 chunks held more than max_variants_per_chunk=2 variants: 2 evicted" in caplog.text, caplog.text
     store.close()
 
 
