@@ -169,6 +169,10 @@ class VariantIndex:
     def chunk_count(self) -> int:
         return len(self._by_chunk)
 
+    def chunks_over(self, limit: int) -> list[str]:
+        """Chunk keys with more than `limit` variants (one pass, no order)."""
+        return [k for k, vs in self._by_chunk.items() if len(vs) > limit]
+
     def chunk_keys_after(self, after: str) -> Iterator[str]:
         """Chunk keys greater than `after`, in order (lazily: do not add or remove
         variants while iterating)."""

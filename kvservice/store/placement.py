@@ -143,7 +143,7 @@ class Placement:
         more than `max_variants` (a Store makes room for one only: the excess would stay). What
         is protected (pinned) stays; the excess left is named."""
         index, per_chunk = self.s.index, self.s.cfg.max_variants_per_chunk
-        crowded = [k for k in list(index.chunk_keys_after("")) if len(index.variants_of(k)) > per_chunk]
+        crowded = index.chunks_over(per_chunk)
         if crowded:
             victims = [v.variant_id for k in crowded
                        for v in self.victims(index.variants_of(k))[:len(index.variants_of(k)) - per_chunk]]
