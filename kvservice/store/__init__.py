@@ -84,8 +84,9 @@ class ChunkStore:
             self._staging_maps = StagingMaps()  # clients' staging areas (co-located Stores)
             self.recovery = recover(self._s, repair=repair)
             with self._s.lock:
-                self._placement.fit_budgets()
-            meta.sync()
+                fitted = self._placement.fit_budgets()
+            if fitted:
+                meta.sync()
             # sampled fidelity and the budgets it sets (PlanningService feeds it)
             self.fidelity = FidelityBook(meta, target=cfg.fidelity_target, sample=cfg.fidelity_sample)
             # Scale-out (docs/scale-out.md): adopt other nodes' variants, write-through.

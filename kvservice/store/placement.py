@@ -135,14 +135,16 @@ class Placement:
                     return None
                 self.demote(victim, i)
 
-    def fit_budgets(self) -> None:
+    def fit_budgets(self) -> int:
         """At start: a persistent tier holding more than its budget (the operator lowered
         `disk_budget_bytes` over a data dir) gives up its lowest variants by the eviction order
         until it fits, as a Store would make room, rather than keep the excess until Stores
         come; and so do a chunk of more than `max_variants_per_chunk` variants and a store of
         more than `max_variants` (a Store makes room for one only: the excess would stay). What
-        is protected (pinned) stays; the excess left is named."""
+        is protected (pinned) stays; the excess left is named. Returns how many went (their
+        records' deletes are not synced: the caller's)."""
         index, per_chunk = self.s.index, self.s.cfg.max_variants_per_chunk
+        before = self.s.counters.evictions
         crowded = index.chunks_over(per_chunk)
         if crowded:
             victims = [v.variant_id for k in crowded
@@ -173,6 +175,7 @@ class Placement:
             log.warning("the %s tier held %s bytes, over its budget of %s: %d variants evicted (lowest fr first)%s",
                         tier.name, f"{used:,}", f"{tier.budget_bytes:,}", gone,
                         f"; {left:,} bytes remain, pinned" if left > tier.budget_bytes else "")
+        return self.s.counters.evictions - before
 
     # -- moving down and out -----------------------------------------------------------
     def demote(self, v: Variant, i: int) -> None:
