@@ -68,10 +68,16 @@ def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str]) -> Non
     faulthandler.enable(all_threads=True)  # a crash in native code logs every thread's Python stack
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # (the fork server imported it)
 
-    compile_cache = default_cache_dir()  # in the shared temp dir: every engine's compiled graphs in one cache
+    # torch.compile's cache (graphs, kernels, precompiled headers) is torch's default cache dir, a
+    # folder of that name in the temp dir: linked from this engine's temp dir to the shared one, so
+    # that every engine, and every process it spawns (vLLM's tensor parallel workers), shares it.
+    # (TORCHINDUCTOR_CACHE_DIR would not do: torch places the precompiled headers in the default
+    # dir, ignoring it.)
+    compile_cache = default_cache_dir()
+    os.makedirs(compile_cache, exist_ok=True)
+    os.symlink(compile_cache, os.path.join(env["TMPDIR"], os.path.basename(compile_cache)))
     os.environ.clear()
     os.environ.update(env)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache)
     tempfile.tempdir = None  # (the fork server's, if it asked): this engine's own, its TMPDIR
     logging.getLogger("vllm").setLevel(env.get("VLLM_LOGGING_LEVEL", "INFO").upper())  # set at import, in the server
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]

@@ -46,3 +46,37 @@ def test_an_engines_sockets_and_temp_files_go_with_it(tmp_path, end):
     for made in told.read_text().splitlines():
         assert os.path.dirname(made) != tempfile.gettempdir()  # not among everyone's files
         assert not os.path.exists(made) and not os.path.exists(os.path.dirname(made))
+
+
+def report_compile_cache(argv: list[str]) -> int:
+    """An engine's entry point: writes to argv[0] where torch.compile's cache and its precompiled
+    headers resolve in this engine (torch places the headers by the temp dir when
+    `torch._inductor.codecache` is first imported, as in an engine) and in a process it spawns
+    as vLLM spawns its tensor parallel workers (a fresh interpreter, this environment)."""
+    import subprocess
+    import sys
+
+    from torch._inductor import codecache
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    spawned = subprocess.run([sys.executable, "-c", "import os; from torch._inductor import codecache; "
+                              "print(os.path.realpath(codecache._HEADER_DIR))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    with open(argv[0], "w") as f:
+        f.write("\n".join([os.path.realpath(cache_dir()), os.path.realpath(codecache._HEADER_DIR), spawned]))
+    return 0
+
+
+def test_every_engine_shares_torch_compiles_cache(tmp_path):
+    """A compiled engine (or vLLM's eager one, which compiles its custom ops' native forward)
+    finds what an engine before it compiled: were the precompiled headers in its own temp dir,
+    every engine would rebuild them (~13 s of CPU here)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    shared = os.path.realpath(default_cache_dir())
+    told = tmp_path / "cache"
+    assert EngineProcess(f"{__name__}:report_compile_cache", [told], tmp_path / "engine.log").start().wait(120) == 0, \
+        (tmp_path / "engine.log").read_text()
+    graphs, headers, spawned_headers = told.read_text().splitlines()
+    assert graphs == shared
+    assert headers == spawned_headers == os.path.join(shared, "precompiled_headers")
