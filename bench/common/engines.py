@@ -58,6 +58,24 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def own_temp_dir(prefix: str) -> str:
+    """A new temp dir for a vLLM process to use as its TMPDIR, the caller to remove once the
+    process has ended. A vLLM process ends in os._exit or a kill, so nothing it put in the temp
+    dir is unlinked: its ZMQ sockets (files under VLLM_RPC_BASE_PATH, set to this dir too) and its
+    executor's rendezvous file (vllm_dist_*, torch's FileStore). torch.compile's cache (graphs,
+    kernels, precompiled headers) is torch's default cache dir, a folder of that name in the temp
+    dir: linked from this dir to the shared one, so that every vLLM process, and every process
+    it spawns (its tensor parallel workers), finds what another compiled. (TORCHINDUCTOR_CACHE_DIR
+    would not do: torch places the precompiled headers in the default dir, ignoring it.)"""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    shared = default_cache_dir()
+    os.makedirs(shared, exist_ok=True)
+    os.symlink(shared, os.path.join(tmp, os.path.basename(shared)))
+    return tmp
+
+
 def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str]) -> None:
     """In the forked engine process: its environment, its log, its entry point; then exit
     without waiting for vLLM's or gRPC's threads."""
@@ -66,16 +84,6 @@ def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str]) -> Non
     os.dup2(fd, 2)
     os.close(fd)
     faulthandler.enable(all_threads=True)  # a crash in native code logs every thread's Python stack
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # (the fork server imported it)
-
-    # torch.compile's cache (graphs, kernels, precompiled headers) is torch's default cache dir, a
-    # folder of that name in the temp dir: linked from this engine's temp dir to the shared one, so
-    # that every engine, and every process it spawns (vLLM's tensor parallel workers), shares it.
-    # (TORCHINDUCTOR_CACHE_DIR would not do: torch places the precompiled headers in the default
-    # dir, ignoring it.)
-    compile_cache = default_cache_dir()
-    os.makedirs(compile_cache, exist_ok=True)
-    os.symlink(compile_cache, os.path.join(env["TMPDIR"], os.path.basename(compile_cache)))
     os.environ.clear()
     os.environ.update(env)
     tempfile.tempdir = None  # (the fork server's, if it asked): this engine's own, its TMPDIR
@@ -105,11 +113,7 @@ class EngineProcess:
         from kvbench.vllm.rag import engine_env
 
         self.log = Path(log)
-        # An engine ends in os._exit or a kill, so nothing it put in the temp dir is unlinked: vLLM's
-        # ZMQ sockets (files under VLLM_RPC_BASE_PATH) and its executor's rendezvous file
-        # (vllm_dist_*, torch's FileStore). Each engine gets a temp dir of its own (TMPDIR), removed
-        # when it has ended (`wait`, `kill`); torch.compile's cache stays where every engine shares it.
-        self._tmp = tempfile.mkdtemp(prefix="kvcraft-engine-")
+        self._tmp = own_temp_dir("kvcraft-engine-")  # removed when it has ended (`wait`, `kill`)
         env = {**(env if env is not None else engine_env()), "VLLM_RPC_BASE_PATH": self._tmp, "TMPDIR": self._tmp}
         self._proc = _context().Process(target=_run, args=(target, [str(a) for a in argv], str(self.log), env),
                                         daemon=False)

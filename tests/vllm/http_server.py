@@ -6,13 +6,14 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
 import weakref
 from pathlib import Path
 from typing import Callable
+
+from kvbench.common.engines import own_temp_dir
 
 # how a server says its port was taken, lower-cased: "[Errno 98] Address already in use" (vLLM's
 # OpenAI server), "... error while attempting to bind on address (...): address already in use" (uvicorn)
@@ -41,10 +42,7 @@ def serve(argv: Callable[[int], list[str]], env: dict, log_path: Path, ready: st
     meantime (`PORT_TAKEN` in its log) starts again on another; any other exit, or no answer
     within `timeout_s`, raises AssertionError with the log's tail (the process killed)."""
     attempt = 1
-    # What a server makes in the temp dir stays there when it is killed or its engine ends in
-    # os._exit: vLLM's ZMQ sockets (files under VLLM_RPC_BASE_PATH) and its executor's rendezvous
-    # file (vllm_dist_*). This one's temp dir is its own (TMPDIR), removed with the process object.
-    tmp = tempfile.mkdtemp(prefix="kvcraft-server-")
+    tmp = own_temp_dir("kvcraft-server-")  # removed with the process object
     env = {**env, "VLLM_RPC_BASE_PATH": tmp, "TMPDIR": tmp}
     while True:
         port = free_port()
