@@ -29,7 +29,7 @@ import tempfile
 import time
 from multiprocessing import forkserver
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NoReturn, Sequence
 
 ENGINE = "kvbench.vllm.rag:engine_main"  # a vLLM instance through a spec's phases (kvbench.vllm.rag.run)
 ENGINE_TIMEOUT_S = 1800
@@ -100,9 +100,23 @@ def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str]) -> Non
 
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this engine process without waiting for vLLM's or gRPC's threads (os._exit), its
+    output flushed and the semaphores it still holds unlinked, as a normal exit would: vLLM's
+    executor makes one, tqdm's first progress bar another, and the resource tracker every
+    engine shares with the process that started it would find them when it ends, clean them
+    up and warn of them as leaked."""
+    from multiprocessing import synchronize, util
+
+    for cleanup in list(util._finalizer_registry.values()):
+        if getattr(cleanup, "_callback", None) is synchronize.SemLock._cleanup:
+            cleanup()  # (unlinks it, tells the tracker; runs once)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class EngineProcess:

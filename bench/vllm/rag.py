@@ -380,9 +380,9 @@ def engine_main(argv: list[str]) -> int:
     out = run(spec)
     out["memory"] = memory_mib()
     Path(argv[1]).write_text(json.dumps(out))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # vLLM's and gRPC's threads must not hold the process open
+    from kvbench.common.engines import exit_now
+
+    exit_now(0)  # vLLM's and gRPC's threads must not hold the process open
 
 
 MODES = ("vllm", "vllm+kvcraft", "vllm+kvcraft+craft", "vllm+kvcraft+blend")

@@ -80,3 +80,27 @@ def test_every_engine_shares_torch_compiles_cache(tmp_path):
     graphs, headers, spawned_headers = told.read_text().splitlines()
     assert graphs == shared
     assert headers == spawned_headers == os.path.join(shared, "precompiled_headers")
+
+
+def hold_a_semaphore(argv: list[str]) -> int:
+    """An engine's entry point: makes a semaphore as vLLM's executor and tqdm do (a lock of a
+    start method that names it and registers it with the resource tracker), keeps it, and
+    writes where it is to argv[0]."""
+    import multiprocessing
+
+    global _held
+    _held = multiprocessing.get_context("spawn").Lock()
+    with open(argv[0], "w") as f:
+        f.write("/dev/shm/sem." + _held._semlock.name.lstrip("/"))
+    return 0
+
+
+def test_an_engine_leaves_no_semaphore_for_the_resource_tracker(tmp_path):
+    """An engine ends in os._exit, which runs no finalizer: the semaphores it holds would stay in
+    /dev/shm until the resource tracker shared with this process ends, which then warns of them
+    as leaked (at the end of every `kvcraft bench vllm-*` run)."""
+    told = tmp_path / "semaphore"
+    assert EngineProcess(f"{__name__}:hold_a_semaphore", [told], tmp_path / "engine.log").start().wait(120) == 0, \
+        (tmp_path / "engine.log").read_text()
+    assert told.read_text().startswith("/dev/shm/sem.mp-")
+    assert not os.path.exists(told.read_text())
