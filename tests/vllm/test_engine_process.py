@@ -1,7 +1,8 @@
-"""The engine processes of the benchmarks and tests (`kvbench.common.engines`) leave nothing in
-the temp dir: vLLM binds its ZMQ sockets as files under VLLM_RPC_BASE_PATH and its executor
-makes a rendezvous file in the temp dir (`vllm_dist_*`), and an engine that ends in os._exit
-(every one does) or is killed never unlinks them."""
+"""The engine processes of the benchmarks and tests (`kvbench.common.engines`) leave nothing
+behind and share torch.compile's cache: vLLM binds its ZMQ sockets as files under
+VLLM_RPC_BASE_PATH, its executor makes a rendezvous file in the temp dir (`vllm_dist_*`) and a
+semaphore, and an engine that ends in os._exit (every one does) or is killed never unlinks them;
+each engine's temp dir is its own, with torch's cache dir linked to the shared one."""
 
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ def test_every_engine_shares_torch_compiles_cache(tmp_path):
     graphs, headers, spawned_headers = told.read_text().splitlines()
     assert graphs == shared
     assert headers == spawned_headers == os.path.join(shared, "precompiled_headers")
+
+
+_held = None  # (`hold_a_semaphore`'s lock, kept until its engine ends)
 
 
 def hold_a_semaphore(argv: list[str]) -> int:
