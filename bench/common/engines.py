@@ -26,6 +26,7 @@ import select
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing import forkserver
 from pathlib import Path
@@ -76,9 +77,9 @@ def own_temp_dir(prefix: str) -> str:
     return tmp
 
 
-def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str]) -> None:
+def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str], starter: int) -> None:
     """In the forked engine process: its environment, its log, its entry point; then exit
-    without waiting for vLLM's or gRPC's threads."""
+    without waiting for vLLM's or gRPC's threads; or at once when `starter` is gone."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -86,6 +87,7 @@ def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str]) -> Non
     faulthandler.enable(all_threads=True)  # a crash in native code logs every thread's Python stack
     os.environ.clear()
     os.environ.update(env)
+    _exit_with(starter)
     tempfile.tempdir = None  # (the fork server's, if it asked): this engine's own, its TMPDIR
     logging.getLogger("vllm").setLevel(env.get("VLLM_LOGGING_LEVEL", "INFO").upper())  # set at import, in the server
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
@@ -101,6 +103,23 @@ def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str]) -> Non
         traceback.print_exc()
     finally:
         exit_now(code)
+
+
+def _exit_with(starter: int) -> None:
+    """End this engine, and remove its temp dir, once the process that started it is gone
+    (killed, crashed: it stops no engine then), as the service ends with its starter: else the
+    engine, its model and its KV cache stay, waiting for a turn or a service that never comes."""
+    def watch() -> None:
+        try:
+            with os.fdopen(os.pidfd_open(starter)) as gone:  # readable once the process has ended
+                select.select([gone], [], [])
+        except ProcessLookupError:  # gone already
+            pass
+        print(f"kvcraft: the process that started this engine ({starter}) is gone; ending", file=sys.stderr)
+        shutil.rmtree(os.environ["TMPDIR"], ignore_errors=True)
+        exit_now(1)
+
+    threading.Thread(target=watch, name="kvcraft-starter-watch", daemon=True).start()
 
 
 def exit_now(code: int) -> NoReturn:
@@ -129,8 +148,8 @@ class EngineProcess:
         self.log = Path(log)
         self._tmp = own_temp_dir("kvcraft-engine-")  # removed when it has ended (`wait`, `kill`)
         env = {**(env if env is not None else engine_env()), "VLLM_RPC_BASE_PATH": self._tmp, "TMPDIR": self._tmp}
-        self._proc = _context().Process(target=_run, args=(target, [str(a) for a in argv], str(self.log), env),
-                                        daemon=False)
+        self._proc = _context().Process(target=_run, args=(target, [str(a) for a in argv], str(self.log), env,
+                                                          os.getpid()), daemon=False)
 
     def start(self) -> EngineProcess:
         self._proc.start()

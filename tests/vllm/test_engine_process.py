@@ -108,3 +108,44 @@ def test_an_engine_leaves_no_semaphore_for_the_resource_tracker(tmp_path):
         (tmp_path / "engine.log").read_text()
     assert told.read_text().startswith("/dev/shm/sem.mp-")
     assert not os.path.exists(told.read_text())
+
+
+DRIVER = """
+import sys, time
+from kvbench.common import engines
+engines.PRELOAD[:] = []  # (its fork server imports no vLLM: this engine runs none)
+target = "tests.vllm.test_engine_process:bind_like_vllm"
+proc = engines.EngineProcess(target, [sys.argv[1], "hang"], sys.argv[2]).start()
+print(proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_engine_ends_and_takes_its_temp_dir_when_the_process_that_started_it_is_killed(tmp_path):
+    """A benchmark killed outright (SIGKILL, an out-of-memory kill: nothing of it runs after)
+    leaves no engine holding its model and KV cache: the engine ends itself and removes its
+    temp dir, as the service ends with its starter."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvservice.cli import exited
+
+    told = tmp_path / "bound"
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(told), str(tmp_path / "engine.log")],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        engine = int(driver.stdout.readline())
+        deadline = time.monotonic() + 120
+        while not told.exists() or "\n" not in told.read_text():  # its entry point runs
+            assert time.monotonic() < deadline and not exited(engine), (tmp_path / "engine.log").read_text()
+            time.sleep(0.05)
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 60
+    while not exited(engine):
+        assert time.monotonic() < deadline, "the engine outlived its starter by a minute"
+        time.sleep(0.05)  # polling for the engine's end, not timing it
+    assert "the process that started this engine" in (tmp_path / "engine.log").read_text()
+    assert not os.path.exists(os.path.dirname(told.read_text().splitlines()[0]))  # its temp dir
