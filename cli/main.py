@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from importlib import import_module
 from typing import Sequence
@@ -82,15 +81,7 @@ def _bench(argv: list[str]) -> int:
     if name not in catalog.BENCHMARKS:
         print(f"kvcraft bench: no benchmark {name!r}\n\n{catalog.listing()}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _end_on_sigterm)
     return catalog.run(name, rest)
-
-
-def _end_on_sigterm(signum: int, frame: object) -> None:
-    """SIGTERM (`kill`, `timeout`, a cancelled CI job) ends a benchmark as Ctrl-C does: what it
-    started (services, vLLM engines) is stopped and its temp dirs removed on the way out, where
-    Python's default would end the process at once and leave them."""
-    raise SystemExit(128 + signum)
 
 
 def _admin(a: argparse.Namespace) -> int:

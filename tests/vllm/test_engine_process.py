@@ -133,7 +133,8 @@ def test_an_engine_ends_and_takes_its_temp_dir_when_the_process_that_started_it_
 
     told = tmp_path / "bound"
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(told), str(tmp_path / "engine.log")],
-                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+                              env={**os.environ, "TMPDIR": str(tmp_path)})  # (what the killed driver leaves)
     try:
         engine = int(driver.stdout.readline())
         deadline = time.monotonic() + 120
