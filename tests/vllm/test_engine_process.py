@@ -7,6 +7,7 @@ each engine's temp dir is its own, with torch's cache dir linked to the shared o
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -132,21 +133,26 @@ def test_an_engine_ends_and_takes_its_temp_dir_when_the_process_that_started_it_
     from kvservice.cli import exited
 
     told = tmp_path / "bound"
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(told), str(tmp_path / "engine.log")],
-                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
-                              env={**os.environ, "TMPDIR": str(tmp_path)})  # (what the killed driver leaves)
+    # the killed driver's temp dir, where what it leaves goes (short: vLLM's sockets are bound under it)
+    tmp = tempfile.mkdtemp(prefix="kvcraft-test-")
     try:
-        engine = int(driver.stdout.readline())
-        deadline = time.monotonic() + 120
-        while not told.exists() or "\n" not in told.read_text():  # its entry point runs
-            assert time.monotonic() < deadline and not exited(engine), (tmp_path / "engine.log").read_text()
-            time.sleep(0.05)
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(told), str(tmp_path / "engine.log")],
+                                  stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+                                  env={**os.environ, "TMPDIR": tmp})
+        try:
+            engine = int(driver.stdout.readline())
+            deadline = time.monotonic() + 120
+            while not told.exists() or "\n" not in told.read_text():  # its entry point runs
+                assert time.monotonic() < deadline and not exited(engine), (tmp_path / "engine.log").read_text()
+                time.sleep(0.05)
+        finally:
+            driver.kill()
+            driver.wait()
+        deadline = time.monotonic() + 60
+        while not exited(engine):
+            assert time.monotonic() < deadline, "the engine outlived its starter by a minute"
+            time.sleep(0.05)  # polling for the engine's end, not timing it
+        assert "the process that started this engine" in (tmp_path / "engine.log").read_text()
+        assert not os.path.exists(os.path.dirname(told.read_text().splitlines()[0]))  # its temp dir
     finally:
-        driver.kill()
-        driver.wait()
-    deadline = time.monotonic() + 60
-    while not exited(engine):
-        assert time.monotonic() < deadline, "the engine outlived its starter by a minute"
-        time.sleep(0.05)  # polling for the engine's end, not timing it
-    assert "the process that started this engine" in (tmp_path / "engine.log").read_text()
-    assert not os.path.exists(os.path.dirname(told.read_text().splitlines()[0]))  # its temp dir
+        shutil.rmtree(tmp, ignore_errors=True)
