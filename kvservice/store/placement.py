@@ -147,8 +147,8 @@ class Placement:
         before = self.s.counters.evictions
         crowded = index.chunks_over(per_chunk)
         if crowded:
-            victims = [v.variant_id for k in crowded
-                       for v in self.victims(index.variants_of(k))[:len(index.variants_of(k)) - per_chunk]]
+            victims = [v.variant_id for k in crowded if (held := index.variants_of(k))
+                       for v in self.victims(held)[:len(held) - per_chunk]]
             self.delete_many(victims)
             self.s.counters.evictions += len(victims)
             log.warning("%d chunks held more than max_variants_per_chunk=%d variants: %d evicted (lowest fr first)",
