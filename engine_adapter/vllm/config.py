@@ -44,7 +44,7 @@ class ConnectorSettings:
     save_concurrency: int = 4        # Store RPCs in flight at once
     max_pending_saves: int = 4096    # blocks waiting for Store; more are dropped (a later miss)
     shutdown_drain_s: float = 5.0    # shutdown waits at most this for queued saves
-    idle_wait_s: float = 0.01        # a step with nothing to compute waits at most this for a load to end
+    idle_wait_s: float = 0.05        # a step with nothing to compute waits at most this for a load to end
     local: bool = True               # read stored KV (prefix loads, blends) from the service's shared memory
                                      # when it runs on this host; false: always one gRPC stream
     token: str | None = None
