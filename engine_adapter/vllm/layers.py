@@ -3,10 +3,10 @@
 Inside vLLM the blend computes its rows with the serving model's modules of each decoder layer,
 called on the rows being computed: `input_layernorm`, `self_attn.qkv_proj` (with Qwen3's
 `q_norm`/`k_norm` per head), `self_attn.o_proj`, `post_attention_layernorm` (vLLM's fused
-residual add and RMSNorm) and `mlp`, sharded and quantized as vLLM built them, on vLLM's kernels;
-the embedding and the vocabulary projection are vLLM's too (on a CPU a plain RMSNorm by vLLM's
-C++ kernels, not the PyTorch form vLLM leaves to its torch.compile: `rms_norm`). kvcraft owns the rows, the merged
-cache, the rotation and which keys each row attends to (`step.layer_step`); on a CPU vLLM's
+residual add and RMSNorm) and `mlp`, sharded and quantized as vLLM built them, on vLLM's kernels
+(on a CPU a plain RMSNorm by vLLM's C++ kernels, not the PyTorch form vLLM leaves to its
+torch.compile: `rms_norm`); the embedding and the vocabulary projection are vLLM's too. kvcraft
+owns the rows, the merged cache, the rotation and which keys each row attends to (`step.layer_step`); on a CPU vLLM's
 attention kernel computes it (`vllm.attention`). No weight is copied. At tensor parallel > 1
 each rank's modules hold its heads and add the ranks' parts themselves (vLLM's all-reduces): the
 blend runs on every rank in step, its choices agreed (`engine_adapter.ranks`).
