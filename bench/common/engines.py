@@ -6,7 +6,9 @@ more than an eager engine takes to start. So the processes are forked from one s
 imported vLLM once: the standard library's fork server (`multiprocessing`'s "forkserver"
 start method, with vLLM preloaded). The server is started the first time an engine is, in
 `engine_env()`'s environment; each engine then applies its own environment, sends its
-output and log to a file and runs its entry point, a `module:function(argv) -> int`.
+output and log to a file and runs its entry point, a `module:function(argv) -> int`. What an
+engine inherits from the server is frozen (`gc.freeze`): the full collections vLLM makes as it
+starts and shuts down scan only what the engine made (an engine of the tests ~1.2 s sooner here).
 
     out = engine_run(tmp, "alone", spec)      # kvbench.vllm.rag's engine through spec's phases
     outs = engines_in_turns(tmp, {"alone": a, "blend": b}, ["alone", "blend", "blend", ...])  # side by side
@@ -17,6 +19,7 @@ output and log to a file and runs its entry point, a `module:function(argv) -> i
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import json
 import logging
@@ -80,6 +83,7 @@ def own_temp_dir(prefix: str) -> str:
 def _run(target: str, argv: Sequence[str], log: str, env: dict[str, str], starter: int) -> None:
     """In the forked engine process: its environment, its log, its entry point; then exit
     without waiting for vLLM's or gRPC's threads; or at once when `starter` is gone."""
+    gc.freeze()  # what the server imported: out of every collection (the module docstring)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
