@@ -126,7 +126,9 @@ def main(argv: list[str]) -> int:
         llm.llm_engine.engine_core.shutdown()  # its worker processes exit
         for name in _vllm_segments() - shm_before:  # vLLM 0.32's CPU communicator leaves its segments
             os.unlink(f"/dev/shm/{name}")
-    return 0
+    from kvbench.common.engines import exit_now
+
+    exit_now(0)  # the LLM still up: at tensor parallel 1 no vLLM shutdown (`kvbench.vllm.rag.engine_main`)
 
 
 def _vllm_segments() -> set[str]:
