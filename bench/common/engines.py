@@ -37,7 +37,8 @@ from typing import Any, Iterable, NoReturn, Sequence
 
 ENGINE = "kvbench.vllm.rag:engine_main"  # a vLLM instance through a spec's phases (kvbench.vllm.rag.run)
 ENGINE_TIMEOUT_S = 1800
-PRELOAD = ["vllm", "vllm.entrypoints.llm"]  # what every engine imports first: once, in the fork server
+# what every engine imports: once, in the fork server (its worker and Llama's layers: ~0.5 s an engine)
+PRELOAD = ["vllm", "vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.model_executor.models.llama"]
 
 _started = False
 
