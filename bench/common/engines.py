@@ -8,7 +8,8 @@ start method, with vLLM preloaded). The server is started the first time an engi
 `engine_env()`'s environment; each engine then applies its own environment, sends its
 output and log to a file and runs its entry point, a `module:function(argv) -> int`. What an
 engine inherits from the server is frozen (`gc.freeze`): the full collections vLLM makes as it
-starts and shuts down scan only what the engine made (an engine of the tests ~1.2 s sooner here).
+starts and shuts down scan only what the engine made (an engine of the tests ~1.2 s sooner on the
+2-core VM).
 
     out = engine_run(tmp, "alone", spec)      # kvbench.vllm.rag's engine through spec's phases
     outs = engines_in_turns(tmp, {"alone": a, "blend": b}, ["alone", "blend", "blend", ...])  # side by side
