@@ -107,6 +107,7 @@ class _Loop:
         t = time.perf_counter()
         logits = self.m.logits(h if all_logits else h[-1:])  # the rows are sorted: the last is the last prompt row
         self.res.logits, self.res.logits_s = logits[-1], time.perf_counter() - t
+        self.res.last_hidden = h[-1].clone()
         if all_logits:
             self.res.rows, self.res.row_logits = p.rows, logits
         self.res.fresh = self.stats.chunks()

@@ -54,6 +54,7 @@ class BlendResult:
     focused: frozenset[int] | None = None  # Alg. 1 F* (segment indices), if decided
     focus_layer: int | None = None  # Alg. 1 L* (0-based), if decided
     logits_s: float = 0.0  # final norm + vocabulary projection
+    last_hidden: Tensor | None = None  # [d] the last prompt row's final hidden state, before the final norm
     rows: Tensor | None = None  # rows computed at the last layer (with all_logits)
     row_logits: Tensor | None = None  # [len(rows), V] (with all_logits)
 

@@ -35,7 +35,7 @@ in this process (RAGAdapter with the headline policy, one thread, the work the
 connector's loader thread does minus the cache write), split into fetch wait, re-rotation,
 recompute, attention, logits and the rest (Plan, Locate, setup); the vLLM TTFT minus that
 is vLLM's side (scheduling, the wait for the asynchronous load, the write into the paged
-cache, vLLM's forward of the last token).
+cache, the step that answers the last token: `engine_adapter.vllm.last_token`).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ class Blend:
     plan_s: float | None = None        # Plan RPC sent -> answered (or failed)
     lease_id: str = ""                 # the Plan's lease, until a blend load takes it over
     budget: float = 0.0                # the Plan's recompute budget (adaptive: the fidelity controller's)
+    last_ready: bool = False           # the worker side holds the last blend's last token (`last_token`)
 
     @property
     def adaptive(self) -> bool:

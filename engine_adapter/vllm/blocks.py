@@ -87,6 +87,9 @@ class KVCraftMetadata(KVConnectorMetadata):
     saves: list[BlockSave] = field(default_factory=list)
     blends: list[BlendLoad] = field(default_factory=list)
     idle: bool = False  # vLLM scheduled no tokens this step (the worker may wait for its loads)
+    # the step's requests where its every token is the last prompt token after a blend's claim
+    # (the blends may answer them: `last_token`), else empty
+    last_tokens: tuple[str, ...] = ()
 
 
 @dataclass
@@ -94,10 +97,12 @@ class KVCraftWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler side, each step: what each finished blend computed (request id ->
     the numbers RequestOutput.kv_transfer_params["kvcraft"] reports), and the blends'
     per-layer load/compute timings (a serialized kvcraft TimingReport) for the scheduler
-    side's next Plan: the service's loading controller learns from them (CacheBlend §5)."""
+    side's next Plan: the service's loading controller learns from them (CacheBlend §5);
+    and the finished blends whose last prompt token the worker side holds (`last_token`)."""
 
     blends: dict[str, dict[str, Any]] = field(default_factory=dict)
     timings: bytes = b""
+    last_ready: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVCraftWorkerMeta":
         """Another rank's (tensor parallel > 1, the same step): a request's numbers are one
@@ -113,6 +118,7 @@ class KVCraftWorkerMeta(KVConnectorWorkerMetadata):
                 if differ:
                     mine["ranks_differ"] = sorted(set(mine.get("ranks_differ", [])) | set(differ))
             self.timings += other.timings  # concatenated protobuf messages merge on parsing
+            self.last_ready |= other.last_ready
         return self
 
 

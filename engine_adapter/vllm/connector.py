@@ -178,6 +178,8 @@ class KVCraftConnector(KVConnectorBase_V1):
         `idle_wait_s`) for one of the running loads to end: vLLM's engine loop would
         otherwise spin through empty steps, holding the GIL the loader threads need."""
         assert self.worker is not None
+        if self.worker.context is not None:
+            self.worker.context.last_tokens.drop(finished_req_ids)
         meta = self._connector_metadata
         idle = isinstance(meta, KVCraftMetadata) and meta.idle
         return None, self.worker.finished_loads(wait=idle) or None

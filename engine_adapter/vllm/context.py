@@ -36,6 +36,7 @@ import torch
 from engine_adapter.vllm.blend_request import is_adaptive
 from engine_adapter.vllm.blocks import BlendLoad
 from engine_adapter.vllm.config import ConnectorSettings, make_blend_policy
+from engine_adapter.vllm.last_token import LastToken, LastTokens
 
 log = logging.getLogger("kvcraft.vllm")
 
@@ -71,6 +72,7 @@ class ContextBuilder:
         self._steps: Any = None  # the engine's static steps, with `blend_graphs`
         self._attn: list[Any] | None = None
         self._timings = b""  # the latest blend's TimingReport, serialized, until the scheduler takes it
+        self.last_tokens = LastTokens()  # finished blends' last prompt tokens, for vLLM's next forward pass
 
     # -- the pieces vLLM gives us lazily --------------------------------------------------
     def _rag_adapter(self) -> Any:
@@ -187,6 +189,8 @@ class ContextBuilder:
         L = len(result.kv)
         row_layers = sum(result.computed_rows) if result.computed_rows else n * L
         vllm_tokens = n - (ld.first_token + ld.tokens)  # 1 unless vLLM trimmed the offer
+        if vllm_tokens == 1 and ranks is None and result.last_hidden is not None:  # (`last_token`)
+            self.last_tokens.add(ld.req_id, LastToken.of(ld.prompt, result.kv, result.last_hidden))
         return {"blended": True, "policy": ld.policy, "prompt_tokens": n, "claimed_tokens": ld.tokens,
                 "vllm_computed_tokens": vllm_tokens, "kvcraft_row_layers": int(row_layers), "num_layers": L,
                 "computed_share": (row_layers / L + vllm_tokens) / n, "reused_chunks": report.reused_chunks,

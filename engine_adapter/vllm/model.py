@@ -7,8 +7,9 @@ to the model, so a subclass of vLLM's class publishes one:
     LLM(model_dir, hf_overrides={"architectures": ["KVCraftLlamaForCausalLM"]}, ...)
 
 One such name for each architecture kvcraft blends (`ARCHITECTURES`: Llama, Mistral, Qwen2,
-Qwen3), each made by one class factory over vLLM's own class (`_blending`), adding nothing to
-its forward pass (on a CPU it takes turns with the blend: `CPU_TURN`). They are registered
+Qwen3), each made by one class factory over vLLM's own class (`_blending`). Its forward pass is
+vLLM's, but for a step made of blended requests' last prompt tokens: their blends answer them
+(`last_token`); on a CPU it takes turns with the blend (`CPU_TURN`). They are registered
 through vLLM's plugin entry point (pyproject.toml:
 `[project.entry-points."vllm.general_plugins"] kvcraft = "engine_adapter.vllm.model:register"`),
 which vLLM runs in every process it starts; no vLLM source is patched. Without the installed
@@ -23,6 +24,8 @@ import importlib
 import threading
 import weakref
 from typing import Any
+
+from engine_adapter.vllm import last_token
 
 # kvcraft's class name -> (vLLM's module under vllm.model_executor.models, vLLM's class)
 ARCHITECTURES = {
@@ -108,9 +111,11 @@ def _blending(name: str) -> type:
         with _lock:
             _current = weakref.ref(self)
 
-    def forward(self: Any, *args: Any, **kw: Any) -> Any:
+    def forward(self: Any, input_ids: Any = None, positions: Any = None, *args: Any, **kw: Any) -> Any:
         with self.kvcraft_turn:
-            return base.forward(self, *args, **kw)
+            plain = not args and kw.get("inputs_embeds") is None and kw.get("intermediate_tensors") is None
+            answered = last_token.answer(self, input_ids, positions) if plain else None
+            return answered if answered is not None else base.forward(self, input_ids, positions, *args, **kw)
 
     def compute_logits(self: Any, *args: Any, **kw: Any) -> Any:
         with self.kvcraft_turn:

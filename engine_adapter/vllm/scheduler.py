@@ -120,12 +120,35 @@ class SchedulerSide:
         for i, req_id in enumerate(cached.req_ids):
             self._plan_saves(req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id],
                              meta)
+        meta.last_tokens = self._last_tokens(scheduler_output)
         self.metrics.add(planned_saves=len(meta.saves))
         self.metrics.step(self._step_s + time.perf_counter() - t0)
         self._step_s = 0.0
         if meta.idle and not self._loading and self.settings.idle_wait_s > 0:
             self._idle_wait()
         return meta
+
+    def _last_tokens(self, so: "SchedulerOutput") -> tuple[str, ...]:
+        """The step's requests where its every token is the last prompt token of a request whose
+        blend left it with the worker side, no two alike (the worker answers them: `last_token`),
+        each reported as vLLM computing none of its tokens; else ()."""
+        computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+        computed.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+        places, results = set(), []
+        for req_id, n in so.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            b = st.blend if st is not None else None
+            if n != 1 or b is None or not (st.offer_blend and b.last_ready and b.result) \
+                    or computed.get(req_id) != len(st.tokens) - 1:
+                return ()
+            places.add((len(st.tokens) - 1, st.tokens[-1]))
+            results.append(b.result)
+        if len(places) < len(results):
+            return ()
+        for r in results:
+            r["vllm_computed_tokens"] = 0
+            r["computed_share"] = r["kvcraft_row_layers"] / r["num_layers"] / r["prompt_tokens"]
+        return tuple(so.num_scheduled_tokens)
 
     def _idle_wait(self) -> None:
         """vLLM computes nothing this step and no load runs (the worker side waits for
@@ -159,6 +182,10 @@ class SchedulerSide:
                 st = self._reqs.get(req_id)
                 if st is not None and st.blend is not None:
                     st.blend.result = numbers
+            for req_id in meta.last_ready:
+                st = self._reqs.get(req_id)
+                if st is not None and st.blend is not None:
+                    st.blend.last_ready = True
         self._step_s += time.perf_counter() - t0
 
     def request_finished(self, request: "Request") -> dict[str, Any] | None:
@@ -317,7 +344,7 @@ class SchedulerSide:
         if st.offer_blend and bl is not None and bl.plan is not None:
             self._blends.append(BlendLoad(request.request_id, ids, a * bs, num_external_tokens, tuple(st.tokens),
                                           bl.chunk_tokens, bl.plan, bl.policy, bl.options))
-            bl.claimed = num_external_tokens
+            bl.claimed, bl.last_ready = num_external_tokens, False
             st.saved_upto = len(st.tokens) // bs  # blended KV is never saved as exact prefix blocks
             self.metrics.add(blend_requests=1, blend_claimed_tokens=num_external_tokens)
         else:

@@ -1,34 +1,29 @@
 """The connector's worker side: background loads into vLLM's paged KV, batched saves out of it.
 
-Loads: each request's load (blocks vLLM allocated and will not touch until the load is
-reported finished) runs on a loader thread (at tensor parallel > 1 a blend runs in
-`start_loads` itself, on vLLM's step thread after the step's forward pass, and is reported in
-the same step: vLLM calls every rank there with the same metadata, so the ranks' blends call
-vLLM's collectives in one order): one `engine_adapter.loader.ServiceLayerSource`
-(the service's shared memory when `local` and it runs on this host, else one FetchLayers
-stream), the blocks checked once (shape, dtype), then per layer the request's blocks
-gathered into one [blocks, heads, block, hd] tensor and scattered into vLLM's cache with
-one `index_copy_` for K and one for V (after one host-to-device copy where the cache is on
-a GPU). The forward pass never waits for it. When it ends, `finished_recving` names the
-request; if it failed or missed `load_timeout_s`, the same step reports its blocks through
-`get_block_ids_with_load_errors` and vLLM (policy "recompute") recomputes them. The
-request's blocks stay allocated until that report, so a late write never lands in a
-block vLLM gave to another request (an aborted request's blocks are freed only then).
-A step in which vLLM computes nothing while loads run first waits (at most
-`idle_wait_s`, ending as soon as one finishes) before answering which ended: vLLM's
-engine loop otherwise spins through thousands of empty steps a second, and with the
-engine in the loaders' process each of those steps holds the GIL the loader threads
-need, so the loads the engine waits for would crawl (docs/vllm.md "Idle steps").
+Loads: each request's load (blocks vLLM allocated and will not touch until the load is reported finished) runs
+on a loader thread (at tensor parallel > 1 a blend runs in `start_loads` itself, on vLLM's step thread after the
+step's forward pass, and is reported in the same step: vLLM calls every rank there with the same metadata, so
+the ranks' blends call vLLM's collectives in one order): one `engine_adapter.loader.ServiceLayerSource` (the
+service's shared memory when `local` and it runs on this host, else one FetchLayers stream), the blocks checked
+once (shape, dtype), then per layer the request's blocks gathered into one [blocks, heads, block, hd] tensor and
+scattered into vLLM's cache with one `index_copy_` for K and one for V (after one host-to-device copy where the
+cache is on a GPU). The forward pass never waits for it. When it ends, `finished_recving` names the request; if
+it failed or missed `load_timeout_s`, the same step reports its blocks through `get_block_ids_with_load_errors`
+and vLLM (policy "recompute") recomputes them. The request's blocks stay allocated until that report, so a late
+write never lands in a block vLLM gave to another request (an aborted request's blocks are freed only then). A
+step in which vLLM computes nothing while loads run first waits (at most `idle_wait_s`, ending as soon as one
+finishes) before answering which ended: vLLM's engine loop otherwise spins through thousands of empty steps a
+second, and with the engine in the loaders' process each of those steps holds the GIL the loader threads need,
+so the loads the engine waits for would crawl (docs/vllm.md "Idle steps"). A finished blend's last prompt token
+is held for the step that answers it (`last_token`).
 
-Saves: at layer 0 of a step the worker takes the step's planned blocks that are not
-already stored or in flight here; each layer's rows of those blocks are copied out
-(one index_select per layer, so vLLM may reuse the blocks at once); `wait_for_save`
-hands the step's blocks to a pool of `save_concurrency` threads that Store them. A
-failed Store forgets the block (a later request plans it again); a step in which not
-every layer reached `save_kv_layer` saves nothing and says so (counted and logged).
-`shutdown` waits up to `shutdown_drain_s` for queued saves, drops the rest (counted),
-then closes the channel and joins its threads; nothing is logged as an error. It returns
-within shutdown_drain_s plus the time a loader needs to see its closed stream.
+Saves: at layer 0 of a step the worker takes the step's planned blocks that are not already stored or in flight
+here; each layer's rows of those blocks are copied out (one index_select per layer, so vLLM may reuse the blocks
+at once); `wait_for_save` hands the step's blocks to a pool of `save_concurrency` threads that Store them. A
+failed Store forgets the block (a later request plans it again); a step in which not every layer reached
+`save_kv_layer` saves nothing and says so (counted and logged). `shutdown` waits up to `shutdown_drain_s` for
+queued saves, drops the rest (counted), then closes the channel and joins its threads; nothing is logged as an
+error. It returns within shutdown_drain_s plus the time a loader needs to see its closed stream.
 """
 
 from __future__ import annotations
@@ -71,7 +66,7 @@ class WorkerSide:
         self.in_step = in_step
         self.context = context  # context.ContextBuilder when blending is on
         self._blend_results: dict[str, dict[str, Any]] = {}
-        self._layer_names: list[str] = []
+        self.layer_names: list[str] = []
         self.spec = spec
         self.model_id = model_id
         self.block_size = block_size
@@ -115,7 +110,7 @@ class WorkerSide:
         names = sorted(kv_caches, key=index)
         self._layers = [kv_views(kv_caches[n], self.block_size, self.spec.num_kv_heads, self.spec.head_dim) for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
-        self._layer_names = names
+        self.layer_names = names
 
     # -- loads -------------------------------------------------------------------------------
     def start_loads(self, meta: KVCraftMetadata) -> None:
@@ -152,7 +147,7 @@ class WorkerSide:
         with self._lock:
             self._built.add(bl.req_id)
         try:
-            numbers, why = self.context.build(bl, self._layer_names), ""
+            numbers, why = self.context.build(bl, self.layer_names), ""
         except Exception as e:  # noqa: BLE001 - reported as a failed load: vLLM recomputes the request
             numbers, why = None, f"{type(e).__name__}: {e}"[:300]
         t1 = time.perf_counter()
@@ -181,13 +176,15 @@ class WorkerSide:
             self.metrics.add(blend_built_tokens=bl.tokens, blend_row_layers=numbers["kvcraft_row_layers"])
 
     def worker_meta(self) -> KVCraftWorkerMeta | None:
-        """Numbers of the blends that finished since the last call, and the latest one's
-        timings (for the scheduler side)."""
+        """Numbers of the blends that finished since the last call, the latest one's timings, the
+        requests whose blend left its last token here (for the scheduler side)."""
+        ready = self.context.last_tokens.take_ready() if self.context else set()
         with self._lock:
-            if not self._blend_results:
-                return None
             out, self._blend_results = self._blend_results, {}
-        return KVCraftWorkerMeta(blends=out, timings=self.context.take_timings() if self.context else b"")
+        if not out and not ready:
+            return None
+        return KVCraftWorkerMeta(blends=out, timings=self.context.take_timings() if self.context else b"",
+                                 last_ready=ready)
 
     def _load(self, ld: BlockLoad) -> None:
         why, source = "", None

@@ -166,7 +166,7 @@ def _layout(worker, block: int) -> dict:
     read back raw. k/v[h, i, j] = the flat index t*H*D + h*D + d that landed there."""
     import torch
 
-    attn = worker.context.attention_layers(worker._layer_names)[0]
+    attn = worker.context.attention_layers(worker.layer_names)[0]
     kc, vc = worker._layers[0]
     _, H, T, D = kc.shape
     key = torch.arange(T * H * D, dtype=torch.float32).view(T, H, D)

