@@ -104,10 +104,14 @@ class KVCraftConnector(KVConnectorBase_V1):
                 watch = NamespaceWatch(chunk_spec(vllm_config), self._client,
                                        on_miss=lambda: self.metrics.add(blend_namespace_misses=1))
                 watch.check_stored()
+            # The blend answers last tokens at tensor parallel 1, where the model class's forward runs
+            # in every step: a step of one-token requests replays a full CUDA graph, never calling it.
+            graphs = vllm_config.compilation_config.cudagraph_mode
+            answers = self.tensor_parallel == 1 and (graphs is None or graphs.max_cudagraph_mode().name != "FULL")
             self.scheduler = SchedulerSide(self.settings, self.model_id, self.block_size, self._client,
                                            self._block_ids_of, self.metrics, chunk_model_id=self.chunk_model_id,
                                            num_layers=self.spec.num_layers, namespaces=watch,
-                                           prefix_blocks=self.tensor_parallel == 1)
+                                           prefix_blocks=self.tensor_parallel == 1, last_tokens=answers)
         else:
             context = None
             if self.chunk_model_id:

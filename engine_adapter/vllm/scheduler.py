@@ -70,12 +70,14 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, model_id: str, block_size: int, client: Any,
                  block_ids_of: Callable[[str], list[int]], metrics: ConnectorMetrics,
                  chunk_model_id: str = "", num_layers: int = 0, namespaces: Any = None,
-                 prefix_blocks: bool = True) -> None:
+                 prefix_blocks: bool = True, last_tokens: bool = True) -> None:
         """namespaces: an `engine_adapter.namespace.NamespaceWatch` told of blends that
         reused nothing (chunks stored under another dtype are reported), or None.
-        prefix_blocks: vLLM's blocks are looked up and saved (off: blending alone)."""
+        prefix_blocks: vLLM's blocks are looked up and saved (off: blending alone).
+        last_tokens: steps of blended requests' last tokens are named for the blends to answer."""
         self.settings = settings
         self.prefix_blocks = prefix_blocks
+        self.last_tokens = last_tokens
         self.namespaces = namespaces
         self.model_id = model_id
         self.chunk_model_id = chunk_model_id
@@ -132,6 +134,8 @@ class SchedulerSide:
         """The step's requests where its every token is the last prompt token of a request whose
         blend left it with the worker side, no two alike (the worker answers them: `last_token`),
         each reported as vLLM computing none of its tokens; else ()."""
+        if not self.last_tokens:
+            return ()
         computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
         computed.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
         places, results = set(), []
