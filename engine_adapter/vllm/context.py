@@ -72,7 +72,7 @@ class ContextBuilder:
         self._steps: Any = None  # the engine's static steps, with `blend_graphs`
         self._attn: list[Any] | None = None
         self._timings = b""  # the latest blend's TimingReport, serialized, until the scheduler takes it
-        self.last_tokens = LastTokens()  # finished blends' last prompt tokens, for vLLM's next forward pass
+        self.last_tokens = LastTokens()  # finished blends' last prompt tokens, until a step answers them
 
     # -- the pieces vLLM gives us lazily --------------------------------------------------
     def _rag_adapter(self) -> Any:

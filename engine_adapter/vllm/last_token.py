@@ -25,10 +25,9 @@ attends to the K/V the blend computed. Any other step runs vLLM's forward pass a
 that also holds other tokens (other requests', a chunked prefill's), tensor parallel > 1 (each
 rank would have to answer alike; not built), vLLM replaying full CUDA graphs (the replay never
 calls the model class's forward: the connector names no step then), a blend served by full
-prefill (the reuse gate).
-Should a named step still not match what is held (its tokens padded, say), vLLM computes it,
-the counter `last_token_misses` counts it and the log says so once. A held token is let go when
-its step is answered or its request finishes.
+prefill (the reuse gate). Should a named step still not match what is held (its tokens padded,
+say), vLLM computes it, the counter `last_token_misses` counts it and the log says so once. A
+held token is let go when its step is answered or its request finishes.
 """
 
 from __future__ import annotations
