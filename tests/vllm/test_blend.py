@@ -142,6 +142,8 @@ def test_full_recompute_through_the_blend_path_is_vllm_alone(world, blended):
         assert k["vllm_computed_tokens"] == 0, k  # its blend answered the last token (`last_token`)
         # policy full: kvcraft computed every prompt row at every layer
         assert k["kvcraft_row_layers"] == len(r["prompt"]) * k["num_layers"], k
+    m = phase["metrics"]  # vLLM ran no layer over any prompt: each last token was the blend's
+    assert (m["answered_last_tokens"], m["last_token_misses"]) == (len(world["requests"]), 0), m
 
 
 def _assert_cache_is_the_references(dump: dict, layout: dict, result) -> None:  # noqa: ANN001

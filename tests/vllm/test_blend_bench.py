@@ -45,6 +45,8 @@ def test_blended_requests_claimed_their_context(out):
         assert r["blended"] == REQUESTS and not r["fallbacks"], r
         assert r["claimed_tokens"] == prompt - 1  # every token but the last, token-exact
         assert r["vllm_computed_tokens"] == 0  # the blend answered the last token too (`last_token`)
+    c = out["connector"]
+    assert c["answered_last_tokens"] == c["blend_requests"] > 0 and c["last_token_misses"] == 0, c
 
 
 def test_computed_share_follows_the_policy(out):
