@@ -224,6 +224,13 @@ def parse_blend(request: "Request", tokens: list[int], settings: ConnectorSettin
     return Blend(checked.chunks, name, tuple(sorted(options.items())))
 
 
+def computed_share(report: dict[str, Any]) -> float:
+    """A blended request's report's `computed_share`: kvcraft's row-layers in tokens, plus the
+    tokens vLLM computed, over the prompt (docs/vllm.md's report table)."""
+    kvcraft_tokens = report["kvcraft_row_layers"] / report["num_layers"]
+    return (kvcraft_tokens + report["vllm_computed_tokens"]) / report["prompt_tokens"]
+
+
 def is_adaptive(policy: str, options: Any) -> bool:
     """A blend by kvcraft's default policy without options (`Blend.adaptive`)."""
     from engine_adapter.policy import DEFAULT_POLICY

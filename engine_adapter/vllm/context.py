@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from engine_adapter.vllm.blend_request import is_adaptive
+from engine_adapter.vllm.blend_request import computed_share, is_adaptive
 from engine_adapter.vllm.blocks import BlendLoad
 from engine_adapter.vllm.config import ConnectorSettings, make_blend_policy
 from engine_adapter.vllm.last_token import LastToken, LastTokens
@@ -191,9 +191,9 @@ class ContextBuilder:
         vllm_tokens = n - (ld.first_token + ld.tokens)  # 1 unless vLLM trimmed the offer
         if vllm_tokens == 1 and ranks is None and result.last_hidden is not None:  # (`last_token`)
             self.last_tokens.add(ld.req_id, LastToken.of(ld.prompt, result.kv, result.last_hidden))
-        return {"blended": True, "policy": ld.policy, "prompt_tokens": n, "claimed_tokens": ld.tokens,
-                "vllm_computed_tokens": vllm_tokens, "kvcraft_row_layers": int(row_layers), "num_layers": L,
-                "computed_share": (row_layers / L + vllm_tokens) / n, "reused_chunks": report.reused_chunks,
+        numbers = {"blended": True, "policy": ld.policy, "prompt_tokens": n, "claimed_tokens": ld.tokens,
+                   "vllm_computed_tokens": vllm_tokens, "kvcraft_row_layers": int(row_layers), "num_layers": L}
+        return {**numbers, "computed_share": computed_share(numbers), "reused_chunks": report.reused_chunks,
                 "fresh_chunks": report.fresh_chunks, "fallback": "", "budget": report.budget,
                 "sampled": report.sampled, "timings": timings, "ranks": 1}
 

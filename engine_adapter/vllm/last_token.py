@@ -114,9 +114,11 @@ def answer(model: Any, input_ids: Tensor | None, positions: Tensor | None) -> Te
     conn = get_kv_transfer_group()
     worker = getattr(conn, "worker", None)
     context = getattr(worker, "context", None)
-    if context is None or not conn.has_connector_metadata() or not getattr(conn._meta(), "last_tokens", ()):
+    if context is None or not conn.has_connector_metadata():
         return None
     meta = conn._meta()
+    if not meta.last_tokens:
+        return None
     slots = get_forward_context().slot_mapping
     if input_ids is None or positions is None or positions.dim() != 1:
         lasts: list[LastToken] | str = "the step's tokens are not token ids at flat positions"

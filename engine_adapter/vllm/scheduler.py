@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import grpc
 
 from engine_adapter.vllm.blocks import BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta, block_chain
-from engine_adapter.vllm.blend_request import Blend, parse_blend
+from engine_adapter.vllm.blend_request import Blend, computed_share, parse_blend
 from engine_adapter.vllm.config import ConnectorSettings
 from engine_adapter.vllm.lookup import Breaker, PrefixLookup
 from engine_adapter.vllm.metrics import ConnectorMetrics
@@ -151,7 +151,7 @@ class SchedulerSide:
             return ()
         for r in results:
             r["vllm_computed_tokens"] = 0
-            r["computed_share"] = r["kvcraft_row_layers"] / r["num_layers"] / r["prompt_tokens"]
+            r["computed_share"] = computed_share(r)
         return tuple(so.num_scheduled_tokens)
 
     def _idle_wait(self) -> None:
