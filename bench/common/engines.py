@@ -152,13 +152,19 @@ class EngineProcess:
         from kvbench.vllm.rag import engine_env
 
         self.log = Path(log)
-        self._tmp = own_temp_dir("kvcraft-engine-")  # removed when it has ended (`wait`, `kill`)
-        env = {**(env if env is not None else engine_env()), "VLLM_RPC_BASE_PATH": self._tmp, "TMPDIR": self._tmp}
-        self._proc = _context().Process(target=_run, args=(target, [str(a) for a in argv], str(self.log), env,
-                                                          os.getpid()), daemon=False)
+        env = env if env is not None else engine_env()
+        ctx = _context()
+        self._tmp = own_temp_dir("kvcraft-engine-")  # removed when it has ended (`wait`, `kill`) or failed to start
+        env = {**env, "VLLM_RPC_BASE_PATH": self._tmp, "TMPDIR": self._tmp}
+        self._proc = ctx.Process(target=_run, args=(target, [str(a) for a in argv], str(self.log), env, os.getpid()),
+                                 daemon=False)
 
     def start(self) -> EngineProcess:
-        self._proc.start()
+        try:
+            self._proc.start()
+        except BaseException:
+            shutil.rmtree(self._tmp, ignore_errors=True)  # no process will end to have it removed
+            raise
         return self
 
     @property

@@ -3,6 +3,7 @@ environment and log, their failures and hangs reported, not hidden."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import importlib.util
 import json
@@ -91,6 +92,19 @@ def test_a_failing_engine_raises_with_its_log(tmp_path, target, said):
     with pytest.raises(RuntimeError, match="exited") as e:
         engine_run(tmp_path, target, {}, timeout=120, target=f"{HERE}:{target}")
     assert said in str(e.value)
+
+
+def test_an_engine_that_cannot_start_leaves_no_temp_dir(tmp_path, monkeypatch):
+    proc = EngineProcess(f"{HERE}:fails", [], tmp_path / "never.log")
+    assert os.path.isdir(proc._tmp)
+
+    def cannot_fork() -> None:  # the fork server out of processes
+        raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    monkeypatch.setattr(proc._proc, "start", cannot_fork)
+    with pytest.raises(OSError, match="temporarily unavailable"):
+        proc.start()
+    assert not os.path.exists(proc._tmp)
 
 
 def test_an_engine_past_its_timeout_is_killed(tmp_path):
