@@ -42,12 +42,18 @@ def serve(argv: Callable[[int], list[str]], env: dict, log_path: Path, ready: st
     meantime (`PORT_TAKEN` in its log) starts again on another; any other exit, or no answer
     within `timeout_s`, raises AssertionError with the log's tail (the process killed)."""
     attempt = 1
-    tmp = own_temp_dir("kvcraft-server-")  # removed with the process object
-    env = {**env, "VLLM_RPC_BASE_PATH": tmp, "TMPDIR": tmp}
     while True:
         port = free_port()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(argv(port), env=env, stdout=log, stderr=subprocess.STDOUT)
+        # each attempt its own temp dir, removed once its process object is gone (an attempt that
+        # lost its port: as the next replaces it), or here if its server never started
+        tmp = own_temp_dir("kvcraft-server-")
+        try:
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(argv(port), env={**env, "VLLM_RPC_BASE_PATH": tmp, "TMPDIR": tmp}, stdout=log,
+                                        stderr=subprocess.STDOUT)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         weakref.finalize(proc, shutil.rmtree, tmp, True)
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -153,6 +154,14 @@ def test_second_turn_still_sees_the_documents_of_the_first(example):
     # vLLM's own prefix cache matched the whole first prompt (documents included) as the
     # start of the second one: the second turn's prompt holds the first turn's documents.
     assert two["usage"]["prompt_tokens_details"]["cached_tokens"] >= one["usage"]["prompt_tokens"] // BLOCK * BLOCK
+
+
+def test_a_server_that_cannot_start_leaves_no_temp_dir(tmp_path, monkeypatch):
+    """`serve`'s own: a command that cannot run raises, and the temp dir made for it goes."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        serve(lambda port: [str(tmp_path / "no-such-server"), str(port)], {}, tmp_path / "server.log")
+    assert not list(tmp_path.glob("kvcraft-server-*"))
 
 
 def test_sigterm_stops_the_server_and_its_engine_process(example):
