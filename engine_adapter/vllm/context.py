@@ -215,8 +215,21 @@ class ContextBuilder:
             cache = a.kv_cache
             if stop > k.shape[1]:
                 raise BlendFailed(f"claimed tokens up to {stop}, the blend has {k.shape[1]}")
-            # [Hkv, T, D] -> [T, Hkv, D], the layout vLLM's forward hands do_kv_cache_update
-            key = k[:, start:stop].transpose(0, 1).to(device=cache.device, dtype=dtype).contiguous()
-            value = v[:, start:stop].transpose(0, 1).to(device=cache.device, dtype=dtype).contiguous()
+            # [Hkv, T, D] -> [T, Hkv, D], the layout vLLM's forward hands do_kv_cache_update;
+            # vLLM's CPU backend reads it by its strides (as `vllm.attention` hands it kvcraft's
+            # cache), the others as vLLM's forward lays it out: each token's heads in one run
+            key = k[:, start:stop].transpose(0, 1).to(device=cache.device, dtype=dtype)
+            value = v[:, start:stop].transpose(0, 1).to(device=cache.device, dtype=dtype)
+            if not _reads_strides(a.impl):
+                key, value = key.contiguous(), value.contiguous()
             a.impl.do_kv_cache_update(a, key, value, cache, slots.to(cache.device))
 
+
+def _reads_strides(impl: Any) -> bool:
+    """Does this attention backend's cache update read K/V [T, Hkv, D] of any strides (vLLM's
+    CPU backend: `cpu_attn_reshape_and_cache`)?"""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    except ImportError:  # a vLLM without its CPU backend: every other backend gets them contiguous
+        return False
+    return isinstance(impl, CPUAttentionBackendImpl)
