@@ -15,7 +15,9 @@ Before the first layer: the rows the pass computes (`Pass.first`) and what deriv
 Within a layer nothing reads a device value on the host, and the operations dispatched per
 layer do not depend on the number of chunks or rows (tests/engine_adapter/test_op_count.py);
 what changes the rows (a choice, a drop, a fallback) derives what depends on them once.
-After the last layer: the logits of the last prompt row (all rows on request).
+At the last layer every row's K/V is written and the rest of the layer runs for the last row
+alone, unless what the pass returns or reads needs more (`run`). After the last layer: the
+logits of the last prompt row (all rows on request).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class _Loop:
         self.stats = FreshStats(lay, fresh, self.L, self.merge.question)
         self.static = None if steps is None else StaticRunner(steps, self.merge)
         self.reads: KeyReads | None = None  # made at the first layer whose selection asks for reads
+        self.last_only = False  # the last layer may run the rest of it for the last row alone (`run`)
+        self.ran_alone: Rows | None = None  # the rows the last layer step ran its rest for, where it was some
 
     def static_ran(self, layer: int) -> bool:
         return self.static is not None and self.static.ran(layer)
@@ -72,6 +76,11 @@ class _Loop:
 
     def run(self, all_logits: bool) -> BlendResult:
         depth = self.L if self.spec.depth is None else self.spec.depth
+        # After the last layer only the last row's hidden state is read (the next token's logits):
+        # every row's K/V is written there, and the attention and o-proj and MLP run for the last
+        # row alone, unless the pass returns every row's logits or a selection or the statistics
+        # read the layer's attention (`layer`).
+        self.last_only = depth == self.L and not all_logits
         p, h = self.merge.first_rows()
         for layer in range(depth):
             t0 = time.perf_counter()
@@ -88,7 +97,11 @@ class _Loop:
             self.sel.seen(view, self.seen(out, p, cand, wants.mass))
             self.res.computed_rows.append(p.rows.shape[0])
             self.res.recomputed_rows.append(p.recomputed)
-            p, h = self.merge.dropped(p, h, self.sel.drop(self.view(layer, p)))
+            drop = self.sel.drop(self.view(layer, p))
+            if self.ran_alone is None:
+                p, h = self.merge.dropped(p, h, drop)
+            else:  # (the last layer's rest ran for the last row alone: h is its hidden state)
+                p = self.merge.dropped(p, None, drop)[0]
             if layer == 0 and self.spec.carry is not None:
                 p, h = self.merge.joined(p, h, self.spec.carry)
             self.res.timings.append(LayerTiming(wait_s=t1 - t0, compute_s=time.perf_counter() - t1,
@@ -123,6 +136,10 @@ class _Loop:
         later = mass_of is not None and not question_mass and not self.m.triton and self.static is None
         mass_of = None if later else mass_of
         key_reads = self.key_reads() if reads else None
+        rest = self.ran_alone = None
+        if (self.last_only and layer == self.L - 1 and self.static is None and mass_of is None and not later
+                and key_reads is None and self.spec.rescale is None):
+            rest = self.ran_alone = self.merge.rowsets.of([self.lay.n - 1]).step
         if self.static is not None:
             done = self.static.layer(layer, p, h, got, self.spec.carry if layer == 0 else None, keep, key_reads,
                                      self.merge.question_among, mass_of)
@@ -141,7 +158,7 @@ class _Loop:
             reads_rows = self.merge.question_among(p, after_choice=keep is not None)
         out = layer_step(self.m, layer, h, p.step, cache, choice=choice, mass_of=mass_of, reads=key_reads,
                          reads_rows=reads_rows, segments=self.lay.bounds if mass_of is not None else None,
-                         rescale=self.spec.rescale)
+                         rescale=self.spec.rescale, rest=rest)
         if later:
             out.mass = self.stats.later(out.q, out.rows, out.K, out.rows.rows if cache.pos is None else cache.pos,
                                         self.m.scale)
@@ -161,7 +178,8 @@ class _Loop:
         return self.reads
 
     def seen(self, out: Stepped, p: RowSet, cand: Tensor | None, question_mass: bool) -> Seen:
-        seen = Seen(p.rows, out.h, out.qkv, out.rows_in, self.m.cfg.num_kv_heads, out.deviation, cand)
+        ran = p.rows if self.ran_alone is None else self.ran_alone.rows  # the rows of out.h
+        seen = Seen(ran, out.h, out.qkv, out.rows_in, self.m.cfg.num_kv_heads, out.deviation, cand)
         if out.mass is None:
             return seen
         mass = self.stats.record(out.rows_in, seen.k, seen.v, out.mass, question_mass)

@@ -113,14 +113,15 @@ class Merge:
             p.memo[key] = None if all(at) else torch.tensor(at)
         return p.memo[key]
 
-    def kept(self, p: RowSet, h: Tensor, keep: list[int]) -> tuple[RowSet, Tensor]:
-        """Rows `keep` (indices into p's rows) alone, with their hidden states."""
+    def kept(self, p: RowSet, h: Tensor | None, keep: list[int]) -> tuple[RowSet, Tensor | None]:
+        """Rows `keep` (indices into p's rows) alone, with their hidden states (h None: none)."""
         if len(keep) == p.rows.shape[0]:
             return p, h
         host = p.on_host()
-        return self.rowsets.of([host[i] for i in keep]), h.index_select(0, torch.tensor(keep, dtype=torch.long))
+        return (self.rowsets.of([host[i] for i in keep]),
+                None if h is None else h.index_select(0, torch.tensor(keep, dtype=torch.long)))
 
-    def dropped(self, p: RowSet, h: Tensor, drop: Sequence[int]) -> tuple[RowSet, Tensor]:
+    def dropped(self, p: RowSet, h: Tensor | None, drop: Sequence[int]) -> tuple[RowSet, Tensor | None]:
         """Rows p less the prompt rows `drop` (a selection's)."""
         if not drop:
             return p, h

@@ -172,9 +172,12 @@ class Stepped:
 
 def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache, *, choice: Choice | None = None,
                segments: Tensor | None = None, mass_of: Tensor | None = None, reads: KeyReads | None = None,
-               reads_rows: Tensor | None = None, rescale: Rescale | None = None) -> Stepped:
+               reads_rows: Tensor | None = None, rescale: Rescale | None = None, rest: Rows | None = None) -> Stepped:
     """Layer `layer` for hidden rows h [R, d] at `rows` over `cache` (see the module docstring).
     `model.triton`: the Triton kernels (the fused rotate-and-write, the attention by position).
+    rest: some of the rows (after a choice, if any): only they run the attention and the layer's
+    output once every row's K/V is written (the last layer, where only the last row's hidden
+    state is read: the loop's `last_only`); the step returns theirs.
     What the attention returns besides (`attention.attend`): with `segments`, the attention
     mass per segment of the prompt rows `mass_of` (sorted; rows a choice keeps); with `reads`,
     what the rows that attend read of each key (each weighted by `reads_rows` [R]; None: 1).
@@ -193,7 +196,7 @@ def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache,
         V.index_copy_(1, rows.rows, v)
         K = cache.rot(cache.raw, out=K)
         out = Stepped(rows, rows.rows, h, rows.rot(q), qkv, K, V, rotate_s=time.perf_counter() - t0)
-        return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows, rescale)
+        return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows, rescale, rest)
     stored = None
     if cache.raw is not None and model.triton and choice is None:  # rotated in the rows' write's launch
         stored = (cache.raw, cache.rot.cos, cache.rot.sin, rows.computed(cache.raw.shape[1]))
@@ -228,16 +231,22 @@ def layer_step(model: Any, layer: int, h: Tensor, rows: Rows, cache: LayerCache,
         out = _choose(out, choice, old, model.ranks)
         if model.ranks is not None:  # (a tensor-parallel engine's ranks: one choice, `ranks`)
             model.ranks.same_rows(f"the rows layer {layer} kept", out.kept)
-    return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows, rescale)
+    return _attend_and_out(model, layer, out, cache, segments, mass_of, reads, reads_rows, rescale, rest)
 
 
 def _attend_and_out(model: Any, layer: int, out: Stepped, cache: LayerCache, segments: Tensor | None,
                     mass_of: Tensor | None, reads: KeyReads | None, reads_rows: Tensor | None,
-                    rescale: Rescale | None) -> Stepped:
-    """The rest of `layer_step`, for `out`'s rows once their K/V are in the cache: their
-    attention over it (and what it returns besides), then the model's o-proj and MLP."""
-    rows, t0 = out.rows, time.perf_counter()
-    k_pos = rows.rows if cache.pos is None else cache.pos
+                    rescale: Rescale | None, rest: Rows | None) -> Stepped:
+    """The rest of `layer_step`, for `out`'s rows (`rest` of them where given) once their K/V
+    are in the cache: their attention over it (and what it returns besides), then the model's
+    o-proj and MLP."""
+    t0 = time.perf_counter()
+    k_pos = out.rows.rows if cache.pos is None else cache.pos
+    if rest is not None:
+        at = out.rows.index_of(rest.rows)
+        out.rows, out.h, out.q = rest, out.h.index_select(0, at), out.q.index_select(1, at)
+        cache = LayerCache(out.K, out.V, k_pos)  # the keys where the rows put them: `rest` sees them by position
+    rows = out.rows
     if rescale is not None:
         key = ("rescale", id(rescale), out.K.shape[-2])
         if key not in rows.memo:  # once per set of rows
