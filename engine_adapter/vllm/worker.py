@@ -42,16 +42,13 @@ from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.vllm.blocks import (BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta,
                                         block_mismatch, kv_views)
 from engine_adapter.vllm.config import ConnectorSettings
+from engine_adapter.vllm.holds import BlendHolds
 from engine_adapter.vllm.metrics import ConnectorMetrics
 from kvcraft.keys import ModelSpec
 from kvcraft.records import Ref
 
 log = logging.getLogger("kvcraft.vllm")
 
-# Longest the fidelity shadows wait for vLLM's forward pass over a blended request once its
-# blend is reported (`finished_loads`): the pass runs in the next step, unless the request was
-# aborted or the engine stopped stepping.
-FORWARD_WAIT_S = 1.0
 REMEMBERED_STORED = 8192  # recently confirmed saves not copied again (the scheduler's lookup catches evictions)
 
 
@@ -83,11 +80,8 @@ class WorkerSide:
         self._report_failed: set[int] = set()
         self._closing = False
         self._running = 0  # loads and blends handed to the loader threads and not ended
-        # Blended requests whose first forward pass has not run: the fidelity shadows wait for it
-        # (`fidelity.Serving`), not only for the blend. Built, not yet reported to vLLM: `_built`;
-        # reported at the last `finished_loads`, so in the forward pass after it: `_forward`.
-        self._built: set[str] = set()
-        self._forward: set[str] = set()
+        # the blended requests the fidelity shadows give way to, until vLLM hands out their first token
+        self.holds = BlendHolds(context.serving) if context is not None else None
         self._progress = threading.Condition(self._lock)  # notified when one ends
         # saves
         self._inflight: set[str] = set()
@@ -114,6 +108,8 @@ class WorkerSide:
 
     # -- loads -------------------------------------------------------------------------------
     def start_loads(self, meta: KVCraftMetadata) -> None:
+        if self.holds is not None:
+            self.holds.step_starts()
         for ld in meta.loads:
             if self._closing:
                 self._finish(ld, "shutting down")
@@ -143,9 +139,7 @@ class WorkerSide:
     def _blend(self, bl: BlendLoad, queued: float) -> None:
         assert self.context is not None
         t0 = time.perf_counter()
-        self.context.serving.begin()  # ends after vLLM's forward pass over the request (`finished_loads`)
-        with self._lock:
-            self._built.add(bl.req_id)
+        self.holds.begin(bl.req_id)  # until vLLM hands out the request's first token
         try:
             numbers, why = self.context.build(bl, self.layer_names), ""
         except Exception as e:  # noqa: BLE001 - reported as a failed load: vLLM recomputes the request
@@ -247,15 +241,8 @@ class WorkerSide:
             done, self._finished = self._finished, set()
             for r in done:
                 self._report_failed |= self._failed.pop(r, set())
-            # vLLM runs the requests reported last time in the step this call ends
-            ran, reported = self._forward, done & self._built
-            self._forward = reported
-            self._built -= done
-        for r in ran:
-            self.context.serving.release(r)
-        for r in reported:  # served until its forward pass, FORWARD_WAIT_S at most (an abort)
-            self.context.serving.hold(r, FORWARD_WAIT_S)
-            self.context.serving.end()  # (its blend's)
+        if self.holds is not None:
+            self.holds.reported(done)
         return done
 
     def failed_blocks(self) -> set[int]:
@@ -379,13 +366,8 @@ class WorkerSide:
         close_channel()  # Stores still in flight end now; their errors are expected, not logged
         self._saver.shutdown(wait=True)
         self.loader.shutdown(wait=True)
-        with self._lock:
-            built, held, self._built, self._forward = self._built, self._forward, set(), set()
-        for r in held:
-            self.context.serving.release(r)
-        for _ in built:
-            self.context.serving.end()
-        if self.context is not None:
+        if self.holds is not None:
+            self.holds.close()
             self.context.serving.close()
         self.shutdown_s = time.monotonic() - t0
         if drained:

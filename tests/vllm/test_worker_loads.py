@@ -143,22 +143,44 @@ def _blend_reported(worker: WorkerSide, req_id: str) -> None:
         assert time.monotonic() < end, "the blend never ended"
 
 
-def test_the_shadows_wait_for_vllms_forward_pass_over_a_blended_request():
-    """A blended request's shadows give way while it is built and until vLLM's forward pass over
-    it: the step after the one whose `get_finished` reported it."""
+def test_the_shadows_wait_for_vllm_to_hand_out_a_blended_requests_first_token():
+    """A blended request's shadows give way while it is built, through vLLM's forward pass over
+    it (the step after the one whose `get_finished` reported it) and while that step samples and
+    hands out its token: until the next step starts."""
     context = _Built()
     worker = WorkerSide(ConnectorSettings(idle_wait_s=30.0), SPEC, MODEL_ID, BLOCK, None, ConnectorMetrics(),
                         context=context)
     _blend_reported(worker, "r1")
     assert context.held_while_building == [True]
     assert not context.serving.wait_idle(0)  # reported: its forward pass runs in the next step
-    worker.finished_loads()  # that step ends
+    worker.start_loads(KVCraftMetadata())  # that step starts ...
+    assert not context.serving.wait_idle(0)
+    worker.finished_loads()  # ... its forward pass ran; its logits, sampling and output follow
+    assert not context.serving.wait_idle(0)
+    worker.start_loads(KVCraftMetadata())  # the next step
     assert context.serving.wait_idle(0)
+
+
+def test_a_blended_requests_token_out_of_the_last_step_frees_the_shadows_in_a_bounded_time():
+    """No step after the one that answered the request (an engine with nothing more to run):
+    the hold ends OUTPUT_WAIT_S after its forward pass."""
+    from engine_adapter.vllm.holds import FORWARD_WAIT_S, OUTPUT_WAIT_S
+
+    context = _Built()
+    worker = WorkerSide(ConnectorSettings(idle_wait_s=30.0), SPEC, MODEL_ID, BLOCK, None, ConnectorMetrics(),
+                        context=context)
+    _blend_reported(worker, "r3")
+    worker.start_loads(KVCraftMetadata())
+    worker.finished_loads()
+    t = time.monotonic()
+    assert not context.serving.wait_idle(0)
+    assert context.serving.wait_idle(FORWARD_WAIT_S)
+    assert OUTPUT_WAIT_S * 0.5 <= time.monotonic() - t < FORWARD_WAIT_S
 
 
 def test_a_blended_request_vllm_never_runs_holds_the_shadows_a_bounded_time():
     """An aborted request, an engine that stops stepping: the hold ends after FORWARD_WAIT_S."""
-    from engine_adapter.vllm.worker import FORWARD_WAIT_S
+    from engine_adapter.vllm.holds import FORWARD_WAIT_S
 
     context = _Built()
     worker = WorkerSide(ConnectorSettings(idle_wait_s=30.0), SPEC, MODEL_ID, BLOCK, None, ConnectorMetrics(),
