@@ -7,8 +7,8 @@ absent) on a MuSiQue record of the sample with `--passages` passages (the next r
 beyond its own three). For each count k of `--stored`, on a fresh service: the instruction
 stored alone (exactly what a prefix cache holds) and the first k passages each stored behind
 the instruction and a passage of another record (stored, not exact: what only a blend
-reuses). Then the prompt is served, the cases interleaved, `--repeats` times each after one
-untimed run:
+reuses). Then the prompt is served, the cases interleaved, `--repeats` times each after
+`--warmup` untimed rounds (1: the first request maps the service's shared memory):
 
 - full prefill: the engine alone;
 - exact reuse: the `prefix` policy (the instruction from storage, the rest computed);
@@ -54,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="passages stored before the prompt is served, one run each (default: 0 to --passages)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.25])
     ap.add_argument("--repeats", type=count(), default=2)
+    ap.add_argument("--warmup", type=count(0), default=1, help="untimed rounds of the cases first")
     ap.add_argument("--threads", type=count(), default=1)
     results.add_argument(ap, "blend-cost")
     a = ap.parse_args(argv)
@@ -67,15 +68,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvcraft-blend-cost-") as tmp:
         for k in stored:
-            rows.append(run(work, k, a.budgets, a.repeats, Path(tmp) / f"data{k}"))
+            rows.append(run(work, k, a.budgets, a.repeats, Path(tmp) / f"data{k}", a.warmup))
             print_row(rows[-1])
-    out = {"title": work.title, "shape": work.shape, "repeats": a.repeats, "threads": a.threads,
+    out = {"title": work.title, "shape": work.shape, "repeats": a.repeats, "warmup": a.warmup, "threads": a.threads,
            "blend_limit": BLEND_LIMIT, "rows": rows}
     results.save("blend-cost", argv, out, a.json)
     return 0
 
 
-def run(work: Workload, k: int, budgets: Sequence[float], repeats: int, data_dir: Path) -> dict:
+def run(work: Workload, k: int, budgets: Sequence[float], repeats: int, data_dir: Path, warmup: int = 1) -> dict:
     """The prompt served with the instruction and its first `k` passages stored: each case's
     median TTFT, its share of row-layers computed and whether the deployed adapter blended."""
     from kvservice.launcher import ServiceProcess
@@ -91,7 +92,7 @@ def run(work: Workload, k: int, budgets: Sequence[float], repeats: int, data_dir
                  *(Case(f"blend {b:.0%}", via_adapter(work, client, Policy("query", budget=b), True))
                    for b in budgets),
                  Case("as deployed", via_adapter(work, client, None, True))]
-        measure(cases, repeats, ref)
+        measure(cases, repeats, ref, warmup)
     full_s = median(cases[0], "ttft_s")
     n, lens = len(tokens), [len(c) for c in work.chunks]
     deployed = cases[-1].samples[-1]

@@ -265,9 +265,9 @@ def _cases(work: Workload, client: KVClient, tokens: torch.Tensor, ranking: dict
     return cases
 
 
-def measure(cases: list[Case], repeats: int, ref: torch.Tensor) -> None:
-    """One untimed run of each case (allocator, first Locate, probe), then `repeats` rounds
-    of samples: TTFT, its split, and the logits' deviation from full prefill."""
+def measure(cases: list[Case], repeats: int, ref: torch.Tensor, warmup: int = 1) -> None:
+    """`warmup` untimed rounds of the cases (allocator, first Locate, probe), then `repeats`
+    rounds of samples: TTFT, its split, and the logits' deviation from full prefill."""
     def sample(case: Case) -> None:
         ttft, r, rep = case.run()
         s = {"ttft_s": ttft, "computed_share": r.computed_share if r else 1.0,
@@ -279,8 +279,9 @@ def measure(cases: list[Case], repeats: int, ref: torch.Tensor) -> None:
             s["logit_dev"] = float((r.logits - ref).norm() / ref.norm())
         case.samples.append(s)
 
-    for case in cases:
-        case.run()
+    for _ in range(warmup):
+        for case in cases:
+            case.run()
     for _ in range(repeats):
         for case in cases:
             sample(case)

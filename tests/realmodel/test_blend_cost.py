@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(600)
 def test_as_deployed_the_prompt_is_served_by_exact_reuse_until_enough_is_stored(fetched, tmp_path):
     out = tmp_path / "cost.json"
     assert blend_cost.main(["--model", str(fetched.path), "--passages", "1", "--stored", "0", "1", "--repeats", "1",
-                            "--budgets", "0.25", "--json", str(out)]) == 0
+                            "--warmup", "0", "--budgets", "0.25", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["stored_passages"] for r in rows] == [0, 1] and rows[0]["stored_share"] == 0
     for row in rows:
