@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run(work: Workload, k: int, budgets: Sequence[float], repeats: int, data_dir: Path, warmup: int = 1) -> dict:
+def run(work: Workload, k: int, budgets: Sequence[float], repeats: int, data_dir: Path, warmup: int) -> dict:
     """The prompt served with the instruction and its first `k` passages stored: each case's
     median TTFT, its share of row-layers computed and whether the deployed adapter blended."""
     from kvservice.launcher import ServiceProcess
