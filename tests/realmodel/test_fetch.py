@@ -56,6 +56,33 @@ def test_a_folder_holding_other_files_is_never_replaced(tmp_path, capsys):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_within_one_parse_transformers_gguf_loads_reuse_the_conversions_reader(tmp_path, monkeypatch):
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in ((w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, 8),
+                   (w.add_feed_forward_length, 16), (w.add_head_count, 2), (w.add_head_count_kv, 1)):
+        add(v)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        write()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(path.read_bytes())
+    parses = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, mode="r": parses.append(p) or real(p, mode))
+
+    with realmodel._one_parse(tmp_path / "." / "tiny.gguf"):
+        mine = gguf.GGUFReader(path)
+        configs = [load_gguf_checkpoint(str(path))["config"] for _ in range(2)]
+        assert gguf.GGUFReader(other) is not mine
+    assert len(parses) == 2  # the file once, the other file once
+    assert configs[0] == configs[1] and configs[0]["num_hidden_layers"] == 1
+    assert gguf.GGUFReader(path) is not mine and len(parses) == 3  # the block ended: as before
+
+
 def test_unpermute_inverts_llama_cpp_qk_permutation():
     def llama_cpp_permute(w, n_head):  # convert_hf_to_gguf.py LlamaModel.permute
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
