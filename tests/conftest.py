@@ -6,6 +6,15 @@ kernels run in Triton's interpreter on CPU tensors — the same kernels the GPU 
 """
 
 import os
+import sys
+
+# Byte-code caches: a run starts hundreds of Python processes (services, vLLM engines, the
+# CLI) that import the same modules, and where the environment tells Python not to write
+# them (PYTHONDONTWRITEBYTECODE) every one of those compiled every module from source again,
+# and every worker rewrote every test module's asserts. The run writes them (__pycache__,
+# git-ignored), in this process, its workers and what they start.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # The run's workers (pytest-xdist, pyproject.toml) outnumber the cores: one OpenMP thread
 # each (and in every process they start), or torch's idle threads spin on the cores the other
