@@ -180,9 +180,9 @@ def _one_parse(gguf_path: Path) -> Iterator[None]:
     """Within the block, every `gguf.GGUFReader` of `gguf_path` is one parse of it: the
     conversion's and transformers' three loads of the file (the tokenizer's, the config's,
     the check's model), which import the class from `gguf` as they run. A parse reads the
-    metadata field by field, the 49,152-token vocabulary and its merges among them: ~4 s of CPU
-    on a 2-core VM, a quarter of the fetch three times over. The reader is read-only (a
-    memory map); the block ends with the class as it was."""
+    metadata field by field (the 49,152-token vocabulary and its merges among them): ~4 s of
+    CPU each on a 2-core VM. The reader is read-only (a memory map); transformers' mapping and
+    dequantization stay its own, the check's reference. The block ends with the class as it was."""
     import gguf
 
     real, file = gguf.GGUFReader, gguf_path.resolve()
@@ -200,7 +200,6 @@ def _one_parse(gguf_path: Path) -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader = real
-
 
 
 def convert(gguf_path: Path, out: Path, console=None) -> None:  # noqa: ANN001 - rich Console
