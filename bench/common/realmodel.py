@@ -186,14 +186,10 @@ def _one_parse(gguf_path: Path) -> Iterator[None]:
     import gguf
 
     real, file = gguf.GGUFReader, gguf_path.resolve()
-    parsed: list = []
+    parsed = real(file)  # (the conversion reads it first thing)
 
     def reader(path: os.PathLike | str, mode: str = "r"):  # noqa: ANN202 - gguf.GGUFReader
-        if mode != "r" or Path(path).resolve() != file:
-            return real(path, mode)
-        if not parsed:
-            parsed.append(real(path, mode))
-        return parsed[0]
+        return parsed if mode == "r" and Path(path).resolve() == file else real(path, mode)
 
     gguf.GGUFReader = reader
     try:
