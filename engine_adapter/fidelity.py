@@ -48,7 +48,6 @@ from engine_adapter.policy import ReusePolicy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
 from engine_adapter.source import RecordedLayerSource
-from engine_adapter.threads import one_omp_thread
 from kvcraft.heap import IdleTrim
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -283,8 +282,7 @@ class ShadowSampler:
                 log.info("kvcraft fidelity: %d shadow prefills queued; this request is not sampled", MAX_QUEUED)
                 return False
             if self._worker is None:
-                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-fidelity",
-                                                  initializer=one_omp_thread)
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-fidelity")
                 self.serving.watch(self._worker)
             self._sampled += 1
             served = result.logits.detach().clone()

