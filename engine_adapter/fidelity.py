@@ -48,6 +48,7 @@ from engine_adapter.policy import ReusePolicy
 from engine_adapter.probe import TRUSTED
 from engine_adapter.prompt import Segment
 from engine_adapter.source import RecordedLayerSource
+from engine_adapter.threads import one_omp_thread
 from kvcraft.heap import IdleTrim
 from kvcraft.v1 import kvcraft_pb2 as pb
 
@@ -62,8 +63,10 @@ MAX_QUEUED = 8  # shadows waiting for the worker; a request sampled beyond that 
 MAX_SHADOW_BLENDS = 2
 ANSWER_TOKENS = 16  # answer tokens after the first a shadow compares under teacher forcing
 # Longest a shadow's model call waits for the engine's served prefills to end: under a steady
-# stream of requests a shadow still finishes, a layer call at a time.
-YIELD_S = 0.25
+# stream of requests a shadow still finishes, a layer call at a time. On a CPU each call it makes
+# beside a blend slows that blend (one core of the blend's two, docs/vllm.md "One OpenMP team"):
+# at 0.25 s, 32 requests at once through vLLM ran at 2.4-2.6 requests/s, at 1 s 3.1-3.3.
+YIELD_S = 1.0
 
 
 class Serving:
@@ -282,7 +285,8 @@ class ShadowSampler:
                 log.info("kvcraft fidelity: %d shadow prefills queued; this request is not sampled", MAX_QUEUED)
                 return False
             if self._worker is None:
-                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-fidelity")
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-fidelity",
+                                                  initializer=one_omp_thread)
                 self.serving.watch(self._worker)
             self._sampled += 1
             served = result.logits.detach().clone()

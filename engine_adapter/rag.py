@@ -52,6 +52,7 @@ from engine_adapter.near_tie import settle
 from engine_adapter.policy import DEFAULT_POLICY, ReusePolicy, parse_policy, spent_budget, with_budget
 from engine_adapter.prompt import Layout, Segment, planned_chunks
 from engine_adapter.source import RecordingLayerSource
+from engine_adapter.threads import one_omp_thread
 from kvclient.client import KVClient, Ref
 from kvclient.copy_stream import GpuLayerSource
 from kvclient.errors import InvalidArgumentError, KVCraftError
@@ -122,7 +123,7 @@ class RAGAdapter:
         self.gate = gate
         self.store_back = store_back
         self.model_id = engine.model_spec().fingerprint()
-        self._stores = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-store")
+        self._stores = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcraft-store", initializer=one_omp_thread)
         self._pending: list[Future] = []
         self._timings = pb.TimingReport()
         self._plan_tiers: dict[int, str] = {}  # segment -> tier its variant was in when planned

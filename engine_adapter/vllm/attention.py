@@ -54,7 +54,7 @@ class VllmCpuAttention:
         self.ops, self.heads, self.kv_heads, self.head_dim, self.dtype = _custom_ops, heads, kv_heads, head_dim, dtype
         self.isa = _get_attn_isa(dtype, BLOCK, head_dim)
         self.turn = turn
-        self._causal: dict[int, Runs] = {}
+        self._causal: dict[tuple[int, int], Runs] = {}
 
     def runs(self, rows: Sequence[int], keys: int) -> Runs:
         """`rows`: prompt positions, ascending, each below `keys`."""
@@ -74,12 +74,15 @@ class VllmCpuAttention:
         return Runs(qsl, seq_lens, table, metadata, keys, torch.arange(keys), tail, blank)
 
     def causal(self, n: int) -> Runs:
-        """Every row of an n-token prompt, in order (a full prefill; the last few lengths kept)."""
-        if n not in self._causal:
+        """Every row of an n-token prompt, in order (a full prefill; the last few lengths kept).
+        vLLM's work split is for the calling thread's OpenMP threads (its kernel checks it): the
+        step thread's team and a fidelity shadow's one thread each have their own."""
+        key = (n, torch.get_num_threads())
+        if key not in self._causal:
             if len(self._causal) >= 8:
                 self._causal.pop(next(iter(self._causal)))
-            self._causal[n] = self.runs(range(n), n)
-        return self._causal[n]
+            self._causal[key] = self.runs(range(n), n)
+        return self._causal[key]
 
     def _blocks(self, keys: int) -> tuple[Tensor, Tensor]:
         """A block copy with room for `keys`: (key blocks, value blocks) as vLLM's CPU backend

@@ -39,7 +39,7 @@ class ConnectorSettings:
     breaker_failures: int = 3        # consecutive failed lookups that switch lookups off ...
     retry_after_s: float = 5.0       # ... for this long
     load_timeout_s: float = 5.0      # one request's whole load (all layers), in the background
-    load_concurrency: int = 2        # loader threads: prefix loads and blends of this many requests run at once
+    load_concurrency: int = 2        # loader threads: prefix loads (and a GPU's blends) of this many requests at once
     store_timeout_s: float = 10.0    # one block's Store
     save_concurrency: int = 4        # Store RPCs in flight at once
     max_pending_saves: int = 4096    # blocks waiting for Store; more are dropped (a later miss)

@@ -119,9 +119,12 @@ class KVCraftConnector(KVConnectorBase_V1):
 
                 context = ContextBuilder(self.settings, self._client, vllm_config, self.chunk_model_id,
                                          self.block_size, self.metrics)
+            # On a CPU a blend runs on vLLM's step thread, whose OpenMP team has the cores
+            # (engine_adapter.threads); at tensor parallel > 1 every rank's blend in step order
+            on_cpu = str(vllm_config.device_config.device_type) == "cpu"
             self.worker = WorkerSide(self.settings, self.spec, self.model_id, self.block_size, self._client,
-                                     self.metrics, context=context, in_step=self.tensor_parallel > 1)
-            if context is not None:  # blends run on the loader threads: the idle trim releases their heaps
+                                     self.metrics, context=context, in_step=self.tensor_parallel > 1 or on_cpu)
+            if context is not None:  # loads and a GPU's blends run on the loader threads: the trim releases their heaps
                 context.serving.watch(self.worker.loader)
         log.info("kvcraft connector (%s) for %s at %s, model id %s", role.name, self.spec.name,
                  self.settings.address, self.model_id)

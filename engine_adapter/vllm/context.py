@@ -1,7 +1,8 @@
 """Blending inside vLLM, worker side: build a RAG request's context KV and write it into vLLM's cache.
 
 For one `BlendLoad` (the scheduler side claimed the request's chunks, block-aligned,
-and vLLM allocated blocks for them), on a loader thread:
+and vLLM allocated blocks for them), on a loader thread (on a CPU and at tensor parallel > 1
+on vLLM's step thread: `worker`):
 
   1. the layer step over the model's own layers (`vllm.layers.VllmLayers`: vLLM's modules of
      each decoder layer, from the `model.KVCraft...ForCausalLM` handle; no copy) serves the
@@ -61,8 +62,8 @@ class ContextBuilder:
         self.chunk_model_id = chunk_model_id
         self.block_size = block_size
         self._lock = threading.Lock()
-        # One RAGAdapter per loader thread (an adapter holds one request's state while it
-        # serves), all over the one engine: blends of different requests run at once.
+        # One RAGAdapter per thread that blends (an adapter holds one request's state while it
+        # serves), all over the one engine: on loader threads blends of different requests run at once.
         self._thread = threading.local()
         self._adapters: list[Any] = []
         # every adapter's prefills (and vLLM's forward after them): shadows give way; the heap
@@ -76,7 +77,7 @@ class ContextBuilder:
 
     # -- the pieces vLLM gives us lazily --------------------------------------------------
     def _rag_adapter(self) -> Any:
-        """This loader thread's adapter over the model's engine."""
+        """This thread's adapter over the model's engine."""
         adapter = getattr(self._thread, "adapter", None)
         if adapter is None:
             from engine_adapter.policy import Policy

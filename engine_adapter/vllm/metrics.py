@@ -51,7 +51,7 @@ WORKER_COUNTERS = (
     "blend_row_layers",        # rows kvcraft computed for them, summed over layers (question rows included)
     "blend_failed",            # blends reported failed (vLLM recomputed the request)
     "blend_failed_tokens",
-    "blend_s",                 # seconds spent building contexts (loader threads)
+    "blend_s",                 # seconds spent building contexts
     "answered_last_tokens",    # blended requests' last prompt tokens answered by the blend (vLLM ran no layer)
     "last_token_misses",       # of those the scheduler side named, ones vLLM computed after all (logged)
     "heap_trims",              # freed heap handed back to the OS once blends and shadows were idle (kvcraft.heap)

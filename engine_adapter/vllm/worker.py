@@ -1,9 +1,10 @@
 """The connector's worker side: background loads into vLLM's paged KV, batched saves out of it.
 
 Loads: each request's load (blocks vLLM allocated and will not touch until the load is reported finished) runs
-on a loader thread (at tensor parallel > 1 a blend runs in `start_loads` itself, on vLLM's step thread after the
-step's forward pass, and is reported in the same step: vLLM calls every rank there with the same metadata, so
-the ranks' blends call vLLM's collectives in one order): one `engine_adapter.loader.ServiceLayerSource` (the
+on a loader thread (on a CPU and at tensor parallel > 1 blends run in `start_loads` itself, one a step, on vLLM's
+step thread after the step's forward pass, each reported in the step that ran it: on a CPU that thread's OpenMP
+team has the cores, `engine_adapter.threads`; at tensor parallel > 1 vLLM calls every rank there with the same
+metadata, so the ranks' blends call vLLM's collectives in one order): one `engine_adapter.loader.ServiceLayerSource` (the
 service's shared memory when `local` and it runs on this host, else one FetchLayers stream), the blocks checked
 once (shape, dtype), then per layer the request's blocks gathered into one [blocks, heads, block, hd] tensor and
 scattered into vLLM's cache with one `index_copy_` for K and one for V (after one host-to-device copy where the
@@ -32,13 +33,14 @@ import logging
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from engine_adapter.loader import ServiceLayerSource
+from engine_adapter.threads import one_omp_thread
 from engine_adapter.vllm.blocks import (BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta,
                                         block_mismatch, kv_views)
 from engine_adapter.vllm.config import ConnectorSettings
@@ -57,8 +59,9 @@ class WorkerSide:
 
     def __init__(self, settings: ConnectorSettings, spec: ModelSpec, model_id: str, block_size: int, client: Any,
                  metrics: ConnectorMetrics, context: Any = None, in_step: bool = False) -> None:
-        """in_step: blends run in `start_loads` itself, on vLLM's step thread (tensor parallel > 1:
-        every rank's blend calls vLLM's collectives in the same order as the others')."""
+        """in_step: blends run in `start_loads` itself, one a step, on vLLM's step thread (a CPU: its OpenMP team
+        has the cores; tensor parallel > 1: every rank's blend calls vLLM's collectives in the same
+        order as the others')."""
         self.settings = settings
         self.in_step = in_step
         self.context = context  # context.ContextBuilder when blending is on
@@ -71,7 +74,8 @@ class WorkerSide:
         self.metrics = metrics
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._layer_index: dict[str, int] = {}
-        self.loader = ThreadPoolExecutor(max_workers=settings.load_concurrency, thread_name_prefix="kvcraft-load")
+        self.loader = ThreadPoolExecutor(max_workers=settings.load_concurrency, thread_name_prefix="kvcraft-load",
+                                         initializer=one_omp_thread)
         self._lock = threading.Lock()
         self._sources: set[ServiceLayerSource] = set()
         self._local = settings.local  # off for good once the service's memory proves to be on another host
@@ -80,6 +84,7 @@ class WorkerSide:
         self._report_failed: set[int] = set()
         self._closing = False
         self._running = 0  # loads and blends handed to the loader threads and not ended
+        self._step_blends: deque[tuple[BlendLoad, float]] = deque()  # in_step: (blend, queued at), one a step
         # the blended requests the fidelity shadows give way to, until vLLM hands out their first token
         self.holds = BlendHolds(context.serving) if context is not None else None
         self._progress = threading.Condition(self._lock)  # notified when one ends
@@ -89,7 +94,8 @@ class WorkerSide:
         self._step_saves: list[BlockSave] = []
         self._step_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._incomplete_logged = False
-        self._saver = ThreadPoolExecutor(max_workers=settings.save_concurrency, thread_name_prefix="kvcraft-save")
+        self._saver = ThreadPoolExecutor(max_workers=settings.save_concurrency, thread_name_prefix="kvcraft-save",
+                                         initializer=one_omp_thread)
         self._pending = 0
         self._idle = threading.Condition(self._lock)
         self._save_failing = False
@@ -108,6 +114,7 @@ class WorkerSide:
 
     # -- loads -------------------------------------------------------------------------------
     def start_loads(self, meta: KVCraftMetadata) -> None:
+        now = time.perf_counter()  # the step's blends queue from here
         if self.holds is not None:
             self.holds.step_starts()
         for ld in meta.loads:
@@ -115,13 +122,30 @@ class WorkerSide:
                 self._finish(ld, "shutting down")
             else:
                 self._start(self._load, ld)
+        arrived = []
         for bl in meta.blends:
             if self._closing or self.context is None:
                 self._finish_blend(bl, None, "shutting down" if self._closing else "blending is off here")
-            elif self.in_step:  # every rank the same blends in the same order; reported this step
-                self._blend(bl, time.perf_counter())
+            elif self.in_step:
+                arrived.append((bl, now))
             else:
-                self._start(self._blend, bl, time.perf_counter())
+                self._start(self._blend, bl, now)
+        if self.in_step:
+            self._step_blend(arrived)
+
+    def _step_blend(self, arrived: list[tuple[BlendLoad, float]]) -> None:
+        """in_step: one blend a step (every rank the same one, in arrival order), reported in that
+        step: the requests vLLM runs wait for one blend at most, not for all that arrived together."""
+        with self._lock:
+            self._step_blends.extend(arrived)
+            if self._closing:  # after shutdown took the queue
+                turn, dropped, self._step_blends = None, list(self._step_blends), deque()
+            else:
+                turn, dropped = (self._step_blends.popleft() if self._step_blends else None), []
+        for bl, _ in dropped:
+            self._finish_blend(bl, None, "shutting down")
+        if turn is not None:
+            self._blend(*turn)
 
     def _start(self, fn: Any, *args: Any) -> None:
         with self._lock:
@@ -361,6 +385,9 @@ class WorkerSide:
             self._closing = True  # queued saves return at once, counted as dropped
             left = self._pending
             sources = list(self._sources)
+            unstarted, self._step_blends = list(self._step_blends), deque()
+        for bl, _ in unstarted:
+            self._finish_blend(bl, None, "shutting down")
         for s in sources:
             s.cancel()
         close_channel()  # Stores still in flight end now; their errors are expected, not logged

