@@ -77,6 +77,14 @@ class BlendLoad:
     options: tuple[tuple[str, Any], ...] = ()
 
 
+def unblended(policy: str, prompt_tokens: int, num_layers: int, budget: float, why: str) -> dict[str, Any]:
+    """What a RAG request reports when vLLM computes it alone (`why`: what failed, or why it was not blended)."""
+    return {"blended": False, "policy": policy, "prompt_tokens": prompt_tokens, "claimed_tokens": 0,
+            "vllm_computed_tokens": prompt_tokens, "kvcraft_row_layers": 0, "num_layers": num_layers,
+            "computed_share": 1.0, "reused_chunks": 0, "fresh_chunks": 0, "fallback": why, "budget": budget,
+            "sampled": False}
+
+
 @dataclass
 class KVCraftMetadata(KVConnectorMetadata):
     """Scheduler -> worker side, each step. vLLM pickles it to the worker processes (its

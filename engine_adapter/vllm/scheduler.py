@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 
-from engine_adapter.vllm.blocks import BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta, block_chain
+from engine_adapter.vllm.blocks import (BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta,
+                                        block_chain, unblended)
 from engine_adapter.vllm.blend_request import Blend, computed_share, parse_blend
 from engine_adapter.vllm.config import ConnectorSettings
 from engine_adapter.vllm.lookup import Breaker, PrefixLookup
@@ -211,11 +212,7 @@ class SchedulerSide:
             if b.plan_s is not None:
                 b.result.setdefault("timings", {})["plan_s"] = b.plan_s
             return {"kvcraft": b.result}
-        n = len(st.tokens)
-        return {"kvcraft": {"blended": False, "policy": b.policy, "prompt_tokens": n, "claimed_tokens": 0,
-                            "vllm_computed_tokens": n, "kvcraft_row_layers": 0, "num_layers": self.num_layers,
-                            "computed_share": 1.0, "reused_chunks": 0, "fresh_chunks": 0,
-                            "fallback": b.declined or "not blended", "budget": b.budget, "sampled": False}}
+        return {"kvcraft": unblended(b.policy, len(st.tokens), self.num_layers, b.budget, b.declined or "not blended")}
 
     def _take_timings(self) -> bytes:
         out, self._timings = self._timings, b""

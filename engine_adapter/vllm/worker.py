@@ -4,8 +4,8 @@ Loads: each request's load (blocks vLLM allocated and will not touch until the l
 on a loader thread (on a CPU and at tensor parallel > 1 blends run in `start_loads` itself, one a step, on vLLM's
 step thread after the step's forward pass, each reported in the step that ran it: on a CPU that thread's OpenMP
 team has the cores, `engine_adapter.threads`; at tensor parallel > 1 vLLM calls every rank there with the same
-metadata, so the ranks' blends call vLLM's collectives in one order): one `engine_adapter.loader.ServiceLayerSource` (the
-service's shared memory when `local` and it runs on this host, else one FetchLayers stream), the blocks checked
+metadata, so the ranks' blends call vLLM's collectives in one order): one `engine_adapter.loader.ServiceLayerSource`
+(the service's shared memory when `local` and it runs on this host, else one FetchLayers stream), the blocks checked
 once (shape, dtype), then per layer the request's blocks gathered into one [blocks, heads, block, hd] tensor and
 scattered into vLLM's cache with one `index_copy_` for K and one for V (after one host-to-device copy where the
 cache is on a GPU). The forward pass never waits for it. When it ends, `finished_recving` names the request; if
@@ -42,7 +42,7 @@ import torch
 from engine_adapter.loader import ServiceLayerSource
 from engine_adapter.threads import one_omp_thread
 from engine_adapter.vllm.blocks import (BlendLoad, BlockLoad, BlockSave, KVCraftMetadata, KVCraftWorkerMeta,
-                                        block_mismatch, kv_views)
+                                        block_mismatch, kv_views, unblended)
 from engine_adapter.vllm.config import ConnectorSettings
 from engine_adapter.vllm.holds import BlendHolds
 from engine_adapter.vllm.metrics import ConnectorMetrics
@@ -122,26 +122,25 @@ class WorkerSide:
                 self._finish(ld, "shutting down")
             else:
                 self._start(self._load, ld)
-        arrived = []
         for bl in meta.blends:
             if self._closing or self.context is None:
                 self._finish_blend(bl, None, "shutting down" if self._closing else "blending is off here")
             elif self.in_step:
-                arrived.append((bl, now))
+                self._step_blends.append((bl, now))
             else:
                 self._start(self._blend, bl, now)
         if self.in_step:
-            self._step_blend(arrived)
+            self._step_blend()
 
-    def _step_blend(self, arrived: list[tuple[BlendLoad, float]]) -> None:
+    def _step_blend(self) -> None:
         """in_step: one blend a step (every rank the same one, in arrival order), reported in that
-        step: the requests vLLM runs wait for one blend at most, not for all that arrived together."""
+        step: the requests vLLM runs wait for one blend at most, not for all that arrived together.
+        Once shutting down, every blend not started is reported failed instead."""
         with self._lock:
-            self._step_blends.extend(arrived)
-            if self._closing:  # after shutdown took the queue
-                turn, dropped, self._step_blends = None, list(self._step_blends), deque()
-            else:
-                turn, dropped = (self._step_blends.popleft() if self._step_blends else None), []
+            dropped = list(self._step_blends) if self._closing else []
+            if dropped:
+                self._step_blends.clear()
+            turn = self._step_blends.popleft() if self._step_blends else None
         for bl, _ in dropped:
             self._finish_blend(bl, None, "shutting down")
         if turn is not None:
@@ -175,12 +174,8 @@ class WorkerSide:
         self._finish_blend(bl, numbers, why)
 
     def _finish_blend(self, bl: BlendLoad, numbers: dict[str, Any] | None, why: str) -> None:
-        n = len(bl.prompt)
         if numbers is None:
-            numbers = {"blended": False, "policy": bl.policy, "prompt_tokens": n, "claimed_tokens": 0,
-                       "vllm_computed_tokens": n, "kvcraft_row_layers": 0, "num_layers": len(self._layers),
-                       "computed_share": 1.0, "reused_chunks": 0, "fresh_chunks": 0, "fallback": why,
-                       "budget": bl.plan.recompute_budget, "sampled": False, "ranks": 1}
+            numbers = unblended(bl.policy, len(bl.prompt), len(self._layers), bl.plan.recompute_budget, why)
         with self._lock:
             self._finished.add(bl.req_id)
             self._blend_results[bl.req_id] = numbers
@@ -385,9 +380,7 @@ class WorkerSide:
             self._closing = True  # queued saves return at once, counted as dropped
             left = self._pending
             sources = list(self._sources)
-            unstarted, self._step_blends = list(self._step_blends), deque()
-        for bl, _ in unstarted:
-            self._finish_blend(bl, None, "shutting down")
+        self._step_blend()  # the blends not started: reported failed
         for s in sources:
             s.cancel()
         close_channel()  # Stores still in flight end now; their errors are expected, not logged
