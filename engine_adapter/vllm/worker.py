@@ -59,9 +59,8 @@ class WorkerSide:
 
     def __init__(self, settings: ConnectorSettings, spec: ModelSpec, model_id: str, block_size: int, client: Any,
                  metrics: ConnectorMetrics, context: Any = None, in_step: bool = False) -> None:
-        """in_step: blends run in `start_loads` itself, one a step, on vLLM's step thread (a CPU: its OpenMP team
-        has the cores; tensor parallel > 1: every rank's blend calls vLLM's collectives in the same
-        order as the others')."""
+        """in_step: blends run in `start_loads` itself, one a step, on vLLM's step thread (a CPU: its OpenMP
+        team has the cores; tensor parallel > 1: every rank calls vLLM's collectives in one order)."""
         self.settings = settings
         self.in_step = in_step
         self.context = context  # context.ContextBuilder when blending is on
@@ -175,7 +174,8 @@ class WorkerSide:
 
     def _finish_blend(self, bl: BlendLoad, numbers: dict[str, Any] | None, why: str) -> None:
         if numbers is None:
-            numbers = unblended(bl.policy, len(bl.prompt), len(self._layers), bl.plan.recompute_budget, why)
+            numbers = {**unblended(bl.policy, len(bl.prompt), len(self._layers), bl.plan.recompute_budget, why),
+                       "ranks": 1}
         with self._lock:
             self._finished.add(bl.req_id)
             self._blend_results[bl.req_id] = numbers
