@@ -65,7 +65,7 @@ ANSWER_TOKENS = 16  # answer tokens after the first a shadow compares under teac
 # Longest a shadow's model call waits for the engine's served prefills to end: under a steady
 # stream of requests a shadow still finishes, a layer call at a time. On a CPU each call it makes
 # beside a blend slows that blend (one core of the blend's two, docs/vllm.md "One OpenMP team"):
-# at 0.25 s, 32 requests at once through vLLM ran at 2.4-2.6 requests/s, at 1 s 3.1-3.6 (2-core VM).
+# at 0.25 s, 32 requests at once through vLLM ran at 2.4-2.5 requests/s, at 1 s 3.1-3.6 (2-core VM).
 YIELD_S = 1.0
 
 
